@@ -1,0 +1,16 @@
+"""convtune: picks the best convolution algorithm for the hardware at hand, under your constraints."""
+
+from .algorithms import Algorithm, NumericNotes, Support, allocate_workspace, register
+from .algorithms.registry import algorithms, get_algorithm, registered, unsupported_reasons
+from .errors import ConvtuneError, NoAlgorithmError
+from .policy import Policy
+from .problem import ConvProblem, to_layout
+from .results import Choice, PerfResult, Status
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Algorithm", "Choice", "ConvProblem", "ConvtuneError", "NoAlgorithmError", "NumericNotes", "PerfResult",
+    "Policy", "Status", "Support", "algorithms", "allocate_workspace", "get_algorithm", "register",
+    "registered", "to_layout", "unsupported_reasons",
+]

@@ -1,0 +1,210 @@
+"""Algorithm: one way to compute a convolution, and the support it needs (workspace carving, checks).
+
+An algorithm knows whether it supports a problem (and why not), how much workspace it needs,
+whether it is deterministic, its numeric behaviour, and how to run. It never times and never
+chooses: the timer and the tuner do that.
+
+Workspace honesty: every scratch tensor an algorithm uses is carved from the workspace it is
+given, through the same ``buffers`` list that ``workspace_bytes`` sums, so the declaration and
+the use cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+
+import torch
+
+from ..problem import ConvProblem, is_in_layout
+
+OPERAND_NAMES = {"fwd": ("x", "w", "y"), "bwd_data": ("dy", "w", "dx"), "bwd_filter": ("x", "dy", "dw")}
+ALIGN_BYTES = 256
+_NAME = re.compile(r"^[a-z0-9_]+:[A-Za-z0-9_.=\-]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericNotes:
+    """How an algorithm computes, as far as accuracy is concerned."""
+
+    tensor_cores: bool = False
+    tf32: bool = False  # float32 inputs rounded to TF32 inside
+    reduced_precision: bool = False  # partial sums kept in float16/bfloat16
+    float32_inside: bool = False  # float16/bfloat16 inputs computed in float32 inside
+
+    def describe(self) -> str:
+        parts = [name for name, on in (("tensor cores", self.tensor_cores), ("TF32", self.tf32),
+                                       ("reduced-precision accumulation", self.reduced_precision),
+                                       ("computes in float32", self.float32_inside)) if on]
+        return ", ".join(parts) or "exact dtype arithmetic"
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """Whether an algorithm supports a problem; falsy with a reason when it does not."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+SUPPORTED = Support(True)
+
+
+def unsupported(reason: str) -> Support:
+    return Support(False, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One scratch tensor carved from the workspace: a name, a contiguous shape and a dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def buffers_bytes(buffers: Sequence[Buffer]) -> int:
+    return sum(_aligned(b.nbytes) for b in buffers if b.nbytes)
+
+
+def carve(workspace: torch.Tensor, buffers: Sequence[Buffer]) -> dict[str, torch.Tensor]:
+    """Views of ``workspace`` (a 1-D uint8 tensor) for each buffer, in order, aligned."""
+    views: dict[str, torch.Tensor] = {}
+    offset = 0
+    for b in buffers:
+        if not b.nbytes:
+            views[b.name] = torch.empty(b.shape, dtype=b.dtype, device=workspace.device)
+            continue
+        raw = workspace[offset: offset + b.nbytes]
+        views[b.name] = raw.view(b.dtype).view(b.shape)
+        offset += _aligned(b.nbytes)
+    return views
+
+
+def allocate_workspace(nbytes: int, device: str | torch.device) -> torch.Tensor:
+    """The workspace tensor an algorithm expects: 1-D uint8 of ``nbytes`` on ``device``."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class Algorithm(abc.ABC):
+    """Base of every algorithm. Subclasses set the class attributes and implement ``_run``.
+
+    name: stable 'backend:variant'. devices/directions: what it can ever run on.
+    deterministic: bit-identical results from run to run.
+    """
+
+    name: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    directions: tuple[str, ...] = ("fwd", "bwd_data", "bwd_filter")
+    deterministic: bool = True
+
+    def __init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"algorithm name {self.name!r} must look like 'backend:variant' (letters, digits, _)")
+
+    @property
+    def backend(self) -> str:
+        return self.name.split(":", 1)[0]
+
+    def __repr__(self) -> str:
+        return f"<Algorithm {self.name}>"
+
+    # -- what subclasses describe -------------------------------------------------------------
+    def _supports(self, problem: ConvProblem) -> Support:
+        """Problem-specific support beyond device and direction."""
+        return SUPPORTED
+
+    def buffers(self, problem: ConvProblem) -> list[Buffer]:
+        """The scratch tensors ``_run`` carves from the workspace (empty: zero workspace)."""
+        return []
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        return NumericNotes()
+
+    def is_deterministic(self, problem: ConvProblem) -> bool:
+        """Bit-identical results from run to run for ``problem`` (the class default unless overridden)."""
+        return self.deterministic
+
+    @abc.abstractmethod
+    def _run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+             ws: dict[str, torch.Tensor]) -> None:
+        """Write the result into ``out`` (every element), using only the carved buffers ``ws``."""
+
+    # -- the public surface ----------------------------------------------------------------------
+    def supports(self, problem: ConvProblem) -> Support:
+        """Whether this algorithm can compute ``problem``, with the reason when it cannot."""
+        if problem.device not in self.devices:
+            return unsupported(f"runs on {'/'.join(self.devices)}, not {problem.device}")
+        if problem.direction not in self.directions:
+            return unsupported(f"computes {'/'.join(self.directions)}, not {problem.direction}")
+        return self._supports(problem)
+
+    def workspace_bytes(self, problem: ConvProblem) -> int:
+        """Bytes of scratch ``run`` needs for ``problem``; it never uses more."""
+        return buffers_bytes(self.buffers(problem))
+
+    def run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
+            workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute ``problem``: fwd (x, w) -> y; bwd_data (dy, w) -> dx; bwd_filter (x, dy) -> dw.
+
+        ``workspace``: a 1-D uint8 tensor of at least ``workspace_bytes(problem)`` bytes on the
+        problem's device (None: allocated here). ``out``: where to write the result (None: a new
+        tensor in the problem's layout). Bad tensors raise ``ValueError`` naming the operand.
+        """
+        support = self.supports(problem)
+        if not support:
+            raise ValueError(f"{self.name} does not support {problem.key}: {support.reason}")
+        a_name, b_name, out_name = OPERAND_NAMES[problem.direction]
+        a_shape, b_shape, out_shape = problem.operand_shapes
+        check_tensor(problem, a_name, a, a_shape)
+        check_tensor(problem, b_name, b, b_shape)
+        if out is None:
+            out = problem.empty(out_shape)
+        else:
+            check_tensor(problem, out_name, out, out_shape)
+        buffers = self.buffers(problem)
+        need = buffers_bytes(buffers)
+        if workspace is None:
+            workspace = allocate_workspace(need, problem.device)
+        elif not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() != 1:
+            raise ValueError(f"workspace for {self.name} must be a 1-D torch.uint8 tensor (allocate_workspace)")
+        elif workspace.numel() < need:
+            raise ValueError(
+                f"workspace of {workspace.numel()} bytes is smaller than the {need} bytes {self.name} "
+                f"declares for {problem.key}; pass workspace_bytes(problem) bytes or more"
+            )
+        elif workspace.device.type != problem.device:
+            raise ValueError(f"workspace is on {workspace.device} but the problem is on {problem.device}")
+        self._run(problem, a, b, out, carve(workspace, buffers))
+        return out
+
+
+def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, ...]) -> None:
+    """Raise ``ValueError``/``TypeError`` naming ``name`` unless ``t`` fits the problem."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{problem.direction} operand {name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{problem.direction} operand {name} has shape {tuple(t.shape)}, the problem needs {shape}")
+    if t.dtype != problem.torch_dtype:
+        raise ValueError(f"{problem.direction} operand {name} has dtype {t.dtype}, the problem needs {problem.dtype}")
+    if t.device.type != problem.device:
+        raise ValueError(f"{problem.direction} operand {name} is on {t.device}, the problem is on {problem.device}")
+    if not is_in_layout(t, problem.layout):
+        raise ValueError(
+            f"{problem.direction} operand {name} is not dense in the {problem.layout} layout the problem "
+            f"declares; convert it with convtune.to_layout(t, {problem.layout!r})"
+        )

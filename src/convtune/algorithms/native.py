@@ -1,0 +1,57 @@
+"""torch:native: PyTorch's own convolution and ``aten.convolution_backward``, the reference path.
+
+PyTorch manages this path's scratch memory itself (oneDNN on the CPU, cuDNN on CUDA), so its
+declared workspace is zero and its numeric notes say that the scratch is not convtune's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..problem import ConvProblem, empty_in_layout
+from .base import Algorithm, NumericNotes
+from .registry import register
+
+
+def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The result of ``problem`` on operands (a, b) through PyTorch's own kernels, freshly allocated.
+
+    The operands' dtype rules, not the problem's: the float64 reference runs through here too.
+    """
+    nd = problem.ndim
+    args = dict(stride=list(problem.stride), padding=list(problem.padding), dilation=list(problem.dilation),
+                transposed=False, output_padding=[0] * nd, groups=problem.groups)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=problem.allow_tf32,
+                                    benchmark=torch.backends.cudnn.benchmark,
+                                    deterministic=torch.backends.cudnn.deterministic):
+        if problem.direction == "fwd":
+            return torch.ops.aten.convolution(a, b, None, **args)
+        if problem.direction == "bwd_data":
+            x = empty_in_layout(problem.x_shape, problem.layout, a.dtype, a.device)
+            dx, _, _ = torch.ops.aten.convolution_backward(a, x, b, None, **args, output_mask=[True, False, False])
+            return dx
+        w = empty_in_layout(problem.w_shape, problem.layout, a.dtype, a.device)
+        _, dw, _ = torch.ops.aten.convolution_backward(b, a, w, None, **args, output_mask=[False, True, False])
+        return dw
+
+
+class Native(Algorithm):
+    """PyTorch's convolution: oneDNN or its own kernels on the CPU, cuDNN's heuristics on CUDA."""
+
+    name = "torch:native"
+
+    def is_deterministic(self, problem: ConvProblem) -> bool:
+        # cuDNN's heuristics may pick atomics-based backward kernels unless PyTorch is told not to.
+        return problem.device == "cpu" or problem.direction == "fwd" or torch.backends.cudnn.deterministic
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        half = problem.dtype != "float32"
+        if problem.device == "cuda":
+            return NumericNotes(tensor_cores=half or problem.allow_tf32, tf32=not half and problem.allow_tf32)
+        return NumericNotes(float32_inside=half)
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        out.copy_(native_conv(problem, a, b))
+
+
+register(Native())

@@ -1,0 +1,71 @@
+"""Policy: the user's constraints and preference for one choice.
+
+    >>> Policy(workspace_limit="64MiB").workspace_limit
+    67108864
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .units import parse_bytes
+
+PREFERENCES = ("fastest", "least_memory")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """What a selection must respect and what it prefers.
+
+    workspace_limit: bytes (or a size like '64MiB') an algorithm may use as scratch; None for no limit.
+    deterministic: only algorithms that give bit-identical results run to run.
+    allow_tf32: TF32 tensor-core math allowed for float32 problems.
+    allow_reduced_precision: float16/bfloat16 accumulation (not float32) allowed.
+    max_rel_error: relative L2 error a result may have; None takes the per-dtype default of verify.
+    prefer: 'fastest', or 'least_memory' (smallest workspace among those within tolerance of the fastest).
+    tolerance: times within this fraction of each other tie; ties go to the smaller workspace.
+    max_candidates, budget_s: the tuning budget of one find (None: the settings' defaults).
+    """
+
+    workspace_limit: int | str | None = None
+    deterministic: bool = False
+    allow_tf32: bool = True
+    allow_reduced_precision: bool = True
+    max_rel_error: float | None = None
+    prefer: str = "fastest"
+    tolerance: float = 0.02
+    max_candidates: int | None = None
+    budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.workspace_limit is not None:
+            object.__setattr__(self, "workspace_limit", parse_bytes(self.workspace_limit, "Policy.workspace_limit"))
+        for name in ("deterministic", "allow_tf32", "allow_reduced_precision"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.prefer not in PREFERENCES:
+            raise ValueError(f"Policy.prefer={self.prefer!r} is not supported; use one of {list(PREFERENCES)}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"Policy.tolerance={self.tolerance} must be a fraction in [0, 1), e.g. 0.02 for 2%")
+        if self.max_rel_error is not None and not self.max_rel_error > 0:
+            raise ValueError(f"Policy.max_rel_error={self.max_rel_error} must be > 0, or None for the default")
+        if self.max_candidates is not None and self.max_candidates < 1:
+            raise ValueError(f"Policy.max_candidates={self.max_candidates} must be >= 1, or None for no limit")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise ValueError(f"Policy.budget_s={self.budget_s} must be > 0 seconds, or None for no limit")
+
+    def violation(self, *, workspace_bytes: int, deterministic: bool, uses_tf32: bool,
+                  reduced_precision: bool) -> tuple[str, str] | None:
+        """(status, reason) if an algorithm with these properties breaks the policy, else None."""
+        if self.workspace_limit is not None and workspace_bytes > self.workspace_limit:
+            return "over_workspace_limit", f"needs {workspace_bytes} bytes of workspace, limit {self.workspace_limit}"
+        if self.deterministic and not deterministic:
+            return "skipped", "not deterministic, and the policy asks for determinism"
+        if not self.allow_tf32 and uses_tf32:
+            return "skipped", "uses TF32, and the policy forbids it"
+        if not self.allow_reduced_precision and reduced_precision:
+            return "skipped", "accumulates in reduced precision, and the policy forbids it"
+        return None
+
+
+DEFAULT_POLICY = Policy()

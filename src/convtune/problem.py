@@ -1,0 +1,366 @@
+"""ConvProblem: one convolution, fully described, validated once and hashable.
+
+A problem is its own cache key: ``ConvProblem.from_key(p.key) == p``.
+
+    >>> p = ConvProblem(direction="fwd", n=2, c=8, k=16, input_size=(10, 10), kernel_size=3, padding=1)
+    >>> p.output_size, p.flops
+    ((10, 10), 460800)
+    >>> ConvProblem.from_key(p.key) == p
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import torch
+
+DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICES = ("cpu", "cuda")
+LAYOUTS = ("channels_first", "channels_last")
+_LAYOUT_ALIASES = {
+    "channels_first": "channels_first", "nchw": "channels_first", "ncl": "channels_first",
+    "ncdhw": "channels_first", "ncw": "channels_first",
+    "channels_last": "channels_last", "nhwc": "channels_last", "nlc": "channels_last",
+    "ndhwc": "channels_last", "nwc": "channels_last",
+}
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
+
+
+def _tuple(field: str, value: Any, ndim: int, minimum: int) -> tuple[int, ...]:
+    """Turn an int or a sequence into a tuple of ``ndim`` ints >= ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"ConvProblem.{field} must be an int or a tuple of ints, got {value!r}")
+    if isinstance(value, int):
+        values = (value,) * ndim
+    else:
+        try:
+            values = tuple(value)
+        except TypeError:
+            raise TypeError(f"ConvProblem.{field} must be an int or a tuple of ints, got {value!r}") from None
+        if len(values) != ndim:
+            raise ValueError(
+                f"ConvProblem.{field}={value!r} has {len(values)} dimension(s) but input_size has {ndim}; "
+                f"give {ndim} value(s) (1, 2 and 3 spatial dimensions are supported, all fields alike)"
+            )
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"ConvProblem.{field} must hold ints, got {value!r}")
+        if v < minimum:
+            raise ValueError(f"ConvProblem.{field}={value!r} is invalid: every value must be >= {minimum}")
+    return values
+
+
+def _positive_int(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ConvProblem.{field} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"ConvProblem.{field}={value} is invalid: it must be >= 1")
+    return value
+
+
+def normalize_dtype(value: Any) -> str:
+    """'float16', torch.float16, 'fp16' and 'half' all give 'float16'."""
+    if isinstance(value, torch.dtype):
+        for name, dtype in DTYPES.items():
+            if dtype == value:
+                return name
+        raise ValueError(f"dtype={value} is not supported; use one of {list(DTYPES)}")
+    if isinstance(value, str):
+        name = _DTYPE_ALIASES.get(value.lower(), value.lower())
+        if name in DTYPES:
+            return name
+    raise ValueError(f"dtype={value!r} is not supported; use one of {list(DTYPES)}")
+
+
+def normalize_layout(value: Any) -> str:
+    if isinstance(value, str) and value.lower() in _LAYOUT_ALIASES:
+        return _LAYOUT_ALIASES[value.lower()]
+    raise ValueError(
+        f"layout={value!r} is not supported; use 'channels_first' (NCHW, NCL, NCDHW) "
+        f"or 'channels_last' (NHWC, NLC, NDHWC)"
+    )
+
+
+def normalize_device(value: Any) -> str:
+    if isinstance(value, torch.device):
+        value = value.type
+    if isinstance(value, str):
+        kind = value.split(":")[0].lower()
+        if kind in DEVICES:
+            return kind
+    raise ValueError(f"device={value!r} is not supported; use 'cpu' or 'cuda'")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvProblem:
+    """One convolution: direction, shapes, dtype, layout and device.
+
+    Raises ``ValueError``/``TypeError`` naming the field, the value and what is allowed.
+    """
+
+    direction: str
+    n: int
+    c: int
+    k: int
+    input_size: tuple[int, ...]
+    kernel_size: tuple[int, ...] | int
+    stride: tuple[int, ...] | int = 1
+    padding: tuple[int, ...] | int = 0
+    dilation: tuple[int, ...] | int = 1
+    groups: int = 1
+    dtype: str = "float32"
+    layout: str = "channels_first"
+    device: str = "cpu"
+    allow_tf32: bool = True
+
+    def __post_init__(self) -> None:
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction={self.direction!r} is not supported; use one of {list(DIRECTIONS)}")
+        for name in ("n", "c", "k", "groups"):
+            _positive_int(name, getattr(self, name))
+        size = self.input_size
+        if isinstance(size, int) and not isinstance(size, bool):
+            size = (size,)
+        if isinstance(size, (str, bytes)) or not hasattr(size, "__len__"):
+            raise TypeError(f"ConvProblem.input_size must be a tuple of 1 to 3 ints, got {self.input_size!r}")
+        ndim = len(size)
+        if ndim not in (1, 2, 3):
+            raise ValueError(f"ConvProblem.input_size={self.input_size!r} has {ndim} dimensions; use 1, 2 or 3")
+        set_ = object.__setattr__
+        set_(self, "input_size", _tuple("input_size", size, ndim, 1))
+        set_(self, "kernel_size", _tuple("kernel_size", self.kernel_size, ndim, 1))
+        set_(self, "stride", _tuple("stride", self.stride, ndim, 1))
+        set_(self, "padding", _tuple("padding", self.padding, ndim, 0))
+        set_(self, "dilation", _tuple("dilation", self.dilation, ndim, 1))
+        set_(self, "dtype", normalize_dtype(self.dtype))
+        set_(self, "layout", normalize_layout(self.layout))
+        set_(self, "device", normalize_device(self.device))
+        if not isinstance(self.allow_tf32, bool):
+            raise TypeError(f"ConvProblem.allow_tf32 must be a bool, got {self.allow_tf32!r}")
+        for name, channels in (("c", self.c), ("k", self.k)):
+            if channels % self.groups:
+                raise ValueError(
+                    f"ConvProblem.{name}={channels} is not divisible by groups={self.groups}; "
+                    f"channels must be a multiple of groups"
+                )
+        for i, (h, r, p, d) in enumerate(zip(self.input_size, self.kernel_size, self.padding, self.dilation)):
+            if d * (r - 1) + 1 > h + 2 * p:
+                raise ValueError(
+                    f"ConvProblem.kernel_size={self.kernel_size} with dilation={self.dilation} spans "
+                    f"{d * (r - 1) + 1} in dimension {i}, more than the padded input_size "
+                    f"{h} + 2*{p} = {h + 2 * p}; use a smaller kernel or dilation, or more padding"
+                )
+
+    # -- shapes -------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        """Number of spatial dimensions (1, 2 or 3)."""
+        return len(self.input_size)
+
+    @property
+    def output_size(self) -> tuple[int, ...]:
+        return tuple(
+            (h + 2 * p - d * (r - 1) - 1) // s + 1
+            for h, r, s, p, d in zip(self.input_size, self.kernel_size, self.stride, self.padding, self.dilation)
+        )
+
+    @property
+    def x_shape(self) -> tuple[int, ...]:
+        return (self.n, self.c, *self.input_size)
+
+    @property
+    def w_shape(self) -> tuple[int, ...]:
+        return (self.k, self.c // self.groups, *self.kernel_size)
+
+    @property
+    def y_shape(self) -> tuple[int, ...]:
+        return (self.n, self.k, *self.output_size)
+
+    @property
+    def operand_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(a, b, result) shapes: fwd (x, w) -> y; bwd_data (dy, w) -> dx; bwd_filter (x, dy) -> dw."""
+        x, w, y = self.x_shape, self.w_shape, self.y_shape
+        return {"fwd": (x, w, y), "bwd_data": (y, w, x), "bwd_filter": (x, y, w)}[self.direction]
+
+    # -- costs ---------------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def element_bytes(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def flops(self) -> int:
+        """2·N·K·(output positions)·(C/groups)·(kernel taps); the same for every direction."""
+        return 2 * self.n * self.k * math.prod(self.output_size) * (self.c // self.groups) * math.prod(self.kernel_size)
+
+    @property
+    def min_bytes(self) -> int:
+        """Compulsory traffic: every element of input, filter and output moved once."""
+        return self.element_bytes * sum(math.prod(s) for s in (self.x_shape, self.w_shape, self.y_shape))
+
+    @property
+    def is_1x1(self) -> bool:
+        return all(r == 1 for r in self.kernel_size)
+
+    # -- identity ------------------------------------------------------------------------
+    @property
+    def key(self) -> str:
+        """A stable string that identifies the problem; ``from_key`` inverts it."""
+        def dims(t: tuple[int, ...]) -> str:
+            return "x".join(map(str, t))
+
+        return (
+            f"{self.direction}|n{self.n}|c{self.c}|k{self.k}|in{dims(self.input_size)}|r{dims(self.kernel_size)}"
+            f"|s{dims(self.stride)}|p{dims(self.padding)}|d{dims(self.dilation)}|g{self.groups}"
+            f"|{self.dtype}|{self.layout}|{self.device}|tf32={int(self.allow_tf32)}"
+        )
+
+    _KEY = re.compile(
+        r"^(?P<direction>\w+)\|n(?P<n>\d+)\|c(?P<c>\d+)\|k(?P<k>\d+)\|in(?P<input_size>[\dx]+)"
+        r"\|r(?P<kernel_size>[\dx]+)\|s(?P<stride>[\dx]+)\|p(?P<padding>[\dx]+)\|d(?P<dilation>[\dx]+)"
+        r"\|g(?P<groups>\d+)\|(?P<dtype>\w+)\|(?P<layout>\w+)\|(?P<device>\w+)\|tf32=(?P<allow_tf32>[01])$"
+    )
+
+    @classmethod
+    def from_key(cls, key: str) -> ConvProblem:
+        """Rebuild a problem from its ``key``; a malformed key raises ``ValueError``."""
+        match = cls._KEY.match(key) if isinstance(key, str) else None
+        if match is None:
+            raise ValueError(f"{key!r} is not a ConvProblem key (expected the form of ConvProblem.key)")
+        f = match.groupdict()
+        try:
+            spatial = {name: tuple(int(v) for v in f[name].split("x"))
+                       for name in ("input_size", "kernel_size", "stride", "padding", "dilation")}
+        except ValueError:
+            raise ValueError(f"{key!r} is not a ConvProblem key: malformed sizes") from None
+        return cls(
+            direction=f["direction"], n=int(f["n"]), c=int(f["c"]), k=int(f["k"]), groups=int(f["groups"]),
+            dtype=f["dtype"], layout=f["layout"], device=f["device"], allow_tf32=f["allow_tf32"] == "1",
+            **spatial,
+        )
+
+    def replace(self, **changes: Any) -> ConvProblem:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_direction(self, direction: str) -> ConvProblem:
+        return self.replace(direction=direction)
+
+    def __str__(self) -> str:
+        return self.key
+
+    # -- construction from PyTorch --------------------------------------------------------
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, input_shape: tuple[int, ...], direction: str = "fwd",
+                    *, dtype: Any = None, layout: str = "channels_first", device: Any = None,
+                    allow_tf32: bool | None = None) -> ConvProblem:
+        """The problem that ``module`` (an ``nn.Conv1d/2d/3d``) solves on an input of ``input_shape``.
+
+        ``input_shape`` includes the batch: (N, C, *spatial). dtype and device default to the
+        module's weight. A ``padding_mode`` other than zeros, and ``padding='same'`` with an odd
+        total, pad the input explicitly first (as PyTorch does), so the problem sees the padded size.
+
+            >>> conv = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+            >>> ConvProblem.from_module(conv, (4, 3, 32, 32)).output_size
+            (16, 16)
+        """
+        conv_types = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+        if not isinstance(module, conv_types) or isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+            raise TypeError(
+                f"from_module needs an nn.Conv1d, nn.Conv2d or nn.Conv3d, got {type(module).__name__}"
+            )
+        ndim = len(module.kernel_size)
+        input_shape = tuple(input_shape)
+        if len(input_shape) != ndim + 2:
+            raise ValueError(
+                f"input_shape={input_shape} does not fit {type(module).__name__}: give (N, C, {ndim} spatial size(s))"
+            )
+        if input_shape[1] != module.in_channels:
+            raise ValueError(
+                f"input_shape={input_shape} has {input_shape[1]} channels but the module expects {module.in_channels}"
+            )
+        spatial = list(input_shape[2:])
+        padding = explicit_padding(module)
+        if module.padding_mode != "zeros" or any(lo != hi for lo, hi in padding):
+            # PyTorch pads explicitly here; the convolution itself then pads symmetrically.
+            sym = [lo if module.padding_mode == "zeros" else 0 for lo, hi in padding]
+            spatial = [h + lo + hi - 2 * s for h, (lo, hi), s in zip(spatial, padding, sym)]
+            pad = tuple(sym)
+        else:
+            pad = tuple(lo for lo, _ in padding)
+        weight = module.weight
+        return cls(
+            direction=direction, n=input_shape[0], c=module.in_channels, k=module.out_channels,
+            input_size=tuple(spatial), kernel_size=tuple(module.kernel_size), stride=tuple(module.stride),
+            padding=pad, dilation=tuple(module.dilation), groups=module.groups,
+            dtype=dtype if dtype is not None else weight.dtype,
+            layout=layout, device=device if device is not None else weight.device,
+            allow_tf32=torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32,
+        )
+
+    # -- tensors ---------------------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An uninitialised tensor of logical ``shape`` in this problem's layout, dtype and device."""
+        return empty_in_layout(shape, self.layout, dtype or self.torch_dtype, self.device)
+
+    def random_inputs(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two operands of this direction, random normal (never zeros), in the problem's layout."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        a_shape, b_shape, _ = self.operand_shapes
+        out = []
+        for shape in (a_shape, b_shape):
+            values = torch.randn(shape, generator=gen, dtype=torch.float32)
+            t = self.empty(shape)
+            t.copy_(values)
+            out.append(t)
+        return out[0], out[1]
+
+
+def explicit_padding(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """(before, after) padding per spatial dimension of a conv module, string paddings resolved."""
+    ndim = len(module.kernel_size)
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            return [(0, 0)] * ndim
+        pads = []
+        for d, r in zip(module.dilation, module.kernel_size):
+            total = d * (r - 1)
+            pads.append((total // 2, total - total // 2))
+        return pads
+    return [(p, p) for p in module.padding]
+
+
+def layout_order(ndim_total: int, layout: str) -> tuple[int, ...]:
+    """Dimension order of memory, outermost first: (0, 1, 2, ...) or (0, 2, ..., 1)."""
+    if layout == "channels_last":
+        return (0, *range(2, ndim_total), 1)
+    return tuple(range(ndim_total))
+
+
+def empty_in_layout(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    order = layout_order(len(shape), layout)
+    stored = torch.empty([shape[i] for i in order], dtype=dtype, device=device)
+    inverse = sorted(range(len(order)), key=lambda i: order[i])
+    return stored.permute(inverse)
+
+
+def is_in_layout(tensor: torch.Tensor, layout: str) -> bool:
+    """Whether ``tensor`` is dense in ``layout``'s memory order (size-1 strides do not matter)."""
+    return tensor.permute(layout_order(tensor.dim(), layout)).is_contiguous()
+
+
+def to_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """A copy of ``tensor`` (N, C, *spatial) dense in ``layout`` (or ``tensor`` if it already is)."""
+    layout = normalize_layout(layout)
+    if is_in_layout(tensor, layout):
+        return tensor
+    out = empty_in_layout(tuple(tensor.shape), layout, tensor.dtype, tensor.device)
+    return out.copy_(tensor)

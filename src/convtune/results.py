@@ -1,0 +1,92 @@
+"""What tuning produces: PerfResult (one measured candidate) and Choice (one ranked guess)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    OK = "ok"
+    UNSUPPORTED = "unsupported"
+    OVER_WORKSPACE_LIMIT = "over_workspace_limit"
+    OUT_OF_MEMORY = "out_of_memory"
+    FAILED = "failed"
+    WRONG_RESULT = "wrong_result"
+    TIMEOUT = "timeout"
+    SKIPPED = "skipped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class PerfResult:
+    """One candidate of one problem: how it fared, how fast, how much scratch, how exact.
+
+    time_ms is the median (None when it was not timed); spread_ms the interquartile range;
+    rel_error the relative L2 error against the float64 reference (None when not checked).
+    """
+
+    algorithm: str
+    status: Status
+    time_ms: float | None = None
+    spread_ms: float | None = None
+    workspace_bytes: int = 0
+    deterministic: bool = True
+    uses_tf32: bool = False
+    reduced_precision: bool = False
+    rel_error: float | None = None
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", Status(self.status))
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PerfResult:
+        """Validate and rebuild from ``to_dict`` output; anything malformed raises ``ValueError``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a PerfResult must be a JSON object, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown PerfResult field(s) {sorted(unknown)}")
+        if not isinstance(data.get("algorithm"), str) or not data["algorithm"]:
+            raise ValueError("a PerfResult needs a non-empty string 'algorithm'")
+        try:
+            status = Status(data.get("status"))
+        except ValueError:
+            raise ValueError(f"PerfResult status {data.get('status')!r} is not one of {[s.value for s in Status]}") from None
+        for name in ("time_ms", "spread_ms", "rel_error"):
+            v = data.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0):
+                raise ValueError(f"PerfResult {name}={v!r} must be a number >= 0 or null")
+        ws = data.get("workspace_bytes", 0)
+        if isinstance(ws, bool) or not isinstance(ws, int) or ws < 0:
+            raise ValueError(f"PerfResult workspace_bytes={ws!r} must be an int >= 0")
+        for name in ("deterministic", "uses_tf32", "reduced_precision"):
+            if name in data and not isinstance(data[name], bool):
+                raise ValueError(f"PerfResult {name}={data[name]!r} must be true or false")
+        if not isinstance(data.get("message", ""), str):
+            raise ValueError("PerfResult message must be a string")
+        return cls(**{**data, "status": status})
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One algorithm ranked by ``get``: predicted time, no measurement."""
+
+    name: str
+    predicted_ms: float
+    workspace_bytes: int

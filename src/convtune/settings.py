@@ -1,0 +1,117 @@
+"""Every setting of convtune in one typed place.
+
+Each setting has a default, a ``CONVTUNE_*`` environment variable and a one-line comment.
+Read them through ``settings.<name>``; tests change them for a scope with ``settings.override``::
+
+    >>> from convtune.settings import settings
+    >>> with settings.override(verify_seed=7):
+    ...     settings.verify_seed
+    7
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _cache_dir_default() -> str:
+    import platformdirs
+
+    return platformdirs.user_cache_dir("convtune")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any  # a value, or a zero-argument callable computing it
+    doc: str
+
+    @property
+    def env(self) -> str:
+        return "CONVTUNE_" + self.name.upper()
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+_SETTINGS = (
+    # where the tuning database lives unless a path is given
+    _Setting("cache_dir", str, _cache_dir_default, "folder of tuning.sqlite"),
+    # seed of the random inputs that verification uses
+    _Setting("verify_seed", int, 0, "seed of verification inputs"),
+    # wall-clock budget of one find() in seconds (0: no limit)
+    _Setting("find_budget_s", float, 0.0, "seconds one find may spend"),
+    # most candidates one find() times (0: no limit)
+    _Setting("find_max_candidates", int, 0, "candidates one find may time"),
+    # a candidate whose time exceeds the best so far by this factor stops being timed
+    _Setting("early_stop_factor", float, 1.5, "slowdown that ends a candidate's timing"),
+    # target seconds of timing per candidate
+    _Setting("timing_budget_s", float, 0.25, "seconds the timer spends per candidate"),
+    # repeats the timer takes at least
+    _Setting("timing_min_repeats", int, 3, "fewest timed repeats"),
+    # repeats the timer takes at most
+    _Setting("timing_max_repeats", int, 50, "most timed repeats"),
+    # stop repeating once (p75 - p25) / median is below this
+    _Setting("timing_rel_spread", float, 0.05, "spread that ends repeats"),
+    # show a progress bar in the command line
+    _Setting("progress", _bool, True, "progress bars in the CLI"),
+)
+
+
+class Settings:
+    """Typed access to the settings; environment variables are read on every access."""
+
+    def __init__(self) -> None:
+        self._overrides: dict[str, Any] = {}
+        self._by_name = {s.name: s for s in _SETTINGS}
+
+    def __getattr__(self, name: str) -> Any:
+        by_name = self.__dict__.get("_by_name", {})
+        if name not in by_name:
+            raise AttributeError(f"convtune has no setting {name!r}; known: {sorted(by_name)}")
+        if name in self._overrides:
+            return self._overrides[name]
+        setting = by_name[name]
+        raw = os.environ.get(setting.env)
+        if raw is not None:
+            try:
+                return setting.parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"environment variable {setting.env}={raw!r} is invalid: {exc}") from None
+        return setting.default() if callable(setting.default) else setting.default
+
+    @contextlib.contextmanager
+    def override(self, **values: Any) -> Iterator[None]:
+        """Set settings for the duration of a ``with`` block (tests use this)."""
+        unknown = set(values) - set(self._by_name)
+        if unknown:
+            raise AttributeError(f"convtune has no setting(s) {sorted(unknown)}")
+        saved = dict(self._overrides)
+        self._overrides.update(values)
+        try:
+            yield
+        finally:
+            self._overrides = saved
+
+    def describe(self) -> list[tuple[str, str, Any, str]]:
+        """(name, environment variable, current value, meaning) for every setting."""
+        return [(s.name, s.env, getattr(self, s.name), s.doc) for s in _SETTINGS]
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.cache_dir) / "tuning.sqlite"
+
+
+settings = Settings()

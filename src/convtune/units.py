@@ -1,0 +1,47 @@
+"""Human byte sizes: '64MiB' <-> 67108864."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int, what: str = "size") -> int:
+    """'64MiB' -> 67108864; '1.5GB' -> 1500000000; an int passes through.
+
+    >>> parse_bytes("64MiB")
+    67108864
+    """
+    if isinstance(text, bool):
+        raise TypeError(f"{what} must be a number of bytes or a size like '64MiB', got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"{what}={text} is negative; give 0 or more bytes")
+        return text
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{what}={text!r} is not a size; write bytes or a size like 512KiB, 64MiB, 1GiB, 2GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int | None) -> str:
+    """67108864 -> '64.0 MiB'.
+
+    >>> format_bytes(1536)
+    '1.5 KiB'
+    """
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
