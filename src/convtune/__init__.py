@@ -2,6 +2,7 @@
 
 from .algorithms import Algorithm, NumericNotes, Support, allocate_workspace, register
 from .algorithms.registry import algorithms, get_algorithm, registered, unsupported_reasons
+from .db import TuningDB
 from .errors import ConvtuneError, NoAlgorithmError
 from .policy import Policy
 from .problem import ConvProblem, to_layout
@@ -11,6 +12,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Algorithm", "Choice", "ConvProblem", "ConvtuneError", "NoAlgorithmError", "NumericNotes", "PerfResult",
-    "Policy", "Status", "Support", "algorithms", "allocate_workspace", "get_algorithm", "register",
+    "Policy", "Status", "Support", "TuningDB", "algorithms", "allocate_workspace", "get_algorithm", "register",
     "registered", "to_layout", "unsupported_reasons",
 ]

@@ -37,6 +37,8 @@ def _tuple(field: str, value: Any, ndim: int, minimum: int) -> tuple[int, ...]:
         raise TypeError(f"ConvProblem.{field} must be an int or a tuple of ints, got {value!r}")
     if isinstance(value, int):
         values = (value,) * ndim
+    elif isinstance(value, (str, bytes)):
+        raise TypeError(f"ConvProblem.{field} must be an int or a tuple of ints, got {value!r}")
     else:
         try:
             values = tuple(value)

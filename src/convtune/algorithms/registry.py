@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 # Modules whose import registers the built-in algorithms, in ranking-neutral order.
 BUILTIN_MODULES = (
     "convtune.algorithms.native",
+    "convtune.algorithms.gemm",
+    "convtune.algorithms.direct",
+    "convtune.algorithms.fft",
+    "convtune.algorithms.winograd",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged.
 OPTIONAL_MODULES: tuple[str, ...] = ()

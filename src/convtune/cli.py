@@ -1,0 +1,332 @@
+"""The ``convtune`` command: get, find, algorithms, tune, cache, settings.
+
+Bad arguments give one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import zoo
+from .errors import ConvtuneError, NoAlgorithmError
+from .policy import Policy
+from .problem import DIRECTIONS, ConvProblem
+from .report import LayerRow, choices_table, perf_table, tune_table
+from .settings import settings
+from .units import format_bytes, parse_bytes
+
+MODES = ("hybrid", "find", "get", "db_then_get")
+
+
+class UsageError(Exception):
+    """A bad command-line argument: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage dump
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _dims(text: str, what: str) -> tuple[int, ...]:
+    """'56x56' -> (56, 56); '3' -> (3,)."""
+    try:
+        values = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--{what} {text!r} is not a size; write it like 56x56, 3x3 or 2") from None
+    return values
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _add_problem_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the convolution")
+    g.add_argument("--direction", default="fwd", choices=DIRECTIONS)
+    g.add_argument("--n", "--batch", dest="n", type=int, default=32, help="batch size (default 32)")
+    g.add_argument("--c", type=int, required=True, help="input channels")
+    g.add_argument("--k", type=int, required=True, help="output channels (filters)")
+    g.add_argument("--size", required=True, help="input spatial size, e.g. 56x56 (1, 2 or 3 dimensions)")
+    g.add_argument("--kernel", default="3", help="kernel size, e.g. 3x3 or 3 (default 3)")
+    g.add_argument("--stride", default="1")
+    g.add_argument("--pad", default="0", help="padding per side (default 0)")
+    g.add_argument("--dilation", default="1")
+    g.add_argument("--groups", type=int, default=1)
+    _add_type_args(g)
+
+
+def _add_type_args(g) -> None:
+    g.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default float32)")
+    g.add_argument("--layout", default="channels_first", help="NCHW/channels_first or NHWC/channels_last")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+
+
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the policy")
+    g.add_argument("--workspace-limit", default=None, help="most scratch memory per algorithm, e.g. 64MiB")
+    g.add_argument("--deterministic", action="store_true", help="only run-to-run deterministic algorithms")
+    g.add_argument("--no-tf32", action="store_true", help="forbid TF32 math for float32")
+    g.add_argument("--no-reduced-precision", action="store_true", help="forbid half-precision accumulation")
+    g.add_argument("--prefer", default="fastest", choices=("fastest", "least_memory"))
+    g.add_argument("--tolerance", type=float, default=0.02, help="times within this fraction tie (default 0.02)")
+    g.add_argument("--max-candidates", type=int, default=None, help="time at most this many candidates")
+    g.add_argument("--budget-s", type=float, default=None, help="seconds one search may spend")
+
+
+def _add_db_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=None, help="tuning database file (default: $CONVTUNE_CACHE_DIR/tuning.sqlite)")
+
+
+def _policy(args) -> Policy:
+    return Policy(
+        workspace_limit=None if args.workspace_limit is None else parse_bytes(args.workspace_limit, "--workspace-limit"),
+        deterministic=args.deterministic, allow_tf32=not args.no_tf32,
+        allow_reduced_precision=not args.no_reduced_precision, prefer=args.prefer, tolerance=args.tolerance,
+        max_candidates=args.max_candidates, budget_s=args.budget_s,
+    )
+
+
+def _problem(args) -> ConvProblem:
+    size = _dims(args.size, "size")
+    nd = len(size)
+
+    def per_dim(text: str, what: str) -> tuple[int, ...]:
+        values = _dims(text, what)
+        return values * nd if len(values) == 1 else values
+
+    return ConvProblem(
+        direction=args.direction, n=args.n, c=args.c, k=args.k, input_size=size,
+        kernel_size=per_dim(args.kernel, "kernel"), stride=per_dim(args.stride, "stride"),
+        padding=per_dim(args.pad, "pad"), dilation=per_dim(args.dilation, "dilation"), groups=args.groups,
+        dtype=args.dtype, layout=args.layout, device=args.device or default_device(),
+        allow_tf32=not getattr(args, "no_tf32", False),
+    )
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for, but PyTorch sees no CUDA device here; use --device cpu")
+
+
+def _db(args):
+    from .db import TuningDB
+
+    return TuningDB(args.db)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="convtune", description="Pick, measure and remember the best convolution algorithm.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log tuning (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("get", help="rank algorithms from the cost model, running nothing")
+    _add_problem_args(p)
+    _add_policy_args(p)
+    _add_db_args(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("find", help="run, check and time every candidate")
+    _add_problem_args(p)
+    _add_policy_args(p)
+    _add_db_args(p)
+    p.add_argument("--no-store", action="store_true", help="do not store the results in the database")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("algorithms", help="which algorithms support a problem, and why the others do not")
+    _add_problem_args(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("tune", help="tune every layer of a built-in network or a layer file")
+    p.add_argument("network", help=f"one of {', '.join(zoo.NETWORKS)}, or a .json/.csv layer file")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 32; DeepBench keeps its own)")
+    p.add_argument("--direction", default="fwd", choices=(*DIRECTIONS, "all"))
+    _add_type_args(p)
+    p.add_argument("--mode", default="hybrid", choices=MODES, help="how each layer is chosen (default hybrid)")
+    p.add_argument("--layers", type=int, default=None, help="tune only the first N layers")
+    _add_policy_args(p)
+    _add_db_args(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("cache", help="the tuning database: ls, export, import, clear")
+    p.add_argument("action", choices=("ls", "export", "import", "clear"))
+    p.add_argument("path", nargs="?", help="the JSON-lines file for export and import")
+    _add_db_args(p)
+    p.add_argument("--json", action="store_true")
+
+    sub.add_parser("settings", help="every setting, its environment variable and current value")
+    return parser
+
+
+def _print(console: Console, args, table: Table, payload) -> None:
+    if getattr(args, "json", False):
+        console.print_json(json.dumps(payload))
+    else:
+        console.print(table)
+
+
+def cmd_get(args, out: Console) -> int:
+    from .get import get
+
+    problem = _problem(args)
+    _check_device(problem.device)
+    with _db(args) as db:
+        choices = get(problem, _policy(args), db=db)
+    payload = {"problem": problem.key, "choices": [c.__dict__ for c in choices]}
+    _print(out, args, choices_table(problem, choices), payload)
+    return 0
+
+
+def cmd_find(args, out: Console) -> int:
+    from .find import find
+
+    problem = _problem(args)
+    _check_device(problem.device)
+    with _db(args) as db:
+        results = find(problem, _policy(args), db=None if args.no_store else db)
+    payload = {"problem": problem.key, "results": [r.to_dict() for r in results]}
+    _print(out, args, perf_table(problem, results), payload)
+    return 0
+
+
+def cmd_algorithms(args, out: Console) -> int:
+    from .algorithms.registry import algorithms, unsupported_reasons
+
+    problem = _problem(args)
+    offered = algorithms(problem)
+    reasons = unsupported_reasons(problem)
+    table = Table(title=f"algorithms for {problem.key}")
+    for column in ("algorithm", "supports", "workspace", "deterministic", "numerics / reason"):
+        table.add_column(column)
+    payload = []
+    for a in offered:
+        ws = a.workspace_bytes(problem)
+        table.add_row(a.name, "yes", format_bytes(ws), "yes" if a.is_deterministic(problem) else "no",
+                      a.notes(problem).describe())
+        payload.append({"algorithm": a.name, "supports": True, "workspace_bytes": ws,
+                        "deterministic": a.is_deterministic(problem), "notes": a.notes(problem).describe()})
+    for name, reason in reasons.items():
+        table.add_row(name, "no", "-", "-", reason)
+        payload.append({"algorithm": name, "supports": False, "reason": reason})
+    _print(out, args, table, payload)
+    return 0
+
+
+def _tune_layers(args):
+    device = args.device or default_device()
+    _check_device(device)
+    directions = DIRECTIONS if args.direction == "all" else (args.direction,)
+    layers = []
+    for direction in directions:
+        found = zoo.resolve(args.network, args.batch, direction=direction, dtype=args.dtype, layout=args.layout,
+                            device=device, allow_tf32=not args.no_tf32)
+        found = found[: args.layers] if args.layers else found
+        suffix = "" if len(directions) == 1 else f"/{direction}"
+        layers += [zoo.Layer(layer.name + suffix, layer.problem, layer.count) for layer in found]
+    return layers
+
+
+def cmd_tune(args, out: Console, err: Console) -> int:
+    from .select import select
+
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch {args.batch} must be >= 1")
+    layers = _tune_layers(args)
+    policy = _policy(args)
+    rows = []
+    with _db(args) as db, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                   TimeElapsedColumn(), console=err, disable=not settings.progress or args.json) as bar:
+        task = bar.add_task(f"tuning {args.network}", total=len(layers))
+        for layer in layers:
+            bar.update(task, description=f"tuning {args.network} {layer.name}")
+            try:
+                result = select(layer.problem, policy, mode=args.mode, db=db)
+                rows.append(LayerRow(layer.name, layer.problem, layer.count, result))
+            except NoAlgorithmError as exc:
+                rows.append(LayerRow(layer.name, layer.problem, layer.count, None, str(exc)))
+            bar.advance(task)
+    title = (f"convtune tune {args.network}: {len(rows)} layers, {rows[0].problem.dtype if rows else ''} "
+             f"{rows[0].problem.layout if rows else ''} on {rows[0].problem.device if rows else ''}, mode {args.mode}")
+    _print(out, args, tune_table(title, rows), {"network": args.network, "layers": [r.to_dict() for r in rows]})
+    return 0 if all(r.result for r in rows) else 1
+
+
+def cmd_cache(args, out: Console) -> int:
+    with _db(args) as db:
+        if args.action in ("export", "import") and not args.path:
+            raise UsageError(f"cache {args.action} needs a file path: convtune cache {args.action} FILE.jsonl")
+        if args.action == "export":
+            n = db.export(args.path)
+            out.print(f"exported {n} results to {args.path}")
+        elif args.action == "import":
+            n = db.import_(args.path)
+            out.print(f"imported {n} results from {args.path} into {db.path}")
+        elif args.action == "clear":
+            n = db.clear()
+            out.print(f"removed {n} results from {db.path}")
+        else:
+            entries = db.entries()
+            table = Table(title=f"tuning database {db.path}")
+            columns = ("problem", "device", "results", "best", "best ms", "usable here", "stored")
+            for column in columns:
+                table.add_column(column)
+            for e in entries:
+                table.add_row(e.problem, e.fingerprint, str(e.n_results), e.best_algorithm or "-",
+                              "-" if e.best_ms is None else f"{e.best_ms:.4f}", "yes" if e.usable else "no",
+                              str(e.stored_at))
+            _print(out, args, table, [e.__dict__ for e in entries])
+    return 0
+
+
+def cmd_settings(args, out: Console) -> int:
+    table = Table(title="convtune settings")
+    for column in ("setting", "environment variable", "value", "meaning"):
+        table.add_column(column)
+    for name, env, value, doc in settings.describe():
+        table.add_row(name, env, str(value), doc)
+    out.print(table)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    out = Console(soft_wrap=False, width=200 if not sys.stdout.isatty() else None)
+    err = Console(stderr=True)
+    args = None
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
+                            format="%(levelname)s %(name)s: %(message)s")
+        if args.command == "tune":
+            return cmd_tune(args, out, err)
+        handler = {"get": cmd_get, "find": cmd_find, "algorithms": cmd_algorithms, "cache": cmd_cache,
+                   "settings": cmd_settings}[args.command]
+        return handler(args, out)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as exc:
+        print(f"convtune: error: {exc}", file=sys.stderr)
+        return 2
+    except ConvtuneError as exc:
+        print(f"convtune: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("convtune: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug of ours: one line, the traceback with -v
+        if args is not None and args.verbose:
+            raise
+        print(f"convtune: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,486 @@
+"""The tuning database: every measured result, keyed by machine, software and problem.
+
+An embedded SQLite file in WAL mode; writes are ``BEGIN IMMEDIATE`` transactions, so several
+processes can tune into one file at once and lose nothing. A row is keyed by the device
+fingerprint, the software versions and the problem key, and holds one ``PerfResult``: every
+result of a find is kept, so a later policy (another workspace limit, determinism) is answered
+from the same measurements without running anything.
+
+    >>> import tempfile, os
+    >>> from convtune import ConvProblem, PerfResult, Policy
+    >>> p = ConvProblem(direction="fwd", n=1, c=4, k=4, input_size=(8, 8), kernel_size=3)
+    >>> with tempfile.TemporaryDirectory() as tmp, TuningDB(os.path.join(tmp, "t.sqlite")) as db:
+    ...     db.store(p, [PerfResult("fast", "ok", time_ms=1.0, workspace_bytes=4096),
+    ...                  PerfResult("lean", "ok", time_ms=2.0, workspace_bytes=0)])
+    ...     db.lookup(p).algorithm, db.lookup(p, Policy(workspace_limit=0)).algorithm
+    ('fast', 'lean')
+
+A file that is not a database, fails ``PRAGMA quick_check`` or has another schema version is
+moved aside (renamed with a suffix) with a warning and a fresh one is started: schemas are
+bumped, never migrated. Rows of other machines or software are kept (``entries`` lists them,
+``export`` ships them) but never served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import hardware
+from .policy import Policy
+from .problem import ConvProblem
+from .ranking import rank
+from .results import PerfResult
+from .settings import settings
+
+log = logging.getLogger(__name__)
+
+# Bump on any change to the tables or to the meaning of a row; older files are moved aside.
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 30_000
+_LINE_FIELDS = ("schema", "fingerprint", "software", "problem", "stored_at", "result")
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE results (
+    fingerprint TEXT NOT NULL, software TEXT NOT NULL, problem TEXT NOT NULL, algorithm TEXT NOT NULL,
+    device TEXT NOT NULL, stored_at REAL NOT NULL, result TEXT NOT NULL,
+    PRIMARY KEY (fingerprint, software, problem, algorithm)
+);
+CREATE INDEX results_by_problem ON results (problem);
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One stored problem of one machine and software, as ``convtune cache ls`` lists it.
+
+    best_algorithm/best_ms: the fastest usable ``ok`` result under the default policy (None if none).
+    stored_at: seconds since the epoch of the latest store. usable: measured on this machine and software.
+    """
+
+    problem: str
+    fingerprint: str
+    software: str
+    num_results: int
+    best_algorithm: str | None
+    best_ms: float | None
+    stored_at: float
+    usable: bool
+
+
+class TuningDB:
+    """Stores and serves the results of ``find``, per machine, software and problem.
+
+    path: the SQLite file; None takes ``settings.db_path`` ($CONVTUNE_CACHE_DIR/tuning.sqlite, else
+    the user cache dir). Missing folders are created. Safe across processes (one connection each,
+    reopened after a fork) and across threads of one process (one lock).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else settings.db_path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | None = None
+        self._pid = os.getpid()
+        self._forked: list[sqlite3.Connection] = []  # inherited connections: never used, never closed
+        self._identity: tuple[int, int] | None = None
+        self._warned: set[str] = set()
+        self._run(lambda conn: None)  # open now, so a bad file is reported (and replaced) at construction
+
+    # -- public API ------------------------------------------------------------------------
+    def store(self, problem: ConvProblem, results: Iterable[PerfResult]) -> None:
+        """Replace this machine's and software's results for ``problem`` with ``results`` (one find's).
+
+        Raises TypeError for a non-ConvProblem or non-PerfResult, ValueError for a result that does not
+        validate (e.g. a NaN time), and ValueError when the problem's device is not present here.
+        """
+        if not isinstance(problem, ConvProblem):
+            raise TypeError(f"TuningDB.store needs a ConvProblem, got {type(problem).__name__}")
+        rows = [_encode(r) for r in results]
+        here = _here(problem.device)
+        if here is None:
+            raise ValueError(f"cannot store results of {problem.key}: no {problem.device} device on this machine")
+        fp, sw = here
+        now = time.time()
+
+        def replace(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", (fp, sw, problem.key))
+            conn.executemany(
+                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(fp, sw, problem.key, name, problem.device, now, text) for name, text in rows],
+            )
+
+        self._write(replace)
+
+    def results(self, problem: ConvProblem) -> list[PerfResult]:
+        """The stored results of ``problem`` measured on this machine and software, in stored order."""
+        rows = self._read("SELECT fingerprint, software, result FROM results WHERE problem=? ORDER BY rowid",
+                          (problem.key,))
+        here = _here(problem.device)
+        mine = [text for fp, sw, text in rows if (fp, sw) == here]
+        if len(mine) < len(rows):
+            self._warn_once(f"stale:{problem.key}",
+                            "ignoring %d stored result(s) of %s measured on another machine or software "
+                            "(see `convtune cache ls`); tune again to refresh them", len(rows) - len(mine), problem.key)
+        return [r for r in (self._decode(text, problem.key) for text in mine) if r is not None]
+
+    def lookup(self, problem: ConvProblem, policy: Policy | None = None) -> PerfResult | None:
+        """The best stored result of ``problem`` under ``policy`` (default Policy()), or None."""
+        ranked = rank(self.results(problem), policy or Policy())
+        return ranked[0] if ranked else None
+
+    def measurements(self, device: str) -> list[tuple[ConvProblem, PerfResult]]:
+        """Every ``ok`` result stored for this machine and software on ``device`` ('cpu' or 'cuda')."""
+        here = _here(device)
+        if here is None:
+            return []
+        rows = self._read(
+            "SELECT problem, result FROM results WHERE fingerprint=? AND software=? AND device=? ORDER BY rowid",
+            (*here, device),
+        )
+        out = []
+        for key, text in rows:
+            result = self._decode(text, key)
+            problem = self._problem(key)
+            if result is not None and problem is not None and result.ok:
+                out.append((problem, result))
+        return out
+
+    def entries(self) -> list[Entry]:
+        """One Entry per stored (problem, fingerprint, software), sorted by problem key."""
+        rows = self._read("SELECT problem, fingerprint, software, device, stored_at, result FROM results "
+                          "ORDER BY problem, fingerprint, software, rowid")
+        groups: dict[tuple[str, str, str], list[Any]] = {}
+        for key, fp, sw, device, stored_at, text in rows:
+            groups.setdefault((key, fp, sw), []).append((device, stored_at, text))
+        here = {device: _here(device) for device in {row[3] for row in rows}}
+        entries = []
+        for (key, fp, sw), items in groups.items():
+            results = [r for r in (self._decode(text, key) for _, _, text in items) if r is not None]
+            best = rank(results, Policy())
+            entries.append(Entry(
+                problem=key, fingerprint=fp, software=sw, num_results=len(results),
+                best_algorithm=best[0].algorithm if best else None, best_ms=best[0].time_ms if best else None,
+                stored_at=max(s for _, s, _ in items), usable=here[items[0][0]] == (fp, sw),
+            ))
+        return entries
+
+    def export(self, path: str | os.PathLike) -> int:
+        """Write every stored result (all machines) to ``path`` as JSON lines; returns lines written."""
+        rows = self._read("SELECT fingerprint, software, problem, stored_at, result FROM results "
+                          "ORDER BY fingerprint, software, problem, rowid")
+        lines = []
+        for fp, sw, key, stored_at, text in rows:
+            result = self._decode(text, key)
+            if result is not None:
+                line = dict(zip(_LINE_FIELDS, (SCHEMA_VERSION, fp, sw, key, stored_at, result.to_dict())))
+                lines.append(json.dumps(line) + "\n")
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(lines), encoding="utf-8")
+        os.replace(tmp, path)  # a reader never sees half a file
+        return len(lines)
+
+    def import_(self, path: str | os.PathLike) -> int:
+        """Import an ``export`` file; returns the number of results imported.
+
+        Every line is validated first; a malformed one raises ValueError naming the file, the line
+        and the fault, and nothing is imported. Rows keep their fingerprint and software, and replace
+        what the database had for the same (machine, software, problem): importing twice is idempotent.
+        """
+        path = Path(path)
+        parsed = []
+        for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+            if raw.strip():
+                try:
+                    parsed.append(_parse_line(raw))
+                except ValueError as exc:
+                    raise ValueError(f"{path}:{number}: {exc}; nothing was imported") from None
+        groups = {(fp, sw, p.key) for fp, sw, p, _, _ in parsed}
+
+        def replace(conn: sqlite3.Connection) -> None:
+            conn.executemany("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", groups)
+            conn.executemany(
+                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(fp, sw, p.key, r.algorithm, p.device, at, json.dumps(r.to_dict())) for fp, sw, p, at, r in parsed],
+            )
+
+        self._write(replace)
+        log.info("imported %d result(s) of %d problem(s) from %s", len(parsed), len(groups), path)
+        return len(parsed)
+
+    def clear(self) -> int:
+        """Remove every stored result (all machines); returns the number of rows removed."""
+        return self._write(lambda conn: conn.execute("DELETE FROM results").rowcount)
+
+    def close(self) -> None:
+        """Close this process's connection; the object reopens it if used again."""
+        if self._pid != os.getpid():
+            return  # the parent's connection is not ours to close
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> TuningDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TuningDB({str(self.path)!r})"
+
+    # -- rows --------------------------------------------------------------------------------
+    def _decode(self, text: str, key: str) -> PerfResult | None:
+        try:
+            return PerfResult.from_dict(json.loads(text))
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError too
+            self._warn_once(f"row:{key}:{text}", "ignoring a stored result of %s that no longer validates: %s",
+                            key, exc)
+            return None
+
+    def _problem(self, key: str) -> ConvProblem | None:
+        try:
+            return ConvProblem.from_key(key)
+        except (ValueError, TypeError) as exc:
+            self._warn_once(f"key:{key}", "ignoring stored results of a key that no longer validates: %s", exc)
+            return None
+
+    def _warn_once(self, token: str, msg: str, *args: Any) -> None:
+        if token not in self._warned:
+            self._warned.add(token)
+            log.warning(msg, *args)
+
+    # -- connection --------------------------------------------------------------------------
+    def _run(self, fn: Any) -> Any:
+        """``fn(connection)`` under the lock; if the file turns out corrupt under it, again on a fresh file."""
+        if self._pid != os.getpid():
+            # After a fork the parent's connection (and maybe a held lock) must not be touched.
+            if self._conn is not None:
+                self._forked.append(self._conn)
+            self._conn, self._pid, self._lock = None, os.getpid(), threading.RLock()
+        with self._lock:
+            try:
+                return fn(self._connection())
+            except sqlite3.DatabaseError as exc:
+                if not _is_corruption(exc):
+                    raise
+                failed = self._identity
+                self._conn.close()
+                self._conn = None
+                with _file_lock(self.path):
+                    if _identity(self.path) == failed:  # no other process has replaced it yet
+                        _move_aside(self.path, "corrupt", str(exc))
+            return fn(self._connection())
+
+    def _connection(self) -> sqlite3.Connection:
+        """This process's connection to the file now at ``path`` (call under the lock)."""
+        if self._conn is not None and _identity(self.path) != self._identity:
+            # Another process moved the file aside (or a user removed it): follow the path.
+            self._conn.close()
+            self._conn = None
+        if self._conn is None:
+            self._conn = _open(self.path)
+            self._identity = _identity(self.path)
+        return self._conn
+
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        return self._run(lambda conn: conn.execute(sql, params).fetchall())
+
+    def _write(self, fn: Any) -> Any:
+        """``fn(connection)`` in one BEGIN IMMEDIATE transaction."""
+        def in_transaction(conn: sqlite3.Connection) -> Any:
+            with _transaction(conn):
+                return fn(conn)
+        return self._run(in_transaction)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _encode(result: PerfResult) -> tuple[str, str]:
+    if not isinstance(result, PerfResult):
+        raise TypeError(f"TuningDB.store needs PerfResults, got {type(result).__name__}: {result!r}")
+    PerfResult.from_dict(result.to_dict())  # refuse now what could not be read back
+    return result.algorithm, json.dumps(result.to_dict())
+
+
+def _here(device: str) -> tuple[str, str] | None:
+    """(fingerprint, software) of ``device`` on this machine; None if it has no such device."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return None
+    return hardware.fingerprint(device), hardware.software_versions()
+
+
+def _parse_line(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
+    """One export line, validated: (fingerprint, software, problem, stored_at, result)."""
+    try:
+        line = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text (a binary payload?)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(line, dict):
+        raise ValueError(f"expected a JSON object, got {type(line).__name__}")
+    if set(line) != set(_LINE_FIELDS):
+        missing, unknown = set(_LINE_FIELDS) - set(line), set(line) - set(_LINE_FIELDS)
+        raise ValueError(f"fields must be {list(_LINE_FIELDS)}; missing {sorted(missing)}, unknown {sorted(unknown)}")
+    if line["schema"] != SCHEMA_VERSION or isinstance(line["schema"], bool):
+        raise ValueError(f"schema {line['schema']!r} is not {SCHEMA_VERSION}; export it again with this convtune")
+    for name in ("fingerprint", "software"):
+        if not isinstance(line[name], str) or not line[name]:
+            raise ValueError(f"{name}={line[name]!r} must be a non-empty string")
+    try:
+        problem = ConvProblem.from_key(line["problem"])
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"bad problem: {exc}") from None
+    if line["fingerprint"].split("|", 1)[0] != problem.device:
+        raise ValueError(f"fingerprint {line['fingerprint']!r} is not of a {problem.device} device like the problem")
+    at = line["stored_at"]
+    if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0:
+        raise ValueError(f"stored_at={at!r} must be seconds since the epoch (a number >= 0)")
+    try:
+        result = PerfResult.from_dict(line["result"])
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"bad result: {exc}") from None
+    return line["fingerprint"], line["software"], problem, float(at), result
+
+
+# -- the file --------------------------------------------------------------------------------
+def _open(path: Path) -> sqlite3.Connection:
+    """A connection to a checked database at ``path``; a bad file is moved aside and replaced."""
+    for _ in range(3):
+        conn = _connect(path)
+        fault = _check(conn)
+        if fault is None:
+            return conn
+        conn.close()
+        with _file_lock(path):
+            # Another process may have replaced the file meanwhile: look again under the lock.
+            conn = _connect(path)
+            fault = _check(conn)
+            conn.close()
+            if fault is not None:
+                _move_aside(path, *fault)
+    raise RuntimeError(f"could not open a fresh tuning database at {path}; remove the file or set CONVTUNE_CACHE_DIR")
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    # isolation_level=None: transactions are begun explicitly (BEGIN IMMEDIATE for writes).
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    return conn
+
+
+def _check(conn: sqlite3.Connection) -> tuple[str, str] | None:
+    """None if ``conn`` holds a healthy database of this schema (created if empty), else (kind, reason)."""
+    try:
+        verdict = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+        if verdict != ["ok"]:
+            return "corrupt", "; ".join(verdict[:3])
+        _retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
+        conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash may lose the last write, never corrupt
+        with _transaction(conn):
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if version == 0 and not tables:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute("INSERT INTO meta VALUES ('schema', ?), ('created_at', ?)",
+                             (str(SCHEMA_VERSION), str(time.time())))
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                return None
+            if version != SCHEMA_VERSION or "meta" not in tables:
+                return f"schema{version}", f"schema version {version}, this convtune uses {SCHEMA_VERSION}"
+            row = conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if row is None or row[0] != str(SCHEMA_VERSION):
+                return f"schema{version}", f"meta schema {row and row[0]!r}, this convtune uses {SCHEMA_VERSION}"
+    except sqlite3.DatabaseError as exc:
+        if not _is_corruption(exc):
+            raise
+        return "corrupt", str(exc)
+    return None
+
+
+def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
+    """SQLITE_CORRUPT or SQLITE_NOTADB (busy, locked and misuse are not)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (11, 26)
+    return type(exc) is sqlite3.DatabaseError
+
+
+def _retry_busy(fn: Any, budget_s: float = BUSY_TIMEOUT_MS / 1000) -> Any:
+    """Changing the journal mode can fail with 'locked' at once, without the busy handler: retry."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        try:
+            return fn()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE: take the write lock up front, so concurrent writers wait instead of failing."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        # A corrupt file may refuse even this; the error that matters is the one raised below.
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between processes, so only one of them replaces a bad file."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: a rename there fails on an open file anyway
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _move_aside(path: Path, kind: str, reason: str) -> None:
+    """Rename ``path`` (and its -wal/-shm files) to ``<name>.<kind>-<time>-<pid>``, with a warning."""
+    stamp = f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside = path.with_name(f"{path.name}.{stamp}")
+    n = 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.{stamp}-{n}")
+    log.warning("tuning database %s is unusable (%s); moved it to %s and starting a fresh one", path, reason, aside)
+    for suffix in ("", "-wal", "-shm"):
+        src = Path(str(path) + suffix)
+        if src.exists():
+            os.replace(src, Path(str(aside) + suffix))

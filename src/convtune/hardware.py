@@ -1,0 +1,104 @@
+"""The machine: a fingerprint for the tuning database, software versions, and roofline ceilings."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import time
+
+import torch
+
+# convtune's own kernels change their numbers when their code changes: bump on every such change.
+KERNEL_VERSION = 1
+
+# Peak dense throughput (FLOP/s by dtype) and memory bandwidth (bytes/s) of known GPUs, by name
+# fragment. H200 figures measured on the device (BENCHMARKING.md): bf16 GEMM ~790 TFLOP/s, copy 4.3 TB/s.
+_GPU_PEAKS = {
+    "H200": ({"float16": 790e12, "bfloat16": 790e12, "tf32": 395e12, "float32": 60e12}, 4.3e12),
+    "H100": ({"float16": 700e12, "bfloat16": 700e12, "tf32": 350e12, "float32": 55e12}, 3.0e12),
+    "A100": ({"float16": 280e12, "bfloat16": 280e12, "tf32": 140e12, "float32": 19e12}, 1.6e12),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def fingerprint(device: str) -> str:
+    """What identifies the hardware a measurement was made on."""
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        driver = torch.version.cuda or "?"
+        return f"cuda|{props.name}|sm{props.major}{props.minor}|cuda{driver}"
+    return f"cpu|{cpu_model()}|threads{torch.get_num_threads()}"
+
+
+@functools.lru_cache(maxsize=None)
+def software_versions() -> str:
+    """Versions of everything whose change can change a measurement."""
+    from . import __version__
+
+    parts = [f"torch{torch.__version__}", f"convtune{__version__}", f"kernels{KERNEL_VERSION}"]
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if cudnn:
+        parts.append(f"cudnn{cudnn}")
+    for package in ("triton", "nvidia-cudnn-frontend"):
+        try:
+            parts.append(f"{package}{importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "|".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_peaks() -> tuple[float, float]:
+    """Measured once a process: a float32 matrix product and a large copy (about 50 ms)."""
+    a = torch.randn(512, 512)
+    b = torch.randn(512, 512)
+    torch.mm(a, b)
+    best_mm = min(_seconds(lambda: torch.mm(a, b)) for _ in range(5))
+    src = torch.empty(16 * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best_copy = min(_seconds(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * 512**3 / best_mm, 2 * src.numel() / best_copy
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def peaks(device: str, dtype: str, tf32: bool = False) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) ceilings of ``device`` for ``dtype``: a table for known GPUs, measured on CPUs."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        for fragment, (flops, bandwidth) in _GPU_PEAKS.items():
+            if fragment in name:
+                return flops["tf32" if dtype == "float32" and tf32 else dtype], bandwidth
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        # Unknown GPU: a rough figure from its size, good enough to rank, not to report.
+        return props.multi_processor_count * 1e12, 1e12
+    flops, bandwidth = _cpu_peaks()
+    return flops, bandwidth
+
+
+def roofline_ms(problem) -> float:
+    """The floor of ``problem``'s time: max(FLOPs / peak, compulsory bytes / bandwidth), in ms."""
+    flops, bandwidth = peaks(problem.device, problem.dtype, problem.allow_tf32)
+    return 1e3 * max(problem.flops / flops, problem.min_bytes / bandwidth)
+
+
+def cpu_threads() -> int:
+    return torch.get_num_threads() or os.cpu_count() or 1

@@ -1,0 +1,45 @@
+"""Ranking measured results under a policy: the one rule that find, select and the database share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .policy import Policy
+from .results import PerfResult, Status
+
+
+def usable(result: PerfResult, policy: Policy) -> bool:
+    """An ``ok`` result that the policy allows."""
+    if result.status is not Status.OK or result.time_ms is None:
+        return False
+    if policy.max_rel_error is not None and (result.rel_error is None or result.rel_error > policy.max_rel_error):
+        return False
+    return policy.violation(workspace_bytes=result.workspace_bytes, deterministic=result.deterministic,
+                            uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision) is None
+
+
+def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
+    """The usable results, best first.
+
+    prefer='fastest': by time; results within ``policy.tolerance`` of the fastest remaining tie,
+    and a tie goes to the smaller workspace. prefer='least_memory': by workspace, then by time.
+    """
+    pool = sorted((r for r in results if usable(r, policy)), key=lambda r: (r.time_ms, r.workspace_bytes, r.algorithm))
+    if policy.prefer == "least_memory":
+        return sorted(pool, key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
+    ranked = []
+    while pool:
+        window = [r for r in pool if r.time_ms <= pool[0].time_ms * (1 + policy.tolerance)]
+        best = min(window, key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
+        ranked.append(best)
+        pool.remove(best)
+    return ranked
+
+
+def order(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
+    """All results: the usable ones ranked, then the rest (failures, policy violations) by name."""
+    results = list(results)
+    ranked = rank(results, policy)
+    chosen = {id(r) for r in ranked}
+    rest = sorted((r for r in results if id(r) not in chosen), key=lambda r: (r.status.value, r.algorithm))
+    return ranked + rest

@@ -1,0 +1,97 @@
+"""Human-readable tables of tuning results (rich), shared by the CLI and ``summary`` calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from rich.table import Table
+
+from .hardware import roofline_ms
+from .problem import ConvProblem
+from .results import Choice, PerfResult
+from .units import format_bytes
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}" if value < 1 else f"{value:.3f}"
+
+
+def _pct_of_floor(floor_ms: float, time_ms: float | None) -> str:
+    return "-" if not time_ms else f"{100 * floor_ms / time_ms:.1f}%"
+
+
+def problem_title(problem: ConvProblem) -> str:
+    size = "x".join(map(str, problem.input_size))
+    kernel = "x".join(map(str, problem.kernel_size))
+    stride = "x".join(map(str, problem.stride))
+    groups = f" g{problem.groups}" if problem.groups > 1 else ""
+    return (f"{problem.direction} n{problem.n} {problem.c}->{problem.k} {size} k{kernel} s{stride}{groups} "
+            f"{problem.dtype} {problem.layout} {problem.device}")
+
+
+def perf_table(problem: ConvProblem, results: Sequence[PerfResult]) -> Table:
+    """One row per candidate: status, median time, spread, workspace, % of the roofline floor, error."""
+    floor = roofline_ms(problem)
+    table = Table(title=f"{problem_title(problem)}  (roofline floor {_ms(floor)} ms)")
+    for column in ("algorithm", "status", "time ms", "spread ms", "workspace", "% of floor", "rel. error", "note"):
+        table.add_column(column, justify="right" if column not in ("algorithm", "status", "note") else "left")
+    for r in results:
+        table.add_row(r.algorithm, r.status.value, _ms(r.time_ms), _ms(r.spread_ms), format_bytes(r.workspace_bytes),
+                      _pct_of_floor(floor, r.time_ms), "-" if r.rel_error is None else f"{r.rel_error:.1e}",
+                      r.message[:60])
+    return table
+
+
+def choices_table(problem: ConvProblem, choices: Sequence[Choice]) -> Table:
+    floor = roofline_ms(problem)
+    table = Table(title=f"{problem_title(problem)}  (predicted; roofline floor {_ms(floor)} ms)")
+    for column in ("rank", "algorithm", "predicted ms", "workspace", "% of floor"):
+        table.add_column(column, justify="left" if column == "algorithm" else "right")
+    for i, c in enumerate(choices, 1):
+        table.add_row(str(i), c.name, _ms(c.predicted_ms), format_bytes(c.workspace_bytes),
+                      _pct_of_floor(floor, c.predicted_ms))
+    return table
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One layer of a tuned network: its problem, how often it runs, what was chosen."""
+
+    name: str
+    problem: ConvProblem
+    count: int
+    result: PerfResult | None  # None when nothing could serve the layer
+    error: str = ""
+
+    @property
+    def floor_ms(self) -> float:
+        return roofline_ms(self.problem)
+
+    def to_dict(self) -> dict:
+        r = self.result
+        return {"layer": self.name, "problem": self.problem.key, "count": self.count,
+                "algorithm": r.algorithm if r else None, "status": r.status.value if r else "no_algorithm",
+                "time_ms": r.time_ms if r else None, "workspace_bytes": r.workspace_bytes if r else None,
+                "floor_ms": self.floor_ms, "message": (r.message if r else self.error)}
+
+
+def tune_table(title: str, rows: Sequence[LayerRow]) -> Table:
+    """Per-layer choices with a total line (times weighted by how often each layer runs)."""
+    table = Table(title=title, show_footer=True)
+    total_ms = sum((r.result.time_ms or 0) * r.count for r in rows if r.result)
+    total_floor = sum(r.floor_ms * r.count for r in rows)
+    timed = all(r.result and r.result.time_ms is not None for r in rows)
+    columns = [("layer", "total"), ("problem", ""), ("count", str(sum(r.count for r in rows))), ("choice", ""),
+               ("time ms", _ms(total_ms) if timed else "-"),
+               ("workspace", format_bytes(max((r.result.workspace_bytes for r in rows if r.result), default=0))),
+               ("% of floor", _pct_of_floor(total_floor, total_ms) if timed else "-")]
+    for name, footer in columns:
+        table.add_column(name, footer=footer, justify="left" if name in ("layer", "problem", "choice") else "right")
+    for r in rows:
+        res = r.result
+        choice = res.algorithm if res else f"none ({r.error[:40]})"
+        table.add_row(r.name, problem_title(r.problem), str(r.count), choice, _ms(res.time_ms if res else None),
+                      format_bytes(res.workspace_bytes) if res else "-",
+                      _pct_of_floor(r.floor_ms, res.time_ms if res else None))
+    return table

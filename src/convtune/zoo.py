@@ -1,0 +1,127 @@
+"""Built-in layer tables: the convolutions of real networks, to tune and to benchmark on.
+
+``resnet50``, ``resnet18``, ``vgg16``, ``mobilenet_v2``: the unique Conv2d layers of torchvision's
+models at 224x224 (each with how often it occurs); ``deepbench``: DeepBench's training convolutions
+(each row with its own batch). A layer file of your own works the same way (``load_layers``): JSON
+``{"layers": [{"c", "k", "spatial", "kernel", "stride", "padding", "dilation", "groups", "count"}]}``
+or a CSV with DeepBench's columns ``w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h``.
+
+    >>> layers = network_layers("resnet50", batch=32)
+    >>> len(layers), sum(layer.count for layer in layers)
+    (23, 53)
+    >>> layers[0].problem.kernel_size
+    (7, 7)
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .problem import ConvProblem
+
+MODELS = ("resnet50", "resnet18", "vgg16", "mobilenet_v2")
+NETWORKS = (*MODELS, "deepbench")
+DEFAULT_BATCH = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One unique convolution of a network and how many times the network runs it."""
+
+    name: str
+    problem: ConvProblem
+    count: int = 1
+
+
+@functools.lru_cache(maxsize=None)
+def _models() -> dict[str, Any]:
+    text = resources.files("convtune").joinpath("data/model_conv_layers.json").read_text(encoding="utf-8")
+    return json.loads(text)["models"]
+
+
+def _dims(value: Any) -> Any:
+    """JSON lists become tuples; ints and anything else go to ConvProblem to validate."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _from_entries(entries: list[dict[str, Any]], source: str, batch: int | None, **fields: Any) -> list[Layer]:
+    layers = []
+    for i, entry in enumerate(entries):
+        try:
+            if entry.get("transposed"):
+                raise ValueError("transposed convolutions are not supported")
+            problem = ConvProblem(
+                n=batch or DEFAULT_BATCH, c=entry["c"], k=entry["k"], input_size=_dims(entry["spatial"]),
+                kernel_size=_dims(entry["kernel"]), stride=_dims(entry.get("stride", 1)),
+                padding=_dims(entry.get("padding", 0)), dilation=_dims(entry.get("dilation", 1)),
+                groups=entry.get("groups", 1), **fields)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: layer {i} is not a valid convolution ({type(exc).__name__}: {exc})") from None
+        layers.append(Layer(f"L{i:02d}", problem, int(entry.get("count", 1))))
+    return layers
+
+
+def _from_deepbench_csv(text: str, source: str, batch: int | None, **fields: Any) -> list[Layer]:
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    layers = []
+    for i, row in enumerate(csv.DictReader(lines)):
+        try:
+            v = {key: int(value) for key, value in row.items()}
+            problem = ConvProblem(
+                n=batch or v["n"], c=v["c"], k=v["k"], input_size=(v["h"], v["w"]), kernel_size=(v["r"], v["s"]),
+                stride=(v["stride_h"], v["stride_w"]), padding=(v["pad_h"], v["pad_w"]), **fields)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{source}: row {i + 1} is not a valid convolution ({type(exc).__name__}: {exc}); columns must be "
+                "w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h"
+            ) from None
+        layers.append(Layer(f"D{i:02d}", problem))
+    return layers
+
+
+def network_layers(name: str, batch: int | None = None, *, direction: str = "fwd", dtype: str = "float32",
+                   layout: str = "channels_first", device: str = "cpu", allow_tf32: bool = True) -> list[Layer]:
+    """The layers of a built-in network as problems (``batch`` defaults to 32; DeepBench keeps its own)."""
+    fields = dict(direction=direction, dtype=dtype, layout=layout, device=device, allow_tf32=allow_tf32)
+    if name == "deepbench":
+        text = resources.files("convtune").joinpath("data/deepbench_conv_training.csv").read_text(encoding="utf-8")
+        return _from_deepbench_csv(text, name, batch, **fields)
+    if name not in MODELS:
+        raise ValueError(f"unknown network {name!r}; built-in networks: {', '.join(NETWORKS)} (or give a layer file)")
+    return _from_entries(_models()[name]["layers"], name, batch, **fields)
+
+
+def load_layers(path: str | Path, batch: int | None = None, **fields: Any) -> list[Layer]:
+    """Layers from a JSON or DeepBench-style CSV file (see the module docstring for the formats)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read layer file {path}: {exc.strerror}") from None
+    if path.suffix.lower() == ".csv":
+        return _from_deepbench_csv(text, str(path), batch, **fields)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"layer file {path} is not valid JSON: {exc}") from None
+    entries = data.get("layers") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ValueError(f"layer file {path} must hold a list of layers, or an object with a 'layers' list")
+    return _from_entries(entries, str(path), batch, **fields)
+
+
+def resolve(name_or_path: str, batch: int | None = None, **fields: Any) -> list[Layer]:
+    """A built-in network by name, else a layer file by path."""
+    if name_or_path in NETWORKS:
+        return network_layers(name_or_path, batch, **fields)
+    if Path(name_or_path).exists():
+        return load_layers(name_or_path, batch, **fields)
+    raise ValueError(
+        f"{name_or_path!r} is neither a built-in network ({', '.join(NETWORKS)}) nor an existing layer file"
+    )

@@ -1,0 +1,23 @@
+import os
+
+import pytest
+import torch
+
+from convtune.settings import settings
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Every test gets its own tuning database folder: nothing touches the user's cache."""
+    monkeypatch.setenv("CONVTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    with settings.override(cache_dir=str(tmp_path / "cache")):
+        yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords or os.sep + "gpu" + os.sep in str(item.fspath):
+            item.add_marker(skip)

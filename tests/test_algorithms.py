@@ -1,0 +1,144 @@
+"""Every registered algorithm against the float64 reference, on random valid problems.
+
+The other test files go deep into one family each; this one sweeps the whole registry the way a
+user meets it: whatever ``algorithms(problem)`` offers must be right and honest about workspace.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+import convtune as ct
+from convtune.algorithms import registry
+from convtune.algorithms.base import Algorithm, allocate_workspace
+from convtune.verify import peak_allocated_bytes, reference, rel_error, tolerance
+
+
+def slack_bytes(problem):
+    out_shape = problem.operand_shapes[2]
+    return max(64 * 1024, int(0.02 * problem.element_bytes * torch.Size(out_shape).numel()))
+
+
+@st.composite
+def small_problems(draw):
+    nd = draw(st.sampled_from([1, 2, 2, 2, 3]))
+    g = draw(st.sampled_from([1, 1, 2, 3]))
+    depthwise = draw(st.booleans()) and g > 1
+    cg = 1 if depthwise else draw(st.integers(1, 5))
+    kg = draw(st.integers(1, 5))
+    r = draw(st.sampled_from([1, 1, 2, 3, 3, 5])) if nd < 3 else draw(st.sampled_from([1, 3]))
+    dil = draw(st.sampled_from([1, 1, 2]))
+    pad = draw(st.integers(0, 2))
+    stride = draw(st.sampled_from([1, 1, 2, 3]))
+    extent = dil * (r - 1) + 1
+    size = draw(st.integers(max(1, extent - 2 * pad), extent + (9 if nd < 3 else 4)))
+    return ct.ConvProblem(
+        direction=draw(st.sampled_from(["fwd", "bwd_data", "bwd_filter"])), n=draw(st.integers(1, 3)),
+        c=cg * g, k=kg * g, groups=g, input_size=(size,) * nd, kernel_size=r, stride=stride, padding=pad,
+        dilation=dil, dtype=draw(st.sampled_from(["float32", "float32", "float16", "bfloat16"])),
+        layout=draw(st.sampled_from(["channels_first", "channels_last"])),
+    )
+
+
+@given(small_problems(), st.integers(0, 2**16))
+@hsettings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_every_supporting_algorithm_matches_the_float64_reference(problem, seed):
+    a, b = problem.random_inputs(seed)
+    ref = reference(problem, a, b)
+    for algo in ct.algorithms(problem):
+        out = problem.empty(problem.operand_shapes[2]).fill_(float("nan"))
+        algo.run(problem, a, b, out=out)
+        err = rel_error(out, ref)
+        assert err <= tolerance(problem, algo.notes(problem)), (algo.name, problem.key, err)
+
+
+@given(small_problems())
+@hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_exactly_the_declared_workspace_is_enough_and_nothing_large_is_allocated_beside_it(problem):
+    a, b = problem.random_inputs(1)
+    for algo in ct.algorithms(problem):
+        if algo.name == "torch:native":
+            continue  # PyTorch manages its own scratch; its notes say so
+        need = algo.workspace_bytes(problem)
+        ws = allocate_workspace(need, "cpu")
+        out = problem.empty(problem.operand_shapes[2])
+        algo.run(problem, a, b, workspace=ws, out=out)  # warm any lazy state first
+        extra = peak_allocated_bytes(lambda: algo.run(problem, a, b, workspace=ws, out=out), "cpu")
+        assert extra <= slack_bytes(problem), (algo.name, problem.key, need, extra)
+
+
+def test_registry_rejects_duplicates_and_non_algorithms():
+    native = ct.get_algorithm("torch:native")
+    with pytest.raises(ValueError, match="already registered"):
+        ct.register(native)
+    with pytest.raises(TypeError):
+        ct.register("torch:native")
+
+
+class Doubling(Algorithm):
+    name = "test:doubling"
+    directions = ("fwd",)
+
+    def _run(self, problem, a, b, out, ws):
+        out.copy_(2 * torch.nn.functional.conv2d(a, b))
+
+
+def test_plugins_register_through_the_same_call_and_are_offered():
+    p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(5, 5), kernel_size=3)
+    with registry.isolated(Doubling()):
+        assert "test:doubling" in [a.name for a in ct.algorithms(p)]
+        assert "test:doubling" not in [a.name for a in ct.algorithms(p.with_direction("bwd_data"))]
+        assert "fwd" in ct.unsupported_reasons(p.with_direction("bwd_data"))["test:doubling"]
+    assert "test:doubling" not in [a.name for a in ct.registered()]
+
+
+def test_algorithms_lists_only_supporting_ones_and_reasons_cover_the_rest():
+    p = ct.ConvProblem("fwd", n=2, c=4, k=4, input_size=(9, 9), kernel_size=3, stride=2)
+    offered = {a.name for a in ct.algorithms(p)}
+    reasons = ct.unsupported_reasons(p)
+    assert offered and offered.isdisjoint(reasons)
+    assert offered | set(reasons) == {a.name for a in ct.registered()}
+    assert all(reasons.values())
+    assert "torch:native" in offered
+
+
+def test_algorithm_names_are_backend_colon_variant():
+    with pytest.raises(ValueError, match="backend:variant"):
+        type("Bad", (Doubling,), {"name": "no colon"})()
+
+
+@pytest.fixture
+def fwd():
+    p = ct.ConvProblem("fwd", n=2, c=4, k=6, input_size=(8, 8), kernel_size=3, padding=1, layout="NHWC")
+    return p, *p.random_inputs(0)
+
+
+@pytest.mark.parametrize("algo_name", [a.name for a in ct.registered()])
+def test_run_validates_its_tensors_with_clear_errors(fwd, algo_name):
+    p, x, w = fwd
+    algo = ct.get_algorithm(algo_name)
+    if not algo.supports(p):
+        pytest.skip(algo.supports(p).reason)
+    with pytest.raises(ValueError, match="operand x has shape"):
+        algo.run(p, x[:1], w)
+    with pytest.raises(ValueError, match="operand w has dtype"):
+        algo.run(p, x, w.half())
+    with pytest.raises(ValueError, match="channels_last"):
+        algo.run(p, x.contiguous(), w)
+    with pytest.raises(TypeError, match="operand w must be a torch.Tensor"):
+        algo.run(p, x, w.numpy())
+    with pytest.raises(ValueError, match="operand y has shape"):
+        algo.run(p, x, w, out=torch.empty(1))
+    need = algo.workspace_bytes(p)
+    if need:
+        with pytest.raises(ValueError, match="smaller than"):
+            algo.run(p, x, w, workspace=allocate_workspace(need - 1, "cpu"))
+    with pytest.raises(ValueError, match="uint8"):
+        algo.run(p, x, w, workspace=torch.empty(need + 8, dtype=torch.float32))
+
+
+def test_run_refuses_an_unsupported_problem_with_the_reason():
+    p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(5, 5), kernel_size=3)
+    with registry.isolated(Doubling()):
+        with pytest.raises(ValueError, match="does not support"):
+            ct.get_algorithm("test:doubling").run(p.with_direction("bwd_data"), *p.with_direction("bwd_data").random_inputs())
