@@ -4,9 +4,12 @@ from .algorithms import Algorithm, NumericNotes, Support, allocate_workspace, re
 from .algorithms.registry import algorithms, get_algorithm, registered, unsupported_reasons
 from .db import TuningDB
 from .errors import ConvtuneError, NoAlgorithmError
+from .find import find
+from .get import get
 from .policy import Policy
 from .problem import ConvProblem, to_layout
 from .results import Choice, PerfResult, Status
+from .select import select
 
 __version__ = "0.1.0"
 
@@ -14,4 +17,5 @@ __all__ = [
     "Algorithm", "Choice", "ConvProblem", "ConvtuneError", "NoAlgorithmError", "NumericNotes", "PerfResult",
     "Policy", "Status", "Support", "TuningDB", "algorithms", "allocate_workspace", "get_algorithm", "register",
     "registered", "to_layout", "unsupported_reasons",
+    "find", "get", "select",
 ]

@@ -6,6 +6,7 @@ Bad arguments give one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import sys
@@ -279,9 +280,9 @@ def cmd_cache(args, out: Console) -> int:
             for column in columns:
                 table.add_column(column)
             for e in entries:
-                table.add_row(e.problem, e.fingerprint, str(e.n_results), e.best_algorithm or "-",
+                table.add_row(e.problem, e.fingerprint, str(e.num_results), e.best_algorithm or "-",
                               "-" if e.best_ms is None else f"{e.best_ms:.4f}", "yes" if e.usable else "no",
-                              str(e.stored_at))
+                              datetime.datetime.fromtimestamp(e.stored_at).strftime("%Y-%m-%d %H:%M"))
             _print(out, args, table, [e.__dict__ for e in entries])
     return 0
 

@@ -40,7 +40,7 @@ import torch
 
 from . import hardware
 from .policy import Policy
-from .problem import ConvProblem
+from .problem import ConvProblem, normalize_device
 from .ranking import rank
 from .results import PerfResult
 from .settings import settings
@@ -143,6 +143,7 @@ class TuningDB:
 
     def measurements(self, device: str) -> list[tuple[ConvProblem, PerfResult]]:
         """Every ``ok`` result stored for this machine and software on ``device`` ('cpu' or 'cuda')."""
+        device = normalize_device(device)
         here = _here(device)
         if here is None:
             return []

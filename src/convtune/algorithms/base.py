@@ -208,3 +208,27 @@ def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, .
             f"{problem.direction} operand {name} is not dense in the {problem.layout} layout the problem "
             f"declares; convert it with convtune.to_layout(t, {problem.layout!r})"
         )
+
+
+class Backend(abc.ABC):
+    """A family whose algorithms depend on the problem (cuDNN's plans, say): it lists them per problem.
+
+    ``prefix`` is the backend part of every name it hands out ('cudnn' for 'cudnn:eng0').
+    """
+
+    prefix: str = ""
+
+    @abc.abstractmethod
+    def algorithms(self, problem: ConvProblem) -> list[Algorithm]:
+        """The algorithms this backend offers for ``problem`` (each supporting it)."""
+
+    def unavailable(self, problem: ConvProblem) -> str | None:
+        """Why this backend offers nothing for ``problem`` (None when it offers something)."""
+        return None
+
+    def get(self, name: str, problem: ConvProblem) -> Algorithm:
+        """The algorithm called ``name`` for ``problem``; ``KeyError`` if it is not offered."""
+        for algorithm in self.algorithms(problem):
+            if algorithm.name == name:
+                return algorithm
+        raise KeyError(f"{self.prefix} offers no {name!r} for {problem.key}")

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator
 
 from ..problem import ConvProblem
-from .base import Algorithm
+from .base import Algorithm, Backend
 
 log = logging.getLogger(__name__)
 
@@ -27,28 +27,42 @@ BUILTIN_MODULES = (
     "convtune.algorithms.winograd",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged.
-OPTIONAL_MODULES: tuple[str, ...] = ()
+OPTIONAL_MODULES = ("convtune.algorithms.cudnn",)
 
 _registry: dict[str, Algorithm] = {}
+_backends: dict[str, Backend] = {}
 _builtins_loaded = False
 
 
-def register(algorithm: Algorithm) -> Algorithm:
-    """Add ``algorithm`` to the registry; a second algorithm of the same name raises ``ValueError``."""
-    if not isinstance(algorithm, Algorithm):
-        raise TypeError(f"register() takes an Algorithm instance, got {type(algorithm).__name__}")
-    if algorithm.name in _registry:
-        raise ValueError(f"an algorithm named {algorithm.name!r} is already registered; pick another name")
-    _registry[algorithm.name] = algorithm
-    return algorithm
+def register(item: Algorithm | Backend) -> Algorithm | Backend:
+    """Add an algorithm, or a backend whose algorithms depend on the problem, to the registry.
+
+    A second item of the same name (or backend prefix) raises ``ValueError``.
+    """
+    if isinstance(item, Backend):
+        if not item.prefix or item.prefix in _backends:
+            raise ValueError(f"a backend with prefix {item.prefix!r} is already registered (or the prefix is empty)")
+        _backends[item.prefix] = item
+        return item
+    if not isinstance(item, Algorithm):
+        raise TypeError(f"register() takes an Algorithm or a Backend instance, got {type(item).__name__}")
+    if item.name in _registry:
+        raise ValueError(f"an algorithm named {item.name!r} is already registered; pick another name")
+    if item.backend in _backends:
+        raise ValueError(f"the prefix {item.backend!r} of {item.name!r} belongs to a registered backend")
+    _registry[item.name] = item
+    return item
 
 
 def unregister(name: str) -> None:
     """Remove a registered algorithm (plug-ins that unload; tests)."""
     _ensure_builtins()
-    if name not in _registry:
-        raise KeyError(f"no algorithm named {name!r} is registered")
-    del _registry[name]
+    if name in _backends:
+        del _backends[name]
+    elif name in _registry:
+        del _registry[name]
+    else:
+        raise KeyError(f"no algorithm or backend named {name!r} is registered")
 
 
 def _ensure_builtins() -> None:
@@ -66,47 +80,65 @@ def _ensure_builtins() -> None:
 
 
 def registered() -> list[Algorithm]:
-    """Every registered algorithm, in registration order."""
+    """Every registered algorithm of fixed name, in registration order (backends' plans not included)."""
     _ensure_builtins()
     return list(_registry.values())
 
 
-def get_algorithm(name: str) -> Algorithm:
-    """The registered algorithm called ``name``; ``KeyError`` listing the known names otherwise."""
+def backends() -> list[Backend]:
+    """Every registered backend whose algorithms depend on the problem."""
     _ensure_builtins()
-    try:
+    return list(_backends.values())
+
+
+def get_algorithm(name: str, problem: ConvProblem | None = None) -> Algorithm:
+    """The algorithm called ``name`` (a backend's plan needs its ``problem``); ``KeyError`` otherwise."""
+    _ensure_builtins()
+    if name in _registry:
         return _registry[name]
-    except KeyError:
-        raise KeyError(f"no algorithm named {name!r}; registered: {sorted(_registry)}") from None
+    prefix = name.split(":", 1)[0]
+    if prefix in _backends:
+        if problem is None:
+            raise KeyError(f"{name!r} belongs to the {prefix} backend: pass the problem to get_algorithm")
+        return _backends[prefix].get(name, problem)
+    raise KeyError(f"no algorithm named {name!r}; registered: {sorted(_registry)} and backends {sorted(_backends)}")
 
 
 def algorithms(problem: ConvProblem) -> list[Algorithm]:
-    """Every registered algorithm that supports ``problem`` on its device."""
+    """Every registered algorithm that supports ``problem`` on its device, backends' plans included."""
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"algorithms() takes a ConvProblem, got {type(problem).__name__}")
-    return [a for a in registered() if a.supports(problem)]
+    found = [a for a in registered() if a.supports(problem)]
+    for backend in backends():
+        found += backend.algorithms(problem)
+    return found
 
 
 def unsupported_reasons(problem: ConvProblem) -> dict[str, str]:
-    """For each registered algorithm that does not support ``problem``: why not."""
+    """For each registered algorithm (or backend) that does not support ``problem``: why not."""
     reasons = {}
     for a in registered():
         support = a.supports(problem)
         if not support:
             reasons[a.name] = support.reason
+    for backend in backends():
+        why = backend.unavailable(problem)
+        if why:
+            reasons[backend.prefix + ":*"] = why
     return reasons
 
 
 @contextlib.contextmanager
 def isolated(*extra: Algorithm, builtins: bool = True) -> Iterator[None]:
     """A registry of its own for a ``with`` block: the built-ins (or none) plus ``extra``."""
-    global _registry
+    global _registry, _backends
     _ensure_builtins()
-    saved = _registry
-    _registry = dict(saved) if builtins else {}
+    saved = _registry, _backends
+    _registry = dict(saved[0]) if builtins else {}
+    _backends = dict(saved[1]) if builtins else {}
     try:
         for algorithm in extra:
             register(algorithm)
         yield
     finally:
-        _registry = saved
+        _registry, _backends = saved

@@ -1,0 +1,62 @@
+"""What every benchmark script shares: environment facts, result files, one timer for everything."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import convtune
+from convtune import hardware
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    """Date, GPU and software versions: every result file carries them."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(), "torch": torch.__version__, "convtune": convtune.__version__,
+        "software": hardware.software_versions(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sm_count=props.multi_processor_count, cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version())
+        try:
+            import cudnn
+
+            env["cudnn_frontend_backend"] = cudnn.backend_version()
+        except ImportError:
+            pass
+    else:
+        env["cpu"] = hardware.cpu_model()
+    return env
+
+
+def write(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:
+    """bench/results/<name>.json and .md (or under ``out_dir``)."""
+    out_dir = Path(out_dir or RESULTS)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    json_path.write_text(json.dumps(payload, indent=1) + "\n")
+    md_path.write_text(markdown)
+    print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    return json_path, md_path
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def geomean(values) -> float:
+    values = [v for v in values if v and v > 0]
+    if not values:
+        return float("nan")
+    return float(torch.tensor(values, dtype=torch.float64).log().mean().exp())

@@ -1,0 +1,7 @@
+"""Doctest collection: modules whose optional dependency is missing here are not imported."""
+
+import importlib.util
+
+collect_ignore = []
+if importlib.util.find_spec("cudnn") is None:
+    collect_ignore.append("src/convtune/algorithms/cudnn.py")

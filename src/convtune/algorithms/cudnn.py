@@ -1,0 +1,220 @@
+"""cuDNN's engines through the cuDNN frontend (``pip install convtune[cuda]``).
+
+For a problem, the backend builds the cuDNN graph (conv_fprop, conv_dgrad or conv_wgrad; float32
+compute) and asks heuristics modes A and FALLBACK for every engine configuration they offer. Each
+plan becomes an algorithm named ``cudnn:<plan name>`` (``cudnn:eng62_k2=5_k13=1...``). Building a
+plan costs from 0.1 ms to about a second (runtime-compiled engines), so plans are built lazily, the
+first time their workspace is asked for or they run, and kept per problem for the process.
+
+Determinism is not exposed per plan by the frontend's Python API: a plan's ``is_deterministic``
+is None (unknown) until the tuner has run it twice and compared the results bit for bit.
+TF32: a float32 problem with ``allow_tf32=False`` deselects the engines with the tensor-core and
+down-conversion numerical notes, as PyTorch does; their build then fails and they are unsupported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import torch
+
+import cudnn  # noqa: I001 - an ImportError here leaves the backend out (registry.OPTIONAL_MODULES)
+
+from ..problem import ConvProblem, empty_in_layout
+from .base import Algorithm, Backend, Buffer, NumericNotes, Support, unsupported
+from .registry import register
+
+log = logging.getLogger(__name__)
+
+_IO_TYPES = {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}
+HEURISTICS = {"A": cudnn.heur_mode.A, "B": cudnn.heur_mode.B, "FALLBACK": cudnn.heur_mode.FALLBACK}
+_MAX_GRAPHS = 512  # problems whose built plans are kept in the process
+
+
+@functools.lru_cache(maxsize=None)
+def _handle(device_index: int):
+    with torch.cuda.device(device_index):
+        return cudnn.create_handle()
+
+
+def _as_2d(problem: ConvProblem) -> dict:
+    """cuDNN convolves 2-D and 3-D: a 1-D problem is a 2-D one of height 1."""
+    lift = problem.ndim == 1
+    def dims(t, fill):
+        return [fill, *t] if lift else list(t)
+    return dict(padding=dims(problem.padding, 0), stride=dims(problem.stride, 1), dilation=dims(problem.dilation, 1))
+
+
+def _descr(problem: ConvProblem, shape: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """(dims, strides) of a tensor of ``shape`` in the problem's layout, 1-D lifted to 2-D."""
+    meta = empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta")
+    if problem.ndim == 1:
+        meta = meta.unsqueeze(2)
+    return list(meta.shape), list(meta.stride())
+
+
+def _view(problem: ConvProblem, t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(2) if problem.ndim == 1 else t
+
+
+class ProblemGraph:
+    """The cuDNN graph of one problem: its ranked plans and the ones built so far."""
+
+    def __init__(self, problem: ConvProblem, modes: tuple[str, ...] = ("A", "FALLBACK")) -> None:
+        self.problem = problem
+        self.lock = threading.Lock()
+        io = _IO_TYPES[problem.dtype]
+        fp = cudnn.data_type.FLOAT
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=fp, compute_data_type=fp,
+                          handle=_handle(torch.cuda.current_device()))
+        x_dims, x_strides = _descr(problem, problem.x_shape)
+        w_dims, w_strides = _descr(problem, problem.w_shape)
+        y_dims, y_strides = _descr(problem, problem.y_shape)
+        conv = _as_2d(problem)
+        if problem.direction == "fwd":
+            a = g.tensor(name="x", dim=x_dims, stride=x_strides, data_type=io)
+            b = g.tensor(name="w", dim=w_dims, stride=w_strides, data_type=io)
+            out = g.conv_fprop(image=a, weight=b, compute_data_type=fp, **conv)
+            out.set_output(True).set_dim(y_dims).set_stride(y_strides).set_data_type(io)
+        elif problem.direction == "bwd_data":
+            a = g.tensor(name="dy", dim=y_dims, stride=y_strides, data_type=io)
+            b = g.tensor(name="w", dim=w_dims, stride=w_strides, data_type=io)
+            out = g.conv_dgrad(loss=a, filter=b, compute_data_type=fp, **conv)
+            out.set_output(True).set_dim(x_dims).set_stride(x_strides).set_data_type(io)
+        else:
+            a = g.tensor(name="x", dim=x_dims, stride=x_strides, data_type=io)
+            b = g.tensor(name="dy", dim=y_dims, stride=y_strides, data_type=io)
+            out = g.conv_wgrad(image=a, loss=b, compute_data_type=fp, **conv)
+            out.set_output(True).set_dim(w_dims).set_stride(w_strides).set_data_type(io)
+        g.validate()
+        g.build_operation_graph()
+        if problem.dtype == "float32" and not problem.allow_tf32:
+            g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+        g.create_execution_plans([HEURISTICS[m] for m in modes])
+        self.graph, self.operands = g, (a, b, out)
+        self.names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+        self.workspace: dict[int, int] = {}  # built plans: index -> workspace bytes
+        self.failed: dict[int, str] = {}  # plans that did not build: index -> why
+
+    def build(self, index: int) -> int:
+        """Build plan ``index`` (once) and return its workspace bytes; raises if it cannot be built."""
+        with self.lock:
+            if index in self.failed:
+                raise RuntimeError(self.failed[index])
+            if index not in self.workspace:
+                try:
+                    self.graph.build_plan_at_index(index)
+                    self.workspace[index] = int(self.graph.get_workspace_size_plan_at_index(index))
+                except Exception as exc:  # the frontend raises several types for "cannot build"
+                    self.failed[index] = f"cuDNN could not build plan {self.names[index]}: {exc}"
+                    raise RuntimeError(self.failed[index]) from None
+            return self.workspace[index]
+
+    def execute(self, index: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor) -> None:
+        self.build(index)
+        handle = _handle(a.device.index if a.device.index is not None else torch.cuda.current_device())
+        # The handle follows PyTorch's current stream, so CUDA-graph capture records this launch.
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        ta, tb, tout = self.operands
+        p = self.problem
+        pack = {ta: _view(p, a).data_ptr(), tb: _view(p, b).data_ptr(), tout: _view(p, out).data_ptr()}
+        self.graph.execute_plan_at_index(pack, workspace.data_ptr() if workspace.numel() else None, index, handle=handle)
+
+
+class CudnnPlan(Algorithm):
+    """One cuDNN engine configuration for one problem."""
+
+    devices = ("cuda",)
+    deterministic = True  # unknown per plan: see is_deterministic
+
+    def __init__(self, graph: ProblemGraph, index: int, name: str) -> None:
+        self.name = name
+        super().__init__()
+        self.graph, self.index = graph, index
+
+    def _supports(self, problem: ConvProblem) -> Support:
+        if problem != self.graph.problem:
+            return unsupported("a cuDNN plan belongs to the problem it was built for")
+        if self.index in self.graph.failed:
+            return unsupported(self.graph.failed[self.index])
+        return Support(True)
+
+    def is_deterministic(self, problem: ConvProblem) -> bool | None:  # type: ignore[override]
+        return None
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        half = problem.dtype != "float32"
+        return NumericNotes(tensor_cores=half or problem.allow_tf32, tf32=not half and problem.allow_tf32)
+
+    def buffers(self, problem: ConvProblem) -> list[Buffer]:
+        # cuDNN gets its workspace whole; building the plan is what tells its size.
+        return [Buffer("workspace", (self.graph.build(self.index),), torch.uint8)]
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        self.graph.execute(self.index, a, b, out, ws["workspace"])
+
+
+class CudnnBackend(Backend):
+    """Lists, per problem, the plans of cuDNN's heuristics modes A and FALLBACK."""
+
+    prefix = "cudnn"
+
+    def __init__(self) -> None:
+        self._graphs: dict[ConvProblem, ProblemGraph] = {}
+        self._plans: dict[ConvProblem, list[CudnnPlan]] = {}
+        self._lock = threading.Lock()
+
+    def unavailable(self, problem: ConvProblem) -> str | None:
+        if problem.device != "cuda":
+            return "cuDNN runs on CUDA devices only"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible to PyTorch"
+        return None
+
+    def graph(self, problem: ConvProblem) -> ProblemGraph | None:
+        """The problem's graph (made once; None when cuDNN supports no plan for it)."""
+        with self._lock:
+            if problem in self._graphs:
+                return self._graphs[problem]
+            try:
+                graph = ProblemGraph(problem)
+            except Exception as exc:  # cudnnGraphNotSupportedError and friends
+                log.info("cuDNN offers no plan for %s: %s", problem.key, exc)
+                graph = None
+            if len(self._graphs) >= _MAX_GRAPHS:
+                oldest = next(iter(self._graphs))
+                self._graphs.pop(oldest)
+                self._plans.pop(oldest, None)
+            self._graphs[problem] = graph
+            return graph
+
+    def algorithms(self, problem: ConvProblem) -> list[Algorithm]:
+        if self.unavailable(problem):
+            return []
+        if problem not in self._plans:
+            graph = self.graph(problem)
+            plans, seen = [], set()
+            for i, name in enumerate(graph.names if graph else []):
+                full = f"cudnn:{name}" if name not in seen else f"cudnn:{name}_i{i}"
+                seen.add(name)
+                plans.append(CudnnPlan(graph, i, full))
+            self._plans[problem] = plans
+        return [p for p in self._plans[problem] if p.index not in p.graph.failed]
+
+    def heuristic_choice(self, problem: ConvProblem, mode: str = "A") -> str | None:
+        """The name of cuDNN's own first choice under heuristics ``mode`` ('A' or 'B'), or None."""
+        try:
+            graph = ProblemGraph(problem, modes=(mode,))
+        except Exception as exc:
+            log.info("cuDNN heuristics %s offer nothing for %s: %s", mode, problem.key, exc)
+            return None
+        if not graph.names:
+            return None
+        name = f"cudnn:{graph.names[0]}"
+        offered = [p.name for p in self.algorithms(problem)]
+        return name if name in offered else None
+
+
+BACKEND = register(CudnnBackend())

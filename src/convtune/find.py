@@ -1,0 +1,279 @@
+"""find: run the candidates of a problem, check their results, time them, return a perf list.
+
+The candidates are tried in ``get``'s order. Each one is, in turn: held against the policy
+(a violation is a status, nothing runs), given its declared workspace, run once on the shared
+random inputs with its output poisoned and compared with the float64 reference (a wrong
+result is recorded, not timed), then timed. Whatever goes wrong becomes a status on its
+result; the search goes on.
+
+    >>> from convtune import ConvProblem, get_algorithm
+    >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(8, 8), kernel_size=3, padding=1)
+    >>> results = find(p, candidates=[get_algorithm("torch:native")])
+    >>> results[0].algorithm, results[0].status.value
+    ('torch:native', 'ok')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import costmodel
+from .algorithms.base import Algorithm, allocate_workspace
+from .algorithms.registry import algorithms
+from .get import ranked_predictions
+from .policy import DEFAULT_POLICY, Policy
+from .problem import ConvProblem
+from .ranking import order
+from .results import PerfResult, Status
+from .settings import settings
+from .timing import Timer, benchmark
+from .units import format_bytes
+from .verify import check, reference_case
+
+log = logging.getLogger(__name__)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, or an allocator's RuntimeError that says it ran out of memory."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+class _Budget:
+    """The search's budget: candidates timed and seconds spent (0 or None: no limit)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.max_candidates = policy.max_candidates or settings.find_max_candidates or 0
+        self.seconds = policy.budget_s or settings.find_budget_s or 0.0
+        self.start = time.monotonic()
+        self.timed = 0
+
+    def exhausted(self) -> str | None:
+        """Why no further candidate may run, or None."""
+        if self.max_candidates and self.timed >= self.max_candidates:
+            return f"budget: {self.max_candidates} candidate(s) already run"
+        if self.seconds and time.monotonic() - self.start >= self.seconds:
+            return f"budget: {self.seconds:g} s spent"
+        return None
+
+    def timer_budget_s(self) -> float:
+        """Seconds one candidate's timing may take: the timer's default, capped by what is left."""
+        if not self.seconds:
+            return settings.timing_budget_s
+        left = self.seconds - (time.monotonic() - self.start)
+        return max(0.0, min(settings.timing_budget_s, left))
+
+
+class _Search:
+    """One find: the inputs and reference shared by all candidates, the best time so far."""
+
+    def __init__(self, problem: ConvProblem, policy: Policy, timer: Timer, seed: int | None) -> None:
+        self.problem, self.policy, self.timer, self.seed = problem, policy, timer, seed
+        self.budget = _Budget(policy)
+        self.best_ms = math.inf
+        self._case: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._pristine: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def case(self) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        # Built on first need: a search where nothing runs computes no reference.
+        if self._case is None:
+            self._case = reference_case(self.problem, self.seed)
+            self._pristine = (self._case[0][0].clone(), self._case[0][1].clone())
+        return self._case
+
+    def restore_inputs(self) -> bool:
+        """Put the shared inputs back if a candidate wrote into them; True if it had."""
+        (a, b), _ = self.case()
+        a0, b0 = self._pristine
+        if torch.equal(a, a0) and torch.equal(b, b0):
+            return False
+        a.copy_(a0)
+        b.copy_(b0)
+        return True
+
+    def try_candidate(self, algorithm: Algorithm) -> PerfResult:
+        """The result of one candidate; nothing it raises escapes."""
+        problem = self.problem
+        try:
+            workspace_bytes = algorithm.workspace_bytes(problem)
+            notes = algorithm.notes(problem)
+            declared = algorithm.is_deterministic(problem)
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is data
+            return PerfResult(algorithm.name, Status.FAILED, message=_describe(exc))
+        # None: the algorithm does not know (cuDNN plans); two runs compared bit for bit decide.
+        props = dict(workspace_bytes=workspace_bytes, deterministic=declared is None or bool(declared),
+                     uses_tf32=notes.tf32, reduced_precision=notes.reduced_precision)
+        violation = self.policy.violation(**props)
+        if violation is not None:
+            return PerfResult(algorithm.name, violation[0], message=violation[1], **props)
+        exhausted = self.budget.exhausted()
+        if exhausted:
+            return PerfResult(algorithm.name, Status.SKIPPED, message=exhausted, **props)
+        self.budget.timed += 1
+        self.case()  # outside the candidate's try: a reference that cannot be computed is not its fault
+        try:
+            return self._measure(algorithm, props, declared is None)
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is data
+            log.debug("%s failed on %s", algorithm.name, problem.key, exc_info=exc)
+            status = Status.OUT_OF_MEMORY if is_out_of_memory(exc) else Status.FAILED
+            if status is Status.OUT_OF_MEMORY and problem.device == "cuda":
+                torch.cuda.empty_cache()
+            with contextlib.suppress(Exception):  # it may have scribbled on the inputs before failing
+                self.restore_inputs()
+            return PerfResult(algorithm.name, status, message=_describe(exc), **props)
+
+    def _measure(self, algorithm: Algorithm, props: dict[str, Any], probe_determinism: bool) -> PerfResult:
+        problem = self.problem
+        inputs, ref = self.case()
+        workspace = allocate_workspace(props["workspace_bytes"], problem.device)
+        out = problem.empty(problem.operand_shapes[2])
+        err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,
+                                 max_rel_error=self.policy.max_rel_error)
+        if self.restore_inputs():
+            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
+                              message="wrote into its input operands (they must stay read-only)")
+        if not ok:
+            return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err, message=message, **props)
+        if probe_determinism:
+            again = algorithm.run(problem, *inputs, workspace=workspace, out=problem.empty(problem.operand_shapes[2]))
+            props["deterministic"] = bool(torch.equal(out, again))
+            if self.policy.deterministic and not props["deterministic"]:
+                return PerfResult(algorithm.name, Status.SKIPPED, rel_error=err, **props,
+                                  message="not deterministic (two runs differ bit for bit), and the policy "
+                                          "asks for determinism")
+        stop_above = self.best_ms * settings.early_stop_factor if math.isfinite(self.best_ms) else None
+        timing = self.timer(lambda: algorithm.run(problem, *inputs, workspace=workspace, out=out),
+                            device=problem.device, budget_s=self.budget.timer_budget_s(), stop_above_ms=stop_above)
+        if self.restore_inputs():
+            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
+                              message="wrote into its input operands (they must stay read-only)")
+        if timing.stopped_early:
+            message = (f"timing stopped early: over {settings.early_stop_factor:g}x the best so far "
+                       f"({self.best_ms:.4g} ms)")
+        else:
+            message = ""  # the error has its own field; an ok result's message is for what is unusual
+        self.best_ms = min(self.best_ms, timing.median_ms)
+        return PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
+                          rel_error=err, message=message, **props)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _log_result(index: int, total: int, result: PerfResult, best_ms: float) -> None:
+    if result.ok:
+        log.info("[%d/%d] %s: %.4g ms (%.0f%% of best), workspace %s", index, total, result.algorithm,
+                 result.time_ms, 100 * result.time_ms / best_ms, format_bytes(result.workspace_bytes))
+    else:
+        log.info("[%d/%d] %s: %s (%s), workspace %s", index, total, result.algorithm, result.status,
+                 result.message, format_bytes(result.workspace_bytes))
+
+
+def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, timer: Timer = benchmark,
+         candidates: Sequence[Algorithm] | None = None, seed: int | None = None) -> list[PerfResult]:
+    """Run, check and time the candidates for ``problem``; a perf list, fastest usable first.
+
+    policy: constraints (violations are not run and get their status: over_workspace_limit, or
+    skipped with the reason) and the budget (max_candidates, budget_s; else the settings
+    find_max_candidates, find_budget_s; 0 = none): once spent, the rest are skipped "budget".
+    db: a ``TuningDB``; every result is stored in it (a candidate not timed this time, for the
+    policy or the budget, keeps the ok result the database had). timer: how candidates are timed (``benchmark``;
+    tests pass a fake). candidates: the algorithms to try (default: every registered algorithm
+    supporting the problem; given ones that do not support it come back ``unsupported``).
+    seed: of the random verification inputs (default ``settings.verify_seed``).
+
+    Each result's status: ok (timed; one clearly slower than the best so far stops being timed
+    early and says so), out_of_memory, failed ("ExceptionType: message"), wrong_result (beyond
+    tolerance, NaN or Inf: never selected), or a policy/budget status. Returns
+    ``ranking.order(results, policy)``: usable results ranked (ties within ``policy.tolerance``
+    to the smaller workspace), then the rest. Raises ``TypeError`` for a bad problem, policy or
+    candidate, ``ValueError`` for a candidate given twice.
+
+        >>> from convtune import ConvProblem, get_algorithm
+        >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(6, 6), kernel_size=1)
+        >>> [r.status.value for r in find(p, candidates=[get_algorithm("torch:native")])]
+        ['ok']
+    """
+    if not isinstance(problem, ConvProblem):
+        raise TypeError(f"find() takes a ConvProblem, got {type(problem).__name__}")
+    policy = DEFAULT_POLICY if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(f"find(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
+    results: list[PerfResult] = []
+    if candidates is None:
+        candidates = algorithms(problem)
+    else:
+        supported = []
+        for algorithm in candidates:
+            if not isinstance(algorithm, Algorithm):
+                raise TypeError(f"find(candidates=...) takes Algorithm instances, got {type(algorithm).__name__}")
+            try:
+                support = algorithm.supports(problem)
+            except Exception as exc:  # noqa: BLE001 - a failing candidate is data
+                results.append(PerfResult(algorithm.name, Status.FAILED, message=_describe(exc)))
+                continue
+            if support:
+                supported.append(algorithm)
+            else:
+                results.append(PerfResult(algorithm.name, Status.UNSUPPORTED, message=support.reason))
+        candidates = supported
+    names = [a.name for a in candidates]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"find(candidates=...) names an algorithm twice: {twice}; pass each once")
+    ranked = ranked_predictions(problem, candidates, policy, db, keep_filters=False)
+    search = _Search(problem, policy, timer, seed)
+    log.info("find %s: %d candidate(s)", problem.key, len(ranked))
+    for index, (algorithm, _) in enumerate(ranked, 1):
+        result = search.try_candidate(algorithm)
+        results.append(result)
+        _log_result(index, len(ranked), result, search.best_ms)
+    if db is not None:
+        db.store(problem, _keep_earlier_measurements(db, problem, results))
+        costmodel.forget(db)
+    return order(results, policy)
+
+
+def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[PerfResult]) -> list[PerfResult]:
+    """``results``, where a candidate this search did not time (policy, budget) keeps its earlier ok result.
+
+    The database replaces a problem's results with each find's: without this, a find under a
+    narrow policy (deterministic, a small workspace limit) would erase timings that a later,
+    wider policy can use.
+    """
+    earlier = {r.algorithm: r for r in db.results(problem) if r.ok}
+    not_timed = (Status.SKIPPED, Status.OVER_WORKSPACE_LIMIT)
+    return [earlier.get(r.algorithm, r) if r.status in not_timed else r for r in results]
+
+
+def summary(results: Sequence[PerfResult]) -> str:
+    """A table of ``results``, one line per candidate: status, ms, % of best, workspace, error.
+
+        >>> print(summary([PerfResult("a:b", "ok", time_ms=2.0, workspace_bytes=2048, rel_error=1e-7)]))
+        algorithm  status  time ms  % of best  workspace  rel error  message
+        a:b        ok      2        100%       2.0 KiB    1.0e-07
+    """
+    times = [r.time_ms for r in results if r.ok and r.time_ms]
+    best = min(times) if times else None
+    rows = [("algorithm", "status", "time ms", "% of best", "workspace", "rel error", "message")]
+    for r in results:
+        rows.append((
+            r.algorithm, r.status.value,
+            "-" if r.time_ms is None else f"{r.time_ms:.4g}",
+            f"{100 * r.time_ms / best:.0f}%" if r.ok and r.time_ms and best else "-",
+            format_bytes(r.workspace_bytes),
+            "-" if r.rel_error is None else f"{r.rel_error:.1e}",
+            r.message,
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

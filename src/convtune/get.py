@@ -1,0 +1,131 @@
+"""get: rank the algorithms for a problem from the cost model, running nothing.
+
+    >>> from convtune import ConvProblem
+    >>> p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(8, 8), kernel_size=3, padding=1)
+    >>> choices = get(p)
+    >>> "torch:native" in [c.name for c in choices]
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import costmodel
+from .algorithms.base import Algorithm
+from .algorithms.registry import algorithms, backends, registered
+from .policy import DEFAULT_POLICY, Policy
+from .problem import ConvProblem
+from .ranking import rank
+from .results import Choice, PerfResult, Status
+
+log = logging.getLogger(__name__)
+
+# A backend (cuDNN) lists its plans best first by its own heuristics, which know more than a
+# roofline: among plans the model cannot tell apart, each later one is predicted this much slower.
+BACKEND_ORDER_STEP = 0.03
+# Answers of get() kept for repeated questions (a whole network asks the same ones per step).
+MEMO_SIZE = 4096
+_memo: dict[tuple, list[Choice]] = {}
+
+
+def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: float = 1.0) -> PerfResult:
+    """The cost model's guess for ``algorithm`` on ``problem`` as an unmeasured ``PerfResult``.
+
+    time_ms is the predicted time (times ``factor``, corrected by ``db``'s measurements on this
+    device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
+    precision) are the algorithm's own. Exceptions of the algorithm's description methods propagate.
+    """
+    workspace = algorithm.workspace_bytes(problem)
+    notes = algorithm.notes(problem)
+    ms = costmodel.predict_ms(algorithm.name, problem, workspace, notes.tf32) * factor
+    ms *= costmodel.corrections(db, problem.device).factor(algorithm.name, problem)
+    return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
+                      deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
+                      reduced_precision=notes.reduced_precision, message=f"predicted {ms:.4g} ms")
+
+
+@functools.lru_cache(maxsize=64)
+def _ranking_policy(policy: Policy, keep_filters: bool) -> Policy:
+    # Predictions carry no error estimate, so max_rel_error cannot judge them; without filters,
+    # only the preference and the tie rule remain (find's timing order).
+    if keep_filters:
+        return dataclasses.replace(policy, max_rel_error=None)
+    return Policy(prefer=policy.prefer, tolerance=policy.tolerance)
+
+
+def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], policy: Policy,
+                       db: Any = None, *, keep_filters: bool = True) -> list[tuple[Algorithm, PerfResult]]:
+    """``candidates`` with their predictions, ranked like ``ranking.rank`` ranks measurements.
+
+    keep_filters=True leaves out what the policy forbids (get); False keeps every candidate in
+    the policy's preferred order (find times them in this order and gives violations a status).
+    A candidate whose description raises is logged and ranked last (get leaves it out).
+    """
+    by_name: dict[str, Algorithm] = {}
+    guesses = []
+    broken = []
+    prefixes = {b.prefix for b in backends()}
+    seen: dict[str, int] = defaultdict(int)
+    for algorithm in candidates:
+        factor = 1.0
+        if algorithm.backend in prefixes:
+            factor += BACKEND_ORDER_STEP * seen[algorithm.backend]
+            seen[algorithm.backend] += 1
+        try:
+            guess = predict(problem, algorithm, db, factor)
+        except Exception as exc:  # noqa: BLE001 - a broken plug-in must not break the ranking
+            log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key,
+                        type(exc).__name__, exc)
+            broken.append(algorithm)
+            continue
+        by_name[algorithm.name] = algorithm
+        guesses.append(guess)
+    ranked = [(by_name[g.algorithm], g) for g in rank(guesses, _ranking_policy(policy, keep_filters))]
+    if keep_filters:
+        return ranked
+    return ranked + [(a, PerfResult(a.name, Status.OK, time_ms=math.inf)) for a in broken]
+
+
+def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> list[Choice]:
+    """Rank the registered algorithms that support ``problem`` and respect ``policy``, best first.
+
+    Runs nothing: an analytic cost model per algorithm family (see ``costmodel``), corrected by
+    what ``db`` (a ``TuningDB``, optional) measured on this device. Ranked like measurements:
+    by predicted time, times within ``policy.tolerance`` tie and go to the smaller workspace;
+    ``prefer='least_memory'`` ranks by workspace. Algorithms that violate the policy (workspace
+    limit, determinism, TF32, reduced precision) are left out; an empty list means none is left.
+    Raises ``TypeError`` for a problem that is not a ``ConvProblem``.
+
+        >>> from convtune import ConvProblem, Policy
+        >>> p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(8, 8), kernel_size=1)
+        >>> best = get(p, Policy(deterministic=True))[0]
+        >>> best.predicted_ms > 0
+        True
+    """
+    policy = DEFAULT_POLICY if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(f"get(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
+    if not isinstance(problem, ConvProblem):
+        raise TypeError(f"get() takes a ConvProblem, got {type(problem).__name__}")
+    # Everything the answer depends on: a repeated question costs a dictionary lookup. The
+    # registry's content and the correction table (a new object once the db gets measurements)
+    # are part of the key; cuDNN's global determinism flag changes what torch:native declares.
+    key = (problem, policy, tuple(registered()), tuple(backends()), costmodel.corrections(db, problem.device),
+           torch.backends.cudnn.deterministic)
+    choices = _memo.get(key)
+    if choices is None:
+        ranked = ranked_predictions(problem, algorithms(problem), policy, db)
+        choices = [Choice(g.algorithm, g.time_ms, g.workspace_bytes) for _, g in ranked]
+        if len(_memo) >= MEMO_SIZE:
+            _memo.clear()
+        _memo[key] = choices
+    return list(choices)

@@ -1,0 +1,95 @@
+"""select: the one algorithm to use for a problem: the tuning database first, then find or get.
+
+    >>> from convtune import ConvProblem
+    >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(8, 8), kernel_size=3, padding=1)
+    >>> select(p, mode="get").status.value
+    'ok'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .algorithms.registry import algorithms, unsupported_reasons
+from .errors import NoAlgorithmError
+from .find import find
+from .get import ranked_predictions
+from .policy import DEFAULT_POLICY, Policy
+from .problem import ConvProblem
+from .ranking import rank, usable
+from .results import PerfResult
+
+MODES = ("get", "find", "hybrid", "db_then_get")
+
+
+def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> PerfResult:
+    """The best algorithm for ``problem`` under ``policy``, as a ``PerfResult``.
+
+    mode: 'get' (the cost model's first choice, nothing run: time_ms is None and the message
+    gives the predicted time), 'find' (always measure; stored when ``db`` is given), 'hybrid'
+    (a database hit, else find and store), 'db_then_get' (a database hit, else get's choice;
+    never measures). db: a ``TuningDB``; None means the default ``TuningDB()`` for 'hybrid' and
+    'db_then_get', and no database for the others.
+    Raises ``ValueError`` for an unknown mode, ``NoAlgorithmError`` (naming the problem and why
+    each candidate was refused) when no algorithm can serve the problem under the policy.
+
+        >>> from convtune import ConvProblem, Policy
+        >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(6, 6), kernel_size=1)
+        >>> select(p, Policy(deterministic=True), mode="find").status.value
+        'ok'
+    """
+    if mode not in MODES:
+        raise ValueError(f"select(mode={mode!r}) is not a mode; use one of {list(MODES)}")
+    if not isinstance(problem, ConvProblem):
+        raise TypeError(f"select() takes a ConvProblem, got {type(problem).__name__}")
+    policy = DEFAULT_POLICY if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(f"select(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
+    if mode in ("hybrid", "db_then_get"):
+        if db is None:
+            from .db import TuningDB
+
+            db = TuningDB()
+        hit = db.lookup(problem, policy)
+        if hit is not None and usable(hit, policy):
+            return hit
+    if mode in ("get", "db_then_get"):
+        return _from_model(problem, policy, db)
+    return _from_measurements(problem, policy, db)
+
+
+def _from_model(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
+    ranked = ranked_predictions(problem, algorithms(problem), policy, db)
+    if not ranked:
+        refused = unsupported_reasons(problem)
+        for _, guess in ranked_predictions(problem, algorithms(problem), policy, db, keep_filters=False):
+            violation = policy.violation(workspace_bytes=guess.workspace_bytes, deterministic=guess.deterministic,
+                                         uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
+            refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
+        raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
+    _, best = ranked[0]
+    # Unknown determinism (None, a cuDNN plan never run) is no promise of determinism.
+    return dataclasses.replace(best, time_ms=None, deterministic=bool(best.deterministic),
+                               message=f"not measured: the cost model predicts {best.time_ms:.4g} ms")
+
+
+def _from_measurements(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
+    results = find(problem, policy, db)
+    ranked = rank(results, policy)
+    if ranked:
+        return ranked[0]
+    refused = unsupported_reasons(problem)
+    for r in results:
+        if r.ok:
+            refused[r.algorithm] = f"relative error {r.rel_error} above Policy.max_rel_error={policy.max_rel_error}"
+        else:
+            refused[r.algorithm] = f"{r.status.value}: {r.message}"
+    raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
+
+
+def _no_algorithm(problem: ConvProblem, policy: Policy, refused: dict[str, str]) -> str:
+    lines = "".join(f"\n  {name}: {reason}" for name, reason in sorted(refused.items()))
+    return (f"no algorithm can compute {problem.key} under {policy}; "
+            f"relax the policy or register an algorithm that supports the problem. "
+            f"Candidates:{lines or ' none registered'}")

@@ -1,0 +1,237 @@
+"""All benchmark hygiene in one function: ``benchmark(fn, device=...) -> Timing``.
+
+The tuner takes the timer as a parameter (any callable of the ``Timer`` shape), so tests pass a
+fake and every candidate of one comparison is timed by the same method:
+
+- a warm-up call (first-call costs: allocator, oneDNN primitive creation, cuDNN plan builds);
+- samples of ``inner`` back-to-back calls, ``inner`` chosen so one sample lasts about
+  ``SAMPLE_TARGET_MS``: timer resolution and per-sample overhead then cannot decide the
+  15-100 us kernels of a real network;
+- CUDA: device timestamps (events), the ``inner`` calls captured once in a CUDA graph and
+  replayed, so Python launch overhead (about 25 us a call) is out of the measurement (an eager
+  loop when the candidate cannot be captured), and an L2 flush (a write of 2x the L2 size)
+  before every sample, so no sample starts with its operands already in cache;
+- the median of the samples, their spread (p75 - p25), repeated until the spread is small,
+  the budget is spent, or the median is clearly above ``stop_above_ms``.
+
+    >>> import time
+    >>> t = benchmark(lambda: time.sleep(0.001), device="cpu", budget_s=0.02, min_repeats=2, max_repeats=4)
+    >>> 2 <= len(t.samples_ms) <= 4 and t.median_ms > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from .settings import settings
+
+log = logging.getLogger(__name__)
+
+# One sample lasts about this long: long against timer resolution and launch overhead,
+# short enough that a budget of a fraction of a second still holds several samples.
+SAMPLE_TARGET_MS = 1.0
+# Most calls in one sample (very fast functions; also bounds a CUDA graph's size).
+MAX_INNER = 1000
+# A warm-up call longer than this skips the sizing call (slow candidates run once per sample).
+SIZING_LIMIT_MS = 50.0
+# Used when the device does not report its L2 size.
+DEFAULT_L2_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """What the timer measured, per call of ``fn``, in milliseconds.
+
+    median_ms: median over samples; spread_ms: p75 - p25 of the samples; samples_ms: each
+    sample's time per call; stopped_early: timing ended because the median exceeded
+    ``stop_above_ms``; calls_per_sample: the ``inner`` calls one sample averaged over.
+    """
+
+    median_ms: float
+    spread_ms: float
+    samples_ms: tuple[float, ...]
+    stopped_early: bool = False
+    calls_per_sample: int = 1
+
+
+class Timer(Protocol):
+    """The shape of ``benchmark``: what the tuner calls to time one candidate."""
+
+    def __call__(self, fn: Callable[[], object], *, device: str, budget_s: float | None = None,
+                 min_repeats: int | None = None, max_repeats: int | None = None,
+                 stop_above_ms: float | None = None) -> Timing: ...
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` with linear interpolation (numpy's default).
+
+    >>> percentile([1.0, 2.0, 3.0, 4.0], 0.5)
+    2.5
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of an empty list of values")
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(samples_ms: Sequence[float], *, stopped_early: bool = False, calls_per_sample: int = 1) -> Timing:
+    """A ``Timing`` from per-call sample times (median and interquartile spread)."""
+    return Timing(median_ms=percentile(samples_ms, 0.5),
+                  spread_ms=percentile(samples_ms, 0.75) - percentile(samples_ms, 0.25),
+                  samples_ms=tuple(samples_ms), stopped_early=stopped_early, calls_per_sample=calls_per_sample)
+
+
+def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None = None,
+              min_repeats: int | None = None, max_repeats: int | None = None,
+              stop_above_ms: float | None = None) -> Timing:
+    """Time ``fn()`` (no arguments) on ``device`` ('cpu' or 'cuda'): the median time per call.
+
+    budget_s: seconds of sampling after which repeats end (at least ``min_repeats`` are taken);
+    min_repeats/max_repeats: bounds on the number of samples; stop_above_ms: once min_repeats
+    are done and the median exceeds it, stop and set ``stopped_early`` (the tuner passes a
+    multiple of the best time so far). Defaults come from ``settings`` (timing_budget_s,
+    timing_min_repeats, timing_max_repeats); repeats also end once (p75 - p25) / median is
+    below ``settings.timing_rel_spread``. Exceptions of ``fn`` propagate unchanged.
+    Bad arguments raise ``ValueError``.
+
+        >>> t = benchmark(lambda: sum(range(1000)), device="cpu", budget_s=0.01)
+        >>> t.median_ms > 0 and t.spread_ms >= 0 and not t.stopped_early
+        True
+    """
+    budget_s = settings.timing_budget_s if budget_s is None else budget_s
+    min_repeats = settings.timing_min_repeats if min_repeats is None else min_repeats
+    max_repeats = settings.timing_max_repeats if max_repeats is None else max_repeats
+    rel_spread = settings.timing_rel_spread
+    if not callable(fn):
+        raise TypeError(f"benchmark() times a function of no arguments, got {type(fn).__name__}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"benchmark(device={device!r}) is not supported; use 'cpu' or 'cuda'")
+    if min_repeats < 1 or max_repeats < min_repeats:
+        raise ValueError(f"benchmark needs 1 <= min_repeats <= max_repeats, got min_repeats={min_repeats}, "
+                         f"max_repeats={max_repeats}")
+    if budget_s < 0:
+        raise ValueError(f"benchmark(budget_s={budget_s}) must be >= 0 seconds")
+    sampler = _CudaSampler(fn) if device == "cuda" else _CpuSampler(fn)
+    start = time.perf_counter()
+    samples: list[float] = []
+    stopped_early = False
+    while True:
+        samples.append(sampler.sample_ms())
+        if len(samples) >= max_repeats:
+            break
+        if len(samples) < min_repeats:
+            continue
+        median = percentile(samples, 0.5)
+        if stop_above_ms is not None and median > stop_above_ms:
+            stopped_early = True
+            break
+        if percentile(samples, 0.75) - percentile(samples, 0.25) <= rel_spread * median:
+            break
+        if time.perf_counter() - start >= budget_s:
+            break
+    return summarize(samples, stopped_early=stopped_early, calls_per_sample=sampler.inner)
+
+
+def _inner_for(per_call_ms: float) -> int:
+    """Calls per sample so that one sample lasts about SAMPLE_TARGET_MS."""
+    if per_call_ms <= 0:
+        return MAX_INNER
+    return max(1, min(MAX_INNER, math.ceil(SAMPLE_TARGET_MS / per_call_ms)))
+
+
+class _CpuSampler:
+    """perf_counter around ``inner`` calls, ``inner`` sized by a second call after the warm-up."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        begin = time.perf_counter()
+        fn()  # warm-up: first-call costs are not the algorithm's steady state
+        warm_ms = 1e3 * (time.perf_counter() - begin)
+        if warm_ms >= SIZING_LIMIT_MS:
+            self.inner = 1  # a slow candidate gets no extra call: one call is sample enough
+            return
+        begin = time.perf_counter()
+        fn()
+        self.inner = _inner_for(1e3 * (time.perf_counter() - begin))
+
+    def sample_ms(self) -> float:
+        fn = self.fn
+        begin = time.perf_counter()
+        for _ in range(self.inner):
+            fn()
+        return 1e3 * (time.perf_counter() - begin) / self.inner
+
+
+class _CudaSampler:
+    """CUDA events around a graph replay (or an eager loop) of ``inner`` calls, L2 flushed before each.
+
+    Every sample runs on the current stream: flush, start event, the calls, end event, then a
+    synchronisation to read the events. ``fn`` must enqueue its work on the current stream.
+    """
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        l2_bytes = getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES
+        self.flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        fn()  # warm-up (cuDNN plan builds, Triton compilation, allocator growth)
+        torch.cuda.synchronize()
+        # Eager calls overstate the time of host-bound kernels, so inner errs on the small side.
+        self.inner = _inner_for(self._eager_ms(3) / 3)
+        self.graph = self._capture()
+
+    def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _eager_ms(self, calls: int) -> float:
+        start, end = self._events()
+        self.flush.zero_()
+        start.record()
+        for _ in range(calls):
+            self.fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def _capture(self) -> torch.cuda.CUDAGraph | None:
+        """A graph of ``inner`` calls of ``fn``, or None when ``fn`` cannot be captured."""
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        try:
+            # Capture needs a warmed-up fn on a side stream (lazy initialisations outside capture).
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                for _ in range(self.inner):
+                    self.fn()
+            torch.cuda.synchronize()
+            return graph
+        except Exception as exc:  # noqa: BLE001 - any capture failure means: time it eagerly
+            log.debug("CUDA graph capture failed (%s: %s); timing eager launches", type(exc).__name__, exc)
+            torch.cuda.synchronize()
+            return None
+
+    def sample_ms(self) -> float:
+        if self.graph is None:
+            return self._eager_ms(self.inner) / self.inner
+        start, end = self._events()
+        self.flush.zero_()
+        start.record()
+        self.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / self.inner

@@ -1,0 +1,208 @@
+"""Fakes for tests of the tuner: algorithms with every behaviour, a timer on a fake clock, a database.
+
+A fake algorithm computes the true result (through PyTorch) unless it is meant to fail, and
+advances the shared fake ``CLOCK`` by its ``time_ms`` each run; ``FakeTimer`` times by that
+clock, so a test decides candidates' times exactly without sleeping. ``Fake(..., sleep=True)``
+also sleeps for real, for the wall-clock budget and the real timer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from convtune.algorithms.base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, unsupported
+from convtune.algorithms.native import native_conv
+from convtune.policy import Policy
+from convtune.ranking import rank
+from convtune.timing import Timing, percentile, summarize
+
+
+class FakeClock:
+    """Milliseconds that only fake algorithms advance."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+
+    def advance(self, ms: float) -> None:
+        self.ms += ms
+
+
+CLOCK = FakeClock()
+
+
+class FakeTimer:
+    """A ``Timer`` that reads ``CLOCK``: one warm-up call, then samples of one call each.
+
+    Honours min_repeats/max_repeats (defaults 3 and 5) and stop_above_ms like ``benchmark``;
+    records the keyword arguments of every call in ``calls``.
+    """
+
+    def __init__(self, min_repeats: int = 3, max_repeats: int = 5) -> None:
+        self.min_repeats, self.max_repeats = min_repeats, max_repeats
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, fn, *, device: str, budget_s: float | None = None, min_repeats: int | None = None,
+                 max_repeats: int | None = None, stop_above_ms: float | None = None) -> Timing:
+        self.calls.append(dict(device=device, budget_s=budget_s, stop_above_ms=stop_above_ms))
+        lo = min_repeats or self.min_repeats
+        hi = max_repeats or self.max_repeats
+        fn()
+        samples: list[float] = []
+        while len(samples) < hi:
+            before = CLOCK.ms
+            fn()
+            samples.append(CLOCK.ms - before)
+            if len(samples) >= lo and stop_above_ms is not None and percentile(samples, 0.5) > stop_above_ms:
+                return summarize(samples, stopped_early=True)
+        return summarize(samples)
+
+
+class Fake(Algorithm):
+    """A correct algorithm with chosen properties; counts its runs in ``runs``.
+
+    time_ms: what it adds to ``CLOCK`` per run; sleep: also sleep that long for real;
+    workspace_bytes: declared (and touched) scratch; deterministic, tf32, reduced_precision:
+    what it declares; devices, directions: where it runs; unsupported_reason: refuse every problem.
+    """
+
+    def __init__(self, name: str = "fake:ok", *, time_ms: float = 1.0, sleep: bool = False, workspace_bytes: int = 0,
+                 deterministic: bool = True, tf32: bool = False, reduced_precision: bool = False,
+                 devices: tuple[str, ...] = ("cpu", "cuda"),
+                 directions: tuple[str, ...] = ("fwd", "bwd_data", "bwd_filter"),
+                 unsupported_reason: str | None = None) -> None:
+        self.name = name
+        super().__init__()
+        self.time_ms, self.sleep, self.scratch_bytes = time_ms, sleep, workspace_bytes
+        self.deterministic, self.tf32, self.reduced_precision = deterministic, tf32, reduced_precision
+        self.devices, self.directions, self.unsupported_reason = devices, directions, unsupported_reason
+        self.runs = 0
+
+    def _supports(self, problem) -> Support:
+        return unsupported(self.unsupported_reason) if self.unsupported_reason else SUPPORTED
+
+    def buffers(self, problem) -> list[Buffer]:
+        return [Buffer("scratch", (self.scratch_bytes,), torch.uint8)] if self.scratch_bytes else []
+
+    def notes(self, problem) -> NumericNotes:
+        return NumericNotes(tf32=self.tf32, reduced_precision=self.reduced_precision)
+
+    def is_deterministic(self, problem) -> bool:
+        return self.deterministic
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        self.runs += 1
+        CLOCK.advance(self.time_ms)
+        if self.sleep:
+            time.sleep(self.time_ms / 1e3)
+        if "scratch" in ws:
+            ws["scratch"][:64].fill_(7)
+        self.compute(problem, a, b, out)
+
+    def compute(self, problem, a, b, out) -> None:
+        out.copy_(native_conv(problem, a, b))
+
+
+class Raising(Fake):
+    """Raises ``exc`` on every run."""
+
+    def __init__(self, name: str = "fake:raising", exc: BaseException | None = None, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.exc = exc if exc is not None else ValueError("boom")
+
+    def compute(self, problem, a, b, out) -> None:
+        raise self.exc
+
+
+class OutOfMemory(Raising):
+    """Raises torch.OutOfMemoryError, as the CUDA caching allocator does."""
+
+    def __init__(self, name: str = "fake:oom", **kw: Any) -> None:
+        super().__init__(name, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), **kw)
+
+
+class WrongResult(Fake):
+    """Off by ``scale`` (1% by default): far beyond any float32 tolerance."""
+
+    def __init__(self, name: str = "fake:wrong", scale: float = 1.01, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.scale = scale
+
+    def compute(self, problem, a, b, out) -> None:
+        out.copy_(native_conv(problem, a, b) * self.scale)
+
+
+class NaNResult(Fake):
+    """The correct result with one NaN in it."""
+
+    def __init__(self, name: str = "fake:nan", **kw: Any) -> None:
+        super().__init__(name, **kw)
+
+    def compute(self, problem, a, b, out) -> None:
+        super().compute(problem, a, b, out)
+        out[(0,) * out.dim()] = float("nan")
+
+
+class NoWrite(Fake):
+    """Never writes its output."""
+
+    def __init__(self, name: str = "fake:nowrite", **kw: Any) -> None:
+        super().__init__(name, **kw)
+
+    def compute(self, problem, a, b, out) -> None:
+        pass
+
+
+class InputWriter(Fake):
+    """Computes the right result, then scribbles on its first operand."""
+
+    def __init__(self, name: str = "fake:inputwriter", **kw: Any) -> None:
+        super().__init__(name, **kw)
+
+    def compute(self, problem, a, b, out) -> None:
+        super().compute(problem, a, b, out)
+        a.mul_(2)
+
+
+class UnknownDeterminism(Fake):
+    """Does not know whether it is deterministic (like a cuDNN plan); ``noisy`` makes runs differ slightly."""
+
+    def __init__(self, name: str = "fake:unknown", noisy: bool = False, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.noisy = noisy
+
+    def is_deterministic(self, problem) -> bool | None:
+        return None
+
+    def compute(self, problem, a, b, out) -> None:
+        super().compute(problem, a, b, out)
+        if self.noisy:  # far within tolerance, but not bit for bit the same: atomics-like
+            out.mul_(1 + 1e-6 * (self.runs % 7 + 1))
+
+
+class FakeDB:
+    """An in-memory ``TuningDB``: store, results, lookup, measurements; counts what is asked of it."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, tuple[Any, list[Any]]] = {}
+        self.store_calls = 0
+        self.lookups = 0
+        self.measurement_calls = 0
+
+    def store(self, problem, results) -> None:
+        self.store_calls += 1
+        self.stored[problem.key] = (problem, list(results))
+
+    def results(self, problem) -> list[Any]:
+        return list(self.stored.get(problem.key, (problem, []))[1])
+
+    def lookup(self, problem, policy: Policy | None = None):
+        self.lookups += 1
+        ranked = rank(self.results(problem), policy or Policy())
+        return ranked[0] if ranked else None
+
+    def measurements(self, device: str) -> list[tuple[Any, Any]]:
+        self.measurement_calls += 1
+        return [(p, r) for p, results in self.stored.values() if p.device == device for r in results if r.ok]

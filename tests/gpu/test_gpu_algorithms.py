@@ -1,0 +1,91 @@
+"""Every GPU algorithm against the float64 reference on real layers; workspace honesty; OOM in find.
+
+Run on a CUDA machine: ``python -m pytest tests/gpu``. Skipped without CUDA.
+"""
+
+import pytest
+import torch
+
+import convtune as ct
+from convtune.algorithms.base import allocate_workspace
+from convtune.verify import reference, rel_error, tolerance
+
+pytestmark = pytest.mark.gpu
+
+# Real layers: ResNet-50's 3x3, 1x1 and strided 1x1; MobileNetV2's depthwise; a dilated 3x3; a 1-D and a 3-D conv.
+LAYERS = [
+    dict(n=8, c=64, k=64, input_size=(56, 56), kernel_size=3, padding=1),
+    dict(n=8, c=256, k=64, input_size=(56, 56), kernel_size=1),
+    dict(n=8, c=512, k=1024, input_size=(28, 28), kernel_size=1, stride=2),
+    dict(n=8, c=96, k=96, input_size=(56, 56), kernel_size=3, padding=1, stride=2, groups=96),
+    dict(n=4, c=32, k=48, input_size=(33, 31), kernel_size=3, padding=2, dilation=2),
+    dict(n=4, c=32, k=64, input_size=(200,), kernel_size=5, padding=2),
+    dict(n=2, c=16, k=16, input_size=(12, 12, 12), kernel_size=3, padding=1),
+]
+CASES = [(layer, d, dt, lo) for layer in LAYERS for d in ("fwd", "bwd_data", "bwd_filter")
+         for dt in ("float32", "float16", "bfloat16") for lo in ("channels_first", "channels_last")]
+
+
+def _id(case):
+    layer, d, dt, lo = case
+    size = "x".join(map(str, layer["input_size"]))
+    return f"c{layer['c']}k{layer['k']}s{size}r{layer['kernel_size']}g{layer.get('groups', 1)}-{d}-{dt}-{lo}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
+    layer, direction, dtype, layout = case
+    p = ct.ConvProblem(direction=direction, dtype=dtype, layout=layout, device="cuda", allow_tf32=False, **layer)
+    a, b = p.random_inputs(seed=11)
+    ref = reference(p, a, b)
+    algos = ct.algorithms(p)
+    assert algos, ct.unsupported_reasons(p)
+    failures = []
+    for algo in algos:
+        try:
+            need = algo.workspace_bytes(p)
+        except RuntimeError as exc:  # a cuDNN plan that cannot be built is reported, not run
+            continue
+        ws = allocate_workspace(need, "cuda")
+        out = p.empty(p.operand_shapes[2]).fill_(float("nan"))
+        algo.run(p, a, b, workspace=ws, out=out)  # warm-up: lazy plans, cuFFT plan caches
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        algo.run(p, a, b, workspace=ws, out=out)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        err = rel_error(out, ref)
+        tol = tolerance(p, algo.notes(p))
+        slack = max(1 << 20, out.numel() * out.element_size() // 50)
+        if not err <= tol:
+            failures.append(f"{algo.name}: rel error {err:.2e} > {tol:.1e}")
+        if algo.name != "torch:native" and extra > slack:
+            failures.append(f"{algo.name}: allocated {extra} bytes beyond its {need}-byte workspace")
+    assert not failures, "\n".join(failures)
+
+
+def test_find_reports_out_of_memory_as_a_status_and_goes_on():
+    p = ct.ConvProblem("fwd", n=4, c=64, k=64, input_size=(32, 32), kernel_size=3, padding=1, device="cuda",
+                       dtype="float16", layout="NHWC")
+    from convtune.algorithms.base import Algorithm, Buffer
+    from convtune.algorithms import registry
+
+    free, _ = torch.cuda.mem_get_info()
+
+    class Greedy(Algorithm):
+        name = "test:greedy"
+        devices = ("cuda",)
+
+        def buffers(self, problem):
+            return [Buffer("huge", (free * 4,), torch.uint8)]
+
+        def _run(self, problem, a, b, out, ws):
+            raise AssertionError("never reached: the workspace cannot be allocated")
+
+    with registry.isolated(Greedy()):
+        results = ct.find(p, ct.Policy(workspace_limit=None))
+    by_name = {r.algorithm: r for r in results}
+    assert by_name["test:greedy"].status == ct.Status.OUT_OF_MEMORY
+    assert results[0].ok and results[0].algorithm != "test:greedy"

@@ -1,0 +1,429 @@
+"""The tuning database: round trips, policies answered from storage, concurrency, recovery, export/import."""
+
+from __future__ import annotations
+
+import base64
+import doctest
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB
+from convtune import db as db_module
+from convtune import hardware
+from convtune.settings import settings
+
+
+def problem(n: int = 1, **changes) -> ConvProblem:
+    fields = dict(direction="fwd", n=n, c=4, k=8, input_size=(8, 8), kernel_size=3, padding=1)
+    return ConvProblem(**{**fields, **changes})
+
+
+# One find's worth: a fast algorithm that needs workspace and is not deterministic, a slower lean
+# deterministic one, a TF32 one, and failures that must never be served.
+FIND = [
+    PerfResult("cpu:fast", Status.OK, time_ms=1.0, spread_ms=0.01, workspace_bytes=1 << 20, deterministic=False,
+               rel_error=1e-6),
+    PerfResult("cpu:lean", Status.OK, time_ms=3.0, spread_ms=0.02, workspace_bytes=0, rel_error=2e-6),
+    PerfResult("cpu:mid", Status.OK, time_ms=1.5, workspace_bytes=1 << 10, uses_tf32=True, rel_error=1e-3),
+    PerfResult("cpu:wrong", Status.WRONG_RESULT, time_ms=0.1, rel_error=1.0, message="max error 1.0"),
+    PerfResult("cpu:oom", Status.OUT_OF_MEMORY, message="needs 1 TiB"),
+]
+
+
+@pytest.fixture
+def db(tmp_path):
+    with TuningDB(tmp_path / "tuning.sqlite") as tdb:
+        yield tdb
+
+
+def rows(path: Path) -> int:
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT count(*) FROM results").fetchone()[0]
+
+
+def aside(path: Path, kind: str) -> list[Path]:
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith(f"{path.name}.{kind}"))
+
+
+# -- round trip and policies -------------------------------------------------------------------
+def test_store_results_lookup_round_trip(db, tmp_path):
+    p = problem()
+    db.store(p, FIND)
+    assert db.results(p) == FIND
+    assert db.lookup(p).algorithm == "cpu:fast"
+    assert db.results(problem(n=2)) == [] and db.lookup(problem(n=2)) is None
+    db.close()
+    with TuningDB(tmp_path / "tuning.sqlite") as again:  # another connection reads the same
+        assert again.results(p) == FIND
+        again.store(p, FIND[1:2])  # a new find replaces the old one, it does not add to it
+        assert again.results(p) == FIND[1:2]
+    assert db.results(p) == FIND[1:2]  # the closed object reopens
+
+
+@pytest.mark.parametrize("policy, expected", [
+    (Policy(), "cpu:fast"),
+    (Policy(workspace_limit="1KiB"), "cpu:mid"),
+    (Policy(workspace_limit=0), "cpu:lean"),
+    (Policy(deterministic=True), "cpu:mid"),
+    (Policy(deterministic=True, allow_tf32=False), "cpu:lean"),
+    (Policy(prefer="least_memory"), "cpu:lean"),
+    (Policy(max_rel_error=1e-4), "cpu:fast"),
+    (Policy(max_rel_error=1e-4, workspace_limit="1KiB"), "cpu:lean"),
+    (Policy(tolerance=0.6), "cpu:mid"),  # 1.5 ms ties with 1.0 ms, and the tie goes to less workspace
+])
+def test_another_policy_is_answered_from_stored_results(db, policy, expected):
+    p = problem()
+    db.store(p, FIND)
+    assert db.lookup(p, policy).algorithm == expected
+
+
+def test_lookup_never_serves_a_failure(db):
+    p = problem()
+    db.store(p, [r for r in FIND if not r.ok])
+    assert len(db.results(p)) == 2
+    assert db.lookup(p) is None
+
+
+def test_measurements_lists_ok_results_of_this_device(db):
+    p1, p2 = problem(1), problem(2, direction="bwd_data")
+    db.store(p1, FIND)
+    db.store(p2, FIND[:1])
+    got = db.measurements("cpu")
+    assert [(p, r.algorithm) for p, r in got] == [(p1, "cpu:fast"), (p1, "cpu:lean"), (p1, "cpu:mid"),
+                                                  (p2, "cpu:fast")]
+    if not torch.cuda.is_available():
+        assert db.measurements("cuda") == []
+
+
+def test_entries_summarise_each_problem(db):
+    p = problem()
+    db.store(p, FIND)
+    db.store(problem(2), FIND[3:])
+    entries = {e.problem: e for e in db.entries()}
+    assert entries[p.key].num_results == 5
+    assert (entries[p.key].best_algorithm, entries[p.key].best_ms) == ("cpu:fast", 1.0)
+    assert entries[problem(2).key].best_algorithm is None and entries[problem(2).key].best_ms is None
+    assert all(e.usable and e.fingerprint == hardware.fingerprint("cpu") for e in entries.values())
+    assert all(e.software == hardware.software_versions() and e.stored_at > 0 for e in entries.values())
+
+
+def test_store_refuses_what_it_could_not_read_back(db):
+    with pytest.raises(TypeError, match="PerfResult"):
+        db.store(problem(), [{"algorithm": "x", "status": "ok"}])
+    with pytest.raises(ValueError, match="time_ms"):
+        db.store(problem(), [PerfResult("x", "ok", time_ms=float("nan"))])
+    with pytest.raises(TypeError, match="ConvProblem"):
+        db.store("fwd|n1", FIND)
+    assert db.entries() == []
+
+
+def test_clear_removes_every_row(db):
+    db.store(problem(1), FIND)
+    db.store(problem(2), FIND[:2])
+    assert db.clear() == 7
+    assert db.entries() == [] and db.lookup(problem(1)) is None
+
+
+# -- concurrency --------------------------------------------------------------------------------
+PROBLEMS_PER_WRITER = 100
+
+
+def _write_many(tdb: TuningDB, writer: int) -> None:
+    for i in range(PROBLEMS_PER_WRITER):
+        p = problem(n=1 + writer * 1000 + i)
+        tdb.store(p, [PerfResult(f"w{writer}:a", "ok", time_ms=1.0 + i), PerfResult(f"w{writer}:b", "failed")])
+        assert tdb.lookup(p).algorithm == f"w{writer}:a"
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method")
+def test_processes_writing_at_once_lose_nothing(tmp_path):
+    tdb = TuningDB(tmp_path / "tuning.sqlite")
+    tdb.store(problem(999_999), FIND)  # the parent's connection is open when it forks: children must not use it
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_write_many, args=(tdb, w)) for w in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    assert len(tdb.entries()) == 4 * PROBLEMS_PER_WRITER + 1
+    assert rows(tdb.path) == 2 * 4 * PROBLEMS_PER_WRITER + len(FIND)
+    assert tdb.lookup(problem(1 + 3 * 1000 + 7)).time_ms == 8.0
+    tdb.close()
+
+
+def _create_and_write(path: Path, writer: int) -> None:
+    with TuningDB(path) as tdb:
+        _write_many(tdb, writer)
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method")
+def test_processes_racing_to_create_the_file_lose_nothing(tmp_path):
+    path = tmp_path / "fresh" / "tuning.sqlite"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_create_and_write, args=(path, w)) for w in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    assert not aside(path, "corrupt") and not aside(path, "schema")  # nobody took a half-created file for a corrupt one
+    with TuningDB(path) as tdb:
+        assert len(tdb.entries()) == 4 * PROBLEMS_PER_WRITER
+        assert rows(path) == 2 * 4 * PROBLEMS_PER_WRITER
+
+
+def test_threads_sharing_one_object(db):
+    errors = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(25):
+                db.store(problem(n=1 + t * 100 + i), FIND[:2])
+                db.entries()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(db.entries()) == 100
+
+
+# -- bad files ----------------------------------------------------------------------------------
+def _truncated_db(path: Path) -> None:
+    with TuningDB(path) as tdb:
+        for i in range(200):
+            tdb.store(problem(1 + i), [PerfResult("x", "ok", time_ms=1.0, message="m" * 300)])
+    size = path.stat().st_size
+    assert size > 8 * 4096
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+
+
+def _random_bytes(path: Path) -> None:
+    path.write_bytes(torch.randint(0, 256, (20000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+                     .numpy().tobytes())
+
+
+@pytest.mark.parametrize("damage", [_random_bytes, _truncated_db], ids=["random_bytes", "truncated"])
+def test_corrupt_file_is_moved_aside_and_replaced(tmp_path, caplog, damage):
+    path = tmp_path / "tuning.sqlite"
+    damage(path)
+    damaged = path.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        tdb = TuningDB(path)
+    assert any("moved it to" in r.getMessage() and "unusable" in r.getMessage() for r in caplog.records)
+    [moved] = aside(path, "corrupt")
+    assert moved.read_bytes() == damaged  # kept for a post-mortem, untouched
+    assert tdb.entries() == [] and tdb.lookup(problem(1)) is None  # no garbage served
+    tdb.store(problem(1), FIND)
+    assert tdb.lookup(problem(1)).algorithm == "cpu:fast"
+    tdb.close()
+
+
+def test_a_file_moved_aside_by_another_process_is_followed(tmp_path):
+    path = tmp_path / "tuning.sqlite"
+    tdb = TuningDB(path)
+    tdb.store(problem(1), FIND)
+    db_module._move_aside(path, "corrupt", "found corrupt by another process")  # while tdb holds it open
+    with TuningDB(path) as other:
+        other.store(problem(2), FIND[1:2])
+    assert tdb.lookup(problem(1)) is None  # tdb now reads the file at its path, not the one moved aside
+    assert tdb.lookup(problem(2)).algorithm == "cpu:lean"
+    tdb.close()
+
+
+class _FailingConnection:
+    """What a connection does on a page that went bad after the file was checked."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def execute(self, *args):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def test_corruption_found_in_use_replaces_the_file(db, caplog):
+    db.store(problem(1), FIND)
+    db.lookup(problem(1))
+    with open(db.path, "r+b") as f:  # in place: the same file, its pages overwritten
+        f.write(b"\xff" * db.path.stat().st_size)
+    db._conn = _FailingConnection(db._conn)
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        assert db.lookup(problem(1)) is None  # answered by a fresh file, never from the bad one
+    assert any("malformed" in r.getMessage() for r in caplog.records)
+    assert aside(db.path, "corrupt")
+    db.store(problem(2), FIND)
+    assert db.lookup(problem(2)).algorithm == "cpu:fast"
+
+
+@pytest.mark.parametrize("version", [db_module.SCHEMA_VERSION + 1, 0])
+def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
+    path = tmp_path / "tuning.sqlite"
+    with sqlite3.connect(path) as conn:  # a file of another schema (0: another program's database)
+        conn.execute("CREATE TABLE results (anything TEXT)")
+        conn.execute("INSERT INTO results VALUES ('not ours')")
+        conn.execute(f"PRAGMA user_version={version}")
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        tdb = TuningDB(path)
+    assert any(f"schema version {version}" in r.getMessage() for r in caplog.records)
+    [moved] = aside(path, f"schema{version}")
+    with sqlite3.connect(moved) as conn:
+        assert conn.execute("SELECT anything FROM results").fetchall() == [("not ours",)]
+    conn.close()
+    assert tdb.entries() == []
+    tdb.store(problem(), FIND)
+    assert tdb.lookup(problem()).algorithm == "cpu:fast"
+    tdb.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == db_module.SCHEMA_VERSION
+        assert conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == str(db_module.SCHEMA_VERSION)
+    conn.close()
+
+
+def test_a_row_that_no_longer_validates_is_ignored(db, caplog):
+    p = problem()
+    db.store(p, FIND[:2])
+    with sqlite3.connect(db.path) as conn:
+        conn.execute("UPDATE results SET result=? WHERE algorithm='cpu:fast'",
+                     (json.dumps({**FIND[0].to_dict(), "time_ms": -1.0}),))
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        assert db.results(p) == FIND[1:2]
+        assert db.lookup(p).algorithm == "cpu:lean"
+    assert [r.getMessage() for r in caplog.records if "no longer validates" in r.getMessage()]
+
+
+# -- other machines and software ------------------------------------------------------------------
+@pytest.mark.parametrize("what", ["fingerprint", "software_versions"])
+def test_rows_of_another_machine_or_software_are_listed_never_used(db, monkeypatch, caplog, what):
+    p = problem()
+    with monkeypatch.context() as m:
+        m.setattr(hardware, what, lambda *args: "cpu|another machine" if what == "fingerprint" else "torch0.1")
+        db.store(p, FIND)
+        assert db.lookup(p).algorithm == "cpu:fast"  # usable there
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        assert db.lookup(p) is None and db.results(p) == [] and db.measurements("cpu") == []
+        assert db.lookup(p, Policy(prefer="least_memory")) is None
+    stale = [r for r in caplog.records if "another machine or software" in r.getMessage()]
+    assert len(stale) == 1  # warned once, not on every lookup
+    [entry] = db.entries()
+    assert entry.problem == p.key and not entry.usable and entry.num_results == 5
+    db.store(p, FIND[1:2])  # tuning here adds this machine's rows beside the stale ones
+    assert db.lookup(p).algorithm == "cpu:lean"
+    assert sorted(e.usable for e in db.entries()) == [False, True]
+
+
+# -- export and import ----------------------------------------------------------------------------
+def test_export_import_round_trip_keeps_other_machines(db, tmp_path, monkeypatch):
+    db.store(problem(1), FIND)
+    db.store(problem(2, dtype="bfloat16", layout="NHWC"), FIND[1:3])
+    with monkeypatch.context() as m:
+        m.setattr(hardware, "fingerprint", lambda device: "cpu|a fleet machine|threads64")
+        db.store(problem(3), FIND[:1])
+    out = tmp_path / "export.jsonl"
+    assert db.export(out) == 8
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert set(lines[0]) == {"schema", "fingerprint", "software", "problem", "stored_at", "result"}
+    with TuningDB(tmp_path / "other.sqlite") as fresh:
+        assert fresh.import_(out) == 8
+        assert fresh.entries() == db.entries()  # fingerprints, software and stored_at kept
+        assert fresh.results(problem(1)) == FIND
+        assert fresh.lookup(problem(2, dtype="bfloat16", layout="NHWC"), Policy(allow_tf32=False)).algorithm == "cpu:lean"
+        assert fresh.import_(out) == 8  # idempotent
+        assert rows(fresh.path) == 8 and fresh.entries() == db.entries()
+
+
+def _line(**changes) -> str:
+    line = {"schema": db_module.SCHEMA_VERSION, "fingerprint": "cpu|x|threads1", "software": "torch9",
+            "problem": problem().key, "stored_at": 1.5e9, "result": FIND[0].to_dict()}
+    return json.dumps({**line, **changes})
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "not JSON"),
+    (_line(result={**FIND[0].to_dict(), "status": "great"}), "status 'great'"),
+    (_line(problem="fwd|n1|c4"), "bad problem"),
+    (_line(problem=problem().key.replace("n1|", "n0|")), "bad problem"),
+    (_line(result={**FIND[0].to_dict(), "time_ms": -2.0}), "time_ms=-2.0"),
+    (_line(stored_at=-1), "stored_at"),
+    (_line(schema=db_module.SCHEMA_VERSION + 1), "schema"),
+    (_line(fingerprint="cuda|H200|sm90|cuda12"), "not of a cpu device"),
+    (_line(result=base64.b64encode(pickle.dumps(_Evil())).decode()), "JSON object"),
+    (_line(result={**FIND[0].to_dict(), "py/reduce": "os.system"}), "unknown PerfResult field"),
+    (json.dumps({"schema": 1, "result": FIND[0].to_dict()}), "missing"),
+    ("[1, 2, 3]", "JSON object"),
+    (pickle.dumps(_Evil()), "not UTF-8"),
+], ids=["bad_json", "unknown_status", "bad_key", "invalid_problem", "negative_time", "negative_stored_at",
+        "other_schema", "device_mismatch", "pickle_in_json", "unknown_field", "missing_fields", "not_object",
+        "raw_pickle"])
+def test_malformed_import_is_refused_whole(db, tmp_path, bad, message):
+    db.store(problem(5), FIND[:1])
+    before = db.entries()
+    path = tmp_path / "bad.jsonl"
+    bad = bad if isinstance(bad, bytes) else bad.encode()
+    path.write_bytes(_line().encode() + b"\n" + bad + b"\n" + _line(problem=problem(2).key).encode() + b"\n")
+    with pytest.raises(ValueError, match=message) as info:
+        db.import_(path)
+    assert f"{path}:2:" in str(info.value) and "nothing was imported" in str(info.value)
+    assert db.entries() == before  # not even the valid first line
+
+
+def test_import_skips_blank_lines(db, tmp_path):
+    path = tmp_path / "ok.jsonl"
+    path.write_text("\n" + _line() + "\n\n" + _line(problem=problem(2).key) + "\n")
+    assert db.import_(path) == 2
+    assert len(db.entries()) == 2 and not any(e.usable for e in db.entries())
+
+
+# -- where the file lives -------------------------------------------------------------------------
+def test_default_path_follows_settings_and_environment(tmp_path, monkeypatch):
+    with settings.override(cache_dir=str(tmp_path / "a" / "b")):
+        with TuningDB() as tdb:
+            assert tdb.path == tmp_path / "a" / "b" / "tuning.sqlite"
+            tdb.store(problem(), FIND)
+        assert (tmp_path / "a" / "b" / "tuning.sqlite").is_file()
+    monkeypatch.setenv("CONVTUNE_CACHE_DIR", str(tmp_path / "env"))
+    # conftest overrides cache_dir for every test; lift that here so the environment variable counts.
+    saved, settings._overrides = settings._overrides, {}
+    try:
+        with TuningDB() as tdb:
+            assert tdb.path == tmp_path / "env" / "tuning.sqlite"
+            assert tdb.lookup(problem()) is None  # another file
+    finally:
+        settings._overrides = saved
+    assert (tmp_path / "env" / "tuning.sqlite").is_file()
+
+
+def test_sqlite_file_is_in_wal_mode(db):
+    db.store(problem(), FIND)
+    with sqlite3.connect(db.path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    conn.close()
+
+
+def test_docstring_example_runs():
+    failed, attempted = doctest.testmod(db_module, optionflags=doctest.ELLIPSIS)
+    assert attempted > 0 and failed == 0

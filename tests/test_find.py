@@ -1,0 +1,265 @@
+"""find: every status from fakes, policy filters, ranking, early stop, budgets, storage; check()."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from convtune import ConvProblem, Policy, Status, find
+from convtune.algorithms.registry import algorithms, get_algorithm, isolated
+from convtune.find import is_out_of_memory, summary
+from convtune.settings import settings
+from convtune.verify import check, reference_case, tolerance
+from fakes import (FakeDB, FakeTimer, Fake, InputWriter, NaNResult, NoWrite, OutOfMemory, Raising,
+                   UnknownDeterminism, WrongResult)
+
+P = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
+
+
+def by_name(results):
+    return {r.algorithm: r for r in results}
+
+
+def test_fastest_first_and_fields():
+    fast, slow = Fake("fake:fast", time_ms=1.0, workspace_bytes=4096), Fake("fake:slow", time_ms=3.0)
+    results = find(P, timer=FakeTimer(), candidates=[slow, fast])
+    assert [r.algorithm for r in results] == ["fake:fast", "fake:slow"]
+    best = results[0]
+    assert best.status is Status.OK and best.time_ms == pytest.approx(1.0) and best.spread_ms == 0
+    assert best.workspace_bytes == 4096 and best.rel_error < tolerance(P, fast.notes(P))
+
+
+@pytest.mark.parametrize("fake, status, text", [
+    (Raising("fake:raising", ValueError("boom")), Status.FAILED, "ValueError: boom"),
+    (OutOfMemory(), Status.OUT_OF_MEMORY, "OutOfMemoryError"),
+    (Raising("fake:cudaoom", RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")), Status.OUT_OF_MEMORY,
+     "RuntimeError"),
+    (WrongResult(), Status.WRONG_RESULT, "exceeds the tolerance"),
+    (NaNResult(), Status.WRONG_RESULT, "NaN"),
+    (NoWrite(), Status.WRONG_RESULT, "NaN"),
+    (InputWriter(), Status.FAILED, "input operands"),
+    (Fake("fake:refuses", unsupported_reason="only on Tuesdays"), Status.UNSUPPORTED, "only on Tuesdays"),
+])
+def test_every_failure_is_a_status_and_the_search_goes_on(fake, status, text):
+    good = Fake("fake:good", time_ms=5.0)
+    results = by_name(find(P, timer=FakeTimer(), candidates=[fake, good]))
+    assert results[fake.name].status is status
+    assert text in results[fake.name].message
+    assert results["fake:good"].status is Status.OK
+    assert find(P, timer=FakeTimer(), candidates=[fake, good])[0].algorithm == "fake:good"
+
+
+def test_wrong_and_nan_never_selected_even_when_fastest():
+    results = find(P, timer=FakeTimer(), candidates=[WrongResult(time_ms=0.1), NaNResult(time_ms=0.1),
+                                                     Fake("fake:slow", time_ms=9.0)])
+    assert results[0].algorithm == "fake:slow"
+    assert math.isinf(by_name(results)["fake:nan"].rel_error)
+    # wrong results are not timed
+    assert by_name(results)["fake:wrong"].time_ms is None
+
+
+def test_nan_never_passes_even_with_a_huge_max_rel_error():
+    results = by_name(find(P, Policy(max_rel_error=1e30), timer=FakeTimer(),
+                           candidates=[NaNResult(), WrongResult(scale=2.0)]))
+    assert results["fake:nan"].status is Status.WRONG_RESULT
+    assert results["fake:wrong"].status is Status.OK  # 100% off is within a 1e30 bound
+
+
+def test_policy_max_rel_error_tightens_the_check():
+    results = by_name(find(P, Policy(max_rel_error=1e-3), timer=FakeTimer(),
+                           candidates=[WrongResult(scale=1.0 + 1e-4), WrongResult("fake:wronger", scale=1.01)]))
+    assert results["fake:wrong"].status is Status.OK
+    assert results["fake:wronger"].status is Status.WRONG_RESULT
+
+
+@pytest.mark.parametrize("policy, fake, status", [
+    (Policy(workspace_limit=1024), Fake("fake:huge", workspace_bytes=2**40), Status.OVER_WORKSPACE_LIMIT),
+    (Policy(deterministic=True), Fake("fake:atomics", deterministic=False), Status.SKIPPED),
+    (Policy(allow_tf32=False), Fake("fake:tf32", tf32=True), Status.SKIPPED),
+    (Policy(allow_reduced_precision=False), Fake("fake:half_acc", reduced_precision=True), Status.SKIPPED),
+])
+def test_policy_violations_are_not_run(policy, fake, status):
+    good = Fake("fake:good")
+    results = by_name(find(P, policy, timer=FakeTimer(), candidates=[fake, good]))
+    assert results[fake.name].status is status and results[fake.name].message
+    assert fake.runs == 0 and good.runs > 0
+    assert results["fake:good"].status is Status.OK
+
+
+def test_unknown_determinism_is_decided_by_two_runs():
+    steady, noisy = UnknownDeterminism("fake:steady"), UnknownDeterminism("fake:noisy", noisy=True)
+    results = by_name(find(P, timer=FakeTimer(), candidates=[steady, noisy]))
+    assert results["fake:steady"].deterministic is True and results["fake:noisy"].deterministic is False
+    assert results["fake:noisy"].status is Status.OK
+    results = by_name(find(P, Policy(deterministic=True), timer=FakeTimer(), candidates=[steady, noisy]))
+    assert results["fake:steady"].status is Status.OK
+    assert results["fake:noisy"].status is Status.SKIPPED and "bit for bit" in results["fake:noisy"].message
+
+
+def test_huge_workspace_without_a_limit_is_out_of_memory():
+    results = by_name(find(P, timer=FakeTimer(), candidates=[Fake("fake:huge", workspace_bytes=2**50)]))
+    assert results["fake:huge"].status is Status.OUT_OF_MEMORY
+
+
+def test_tie_goes_to_the_smaller_workspace():
+    fast_big = Fake("fake:a_big", time_ms=1.00, workspace_bytes=2**20)
+    nearly_small = Fake("fake:b_small", time_ms=1.01)
+    results = find(P, Policy(tolerance=0.02), timer=FakeTimer(), candidates=[fast_big, nearly_small])
+    assert [r.algorithm for r in results] == ["fake:b_small", "fake:a_big"]
+    results = find(P, Policy(tolerance=0.0), timer=FakeTimer(), candidates=[fast_big, nearly_small])
+    assert results[0].algorithm == "fake:a_big"
+
+
+def test_prefer_least_memory():
+    results = find(P, Policy(prefer="least_memory"), timer=FakeTimer(),
+                   candidates=[Fake("fake:fast", time_ms=1.0, workspace_bytes=2**20), Fake("fake:lean", time_ms=5.0)])
+    assert results[0].algorithm == "fake:lean"
+
+
+def test_early_stop_of_a_clearly_slower_candidate():
+    timer = FakeTimer(min_repeats=2, max_repeats=8)
+    fast, slow = Fake("fake:a_fast", time_ms=1.0), Fake("fake:b_slow", time_ms=10.0)
+    with settings.override(early_stop_factor=1.5):
+        results = by_name(find(P, timer=timer, candidates=[fast, slow]))
+    assert timer.calls[0]["stop_above_ms"] is None
+    assert timer.calls[1]["stop_above_ms"] == pytest.approx(1.5)
+    assert results["fake:b_slow"].status is Status.OK and "stopped early" in results["fake:b_slow"].message
+    assert slow.runs < fast.runs
+
+
+def test_candidate_budget_skips_the_rest():
+    fakes = [Fake(f"fake:n{i}", time_ms=1.0 + i) for i in range(4)]
+    violator = Fake("fake:tf32", tf32=True, time_ms=0.5)
+    results = by_name(find(P, Policy(max_candidates=2, allow_tf32=False), timer=FakeTimer(),
+                           candidates=[*fakes, violator]))
+    statuses = sorted(r.status.value for r in results.values())
+    assert statuses == ["ok", "ok", "skipped", "skipped", "skipped"]
+    assert "budget" in results["fake:n3"].message and "TF32" in results["fake:tf32"].message
+    assert sum(f.runs > 0 for f in fakes) == 2
+
+
+def test_candidate_budget_from_settings():
+    with settings.override(find_max_candidates=1):
+        results = find(P, timer=FakeTimer(), candidates=[Fake("fake:a"), Fake("fake:b")])
+    assert sorted(r.status.value for r in results) == ["ok", "skipped"]
+
+
+def test_seconds_budget_skips_the_rest():
+    fakes = [Fake(f"fake:s{i}", time_ms=30.0, sleep=True) for i in range(4)]
+    timer = FakeTimer(min_repeats=1, max_repeats=1)
+    results = find(P, Policy(budget_s=0.05), timer=timer, candidates=fakes)
+    assert results[0].status is Status.OK
+    skipped = [r for r in results if r.status is Status.SKIPPED]
+    assert skipped and all("budget" in r.message for r in skipped)
+    # the timer is told what is left of the budget, never more than its own default
+    assert 0 <= timer.calls[0]["budget_s"] <= min(0.05, settings.timing_budget_s)
+
+
+def test_find_stores_everything_in_the_db():
+    db = FakeDB()
+    fakes = [Fake("fake:good"), Raising(), WrongResult(), Fake("fake:atomics", deterministic=False)]
+    results = find(P, Policy(deterministic=True), db, timer=FakeTimer(), candidates=fakes)
+    assert db.store_calls == 1
+    assert sorted(r.algorithm for r in db.results(P)) == sorted(r.algorithm for r in results) == sorted(
+        f.name for f in fakes)
+
+
+def test_a_narrow_find_keeps_earlier_timings_in_the_db():
+    db = FakeDB()
+    fakes = [Fake("fake:good", time_ms=2.0), Fake("fake:atomics", deterministic=False, time_ms=1.0)]
+    find(P, db=db, timer=FakeTimer(), candidates=fakes)
+    narrow = by_name(find(P, Policy(deterministic=True), db, timer=FakeTimer(), candidates=fakes))
+    assert narrow["fake:atomics"].status is Status.SKIPPED  # what this find returns
+    stored = by_name(db.results(P))
+    assert stored["fake:atomics"].status is Status.OK and stored["fake:atomics"].time_ms == pytest.approx(1.0)
+    assert db.lookup(P).algorithm == "fake:atomics"
+    assert db.lookup(P, Policy(deterministic=True)).algorithm == "fake:good"
+
+
+def test_duplicate_candidates_are_refused():
+    with pytest.raises(ValueError, match="twice"):
+        find(P, timer=FakeTimer(), candidates=[Fake("fake:a"), Fake("fake:a")])
+
+
+def test_real_db_stores_and_serves(tmp_path):
+    from convtune.db import TuningDB
+
+    db = TuningDB(tmp_path / "t.sqlite")
+    results = find(P, db=db, timer=FakeTimer(), candidates=[Fake("fake:good"), NaNResult(), Raising()])
+    assert len(db.results(P)) == len(results)
+    assert db.lookup(P).algorithm == "fake:good"
+
+
+def test_default_candidates_come_from_the_registry():
+    a, b = Fake("fake:reg_a", time_ms=2.0), Fake("fake:reg_b", time_ms=1.0, devices=("cuda",))
+    with isolated(a, b, builtins=False):
+        results = find(P, timer=FakeTimer())
+    assert [r.algorithm for r in results] == ["fake:reg_a"]  # b runs on CUDA only
+
+
+def test_candidates_must_be_algorithms():
+    with pytest.raises(TypeError, match="Algorithm"):
+        find(P, candidates=["torch:native"])
+    with pytest.raises(TypeError, match="ConvProblem"):
+        find("fwd")
+
+
+def test_logs_one_line_per_candidate(caplog):
+    with caplog.at_level(logging.INFO, logger="convtune.find"):
+        find(P, timer=FakeTimer(), candidates=[Fake("fake:a", workspace_bytes=2048), Raising()])
+    lines = [r.getMessage() for r in caplog.records if r.name == "convtune.find"]
+    assert any("fake:a" in m and "% of best" in m and "KiB" in m for m in lines)
+    assert any("fake:raising" in m and "failed" in m for m in lines)
+
+
+def test_summary_table():
+    results = find(P, timer=FakeTimer(), candidates=[Fake("fake:a"), Fake("fake:b", time_ms=2.0), Raising()])
+    table = summary(results)
+    lines = table.splitlines()
+    assert len(lines) == 4 and "% of best" in lines[0]
+    assert "100%" in lines[1] and "200%" in lines[2] and "ValueError: boom" in lines[3]
+
+
+def test_is_out_of_memory():
+    assert is_out_of_memory(torch.OutOfMemoryError("x"))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_check_poisons_and_compares():
+    (a, b), ref = reference_case(P, seed=3)
+    out = P.empty(P.y_shape)
+    err, ok, message = check(Fake(), P, (a, b), ref, out, None)
+    assert ok and err < 1e-6 and "within" in message
+    err, ok, message = check(NoWrite(), P, (a, b), ref, out, None)  # out held a correct result before
+    assert not ok and math.isinf(err)
+    err, ok, _ = check(WrongResult(scale=1.001), P, (a, b), ref, out, None, max_rel_error=1e-2)
+    assert ok
+
+
+def test_reference_case_is_random_and_seeded():
+    (a1, b1), ref1 = reference_case(P, seed=1)
+    (a2, _), _ = reference_case(P, seed=1)
+    (a3, _), _ = reference_case(P, seed=2)
+    assert torch.equal(a1, a2) and not torch.equal(a1, a3)
+    assert a1.abs().sum() > 0 and b1.abs().sum() > 0 and ref1.dtype == torch.float64
+
+
+@pytest.mark.parametrize("problem", [
+    P,
+    ConvProblem("bwd_data", n=2, c=4, k=6, input_size=(9, 9), kernel_size=3, stride=2, padding=1),
+    ConvProblem("bwd_filter", n=1, c=4, k=4, input_size=(8, 8), kernel_size=1, layout="NHWC"),
+    ConvProblem("fwd", n=1, c=4, k=4, input_size=(10,), kernel_size=3, groups=2),
+])
+def test_find_with_the_registered_cpu_portfolio(problem):
+    with settings.override(timing_budget_s=0.01, timing_max_repeats=3):
+        results = find(problem)
+    names = [r.algorithm for r in results]
+    assert sorted(names) == sorted(a.name for a in algorithms(problem))
+    assert "torch:native" in names and results[0].ok
+    for r in results:
+        if r.ok:
+            bound = tolerance(problem, get_algorithm(r.algorithm).notes(problem))
+            assert r.rel_error <= bound and r.time_ms > 0

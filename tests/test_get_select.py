@@ -1,0 +1,252 @@
+"""get (the cost model: runs nothing, ranks sensibly, learns from the database) and select's modes."""
+
+import logging
+
+import pytest
+
+from convtune import ConvProblem, NoAlgorithmError, PerfResult, Policy, Status, get, select
+from convtune import costmodel
+from convtune.algorithms.base import Backend
+from convtune.algorithms.registry import algorithms, isolated
+from convtune.settings import settings
+from fakes import Fake, FakeDB, Raising, WrongResult
+
+P1 = ConvProblem("fwd", n=2, c=16, k=16, input_size=(8, 8), kernel_size=1)  # a 1x1 convolution
+P3 = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
+
+
+@pytest.fixture(autouse=True)
+def quick_timing():
+    with settings.override(timing_budget_s=0.005, timing_max_repeats=3):
+        yield
+
+
+def measured(problem, name, time_ms, workspace_bytes=0):
+    return problem, PerfResult(name, Status.OK, time_ms=time_ms, workspace_bytes=workspace_bytes, rel_error=0.0)
+
+
+def db_with(*measurements):
+    db = FakeDB()
+    for problem, result in measurements:
+        db.stored.setdefault(problem.key, (problem, []))[1].append(result)
+    return db
+
+
+# -- get ----------------------------------------------------------------------------------------
+
+def test_get_runs_nothing_and_ranks_1x1_gemm_first():
+    gemm, direct = Fake("gemm:1x1"), Fake("direct:taps")
+    with isolated(direct, gemm, builtins=False):
+        for _ in range(3):
+            choices = get(P1)
+    assert [c.name for c in choices] == ["gemm:1x1", "direct:taps"]
+    assert all(c.predicted_ms > 0 for c in choices)
+    assert gemm.runs == direct.runs == 0
+
+
+def test_get_on_the_builtin_registry():
+    choices = get(P3)
+    names = [c.name for c in choices]
+    assert "torch:native" in names and len(set(names)) == len(names)
+    assert names == [a.name for a in sorted(algorithms(P3), key=lambda a: names.index(a.name))]
+    assert all(c.predicted_ms > 0 for c in choices)
+    # ranked by time, except that a time within the tolerance of a faster one may lead with less workspace
+    for first, second in zip(choices, choices[1:]):
+        assert first.predicted_ms <= second.predicted_ms * 1.02 or first.workspace_bytes < second.workspace_bytes
+
+
+def test_database_measurements_change_the_ranking():
+    gemm, direct = Fake("gemm:1x1"), Fake("direct:taps")
+    other = ConvProblem("fwd", n=4, c=32, k=32, input_size=(8, 8), kernel_size=1)
+    with isolated(gemm, direct, builtins=False):
+        assert get(P1)[0].name == "gemm:1x1"
+        # measured on another problem of the same direction and dtype: direct is 100x faster than modelled
+        predicted = costmodel.predict_ms("direct:taps", other)
+        db = db_with(measured(other, "direct:taps", predicted / 100),
+                     measured(other, "gemm:1x1", costmodel.predict_ms("gemm:1x1", other)))
+        assert get(P1, db=db)[0].name == "direct:taps"
+        assert gemm.runs == direct.runs == 0
+
+
+def test_backend_correction_when_the_algorithm_was_never_measured():
+    with isolated(Fake("direct:taps"), builtins=False):
+        plain = get(P3)[0].predicted_ms
+        db = db_with(measured(P3, "direct:other_variant", 10 * costmodel.predict_ms("direct:other_variant", P3)))
+        assert get(P3, db=db)[0].predicted_ms == pytest.approx(10 * plain)
+
+
+def test_corrections_are_cached_per_db_and_dropped_when_find_stores():
+    db = db_with(measured(P3, "fake:a", 1.0))
+    with isolated(Fake("fake:a"), builtins=False):
+        get(P3, db=db)
+        get(P3, db=db)
+        assert db.measurement_calls == 1
+        select(P3, mode="find", db=db)
+        get(P3, db=db)
+        assert db.measurement_calls == 2
+
+
+def test_ties_go_to_the_smaller_workspace():
+    big, small = Fake("fake:a_big", workspace_bytes=2**20), Fake("fake:b_small")
+    # measurements pin the corrected predictions to exactly 1.00 and 1.01 ms
+    db = db_with(measured(P3, "fake:a_big", 1.00, 2**20), measured(P3, "fake:b_small", 1.01))
+    with isolated(big, small, builtins=False):
+        assert [c.name for c in get(P3, Policy(tolerance=0.0), db)] == ["fake:a_big", "fake:b_small"]
+        choices = get(P3, Policy(tolerance=0.02), db)
+    assert [c.name for c in choices] == ["fake:b_small", "fake:a_big"]
+    assert choices[0].predicted_ms == pytest.approx(1.01)
+
+
+@pytest.mark.parametrize("policy, excluded", [
+    (Policy(workspace_limit="1KiB"), "fake:huge"),
+    (Policy(deterministic=True), "fake:atomics"),
+    (Policy(allow_tf32=False), "fake:tf32"),
+    (Policy(allow_reduced_precision=False), "fake:half_acc"),
+])
+def test_get_leaves_out_policy_violations(policy, excluded):
+    fakes = [Fake("fake:plain"), Fake("fake:huge", workspace_bytes=2**30), Fake("fake:atomics", deterministic=False),
+             Fake("fake:tf32", tf32=True), Fake("fake:half_acc", reduced_precision=True)]
+    with isolated(*fakes, builtins=False):
+        everything = {c.name for c in get(P3)}
+        names = {c.name for c in get(P3, policy)}
+    assert everything - names == {excluded}
+
+
+def test_get_prefer_least_memory():
+    fakes = [Fake("gemm:1x1", workspace_bytes=4096), Fake("direct:taps")]
+    with isolated(*fakes, builtins=False):
+        assert get(P1)[0].name == "gemm:1x1"
+        assert get(P1, Policy(prefer="least_memory"))[0].name == "direct:taps"
+
+
+def test_get_keeps_a_backends_own_order_among_equal_plans():
+    class FakeBackend(Backend):
+        prefix = "fakeb"
+
+        def __init__(self):
+            self.plans = [Fake("fakeb:z_listed_first"), Fake("fakeb:a_listed_second")]
+
+        def algorithms(self, problem):
+            return self.plans
+
+    with isolated(FakeBackend(), builtins=False):
+        choices = get(P3, Policy(tolerance=0.0))
+    assert [c.name for c in choices] == ["fakeb:z_listed_first", "fakeb:a_listed_second"]
+    assert choices[1].predicted_ms > choices[0].predicted_ms
+
+
+def test_get_leaves_out_an_algorithm_that_cannot_describe_itself(caplog):
+    class Broken(Fake):
+        def buffers(self, problem):
+            raise RuntimeError("no idea")
+
+    with isolated(Broken("fake:broken"), Fake("fake:fine"), builtins=False), caplog.at_level(logging.WARNING):
+        assert [c.name for c in get(P3)] == ["fake:fine"]
+    assert "fake:broken" in caplog.text
+
+
+def test_get_ranks_a_cuda_problem_without_a_gpu():
+    p = P3.replace(device="cuda", dtype="float16", layout="NHWC")
+    with isolated(Fake("cudnn:eng0"), Fake("fake:cpu_only", devices=("cpu",)), builtins=False):
+        assert [c.name for c in get(p)] == ["cudnn:eng0"]
+
+
+def test_cost_model_families():
+    p = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=3, padding=1)
+    names = ["torch:native", "gemm:im2col", "direct:taps", "fft:rfft", "winograd:f4x3", "cudnn:eng1",
+             "cublas:gemm", "triton:igemm", "newbackend:thing"]
+    times = {n: costmodel.predict_ms(n, p, workspace_bytes=2**20) for n in names}
+    assert all(t > 0 for t in times.values())
+    # workspace traffic and per-tap loops cost time
+    assert costmodel.predict_ms("gemm:im2col", p, 2**30) > costmodel.predict_ms("gemm:im2col", p, 0)
+    assert costmodel.predict_ms("direct:taps", p.replace(kernel_size=5, padding=2)) > costmodel.predict_ms(
+        "direct:taps", p)
+    # Winograd F(4x4) multiplies less than F(2x2) on a large enough problem
+    big = p.replace(n=32, input_size=(56, 56))
+    assert costmodel.predict_ms("winograd:f4x3", big) < costmodel.predict_ms("winograd:f2x3", big)
+
+
+# -- select -------------------------------------------------------------------------------------
+
+def test_select_get_measures_nothing():
+    fast, slow = Fake("gemm:1x1"), Fake("direct:taps")
+    with isolated(fast, slow, builtins=False):
+        result = select(P1, mode="get")
+    assert result.algorithm == "gemm:1x1" and result.status is Status.OK
+    assert result.time_ms is None and "predicts" in result.message
+    assert fast.runs == slow.runs == 0
+
+
+def test_select_find_measures_and_stores():
+    fakes = [Fake("fake:a"), WrongResult()]
+    db = FakeDB()
+    with isolated(*fakes, builtins=False):
+        result = select(P3, mode="find", db=db)
+        assert result.algorithm == "fake:a" and result.time_ms > 0
+        assert db.store_calls == 1 and len(db.results(P3)) == 2
+        select(P3, mode="find")  # no database: nothing stored anywhere
+    assert db.store_calls == 1
+
+
+def test_select_hybrid_answers_the_second_call_from_the_db():
+    counting = Fake("fake:counting")
+    db = FakeDB()
+    with isolated(counting, builtins=False):
+        first = select(P3, db=db)
+        runs = counting.runs
+        second = select(P3, db=db)
+    assert runs > 0 and counting.runs == runs
+    assert first == second and db.store_calls == 1
+
+
+def test_select_hybrid_uses_the_default_database():
+    counting = Fake("fake:counting")
+    with isolated(counting, builtins=False):
+        first = select(P3)
+        runs = counting.runs
+        second = select(P3)
+    assert counting.runs == runs > 0
+    assert second.algorithm == first.algorithm == "fake:counting"
+
+
+def test_select_db_then_get_never_measures():
+    a = Fake("fake:a")
+    db = FakeDB()
+    with isolated(a, builtins=False):
+        guess = select(P3, mode="db_then_get", db=db)
+        assert guess.time_ms is None and a.runs == 0
+        select(P3, mode="find", db=db)
+        runs = a.runs
+        hit = select(P3, mode="db_then_get", db=db)
+    assert hit.time_ms is not None and a.runs == runs
+
+
+def test_select_db_hit_that_violates_the_policy_is_not_used():
+    big, small = Fake("fake:big", workspace_bytes=2**20), Fake("fake:small", time_ms=5.0)
+    db = db_with(measured(P3, "fake:big", 0.001, 2**20))
+    with isolated(big, small, builtins=False):
+        result = select(P3, Policy(workspace_limit="1KiB"), mode="db_then_get", db=db)
+    assert result.algorithm == "fake:small" and result.time_ms is None
+
+
+def test_select_bad_mode():
+    with pytest.raises(ValueError, match="db_then_get"):
+        select(P3, mode="fastest")
+
+
+def test_select_no_algorithm_after_measuring():
+    with isolated(Raising(), WrongResult(), Fake("fake:atomics", deterministic=False), builtins=False):
+        with pytest.raises(NoAlgorithmError) as info:
+            select(P3, Policy(deterministic=True), mode="find")
+    text = str(info.value)
+    assert P3.key in text
+    assert "fake:raising: failed: ValueError: boom" in text
+    assert "fake:wrong: wrong_result" in text and "fake:atomics: skipped: not deterministic" in text
+
+
+def test_select_no_algorithm_from_the_model():
+    with isolated(Fake("fake:huge", workspace_bytes=2**30), Fake("fake:gpu", devices=("cuda",)), builtins=False):
+        with pytest.raises(NoAlgorithmError) as info:
+            select(P3, Policy(workspace_limit=0), mode="get")
+    text = str(info.value)
+    assert P3.key in text and "fake:huge: needs" in text and "fake:gpu: runs on cuda" in text
