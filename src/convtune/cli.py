@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # bad input: a file, a size, a field
         print(f"convtune: error: {exc}", file=sys.stderr)
         return 2
     except ConvtuneError as exc:

@@ -1,0 +1,113 @@
+"""The command line end to end, on the CPU portfolio, in a temporary tuning database."""
+
+import json
+
+import pytest
+
+from convtune.cli import main
+from convtune.settings import settings
+
+SMALL = ["--n", "2", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3", "--pad", "1", "--device", "cpu"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def _quick_timing():
+    with settings.override(timing_budget_s=0.01, timing_min_repeats=1, timing_max_repeats=2, progress=False):
+        yield
+
+
+def test_get_prints_a_ranking_and_json(capsys):
+    code, out, _ = run(capsys, "get", *SMALL)
+    assert code == 0 and "predicted" in out and "torch:native" in out
+    code, out, _ = run(capsys, "get", *SMALL, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["choices"] and all(c["predicted_ms"] > 0 for c in data["choices"])
+
+
+def test_find_measures_checks_and_stores(capsys, tmp_path):
+    db = str(tmp_path / "t.sqlite")
+    code, out, _ = run(capsys, "find", *SMALL, "--db", db, "--json")
+    results = json.loads(out)["results"]
+    assert code == 0 and results[0]["status"] == "ok" and results[0]["time_ms"] > 0
+    assert all(r["rel_error"] is not None for r in results if r["status"] == "ok")
+    code, out, _ = run(capsys, "cache", "ls", "--db", db, "--json")
+    entries = json.loads(out)
+    assert code == 0 and len(entries) == 1 and entries[0]["usable"]
+
+
+def test_find_respects_a_workspace_limit(capsys):
+    code, out, _ = run(capsys, "find", *SMALL, "--workspace-limit", "0", "--json")
+    results = json.loads(out)["results"]
+    assert code == 0
+    assert all(r["workspace_bytes"] == 0 for r in results if r["status"] == "ok")
+    assert any(r["status"] == "over_workspace_limit" for r in results)
+
+
+def test_algorithms_lists_support_and_reasons(capsys):
+    code, out, _ = run(capsys, "algorithms", *SMALL, "--stride", "2", "--json")
+    rows = json.loads(out)
+    assert code == 0
+    assert any(r["supports"] for r in rows) and any(not r["supports"] and r["reason"] for r in rows)
+
+
+def test_tune_a_network_prints_the_layer_table_and_totals(capsys, tmp_path):
+    db = str(tmp_path / "t.sqlite")
+    code, out, _ = run(capsys, "tune", "resnet18", "--batch", "1", "--layers", "2", "--device", "cpu", "--db", db)
+    assert code == 0 and "L00" in out and "L01" in out and "total" in out
+    code, out, _ = run(capsys, "tune", "resnet18", "--batch", "1", "--layers", "2", "--db", db, "--mode",
+                       "db_then_get", "--json")
+    rows = json.loads(out)["layers"]
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["time_ms"] for r in rows)  # answered from the db
+
+
+def test_tune_a_layer_file(capsys, tmp_path):
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps({"layers": [{"c": 4, "k": 8, "spatial": [9, 9], "kernel": [3, 3], "padding": [1, 1],
+                                            "count": 2}]}))
+    code, out, _ = run(capsys, "tune", str(path), "--batch", "2", "--device", "cpu", "--mode", "get", "--json")
+    rows = json.loads(out)["layers"]
+    assert code == 0 and rows[0]["count"] == 2 and rows[0]["algorithm"]
+
+
+def test_cache_export_import_clear(capsys, tmp_path):
+    db, other, dump = str(tmp_path / "a.sqlite"), str(tmp_path / "b.sqlite"), str(tmp_path / "dump.jsonl")
+    assert run(capsys, "find", *SMALL, "--db", db)[0] == 0
+    code, out, _ = run(capsys, "cache", "export", dump, "--db", db)
+    assert code == 0 and "exported" in out
+    code, out, _ = run(capsys, "cache", "import", dump, "--db", other)
+    assert code == 0 and "imported" in out
+    code, out, _ = run(capsys, "cache", "ls", "--db", other, "--json")
+    assert len(json.loads(out)) == 1
+    code, out, _ = run(capsys, "cache", "clear", "--db", other)
+    assert code == 0 and "removed" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["get", "--c", "8", "--k", "8"], "required"),
+    (["get", *SMALL, "--dtype", "float64"], "float64"),
+    (["get", *SMALL[:-2], "--device", "cuda"], "CUDA"),
+    (["find", *SMALL, "--workspace-limit", "lots"], "lots"),
+    (["get", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3x3x3"], "kernel_size"),
+    (["get", "--c", "8", "--k", "8", "--size", "ten"], "--size"),
+    (["tune", "alexnet"], "alexnet"),
+    (["tune", "resnet50", "--batch", "0"], "--batch"),
+    (["cache", "export"], "path"),
+    (["cache", "import", "/nonexistent/file.jsonl"], "nonexistent"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(capsys, argv, words):
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (out, err)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in err
+
+
+def test_settings_lists_every_setting(capsys):
+    code, out, _ = run(capsys, "settings")
+    assert code == 0 and "CONVTUNE_CACHE_DIR" in out
