@@ -263,3 +263,25 @@ def test_find_with_the_registered_cpu_portfolio(problem):
         if r.ok:
             bound = tolerance(problem, get_algorithm(r.algorithm).notes(problem))
             assert r.rel_error <= bound and r.time_ms > 0
+
+
+def test_search_converges_after_patience_candidates_without_a_new_best():
+    fakes = [Fake(f"fake:p{i}", time_ms=1.0 + 0.1 * i) for i in range(8)]  # all one backend: get's order
+    with settings.override(find_patience=3):
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+    ran = [name for name, r in results.items() if r.status is Status.OK]
+    skipped = [r for r in results.values() if r.status is Status.SKIPPED]
+    assert len(ran) == 4 and len(skipped) == 4  # the best, then 3 without gain
+    assert all("converged" in r.message for r in skipped)
+    assert min(results.values(), key=lambda r: r.time_ms or math.inf).algorithm == "fake:p0"
+    with settings.override(find_patience=0):
+        assert all(r.status is Status.OK for r in find(P, timer=FakeTimer(), candidates=fakes))
+
+
+def test_every_backend_gets_an_early_try_before_patience_runs_out():
+    same_family = [Fake(f"fake:q{i}", time_ms=2.0) for i in range(6)]
+    other = Fake("other:fast", time_ms=1.0)
+    with settings.override(find_patience=2):
+        results = by_name(find(P, timer=FakeTimer(), candidates=[*same_family, other]))
+    assert results["other:fast"].status is Status.OK
+    assert find(P, timer=FakeTimer(), candidates=[*same_family, other])[0].algorithm == "other:fast"

@@ -57,22 +57,7 @@ def should_support(name: str, p: ConvProblem) -> bool:
 
 
 def peak_cpu_bytes(fn) -> int:
-    """Peak bytes allocated on the CPU while ``fn`` runs, from the profiler's timed memory events.
-
-    (Each allocation and free in time order: an op's own self-memory total would net a temporary
-    freed inside the op to zero.)
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU)
-    current = peak = 0
-    for _, delta in events:
-        current += delta
-        peak = max(peak, current)
-    return peak
+    return verify.peak_allocated_bytes(fn, "cpu")
 
 
 def slack_bytes(out: torch.Tensor) -> int:

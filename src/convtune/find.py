@@ -179,6 +179,24 @@ def _log_result(index: int, total: int, result: PerfResult, best_ms: float) -> N
                  result.message, format_bytes(result.workspace_bytes))
 
 
+def search_order(ranked: Sequence[Algorithm]) -> list[Algorithm]:
+    """``get``'s ranking with the best-ranked candidate of every backend first.
+
+    The cost model ranks families against each other less surely than candidates within one
+    family, so each family gets one early try; the rest follow in ``get``'s order.
+
+        >>> class A:
+        ...     def __init__(self, name): self.name = name
+        >>> [a.name for a in search_order([A("cudnn:1"), A("cudnn:2"), A("gemm:1x1"), A("cudnn:3")])]
+        ['cudnn:1', 'gemm:1x1', 'cudnn:2', 'cudnn:3']
+    """
+    firsts: dict[str, Algorithm] = {}
+    for algorithm in ranked:
+        firsts.setdefault(algorithm.name.split(":", 1)[0], algorithm)
+    head = list(firsts.values())
+    return head + [a for a in ranked if a not in head]
+
+
 def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, timer: Timer = benchmark,
          candidates: Sequence[Algorithm] | None = None, seed: int | None = None) -> list[PerfResult]:
     """Run, check and time the candidates for ``problem``; a perf list, fastest usable first.
@@ -191,6 +209,10 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     tests pass a fake). candidates: the algorithms to try (default: every registered algorithm
     supporting the problem; given ones that do not support it come back ``unsupported``).
     seed: of the random verification inputs (default ``settings.verify_seed``).
+
+    Candidates run in ``search_order``: the best-ranked of each backend first, then ``get``'s
+    order; once ``settings.find_patience`` candidates in a row were no faster than the best
+    (beyond ``policy.tolerance``), the search has converged and the rest are skipped.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
     early and says so), out_of_memory, failed ("ExceptionType: message"), wrong_result (beyond
@@ -231,12 +253,21 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"find(candidates=...) names an algorithm twice: {twice}; pass each once")
-    ranked = ranked_predictions(problem, candidates, policy, db, keep_filters=False)
+    ranked = search_order([a for a, _ in ranked_predictions(problem, candidates, policy, db, keep_filters=False)])
     search = _Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
-    for index, (algorithm, _) in enumerate(ranked, 1):
+    patience, without_gain = settings.find_patience, 0
+    for index, algorithm in enumerate(ranked, 1):
+        if patience and without_gain >= patience:
+            results.append(PerfResult(algorithm.name, Status.SKIPPED, message=(
+                f"search converged: {patience} candidates in a row were no faster than the best")))
+            continue
+        best_before = search.best_ms
         result = search.try_candidate(algorithm)
         results.append(result)
+        if result.ok:
+            gained = result.time_ms < best_before * (1 - policy.tolerance)
+            without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)
     if db is not None:
         db.store(problem, _keep_earlier_measurements(db, problem, results))

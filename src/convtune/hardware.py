@@ -62,16 +62,18 @@ def software_versions() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _cpu_peaks() -> tuple[float, float]:
-    """Measured once a process: a float32 matrix product and a large copy (about 50 ms)."""
-    a = torch.randn(512, 512)
-    b = torch.randn(512, 512)
-    torch.mm(a, b)
-    best_mm = min(_seconds(lambda: torch.mm(a, b)) for _ in range(5))
+    """Measured once a process: a float32 matrix product and a large copy (about 0.2 s)."""
+    size = 1024  # large enough for every thread to reach its steady state
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    c = torch.empty(size, size)
+    torch.mm(a, b, out=c)
+    best_mm = min(_seconds(lambda: torch.mm(a, b, out=c)) for _ in range(7))
     src = torch.empty(16 * 2**20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best_copy = min(_seconds(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * 512**3 / best_mm, 2 * src.numel() / best_copy
+    return 2 * size**3 / best_mm, 2 * src.numel() / best_copy
 
 
 def _seconds(fn) -> float:

@@ -55,6 +55,8 @@ _SETTINGS = (
     _Setting("find_budget_s", float, 0.0, "seconds one find may spend"),
     # most candidates one find() times (0: no limit)
     _Setting("find_max_candidates", int, 0, "candidates one find may time"),
+    # the search ends once this many candidates in a row were no faster than the best (0: never)
+    _Setting("find_patience", int, 8, "candidates in a row without a new best that end a find"),
     # a candidate whose time exceeds the best so far by this factor stops being timed
     _Setting("early_stop_factor", float, 1.5, "slowdown that ends a candidate's timing"),
     # target seconds of timing per candidate

@@ -76,7 +76,11 @@ def peak_allocated_bytes(fn: Callable[[], object], device: str) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    # Every allocation and free in time order: an op's net self-memory would hide a temporary
+    # that the op allocates and frees inside itself.
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == cpu)
     current = peak = 0
     for _, delta in events:
         current += delta

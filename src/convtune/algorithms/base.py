@@ -157,6 +157,11 @@ class Algorithm(abc.ABC):
         """Bytes of scratch ``run`` needs for ``problem``; it never uses more."""
         return buffers_bytes(self.buffers(problem))
 
+    def library_bytes(self, problem: ConvProblem) -> int:
+        """Bytes the libraries ``run`` calls allocate by themselves, outside the workspace (cuFFT's
+        result and work buffers, say): memory a budget must count but cannot carve. 0 by default."""
+        return 0
+
     def run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
             workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Compute ``problem``: fwd (x, w) -> y; bwd_data (dy, w) -> dx; bwd_filter (x, dy) -> dw.

@@ -10,11 +10,14 @@ channel sum is one small complex matrix product, batched over frequencies and gr
 Every real buffer is laid out (*L, groups, rows, cols): transforming its leading dimensions
 gives spectra (*F, groups, rows, cols), which is directly a (F·groups, rows, cols) GEMM batch.
 The transform length per dimension is the smallest 2,3,5-smooth size >= the padded input, so
-the circular products never wrap around onto the outputs that are read.
+the circular products never wrap around onto the outputs that are read. Filters are not padded
+and transformed: their spectrum is one GEMM of a DFT matrix with the few taps (and dw is read
+back at the taps by the transposed GEMM), which saves an L-sized real copy of every filter.
 
-Workspace: one real buffer (the padded operand, reused for each transform) and three spectra.
-That is the honest price of the method: several times the input and output. float16 and
-bfloat16 operands are converted into the float32 buffers, so the arithmetic is float32.
+Workspace: one real buffer (each padded image in turn) and three spectra, the filter's F·C·K/g
+the largest for small batches. That is the honest price of the method. float16 and bfloat16
+operands are converted into the float32 buffers, so the arithmetic is float32. On CUDA,
+torch.fft also allocates buffers of its own (``library_bytes``).
 
     >>> from convtune.problem import ConvProblem
     >>> p = ConvProblem("fwd", n=1, c=2, k=3, input_size=(6, 7), kernel_size=3, padding=1)
@@ -157,6 +160,35 @@ class FFT(Algorithm):
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return NumericNotes(float32_inside=problem.dtype != "float32")
+
+    def library_bytes(self, problem: ConvProblem) -> int:
+        """Bytes ``torch.fft`` allocates by itself during ``run``, outside the workspace: 0 on the CPU.
+
+        On CUDA the ``out=`` forms of torch.fft compute into a fresh tensor and copy it out, and
+        cuFFT takes its work area from the caching allocator; no torch API lets them use carved
+        memory. Measured on an H200 (torch 2.11): a real-to-complex transform allocates its
+        spectrum plus a work area of 1.07 (2-D, 56x56) to 1.71 (3-D, 15x15x12) spectra; a
+        complex-to-real one its signal plus a copy of its spectrum. Declared: the result, any
+        copy, and a work area of 2 spectra. The CPU path (MKL) allocates nothing through torch.
+        Whoever budgets memory must add these bytes to the workspace.
+        """
+        if problem.device != "cuda":
+            return 0
+        groups, per_group = problem.groups, _operands(problem)
+        length, freqs = math.prod(transform_sizes(problem)), math.prod(spectrum_sizes(problem))
+
+        def spectrum_bytes(name: str) -> int:
+            return 8 * freqs * groups * math.prod(per_group[name])
+
+        def real_bytes(name: str) -> int:
+            return 4 * length * groups * math.prod(per_group[name])
+
+        first, second, product = _SPECTRA[problem.direction]
+        transformed = [first] if problem.direction != "bwd_filter" else [first, second]
+        costs = [3 * spectrum_bytes(name) for name in transformed]
+        if problem.direction != "bwd_filter":
+            costs.append(3 * spectrum_bytes(product) + real_bytes(product))
+        return max(costs)
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         groups, per_group = problem.groups, _operands(problem)
