@@ -75,7 +75,7 @@ class Fake(Algorithm):
                  unsupported_reason: str | None = None) -> None:
         self.name = name
         super().__init__()
-        self.time_ms, self.sleep, self.scratch_bytes = time_ms, sleep, workspace_bytes
+        self.time_ms, self.sleep, self.declared_bytes = time_ms, sleep, workspace_bytes
         self.deterministic, self.tf32, self.reduced_precision = deterministic, tf32, reduced_precision
         self.devices, self.directions, self.unsupported_reason = devices, directions, unsupported_reason
         self.runs = 0
@@ -84,7 +84,7 @@ class Fake(Algorithm):
         return unsupported(self.unsupported_reason) if self.unsupported_reason else SUPPORTED
 
     def buffers(self, problem) -> list[Buffer]:
-        return [Buffer("scratch", (self.scratch_bytes,), torch.uint8)] if self.scratch_bytes else []
+        return [Buffer("scratch", (self.declared_bytes,), torch.uint8)] if self.declared_bytes else []
 
     def notes(self, problem) -> NumericNotes:
         return NumericNotes(tf32=self.tf32, reduced_precision=self.reduced_precision)

@@ -64,7 +64,8 @@ def test_exactly_the_declared_workspace_is_enough_and_nothing_large_is_allocated
         out = problem.empty(problem.operand_shapes[2])
         algo.run(problem, a, b, workspace=ws, out=out)  # warm any lazy state first
         extra = peak_allocated_bytes(lambda: algo.run(problem, a, b, workspace=ws, out=out), "cpu")
-        assert extra <= slack_bytes(problem), (algo.name, problem.key, need, extra)
+        # library_bytes: what a library allocates by itself (torch.fft's results), declared apart.
+        assert extra <= algo.library_bytes(problem) + slack_bytes(problem), (algo.name, problem.key, need, extra)
 
 
 def test_registry_rejects_duplicates_and_non_algorithms():

@@ -101,7 +101,7 @@ HONESTY = [  # (shape, dtype): float16 also exercises the conversions into the f
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("shape, dtype", HONESTY)
 @pytest.mark.parametrize("name", ("fft:rfft", *WINOGRAD))
-def test_allocates_nothing_beyond_its_workspace(name, shape, direction, dtype):
+def test_allocates_nothing_beyond_its_declared_memory(name, shape, direction, dtype):
     problem = ConvProblem(direction=direction, layout="channels_last", dtype=dtype, **shape)
     algo = get_algorithm(name)
     a, b = problem.random_inputs(seed=1)
@@ -110,8 +110,10 @@ def test_allocates_nothing_beyond_its_workspace(name, shape, direction, dtype):
     allowance = max(64 * 1024, out.numel() * out.element_size() // 50)
     # The check must be able to fail: the scratch is far larger than what may leak.
     assert algo.workspace_bytes(problem) > 4 * allowance
+    library = algo.library_bytes(problem)  # torch.fft's own result buffers: declared, not carved
     peak = peak_allocated_bytes(lambda: algo.run(problem, a, b, workspace=workspace, out=out), "cpu")
-    assert peak <= allowance, f"{name} allocated {peak} bytes beyond its workspace on {problem.key}"
+    assert peak <= library + allowance, f"{name} allocated {peak} bytes beyond its workspace on {problem.key}"
+    assert peak >= library // 2, f"{name} declares {library} library bytes but allocated {peak}: stale estimate"
 
 
 def test_is_deterministic():

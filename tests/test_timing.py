@@ -40,9 +40,14 @@ def test_slow_function_gets_no_sizing_call():
 
 
 def test_stop_above_stops_after_min_repeats():
-    t = benchmark(sleeper(2.0), device="cpu", budget_s=5.0, min_repeats=3, max_repeats=20, stop_above_ms=0.5)
+    t = benchmark(sleeper(2.0), device="cpu", budget_s=5.0, min_repeats=3, max_repeats=20, stop_above_ms=1.5)
     assert t.stopped_early
     assert len(t.samples_ms) == 3
+
+
+def test_a_hopeless_warm_up_ends_the_timing_at_once():
+    t = benchmark(sleeper(5.0), device="cpu", budget_s=5.0, min_repeats=3, max_repeats=20, stop_above_ms=0.5)
+    assert t.stopped_early and len(t.samples_ms) == 1 and t.median_ms >= 5.0
 
 
 def test_stop_above_not_reached():

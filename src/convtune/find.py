@@ -104,7 +104,7 @@ class _Search:
         """The result of one candidate; nothing it raises escapes."""
         problem = self.problem
         try:
-            workspace_bytes = algorithm.workspace_bytes(problem)
+            workspace_bytes = algorithm.scratch_bytes(problem)
             notes = algorithm.notes(problem)
             declared = algorithm.is_deterministic(problem)
         except Exception as exc:  # noqa: BLE001 - a failing candidate is data
@@ -134,7 +134,7 @@ class _Search:
     def _measure(self, algorithm: Algorithm, props: dict[str, Any], probe_determinism: bool) -> PerfResult:
         problem = self.problem
         inputs, ref = self.case()
-        workspace = allocate_workspace(props["workspace_bytes"], problem.device)
+        workspace = allocate_workspace(algorithm.workspace_bytes(problem), problem.device)
         out = problem.empty(problem.operand_shapes[2])
         err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,
                                  max_rel_error=self.policy.max_rel_error)

@@ -44,7 +44,7 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: 
     device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
     precision) are the algorithm's own. Exceptions of the algorithm's description methods propagate.
     """
-    workspace = algorithm.workspace_bytes(problem)
+    workspace = algorithm.scratch_bytes(problem)
     notes = algorithm.notes(problem)
     ms = costmodel.predict_ms(algorithm.name, problem, workspace, notes.tf32) * factor
     ms *= costmodel.corrections(db, problem.device).factor(algorithm.name, problem)

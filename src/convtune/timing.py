@@ -42,6 +42,9 @@ SAMPLE_TARGET_MS = 1.0
 MAX_INNER = 1000
 # A warm-up call longer than this skips the sizing call (slow candidates run once per sample).
 SIZING_LIMIT_MS = 50.0
+# A warm-up call this many times over stop_above_ms ends the timing at once (first calls run
+# cold, so only a wide margin says a candidate is hopeless).
+WARMUP_STOP_FACTOR = 3.0
 # Used when the device does not report its L2 size.
 DEFAULT_L2_BYTES = 64 * 2**20
 
@@ -123,6 +126,10 @@ def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None =
     if budget_s < 0:
         raise ValueError(f"benchmark(budget_s={budget_s}) must be >= 0 seconds")
     sampler = _CudaSampler(fn) if device == "cuda" else _CpuSampler(fn)
+    if stop_above_ms is not None and sampler.warmup_ms > WARMUP_STOP_FACTOR * stop_above_ms:
+        # Even the cold first call says it: not worth a single sample more.
+        return summarize([sampler.warmup_ms], stopped_early=True)
+    sampler.prepare()
     start = time.perf_counter()
     samples: list[float] = []
     stopped_early = False
@@ -157,12 +164,15 @@ class _CpuSampler:
         self.fn = fn
         begin = time.perf_counter()
         fn()  # warm-up: first-call costs are not the algorithm's steady state
-        warm_ms = 1e3 * (time.perf_counter() - begin)
-        if warm_ms >= SIZING_LIMIT_MS:
-            self.inner = 1  # a slow candidate gets no extra call: one call is sample enough
+        self.warmup_ms = 1e3 * (time.perf_counter() - begin)
+        self.inner = 1
+
+    def prepare(self) -> None:
+        """Size ``inner`` by a second call (a slow candidate gets none: one call is sample enough)."""
+        if self.warmup_ms >= SIZING_LIMIT_MS:
             return
         begin = time.perf_counter()
-        fn()
+        self.fn()
         self.inner = _inner_for(1e3 * (time.perf_counter() - begin))
 
     def sample_ms(self) -> float:
@@ -186,10 +196,15 @@ class _CudaSampler:
         l2_bytes = getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES
         self.flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
-        fn()  # warm-up (cuDNN plan builds, Triton compilation, allocator growth)
-        torch.cuda.synchronize()
-        # Eager calls overstate the time of host-bound kernels, so inner errs on the small side.
-        self.inner = _inner_for(self._eager_ms(3) / 3)
+        # Warm-up (cuDNN plan builds, Triton compilation, allocator growth), timed on the device.
+        self.warmup_ms = self._eager_ms(1)
+        self.inner, self.graph = 1, None
+
+    def prepare(self) -> None:
+        """Size ``inner`` and capture the graph of ``inner`` calls."""
+        if self.warmup_ms < SIZING_LIMIT_MS:
+            # Eager calls overstate the time of host-bound kernels, so inner errs on the small side.
+            self.inner = _inner_for(self._eager_ms(3) / 3)
         self.graph = self._capture()
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:

@@ -61,7 +61,7 @@ def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
         slack = max(1 << 20, out.numel() * out.element_size() // 50)
         if not err <= tol:
             failures.append(f"{algo.name}: rel error {err:.2e} > {tol:.1e}")
-        if algo.name != "torch:native" and extra > slack:
+        if algo.name != "torch:native" and extra > algo.library_bytes(p) + slack:
             failures.append(f"{algo.name}: allocated {extra} bytes beyond its {need}-byte workspace")
     assert not failures, "\n".join(failures)
 

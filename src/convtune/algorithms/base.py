@@ -162,6 +162,13 @@ class Algorithm(abc.ABC):
         result and work buffers, say): memory a budget must count but cannot carve. 0 by default."""
         return 0
 
+    def scratch_bytes(self, problem: ConvProblem) -> int:
+        """All the scratch memory a run needs: the workspace plus what libraries allocate themselves.
+
+        This is what policies and plans count against a memory limit.
+        """
+        return self.workspace_bytes(problem) + self.library_bytes(problem)
+
     def run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
             workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Compute ``problem``: fwd (x, w) -> y; bwd_data (dy, w) -> dx; bwd_filter (x, dy) -> dw.

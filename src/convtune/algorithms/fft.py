@@ -162,32 +162,28 @@ class FFT(Algorithm):
         return NumericNotes(float32_inside=problem.dtype != "float32")
 
     def library_bytes(self, problem: ConvProblem) -> int:
-        """Bytes ``torch.fft`` allocates by itself during ``run``, outside the workspace: 0 on the CPU.
+        """Bytes ``torch.fft`` allocates by itself during ``run``, outside the workspace.
 
-        On CUDA the ``out=`` forms of torch.fft compute into a fresh tensor and copy it out, and
-        cuFFT takes its work area from the caching allocator; no torch API lets them use carved
-        memory. Measured on an H200 (torch 2.11): a real-to-complex transform allocates its
-        spectrum plus a work area of 1.07 (2-D, 56x56) to 1.71 (3-D, 15x15x12) spectra; a
-        complex-to-real one its signal plus a copy of its spectrum. Declared: the result, any
-        copy, and a work area of 2 spectra. The CPU path (MKL) allocates nothing through torch.
-        Whoever budgets memory must add these bytes to the workspace.
+        The ``out=`` forms of torch.fft compute into a fresh tensor and copy it out, on every
+        device; no torch API lets a transform write into carved memory. Measured (CPU: MKL,
+        torch 2.13; CUDA: H200, torch 2.11): a real-to-complex transform allocates its spectrum,
+        a complex-to-real one its signal plus its spectrum (a copy, or the multi-dimensional
+        complex pass). cuFFT also takes a work area from the caching allocator: 1.07 (2-D 56x56)
+        to 1.71 (3-D 15x15x12) spectra measured, 2 declared. Budgets add these bytes.
         """
-        if problem.device != "cuda":
-            return 0
         groups, per_group = problem.groups, _operands(problem)
         length, freqs = math.prod(transform_sizes(problem)), math.prod(spectrum_sizes(problem))
+        work_area = 2 if problem.device == "cuda" else 0  # in spectra
 
         def spectrum_bytes(name: str) -> int:
             return 8 * freqs * groups * math.prod(per_group[name])
 
-        def real_bytes(name: str) -> int:
-            return 4 * length * groups * math.prod(per_group[name])
-
         first, second, product = _SPECTRA[problem.direction]
-        transformed = [first] if problem.direction != "bwd_filter" else [first, second]
-        costs = [3 * spectrum_bytes(name) for name in transformed]
+        transformed = [first, second] if problem.direction == "bwd_filter" else [first]
+        costs = [(1 + work_area) * spectrum_bytes(name) for name in transformed]
         if problem.direction != "bwd_filter":
-            costs.append(3 * spectrum_bytes(product) + real_bytes(product))
+            signal = 4 * length * groups * math.prod(per_group[product])
+            costs.append((1 + work_area) * spectrum_bytes(product) + signal)
         return max(costs)
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
@@ -250,8 +246,9 @@ def _image(problem: ConvProblem, product: torch.Tensor, region: tuple[slice, ...
 def _filter_spectrum(problem: ConvProblem, w: torch.Tensor, ws: dict[str, torch.Tensor]) -> torch.Tensor:
     """The spectrum of the filter as (F·g, C/g, K/g), one GEMM: the DFT matrix @ the taps.
 
-    Padding a 3x3 filter to the transform size and transforming it would cost F·C·K real values
-    of workspace and an FFT per filter; the taps are few, so a GEMM over them is cheaper.
+    Padding the filter to the transform size and transforming it would cost an L-sized real copy
+    of every filter (L·C·K/g values) and an FFT each; the taps are few, so a GEMM over them is
+    cheaper in both.
     """
     g = problem.groups
     taps = ws["filter_taps"]
@@ -275,9 +272,11 @@ def _product(ws: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def _forward(problem, x, w, y, ws) -> None:
     xs = _image_spectrum(problem, x, _padded(problem), ws["real"], ws["spectrum_a"])
-    # Cross-correlation multiplies by the conjugate filter spectrum; conjugating in place keeps
-    # bmm on plain operands (a lazily conjugated operand may be materialised by some backends).
-    fs = _filter_spectrum(problem, w, ws).conj_physical_()
+    # Cross-correlation multiplies by the conjugate filter spectrum: the filter is real, so
+    # conjugating the small DFT matrix gives it, and bmm keeps plain operands (a lazily
+    # conjugated operand is copied by bmm).
+    ws["filter_dft"].conj_physical_()
+    fs = _filter_spectrum(problem, w, ws)
     ys = _product(ws["spectrum_out"], xs.shape[1], fs.shape[2])
     torch.bmm(xs, fs, out=ys)
     _image(problem, ys, _outputs(problem), ws["real"], y)
@@ -294,6 +293,7 @@ def _backward_data(problem, dy, w, dx, ws) -> None:
 def _backward_filter(problem, x, dy, dw, ws) -> None:
     g = problem.groups
     xs = _image_spectrum(problem, x, _padded(problem), ws["real"], ws["spectrum_a"])
+    # conj(DY) in place: bmm copies an operand viewed as conjugated (measured with .mH).
     dys = _image_spectrum(problem, dy, _outputs(problem), ws["real"], ws["spectrum_b"]).conj_physical_()
     dws = _product(ws["spectrum_out"], dys.shape[2], xs.shape[2])
     torch.bmm(dys.mT, xs, out=dws)  # the batch N is the GEMM's reduction

