@@ -46,8 +46,19 @@ def test_stop_above_stops_after_min_repeats():
 
 
 def test_a_hopeless_warm_up_ends_the_timing_at_once():
-    t = benchmark(sleeper(5.0), device="cpu", budget_s=5.0, min_repeats=3, max_repeats=20, stop_above_ms=0.5)
-    assert t.stopped_early and len(t.samples_ms) == 1 and t.median_ms >= 5.0
+    t = benchmark(sleeper(12.0), device="cpu", budget_s=5.0, min_repeats=3, max_repeats=20, stop_above_ms=0.5)
+    assert t.stopped_early and len(t.samples_ms) == 1 and t.median_ms >= 12.0
+
+
+def test_a_slow_cold_first_call_of_a_fast_function_is_not_hopeless():
+    calls = []
+
+    def cold_then_fast():  # 4 ms the first time (a plan build), then 0.1 ms
+        time.sleep(0.004 if not calls else 0.0001)
+        calls.append(1)
+
+    t = benchmark(cold_then_fast, device="cpu", budget_s=0.05, min_repeats=3, max_repeats=5, stop_above_ms=0.5)
+    assert len(t.samples_ms) >= 3 and t.median_ms < 0.5
 
 
 def test_stop_above_not_reached():

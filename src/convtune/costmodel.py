@@ -157,8 +157,10 @@ def _winograd(p: ConvProblem, ws: int, name: str) -> Cost:
 
 
 def _vendor(efficiency: float):
+    # A vendor's plan uses its workspace inside fused kernels (cuDNN's fp32 NCHW plans transpose
+    # through 50 MB and still lead): the workspace is no traffic term here.
     def cost(p: ConvProblem, ws: int) -> Cost:
-        return Cost(p.flops, efficiency * _shape_factor(*_gemm_dims(p)), p.min_bytes + ws, 1, composed=False)
+        return Cost(p.flops, efficiency * _shape_factor(*_gemm_dims(p)), p.min_bytes, 1, composed=False)
 
     return cost
 

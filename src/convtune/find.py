@@ -179,22 +179,23 @@ def _log_result(index: int, total: int, result: PerfResult, best_ms: float) -> N
                  result.message, format_bytes(result.workspace_bytes))
 
 
-def search_order(ranked: Sequence[Algorithm]) -> list[Algorithm]:
-    """``get``'s ranking with the best-ranked candidate of every backend first.
+def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
+    """``get``'s ranking with the best-ranked candidate of every backend first, and how many those are.
 
     The cost model ranks families against each other less surely than candidates within one
     family, so each family gets one early try; the rest follow in ``get``'s order.
 
         >>> class A:
         ...     def __init__(self, name): self.name = name
-        >>> [a.name for a in search_order([A("cudnn:1"), A("cudnn:2"), A("gemm:1x1"), A("cudnn:3")])]
-        ['cudnn:1', 'gemm:1x1', 'cudnn:2', 'cudnn:3']
+        >>> order, head = search_order([A("cudnn:1"), A("cudnn:2"), A("gemm:1x1"), A("cudnn:3")])
+        >>> [a.name for a in order], head
+        (['cudnn:1', 'gemm:1x1', 'cudnn:2', 'cudnn:3'], 2)
     """
     firsts: dict[str, Algorithm] = {}
     for algorithm in ranked:
         firsts.setdefault(algorithm.name.split(":", 1)[0], algorithm)
     head = list(firsts.values())
-    return head + [a for a in ranked if a not in head]
+    return head + [a for a in ranked if a not in head], len(head)
 
 
 def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, timer: Timer = benchmark,
@@ -211,7 +212,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     seed: of the random verification inputs (default ``settings.verify_seed``).
 
     Candidates run in ``search_order``: the best-ranked of each backend first, then ``get``'s
-    order; once ``settings.find_patience`` candidates in a row were no faster than the best
+    order; once ``settings.find_patience`` candidates after those were no faster than the best
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
@@ -253,7 +254,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"find(candidates=...) names an algorithm twice: {twice}; pass each once")
-    ranked = search_order([a for a, _ in ranked_predictions(problem, candidates, policy, db, keep_filters=False)])
+    ranked, head_size = search_order([a for a, _ in ranked_predictions(problem, candidates, policy, db,
+                                                                      keep_filters=False)])
     search = _Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     patience, without_gain = settings.find_patience, 0
@@ -265,7 +267,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         best_before = search.best_ms
         result = search.try_candidate(algorithm)
         results.append(result)
-        if result.ok:
+        if result.ok and index > head_size:  # the first try of each backend does not count
             gained = result.time_ms < best_before * (1 - policy.tolerance)
             without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)

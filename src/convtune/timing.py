@@ -42,9 +42,11 @@ SAMPLE_TARGET_MS = 1.0
 MAX_INNER = 1000
 # A warm-up call longer than this skips the sizing call (slow candidates run once per sample).
 SIZING_LIMIT_MS = 50.0
-# A warm-up call this many times over stop_above_ms ends the timing at once (first calls run
-# cold, so only a wide margin says a candidate is hopeless).
+# A warm-up call this many times over stop_above_ms, and at least HOPELESS_WARMUP_MS long, ends
+# the timing at once. First calls run cold (plan builds, lazy initialisation: a 25 us cuDNN plan's
+# first call takes 0.3 ms), so only a slow first call by a wide margin says a candidate is hopeless.
 WARMUP_STOP_FACTOR = 3.0
+HOPELESS_WARMUP_MS = 10.0
 # Used when the device does not report its L2 size.
 DEFAULT_L2_BYTES = 64 * 2**20
 
@@ -126,7 +128,8 @@ def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None =
     if budget_s < 0:
         raise ValueError(f"benchmark(budget_s={budget_s}) must be >= 0 seconds")
     sampler = _CudaSampler(fn) if device == "cuda" else _CpuSampler(fn)
-    if stop_above_ms is not None and sampler.warmup_ms > WARMUP_STOP_FACTOR * stop_above_ms:
+    if (stop_above_ms is not None and sampler.warmup_ms >= HOPELESS_WARMUP_MS
+            and sampler.warmup_ms > WARMUP_STOP_FACTOR * stop_above_ms):
         # Even the cold first call says it: not worth a single sample more.
         return summarize([sampler.warmup_ms], stopped_early=True)
     sampler.prepare()
