@@ -285,3 +285,17 @@ def test_every_backend_gets_an_early_try_before_patience_runs_out():
         results = by_name(find(P, timer=FakeTimer(), candidates=[*same_family, other]))
     assert results["other:fast"].status is Status.OK
     assert find(P, timer=FakeTimer(), candidates=[*same_family, other])[0].algorithm == "other:fast"
+
+
+def test_a_candidate_predicted_far_slower_than_the_best_measured_is_not_run():
+    # The cost model predicts by family: a 1x1 GEMM on a big 1x1 problem is far cheaper than the
+    # direct method's per-tap loops, which the prune then skips without running them.
+    big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
+    fast = Fake("gemm:1x1_fake", time_ms=0.1)
+    slow = Fake("direct:taps_fake", time_ms=50.0)
+    with settings.override(find_prune_factor=1.0001, find_patience=0):
+        results = by_name(find(big, timer=FakeTimer(), candidates=[fast, slow]))
+    assert results["direct:taps_fake"].status is Status.SKIPPED and "predicted" in results["direct:taps_fake"].message
+    assert slow.runs == 0
+    with settings.override(find_prune_factor=0, find_patience=0):
+        assert by_name(find(big, timer=FakeTimer(), candidates=[fast, slow]))["direct:taps_fake"].ok

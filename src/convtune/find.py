@@ -100,8 +100,11 @@ class _Search:
         b.copy_(b0)
         return True
 
-    def try_candidate(self, algorithm: Algorithm) -> PerfResult:
-        """The result of one candidate; nothing it raises escapes."""
+    def try_candidate(self, algorithm: Algorithm, predicted_ms: float = math.inf) -> PerfResult:
+        """The result of one candidate; nothing it raises escapes.
+
+        predicted_ms: get's guess; far above the best measured, the candidate is not run.
+        """
         problem = self.problem
         try:
             workspace_bytes = algorithm.scratch_bytes(problem)
@@ -118,6 +121,10 @@ class _Search:
         exhausted = self.budget.exhausted()
         if exhausted:
             return PerfResult(algorithm.name, Status.SKIPPED, message=exhausted, **props)
+        prune = settings.find_prune_factor
+        if prune and math.isfinite(self.best_ms) and math.isfinite(predicted_ms) and predicted_ms > prune * self.best_ms:
+            return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
+                f"predicted {predicted_ms:.4g} ms, over {prune:g}x the best measured ({self.best_ms:.4g} ms)"))
         self.budget.timed += 1
         self.case()  # outside the candidate's try: a reference that cannot be computed is not its fault
         try:
@@ -213,7 +220,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
 
     Candidates run in ``search_order``: the best-ranked of each backend first, then ``get``'s
     order; once ``settings.find_patience`` candidates after those were no faster than the best
-    (beyond ``policy.tolerance``), the search has converged and the rest are skipped.
+    (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
+    that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
+    is skipped without running.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
     early and says so), out_of_memory, failed ("ExceptionType: message"), wrong_result (beyond
@@ -254,8 +263,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"find(candidates=...) names an algorithm twice: {twice}; pass each once")
-    ranked, head_size = search_order([a for a, _ in ranked_predictions(problem, candidates, policy, db,
-                                                                      keep_filters=False)])
+    predictions = ranked_predictions(problem, candidates, policy, db, keep_filters=False)
+    predicted_ms = {a.name: guess.time_ms for a, guess in predictions}
+    ranked, head_size = search_order([a for a, _ in predictions])
     search = _Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     patience, without_gain = settings.find_patience, 0
@@ -265,7 +275,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
                 f"search converged: {patience} candidates in a row were no faster than the best")))
             continue
         best_before = search.best_ms
-        result = search.try_candidate(algorithm)
+        result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf))
         results.append(result)
         if result.ok and index > head_size:  # the first try of each backend does not count
             gained = result.time_ms < best_before * (1 - policy.tolerance)

@@ -57,6 +57,8 @@ _SETTINGS = (
     _Setting("find_max_candidates", int, 0, "candidates one find may time"),
     # the search ends once this many candidates in a row were no faster than the best (0: never)
     _Setting("find_patience", int, 8, "candidates in a row without a new best that end a find"),
+    # a candidate predicted this many times slower than the best measured is not run (0: never)
+    _Setting("find_prune_factor", float, 10.0, "predicted slowdown that skips a candidate"),
     # a candidate whose time exceeds the best so far by this factor stops being timed
     _Setting("early_stop_factor", float, 1.5, "slowdown that ends a candidate's timing"),
     # target seconds of timing per candidate
