@@ -12,10 +12,11 @@ the use cannot drift apart.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -71,6 +72,24 @@ class Buffer:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@contextlib.contextmanager
+def matmul_tf32(device: str, allowed: bool) -> Iterator[None]:
+    """Inside the block, CUDA float32 GEMMs use TF32 exactly when ``allowed``.
+
+    PyTorch's switch is global, so every algorithm that promises (or forbids) TF32 in its notes
+    sets it around its GEMMs and restores it after. A no-op on the CPU.
+    """
+    if device != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _aligned(nbytes: int) -> int:

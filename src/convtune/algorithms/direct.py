@@ -24,6 +24,7 @@ the output's dtype (notes: reduced precision); bwd_filter sums its many row term
 buffer of the weight's size.
 
     >>> from convtune.problem import ConvProblem
+    >>> from convtune.algorithms.registry import get_algorithm
     >>> p = ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=3, padding=1)
     >>> get_algorithm("direct:taps").workspace_bytes(p.replace(layout="channels_last"))
     0
@@ -39,7 +40,7 @@ import torch
 from ..problem import ConvProblem
 from .base import Algorithm, Buffer, NumericNotes
 from .gemm import GemmSum, gemm_notes, grouped_nsc, is_half, tap_index, tf32_as_allowed
-from .registry import get_algorithm, register
+from .registry import register
 from .taps import problem_taps
 
 

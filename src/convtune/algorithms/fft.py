@@ -27,15 +27,13 @@ torch.fft also allocates buffers of its own (``library_bytes``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator
 
 import torch
 
 from ..problem import ConvProblem
-from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, unsupported
+from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
 
 
@@ -118,20 +116,6 @@ def _dft_shape(problem: ConvProblem) -> tuple[int, int]:
     return (taps, freqs) if problem.direction == "bwd_filter" else (freqs, taps)
 
 
-@contextlib.contextmanager
-def _ieee_float32_matmul(device: str) -> Iterator[None]:
-    """cuBLAS GEMMs in full float32 inside the block: the notes promise no TF32."""
-    if device != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _spatial_major(t: torch.Tensor, groups: int, ndim: int) -> torch.Tensor:
     """(N, C, *S) -> the view (*S, groups, N, C/groups), with no copy."""
     grouped = t.unflatten(1, (groups, t.shape[1] // groups))
@@ -212,7 +196,7 @@ class FFT(Algorithm):
         dft = tap_dft(transform_sizes(problem), problem.kernel_size, problem.dilation,
                       inverse=problem.direction == "bwd_filter", pinned=pinned)
         ws["filter_dft"].copy_(dft, non_blocking=pinned)
-        with _ieee_float32_matmul(problem.device):
+        with matmul_tf32(problem.device, False):
             runner(problem, a, b, out, ws)
 
 

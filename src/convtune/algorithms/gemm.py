@@ -19,6 +19,7 @@ result is a sum of several GEMMs (a filter gradient over samples or sub-batches,
 overlapping taps) the sum is kept in a declared float32 buffer, never in the half dtype.
 
     >>> from convtune.problem import ConvProblem
+    >>> from convtune.algorithms.registry import get_algorithm
     >>> p = ConvProblem("fwd", n=4, c=8, k=8, input_size=(6, 6), kernel_size=3, padding=1)
     >>> [get_algorithm(name).supports(p).ok for name in ("gemm:1x1", "gemm:im2col", "gemm:im2col_chunk2")]
     [False, True, True]
@@ -26,15 +27,13 @@ overlapping taps) the sum is kept in a declared float32 buffer, never in the hal
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 
 from ..problem import ConvProblem
-from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, unsupported
-from .registry import get_algorithm, register
+from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
+from .registry import register
 from .taps import problem_taps
 
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
@@ -75,18 +74,9 @@ def gemm_notes(problem: ConvProblem, sums_in_dtype: bool = False) -> NumericNote
     return NumericNotes(float32_inside=half, reduced_precision=half and sums_in_dtype)
 
 
-@contextlib.contextmanager
-def tf32_as_allowed(problem: ConvProblem) -> Iterator[None]:
-    """On CUDA, let float32 GEMMs use TF32 exactly when ``problem.allow_tf32`` (PyTorch's switch is global)."""
-    if problem.device != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = problem.allow_tf32
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+def tf32_as_allowed(problem: ConvProblem):
+    """On CUDA, float32 GEMMs use TF32 exactly when ``problem.allow_tf32``."""
+    return matmul_tf32(problem.device, problem.allow_tf32)
 
 
 def gemm_sum_buffers(problem: ConvProblem, shape: tuple[int, ...], terms: int) -> list[Buffer]:

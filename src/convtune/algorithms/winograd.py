@@ -25,15 +25,13 @@ points ±2 give entries up to 8 in A and 5 in B), which half precision cannot ab
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator
 
 import torch
 
 from ..problem import ConvProblem
-from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, unsupported
+from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
 from .taps import TapSlice, tap_slices
 
@@ -95,20 +93,6 @@ def _output_tiles(problem: ConvProblem, m: int) -> tuple[TapSlice, ...]:
     return tap_slices(problem.output_size, _tiles(problem, m), (m,) * nd, (m,) * nd, (0,) * nd, (1,) * nd)
 
 
-@contextlib.contextmanager
-def _ieee_float32_matmul(device: str) -> Iterator[None]:
-    """cuBLAS GEMMs in full float32 inside the block: TF32 would wreck F(4x4, 3x3)'s accuracy."""
-    if device != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 class Winograd(Algorithm):
     """F(m^d, 3^d) Winograd convolution; subclasses fix the output tile size ``m``."""
 
@@ -156,7 +140,7 @@ class Winograd(Algorithm):
         for name, matrix in zip(("kron_b", "kron_g", "kron_a"), kron_transforms(self.m, problem.ndim, pinned)):
             ws[name].copy_(matrix, non_blocking=pinned)
         runner = {"fwd": _forward, "bwd_data": _backward_data, "bwd_filter": _backward_filter}[problem.direction]
-        with _ieee_float32_matmul(problem.device):
+        with matmul_tf32(problem.device, False):
             runner(problem, self.m, a, b, out, ws)
 
 
