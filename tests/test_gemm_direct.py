@@ -21,7 +21,7 @@ from convtune.algorithms.gemm import CHUNKS
 from convtune.algorithms.registry import get_algorithm
 from convtune.problem import ConvProblem
 
-ALGORITHMS = ("gemm:1x1", "gemm:im2col", "gemm:im2col_chunk2", "direct:taps")
+ALGORITHMS = ("gemm:1x1", "gemm:1x1_strided", "gemm:im2col", "gemm:im2col_chunk2", "direct:taps")
 DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
 LAYOUTS = ("channels_first", "channels_last")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -44,6 +44,9 @@ SHAPES = {
     "1x1_groups2": dict(n=3, c=4, k=6, input_size=(5, 6), kernel_size=1, groups=2),
     "1x1_1d_batch1": dict(n=1, c=5, k=3, input_size=(7,), kernel_size=1),
     "1x1_stride2_pad1": dict(n=3, c=4, k=6, input_size=(5, 6), kernel_size=1, stride=2, padding=1),
+    "1x1_stride2": dict(n=3, c=4, k=6, input_size=(7, 6), kernel_size=1, stride=2),
+    "1x1_3d_strides_groups": dict(n=2, c=4, k=6, input_size=(5, 6, 7), kernel_size=1, stride=(2, 1, 3), groups=2),
+    "1x1_1d_stride3": dict(n=1, c=5, k=3, input_size=(10,), kernel_size=1, stride=3),
 }
 
 
@@ -51,6 +54,8 @@ def should_support(name: str, p: ConvProblem) -> bool:
     """What each method can do, written down independently of its implementation."""
     if name == "gemm:1x1":
         return p.is_1x1 and all(s == 1 for s in p.stride) and not any(p.padding)
+    if name == "gemm:1x1_strided":
+        return p.is_1x1 and any(s != 1 for s in p.stride) and not any(p.padding)
     if name.startswith("gemm:im2col_chunk"):
         return int(name.removeprefix("gemm:im2col_chunk")) < p.n
     return True
@@ -151,15 +156,15 @@ def test_notes_say_where_half_sums_are_kept():
     assert get_algorithm("gemm:im2col").notes(p.replace(dtype="float32")) == direct.notes(p.replace(dtype="float32"))
 
 
-@pytest.mark.parametrize("changes, words", [
-    (dict(kernel_size=3), "1x1 kernel"),
-    (dict(stride=2), "stride"),
-    (dict(padding=1), "padding"),
+@pytest.mark.parametrize("changes, words, pointer", [
+    (dict(kernel_size=3), "1x1 kernel", "gemm:im2col"),
+    (dict(stride=2), "stride", "gemm:1x1_strided"),
+    (dict(padding=1), "padding", "gemm:im2col"),
 ])
-def test_1x1_refuses_with_a_reason(changes, words):
+def test_1x1_refuses_with_a_reason(changes, words, pointer):
     p = ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=1).replace(**changes)
     support = get_algorithm("gemm:1x1").supports(p)
-    assert not support and words in support.reason and "gemm:im2col" in support.reason
+    assert not support and words in support.reason and pointer in support.reason
 
 
 def test_chunk_refuses_a_batch_it_would_not_split():

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ..problem import ConvProblem
+from ..problem import ConvProblem, layout_order
 from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
 from .taps import problem_taps
@@ -173,7 +173,7 @@ class Gemm1x1(Algorithm):
                                f"gemm:im2col and direct:taps take any kernel")
         if any(s != 1 for s in problem.stride):
             return unsupported(f"stride={problem.stride} skips input positions, so the input is no longer one "
-                               f"matrix without a copy; use gemm:im2col (copies) or direct:taps (strided rows)")
+                               f"matrix without a copy; gemm:1x1_strided copies the slice it reads")
         if any(problem.padding):
             return unsupported(f"padding={problem.padding} adds a zero border that a GEMM cannot read in place; "
                                f"use gemm:im2col, which writes the border into its column matrix")
@@ -226,6 +226,58 @@ class Gemm1x1(Algorithm):
             return
         for n in range(src.shape[0]):  # a 4-D broadcast matmul would copy the expanded weight
             torch.bmm(w, src[n], out=dst[n])
+
+
+class Gemm1x1Strided(Algorithm):
+    """A strided 1x1 convolution (no padding) as ``gemm:1x1`` on a cheap slice.
+
+    With stride s and no padding, output position o reads input o·s: the input's every s-th
+    position is the whole input of an unstrided 1x1 convolution. fwd and bwd_filter copy that
+    slice (1/s^d of the input) into the workspace; bwd_data computes the slice's gradient there
+    and scatters it into a zeroed dx.
+    """
+
+    name = "gemm:1x1_strided"
+
+    def _supports(self, problem: ConvProblem) -> Support:
+        if not problem.is_1x1:
+            return unsupported(f"needs a 1x1 kernel, got kernel_size={problem.kernel_size}")
+        if all(s == 1 for s in problem.stride):
+            return unsupported("stride 1 needs no slice: gemm:1x1 reads the input in place")
+        if any(problem.padding):
+            return unsupported(f"padding={problem.padding}: a strided slice has no zero border; use gemm:im2col")
+        return SUPPORTED
+
+    @staticmethod
+    def sliced(problem: ConvProblem) -> ConvProblem:
+        """The unstrided 1x1 problem on the input's every stride-th position."""
+        return problem.replace(input_size=problem.output_size, stride=1)
+
+    def buffers(self, problem: ConvProblem) -> list[Buffer]:
+        inner = self.sliced(problem)
+        order = layout_order(len(inner.x_shape), problem.layout)
+        stored = tuple(inner.x_shape[i] for i in order)
+        return [Buffer("slice", stored, problem.torch_dtype), *_GEMM_1X1.buffers(inner)]
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        return gemm_notes(problem)
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        inner = self.sliced(problem)
+        order = layout_order(len(inner.x_shape), problem.layout)
+        inverse = sorted(range(len(order)), key=lambda i: order[i])
+        xs = ws["slice"].permute(inverse)  # (N, C, *output_size) in the problem's layout
+        every = (slice(None), slice(None), *(slice(None, None, s) for s in problem.stride))
+        if problem.direction == "bwd_data":
+            _GEMM_1X1._run(inner, a, b, xs, ws)
+            out.zero_()
+            out[every].copy_(xs)
+            return
+        xs.copy_(a[every])
+        _GEMM_1X1._run(inner, xs, b, out, ws)
+
+
+_GEMM_1X1 = Gemm1x1()
 
 
 # -- gemm:im2col and gemm:im2col_chunk{b} ---------------------------------------------------
@@ -402,7 +454,8 @@ def _cols_filter_terms(problem: ConvProblem, dy: torch.Tensor, cols: torch.Tenso
         total.add(dyv[i], c[i].transpose(1, 2))
 
 
-register(Gemm1x1())
+register(_GEMM_1X1)
+register(Gemm1x1Strided())
 register(Im2col())
 for _chunk in CHUNKS:
     register(Im2col(_chunk))

@@ -1,0 +1,143 @@
+"""Conv1d, Conv2d, Conv3d: drop-in ``torch.nn`` convolutions that run the algorithms convtune selects.
+
+Same constructor, parameters, ``state_dict`` keys, bias, ``padding_mode`` and string padding
+as ``torch.nn``; three keyword-only extras say how the layer chooses: ``policy``, ``mode`` (the
+``select`` mode: 'hybrid' measures what the tuning database does not know) and ``db``. Each
+input signature (shape, dtype, device, layout) is tuned on its first call, the backward
+directions when a gradient will be needed (bwd_data only if the input requires grad, bwd_filter
+only if the weight does), and remembered per module.
+
+The convolution runs through ``torch.ops.convtune.conv`` (so torch.compile traces it: tune the
+shapes first, then compile); the bias is a plain add after it, which Inductor can fuse. A
+non-zero ``padding_mode`` and an odd 'same' padding are padded explicitly first, as torch does.
+A channels_last input makes a channels_last problem (the weight is converted to match). Inputs
+convtune cannot describe (float64, say) and layers no algorithm serves run torch's own path.
+
+    >>> import torch, convtune.nn
+    >>> conv = convtune.nn.Conv2d(3, 4, 3, padding=1, mode="get")
+    >>> x = torch.randn(2, 3, 8, 8)
+    >>> torch.allclose(conv(x), torch.nn.functional.conv2d(x, conv.weight, conv.bias, padding=1), atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from convtune.policy import Policy
+from convtune.problem import explicit_padding, to_layout
+from convtune.torch import ops  # noqa: F401 - registers torch.ops.convtune
+from convtune.torch.tuning import LayerPlan, Signature, Tuning, layout_of, plan_layer
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype an enclosing autocast region makes a convolution compute in (None: no autocast)."""
+    kind = x.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind) and x.is_floating_point() \
+            and x.dtype != torch.float64:  # autocast leaves float64 alone
+        return torch.get_autocast_dtype(kind)
+    return None
+
+
+class TunedConv:
+    """The behaviour that Conv1d/2d/3d add to their ``torch.nn`` base (a mixin placed before it)."""
+
+    _convtune_tuning: Tuning
+    _convtune_plans: dict[Signature, LayerPlan]
+
+    def __init__(self, *args: Any, policy: Policy | None = None, mode: str = "hybrid", db: Any = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_convtune(Tuning(policy, mode, db))
+
+    def _init_convtune(self, tuning: Tuning) -> None:
+        self._convtune_tuning = tuning
+        self._convtune_plans = {}
+
+    @property
+    def plans(self) -> dict[Signature, LayerPlan]:
+        """What this layer runs for each input signature it has seen (read-only view, for ``explain``)."""
+        return dict(self._convtune_plans)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        nd = len(self.kernel_size)
+        batched = input.dim() == nd + 2
+        x = input if batched else input.unsqueeze(0)  # unbatched (C, *spatial), as torch allows
+        weight, bias = self.weight, self.bias
+        cast = _autocast_dtype(x)
+        dtype = cast or x.dtype
+        if cast is None and weight.dtype != x.dtype:
+            return super().forward(input)  # torch raises its own error for mixed dtypes
+        sig = Signature(tuple(x.shape), dtype, x.device, layout_of(x))
+        grad = torch.is_grad_enabled()
+        need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+        plan = self._convtune_plans.get(sig)
+        if plan is None or not plan.covers(need_dx, need_dw):
+            plan = self._convtune_tune(sig, need_dx, need_dw)
+        if plan.on_torch:
+            return super().forward(input)
+        if cast is not None:
+            x, weight = x.to(cast), weight.to(cast)
+            bias = None if bias is None else bias.to(cast)
+        x = to_layout(self._convtune_pad(x), sig.layout)
+        weight = to_layout(weight, sig.layout)
+        y = torch.ops.convtune.conv(x, weight, plan.problem, plan.fwd, plan.bwd_data, plan.bwd_filter)
+        if bias is not None:
+            y = y + bias.view(1, -1, *([1] * nd))
+        return y if batched else y.squeeze(0)
+
+    def _convtune_pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` padded explicitly where torch would (ConvProblem.from_module describes the same)."""
+        if self.padding_mode != "zeros":
+            return F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        if isinstance(self.padding, str):
+            # 'same' with an odd total: the extra row/column goes after, the rest is symmetric.
+            extra = [v for lo, hi in reversed(explicit_padding(self)) for v in (0, hi - lo)]
+            if any(extra):
+                return F.pad(x, extra)
+        return x
+
+    @torch.compiler.disable
+    def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerPlan:
+        # Tuning runs eagerly (a graph break under torch.compile): it measures, reads databases.
+        directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
+        plan = plan_layer(self, sig, self._convtune_tuning, directions, self._convtune_plans.get(sig))
+        self._convtune_plans[sig] = plan
+        return plan
+
+
+class Conv1d(TunedConv, torch.nn.Conv1d):
+    """``torch.nn.Conv1d`` running convtune's selected algorithms (see the module docstring)."""
+
+
+class Conv2d(TunedConv, torch.nn.Conv2d):
+    """``torch.nn.Conv2d`` running convtune's selected algorithms (see the module docstring)."""
+
+
+class Conv3d(TunedConv, torch.nn.Conv3d):
+    """``torch.nn.Conv3d`` running convtune's selected algorithms (see the module docstring)."""
+
+
+TUNED = {torch.nn.Conv1d: Conv1d, torch.nn.Conv2d: Conv2d, torch.nn.Conv3d: Conv3d}
+
+
+def convert(module: torch.nn.Module, tuning: Tuning) -> TunedConv:
+    """Make ``module`` a convtune module in place, choosing by ``tuning`` (its earlier plans are dropped).
+
+    The object stays the same (its class changes, as ``torch.nn.utils.parametrize`` does), so its
+    Parameters, buffers, hooks and every reference to it are kept. ``module`` must be exactly an
+    nn.Conv1d/2d/3d (a subclass may compute differently: ``TypeError``) or a convtune module.
+    """
+    if isinstance(module, TunedConv):
+        module._init_convtune(tuning)
+        return module
+    cls = TUNED.get(type(module))
+    if cls is None:
+        raise TypeError(f"convert() takes an nn.Conv1d, nn.Conv2d or nn.Conv3d (not a subclass, whose forward may "
+                        f"differ), got {type(module).__name__}")
+    module.__class__ = cls
+    module._init_convtune(tuning)
+    return module

@@ -1,0 +1,107 @@
+"""The custom operators through which tuned convolutions run, so torch.compile traces them.
+
+``convtune::conv(x, w, key, fwd, bwd_data, bwd_filter) -> y`` is the forward convolution of the
+problem ``key`` (a ``ConvProblem.key`` of direction fwd) by the algorithm named ``fwd``. It is
+differentiable: its backward runs ``convtune::run`` for bwd_data (when x needs a gradient) and
+bwd_filter (when w does) with the algorithms named for them. ``convtune::run(a, b, key, algorithm)``
+computes one direction of one problem, the direction the key names; it has no backward of its
+own, so double backward (``create_graph=True``) is not supported.
+
+Operands must be dense in the problem's layout (the modules convert them); the result is too.
+Each op has a fake implementation (shapes and strides from the key) for tracing, and takes its
+workspace from ``convtune.torch.workspace``, so a run allocates nothing but its output.
+
+    >>> import convtune as ct
+    >>> p = ct.ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 5), kernel_size=3, padding=1)
+    >>> x, w = p.random_inputs()
+    >>> y = torch.ops.convtune.conv(x, w, p.key, "torch:native", "", "")
+    >>> y.shape
+    torch.Size([1, 3, 5, 5])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from convtune.algorithms.registry import get_algorithm
+from convtune.problem import ConvProblem, empty_in_layout, to_layout
+from convtune.torch import workspace
+
+
+@functools.lru_cache(maxsize=4096)
+def problem_of(key: str) -> ConvProblem:
+    """The problem of ``key`` (parsed once: ops are called with the same keys over and over)."""
+    return ConvProblem.from_key(key)
+
+
+@functools.lru_cache(maxsize=4096)
+def key_for(key: str, direction: str) -> str:
+    """The key of the same convolution in another direction."""
+    return problem_of(key).with_direction(direction).key
+
+
+def _result_like(problem: ConvProblem, a: torch.Tensor) -> torch.Tensor:
+    # On a's device (cuda:1, say), not the problem's device type alone.
+    return empty_in_layout(problem.operand_shapes[2], problem.layout, a.dtype, a.device)
+
+
+def compute(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
+    """Run ``algorithm`` on the problem ``key`` with operands (a, b); a new result tensor."""
+    problem = problem_of(key)
+    if not algorithm:
+        raise ValueError(f"no algorithm was chosen for {key}; tune the layer (convtune.optimize) "
+                         f"or name one of convtune.algorithms(problem)")
+    algo = get_algorithm(algorithm, problem)
+    out = _result_like(problem, a)
+    device_guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
+    # The algorithm computes in the problem's dtype: an autocast region around the model must not
+    # recast the matmuls inside it.
+    with device_guard, torch.autocast(a.device.type, enabled=False):
+        algo.run(problem, a, b, workspace=workspace.get(algo.workspace_bytes(problem), a.device), out=out)
+    return out
+
+
+@torch.library.custom_op("convtune::run", mutates_args=())
+def run(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
+    """One direction of the problem ``key`` by ``algorithm``: fwd (x, w), bwd_data (dy, w), bwd_filter (x, dy)."""
+    return compute(a, b, key, algorithm)
+
+
+@run.register_fake
+def _run_fake(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
+    return _result_like(problem_of(key), a)
+
+
+@torch.library.custom_op("convtune::conv", mutates_args=())
+def conv(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str, bwd_filter: str) -> torch.Tensor:
+    """The forward convolution ``key`` by ``fwd``; differentiable through ``bwd_data`` and ``bwd_filter``."""
+    return compute(x, w, key, fwd)
+
+
+@conv.register_fake
+def _conv_fake(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str, bwd_filter: str) -> torch.Tensor:
+    return _result_like(problem_of(key), x)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, key, _, bwd_data, bwd_filter = inputs
+    ctx.save_for_backward(x, w)
+    ctx.key, ctx.bwd_data, ctx.bwd_filter = key, bwd_data, bwd_filter
+
+
+def _backward(ctx, dy: torch.Tensor):
+    x, w = ctx.saved_tensors
+    # Autograd hands over whatever strides the consumer produced; the algorithms want the layout.
+    dy = to_layout(dy, problem_of(ctx.key).layout)
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = run(dy, w, key_for(ctx.key, "bwd_data"), ctx.bwd_data)
+    if ctx.needs_input_grad[1]:
+        dw = run(x, dy, key_for(ctx.key, "bwd_filter"), ctx.bwd_filter)
+    return dx, dw, None, None, None, None
+
+
+conv.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,172 @@
+"""Tuning one layer: the problems a conv module solves on an input, and the algorithm for each direction.
+
+A ``Tuning`` is how a model's layers choose (policy, ``select`` mode, database); a ``LayerPlan``
+is what one layer chose for one input signature (shape, dtype, device, layout): an algorithm name
+per direction, or torch's own path with the reason.
+
+    >>> conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+    >>> plan = plan_layer(conv, Signature((1, 2, 6, 6), torch.float32, torch.device("cpu"), "channels_first"),
+    ...                   Tuning(mode="get"), ("fwd",))
+    >>> plan.on_torch, plan.fwd != "", plan.bwd_data
+    (False, True, '')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from convtune.algorithms.registry import get_algorithm
+from convtune.errors import NoAlgorithmError
+from convtune.policy import DEFAULT_POLICY, Policy
+from convtune.problem import ConvProblem, is_in_layout
+from convtune.results import PerfResult
+from convtune.select import MODES, select
+from convtune.torch import workspace
+
+log = logging.getLogger(__name__)
+
+DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
+
+
+class Signature(NamedTuple):
+    """What a layer's choice depends on besides the module: the (batched) input as the convolution sees it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    layout: str
+
+
+def layout_of(x: torch.Tensor) -> str:
+    """'channels_last' for a tensor dense in that order only, else 'channels_first' (what torch assumes)."""
+    if is_in_layout(x, "channels_last") and not is_in_layout(x, "channels_first"):
+        return "channels_last"
+    return "channels_first"
+
+
+class Tuning:
+    """How layers choose: ``select(problem, policy, mode, db)``, with a memo of the answers.
+
+    db: a ``TuningDB`` (or its path); None takes the default ``TuningDB()`` for the modes that read
+    one ('hybrid', 'db_then_get'), opened on first need. Copies of a model share their Tuning;
+    pickling keeps a database's path, not its connection.
+    """
+
+    def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not a selection mode; use one of {list(MODES)}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a convtune.Policy or None, got {type(policy).__name__}")
+        self.policy = DEFAULT_POLICY if policy is None else policy
+        self.mode = mode
+        self._db = db
+        self._memo: dict[str, PerfResult] = {}
+
+    def __repr__(self) -> str:
+        return f"Tuning(policy={self.policy}, mode={self.mode!r})"
+
+    @property
+    def db(self) -> Any:
+        if isinstance(self._db, (str, Path)):
+            from convtune.db import TuningDB
+
+            self._db = TuningDB(self._db)
+        elif self._db is None and self.mode in ("hybrid", "db_then_get"):
+            from convtune.db import TuningDB
+
+            self._db = TuningDB()
+        return self._db
+
+    def select(self, problem: ConvProblem) -> PerfResult:
+        """The choice for ``problem`` (asked once per Tuning). Raises ``NoAlgorithmError``."""
+        if problem.key not in self._memo:
+            self._memo[problem.key] = select(problem, self.policy, self.mode, self.db)
+        return self._memo[problem.key]
+
+    def __deepcopy__(self, memo: dict) -> Tuning:
+        return self  # a choice, not state: copies of a model choose alike
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        path = getattr(self._db, "path", None)
+        state["_db"] = str(path) if path is not None else (self._db if isinstance(self._db, (str, Path)) else None)
+        state["_memo"] = {}
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one layer runs for one input signature.
+
+    problem: the forward problem's key ('' when none could be built, e.g. float64 input).
+    fwd, bwd_data, bwd_filter: algorithm names ('' for a direction not tuned: not needed so far).
+    results: (direction, PerfResult) of each tuned direction. reason: why torch's path, if it is.
+    """
+
+    problem: str
+    fwd: str = ""
+    bwd_data: str = ""
+    bwd_filter: str = ""
+    results: tuple[tuple[str, PerfResult], ...] = ()
+    reason: str = ""
+
+    @property
+    def on_torch(self) -> bool:
+        """The layer runs PyTorch's own convolution for this signature."""
+        return not self.fwd
+
+    def covers(self, need_dx: bool, need_dw: bool) -> bool:
+        """Whether every direction a call needs has its algorithm (or the call goes to torch anyway)."""
+        return self.on_torch or ((self.bwd_data or not need_dx) and (self.bwd_filter or not need_dw))
+
+
+def _torch_path(problem: str, reason: str, module_name: str) -> LayerPlan:
+    log.info("%s stays on torch's path for %s: %s", module_name or "conv", problem, reason)
+    return LayerPlan(problem, reason=reason)
+
+
+def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, directions: tuple[str, ...],
+               known: LayerPlan | None = None, name: str = "") -> LayerPlan:
+    """The plan of ``module`` (an nn.Conv1d/2d/3d) for ``signature``, tuning ``directions`` not in ``known``.
+
+    Each direction is chosen by ``tuning.select``; its workspace is reserved now, so running the
+    plan allocates none. A problem convtune cannot describe (float64 input, say), a direction no
+    algorithm serves under the policy, or a stored choice naming an algorithm that is not
+    registered here leaves the layer on torch's path for this signature, with the reason.
+    """
+    try:
+        problem = ConvProblem.from_module(module, signature.shape, dtype=signature.dtype, layout=signature.layout,
+                                          device=signature.device)
+    except (TypeError, ValueError) as exc:
+        described = f"input {tuple(signature.shape)} {signature.dtype} {signature.device}"
+        return _torch_path(described, str(exc), name)
+    names = {d: getattr(known, d) for d in DIRECTIONS} if known else dict.fromkeys(DIRECTIONS, "")
+    results = dict(known.results) if known else {}
+    for direction in directions:
+        if names[direction]:
+            continue
+        p = problem.with_direction(direction)
+        try:
+            result = tuning.select(p)
+        except NoAlgorithmError as exc:
+            return _torch_path(problem.key, f"{direction}: {exc}", name)
+        try:
+            algorithm = get_algorithm(result.algorithm, p)
+        except KeyError as exc:
+            return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm!r} is not registered "
+                                            f"here ({exc}); register its backend or clear the tuning database", name)
+        support = algorithm.supports(p)
+        if not support:
+            return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm} does not support "
+                                            f"the problem ({support.reason})", name)
+        workspace.reserve(algorithm.workspace_bytes(p), signature.device)
+        names[direction] = result.algorithm
+        results[direction] = result
+    ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
+    return LayerPlan(problem.key, **names, results=ordered)
+
