@@ -10,6 +10,8 @@ from .policy import Policy
 from .problem import ConvProblem, to_layout
 from .results import Choice, PerfResult, Status
 from .select import select
+from .torch.explain import explain
+from .torch.optimize import optimize
 
 __version__ = "0.1.0"
 
@@ -17,5 +19,5 @@ __all__ = [
     "Algorithm", "Choice", "ConvProblem", "ConvtuneError", "NoAlgorithmError", "NumericNotes", "PerfResult",
     "Policy", "Status", "Support", "TuningDB", "algorithms", "allocate_workspace", "get_algorithm", "register",
     "registered", "to_layout", "unsupported_reasons",
-    "find", "get", "select",
+    "find", "get", "select", "optimize", "explain",
 ]

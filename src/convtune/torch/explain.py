@@ -1,0 +1,63 @@
+"""explain: what every convtune layer of a model runs, per input signature and direction.
+
+    >>> import torch, convtune
+    >>> net = convtune.optimize(torch.nn.Conv2d(2, 4, 3), torch.randn(1, 2, 8, 8), mode="get")
+    >>> row = convtune.explain(net)[0]
+    >>> row["module"], row["direction"], row["algorithm"] is not None
+    ('', 'fwd', True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from convtune.problem import ConvProblem
+from convtune.report import problem_title
+from convtune.torch.modules import TunedConv
+from convtune.units import format_bytes
+
+
+def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """One dict per layer, input signature and tuned direction of ``model``'s convtune modules.
+
+    Keys: module (its path in the model; '' for the model itself), problem (the key of the
+    direction's ConvProblem, or a description of an input convtune cannot describe), direction,
+    algorithm (None: torch's own path), status, time_ms (None when not measured), workspace_bytes
+    and note (why torch's path, or the result's message). Raises ``TypeError`` for a non-Module.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"explain() takes a torch.nn.Module, got {type(model).__name__}")
+    rows = []
+    for name, module in model.named_modules():
+        if not isinstance(module, TunedConv):
+            continue
+        for plan in module.plans.values():
+            if plan.on_torch:
+                rows.append(dict(module=name, problem=plan.problem, direction="fwd", algorithm=None, status="torch",
+                                 time_ms=None, workspace_bytes=0, note=plan.reason))
+                continue
+            for direction, result in plan.results:
+                key = ConvProblem.from_key(plan.problem).with_direction(direction).key
+                rows.append(dict(module=name, problem=key, direction=direction, algorithm=result.algorithm,
+                                 status=result.status.value, time_ms=result.time_ms,
+                                 workspace_bytes=result.workspace_bytes, note=result.message))
+    return rows
+
+
+def explain_table(model: torch.nn.Module) -> Table:
+    """``explain(model)`` as a rich Table, for ``rich.print`` or a ``Console``."""
+    table = Table(title="convtune layers")
+    for column in ("module", "problem", "direction", "algorithm", "time ms", "workspace", "note"):
+        table.add_column(column, justify="right" if column in ("time ms", "workspace") else "left")
+    for row in explain(model):
+        try:
+            problem = problem_title(ConvProblem.from_key(row["problem"]))
+        except ValueError:
+            problem = row["problem"]
+        time_ms = "-" if row["time_ms"] is None else f"{row['time_ms']:.4g}"
+        table.add_row(row["module"] or "(model)", problem, row["direction"], row["algorithm"] or "torch",
+                      time_ms, format_bytes(row["workspace_bytes"]), row["note"][:80])
+    return table

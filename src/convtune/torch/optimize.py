@@ -1,0 +1,159 @@
+"""optimize: make a PyTorch model run the algorithms convtune selects, forward and backward.
+
+The model runs once on the example inputs with a hook on every nn.Conv1d/2d/3d, which records the
+input each layer sees; every (layer, input) is tuned, and the layers become ``convtune.nn``
+modules in place, keeping their Parameters. The example run leaves no trace: buffers (batch-norm
+statistics) and the random number generators are restored afterwards.
+
+    >>> import torch, convtune
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+    >>> x = torch.randn(1, 3, 8, 8)
+    >>> expected = model(x)
+    >>> model = convtune.optimize(model, x, mode="get")
+    >>> type(model[0]).__module__, torch.allclose(model(x), expected, atol=1e-5)
+    ('convtune.torch.modules', True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from convtune.policy import Policy
+from convtune.settings import settings
+from convtune.torch.modules import TUNED, TunedConv, _autocast_dtype, convert
+from convtune.torch.tuning import Signature, Tuning, layout_of, plan_layer
+
+log = logging.getLogger(__name__)
+
+_CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def _observed_call(module: torch.nn.Module, x: torch.Tensor, training: bool) -> tuple[Signature, bool, bool]:
+    """The signature a call of ``module`` on ``x`` tunes, and whether it needs dx and dw."""
+    x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
+    dtype = _autocast_dtype(x) or x.dtype
+    grad = training and torch.is_grad_enabled()
+    return (Signature(tuple(x.shape), dtype, x.device, layout_of(x)),
+            grad and x.requires_grad, grad and module.weight.requires_grad)
+
+
+def _call(model: torch.nn.Module, example_inputs: Any) -> None:
+    if isinstance(example_inputs, torch.Tensor):
+        model(example_inputs)
+    elif isinstance(example_inputs, dict):
+        model(**example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        model(*example_inputs)
+    else:
+        raise TypeError(f"example_inputs must be a tensor, a tuple of the model's arguments or a dict of its "
+                        f"keyword arguments, got {type(example_inputs).__name__}")
+
+
+@contextlib.contextmanager
+def _leave_no_trace(model: torch.nn.Module, example_inputs: Any) -> Iterator[None]:
+    """Restore the model's buffers and the random generators after the example run."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    tensors = example_inputs.values() if isinstance(example_inputs, dict) else (
+        example_inputs if isinstance(example_inputs, (tuple, list)) else [example_inputs])
+    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def _observe(model: torch.nn.Module, example_inputs: Any, training: bool) -> dict[str, tuple[torch.nn.Module, dict]]:
+    """Run the model once; for each conv layer called: (module, {signature: (need_dx, need_dw)})."""
+    names = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, _CONV_TYPES):
+            names.setdefault(module, name)  # a shared layer is known by its first name
+    seen: dict[str, tuple[torch.nn.Module, dict]] = {}
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return
+        sig, need_dx, need_dw = _observed_call(module, args[0], training)
+        _, calls = seen.setdefault(names[module], (module, {}))
+        dx, dw = calls.get(sig, (False, False))
+        calls[sig] = (dx or need_dx, dw or need_dw)
+
+    handles, torch_forward = [], {}
+    try:
+        for module in names:
+            handles.append(module.register_forward_pre_hook(hook))
+            if isinstance(module, TunedConv):
+                # Already converted (optimize called again): observe on torch's path, tune nothing yet.
+                base = next(c for c in type(module).__mro__ if c in TUNED)
+                module.forward = torch_forward[module] = functools.partial(base.forward, module)
+        with _leave_no_trace(model, example_inputs), torch.set_grad_enabled(training):
+            _call(model, example_inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in torch_forward:
+            del module.forward
+    return seen
+
+
+def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None = None, training: bool = False,
+             mode: str = "hybrid", db: Any = None) -> torch.nn.Module:
+    """Tune every convolution of ``model`` for the inputs it sees, and make it run the selections.
+
+    example_inputs: a tensor, a tuple of the model's positional arguments, or a dict of keyword
+    arguments; the model runs on them once (in its current train/eval mode; buffers and random
+    generators are restored). Each nn.Conv1d/2d/3d that runs is tuned for the input it receives
+    (its shape, dtype, device and memory layout: a channels_last input makes a channels_last
+    problem), the forward direction always, and with ``training=True`` bwd_filter (if the weight
+    requires grad) and bwd_data (if the layer's input requires grad: not for a first layer fed
+    plain inputs). policy, mode ('hybrid': the database else find; 'db_then_get': the database
+    else the cost model, never measuring; 'find'; 'get') and db (a ``TuningDB``; None: the default
+    one where the mode reads one) decide as in ``convtune.select``; they also decide input
+    signatures first met later, on their first call.
+
+    The layers become ``convtune.nn`` modules in place (the same objects, same Parameters and
+    hooks). A layer no algorithm serves under the policy stays on torch's path (logged; see
+    ``explain``); subclasses of the conv modules, whose forward may differ, are left alone.
+    A rich progress bar shows the tuning unless ``settings.progress`` is off. Returns ``model``.
+    Raises ``TypeError`` for a model that is not an nn.Module, ``ValueError`` for an unknown mode.
+
+        >>> import torch, convtune
+        >>> net = torch.nn.Conv1d(2, 4, 3)
+        >>> net = convtune.optimize(net, torch.randn(1, 2, 16), mode="get")
+        >>> [row["direction"] for row in convtune.explain(net)]
+        ['fwd']
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
+    tuning = Tuning(policy, mode, db)  # validates policy and mode before anything runs
+    seen = _observe(model, example_inputs, bool(training))
+    for name, module in model.named_modules():
+        if isinstance(module, _CONV_TYPES) and not isinstance(module, TunedConv) and type(module) not in TUNED:
+            log.warning("%s is a %s, a subclass of a torch conv module whose forward may differ: left on "
+                        "torch's path", name or "the model", type(module).__name__)
+    jobs = [(name, module, sig, needs) for name, (module, calls) in seen.items()
+            if isinstance(module, TunedConv) or type(module) in TUNED for sig, needs in calls.items()]
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, disable=not settings.progress) as bar:
+        task = bar.add_task("convtune: tuning", total=len(jobs))
+        converted: set[int] = set()
+        for name, module, sig, (need_dx, need_dw) in jobs:
+            bar.update(task, description=f"convtune: tuning {name or type(module).__name__}")
+            if id(module) not in converted:
+                convert(module, tuning)
+                converted.add(id(module))
+            directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
+            module._convtune_plans[sig] = plan_layer(module, sig, tuning, directions, name=name)
+            bar.advance(task)
+    return model

@@ -1,0 +1,468 @@
+"""convtune's PyTorch integration on the CPU: custom ops, convtune.nn, optimize, explain, workspaces.
+
+Every result is compared with PyTorch's own convolution (forward and both gradients) on fresh
+random inputs; the ops' outputs are poisoned with NaN before the algorithms write them.
+torch.compile runs with backend="aot_eager": Inductor's C++ compile takes tens of seconds on two
+cores, and the custom op's tracing (fake kernels, registered autograd) is what is under test.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fakes import Fake, WrongResult
+from rich.console import Console
+from torch.autograd.gradcheck import GradcheckError
+
+import convtune
+import convtune.nn
+from convtune import ConvProblem, Policy, TuningDB, algorithms
+from convtune.algorithms.base import SUPPORTED, unsupported
+from convtune.algorithms.registry import isolated
+from convtune.settings import settings
+from convtune.torch import ops, workspace
+from convtune.torch.explain import explain_table
+from convtune.torch.tuning import Signature, Tuning, plan_layer
+from convtune.verify import rel_error
+
+TIGHT = dict(atol=1e-5, rtol=1e-4)  # float32 against PyTorch's float32: rounding differences only
+
+
+@pytest.fixture(autouse=True)
+def _fast():
+    with settings.override(timing_budget_s=0.005, timing_min_repeats=1, timing_max_repeats=2, progress=False):
+        yield
+
+
+@pytest.fixture
+def db(tmp_path):
+    with TuningDB(tmp_path / "tuning.sqlite") as database:
+        yield database
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """The ops' result tensors start as NaN, so an algorithm that skips an element is caught."""
+    plain = ops._result_like
+
+    def nan_filled(problem, a):
+        return plain(problem, a).fill_(float("nan"))
+
+    monkeypatch.setattr(ops, "_result_like", nan_filled)
+
+
+def torch_twin(module: torch.nn.Module) -> torch.nn.Module:
+    """A plain torch copy of a (convtune or torch) model, with equal parameters."""
+    twin = copy.deepcopy(module)
+    for m in twin.modules():
+        for cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+            if isinstance(m, cls):
+                m.__class__ = cls
+    return twin
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def assert_same_training_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor) -> None:
+    """Forward, input gradient and every parameter gradient of ``model`` equal ``twin``'s."""
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = model(xa), twin(xb)
+    torch.testing.assert_close(ya, yb, **TIGHT)
+    g = torch.randn_like(yb)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, **TIGHT)
+    for (name, ga), gb in zip(grads(model).items(), grads(twin).values()):
+        assert ga is not None and not torch.isnan(ga).any(), name
+        torch.testing.assert_close(ga, gb, **TIGHT, msg=name)
+
+
+# -- the custom ops ---------------------------------------------------------------------------
+
+OP_PROBLEMS = [
+    dict(n=2, c=4, k=6, input_size=(7, 6), kernel_size=3, stride=2, padding=1, groups=2),
+    dict(n=3, c=4, k=4, input_size=(9,), kernel_size=3, dilation=2, padding=2),
+    dict(n=2, c=3, k=5, input_size=(6, 5), kernel_size=(1, 1), layout="channels_last"),
+]
+
+
+@pytest.mark.parametrize("spec", OP_PROBLEMS, ids=["grouped_strided", "dilated_1d", "1x1_channels_last"])
+def test_op_forward_and_gradients_match_torch_for_every_algorithm(spec, poisoned):
+    problem = ConvProblem("fwd", **spec)
+    x, w = problem.random_inputs(seed=3)
+    gy = torch.randn(problem.y_shape)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    conv = {1: F.conv1d, 2: F.conv2d}[problem.ndim]
+    yr = conv(xr, wr, stride=problem.stride, padding=problem.padding, dilation=problem.dilation, groups=problem.groups)
+    yr.backward(gy)
+    serving = {d: [a.name for a in algorithms(problem.with_direction(d))] for d in ("fwd", "bwd_data", "bwd_filter")}
+    names = sorted(set().union(*serving.values()))
+    assert len(names) >= 3
+    for name in names:
+        fwd, bwd_data, bwd_filter = (name if name in serving[d] else "torch:native" for d in serving)
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = torch.ops.convtune.conv(xa, wa, problem.key, fwd, bwd_data, bwd_filter)
+        assert convtune.problem.is_in_layout(y, problem.layout), name
+        y.backward(gy)
+        for got, want in ((y, yr), (xa.grad, xr.grad), (wa.grad, wr.grad)):
+            assert rel_error(got.detach(), want.detach()) < 1e-5, name
+
+
+def test_op_passes_torch_library_opcheck():
+    problem = ConvProblem("fwd", n=2, c=4, k=6, input_size=(6, 6), kernel_size=3, padding=1, groups=2)
+    x, w = problem.random_inputs()
+    args = (x.requires_grad_(), w.requires_grad_(), problem.key, "gemm:im2col", "direct:taps", "direct:taps")
+    torch.library.opcheck(torch.ops.convtune.conv.default, args)
+    torch.library.opcheck(torch.ops.convtune.run.default, (x.detach(), w.detach(), problem.key, "direct:taps"))
+
+
+def test_op_gradients_pass_gradcheck_and_a_wrong_backward_fails_it():
+    # gradcheck in float32: convolution is linear in each operand, so central differences are exact
+    # up to rounding, and eps=1e-2 keeps rounding far below the 1e-3 tolerance.
+    problem = ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 4), kernel_size=3, padding=1)
+    x, w = problem.random_inputs(seed=1)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    check = dict(eps=1e-2, atol=1e-3, rtol=1e-3)
+
+    def op(bwd_data: str, bwd_filter: str):
+        return lambda a, b: torch.ops.convtune.conv(a, b, problem.key, "gemm:im2col", bwd_data, bwd_filter)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not of double precision", category=UserWarning)
+        assert torch.autograd.gradcheck(op("direct:taps", "gemm:im2col"), (x, w), **check)
+        with isolated(WrongResult("fake:wrong", scale=1.05)), pytest.raises(GradcheckError):
+            torch.autograd.gradcheck(op("fake:wrong", "direct:taps"), (x, w), **check)
+
+
+def test_op_without_a_backward_algorithm_names_the_fix():
+    problem = ConvProblem("fwd", n=1, c=2, k=2, input_size=(4, 4), kernel_size=1)
+    x, w = problem.random_inputs()
+    y = torch.ops.convtune.conv(x.requires_grad_(), w, problem.key, "gemm:1x1", "", "")
+    with pytest.raises(ValueError, match="no algorithm was chosen for bwd_data"):
+        y.sum().backward()
+
+
+# -- convtune.nn modules ----------------------------------------------------------------------
+
+MODULES = [
+    (convtune.nn.Conv1d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1), (2, 4, 11)),
+    (convtune.nn.Conv1d, dict(in_channels=4, out_channels=4, kernel_size=4, padding="same", dilation=2), (2, 4, 9)),
+    (convtune.nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, groups=2), (2, 4, 6, 7)),
+    (convtune.nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=(2, 3), padding="same"), (2, 3, 6, 6)),
+    (convtune.nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=3, padding="valid", bias=False), (1, 3, 7, 5)),
+    (convtune.nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=2, padding_mode="reflect"),
+     (2, 3, 6, 6)),
+    (convtune.nn.Conv2d, dict(in_channels=2, out_channels=4, kernel_size=3, padding=(1, 2), padding_mode="circular",
+                              dilation=(1, 2)), (2, 2, 6, 7)),
+    (convtune.nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=2, stride=(1, 2, 1), padding=1,
+                              padding_mode="replicate"), (1, 2, 4, 5, 4)),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, shape", MODULES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(MODULES)])
+def test_module_is_a_drop_in_for_torch_nn(cls, kwargs, shape, poisoned):
+    torch.manual_seed(0)
+    conv = cls(**kwargs, mode="get")
+    plain = getattr(torch.nn, cls.__name__)(**kwargs)
+    assert isinstance(conv, getattr(torch.nn, cls.__name__))
+    assert conv.state_dict().keys() == plain.state_dict().keys()
+    plain.load_state_dict(conv.state_dict())
+    assert_same_training_step(conv, plain, torch.randn(shape))
+    (plan,) = conv.plans.values()
+    assert not plan.on_torch and plan.fwd and plan.bwd_data and plan.bwd_filter
+    assert repr(conv) == repr(plain)
+
+
+def test_module_measures_in_hybrid_mode_and_stores_in_the_database(db):
+    conv = convtune.nn.Conv2d(3, 4, 3, padding=1, db=db)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1), **TIGHT)
+    (plan,) = conv.plans.values()
+    assert (plan.bwd_data, plan.bwd_filter) == ("", "")  # no gradient was needed
+    (direction, result), = plan.results
+    assert direction == "fwd" and result.time_ms is not None
+    assert db.lookup(ConvProblem.from_key(plan.problem)).algorithm == plan.fwd
+
+
+def test_unbatched_and_channels_last_inputs():
+    conv = convtune.nn.Conv2d(3, 4, 3, padding=1, mode="get")
+    x = torch.randn(3, 5, 6)
+    torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1), **TIGHT)
+    xl = torch.randn(2, 3, 5, 6).to(memory_format=torch.channels_last)
+    y = conv(xl)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.conv2d(xl, conv.weight, conv.bias, padding=1), **TIGHT)
+    layouts = sorted(sig.layout for sig in conv.plans)
+    assert layouts == ["channels_first", "channels_last"]
+    assert all(plan.problem.split("|")[-3] == sig.layout for sig, plan in conv.plans.items())
+    assert conv.weight.is_contiguous()  # the Parameter is not converted in place
+
+
+def test_autocast_computes_in_the_autocast_dtype():
+    conv = convtune.nn.Conv2d(3, 4, 3, padding=1, mode="get")
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = conv(x)
+        expected = F.conv2d(x, conv.weight, conv.bias, padding=1)
+    assert y.dtype == expected.dtype == torch.bfloat16
+    (sig,) = conv.plans
+    assert sig.dtype == torch.bfloat16
+    with torch.no_grad():
+        reference = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    assert rel_error(y.float(), reference) < 2e-2
+
+
+def test_inputs_convtune_cannot_describe_run_torchs_path():
+    conv = convtune.nn.Conv2d(2, 3, 3, mode="get").double()
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias))
+    (plan,) = conv.plans.values()
+    assert plan.on_torch and "float64" in plan.reason
+    (row,) = convtune.explain(conv)
+    assert row["algorithm"] is None and "float64" in row["note"]
+
+
+# -- optimize -----------------------------------------------------------------------------------
+
+class SmallCNN(torch.nn.Module):
+    """Strided, depthwise, grouped+dilated 2D convolutions, a batch norm, then 1D convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.depthwise = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.grouped = torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2, bias=False)
+        self.seq = torch.nn.Conv1d(8, 4, 3, padding=1)
+        self.head = torch.nn.Conv1d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.stem(x)))
+        x = torch.relu(self.grouped(self.depthwise(x)))
+        return self.head(torch.relu(self.seq(x.flatten(2))))
+
+
+def test_optimize_for_training_then_a_backward_pass(db):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    twin = torch_twin(model)
+    params = dict(model.named_parameters())
+    x = torch.randn(2, 3, 8, 8)
+    running_mean = model.bn.running_mean.clone()
+    assert convtune.optimize(model, x, training=True, db=db) is model
+    assert all(p is params[name] for name, p in model.named_parameters())  # shared, not copied
+    torch.testing.assert_close(model.bn.running_mean, running_mean, rtol=0, atol=0)  # the example run left no trace
+    convs = [model.stem, model.depthwise, model.grouped, model.seq, model.head]
+    assert [type(m) for m in convs] == [convtune.nn.Conv2d] * 3 + [convtune.nn.Conv1d] * 2
+    rows = convtune.explain(model)
+    directions = {(r["module"], r["direction"]) for r in rows}
+    assert ("stem", "bwd_data") not in directions  # the input needs no gradient
+    assert {("stem", "fwd"), ("stem", "bwd_filter"), ("head", "bwd_data")} <= directions
+    assert len(rows) == 5 * 3 - 1 and all(r["algorithm"] and r["time_ms"] is not None for r in rows)
+    assert all(r["problem"].startswith(r["direction"] + "|") for r in rows)
+    assert_same_training_step(model, twin, torch.randn(2, 3, 8, 8))
+    model.load_state_dict(twin.state_dict())  # and back: the keys are torch's
+
+
+def test_optimize_for_inference_tunes_the_forward_only_and_matches_torch():
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    twin = torch_twin(model)
+    x = torch.randn(2, 3, 8, 8)
+    convtune.optimize(model, x, mode="get")
+    assert {r["direction"] for r in convtune.explain(model)} == {"fwd"}
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), twin(x), **TIGHT)
+    text = io.StringIO()
+    Console(file=text, width=200).print(explain_table(model))
+    assert "depthwise" in text.getvalue() and "fwd" in text.getvalue()
+
+
+def test_state_dict_loads_into_the_plain_torch_model_and_back():
+    torch.manual_seed(0)
+    model = convtune.optimize(SmallCNN(), torch.randn(1, 3, 8, 8), mode="get")
+    plain = SmallCNN()
+    plain.load_state_dict(model.state_dict())
+    other = convtune.optimize(SmallCNN(), torch.randn(1, 3, 8, 8), mode="get")
+    other.load_state_dict(plain.state_dict())
+    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_new_input_shapes_are_tuned_on_first_use_by_the_modes_rule(db, monkeypatch):
+    selecting = sys.modules["convtune.select"]  # the name convtune.select is the function
+    calls = []
+    real_find = selecting.find
+    monkeypatch.setattr(selecting, "find", lambda *a, **kw: calls.append(a[0]) or real_find(*a, **kw))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1))
+    twin = torch_twin(model)
+    convtune.optimize(model, torch.randn(2, 3, 6, 6), db=db)
+    assert len(calls) == 2  # hybrid: nothing stored yet, so both layers were measured
+    with torch.no_grad():
+        x = torch.randn(3, 3, 5, 7)
+        torch.testing.assert_close(model(x), twin(x), **TIGHT)
+    assert len(calls) == 4 and {p.n for p in calls[2:]} == {3}
+    assert len(model[0].plans) == 2
+    with torch.no_grad():
+        model(x)
+    assert len(calls) == 4  # cached per module per shape
+
+    calls.clear()
+    convtune.optimize(model, torch.randn(2, 3, 6, 6), mode="db_then_get", db=db)
+    with torch.no_grad():
+        x = torch.randn(1, 3, 4, 4)
+        torch.testing.assert_close(model(x), twin(x), **TIGHT)
+    assert calls == []  # db_then_get never measures
+    assert all(r["time_ms"] is None for r in convtune.explain(model) if r["problem"].startswith("fwd|n1|"))
+
+
+def test_gradients_needed_later_are_tuned_on_first_use():
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.Conv2d(3, 2, 1))
+    twin = torch_twin(model)
+    x = torch.randn(1, 2, 6, 6)
+    convtune.optimize(model, x, mode="get")  # inference: forward only
+    assert {r["direction"] for r in convtune.explain(model)} == {"fwd"}
+    assert_same_training_step(model, twin, x)
+    assert {r["direction"] for r in convtune.explain(model)} == {"fwd", "bwd_data", "bwd_filter"}
+
+
+class OneByOne(Fake):
+    """Computes only 1x1 convolutions (every direction)."""
+
+    def _supports(self, problem):
+        return SUPPORTED if problem.is_1x1 else unsupported("1x1 kernels only")
+
+
+def test_layers_no_algorithm_supports_stay_on_torchs_path():
+    fake = OneByOne("fake:one_by_one")
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 2, 1))
+    twin = torch_twin(model)
+    x = torch.randn(2, 3, 5, 5)
+    with isolated(fake, builtins=False):
+        convtune.optimize(model, x, training=True, mode="find")
+        runs = fake.runs
+        assert_same_training_step(model, twin, x)
+        assert fake.runs == runs + 3  # the 1x1 layer: fwd, bwd_data, bwd_filter
+    rows = {(r["module"], r["direction"]): r for r in convtune.explain(model)}
+    assert rows[("0", "fwd")]["algorithm"] is None and "1x1 kernels only" in rows[("0", "fwd")]["note"]
+    assert [rows[("1", d)]["algorithm"] for d in ("fwd", "bwd_data", "bwd_filter")] == ["fake:one_by_one"] * 3
+
+
+def test_optimize_again_retunes_under_the_new_policy_and_keeps_shared_layers_shared():
+    shared = torch.nn.Conv2d(4, 4, 3, padding=1)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 1), shared, torch.nn.ReLU(), shared)
+    twin = torch_twin(model)
+    x = torch.randn(1, 2, 5, 5)
+    convtune.optimize(model, x, mode="get")
+    assert model[1] is model[3] and isinstance(model[3], convtune.nn.Conv2d)
+    convtune.optimize(model, x, policy=Policy(workspace_limit=0), mode="get")
+    rows = convtune.explain(model)
+    assert rows and all(r["workspace_bytes"] == 0 for r in rows)
+    assert {r["module"] for r in rows} == {"0", "1"}  # a shared layer is listed once
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), twin(x), **TIGHT)
+
+
+def test_optimized_models_copy_and_pickle(db):
+    model = convtune.optimize(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3)), torch.randn(1, 2, 5, 5), db=db)
+    x = torch.randn(1, 2, 5, 5)
+    with torch.no_grad():
+        expected = model(x)
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert isinstance(clone[0], convtune.nn.Conv2d) and clone[0].plans == model[0].plans
+            torch.testing.assert_close(clone(x), expected, rtol=0, atol=0)
+    assert pickle.loads(pickle.dumps(model))[0]._convtune_tuning.db.path == db.path
+
+
+def test_optimize_shows_progress_and_rejects_bad_arguments():
+    model = torch.nn.Conv2d(2, 3, 3)
+    with settings.override(progress=True):
+        convtune.optimize(model, (torch.randn(1, 2, 5, 5),), mode="get")
+    assert isinstance(model, convtune.nn.Conv2d)
+    with pytest.raises(ValueError, match="mode='fastest'"):
+        convtune.optimize(model, torch.randn(1, 2, 5, 5), mode="fastest")
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        convtune.optimize(lambda x: x, torch.randn(1, 2, 5, 5))
+    with pytest.raises(TypeError, match="example_inputs"):
+        convtune.optimize(model, 3.0, mode="get")
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+
+def test_torch_compile_traces_the_tuned_convolution_without_graph_breaks():
+    torch._dynamo.reset()
+    model = SmallCNN()
+    twin = torch_twin(model)
+    x = torch.randn(2, 3, 8, 8)
+    convtune.optimize(model, x, training=True, mode="get")
+    conv = torch.compile(model.depthwise, backend="aot_eager", fullgraph=True, dynamic=False)
+    xd = torch.randn(2, 8, 4, 4, requires_grad=True)  # the shape the layer was tuned for
+    y = conv(xd)
+    y.sum().backward()
+    xr = xd.detach().clone().requires_grad_()
+    twin.depthwise(xr).sum().backward()
+    torch.testing.assert_close(y, twin.depthwise(xd.detach()), **TIGHT)
+    torch.testing.assert_close(xd.grad, xr.grad, **TIGHT)
+    torch.testing.assert_close(model.depthwise.weight.grad, twin.depthwise.weight.grad, **TIGHT)
+
+    compiled = torch.compile(model, backend="aot_eager", dynamic=False)
+    model.zero_grad()
+    twin.zero_grad()
+    x = torch.randn(2, 3, 8, 8)
+    compiled(x).sum().backward()
+    twin(x).sum().backward()
+    for (name, ga), gb in zip(grads(model).items(), grads(twin).values()):
+        torch.testing.assert_close(ga, gb, **TIGHT, msg=name)
+
+
+# -- workspaces -----------------------------------------------------------------------------------
+
+def test_tuning_reserves_the_workspace_runs_use():
+    workspace.release()
+    problem = ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=3)
+    conv = torch.nn.Conv2d(4, 4, 3)
+    sig = Signature((2, 4, 6, 6), torch.float32, torch.device("cpu"), "channels_first")
+    plan = plan_layer(conv, sig, Tuning(Policy(prefer="least_memory"), mode="get"), ("fwd",))
+    assert plan.problem == problem.key
+    need = convtune.get_algorithm("gemm:im2col").workspace_bytes(problem)
+    plan = plan_layer(conv, sig, Tuning(Policy(workspace_limit=need), mode="get"), ("fwd",))
+    chosen = convtune.get_algorithm(plan.fwd).workspace_bytes(problem)
+    assert workspace.reserved_bytes("cpu") >= chosen
+    before = workspace.get(0, "cpu").untyped_storage().data_ptr()
+    torch.ops.convtune.conv(*problem.random_inputs(), plan.problem, plan.fwd, "", "")
+    assert workspace.get(0, "cpu").untyped_storage().data_ptr() == before  # nothing reallocated
+
+
+def test_workspace_grows_per_thread_and_never_moves_during_a_capture(monkeypatch):
+    workspace.release()
+    first = workspace.get(64, "cpu")
+    assert first.numel() == 64 and workspace.get(32, "cpu").data_ptr() == first.data_ptr()
+    assert workspace.get(128, "cpu").numel() == 128 and workspace.reserved_bytes("cpu") == 128
+    other = []
+    thread = threading.Thread(target=lambda: other.append(workspace.get(16, "cpu").data_ptr()))
+    thread.start()
+    thread.join()
+    assert other[0] != workspace.get(16, "cpu").data_ptr()
+
+    monkeypatch.setattr(workspace, "_capturing", lambda device: True)  # as if a CUDA graph were capturing
+    captured = workspace.get(128, "cpu").data_ptr()
+    one_off = workspace.get(4096, "cpu")
+    assert one_off.numel() == 4096 and workspace.reserved_bytes("cpu") == 128  # the buffer stayed
+    monkeypatch.setattr(workspace, "_capturing", lambda device: False)
+    workspace.get(8192, "cpu")
+    assert any(b.data_ptr() == captured for b in workspace._retired)  # kept alive for the graph
+    workspace.release()
+    assert any(b.data_ptr() == captured for b in workspace._retired)
+    with pytest.raises(ValueError, match="nbytes=-1"):
+        workspace.get(-1, "cpu")
