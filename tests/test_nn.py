@@ -169,7 +169,7 @@ MODULES = [
 ]
 
 
-@pytest.mark.parametrize("cls, kwargs, shape", MODULES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(MODULES)])
+@pytest.mark.parametrize("cls, kwargs, shape", MODULES, ids=[f"{c.__name__}-{i}" for i, (c, *_) in enumerate(MODULES)])
 def test_module_is_a_drop_in_for_torch_nn(cls, kwargs, shape, poisoned):
     torch.manual_seed(0)
     conv = cls(**kwargs, mode="get")
@@ -207,6 +207,7 @@ def test_unbatched_and_channels_last_inputs():
     assert layouts == ["channels_first", "channels_last"]
     assert all(plan.problem.split("|")[-3] == sig.layout for sig, plan in conv.plans.items())
     assert conv.weight.is_contiguous()  # the Parameter is not converted in place
+    assert_same_training_step(conv, torch_twin(conv), xl)  # the weight's gradient flows through the conversion
 
 
 def test_autocast_computes_in_the_autocast_dtype():
@@ -424,12 +425,16 @@ def test_torch_compile_traces_the_tuned_convolution_without_graph_breaks():
     twin(x).sum().backward()
     for (name, ga), gb in zip(grads(model).items(), grads(twin).values()):
         torch.testing.assert_close(ga, gb, **TIGHT, msg=name)
+    layer = torch.compile(model.depthwise, backend="aot_eager", dynamic=False)
+    with torch.no_grad():  # a shape not tuned yet: tuned eagerly at a graph break, then traced
+        x = torch.randn(1, 8, 3, 3)
+        torch.testing.assert_close(layer(x), twin.depthwise(x), **TIGHT)
+    assert len(model.depthwise.plans) == 2
 
 
 # -- workspaces -----------------------------------------------------------------------------------
 
-def test_tuning_reserves_the_workspace_runs_use():
-    workspace.release()
+def test_tuning_reserves_the_workspace_runs_use(fresh_workspaces):
     problem = ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=3)
     conv = torch.nn.Conv2d(4, 4, 3)
     sig = Signature((2, 4, 6, 6), torch.float32, torch.device("cpu"), "channels_first")
@@ -438,31 +443,57 @@ def test_tuning_reserves_the_workspace_runs_use():
     need = convtune.get_algorithm("gemm:im2col").workspace_bytes(problem)
     plan = plan_layer(conv, sig, Tuning(Policy(workspace_limit=need), mode="get"), ("fwd",))
     chosen = convtune.get_algorithm(plan.fwd).workspace_bytes(problem)
-    assert workspace.reserved_bytes("cpu") >= chosen
-    before = workspace.get(0, "cpu").untyped_storage().data_ptr()
+    assert workspace.buffer_bytes("cpu") >= chosen
+    before = ptr(workspace.get(0, "cpu"))
     torch.ops.convtune.conv(*problem.random_inputs(), plan.problem, plan.fwd, "", "")
-    assert workspace.get(0, "cpu").untyped_storage().data_ptr() == before  # nothing reallocated
+    assert ptr(workspace.get(0, "cpu")) == before  # nothing reallocated
 
 
-def test_workspace_grows_per_thread_and_never_moves_during_a_capture(monkeypatch):
-    workspace.release()
-    first = workspace.get(64, "cpu")
-    assert first.numel() == 64 and workspace.get(32, "cpu").data_ptr() == first.data_ptr()
-    assert workspace.get(128, "cpu").numel() == 128 and workspace.reserved_bytes("cpu") == 128
-    other = []
-    thread = threading.Thread(target=lambda: other.append(workspace.get(16, "cpu").data_ptr()))
+@pytest.fixture
+def fresh_workspaces(monkeypatch):
+    for name, empty in (("_buffers", {}), ("_reserved", {}), ("_captured", set()), ("_retired", [])):
+        monkeypatch.setattr(workspace, name, empty)
+    monkeypatch.setattr(workspace, "_warned_capture", False)
+
+
+def ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()  # a 0-byte view's own data_ptr() is 0
+
+
+def in_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
     thread.start()
     thread.join()
-    assert other[0] != workspace.get(16, "cpu").data_ptr()
+    return out[0]
 
-    monkeypatch.setattr(workspace, "_capturing", lambda device: True)  # as if a CUDA graph were capturing
-    captured = workspace.get(128, "cpu").data_ptr()
-    one_off = workspace.get(4096, "cpu")
-    assert one_off.numel() == 4096 and workspace.reserved_bytes("cpu") == 128  # the buffer stayed
-    monkeypatch.setattr(workspace, "_capturing", lambda device: False)
-    workspace.get(8192, "cpu")
-    assert any(b.data_ptr() == captured for b in workspace._retired)  # kept alive for the graph
+
+def test_workspace_is_one_buffer_per_thread_grown_to_the_largest_need(fresh_workspaces):
+    first = workspace.get(64, "cpu")
+    assert first.numel() == 64 and ptr(workspace.get(32, "cpu")) == first.data_ptr()
+    assert workspace.get(128, "cpu").numel() == 128 and workspace.buffer_bytes("cpu") == 128
+    assert in_thread(lambda: ptr(workspace.get(16, "cpu"))) != ptr(workspace.get(16, "cpu"))
+    workspace.reserve(1000, "cpu")
+    assert workspace.buffer_bytes("cpu") == 1000
     workspace.release()
-    assert any(b.data_ptr() == captured for b in workspace._retired)
+    assert workspace.buffer_bytes("cpu") == 0 and workspace.get(8, "cpu").numel() == 8
+    assert workspace.buffer_bytes("cpu") == 1000  # allocated again at the reserved size
+    assert in_thread(lambda: (workspace.get(16, "cpu"), workspace.buffer_bytes("cpu"))[1]) == 1000
     with pytest.raises(ValueError, match="nbytes=-1"):
         workspace.get(-1, "cpu")
+
+
+def test_workspace_is_never_freed_once_a_capture_used_it(fresh_workspaces, monkeypatch, caplog):
+    workspace.reserve(256, "cpu")
+    tuned = ptr(workspace.get(0, "cpu"))
+    monkeypatch.setattr(workspace, "_capturing", lambda device: True)  # as if a CUDA graph were capturing
+    assert ptr(workspace.get(200, "cpu")) == tuned  # reserved: nothing allocated during the capture
+    assert not caplog.records
+    untuned = workspace.get(4096, "cpu")  # a need tuning never reserved: allocated, with a warning
+    assert untuned.numel() == 4096 and "before capturing" in caplog.text
+    assert [ptr(b) for b in workspace._retired] == [tuned]  # the graph still uses it
+    monkeypatch.setattr(workspace, "_capturing", lambda device: False)
+    workspace.get(8192, "cpu")
+    assert [ptr(b) for b in workspace._retired] == [tuned, ptr(untuned)]
+    workspace.release()  # frees the buffer no capture has seen, never the retired ones
+    assert workspace.buffer_bytes("cpu") == 0 and len(workspace._retired) == 2

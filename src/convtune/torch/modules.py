@@ -9,7 +9,7 @@ only if the weight does), and remembered per module.
 
 The convolution runs through ``torch.ops.convtune.conv`` (so torch.compile traces it: tune the
 shapes first, then compile); the bias is a plain add after it, which Inductor can fuse. A
-non-zero ``padding_mode`` and an odd 'same' padding are padded explicitly first, as torch does.
+``padding_mode`` other than 'zeros' and an odd 'same' padding are padded explicitly first, as torch does.
 A channels_last input makes a channels_last problem (the weight is converted to match). Inputs
 convtune cannot describe (float64, say) and layers no algorithm serves run torch's own path.
 

@@ -63,7 +63,7 @@ def _leave_no_trace(model: torch.nn.Module, example_inputs: Any) -> Iterator[Non
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     tensors = example_inputs.values() if isinstance(example_inputs, dict) else (
         example_inputs if isinstance(example_inputs, (tuple, list)) else [example_inputs])
-    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
+    cuda = sorted({t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
     try:
         with torch.random.fork_rng(devices=cuda):
             yield

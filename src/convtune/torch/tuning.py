@@ -122,7 +122,7 @@ class LayerPlan:
 
     def covers(self, need_dx: bool, need_dw: bool) -> bool:
         """Whether every direction a call needs has its algorithm (or the call goes to torch anyway)."""
-        return self.on_torch or ((self.bwd_data or not need_dx) and (self.bwd_filter or not need_dw))
+        return self.on_torch or (bool(self.bwd_data or not need_dx) and bool(self.bwd_filter or not need_dw))
 
 
 def _torch_path(problem: str, reason: str, module_name: str) -> LayerPlan:

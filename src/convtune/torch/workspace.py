@@ -5,17 +5,19 @@ buffer, so one buffer per stream serves them all. It is a ``torch.empty`` uint8 
 the memory comes from PyTorch's caching allocator. On the CPU, where there are no streams,
 each thread has its own buffer (threads may run convolutions at the same time).
 
-Tuning reserves the selected algorithms' workspace up front (``reserve``), so a run finds the
-buffer big enough and allocates nothing. That is what CUDA graphs need: memory allocated during
-a capture belongs to the graph's private pool, and growing a buffer would free memory that an
-earlier graph still writes to. So during a capture a buffer is never replaced (a too-small one
-gets a one-off allocation, with a warning), and a buffer that a capture has used is kept alive
-when it is later outgrown.
+Tuning reserves the selected algorithms' workspace up front (``reserve``): the current stream's
+buffer is grown at once, and a stream (thread) met later gets its buffer at the full reserved
+size on first use, so runs do not allocate again. That is what CUDA graphs need: memory
+allocated during a capture comes from the graph's private pool, and replacing a buffer would
+free memory that a captured graph still writes to. So a buffer that a capture has used is
+never freed (an outgrown one is kept alive), and a capture allocates only when its stream has
+no buffer yet (``torch.cuda.graph`` captures on a stream of its own: one allocation, at the
+reserved size) or when a need was never reserved (a warning: tune before capturing).
 
     >>> ws = get(1024, "cpu")
     >>> ws.dtype, ws.numel()
     (torch.uint8, 1024)
-    >>> reserved_bytes("cpu") >= 1024
+    >>> buffer_bytes("cpu") >= 1024
     True
 """
 
@@ -29,8 +31,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_buffers: dict[tuple, torch.Tensor] = {}  # slot -> buffer
-_captured: set[tuple] = set()  # slots whose buffer a graph capture has used
+_buffers: dict[tuple, torch.Tensor] = {}  # slot (see _slot) -> buffer
+_reserved: dict[tuple, int] = {}  # (device type, index) -> the largest need tuning reserved
+_captured: set[tuple] = set()  # slots whose current buffer a graph capture has used
 _retired: list[torch.Tensor] = []  # outgrown buffers that captured graphs may still use: never freed
 _warned_capture = False
 
@@ -55,34 +58,41 @@ def _slot(device: torch.device) -> tuple:
 
 
 def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """The current slot's buffer, grown to at least ``nbytes`` (never replaced during a capture)."""
+    """The current slot's buffer, at least ``nbytes`` and the device's reserved size."""
     global _warned_capture
     slot = _slot(device)
     capturing = _capturing(device)
     with _lock:
         buf = _buffers.get(slot)
-        if capturing:
-            _captured.add(slot)
         if buf is not None and buf.numel() >= nbytes:
+            if capturing:
+                _captured.add(slot)
             return buf
-        if capturing:
-            if not _warned_capture:
-                _warned_capture = True
-                log.warning("a convtune workspace of %d bytes was allocated inside a CUDA graph capture; "
-                            "tune the model (convtune.optimize) on the shapes you capture, before capturing", nbytes)
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)  # the graph's pool owns it
+        reserved = _reserved.get((device.type, device.index), 0)
+        if capturing and nbytes > reserved and not _warned_capture:
+            _warned_capture = True
+            log.warning("a convtune workspace of %d bytes, more than tuning reserved (%d), was allocated inside a "
+                        "CUDA graph capture; tune the model (convtune.optimize) on the shapes you capture, "
+                        "before capturing", nbytes, reserved)
         if buf is not None and slot in _captured:
             _retired.append(buf)
-            _captured.discard(slot)
-        _buffers[slot] = buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        _buffers[slot] = buf = torch.empty(max(nbytes, reserved), dtype=torch.uint8, device=device)
+        if capturing:
+            _captured.add(slot)
+        else:
+            _captured.discard(slot)  # a fresh buffer that no graph has seen
         return buf
 
 
 def reserve(nbytes: int, device: str | torch.device) -> None:
-    """Grow the buffer of ``device``'s current stream (the CPU: this thread) to at least ``nbytes`` now."""
+    """Reserve ``nbytes`` on ``device``: the current stream's (thread's) buffer grows now, others on first use."""
     if nbytes < 0:
         raise ValueError(f"reserve(nbytes={nbytes}) must be >= 0 bytes")
-    _buffer(nbytes, _device(device))
+    device = _device(device)
+    with _lock:
+        key = (device.type, device.index)
+        _reserved[key] = max(_reserved.get(key, 0), nbytes)
+    _buffer(nbytes, device)
 
 
 def get(nbytes: int, device: str | torch.device) -> torch.Tensor:
@@ -95,7 +105,7 @@ def get(nbytes: int, device: str | torch.device) -> torch.Tensor:
     return _buffer(nbytes, _device(device))[:nbytes]
 
 
-def reserved_bytes(device: str | torch.device) -> int:
+def buffer_bytes(device: str | torch.device) -> int:
     """Size of the buffer of ``device``'s current stream (the CPU: this thread); 0 if none."""
     with _lock:
         buf = _buffers.get(_slot(_device(device)))
@@ -103,7 +113,10 @@ def reserved_bytes(device: str | torch.device) -> int:
 
 
 def release() -> None:
-    """Drop every buffer that no captured graph uses (the memory returns to PyTorch's allocator)."""
+    """Drop every buffer that no captured graph uses (the memory returns to PyTorch's allocator).
+
+    Reservations stay: the next run on a stream allocates its buffer again, at the reserved size.
+    """
     with _lock:
         for slot in list(_buffers):
             if slot not in _captured:
