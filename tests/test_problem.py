@@ -108,6 +108,7 @@ def test_random_inputs_have_shapes_dtype_layout_and_are_not_zero(direction, layo
     (torch.nn.Conv2d(3, 5, 3, padding=1, padding_mode="reflect"), (2, 3, 10, 10)),
     (torch.nn.Conv2d(3, 5, 3, padding="valid"), (2, 3, 10, 10)),
 ])
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
 def test_from_module_matches_the_module_output_shape_and_flops(module, shape):
     p = ct.ConvProblem.from_module(module, shape)
     y = module(torch.randn(shape))
