@@ -6,6 +6,7 @@ from .db import TuningDB
 from .errors import ConvtuneError, NoAlgorithmError
 from .find import find
 from .get import get
+from .plan import Plan, plan
 from .policy import Policy
 from .problem import ConvProblem, to_layout
 from .results import Choice, PerfResult, Status
@@ -19,5 +20,5 @@ __all__ = [
     "Algorithm", "Choice", "ConvProblem", "ConvtuneError", "NoAlgorithmError", "NumericNotes", "PerfResult",
     "Policy", "Status", "Support", "TuningDB", "algorithms", "allocate_workspace", "get_algorithm", "register",
     "registered", "to_layout", "unsupported_reasons",
-    "find", "get", "select", "optimize", "explain",
+    "find", "get", "select", "optimize", "explain", "Plan", "plan",
 ]

@@ -16,6 +16,7 @@ result; the search goes on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -28,6 +29,7 @@ from . import costmodel
 from .algorithms.base import Algorithm, allocate_workspace
 from .algorithms.registry import algorithms
 from .get import ranked_predictions
+from .microbatch import micro_batch_offers
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import order
@@ -222,7 +224,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     order; once ``settings.find_patience`` candidates after those were no faster than the best
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
-    is skipped without running.
+    is skipped without running. With ``policy.micro_batching`` and a ``workspace_limit``, the
+    batch splits that ``microbatch.micro_batch_offers`` proposes (from finds on sub-batches)
+    are tried last, verified and timed by ``timer`` like any candidate.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
     early and says so), out_of_memory, failed ("ExceptionType: message"), wrong_result (beyond
@@ -242,6 +246,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     if not isinstance(policy, Policy):
         raise TypeError(f"find(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
     results: list[PerfResult] = []
+    given = candidates
     if candidates is None:
         candidates = algorithms(problem)
     else:
@@ -281,10 +286,25 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
             gained = result.time_ms < best_before * (1 - policy.tolerance)
             without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)
+    if policy.micro_batching:
+        results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given, seed=seed)
     if db is not None:
         db.store(problem, _keep_earlier_measurements(db, problem, results))
         costmodel.forget(db)
     return order(results, policy)
+
+
+def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResult], search: _Search,
+                   **find_kw: Any) -> list[PerfResult]:
+    """The splits ``microbatch.micro_batch_offers`` proposes, each verified and timed like any candidate."""
+    def find_sub(sub: ConvProblem, sub_policy: Policy) -> list[PerfResult]:
+        return find(sub, sub_policy, **find_kw)
+
+    out = []
+    for offer in micro_batch_offers(problem, policy, results, find_sub, find_kw["candidates"]):
+        result = search.try_candidate(offer.algorithm, offer.predicted_ms)
+        out.append(dataclasses.replace(result, message="; ".join(filter(None, (offer.note, result.message)))))
+    return out
 
 
 def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[PerfResult]) -> list[PerfResult]:

@@ -34,12 +34,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)
+def nvidia_driver() -> str:
+    """The NVIDIA kernel driver's version (Linux), else '?'."""
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            for word in f.readline().split():
+                if word[:1].isdigit() and "." in word:
+                    return word
+    except OSError:
+        pass
+    return "?"
+
+
 def fingerprint(device: str) -> str:
-    """What identifies the hardware a measurement was made on."""
+    """What identifies the hardware a measurement was made on: GPU name, compute capability,
+    driver and CUDA versions; CPU model and threads."""
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        driver = torch.version.cuda or "?"
-        return f"cuda|{props.name}|sm{props.major}{props.minor}|cuda{driver}"
+        return f"cuda|{props.name}|sm{props.major}{props.minor}|driver{nvidia_driver()}|cuda{torch.version.cuda or '?'}"
     return f"cpu|{cpu_model()}|threads{torch.get_num_threads()}"
 
 

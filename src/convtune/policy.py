@@ -25,6 +25,8 @@ class Policy:
     prefer: 'fastest', or 'least_memory' (smallest workspace among those within tolerance of the fastest).
     tolerance: times within this fraction of each other tie; ties go to the smaller workspace.
     max_candidates, budget_s: the tuning budget of one find (None: the settings' defaults).
+    micro_batching: with a workspace_limit, find also offers algorithms run over sub-batches one
+        after another (mu-cuDNN), so one whose workspace grows with the batch fits the limit.
     """
 
     workspace_limit: int | str | None = None
@@ -36,11 +38,12 @@ class Policy:
     tolerance: float = 0.02
     max_candidates: int | None = None
     budget_s: float | None = None
+    micro_batching: bool = False
 
     def __post_init__(self) -> None:
         if self.workspace_limit is not None:
             object.__setattr__(self, "workspace_limit", parse_bytes(self.workspace_limit, "Policy.workspace_limit"))
-        for name in ("deterministic", "allow_tf32", "allow_reduced_precision"):
+        for name in ("deterministic", "allow_tf32", "allow_reduced_precision", "micro_batching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
         if self.prefer not in PREFERENCES:

@@ -76,15 +76,39 @@ class LayerRow:
                 "floor_ms": self.floor_ms, "message": (r.message if r else self.error)}
 
 
-def tune_table(title: str, rows: Sequence[LayerRow]) -> Table:
-    """Per-layer choices with a total line (times weighted by how often each layer runs)."""
+def layer_groups(names: Sequence[str], problems: Sequence[ConvProblem],
+                 choices: Sequence[PerfResult]) -> list[tuple[str, ConvProblem, list[int]]]:
+    """Indices of the runs of one layer with one choice, in order of first appearance.
+
+    A plan lists a layer that runs 3 times as 3 problems; they share one row per distinct choice
+    (a divided budget may give the runs of one layer different algorithms).
+
+        >>> from convtune import ConvProblem, PerfResult
+        >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(6, 6), kernel_size=1)
+        >>> a, b = PerfResult("x:a", "ok", 1.0), PerfResult("x:b", "ok", 2.0)
+        >>> [(name, runs) for name, _, runs in layer_groups(["L0", "L0", "L0"], [p, p, p], [a, b, a])]
+        [('L0', [0, 2]), ('L0', [1])]
+    """
+    groups: dict[tuple[str, str, str], tuple[str, ConvProblem, list[int]]] = {}
+    for i, (name, problem, choice) in enumerate(zip(names, problems, choices)):
+        groups.setdefault((name, problem.key, choice.algorithm), (name, problem, []))[2].append(i)
+    return list(groups.values())
+
+
+def tune_table(title: str, rows: Sequence[LayerRow], total_workspace_bytes: int | None = None) -> Table:
+    """Per-layer choices with a total line (times weighted by how often each layer runs).
+
+    total_workspace_bytes: the footer's workspace (default: the largest of the rows, what layers
+    that run one after another and share one buffer need).
+    """
     table = Table(title=title, show_footer=True)
     total_ms = sum((r.result.time_ms or 0) * r.count for r in rows if r.result)
     total_floor = sum(r.floor_ms * r.count for r in rows)
     timed = all(r.result and r.result.time_ms is not None for r in rows)
     columns = [("layer", "total"), ("problem", ""), ("count", str(sum(r.count for r in rows))), ("choice", ""),
                ("time ms", _ms(total_ms) if timed else "-"),
-               ("workspace", format_bytes(max((r.result.workspace_bytes for r in rows if r.result), default=0))),
+               ("workspace", format_bytes(total_workspace_bytes if total_workspace_bytes is not None else
+                                          max((r.result.workspace_bytes for r in rows if r.result), default=0))),
                ("% of floor", _pct_of_floor(total_floor, total_ms) if timed else "-")]
     for name, footer in columns:
         table.add_column(name, footer=footer, justify="left" if name in ("layer", "problem", "choice") else "right")

@@ -25,6 +25,7 @@ BUILTIN_MODULES = (
     "convtune.algorithms.direct",
     "convtune.algorithms.fft",
     "convtune.algorithms.winograd",
+    "convtune.algorithms.microbatch",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged.
 OPTIONAL_MODULES = ("convtune.algorithms.cudnn",)

@@ -17,6 +17,7 @@ statistics) and the random number generators are restored afterwards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -26,10 +27,16 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from convtune.algorithms.registry import get_algorithm
+from convtune.errors import NoAlgorithmError
+from convtune.plan import InfeasibleBudgetError, plan
 from convtune.policy import Policy
+from convtune.problem import ConvProblem
 from convtune.settings import settings
+from convtune.torch import workspace
 from convtune.torch.modules import TUNED, TunedConv, _autocast_dtype, convert
 from convtune.torch.tuning import Signature, Tuning, layout_of, plan_layer
+from convtune.units import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +115,7 @@ def _observe(model: torch.nn.Module, example_inputs: Any, training: bool) -> dic
 
 
 def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None = None, training: bool = False,
-             mode: str = "hybrid", db: Any = None) -> torch.nn.Module:
+             mode: str = "hybrid", db: Any = None, workspace_budget: int | str | None = None) -> torch.nn.Module:
     """Tune every convolution of ``model`` for the inputs it sees, and make it run the selections.
 
     example_inputs: a tensor, a tuple of the model's positional arguments, or a dict of keyword
@@ -120,7 +127,11 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
     plain inputs). policy, mode ('hybrid': the database else find; 'db_then_get': the database
     else the cost model, never measuring; 'find'; 'get') and db (a ``TuningDB``; None: the default
     one where the mode reads one) decide as in ``convtune.select``; they also decide input
-    signatures first met later, on their first call.
+    signatures first met later, on their first call. workspace_budget (bytes or a size like
+    '64MiB'; None: no budget) bounds the one workspace buffer the layers share: every layer tunes
+    with it as its policy's workspace_limit (the smaller of the two), then, where the database
+    holds the layers' measurements, ``convtune.plan`` in 'shared' mode makes the choices of
+    least total time within it (a layer the plan cannot serve keeps its own choice).
 
     The layers become ``convtune.nn`` modules in place (the same objects, same Parameters and
     hooks). A layer no algorithm serves under the policy stays on torch's path (logged; see
@@ -136,7 +147,8 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
-    tuning = Tuning(policy, mode, db)  # validates policy and mode before anything runs
+    budget = None if workspace_budget is None else parse_bytes(workspace_budget, "optimize(workspace_budget=...)")
+    tuning = Tuning(_within(policy, budget), mode, db)  # validates policy and mode before anything runs
     seen = _observe(model, example_inputs, bool(training))
     for name, module in model.named_modules():
         if isinstance(module, _CONV_TYPES) and not isinstance(module, TunedConv) and type(module) not in TUNED:
@@ -156,4 +168,47 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
             directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
             module._convtune_plans[sig] = plan_layer(module, sig, tuning, directions, name=name)
             bar.advance(task)
+    if budget is not None:
+        _apply_plan([(module, sig) for _, module, sig, _ in jobs], tuning)
     return model
+
+
+def _within(policy: Any, budget: int | None) -> Any:
+    """``policy`` with its workspace_limit lowered to ``budget`` (anything not a Policy is left to Tuning to reject)."""
+    if budget is None or not (policy is None or isinstance(policy, Policy)):
+        return policy
+    policy = policy or Policy()
+    limit = budget if policy.workspace_limit is None else min(policy.workspace_limit, budget)
+    return dataclasses.replace(policy, workspace_limit=limit)
+
+
+def _apply_plan(layers: list[tuple[torch.nn.Module, Signature]], tuning: Tuning) -> None:
+    """Replace the layers' choices by the shared-workspace plan of least total time, where one can be made."""
+    entries = []  # (module, signature, direction, problem)
+    for module, sig in dict.fromkeys((m, s) for m, s in layers):
+        layer = module._convtune_plans[sig]
+        if not layer.on_torch:
+            base = ConvProblem.from_key(layer.problem)
+            entries += [(module, sig, d, base.with_direction(d)) for d, _ in layer.results]
+    if not entries:
+        return
+    if tuning.db is None:
+        log.info("optimize: no tuning database to plan the workspace budget from; each layer chose within it alone")
+        return
+    try:
+        chosen = plan([p for *_, p in entries], tuning.policy.workspace_limit, "shared", tuning.db, tuning.policy,
+                      find_missing=tuning.mode in ("hybrid", "find")).choices
+    except (NoAlgorithmError, InfeasibleBudgetError) as exc:
+        log.warning("optimize: no workspace plan (%s); each layer keeps the choice it made within the budget", exc)
+        return
+    for (module, sig, direction, problem), result in zip(entries, chosen):
+        try:
+            algorithm = get_algorithm(result.algorithm, problem)
+        except KeyError:
+            continue  # stored by a backend not registered here: the layer keeps its own choice
+        if not algorithm.supports(problem):
+            continue
+        workspace.reserve(algorithm.workspace_bytes(problem), sig.device)
+        layer = module._convtune_plans[sig]
+        results = tuple((d, result if d == direction else r) for d, r in layer.results)
+        module._convtune_plans[sig] = dataclasses.replace(layer, **{direction: result.algorithm}, results=results)
