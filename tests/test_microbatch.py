@@ -332,3 +332,13 @@ def test_registry_candidates_and_the_database_round_trip():
 def test_policy_micro_batching_must_be_a_bool():
     with pytest.raises(TypeError, match="micro_batching"):
         Policy(micro_batching="yes")
+
+
+def test_a_stored_split_answers_only_a_policy_that_allows_splitting():
+    from convtune import PerfResult, Policy
+    from convtune.ranking import rank
+
+    split = PerfResult("mb:gemm.im2col_s2x2", "ok", time_ms=1.0, workspace_bytes=10)
+    whole = PerfResult("gemm:im2col", "ok", time_ms=2.0, workspace_bytes=20)
+    assert [r.algorithm for r in rank([split, whole], Policy())] == ["gemm:im2col"]
+    assert rank([split, whole], Policy(micro_batching=True))[0].algorithm == "mb:gemm.im2col_s2x2"

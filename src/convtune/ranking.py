@@ -7,11 +7,15 @@ from collections.abc import Iterable
 from .policy import Policy
 from .results import PerfResult, Status
 
+MICRO_BATCH_PREFIX = "mb:"
+
 
 def usable(result: PerfResult, policy: Policy) -> bool:
     """An ``ok`` result that the policy allows."""
     if result.status is not Status.OK or result.time_ms is None:
         return False
+    if not policy.micro_batching and result.algorithm.startswith(MICRO_BATCH_PREFIX):
+        return False  # a stored split answers only a policy that allows splitting the batch
     if policy.max_rel_error is not None and (result.rel_error is None or result.rel_error > policy.max_rel_error):
         return False
     return policy.violation(workspace_bytes=result.workspace_bytes, deterministic=result.deterministic,
