@@ -1,4 +1,4 @@
-"""The ``convtune`` command: get, find, algorithms, tune, cache, settings.
+"""The ``convtune`` command: get, find, algorithms, tune, report, cache, settings.
 
 Bad arguments give one line on stderr and exit status 2, never a traceback.
 """
@@ -21,7 +21,7 @@ from . import zoo
 from .errors import ConvtuneError, NoAlgorithmError
 from .policy import Policy
 from .problem import DIRECTIONS, ConvProblem
-from .report import LayerRow, choices_table, perf_table, tune_table
+from .report import LayerRow, choices_table, layer_groups, perf_table, tune_table
 from .settings import settings
 from .units import format_bytes, parse_bytes
 
@@ -81,6 +81,22 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tolerance", type=float, default=0.02, help="times within this fraction tie (default 0.02)")
     g.add_argument("--max-candidates", type=int, default=None, help="time at most this many candidates")
     g.add_argument("--budget-s", type=float, default=None, help="seconds one search may spend")
+
+
+def _add_budget_args(p: argparse.ArgumentParser, required: bool) -> None:
+    g = p.add_argument_group("the network's workspace budget (convtune.plan)")
+    g.add_argument("--workspace-budget", required=required, default=None,
+                   help="scratch memory for the whole network, e.g. 64MiB: one choice per layer so that it fits")
+    g.add_argument("--budget-mode", default="shared", choices=("shared", "divided"),
+                   help="shared: layers run one after another and share one buffer, the largest must fit "
+                        "(default); divided: layers run concurrently, the sum must fit")
+
+
+def _add_network_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("network", help=f"one of {', '.join(zoo.NETWORKS)}, or a .json/.csv layer file")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 32; DeepBench keeps its own)")
+    p.add_argument("--direction", default="fwd", choices=(*DIRECTIONS, "all"))
+    _add_type_args(p)
 
 
 def _add_db_args(p: argparse.ArgumentParser) -> None:
@@ -147,15 +163,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("tune", help="tune every layer of a built-in network or a layer file")
-    p.add_argument("network", help=f"one of {', '.join(zoo.NETWORKS)}, or a .json/.csv layer file")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 32; DeepBench keeps its own)")
-    p.add_argument("--direction", default="fwd", choices=(*DIRECTIONS, "all"))
-    _add_type_args(p)
+    _add_network_args(p)
     p.add_argument("--mode", default="hybrid", choices=MODES, help="how each layer is chosen (default hybrid)")
     p.add_argument("--layers", type=int, default=None, help="tune only the first N layers")
+    _add_budget_args(p, required=False)
     _add_policy_args(p)
     _add_db_args(p)
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("report", help="tune a network, plan it under a workspace budget, write an HTML report")
+    _add_network_args(p)
+    p.add_argument("--layers", type=int, default=None, help="tune only the first N layers")
+    _add_budget_args(p, required=True)
+    p.add_argument("--out", default="report.html", help="the HTML file; its PNG figures go beside it "
+                                                        "(default report.html)")
+    p.add_argument("--budgets", default=None, help="budgets of the total-time figure, e.g. 0,1MiB,16MiB,256MiB "
+                                                   "(default: where the total time changes)")
+    _add_policy_args(p)
+    _add_db_args(p)
 
     p = sub.add_parser("cache", help="the tuning database: ls, export, import, clear")
     p.add_argument("action", choices=("ls", "export", "import", "clear"))
@@ -235,29 +260,108 @@ def _tune_layers(args):
     return layers
 
 
-def cmd_tune(args, out: Console, err: Console) -> int:
+def _select_layers(args, layers, policy: Policy, mode: str, db, err: Console) -> list[LayerRow]:
+    """Each layer's selection (measured, looked up or predicted as ``mode`` says), with a progress bar."""
     from .select import select
 
-    if args.batch is not None and args.batch < 1:
-        raise UsageError(f"--batch {args.batch} must be >= 1")
-    layers = _tune_layers(args)
-    policy = _policy(args)
     rows = []
-    with _db(args) as db, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                   TimeElapsedColumn(), console=err, disable=not settings.progress or args.json) as bar:
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, disable=not settings.progress or getattr(args, "json", False)) as bar:
         task = bar.add_task(f"tuning {args.network}", total=len(layers))
         for layer in layers:
             bar.update(task, description=f"tuning {args.network} {layer.name}")
             try:
-                result = select(layer.problem, policy, mode=args.mode, db=db)
+                result = select(layer.problem, policy, mode=mode, db=db)
                 rows.append(LayerRow(layer.name, layer.problem, layer.count, result))
             except NoAlgorithmError as exc:
                 rows.append(LayerRow(layer.name, layer.problem, layer.count, None, str(exc)))
             bar.advance(task)
-    title = (f"convtune tune {args.network}: {len(rows)} layers, {rows[0].problem.dtype if rows else ''} "
-             f"{rows[0].problem.layout if rows else ''} on {rows[0].problem.device if rows else ''}, mode {args.mode}")
-    _print(out, args, tune_table(title, rows), {"network": args.network, "layers": [r.to_dict() for r in rows]})
+    return rows
+
+
+def _plan_layers(args, layers, policy: Policy, db):
+    """The plan of ``layers`` under ``--workspace-budget`` (a layer run ``count`` times is ``count`` problems).
+
+    Returns (plan, one layer name per planned problem). An infeasible budget is a usage error
+    naming the smallest feasible budget.
+    """
+    from .plan import InfeasibleBudgetError, plan
+
+    budget = parse_bytes(args.workspace_budget, "--workspace-budget")
+    problems = [layer.problem for layer in layers for _ in range(layer.count)]
+    names = [layer.name for layer in layers for _ in range(layer.count)]
+    try:
+        return plan(problems, budget, args.budget_mode, db=db, policy=policy), names
+    except InfeasibleBudgetError as exc:
+        least = exc.smallest_feasible_bytes
+        raise UsageError(f"--workspace-budget {args.workspace_budget} is too small for {args.network} "
+                         f"({args.budget_mode} mode): the smallest feasible budget is {format_bytes(least)} "
+                         f"({least} bytes); give --workspace-budget {least} or more") from None
+
+
+def _planned_rows(layers, rows: list[LayerRow], plan, names: list[str]) -> list[LayerRow]:
+    """The rows of the layers as planned (one per layer and choice), failed layers as they were."""
+    planned: dict[str, list[LayerRow]] = {}
+    for name, problem, runs in layer_groups(names, plan.problems, plan.choices):
+        planned.setdefault(name, []).append(LayerRow(name, problem, len(runs), plan.choices[runs[0]]))
+    return [r for layer, row in zip(layers, rows) for r in planned.get(layer.name, [row])]
+
+
+def cmd_tune(args, out: Console, err: Console) -> int:
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch {args.batch} must be >= 1")
+    layers = _tune_layers(args)
+    policy = _policy(args)
+    payload: dict = {"network": args.network}
+    total_workspace, caption = None, None
+    with _db(args) as db:
+        rows = _select_layers(args, layers, policy, args.mode, db, err)
+        title = (f"convtune tune {args.network}: {len(rows)} layers, {rows[0].problem.dtype if rows else ''} "
+                 f"{rows[0].problem.layout if rows else ''} on {rows[0].problem.device if rows else ''}, "
+                 f"mode {args.mode}")
+        if args.workspace_budget is not None:
+            served = [layer for layer, row in zip(layers, rows) if row.result]
+            plan, names = _plan_layers(args, served, policy, db)
+            rows = _planned_rows(layers, rows, plan, names)
+            total_workspace = plan.workspace_bytes
+            caption = (f"planned for a {args.budget_mode} workspace budget of {format_bytes(plan.workspace_budget)}: "
+                       f"{plan.total_time_ms:.4g} ms, workspace {format_bytes(plan.workspace_bytes)} "
+                       f"(no budget: {plan.unconstrained_time_ms:.4g} ms, "
+                       f"{format_bytes(plan.unconstrained_workspace_bytes)})")
+            payload["plan"] = {"mode": plan.mode, "workspace_budget": plan.workspace_budget,
+                               "total_time_ms": plan.total_time_ms, "workspace_bytes": plan.workspace_bytes,
+                               "unconstrained_time_ms": plan.unconstrained_time_ms,
+                               "unconstrained_workspace_bytes": plan.unconstrained_workspace_bytes}
+    payload["layers"] = [r.to_dict() for r in rows]
+    table = tune_table(title, rows, total_workspace_bytes=total_workspace)
+    table.caption = caption
+    _print(out, args, table, payload)
     return 0 if all(r.result for r in rows) else 1
+
+
+def cmd_report(args, out: Console, err: Console) -> int:
+    from .html_report import write_report
+
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch {args.batch} must be >= 1")
+    budgets = None
+    if args.budgets is not None:
+        budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",") if b.strip()]
+    layers = _tune_layers(args)
+    policy = _policy(args)
+    with _db(args) as db:
+        rows = _select_layers(args, layers, policy, "hybrid", db, err)
+        failed = [r for r in rows if not r.result]
+        if failed:
+            raise NoAlgorithmError(f"layer {failed[0].name} of {args.network} cannot be served: {failed[0].error}")
+        plan, names = _plan_layers(args, layers, policy, db)
+        p = layers[0].problem
+        direction = "all directions" if args.direction == "all" else p.direction
+        title = (f"convtune report: {args.network}, {len(layers)} layers, batch {p.n}, {direction}, "
+                 f"{p.dtype} {p.layout} on {p.device}")
+        path = write_report(plan, args.out, title, budgets=budgets, db=db, policy=policy, names=names)
+    out.print(str(path), highlight=False, soft_wrap=True)
+    return 0
 
 
 def cmd_cache(args, out: Console) -> int:
@@ -305,8 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(levelname)s %(name)s: %(message)s")
-        if args.command == "tune":
-            return cmd_tune(args, out, err)
+        if args.command in ("tune", "report"):
+            return (cmd_tune if args.command == "tune" else cmd_report)(args, out, err)
         handler = {"get": cmd_get, "find": cmd_find, "algorithms": cmd_algorithms, "cache": cmd_cache,
                    "settings": cmd_settings}[args.command]
         return handler(args, out)
