@@ -299,3 +299,13 @@ def test_a_candidate_predicted_far_slower_than_the_best_measured_is_not_run():
     assert slow.runs == 0
     with settings.override(find_prune_factor=0, find_patience=0):
         assert by_name(find(big, timer=FakeTimer(), candidates=[fast, slow]))["direct:taps_fake"].ok
+
+
+def test_a_leaner_candidate_still_runs_after_convergence_and_past_the_prune():
+    big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
+    hungry = [Fake(f"gemm:1x1_h{i}", time_ms=1.0 + 0.1 * i, workspace_bytes=1 << 20) for i in range(4)]
+    lean = Fake("direct:taps_lean", time_ms=30.0)  # zero workspace, predicted and measured slow
+    with settings.override(find_patience=1, find_prune_factor=1.0001):
+        results = by_name(find(big, timer=FakeTimer(), candidates=[*hungry, lean]))
+    assert results["direct:taps_lean"].ok and lean.runs > 0
+    assert any("converged" in r.message for r in results.values() if r.status is Status.SKIPPED)

@@ -82,6 +82,7 @@ class _Search:
         self.problem, self.policy, self.timer, self.seed = problem, policy, timer, seed
         self.budget = _Budget(policy)
         self.best_ms = math.inf
+        self.leanest_bytes = math.inf  # the smallest scratch of a measured ok candidate
         self._case: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._pristine: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -102,10 +103,14 @@ class _Search:
         b.copy_(b0)
         return True
 
-    def try_candidate(self, algorithm: Algorithm, predicted_ms: float = math.inf) -> PerfResult:
+    def try_candidate(self, algorithm: Algorithm, predicted_ms: float = math.inf,
+                      converged: bool = False) -> PerfResult:
         """The result of one candidate; nothing it raises escapes.
 
         predicted_ms: get's guess; far above the best measured, the candidate is not run.
+        converged: the search has stopped finding faster candidates. Either way, a candidate that
+        needs less scratch than every one measured so far still runs: it is a new point of the
+        time/workspace trade-off that a workspace budget (``plan``) may need.
         """
         problem = self.problem
         try:
@@ -123,8 +128,14 @@ class _Search:
         exhausted = self.budget.exhausted()
         if exhausted:
             return PerfResult(algorithm.name, Status.SKIPPED, message=exhausted, **props)
+        leaner = workspace_bytes < self.leanest_bytes
+        patience = settings.find_patience
+        if converged and not leaner:
+            return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
+                f"search converged: {patience} candidates in a row were no faster than the best"))
         prune = settings.find_prune_factor
-        if prune and math.isfinite(self.best_ms) and math.isfinite(predicted_ms) and predicted_ms > prune * self.best_ms:
+        if (prune and not leaner and math.isfinite(self.best_ms) and math.isfinite(predicted_ms)
+                and predicted_ms > prune * self.best_ms):
             return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
                 f"predicted {predicted_ms:.4g} ms, over {prune:g}x the best measured ({self.best_ms:.4g} ms)"))
         self.budget.timed += 1
@@ -171,6 +182,7 @@ class _Search:
         else:
             message = ""  # the error has its own field; an ok result's message is for what is unusual
         self.best_ms = min(self.best_ms, timing.median_ms)
+        self.leanest_bytes = min(self.leanest_bytes, props["workspace_bytes"])
         return PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
                           rel_error=err, message=message, **props)
 
@@ -224,7 +236,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     order; once ``settings.find_patience`` candidates after those were no faster than the best
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
-    is skipped without running. With ``policy.micro_batching`` and a ``workspace_limit``, the
+    is skipped without running. Neither rule skips a candidate needing less scratch than every
+    one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. With ``policy.micro_batching`` and a ``workspace_limit``, the
     batch splits that ``microbatch.micro_batch_offers`` proposes (from finds on sub-batches)
     are tried last, verified and timed by ``timer`` like any candidate.
 
@@ -275,12 +288,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     patience, without_gain = settings.find_patience, 0
     for index, algorithm in enumerate(ranked, 1):
-        if patience and without_gain >= patience:
-            results.append(PerfResult(algorithm.name, Status.SKIPPED, message=(
-                f"search converged: {patience} candidates in a row were no faster than the best")))
-            continue
+        converged = bool(patience and without_gain >= patience)
         best_before = search.best_ms
-        result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf))
+        result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf), converged=converged)
         results.append(result)
         if result.ok and index > head_size:  # the first try of each backend does not count
             gained = result.time_ms < best_before * (1 - policy.tolerance)
