@@ -170,6 +170,7 @@ MODULES = [
 
 
 @pytest.mark.parametrize("cls, kwargs, shape", MODULES, ids=[f"{c.__name__}-{i}" for i, (c, *_) in enumerate(MODULES)])
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
 def test_module_is_a_drop_in_for_torch_nn(cls, kwargs, shape, poisoned):
     torch.manual_seed(0)
     conv = cls(**kwargs, mode="get")
