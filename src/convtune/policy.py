@@ -22,7 +22,8 @@ class Policy:
     allow_tf32: TF32 tensor-core math allowed for float32 problems.
     allow_reduced_precision: float16/bfloat16 accumulation (not float32) allowed.
     max_rel_error: relative L2 error a result may have; None takes the per-dtype default of verify.
-    prefer: 'fastest', or 'least_memory' (smallest workspace among those within tolerance of the fastest).
+    prefer: 'fastest', or 'least_memory' (the smallest workspace first, then the fastest among equals:
+        with a policy's other limits, the leanest algorithm that works).
     tolerance: times within this fraction of each other tie; ties go to the smaller workspace.
     max_candidates, budget_s: the tuning budget of one find (None: the settings' defaults).
     micro_batching: with a workspace_limit, find also offers algorithms run over sub-batches one
