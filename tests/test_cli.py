@@ -111,3 +111,17 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, argv, words):
 def test_settings_lists_every_setting(capsys):
     code, out, _ = run(capsys, "settings")
     assert code == 0 and "CONVTUNE_CACHE_DIR" in out
+
+
+def test_find_with_micro_batching_offers_a_split_under_a_tight_limit(capsys):
+    # im2col's column matrix for n=4 is 4x its n=1 size: a limit between the two leaves only splits for it.
+    problem = ["--n", "4", "--c", "4", "--k", "4", "--size", "8x8", "--kernel", "3", "--pad", "1", "--device", "cpu"]
+    from convtune import ConvProblem, get_algorithm
+
+    p = ConvProblem("fwd", n=4, c=4, k=4, input_size=(8, 8), kernel_size=3, padding=1)
+    limit = str(get_algorithm("gemm:im2col").workspace_bytes(p.replace(n=1)))
+    code, out, _ = run(capsys, "find", *problem, "--workspace-limit", limit, "--micro-batching", "--json")
+    names = [r["algorithm"] for r in json.loads(out)["results"]]
+    assert code == 0 and any(n.startswith("mb:") for n in names)
+    code, out, _ = run(capsys, "find", *problem, "--workspace-limit", limit, "--json")
+    assert not any(r["algorithm"].startswith("mb:") for r in json.loads(out)["results"])

@@ -77,6 +77,8 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true", help="only run-to-run deterministic algorithms")
     g.add_argument("--no-tf32", action="store_true", help="forbid TF32 math for float32")
     g.add_argument("--no-reduced-precision", action="store_true", help="forbid half-precision accumulation")
+    g.add_argument("--micro-batching", action="store_true",
+                   help="with --workspace-limit, also offer sub-batches run one after another (mu-cuDNN)")
     g.add_argument("--prefer", default="fastest", choices=("fastest", "least_memory"))
     g.add_argument("--tolerance", type=float, default=0.02, help="times within this fraction tie (default 0.02)")
     g.add_argument("--max-candidates", type=int, default=None, help="time at most this many candidates")
@@ -108,7 +110,7 @@ def _policy(args) -> Policy:
         workspace_limit=None if args.workspace_limit is None else parse_bytes(args.workspace_limit, "--workspace-limit"),
         deterministic=args.deterministic, allow_tf32=not args.no_tf32,
         allow_reduced_precision=not args.no_reduced_precision, prefer=args.prefer, tolerance=args.tolerance,
-        max_candidates=args.max_candidates, budget_s=args.budget_s,
+        max_candidates=args.max_candidates, budget_s=args.budget_s, micro_batching=args.micro_batching,
     )
 
 
