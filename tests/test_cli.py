@@ -125,3 +125,15 @@ def test_find_with_micro_batching_offers_a_split_under_a_tight_limit(capsys):
     assert code == 0 and any(n.startswith("mb:") for n in names)
     code, out, _ = run(capsys, "find", *problem, "--workspace-limit", limit, "--json")
     assert not any(r["algorithm"].startswith("mb:") for r in json.loads(out)["results"])
+
+
+def test_a_budget_in_a_mode_that_never_measures_asks_for_measurements_first(capsys, tmp_path):
+    db = str(tmp_path / "t.sqlite")
+    code, out, err = run(capsys, "tune", "resnet18", "--batch", "1", "--layers", "1", "--device", "cpu", "--db", db,
+                         "--mode", "db_then_get", "--workspace-budget", "1MiB")
+    assert code == 2 and "--mode hybrid" in err and len(err.strip().splitlines()) == 1
+    assert run(capsys, "tune", "resnet18", "--batch", "1", "--layers", "1", "--device", "cpu", "--db", db,
+               "--workspace-budget", "1MiB")[0] == 0
+    code, out, err = run(capsys, "tune", "resnet18", "--batch", "1", "--layers", "1", "--device", "cpu", "--db", db,
+                         "--mode", "db_then_get", "--workspace-budget", "1MiB")
+    assert code == 0

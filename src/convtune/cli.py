@@ -292,8 +292,14 @@ def _plan_layers(args, layers, policy: Policy, db):
     budget = parse_bytes(args.workspace_budget, "--workspace-budget")
     problems = [layer.problem for layer in layers for _ in range(layer.count)]
     names = [layer.name for layer in layers for _ in range(layer.count)]
+    measuring = getattr(args, "mode", "hybrid") in ("hybrid", "find")
     try:
-        return plan(problems, budget, args.budget_mode, db=db, policy=policy), names
+        return plan(problems, budget, args.budget_mode, db=db, policy=policy, find_missing=measuring), names
+    except NoAlgorithmError as exc:
+        if measuring:
+            raise
+        raise UsageError(f"--workspace-budget plans from measurements, and --mode {args.mode} never measures: "
+                         f"{exc}; run once with --mode hybrid") from None
     except InfeasibleBudgetError as exc:
         least = exc.smallest_feasible_bytes
         raise UsageError(f"--workspace-budget {args.workspace_budget} is too small for {args.network} "
