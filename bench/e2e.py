@@ -1,0 +1,297 @@
+"""End-to-end benchmark (issue 5): whole networks with convtune.optimize against plain PyTorch.
+
+For each network (torchvision ResNet-50 and MobileNetV2, weights=None), batch, autocast dtype
+(channels_last model and inputs) and execution style (eager; eager captured in a CUDA graph;
+torch.compile, default mode), three ways of running the convolutions, EACH IN ITS OWN PROCESS
+(PyTorch's cudnn.benchmark cache is per process):
+- convtune: ``convtune.optimize(model, x, training=True)`` with an empty tuning database (its wall
+  time is the cold tuning time), then again on the now warm database (the warm tuning time);
+- torch_bm0 / torch_bm1: plain PyTorch with ``torch.backends.cudnn.benchmark`` False / True (the first
+  inference call and the first training step, synchronized, are benchmark mode's tuning time).
+Measured in each process: inference latency (eval mode, no_grad) and training-step time (forward,
+cross-entropy loss, backward, SGD with momentum; no gradient scaler: timing only). Time: median of
+7 timings of 10 steps between CUDA events, after warm-up. The graph style captures the whole step
+(PyTorch's "whole network capture", warm-up on a side stream); the compile style reports its
+first-call (compile) time. Each configuration's result is written as soon as it ends, and results
+of earlier runs in the same file are kept (one configuration: one row), so a run cut short, or
+several 10-minute runs of parts, add up:
+
+    python bench/e2e.py                                     # everything (hours: run it in parts)
+    python bench/e2e.py --models resnet50 --batches 128 --dtypes float16 --styles eager,graph
+    python bench/e2e.py --device cpu --tiny --out /tmp/e2e  # a small stand-in network: checks the pipeline
+
+Results: bench/results/e2e.json and e2e.md (or --out, --name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import convtune  # noqa: E402
+
+MODELS, BATCHES, DTYPES = ("resnet50", "mobilenet_v2"), (32, 128), ("float16", "bfloat16")
+STYLES, MODES = ("eager", "graph", "compile"), ("convtune", "torch_bm0", "torch_bm1")
+ANCHORS = """Anchors (BENCHMARKING.md, "Measured anchors, whole networks": H200, autocast float16, channels_last,
+2026-11-29, plain PyTorch 2.11, each configuration in its own process, median of 7 timings of 10 steps):
+
+| network, batch | eager benchmark=False | eager benchmark=True | CUDA graph (benchmark=True) | torch.compile | torch.compile max-autotune |
+|---|---|---|---|---|---|
+| ResNet-50 b128 inference | 9.21 ms | 9.18 ms | 8.91 ms | 5.27 ms (20 s to compile) | 5.29 ms (296 s to compile) |
+| ResNet-50 b128 training step (SGD) | 23.3 ms | 27.6 ms (noisy, 24.3-29.5) | 22.8 ms | | |
+| ResNet-50 b32 inference | 4.09 ms | 4.40 ms | 2.75 ms | | |
+| ResNet-50 b32 training step | 26.4 ms (host-bound) | 24.8 ms (host-bound) | 7.99 ms | | |
+| MobileNetV2 b128 inference | 6.15 ms | 4.79 ms | 4.49 ms | | |
+| MobileNetV2 b128 training step | 23.6 ms | 26.4 ms | 14.5 ms | | |
+
+benchmark=True's first step: ResNet-50 b128 training 13.1 s, MobileNetV2 b128 training 18.8 s.
+bfloat16 ResNet-50 b128 training step, benchmark=True: 30.5 ms.
+"""
+
+
+class TinyNet(torch.nn.Module):
+    """Stand-in for the torchvision models (--tiny): strided, depthwise, 1x1 convs, batch norm, a classifier."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+
+        def block(c_in, c_out, **kw):
+            return [torch.nn.Conv2d(c_in, c_out, bias=False, **kw), torch.nn.BatchNorm2d(c_out), torch.nn.ReLU()]
+
+        self.features = torch.nn.Sequential(
+            *block(3, 16, kernel_size=3, stride=2, padding=1), *block(16, 16, kernel_size=3, padding=1, groups=16),
+            *block(16, 32, kernel_size=1), *block(32, 32, kernel_size=3, stride=2, padding=1))
+        self.classifier = torch.nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+def build_model(name: str, tiny: bool) -> tuple[torch.nn.Module, int, int]:
+    """(model, input height/width, classes)."""
+    if tiny:
+        return TinyNet(), 32, 10
+    import torchvision  # on the GPU machine; not needed for --tiny
+
+    return getattr(torchvision.models, name)(weights=None), 224, 1000
+
+
+class Timer:
+    """Median over ``repeats`` of the time of ``steps`` calls, per call, in ms (CUDA events, or the host clock)."""
+
+    def __init__(self, device: str, steps: int, repeats: int, warmup: int = 3) -> None:
+        self.device, self.steps, self.repeats, self.warmup = device, steps, repeats, warmup
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self, step) -> dict:
+        for _ in range(self.warmup):
+            step()
+        self.sync()
+        samples = []
+        for _ in range(self.repeats):
+            if self.device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.steps):
+                    step()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / self.steps)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(self.steps):
+                    step()
+                samples.append(1e3 * (time.perf_counter() - t0) / self.steps)
+        return dict(ms=statistics.median(samples), min_ms=min(samples), max_ms=max(samples))
+
+
+def _first_call_s(fn, timer: Timer) -> float:
+    timer.sync()
+    t0 = time.perf_counter()
+    fn()
+    timer.sync()
+    return time.perf_counter() - t0
+
+
+def _graphed(step, device: str):
+    """``step`` captured in a CUDA graph (warm-up on a side stream first); returns (replay, capture seconds)."""
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    torch.cuda.synchronize()
+    return graph.replay, time.perf_counter() - t0
+
+
+def run_config(cfg: dict) -> dict:
+    """One configuration, in this process: tuning times, then inference and training-step times."""
+    device, dtype = cfg["device"], getattr(torch, cfg["dtype"])
+    if cfg["style"] == "graph" and device != "cuda":
+        return dict(status="skipped: CUDA graphs need a CUDA device")
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = cfg["mode"] == "torch_bm1"
+    model, size, classes = build_model(cfg["model"], cfg["tiny"])
+    model = model.to(device).to(memory_format=torch.channels_last)
+    x = torch.randn(cfg["batch"], 3, size, size, device=device).to(memory_format=torch.channels_last)
+    labels = torch.randint(0, classes, (cfg["batch"],), device=device)
+    # Graph capture needs autocast's cast cache off (its cached casts would be made during the capture).
+    autocast = lambda: torch.autocast(device, dtype=dtype, cache_enabled=cfg["style"] != "graph")  # noqa: E731
+    timer = Timer(device, cfg["steps"], cfg["repeats"])
+    out: dict = dict(status="ok")
+    if cfg["mode"] == "convtune":
+        with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(os.path.join(tmp, "e2e.sqlite")) as db:
+            model.train()
+            for key in ("tune_cold_s", "tune_warm_s"):  # the second optimize finds every answer in the database
+                with autocast():
+                    t0 = time.perf_counter()
+                    convtune.optimize(model, x, training=True, db=db)
+                    out[key] = time.perf_counter() - t0
+            out["algorithms"] = sorted({r["algorithm"] or "torch (fallback)" for r in convtune.explain(model)})
+    runner = torch.compile(model) if cfg["style"] == "compile" else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def infer():
+        with torch.no_grad(), autocast():
+            return runner(x)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = torch.nn.functional.cross_entropy(runner(x), labels)
+        loss.backward()
+        optimizer.step()
+
+    for workload, step, train in (("inference", infer, False), ("training", train_step, True)):
+        model.train(train)
+        out[f"{workload}_first_s"] = _first_call_s(step, timer)  # benchmark mode's tuning, or the compile time
+        if cfg["style"] == "graph":
+            step, out[f"{workload}_capture_s"] = _graphed(step, device)
+        out[workload] = timer(step)
+        print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def config_id(cfg: dict) -> str:
+    return f"{cfg['model']}:b{cfg['batch']}:{cfg['dtype']}:{cfg['style']}:{cfg['mode']}"
+
+
+def in_subprocess(cfg: dict, timeout_s: float) -> dict:
+    """``run_config(cfg)`` in a fresh Python process; a crash or a timeout is a row with its status."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "result.json"
+        env = dict(os.environ, CONVTUNE_PROGRESS="0", CONVTUNE_CACHE_DIR=tmp)  # never the user's database
+        cmd = [sys.executable, __file__, "--child", json.dumps(cfg), "--child-out", str(path)]
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=timeout_s, stderr=subprocess.PIPE, text=True)
+        except subprocess.TimeoutExpired:
+            return dict(status=f"timeout after {timeout_s:.0f} s")
+        sys.stderr.write(proc.stderr[-2000:])
+        if proc.returncode != 0 or not path.exists():
+            tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+            return dict(status=f"failed (exit {proc.returncode}): {tail[0][:200]}")
+        return json.loads(path.read_text())
+
+
+def _ms(row: dict | None, workload: str) -> str:
+    return f"{row[workload]['ms']:.3f}" if row and workload in row else "-"
+
+
+def markdown(env: dict, rows: dict) -> str:
+    head = (f"# End-to-end benchmark\n\n{env['date']}, {env.get('gpu', env.get('cpu'))}, torch {env['torch']}, "
+            f"CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, convtune {env['convtune']}. Autocast, channels_last; "
+            "median of 7 timings of 10 steps (ms per step); each row its own process.\n\n" + ANCHORS + "\n")
+    table = []
+    for cid, row in rows.items():
+        first = row.get("training_first_s")
+        tuning = (f"{row['tune_cold_s']:.1f} / {row['tune_warm_s']:.2f}" if "tune_cold_s" in row
+                  else (f"first step {first:.2f}" if first is not None else "-"))
+        table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning, row["status"]])
+    out = head + "## Every configuration\n\nTuning: convtune's optimize cold / warm database (s); torch: the " \
+        "first training step (s, after the first inference call; under compile it includes compiling).\n\n"
+    out += common.md_table(["model", "batch", "dtype", "style", "mode", "inference ms", "training ms", "tuning s",
+                            "status"], table)
+    groups = sorted({cid.rsplit(":", 1)[0] for cid in rows})
+    ratios = []
+    for g in groups:
+        ct_row, bm0, bm1 = (rows.get(f"{g}:{m}") for m in MODES)
+        cells = []
+        for workload in ("inference", "training"):
+            for base in (bm0, bm1):
+                ok = ct_row and base and workload in ct_row and workload in base
+                cells.append(f"{base[workload]['ms'] / ct_row[workload]['ms']:.2f}x" if ok else "-")
+        ratios.append([*g.split(":"), *cells])
+    out += "\n## convtune's speed-up (torch time / convtune time; above 1: convtune faster)\n\n"
+    out += common.md_table(["model", "batch", "dtype", "style", "inference vs bm0", "inference vs bm1",
+                            "training vs bm0", "training vs bm1"], ratios)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    split = lambda text: [s for s in text.split(",") if s]  # noqa: E731
+    parser.add_argument("--models", type=split, default=list(MODELS))
+    parser.add_argument("--batches", type=lambda t: [int(b) for b in split(t)], default=list(BATCHES))
+    parser.add_argument("--dtypes", type=split, default=list(DTYPES))
+    parser.add_argument("--styles", type=split, default=list(STYLES))
+    parser.add_argument("--modes", type=split, default=list(MODES))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="a small stand-in network (no torchvision needed)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--config-timeout", type=float, default=540.0, help="seconds one configuration may take")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default="e2e")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        Path(args.child_out).write_text(json.dumps(run_config(json.loads(args.child))))
+        return
+    for option, values, allowed in (("--styles", args.styles, STYLES), ("--modes", args.modes, MODES),
+                                    ("--dtypes", args.dtypes, DTYPES)):
+        if set(values) - set(allowed):
+            parser.error(f"{option} {','.join(values)}: each must be one of {','.join(allowed)}")
+    models = ["tiny"] if args.tiny else args.models
+    out_dir = Path(args.out or common.RESULTS)
+    json_path = out_dir / f"{args.name}.json"
+    env = common.environment()
+    payload = json.loads(json_path.read_text()) if json_path.exists() else {}
+    payload["environment"] = env
+    rows = payload.setdefault("configs", {})
+    for model, batch, dtype, style, mode in itertools.product(models, args.batches, args.dtypes, args.styles,
+                                                              args.modes):
+        cfg = dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device, tiny=args.tiny,
+                   steps=args.steps, repeats=args.repeats)
+        print(f"{config_id(cfg)}", file=sys.stderr, flush=True)
+        row = in_subprocess(cfg, args.config_timeout)
+        row["date"] = env["date"]
+        rows[config_id(cfg)] = row
+        common.write(args.name, payload, markdown(env, rows), out_dir)  # after each: a cut run keeps what it did
+    print(markdown(env, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""convtune's PyTorch integration on CUDA: autocast float16/bfloat16, channels_last, CUDA graphs, torch.compile.
+
+Run on a CUDA machine: ``python -m pytest tests/gpu/test_gpu_nn.py``. Skipped without CUDA.
+
+Every comparison is a relative L2 error (``convtune.verify.rel_error``: NaN or Inf never passes)
+on fresh random inputs, with the ops' result tensors poisoned with NaN before the algorithms
+write them. The reference is the same model in float64 (no autocast). Under autocast the
+parameter gradients are reductions over the batch whose rounding errors reach a few percent in
+float16 and several in bfloat16 for PyTorch itself (measured on the CPU), so the optimized model
+must be as accurate as the plain torch model under the same autocast, within a factor:
+error(convtune) <= max(ACCURACY_FACTOR * error(torch), FLOOR[dtype]), for the output and every
+gradient; FLOOR is verify's single-convolution tolerance (float16 2e-3, bfloat16 1.6e-2). By the
+triangle inequality the optimized and plain results then differ by at most 3x torch's own error.
+A CUDA graph replay runs the very same algorithms as the eager model: its forward output must
+match eager within ``SAME_ALGORITHMS_TOL`` (only the summation order may differ).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import convtune
+import convtune.nn
+from convtune import TuningDB
+from convtune.settings import settings
+from convtune.torch import ops
+from convtune.verify import rel_error
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+ACCURACY_FACTOR = 2.0
+FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+SAME_ALGORITHMS_TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+SHAPE = (8, 3, 32, 32)  # batch 8, RGB 32x32: every layer takes well under a millisecond on a data-centre GPU
+
+
+@pytest.fixture(autouse=True)
+def _quick_tuning():
+    # A few candidates per problem, briefly timed: the test checks what runs, not how well it was chosen.
+    with settings.override(timing_budget_s=0.01, timing_max_repeats=3, find_max_candidates=6, progress=False):
+        yield
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    """One database for the module: the graph and compile tests reuse what the first test measured."""
+    with TuningDB(tmp_path_factory.mktemp("gpu_nn") / "tuning.sqlite") as database:
+        yield database
+
+
+@pytest.fixture(autouse=True)
+def _poisoned(monkeypatch):
+    """The ops' result tensors start as NaN, so an algorithm that skips an element is caught."""
+    plain = ops._result_like
+    monkeypatch.setattr(ops, "_result_like", lambda problem, a: plain(problem, a).fill_(float("nan")))
+
+
+class SmallCNN(torch.nn.Module):
+    """Strided, depthwise, grouped+dilated and 1x1 2-D convolutions, a batch norm, then 1-D convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 32, 3, stride=2, padding=1, bias=False)  # a bias before batch norm has zero gradient
+        self.bn = torch.nn.BatchNorm2d(32)
+        self.depthwise = torch.nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.grouped = torch.nn.Conv2d(32, 64, 3, padding=2, dilation=2, groups=4, bias=False)
+        self.pointwise = torch.nn.Conv2d(64, 64, 1)
+        self.seq = torch.nn.Conv1d(64, 32, 5, padding=2)
+        self.head = torch.nn.Conv1d(32, 16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.stem(x)))
+        x = torch.relu(self.pointwise(self.grouped(self.depthwise(x))))
+        # flatten(2) of a channels_last (N, C, H, W) tensor is channels_last (N, C, L): 1-D channels_last problems.
+        return self.head(torch.relu(self.seq(x.flatten(2))))
+
+
+CONVS = ("stem", "depthwise", "grouped", "pointwise", "seq", "head")
+
+
+def torch_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain torch copy of a (convtune or torch) model, with equal parameters."""
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        for cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+            if isinstance(m, cls):
+                m.__class__ = cls
+    return twin
+
+
+def random_input(device: str = "cuda") -> torch.Tensor:
+    return torch.randn(SHAPE, device=device).to(memory_format=torch.channels_last)
+
+
+def optimized_model(dtype: torch.dtype, db: TuningDB, training: bool, device: str = "cuda") -> torch.nn.Module:
+    """A fresh SmallCNN on ``device``, channels_last, tuned by ``optimize`` under autocast to ``dtype``."""
+    model = SmallCNN().to(device).to(memory_format=torch.channels_last).train(training)
+    with torch.autocast(device, dtype=dtype):
+        convtune.optimize(model, random_input(device), training=training, db=db)
+    assert [type(getattr(model, name)).__module__ for name in CONVS] == ["convtune.torch.modules"] * len(CONVS)
+    rows = convtune.explain(model)
+    assert rows and all(r["algorithm"] for r in rows), [r for r in rows if not r["algorithm"]]
+    assert all(f"|{str(dtype).removeprefix('torch.')}|" in r["problem"] for r in rows)  # tuned in the autocast dtype
+    return model
+
+
+def training_step(model, x: torch.Tensor, dy: torch.Tensor, dtype: torch.dtype, params: torch.nn.Module | None = None):
+    """(output, {parameter name: gradient}) of one forward and backward of ``model`` under autocast.
+
+    params: the module whose parameters ``model`` trains (a compiled model's original); default ``model``.
+    """
+    params = model if params is None else params
+    params.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=dtype):
+        y = model(x)
+    y.backward(dy)
+    return y.detach(), {name: p.grad for name, p in params.named_parameters()}
+
+
+def exact_step(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """(output, gradients) of a float64 plain-torch copy of ``model``, no autocast: the reference."""
+    exact = torch_twin(model).double()
+    exact.zero_grad(set_to_none=True)
+    y = exact(x.double())
+    y.backward(dy.double())
+    return y.detach(), {name: p.grad for name, p in exact.named_parameters()}
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    assert got is not None, f"{what}: no result"
+    err = rel_error(got.float(), want.double())
+    assert err <= tol, f"{what}: relative L2 error {err:.2e} > {tol:.1e}"
+
+
+def assert_as_accurate(got, plain, exact, dtype: torch.dtype) -> None:
+    """Output and every gradient of ``got`` are as close to ``exact`` as ``plain``'s are, within ACCURACY_FACTOR."""
+    (y, grads), (y_plain, grads_plain), (y_exact, grads_exact) = got, plain, exact
+    assert grads.keys() == grads_plain.keys() == grads_exact.keys()
+    pairs = [("output", y, y_plain, y_exact)] + [(f"gradient of {n}", grads[n], grads_plain[n], grads_exact[n])
+                                                 for n in grads]
+    for what, value, value_plain, value_exact in pairs:
+        assert value is not None and value_plain is not None, f"{what}: no result"
+        err_plain = rel_error(value_plain.float(), value_exact)
+        tol = max(ACCURACY_FACTOR * err_plain, FLOOR[dtype])
+        assert_close(value, value_exact, tol, f"{what} (plain torch: {err_plain:.2e})")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_optimized_training_step_matches_torch_under_autocast(dtype, db, device="cuda"):
+    torch.manual_seed(0)
+    model = optimized_model(dtype, db, training=True, device=device)
+    twin = torch_twin(model)
+    directions = {(r["module"], r["direction"]) for r in convtune.explain(model)}
+    assert ("stem", "bwd_data") not in directions and ("head", "bwd_data") in directions
+    for _ in range(2):  # a second step: nothing tuned on the first is lost, nothing re-tuned differs
+        x = random_input(device)
+        dy = torch.randn(SHAPE[0], 16, SHAPE[2] * SHAPE[3] // 4, device=device)
+        got = training_step(model, x, dy, dtype)
+        assert got[0].dtype == dtype
+        assert_as_accurate(got, training_step(twin, x, dy, dtype), exact_step(twin, x, dy), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_optimized_model_replays_in_a_cuda_graph(dtype, db):
+    torch.manual_seed(1)
+    model = optimized_model(dtype, db, training=False)
+    twin = torch_twin(model)
+    static_x = random_input()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    # Warm-up on a side stream, as PyTorch's CUDA graph notes require; cache_enabled=False: autocast's
+    # cast cache must not hold tensors made during the capture.
+    with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad(), torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+        static_y = model(static_x)
+    for _ in range(2):  # two inputs: a replay that ignored its input would fail the second
+        x = random_input()
+        static_x.copy_(x)
+        graph.replay()
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+            eager, plain = model(x), twin(x)
+        with torch.no_grad():
+            exact = torch_twin(twin).double()(x.double())
+        assert_close(static_y, eager, SAME_ALGORITHMS_TOL[dtype], "graph replay against eager")
+        assert_as_accurate((static_y, {}), (plain, {}), (exact, {}), dtype)
+
+
+def test_optimized_training_step_replays_through_make_graphed_callables(db):
+    dtype = torch.float16
+    torch.manual_seed(2)
+    model = optimized_model(dtype, db, training=True)
+    eager = copy.deepcopy(model)  # make_graphed_callables replaces the module's forward in place
+    with torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(model, (random_input(),))
+    for _ in range(2):
+        x = random_input()
+        dy = torch.randn(SHAPE[0], 16, SHAPE[2] * SHAPE[3] // 4, device="cuda")
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype, cache_enabled=False):
+            y = graphed(x)
+        y.backward(dy)
+        got = y.detach(), {name: p.grad for name, p in model.named_parameters()}
+        reference = training_step(eager, x, dy, dtype)
+        assert_close(got[0], reference[0], SAME_ALGORITHMS_TOL[dtype], "graphed output against eager")
+        # Gradients: a backward algorithm may accumulate with atomics, so judge them by accuracy.
+        assert_as_accurate(got, reference, exact_step(eager, x, dy), dtype)
+
+
+def test_torch_compile_of_the_optimized_model_matches_eager(db, device="cuda"):
+    dtype = torch.float16
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    model = optimized_model(dtype, db, training=True, device=device)
+    twin = torch_twin(model)
+    compiled = torch.compile(model)  # default: Inductor; the tuned convolutions stay custom ops
+    for _ in range(2):
+        x = random_input(device)
+        dy = torch.randn(SHAPE[0], 16, SHAPE[2] * SHAPE[3] // 4, device=device)
+        got = training_step(compiled, x, dy, dtype, params=model)
+        # Inductor fuses the batch norm and the activations, which rounds differently: judged by accuracy.
+        exact = exact_step(twin, x, dy)
+        assert_as_accurate(got, training_step(model, x, dy, dtype), exact, dtype)
+        assert_as_accurate(got, training_step(twin, x, dy, dtype), exact, dtype)
