@@ -122,7 +122,10 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
     arguments; the model runs on them once (in its current train/eval mode; buffers and random
     generators are restored). Each nn.Conv1d/2d/3d that runs is tuned for the input it receives
     (its shape, dtype, device and memory layout: a channels_last input makes a channels_last
-    problem), the forward direction always, and with ``training=True`` bwd_filter (if the weight
+    problem; under ``torch.autocast`` the autocast dtype, so call ``optimize`` inside the same
+    autocast region the model will run under: a signature met first inside a CUDA-graph capture
+    or a compiled region is tuned there), the forward direction always, and with ``training=True``
+    bwd_filter (if the weight
     requires grad) and bwd_data (if the layer's input requires grad: not for a first layer fed
     plain inputs). policy, mode ('hybrid': the database else find; 'db_then_get': the database
     else the cost model, never measuring; 'find'; 'get') and db (a ``TuningDB``; None: the default
