@@ -14,6 +14,13 @@ def _isolated_cache(tmp_path, monkeypatch):
         yield
 
 
+@pytest.fixture
+def quick_timing():
+    """Timing cut to the bone, no progress bars: tests check what is chosen, not how fast."""
+    with settings.override(timing_budget_s=0.005, timing_min_repeats=1, timing_max_repeats=2, progress=False):
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

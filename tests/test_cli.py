@@ -5,7 +5,6 @@ import json
 import pytest
 
 from convtune.cli import main
-from convtune.settings import settings
 
 SMALL = ["--n", "2", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3", "--pad", "1", "--device", "cpu"]
 
@@ -17,9 +16,8 @@ def run(capsys, *argv):
 
 
 @pytest.fixture(autouse=True)
-def _quick_timing():
-    with settings.override(timing_budget_s=0.01, timing_min_repeats=1, timing_max_repeats=2, progress=False):
-        yield
+def _quick_timing(quick_timing):
+    yield
 
 
 def test_get_prints_a_ranking_and_json(capsys):

@@ -22,6 +22,7 @@ from fakes import Fake, WrongResult
 from rich.console import Console
 from torch.autograd.gradcheck import GradcheckError
 
+from twins import torch_twin
 import convtune
 import convtune.nn
 from convtune import ConvProblem, Policy, TuningDB, algorithms
@@ -37,9 +38,8 @@ TIGHT = dict(atol=1e-5, rtol=1e-4)  # float32 against PyTorch's float32: roundin
 
 
 @pytest.fixture(autouse=True)
-def _fast():
-    with settings.override(timing_budget_s=0.005, timing_min_repeats=1, timing_max_repeats=2, progress=False):
-        yield
+def _fast(quick_timing):
+    yield
 
 
 @pytest.fixture
@@ -58,15 +58,6 @@ def poisoned(monkeypatch):
 
     monkeypatch.setattr(ops, "_result_like", nan_filled)
 
-
-def torch_twin(module: torch.nn.Module) -> torch.nn.Module:
-    """A plain torch copy of a (convtune or torch) model, with equal parameters."""
-    twin = copy.deepcopy(module)
-    for m in twin.modules():
-        for cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
-            if isinstance(m, cls):
-                m.__class__ = cls
-    return twin
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -23,15 +23,13 @@ from convtune.algorithms.registry import get_algorithm, isolated
 from convtune.errors import NoAlgorithmError
 from convtune.plan import InfeasibleBudgetError, Plan, budget_curve, pareto_front, plan
 from convtune.ranking import usable
-from convtune.settings import settings
 
 MODES = ("shared", "divided")
 
 
 @pytest.fixture(autouse=True)
-def _fast():
-    with settings.override(timing_budget_s=0.005, timing_min_repeats=1, timing_max_repeats=2, progress=False):
-        yield
+def _fast(quick_timing):
+    yield
 
 
 def problem(i: int, direction: str = "fwd") -> ConvProblem:

@@ -17,7 +17,6 @@ from convtune.db import TuningDB
 from convtune.html_report import default_budgets, write_report
 from convtune.plan import plan
 from convtune.results import PerfResult
-from convtune.settings import settings
 
 LAYERS = {"layers": [
     {"c": 4, "k": 8, "spatial": [8, 8], "kernel": [3, 3], "padding": [1, 1], "count": 2},
@@ -34,9 +33,8 @@ MEASURED = [
 
 
 @pytest.fixture(autouse=True)
-def _quick_timing():
-    with settings.override(timing_budget_s=0.005, timing_min_repeats=1, timing_max_repeats=2, progress=False):
-        yield
+def _quick_timing(quick_timing):
+    yield
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import copy
 import pytest
 import torch
 
+from twins import torch_twin
 import convtune
 import convtune.nn
 from convtune import TuningDB
@@ -81,15 +82,6 @@ class SmallCNN(torch.nn.Module):
 
 CONVS = ("stem", "depthwise", "grouped", "pointwise", "seq", "head")
 
-
-def torch_twin(model: torch.nn.Module) -> torch.nn.Module:
-    """A plain torch copy of a (convtune or torch) model, with equal parameters."""
-    twin = copy.deepcopy(model)
-    for m in twin.modules():
-        for cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
-            if isinstance(m, cls):
-                m.__class__ = cls
-    return twin
 
 
 def random_input(device: str = "cuda") -> torch.Tensor:
