@@ -4,15 +4,20 @@ For each network (torchvision ResNet-50 and MobileNetV2, weights=None), batch, a
 (channels_last model and inputs) and execution style (eager; eager captured in a CUDA graph;
 torch.compile, default mode), three ways of running the convolutions, EACH IN ITS OWN PROCESS
 (PyTorch's cudnn.benchmark cache is per process):
-- convtune: ``convtune.optimize(model, x, training=True)`` with an empty tuning database (its wall
-  time is the cold tuning time), then again on the now warm database (the warm tuning time);
+- convtune: ``convtune.optimize(model, x, training=True)`` under autocast, on a tuning database that
+  the group's processes (one model, batch and dtype) share: the first convtune process of a group
+  finds it empty (its optimize time is the cold tuning time; a second optimize in the same process is
+  timed too), the later ones find it full (their optimize time, in a fresh process, is the warm one);
 - torch_bm0 / torch_bm1: plain PyTorch with ``torch.backends.cudnn.benchmark`` False / True (the first
-  inference call and the first training step, synchronized, are benchmark mode's tuning time).
+  inference call plus the first training step, synchronized, are benchmark mode's tuning time).
 Measured in each process: inference latency (eval mode, no_grad) and training-step time (forward,
 cross-entropy loss, backward, SGD with momentum; no gradient scaler: timing only). Time: median of
 7 timings of 10 steps between CUDA events, after warm-up. The graph style captures the whole step
 (PyTorch's "whole network capture", warm-up on a side stream); the compile style reports its
-first-call (compile) time. Each configuration's result is written as soon as it ends, and results
+first-call (compile) time; Inductor's on-disk cache is the machine's, shared by the processes of a run.
+In the eager style a profiled training step (torch.profiler, kernel time only) gives each conv
+layer's forward and backward GPU time and the time of everything else; convtune's runs are found by
+the profiler ranges its ops open ('convtune:<problem key> by <algorithm>'). Each configuration's result is written as soon as it ends, and results
 of earlier runs in the same file are kept (one configuration: one row), so a run cut short, or
 several 10-minute runs of parts, add up:
 
@@ -34,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -42,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import convtune  # noqa: E402
+from convtune.problem import ConvProblem  # noqa: E402
+from convtune.torch import ops  # noqa: E402
 
 MODELS, BATCHES, DTYPES = ("resnet50", "mobilenet_v2"), (32, 128), ("float16", "bfloat16")
 STYLES, MODES = ("eager", "graph", "compile"), ("convtune", "torch_bm0", "torch_bm1")
@@ -161,13 +169,17 @@ def run_config(cfg: dict) -> dict:
     timer = Timer(device, cfg["steps"], cfg["repeats"])
     out: dict = dict(status="ok")
     if cfg["mode"] == "convtune":
-        with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(os.path.join(tmp, "e2e.sqlite")) as db:
+        with convtune.TuningDB(cfg["db"]) as db:
+            out["db"] = "warm" if db.entries() else "cold"
             model.train()
-            for key in ("tune_cold_s", "tune_warm_s"):  # the second optimize finds every answer in the database
-                with autocast():
+            with autocast():
+                t0 = time.perf_counter()
+                convtune.optimize(model, x, training=True, db=db)
+                out["tune_s"] = time.perf_counter() - t0
+                if out["db"] == "cold":  # and again in this process: every answer is in the database now
                     t0 = time.perf_counter()
                     convtune.optimize(model, x, training=True, db=db)
-                    out[key] = time.perf_counter() - t0
+                    out["tune_again_s"] = time.perf_counter() - t0
             out["algorithms"] = sorted({r["algorithm"] or "torch (fallback)" for r in convtune.explain(model)})
     runner = torch.compile(model) if cfg["style"] == "compile" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -191,7 +203,59 @@ def run_config(cfg: dict) -> dict:
         out[workload] = timer(step)
         print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)",
               file=sys.stderr, flush=True)
+    if cfg["style"] == "eager" and device == "cuda" and cfg.get("profile", True):
+        out["profile"] = profile_step(train_step, cfg.get("profile_steps", 3))
     return out
+
+
+def _layer_of(x_shape, w_shape) -> str:
+    """A conv layer as the profile names it: its input (N, C, *spatial) and weight (K, C/g, *kernel) shapes."""
+    return f"x{'x'.join(map(str, x_shape))} w{'x'.join(map(str, w_shape))}"
+
+
+def _torch_conv(event) -> str | None:
+    """'fwd' / 'bwd' for PyTorch's own convolution ops not run inside a convtune algorithm, else None."""
+    direction = {"aten::convolution": "fwd", "aten::convolution_backward": "bwd"}.get(event.name)
+    parent = event.cpu_parent
+    while direction and parent is not None:
+        if parent.name.startswith(ops.LABEL_PREFIX) or parent.name in ("aten::convolution",
+                                                                       "aten::convolution_backward"):
+            return None
+        parent = parent.cpu_parent
+    return direction
+
+
+def profile_step(step, steps: int) -> dict:
+    """GPU kernel time per step: per conv layer (forward, backward) and in all, from torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    layers: dict = defaultdict(lambda: dict(fwd_ms=0.0, bwd_ms=0.0, algorithms=set()))
+    for e in events:
+        if e.name.startswith(ops.LABEL_PREFIX) and not e.name.startswith("convtune::"):
+            key, algorithm = e.name.removeprefix(ops.LABEL_PREFIX).split(ops.LABEL_SEP, 1)
+            p = ConvProblem.from_key(key)
+            row = layers[_layer_of(p.x_shape, p.w_shape)]
+            row["fwd_ms" if p.direction == "fwd" else "bwd_ms"] += e.device_time_total / 1e3 / steps
+            row["algorithms"].add(f"{p.direction}={algorithm}")
+        elif direction := _torch_conv(e):
+            shapes = e.input_shapes
+            x_shape, w_shape = (shapes[0], shapes[1]) if direction == "fwd" else (shapes[1], shapes[2])
+            row = layers[_layer_of(x_shape, w_shape)]
+            row[f"{direction}_ms"] += e.device_time_total / 1e3 / steps
+            row["algorithms"].add(f"{direction}=torch")
+    # Every kernel the step ran; attributed_gpu_ms: those the profiler tied to a CPU op (should be the same).
+    total_ms = sum(e.time_range.elapsed_us() for e in events if e.device_type != DeviceType.CPU) / 1e3 / steps
+    attributed_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    conv_ms = sum(r["fwd_ms"] + r["bwd_ms"] for r in layers.values())
+    return dict(total_gpu_ms=total_ms, attributed_gpu_ms=attributed_ms, conv_ms=conv_ms, other_ms=total_ms - conv_ms,
+                layers={k: dict(v, algorithms=sorted(v["algorithms"])) for k, v in sorted(layers.items())})
 
 
 def config_id(cfg: dict) -> str:
@@ -225,12 +289,10 @@ def markdown(env: dict, rows: dict) -> str:
             "median of 7 timings of 10 steps (ms per step); each row its own process.\n\n" + ANCHORS + "\n")
     table = []
     for cid, row in rows.items():
-        first = row.get("training_first_s")
-        tuning = (f"{row['tune_cold_s']:.1f} / {row['tune_warm_s']:.2f}" if "tune_cold_s" in row
-                  else (f"first step {first:.2f}" if first is not None else "-"))
-        table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning, row["status"]])
-    out = head + "## Every configuration\n\nTuning: convtune's optimize cold / warm database (s); torch: the " \
-        "first training step (s, after the first inference call; under compile it includes compiling).\n\n"
+        table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"]])
+    out = head + "## Every configuration\n\nTuning (s): convtune's `optimize` on a cold database (then again in " \
+        "the same process) or, in a fresh process, on the warm one; torch: its first inference call plus its " \
+        "first training step (benchmark mode tunes there; under compile they include compiling).\n\n"
     out += common.md_table(["model", "batch", "dtype", "style", "mode", "inference ms", "training ms", "tuning s",
                             "status"], table)
     groups = sorted({cid.rsplit(":", 1)[0] for cid in rows})
@@ -246,7 +308,41 @@ def markdown(env: dict, rows: dict) -> str:
     out += "\n## convtune's speed-up (torch time / convtune time; above 1: convtune faster)\n\n"
     out += common.md_table(["model", "batch", "dtype", "style", "inference vs bm0", "inference vs bm1",
                             "training vs bm0", "training vs bm1"], ratios)
+    for g in groups:
+        ct_row, bm1 = rows.get(f"{g}:convtune"), rows.get(f"{g}:torch_bm1")
+        if ct_row and bm1 and "profile" in ct_row and "profile" in bm1:
+            out += f"\n## Where the training step's GPU time goes: {g}\n\n" + profile_table(bm1["profile"],
+                                                                                            ct_row["profile"])
     return out
+
+
+def tuning_cell(row: dict) -> str:
+    if "tune_s" in row:
+        again = f" (again {row['tune_again_s']:.2f})" if "tune_again_s" in row else ""
+        return f"{row['db']} {row['tune_s']:.2f}{again}"
+    firsts = [row.get(f"{w}_first_s") for w in ("inference", "training")]
+    return f"{sum(firsts):.2f}" if None not in firsts else "-"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "-"
+
+
+def profile_table(torch_profile: dict, ct_profile: dict) -> str:
+    """Per conv layer (summed over the layers of one shape) and in all: PyTorch benchmark=True against convtune."""
+    lines = []
+    for layer in sorted(set(torch_profile["layers"]) | set(ct_profile["layers"])):
+        t, c = torch_profile["layers"].get(layer), ct_profile["layers"].get(layer)
+        cells = [f"{r[k]:.3f}" if r else "-" for k in ("fwd_ms", "bwd_ms") for r in (t, c)]
+        ratio = _ratio(c["fwd_ms"] + c["bwd_ms"], t["fwd_ms"] + t["bwd_ms"]) if t and c else "-"
+        lines.append([layer, *cells, ratio, "; ".join(c["algorithms"]) if c else "-"])
+    for what in ("conv_ms", "other_ms", "total_gpu_ms"):
+        t, c = torch_profile[what], ct_profile[what]
+        lines.append([f"**{what.removesuffix('_ms')}**", "", "", "", "", f"{_ratio(c, t)} ({t:.3f} -> {c:.3f} ms)", ""])
+    return ("GPU kernel time per training step (ms), torch.profiler; a layer row sums the layers of that input and "
+            "weight shape; ratio = convtune / torch.\n\n" + common.md_table(
+                ["layer", "fwd torch bm1", "fwd convtune", "bwd torch bm1", "bwd convtune", "ratio",
+                 "convtune's algorithms"], lines))
 
 
 def main() -> None:
@@ -262,6 +358,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--config-timeout", type=float, default=540.0, help="seconds one configuration may take")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled training step (eager style)")
+    parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
+                        "temporary folder, so each run tunes cold first)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="e2e")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -281,15 +380,19 @@ def main() -> None:
     payload = json.loads(json_path.read_text()) if json_path.exists() else {}
     payload["environment"] = env
     rows = payload.setdefault("configs", {})
-    for model, batch, dtype, style, mode in itertools.product(models, args.batches, args.dtypes, args.styles,
-                                                              args.modes):
-        cfg = dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device, tiny=args.tiny,
-                   steps=args.steps, repeats=args.repeats)
-        print(f"{config_id(cfg)}", file=sys.stderr, flush=True)
-        row = in_subprocess(cfg, args.config_timeout)
-        row["date"] = env["date"]
-        rows[config_id(cfg)] = row
-        common.write(args.name, payload, markdown(env, rows), out_dir)  # after each: a cut run keeps what it did
+    with tempfile.TemporaryDirectory() as tmp:
+        db_dir = Path(args.db_dir or tmp)
+        db_dir.mkdir(parents=True, exist_ok=True)
+        for model, batch, dtype, style, mode in itertools.product(models, args.batches, args.dtypes, args.styles,
+                                                                  args.modes):
+            cfg = dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device,
+                       tiny=args.tiny, steps=args.steps, repeats=args.repeats, profile=not args.no_profile,
+                       db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite"))
+            print(f"{config_id(cfg)}", file=sys.stderr, flush=True)
+            row = in_subprocess(cfg, args.config_timeout)
+            row["date"] = env["date"]
+            rows[config_id(cfg)] = row
+            common.write(args.name, payload, markdown(env, rows), out_dir)  # after each: a cut run keeps what it did
     print(markdown(env, rows))
 
 

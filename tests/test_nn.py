@@ -282,6 +282,20 @@ def test_optimize_for_inference_tunes_the_forward_only_and_matches_torch():
     assert "depthwise" in text.getvalue() and "fwd" in text.getvalue()
 
 
+def test_profiler_ranges_name_each_runs_problem_and_algorithm():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 2, 1))
+    x = torch.randn(2, 3, 6, 6)
+    convtune.optimize(model, x, training=True, mode="get")
+    chosen = {r["problem"]: r["algorithm"] for r in convtune.explain(model)}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+    ranges = [e.name.removeprefix(ops.LABEL_PREFIX).split(ops.LABEL_SEP) for e in prof.events()
+              if e.name.startswith(ops.LABEL_PREFIX) and not e.name.startswith("convtune::")]
+    assert sorted(key for key, _ in ranges) == sorted(chosen)  # each tuned direction ran once, labelled
+    assert all(chosen[key] == algorithm for key, algorithm in ranges)
+    model(x)  # no profiler: no range, nothing breaks
+
+
 def test_state_dict_loads_into_the_plain_torch_model_and_back():
     torch.manual_seed(0)
     model = convtune.optimize(SmallCNN(), torch.randn(1, 3, 8, 8), mode="get")

@@ -31,6 +31,9 @@ from convtune.problem import ConvProblem, empty_in_layout, to_layout
 from convtune.torch import workspace
 
 
+LABEL_PREFIX, LABEL_SEP = "convtune:", " by "  # profiler ranges: 'convtune:<problem key> by <algorithm>'
+
+
 @functools.lru_cache(maxsize=4096)
 def problem_of(key: str) -> ConvProblem:
     """The problem of ``key`` (parsed once: ops are called with the same keys over and over)."""
@@ -59,7 +62,11 @@ def compute(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch
     device_guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
     # The algorithm computes in the problem's dtype: an autocast region around the model must not
     # recast the matmuls inside it.
-    with device_guard, torch.autocast(a.device.type, enabled=False):
+    # Under the profiler each run is a range named after its problem and algorithm, so a trace tells
+    # which layer ran what (bench/e2e.py reads them); without the profiler, no range is opened.
+    label = (torch.profiler.record_function(f"{LABEL_PREFIX}{key}{LABEL_SEP}{algorithm}")
+             if getattr(torch.autograd.profiler, "_is_profiler_enabled", True) else contextlib.nullcontext())
+    with device_guard, label, torch.autocast(a.device.type, enabled=False):
         algo.run(problem, a, b, workspace=workspace.get(algo.workspace_bytes(problem), a.device), out=out)
     return out
 
