@@ -354,8 +354,17 @@ def empty_in_layout(shape: tuple[int, ...], layout: str, dtype: torch.dtype, dev
     return stored.permute(inverse)
 
 
+_MEMORY_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def is_in_layout(tensor: torch.Tensor, layout: str) -> bool:
     """Whether ``tensor`` is dense in ``layout``'s memory order (size-1 strides do not matter)."""
+    # PyTorch's own flags answer the same question (ignoring size-1 dimensions) without a permuted view.
+    if layout == "channels_first":
+        return tensor.is_contiguous()
+    memory_format = _MEMORY_FORMATS.get(tensor.dim())
+    if memory_format is not None:
+        return tensor.is_contiguous(memory_format=memory_format)
     return tensor.permute(layout_order(tensor.dim(), layout)).is_contiguous()
 
 

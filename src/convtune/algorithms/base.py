@@ -81,7 +81,7 @@ def matmul_tf32(device: str, allowed: bool) -> Iterator[None]:
     PyTorch's switch is global, so every algorithm that promises (or forbids) TF32 in its notes
     sets it around its GEMMs and restores it after. A no-op on the CPU.
     """
-    if device != "cuda":
+    if device != "cuda" or torch.backends.cuda.matmul.allow_tf32 == allowed:
         yield
         return
     saved = torch.backends.cuda.matmul.allow_tf32
@@ -221,6 +221,17 @@ class Algorithm(abc.ABC):
         elif workspace.device.type != problem.device:
             raise ValueError(f"workspace is on {workspace.device} but the problem is on {problem.device}")
         self._run(problem, a, b, out, carve(workspace, buffers))
+        return out
+
+    def execute(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                ws: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The run itself, nothing checked, for callers that checked the operands once (the custom ops).
+
+        Writes the result into ``out`` and returns it; an algorithm whose library allocates its own
+        result (torch:native) may return that instead, dense in the problem's layout, and leave ``out``
+        alone. ``run`` always writes into ``out``.
+        """
+        self._run(problem, a, b, out, ws)
         return out
 
 

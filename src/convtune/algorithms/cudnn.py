@@ -22,6 +22,7 @@ import torch
 
 import cudnn  # noqa: I001 - an ImportError here leaves the backend out (registry.OPTIONAL_MODULES)
 
+from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
 from .base import Algorithm, Backend, Buffer, NumericNotes, Support, unsupported
 from .registry import register
@@ -114,9 +115,10 @@ class ProblemGraph:
 
     def execute(self, index: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor) -> None:
         self.build(index)
-        handle = _handle(a.device.index if a.device.index is not None else torch.cuda.current_device())
+        device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        handle = _handle(device_index)
         # The handle follows PyTorch's current stream, so CUDA-graph capture records this launch.
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+        cudnn.set_stream(handle=handle, stream=current_stream_handle(device_index))
         ta, tb, tout = self.operands
         p = self.problem
         pack = {ta: _view(p, a).data_ptr(), tb: _view(p, b).data_ptr(), tout: _view(p, out).data_ptr()}

@@ -6,9 +6,11 @@ declared workspace is zero and its numeric notes say that the scratch is not con
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from ..problem import ConvProblem, empty_in_layout
+from ..problem import ConvProblem, empty_in_layout, to_layout
 from .base import Algorithm, NumericNotes
 from .registry import register
 
@@ -21,9 +23,11 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
     nd = problem.ndim
     args = dict(stride=list(problem.stride), padding=list(problem.padding), dilation=list(problem.dilation),
                 transposed=False, output_padding=[0] * nd, groups=problem.groups)
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=problem.allow_tf32,
-                                    benchmark=torch.backends.cudnn.benchmark,
-                                    deterministic=torch.backends.cudnn.deterministic):
+    cudnn = torch.backends.cudnn
+    as_set = cudnn.enabled and cudnn.allow_tf32 == problem.allow_tf32  # the usual case: no switching per call
+    flags = contextlib.nullcontext() if as_set else cudnn.flags(
+        enabled=True, allow_tf32=problem.allow_tf32, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic)
+    with flags:
         if problem.direction == "fwd":
             return torch.ops.aten.convolution(a, b, None, **args)
         if problem.direction == "bwd_data":
@@ -52,6 +56,10 @@ class Native(Algorithm):
 
     def _run(self, problem, a, b, out, ws) -> None:
         out.copy_(native_conv(problem, a, b))
+
+    def execute(self, problem, a, b, out, ws):
+        # PyTorch allocates the result itself: hand that over rather than copy it into ``out``.
+        return to_layout(native_conv(problem, a, b), problem.layout)
 
 
 register(Native())

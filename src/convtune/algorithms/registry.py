@@ -33,6 +33,17 @@ OPTIONAL_MODULES = ("convtune.algorithms.cudnn",)
 _registry: dict[str, Algorithm] = {}
 _backends: dict[str, Backend] = {}
 _builtins_loaded = False
+_generation = 0  # bumped by every change, so caches of looked-up algorithms know when they are stale
+
+
+def generation() -> int:
+    """A number that changes whenever the registry's content does (register, unregister, isolated)."""
+    return _generation
+
+
+def _changed() -> None:
+    global _generation
+    _generation += 1
 
 
 def register(item: Algorithm | Backend) -> Algorithm | Backend:
@@ -44,6 +55,7 @@ def register(item: Algorithm | Backend) -> Algorithm | Backend:
         if not item.prefix or item.prefix in _backends:
             raise ValueError(f"a backend with prefix {item.prefix!r} is already registered (or the prefix is empty)")
         _backends[item.prefix] = item
+        _changed()
         return item
     if not isinstance(item, Algorithm):
         raise TypeError(f"register() takes an Algorithm or a Backend instance, got {type(item).__name__}")
@@ -52,6 +64,7 @@ def register(item: Algorithm | Backend) -> Algorithm | Backend:
     if item.backend in _backends:
         raise ValueError(f"the prefix {item.backend!r} of {item.name!r} belongs to a registered backend")
     _registry[item.name] = item
+    _changed()
     return item
 
 
@@ -64,6 +77,7 @@ def unregister(name: str) -> None:
         del _registry[name]
     else:
         raise KeyError(f"no algorithm or backend named {name!r} is registered")
+    _changed()
 
 
 def _ensure_builtins() -> None:
@@ -137,9 +151,11 @@ def isolated(*extra: Algorithm, builtins: bool = True) -> Iterator[None]:
     saved = _registry, _backends
     _registry = dict(saved[0]) if builtins else {}
     _backends = dict(saved[1]) if builtins else {}
+    _changed()
     try:
         for algorithm in extra:
             register(algorithm)
         yield
     finally:
         _registry, _backends = saved
+        _changed()

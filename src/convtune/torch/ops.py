@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
-from convtune.algorithms.registry import get_algorithm
+from convtune.algorithms.base import OPERAND_NAMES, Algorithm, Buffer, buffers_bytes, carve, check_tensor
+from convtune.algorithms.registry import generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout, to_layout
 from convtune.torch import workspace
 
@@ -46,29 +48,71 @@ def key_for(key: str, direction: str) -> str:
     return problem_of(key).with_direction(direction).key
 
 
-def _result_like(problem: ConvProblem, a: torch.Tensor) -> torch.Tensor:
-    # On a's device (cuda:1, say), not the problem's device type alone.
-    return empty_in_layout(problem.operand_shapes[2], problem.layout, a.dtype, a.device)
+class _Runner(NamedTuple):
+    """What running one algorithm on one problem takes, looked up once (ops run every step)."""
+
+    problem: ConvProblem
+    algorithm: Algorithm
+    operands: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (shape, dense strides) of a and b
+    workspace_bytes: int
+    buffers: tuple[Buffer, ...]
+
+    def fits(self, t: torch.Tensor, index: int) -> bool:
+        """The quick check of an operand: shape, dtype, device and strides as expected."""
+        shape, stride = self.operands[index]
+        return (t.shape == shape and t.dtype == self.problem.torch_dtype and t.device.type == self.problem.device
+                and t.stride() == stride)
 
 
-def compute(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
-    """Run ``algorithm`` on the problem ``key`` with operands (a, b); a new result tensor."""
+@functools.lru_cache(maxsize=4096)
+def _runner(key: str, algorithm: str, generation: int) -> _Runner:
+    # generation: the registry's, so a re-registered name is looked up again.
     problem = problem_of(key)
     if not algorithm:
         raise ValueError(f"no algorithm was chosen for {key}; tune the layer (convtune.optimize) "
                          f"or name one of convtune.algorithms(problem)")
     algo = get_algorithm(algorithm, problem)
+    support = algo.supports(problem)
+    if not support:
+        raise ValueError(f"{algorithm} does not support {key}: {support.reason}")
+    operands = tuple((shape, empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta").stride())
+                     for shape in problem.operand_shapes[:2])
+    buffers = tuple(algo.buffers(problem))
+    return _Runner(problem, algo, operands, buffers_bytes(buffers), buffers)
+
+
+@functools.lru_cache(maxsize=4096)
+def _result_spec(problem: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) of the problem's result, dense in its layout."""
+    shape = problem.operand_shapes[2]
+    return shape, empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta").stride()
+
+
+def _result_like(problem: ConvProblem, a: torch.Tensor) -> torch.Tensor:
+    # On a's device (cuda:1, say), not the problem's device type alone.
+    return torch.empty_strided(*_result_spec(problem), dtype=a.dtype, device=a.device)
+
+
+def compute(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
+    """Run ``algorithm`` on the problem ``key`` with operands (a, b); a new result tensor."""
+    r = _runner(key, algorithm, generation())
+    problem = r.problem
+    if not (r.fits(a, 0) and r.fits(b, 1)):  # the full check, with its error, only when the quick one fails
+        for name, t, (shape, _) in zip(OPERAND_NAMES[problem.direction], (a, b), r.operands):
+            check_tensor(problem, name, t, shape)
     out = _result_like(problem, a)
-    device_guard = torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext()
     # The algorithm computes in the problem's dtype: an autocast region around the model must not
-    # recast the matmuls inside it.
-    # Under the profiler each run is a range named after its problem and algorithm, so a trace tells
-    # which layer ran what (bench/e2e.py reads them); without the profiler, no range is opened.
-    label = (torch.profiler.record_function(f"{LABEL_PREFIX}{key}{LABEL_SEP}{algorithm}")
-             if getattr(torch.autograd.profiler, "_is_profiler_enabled", True) else contextlib.nullcontext())
-    with device_guard, label, torch.autocast(a.device.type, enabled=False):
-        algo.run(problem, a, b, workspace=workspace.get(algo.workspace_bytes(problem), a.device), out=out)
-    return out
+    # recast the matmuls inside it. Under the profiler each run is a range named after its problem
+    # and algorithm, so a trace tells which layer ran what (bench/e2e.py reads them).
+    with contextlib.ExitStack() as scope:
+        if a.device.type == "cuda" and a.device.index != torch.cuda.current_device():
+            scope.enter_context(torch.cuda.device(a.device))
+        if torch.is_autocast_enabled(a.device.type):
+            scope.enter_context(torch.autocast(a.device.type, enabled=False))
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+            scope.enter_context(torch.profiler.record_function(f"{LABEL_PREFIX}{key}{LABEL_SEP}{algorithm}"))
+        ws = workspace.get(r.workspace_bytes, a.device)
+        return r.algorithm.execute(problem, a, b, out, carve(ws, r.buffers))
 
 
 @torch.library.custom_op("convtune::run", mutates_args=())

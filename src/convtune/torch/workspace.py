@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from convtune.hardware import current_stream_handle
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -53,7 +55,7 @@ def _capturing(device: torch.device) -> bool:
 def _slot(device: torch.device) -> tuple:
     """Who may use one buffer: a CUDA stream, or a CPU thread."""
     if device.type == "cuda":
-        return "cuda", device.index, torch.cuda.current_stream(device).cuda_stream
+        return "cuda", device.index, current_stream_handle(device.index)
     return device.type, threading.get_ident()
 
 

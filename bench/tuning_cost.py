@@ -1,0 +1,178 @@
+"""Where a cold find's time goes, and what one convtune op costs the host.
+
+Part 1, tuning: for the first layers of a network in every training direction, in the order a
+cold find meets them: making the problem's cuDNN graph (the heuristics query), building each of
+its plans (the slowest named), the float64 reference, then ``find`` itself (empty database; its
+plans are built by then, so what remains is verification and timing). Plans are built one after
+another, or by a pool of threads on every second problem (``--threads``), to see whether
+building them concurrently pays.
+
+Part 2, host cost: microseconds per call, on a layer small enough that the GPU waits on the host,
+of ``F.conv2d`` and of convtune's op path (``ops.compute``, ``torch.ops.convtune.run``, and
+``torch.ops.convtune.conv`` with autograd) for each algorithm kind, and of an ``nn.Conv2d`` before and
+after ``optimize`` (forward; forward and backward).
+
+    python bench/tuning_cost.py --network resnet50 --batch 128 --dtype float16 --layers 6
+
+writes bench/results/tuning_cost.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import convtune as ct  # noqa: E402
+from convtune import zoo  # noqa: E402
+from convtune.torch import ops  # noqa: E402
+from convtune.verify import reference_case  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _seconds(fn) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def build_times(graph, threads: int) -> tuple[float, dict[str, float]]:
+    """Wall seconds to build every plan of ``graph``, and each plan's own seconds (inf: did not build)."""
+    def one(index: int) -> tuple[str, float]:
+        t0 = time.perf_counter()
+        try:
+            graph.build(index)
+        except RuntimeError:
+            return graph.names[index], float("inf")
+        return graph.names[index], time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    if threads > 1:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            each = dict(pool.map(one, range(len(graph.names))))
+    else:
+        each = dict(map(one, range(len(graph.names))))
+    return time.perf_counter() - t0, each
+
+
+def tuning_rows(problems, threads: int) -> list[dict]:
+    """Per problem, in the order a cold find meets them: graph, plan builds, reference, then find itself."""
+    try:
+        from convtune.algorithms.cudnn import BACKEND
+    except ImportError:  # no cuDNN frontend (a CPU check of this script): finds only
+        BACKEND = None
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "cost.sqlite")) as db:
+        for i, p in enumerate(problems):
+            pool = threads if i % 2 else 1
+            t0 = time.perf_counter()
+            graph = BACKEND.graph(p) if BACKEND and p.device == "cuda" else None  # find then uses these plans
+            graph_s = time.perf_counter() - t0
+            build_s, each = build_times(graph, pool) if graph else (0.0, {})
+            built = {n: s for n, s in each.items() if s != float("inf")}
+            reference_s = _seconds(lambda: reference_case(p, None))
+            find_s = _seconds(lambda: ct.find(p, db=db))  # plans built: verification, reference and timing
+            results = db.results(p)
+            slowest = sorted(built.items(), key=lambda kv: -kv[1])[:3]
+            rows.append(dict(problem=p.key, graph_s=graph_s, plans=len(each), built=len(built), build_threads=pool,
+                             build_s=build_s, build_sum_s=sum(built.values()),
+                             slowest=[(n, round(s, 4)) for n, s in slowest], reference_s=reference_s, find_s=find_s,
+                             timed=sum(1 for r in results if r.time_ms is not None),
+                             pick=min((r for r in results if r.ok), key=lambda r: r.time_ms).algorithm))
+            print(f"{p.key}: graph {graph_s:.3f} s, {len(built)}/{len(each)} plans built in {build_s:.3f} s "
+                  f"({pool} thread(s)), reference {reference_s:.3f} s, find after that {find_s:.3f} s",
+                  file=sys.stderr)
+    return rows
+
+
+def _per_call_us(fn, calls: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync()
+    return 1e6 * (time.perf_counter() - t0) / calls
+
+
+def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
+    p = ct.ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype=dtype, layout="NHWC",
+                       device=device)
+    x, w = p.random_inputs()
+    xg = x.clone().requires_grad_()
+    rows = [("F.conv2d", _per_call_us(lambda: torch.nn.functional.conv2d(x, w)))]
+    cudnn_names = [a.name for a in ct.algorithms(p) if a.name.startswith("cudnn:")]
+    for name in ["gemm:1x1", "torch:native"] + cudnn_names[:1]:
+        rows += [(f"ops.compute {name}", _per_call_us(lambda: ops.compute(x, w, p.key, name))),
+                 (f"torch.ops.convtune.run {name}", _per_call_us(lambda: torch.ops.convtune.run(x, w, p.key, name))),
+                 (f"torch.ops.convtune.conv {name}, x needs grad",
+                  _per_call_us(lambda: torch.ops.convtune.conv(xg, w, p.key, name, "", "")))]
+    conv = torch.nn.Conv2d(8, 8, 1, bias=False).to(device, p.torch_dtype).to(memory_format=torch.channels_last)
+    rows += [("nn.Conv2d forward", _per_call_us(lambda: conv(x))),
+             ("nn.Conv2d forward+backward", _per_call_us(lambda: conv(xg).sum().backward()))]
+    with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "host.sqlite")) as db:
+        ct.optimize(conv, xg, training=True, db=db)
+    chosen = ", ".join(f"{r['direction']}={r['algorithm']}" for r in ct.explain(conv))
+    rows += [(f"optimized forward ({chosen})", _per_call_us(lambda: conv(x))),
+             ("optimized forward+backward", _per_call_us(lambda: conv(xg).sum().backward()))]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--network", default="resnet50")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--layout", default="NHWC")
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
+    parser.add_argument("--layers", type=int, default=6, help="the first N layers, each in three directions")
+    parser.add_argument("--threads", type=int, default=8, help="plan-building threads on every second problem")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default="tuning_cost")
+    args = parser.parse_args()
+    problems = [layer.problem.with_direction(d)
+                for layer in zoo.network_layers(args.network, args.batch, dtype=args.dtype, layout=args.layout,
+                                                device=args.device)[: args.layers]
+                for d in ("fwd", "bwd_data", "bwd_filter")]
+    host = host_rows(args.device, args.dtype)
+    rows = tuning_rows(problems, args.threads)
+    env = common.environment()
+    by_threads = {t: [r for r in rows if r["build_threads"] == t] for t in sorted({r["build_threads"] for r in rows})}
+    per_plan = {t: statistics.mean(r["build_s"] / max(r["plans"], 1) for r in rs) for t, rs in by_threads.items()}
+    per_plan = {t: s for t, s in per_plan.items() if s}
+    payload = dict(environment=env, config=vars(args), tuning=rows, host_us=host, build_s_per_plan=per_plan)
+    text = (f"# Where tuning and running go\n\n{env['date']}, {env.get('gpu')}, torch {env['torch']}, cuDNN "
+            f"{env.get('cudnn')}, convtune {env['convtune']}. {args.network} b{args.batch} {args.dtype} "
+            f"{args.layout}, the first {args.layers} layers in three directions.\n\n## Cold find, per problem (s)\n\n")
+    text += common.md_table(
+        ["problem", "graph", "plans built", "build (threads)", "sum of builds", "slowest plan", "reference", "find",
+         "timed"],
+        [[r["problem"], f"{r['graph_s']:.3f}", f"{r['built']}/{r['plans']}", f"{r['build_s']:.3f} ({r['build_threads']})",
+          f"{r['build_sum_s']:.3f}", f"{r['slowest'][0][0]} {r['slowest'][0][1]:.3f}" if r["slowest"] else "-",
+          f"{r['reference_s']:.3f}", f"{r['find_s']:.3f}", r["timed"]] for r in rows])
+    text += "\nBuild wall seconds per plan, by threads: " + ", ".join(f"{t}: {s:.4f}" for t, s in per_plan.items())
+    text += "\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, float16 channels_last: the GPU waits)\n\n"
+    text += common.md_table(["call", "us"], [[name, f"{us:.1f}"] for name, us in host])
+    common.write(args.name, payload, text, args.out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
