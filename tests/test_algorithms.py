@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, assume, given, settings as hsettings, strate
 import convtune as ct
 from convtune.algorithms import registry
 from convtune.algorithms.base import Algorithm, allocate_workspace
-from convtune.verify import peak_allocated_bytes, reference, rel_error, tolerance
+from convtune.algorithms.native import native_conv
+from convtune.verify import lowered_reference, peak_allocated_bytes, reference, rel_error, tolerance
 
 
 def slack_bytes(problem):
@@ -146,3 +147,23 @@ def test_run_refuses_an_unsupported_problem_with_the_reason():
     with registry.isolated(Doubling()):
         with pytest.raises(ValueError, match="does not support"):
             ct.get_algorithm("test:doubling").run(p.with_direction("bwd_data"), *p.with_direction("bwd_data").random_inputs())
+
+
+@given(small_problems(), st.integers(0, 2**16), st.sampled_from([None, 1]))
+@hsettings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_lowered_reference_equals_pytorchs_float64_convolution(problem, seed, chunk_bytes):
+    # The CUDA reference path, checked here on the CPU against PyTorch's own float64 convolution;
+    # chunk_bytes=1: one sample at a time, so the sub-batch split is covered too.
+    assume(problem.ndim <= 2)
+    a, b = (t.double() for t in problem.random_inputs(seed))
+    want = native_conv(problem, a, b)
+    kwargs = {} if chunk_bytes is None else dict(chunk_bytes=chunk_bytes)
+    got = lowered_reference(problem, a, b, **kwargs)
+    assert got.shape == want.shape and got.dtype == torch.float64
+    assert rel_error(got, want) < 1e-12, problem.key
+
+
+def test_the_lowered_reference_refuses_3d_problems():
+    p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(3, 3, 3), kernel_size=1)
+    with pytest.raises(ValueError, match="1-D and 2-D"):
+        lowered_reference(p, *p.random_inputs())

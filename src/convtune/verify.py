@@ -32,14 +32,72 @@ TOLERANCES = {"float32": 1e-4, "tf32": 5e-3, "float16": 2e-3, "bfloat16": 1.6e-2
 REDUCED_PRECISION_FACTOR = 4.0
 
 
+# Bytes of float64 columns the lowered reference unfolds at once (a sub-batch at a time).
+LOWERED_CHUNK_BYTES = 1 << 30
+
+
 def reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The exact-as-possible result of ``problem`` on (a, b): float64, on the operands' device.
 
-    On CUDA the float64 path is a trusted one (no TF32, no reduced precision) and fast enough on
-    data-centre GPUs; on the CPU it is PyTorch's own float64 convolution.
+    1-D and 2-D problems on CUDA: ``lowered_reference``, PyTorch's unfold/fold and float64 matrix
+    products (cuDNN's float64 convolutions take 0.2-1 s per ResNet-50 layer at batch 128; this
+    path takes milliseconds: bench/results/tuning_cost.md). Otherwise PyTorch's own float64
+    convolution (no TF32, no reduced precision).
     """
+    a, b = a.detach().double(), b.detach().double()
+    if a.is_cuda and problem.ndim <= 2:
+        return lowered_reference(problem, a, b)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False, benchmark=False, deterministic=True):
-        return native_conv(problem, a.detach().double(), b.detach().double())
+        return native_conv(problem, a, b)
+
+
+def lowered_reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
+                      chunk_bytes: int = LOWERED_CHUNK_BYTES) -> torch.Tensor:
+    """``problem`` (1-D or 2-D) on (a, b) as PyTorch's ``unfold``/``fold`` and batched matrix products.
+
+    Computes in the operands' dtype (float64 for a reference; no TF32 applies to it), over
+    sub-batches whose unfolded columns fit ``chunk_bytes``. Its own few lines, sharing nothing
+    with convtune's algorithms, so it checks them independently.
+
+        >>> p = ConvProblem("bwd_data", n=2, c=4, k=6, input_size=(7, 5), kernel_size=3, padding=1, groups=2)
+        >>> dy, w = p.random_inputs()
+        >>> dx = lowered_reference(p, dy.double(), w.double())
+        >>> rel_error(dx, native_conv(p, dy.double(), w.double())) < 1e-12
+        True
+    """
+    if problem.ndim > 2:
+        raise ValueError(f"lowered_reference computes 1-D and 2-D problems, not {problem.ndim}-D ({problem.key})")
+    lift = problem.ndim == 1  # as 2-D of height 1
+
+    def two_d(values: tuple[int, ...], fill: int) -> tuple[int, ...]:
+        return (fill, *values) if lift else values
+
+    geometry = dict(kernel_size=two_d(problem.kernel_size, 1), dilation=two_d(problem.dilation, 1),
+                    padding=two_d(problem.padding, 0), stride=two_d(problem.stride, 1))
+    g, n, positions = problem.groups, problem.n, math.prod(problem.output_size)
+    kg, taps = problem.k // g, problem.c // g * math.prod(problem.kernel_size)
+
+    def columns(x: torch.Tensor) -> torch.Tensor:  # (n', g, C/g·R·S, P·Q)
+        x = x.unsqueeze(2) if lift else x
+        return torch.nn.functional.unfold(x, **geometry).view(x.shape[0], g, taps, positions)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # an output-shaped (n', K, *out) tensor as (n', g, K/g, P·Q)
+        return t.reshape(t.shape[0], g, kg, positions)
+
+    step = max(1, min(n, chunk_bytes // max(1, problem.c * math.prod(problem.kernel_size) * positions * 8)))
+    batches = [slice(i, i + step) for i in range(0, n, step)]
+    if problem.direction == "fwd":
+        w = b.reshape(g, kg, taps)
+        y = torch.cat([torch.matmul(w, columns(a[s])) for s in batches])
+        return y.view(problem.y_shape)
+    if problem.direction == "bwd_data":
+        wt = b.reshape(g, kg, taps).transpose(1, 2)
+        size = two_d(problem.input_size, 1)
+        dx = torch.cat([torch.nn.functional.fold(torch.matmul(wt, rows(a[s])).reshape(a[s].shape[0], -1, positions),
+                                                 output_size=size, **geometry) for s in batches])
+        return dx.view(problem.x_shape)
+    dw = sum(torch.einsum("ngkl,ngcl->gkc", rows(b[s]), columns(a[s])) for s in batches)
+    return dw.reshape(problem.w_shape)
 
 
 def rel_error(result: torch.Tensor, ref: torch.Tensor) -> float:
