@@ -285,15 +285,17 @@ def test_optimize_for_inference_tunes_the_forward_only_and_matches_torch():
 def test_profiler_ranges_name_each_runs_problem_and_algorithm():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 2, 1))
     x = torch.randn(2, 3, 6, 6)
-    convtune.optimize(model, x, training=True, mode="get")
-    chosen = {r["problem"]: r["algorithm"] for r in convtune.explain(model)}
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        model(x).sum().backward()
+    with isolated(convtune.get_algorithm("gemm:im2col"), builtins=False):  # not torch:native, which torch runs
+        convtune.optimize(model, x, training=True, mode="get")
+        chosen = {r["problem"]: r["algorithm"] for r in convtune.explain(model)}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(x).sum().backward()
     ranges = [e.name.removeprefix(ops.LABEL_PREFIX).split(ops.LABEL_SEP) for e in prof.events()
               if e.name.startswith(ops.LABEL_PREFIX) and not e.name.startswith("convtune::")]
     assert sorted(key for key, _ in ranges) == sorted(chosen)  # each tuned direction ran once, labelled
     assert all(chosen[key] == algorithm for key, algorithm in ranges)
-    model(x)  # no profiler: no range, nothing breaks
+    with isolated(convtune.get_algorithm("gemm:im2col"), builtins=False):
+        model(x)  # no profiler: no range, nothing breaks
 
 
 def test_state_dict_loads_into_the_plain_torch_model_and_back():
@@ -503,3 +505,20 @@ def test_workspace_is_never_freed_once_a_capture_used_it(fresh_workspaces, monke
     assert [ptr(b) for b in workspace._retired] == [tuned, ptr(untuned)]
     workspace.release()  # frees the buffer no capture has seen, never the retired ones
     assert workspace.buffer_bytes("cpu") == 0 and len(workspace._retired) == 2
+
+
+def test_a_layer_that_chose_torch_native_everywhere_calls_torch_directly(monkeypatch):
+    native = convtune.get_algorithm("torch:native")
+    with isolated(native, builtins=False):  # torch:native is the only algorithm: every direction chooses it
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1))
+        twin = torch_twin(model)
+        x = torch.randn(2, 3, 6, 6)
+        convtune.optimize(model, x, training=True, mode="get")
+        assert {r["algorithm"] for r in convtune.explain(model)} == {"torch:native"}
+        assert all(plan.native_only for m in (model[0], model[2]) for plan in m.plans.values())
+
+        def no_op_call(*args):
+            raise AssertionError("a torch:native layer went through convtune's op")
+
+        monkeypatch.setattr(ops, "compute", no_op_call)
+        assert_same_training_step(model, twin, x)

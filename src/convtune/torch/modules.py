@@ -7,8 +7,9 @@ input signature (shape, dtype, device, layout) is tuned on its first call, the b
 directions when a gradient will be needed (bwd_data only if the input requires grad, bwd_filter
 only if the weight does), and remembered per module.
 
-The convolution runs through ``torch.ops.convtune.conv`` (so torch.compile traces it: tune the
-shapes first, then compile); the bias is a plain add after it, which Inductor can fuse. A
+The convolution runs through ``torch.ops.convtune.conv`` under torch.compile (which traces it:
+tune the shapes first, then compile) and, in eager code, through the same computation without
+the dispatcher's host cost (``ops.conv_call``); the bias is a plain add after it, which Inductor can fuse. A
 ``padding_mode`` other than 'zeros' and an odd 'same' padding are padded explicitly first, as torch does.
 A channels_last input makes a channels_last problem (the weight is converted to match). Inputs
 convtune cannot describe (float64, say) and layers no algorithm serves run torch's own path.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from convtune.policy import Policy
 from convtune.problem import explicit_padding, to_layout
-from convtune.torch import ops  # noqa: F401 - registers torch.ops.convtune
+from convtune.torch import ops
 from convtune.torch.tuning import LayerPlan, Signature, Tuning, layout_of, plan_layer
 
 
@@ -77,14 +78,14 @@ class TunedConv:
         plan = self._convtune_plans.get(sig)
         if plan is None or not plan.covers(need_dx, need_dw):
             plan = self._convtune_tune(sig, need_dx, need_dw)
-        if plan.on_torch:
+        if plan.on_torch or plan.native_only:  # the same computation as torch:native, minus the op's host cost
             return super().forward(input)
         if cast is not None:
             x, weight = x.to(cast), weight.to(cast)
             bias = None if bias is None else bias.to(cast)
         x = to_layout(self._convtune_pad(x), sig.layout)
         weight = to_layout(weight, sig.layout)
-        y = torch.ops.convtune.conv(x, weight, plan.problem, plan.fwd, plan.bwd_data, plan.bwd_filter)
+        y = ops.conv_call(x, weight, plan.problem, plan.fwd, plan.bwd_data, plan.bwd_filter)
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))
         return y if batched else y.squeeze(0)

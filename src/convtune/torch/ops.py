@@ -143,16 +143,49 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.key, ctx.bwd_data, ctx.bwd_filter = key, bwd_data, bwd_filter
 
 
-def _backward(ctx, dy: torch.Tensor):
+def _gradients(ctx, dy: torch.Tensor, run_one) -> tuple:
+    """(dx, dw, None...) of a conv call saved in ``ctx``; ``run_one(a, b, key, algorithm)`` computes each."""
     x, w = ctx.saved_tensors
     # Autograd hands over whatever strides the consumer produced; the algorithms want the layout.
     dy = to_layout(dy, problem_of(ctx.key).layout)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = run(dy, w, key_for(ctx.key, "bwd_data"), ctx.bwd_data)
+        dx = run_one(dy, w, key_for(ctx.key, "bwd_data"), ctx.bwd_data)
     if ctx.needs_input_grad[1]:
-        dw = run(x, dy, key_for(ctx.key, "bwd_filter"), ctx.bwd_filter)
+        dw = run_one(x, dy, key_for(ctx.key, "bwd_filter"), ctx.bwd_filter)
     return dx, dw, None, None, None, None
 
 
+def _backward(ctx, dy: torch.Tensor):
+    return _gradients(ctx, dy, run)  # through the op, so that torch.compile traces the backward too
+
+
 conv.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerConv(torch.autograd.Function):
+    """``convtune::conv`` for eager calls: the same computation and gradients without the dispatcher.
+
+    An op call passes the dispatcher twice (autograd, then the kernel), which costs more host time
+    than a small layer's kernel takes on a data-centre GPU (bench/results/tuning_cost.md); eager
+    code calls ``compute`` directly through this Function. Compiled code keeps the op, which
+    torch.compile can trace.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str,  # type: ignore[override]
+                bwd_filter: str) -> torch.Tensor:
+        # The ctx-taking form: a separate setup_context would bind the arguments by signature on every call.
+        _setup_context(ctx, (x, w, key, fwd, bwd_data, bwd_filter), None)
+        return compute(x, w, key, fwd)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        return _gradients(ctx, dy, compute)
+
+
+def conv_call(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str, bwd_filter: str) -> torch.Tensor:
+    """``torch.ops.convtune.conv(...)`` under torch.compile, the same without the dispatcher in eager code."""
+    if torch.compiler.is_compiling():
+        return conv(x, w, key, fwd, bwd_data, bwd_filter)
+    return _EagerConv.apply(x, w, key, fwd, bwd_data, bwd_filter)

@@ -31,6 +31,7 @@ from convtune.torch import workspace
 log = logging.getLogger(__name__)
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
+NATIVE = "torch:native"  # PyTorch's own path: a layer that chose it everywhere simply calls torch
 
 
 class Signature(NamedTuple):
@@ -119,6 +120,12 @@ class LayerPlan:
     def on_torch(self) -> bool:
         """The layer runs PyTorch's own convolution for this signature."""
         return not self.fwd
+
+    @property
+    def native_only(self) -> bool:
+        """Every tuned direction chose torch:native: the module calls torch directly, with no op's host cost."""
+        names = [name for name in (self.fwd, self.bwd_data, self.bwd_filter) if name]
+        return bool(names) and all(name == NATIVE for name in names)
 
     def covers(self, need_dx: bool, need_dw: bool) -> bool:
         """Whether every direction a call needs has its algorithm (or the call goes to torch anyway)."""
