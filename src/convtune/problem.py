@@ -314,12 +314,17 @@ class ConvProblem:
         return empty_in_layout(shape, self.layout, dtype or self.torch_dtype, self.device)
 
     def random_inputs(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two operands of this direction, random normal (never zeros), in the problem's layout."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """The two operands of this direction, random normal (never zeros), in the problem's layout.
+
+        Drawn on the problem's device (a seed gives the same values on every run there; CPU and
+        CUDA draw different ones): drawing a batch-128 layer's operands on the host and copying
+        them over took longer than all the rest of a find (bench/results/tuning_cost_before.md).
+        """
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         a_shape, b_shape, _ = self.operand_shapes
         out = []
         for shape in (a_shape, b_shape):
-            values = torch.randn(shape, generator=gen, dtype=torch.float32)
+            values = torch.randn(shape, generator=gen, dtype=torch.float32, device=self.device)
             t = self.empty(shape)
             t.copy_(values)
             out.append(t)
