@@ -250,7 +250,8 @@ def profile_step(step, steps: int) -> dict:
             row = layers[_layer_of(x_shape, w_shape)]
             row[f"{direction}_ms"] += e.device_time_total / 1e3 / steps
             row["algorithms"].add(f"{direction}=torch")
-    # Every kernel the step ran; attributed_gpu_ms: those the profiler tied to a CPU op (should be the same).
+    # Every kernel the step ran. attributed_gpu_ms, a check: the self device time of all events, which
+    # counts each kernel twice (as its own event and under its CPU op), so about twice total_gpu_ms.
     total_ms = sum(e.time_range.elapsed_us() for e in events if e.device_type != DeviceType.CPU) / 1e3 / steps
     attributed_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     conv_ms = sum(r["fwd_ms"] + r["bwd_ms"] for r in layers.values())

@@ -40,9 +40,10 @@ def reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.T
     """The exact-as-possible result of ``problem`` on (a, b): float64, on the operands' device.
 
     1-D and 2-D problems on CUDA: ``lowered_reference``, PyTorch's unfold/fold and float64 matrix
-    products (cuDNN's float64 convolutions take 0.2-1 s per ResNet-50 layer at batch 128; this
-    path takes milliseconds: bench/results/tuning_cost.md). Otherwise PyTorch's own float64
-    convolution (no TF32, no reduced precision).
+    products, a few milliseconds per batch-128 ResNet-50 layer on an H200 (cuDNN's float64 path
+    took up to 0.4 s longer on the first layer's data gradient: bench/results/tuning_cost_v1.md
+    against tuning_cost_v2.md). Otherwise PyTorch's own float64 convolution (no TF32, no reduced
+    precision).
     """
     a, b = a.detach().double(), b.detach().double()
     if a.is_cuda and problem.ndim <= 2:
