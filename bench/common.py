@@ -49,6 +49,15 @@ def write(name: str, payload: dict, markdown: str, out_dir: Path | None = None) 
     return json_path, md_path
 
 
+def network_arguments(parser, device_help: str | None = None) -> None:
+    """The options that name a network's layer set: --network, --batch, --dtype, --layout, --device."""
+    parser.add_argument("--network", default="resnet50")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--layout", default="NHWC")
+    parser.add_argument("--device", default="cuda", help=device_help)
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -59,11 +59,7 @@ def even_cap_total(problems, budget, db) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--network", default="resnet50")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--layout", default="NHWC")
-    parser.add_argument("--device", default="cuda")
+    common.network_arguments(parser)
     parser.add_argument("--direction", default="fwd")
     parser.add_argument("--layers", type=int, default=None, help="only the first N layers (quick checks)")
     parser.add_argument("--budgets", default=",".join(BUDGETS))

@@ -137,11 +137,7 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--network", default="resnet50")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--layout", default="NHWC")
-    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself")
+    common.network_arguments(parser, device_help="cpu: a quick check of the script itself")
     parser.add_argument("--layers", type=int, default=6, help="the first N layers, each in three directions")
     parser.add_argument("--threads", type=int, default=8, help="plan-building threads on every second problem")
     parser.add_argument("--out", default=None)
