@@ -54,12 +54,12 @@ class Native(Algorithm):
             return NumericNotes(tensor_cores=half or problem.allow_tf32, tf32=not half and problem.allow_tf32)
         return NumericNotes(float32_inside=half)
 
-    def _run(self, problem, a, b, out, ws) -> None:
-        out.copy_(native_conv(problem, a, b))
-
     def execute(self, problem, a, b, out, ws):
         # PyTorch allocates the result itself: hand that over rather than copy it into ``out``.
         return to_layout(native_conv(problem, a, b), problem.layout)
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        out.copy_(self.execute(problem, a, b, out, ws))  # run's contract: the result lands in ``out``
 
 
 register(Native())

@@ -75,17 +75,20 @@ def _runner(key: str, algorithm: str, generation: int) -> _Runner:
     support = algo.supports(problem)
     if not support:
         raise ValueError(f"{algorithm} does not support {key}: {support.reason}")
-    operands = tuple((shape, empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta").stride())
-                     for shape in problem.operand_shapes[:2])
+    operands = tuple(_dense(problem, shape) for shape in problem.operand_shapes[:2])
     buffers = tuple(algo.buffers(problem))
     return _Runner(problem, algo, operands, buffers_bytes(buffers), buffers)
+
+
+def _dense(problem: ConvProblem, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) of a tensor of ``shape`` dense in the problem's layout."""
+    return shape, empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta").stride()
 
 
 @functools.lru_cache(maxsize=4096)
 def _result_spec(problem: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, strides) of the problem's result, dense in its layout."""
-    shape = problem.operand_shapes[2]
-    return shape, empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta").stride()
+    return _dense(problem, problem.operand_shapes[2])
 
 
 def _result_like(problem: ConvProblem, a: torch.Tensor) -> torch.Tensor:
