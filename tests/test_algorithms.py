@@ -17,7 +17,10 @@ from convtune.verify import lowered_reference, peak_allocated_bytes, reference, 
 
 def slack_bytes(problem):
     out_shape = problem.operand_shapes[2]
-    return max(64 * 1024, int(0.02 * problem.element_bytes * torch.Size(out_shape).numel()))
+    # The CPU's reduced-precision matrix products take ~100 KB of scratch of their own whatever the size
+    # (torch.bmm of (2, 3, 375) by (2, 375, 2) bfloat16 allocates 100016 bytes and frees them).
+    fixed = 128 * 1024 if problem.dtype != "float32" and problem.device == "cpu" else 64 * 1024
+    return max(fixed, int(0.02 * problem.element_bytes * torch.Size(out_shape).numel()))
 
 
 @st.composite

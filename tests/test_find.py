@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from convtune import ConvProblem, Policy, Status, find
+from convtune import ConvProblem, PerfResult, Policy, Status, find
 from convtune.algorithms.registry import algorithms, get_algorithm, isolated
 from convtune.find import is_out_of_memory, summary
+from convtune.ranking import rank
 from convtune.settings import settings
 from convtune.verify import check, reference_case, tolerance
 from fakes import (FakeDB, FakeTimer, Fake, InputWriter, NaNResult, NoWrite, OutOfMemory, Raising,
@@ -109,6 +110,18 @@ def test_tie_goes_to_the_smaller_workspace():
     assert [r.algorithm for r in results] == ["fake:b_small", "fake:a_big"]
     results = find(P, Policy(tolerance=0.0), timer=FakeTimer(), candidates=[fast_big, nearly_small])
     assert results[0].algorithm == "fake:a_big"
+
+
+def test_among_equal_workspaces_a_tie_goes_to_torch_native():
+    def ok(name, ms, ws=0):
+        return PerfResult(name, Status.OK, time_ms=ms, workspace_bytes=ws)
+
+    results = [ok("gemm:1x1", 1.00), ok("torch:native", 1.005), ok("cudnn:eng0", 0.99, ws=2**20)]
+    # cudnn:eng0 ties too but needs a workspace; of the lean ones native wins the tie
+    assert [r.algorithm for r in rank(results, Policy(tolerance=0.02))] == ["torch:native", "gemm:1x1", "cudnn:eng0"]
+    # outside the tolerance the faster one wins
+    assert rank(results, Policy(tolerance=0.001))[0].algorithm == "cudnn:eng0"
+    assert rank([ok("gemm:1x1", 1.0), ok("torch:native", 1.1)], Policy(tolerance=0.02))[0].algorithm == "gemm:1x1"
 
 
 def test_prefer_least_memory():

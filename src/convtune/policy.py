@@ -24,7 +24,8 @@ class Policy:
     max_rel_error: relative L2 error a result may have; None takes the per-dtype default of verify.
     prefer: 'fastest', or 'least_memory' (the smallest workspace first, then the fastest among equals:
         with a policy's other limits, the leanest algorithm that works).
-    tolerance: times within this fraction of each other tie; ties go to the smaller workspace.
+    tolerance: times within this fraction of each other tie; ties go to the smaller workspace, then
+        to torch:native (PyTorch's own path, the least host time per call).
     max_candidates, budget_s: the tuning budget of one find (None: the settings' defaults).
     micro_batching: with a workspace_limit, find also offers algorithms run over sub-batches one
         after another (mu-cuDNN), so one whose workspace grows with the batch fits the limit.

@@ -8,6 +8,7 @@ from .policy import Policy
 from .results import PerfResult, Status
 
 MICRO_BATCH_PREFIX = "mb:"
+NATIVE = "torch:native"  # PyTorch's own path: no workspace of convtune's and the least host time per call
 
 
 def usable(result: PerfResult, policy: Policy) -> bool:
@@ -26,7 +27,9 @@ def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
     """The usable results, best first.
 
     prefer='fastest': by time; results within ``policy.tolerance`` of the fastest remaining tie,
-    and a tie goes to the smaller workspace. prefer='least_memory': by workspace, then by time.
+    and a tie goes to the smaller workspace, then to PyTorch's own path (torch:native costs the
+    least host time per call, which decides host-bound eager code; a model whose layers chose it
+    calls torch directly). prefer='least_memory': by workspace, then by time.
     """
     pool = sorted((r for r in results if usable(r, policy)), key=lambda r: (r.time_ms, r.workspace_bytes, r.algorithm))
     if policy.prefer == "least_memory":
@@ -34,7 +37,7 @@ def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
     ranked = []
     while pool:
         window = [r for r in pool if r.time_ms <= pool[0].time_ms * (1 + policy.tolerance)]
-        best = min(window, key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
+        best = min(window, key=lambda r: (r.workspace_bytes, r.algorithm != NATIVE, r.time_ms, r.algorithm))
         ranked.append(best)
         pool.remove(best)
     return ranked

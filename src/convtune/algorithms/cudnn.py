@@ -56,10 +56,6 @@ def _descr(problem: ConvProblem, shape: tuple[int, ...]) -> tuple[list[int], lis
     return list(meta.shape), list(meta.stride())
 
 
-def _view(problem: ConvProblem, t: torch.Tensor) -> torch.Tensor:
-    return t.unsqueeze(2) if problem.ndim == 1 else t
-
-
 class ProblemGraph:
     """The cuDNN graph of one problem: its ranked plans and the ones built so far."""
 
@@ -114,15 +110,27 @@ class ProblemGraph:
             return self.workspace[index]
 
     def execute(self, index: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor) -> None:
-        self.build(index)
+        if index not in self.workspace:
+            self.build(index)
         device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
         handle = _handle(device_index)
         # The handle follows PyTorch's current stream, so CUDA-graph capture records this launch.
-        cudnn.set_stream(handle=handle, stream=current_stream_handle(device_index))
+        _follow_stream(handle, device_index)
         ta, tb, tout = self.operands
-        p = self.problem
-        pack = {ta: _view(p, a).data_ptr(), tb: _view(p, b).data_ptr(), tout: _view(p, out).data_ptr()}
+        # A 1-D problem's tensors are 2-D ones of height 1 to cuDNN: the same memory, the same pointers.
+        pack = {ta: a.data_ptr(), tb: b.data_ptr(), tout: out.data_ptr()}
         self.graph.execute_plan_at_index(pack, workspace.data_ptr() if workspace.numel() else None, index, handle=handle)
+
+
+_handle_streams: dict[int, int] = {}  # id(handle) -> the stream last set on it
+
+
+def _follow_stream(handle, device_index: int) -> None:
+    """Set ``handle``'s stream to PyTorch's current one on the device (a frontend call only when it changed)."""
+    stream = current_stream_handle(device_index)
+    if _handle_streams.get(id(handle)) != stream:
+        cudnn.set_stream(handle=handle, stream=stream)
+        _handle_streams[id(handle)] = stream
 
 
 class CudnnPlan(Algorithm):

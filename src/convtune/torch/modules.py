@@ -78,14 +78,16 @@ class TunedConv:
         plan = self._convtune_plans.get(sig)
         if plan is None or not plan.covers(need_dx, need_dw):
             plan = self._convtune_tune(sig, need_dx, need_dw)
-        if plan.on_torch or plan.native_only:  # the same computation as torch:native, minus the op's host cost
+        call = plan.call
+        if call is None:  # torch's path, or the same computation as torch:native minus the op's host cost
             return super().forward(input)
         if cast is not None:
-            x, weight = x.to(cast), weight.to(cast)
+            x = x if x.dtype == cast else x.to(cast)
+            weight = weight.to(cast)
             bias = None if bias is None else bias.to(cast)
         x = to_layout(self._convtune_pad(x), sig.layout)
         weight = to_layout(weight, sig.layout)
-        y = ops.conv_call(x, weight, plan.problem, plan.fwd, plan.bwd_data, plan.bwd_filter)
+        y = ops.conv_call(x, weight, call)
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))
         return y if batched else y.squeeze(0)

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import NamedTuple
-
 import torch
 
-from convtune.algorithms.base import OPERAND_NAMES, Algorithm, Buffer, buffers_bytes, carve, check_tensor
+from convtune.algorithms.base import OPERAND_NAMES, buffers_bytes, check_tensor
 from convtune.algorithms.registry import generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout, to_layout
 from convtune.torch import workspace
@@ -48,38 +46,6 @@ def key_for(key: str, direction: str) -> str:
     return problem_of(key).with_direction(direction).key
 
 
-class _Runner(NamedTuple):
-    """What running one algorithm on one problem takes, looked up once (ops run every step)."""
-
-    problem: ConvProblem
-    algorithm: Algorithm
-    operands: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (shape, dense strides) of a and b
-    workspace_bytes: int
-    buffers: tuple[Buffer, ...]
-
-    def fits(self, t: torch.Tensor, index: int) -> bool:
-        """The quick check of an operand: shape, dtype, device and strides as expected."""
-        shape, stride = self.operands[index]
-        return (t.shape == shape and t.dtype == self.problem.torch_dtype and t.device.type == self.problem.device
-                and t.stride() == stride)
-
-
-@functools.lru_cache(maxsize=4096)
-def _runner(key: str, algorithm: str, generation: int) -> _Runner:
-    # generation: the registry's, so a re-registered name is looked up again.
-    problem = problem_of(key)
-    if not algorithm:
-        raise ValueError(f"no algorithm was chosen for {key}; tune the layer (convtune.optimize) "
-                         f"or name one of convtune.algorithms(problem)")
-    algo = get_algorithm(algorithm, problem)
-    support = algo.supports(problem)
-    if not support:
-        raise ValueError(f"{algorithm} does not support {key}: {support.reason}")
-    operands = tuple(_dense(problem, shape) for shape in problem.operand_shapes[:2])
-    buffers = tuple(algo.buffers(problem))
-    return _Runner(problem, algo, operands, buffers_bytes(buffers), buffers)
-
-
 def _dense(problem: ConvProblem, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(shape, strides) of a tensor of ``shape`` dense in the problem's layout."""
     return shape, empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta").stride()
@@ -96,26 +62,115 @@ def _result_like(problem: ConvProblem, a: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(*_result_spec(problem), dtype=a.dtype, device=a.device)
 
 
+class Runner:
+    """One algorithm on one problem, looked up and checked once: ops run it every step.
+
+    Calling it runs the algorithm on operands (a, b) into a new result. Everything that does not
+    change between calls (the problem, shapes and strides, the workspace's carving) is kept here,
+    so a call costs little host time beyond the algorithm's own launches.
+    """
+
+    __slots__ = ("problem", "algorithm", "operands", "result", "workspace_bytes", "buffers", "generation")
+
+    def __init__(self, key: str, algorithm: str) -> None:
+        self.generation = generation()  # the registry's: a re-registered name is looked up again
+        problem = self.problem = problem_of(key)
+        if not algorithm:
+            raise ValueError(f"no algorithm was chosen for {key}; tune the layer (convtune.optimize) "
+                             f"or name one of convtune.algorithms(problem)")
+        algo = self.algorithm = get_algorithm(algorithm, problem)
+        support = algo.supports(problem)
+        if not support:
+            raise ValueError(f"{algorithm} does not support {key}: {support.reason}")
+        self.operands = tuple(_dense(problem, shape) for shape in problem.operand_shapes[:2])
+        self.result = _result_spec(problem)
+        self.buffers = tuple(algo.buffers(problem))
+        self.workspace_bytes = buffers_bytes(self.buffers)
+
+    def _fits(self, t: torch.Tensor, index: int) -> bool:
+        shape, stride = self.operands[index]
+        return t.stride() == stride and t.shape == shape and t.dtype == self.problem.torch_dtype \
+            and t.device.type == self.problem.device
+
+    def _check(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The quick check of the operands (shape, dtype, device, strides); the full one, with its error, if it fails."""
+        if not (self._fits(a, 0) and self._fits(b, 1)):
+            problem = self.problem
+            for name, t, (shape, _) in zip(OPERAND_NAMES[problem.direction], (a, b), self.operands):
+                check_tensor(problem, name, t, shape)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self._check(a, b)
+        device = a.device
+        out = torch.empty_strided(*self.result, dtype=a.dtype, device=device)
+        ws = workspace.carved(self.buffers, self.workspace_bytes, device) if self.buffers else {}
+        kind = device.type
+        # The algorithm computes in the problem's dtype: an autocast region around the model must not
+        # recast the matmuls inside it. Under the profiler each run is a range named after its problem
+        # and algorithm, so a trace tells which layer ran what (bench/e2e.py reads them).
+        profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+        other_gpu = kind == "cuda" and device.index != torch.cuda.current_device()
+        if profiling or other_gpu:
+            with contextlib.ExitStack() as scope:
+                if other_gpu:
+                    scope.enter_context(torch.cuda.device(device))
+                if profiling:
+                    scope.enter_context(torch.profiler.record_function(
+                        f"{LABEL_PREFIX}{self.problem.key}{LABEL_SEP}{self.algorithm.name}"))
+                return self._execute(kind, a, b, out, ws)
+        return self._execute(kind, a, b, out, ws)
+
+    def _execute(self, kind: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                 ws: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not torch.is_autocast_enabled(kind):
+            return self.algorithm.execute(self.problem, a, b, out, ws)
+        torch.set_autocast_enabled(kind, False)  # cheaper than entering torch.autocast(enabled=False)
+        try:
+            return self.algorithm.execute(self.problem, a, b, out, ws)
+        finally:
+            torch.set_autocast_enabled(kind, True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _runner(key: str, algorithm: str, generation: int) -> Runner:
+    return Runner(key, algorithm)
+
+
+def runner(key: str, algorithm: str) -> Runner:
+    """The ``Runner`` of ``algorithm`` on the problem ``key`` (one per registry generation)."""
+    return _runner(key, algorithm, generation())
+
+
 def compute(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
     """Run ``algorithm`` on the problem ``key`` with operands (a, b); a new result tensor."""
-    r = _runner(key, algorithm, generation())
-    problem = r.problem
-    if not (r.fits(a, 0) and r.fits(b, 1)):  # the full check, with its error, only when the quick one fails
-        for name, t, (shape, _) in zip(OPERAND_NAMES[problem.direction], (a, b), r.operands):
-            check_tensor(problem, name, t, shape)
-    out = _result_like(problem, a)
-    # The algorithm computes in the problem's dtype: an autocast region around the model must not
-    # recast the matmuls inside it. Under the profiler each run is a range named after its problem
-    # and algorithm, so a trace tells which layer ran what (bench/e2e.py reads them).
-    with contextlib.ExitStack() as scope:
-        if a.device.type == "cuda" and a.device.index != torch.cuda.current_device():
-            scope.enter_context(torch.cuda.device(a.device))
-        if torch.is_autocast_enabled(a.device.type):
-            scope.enter_context(torch.autocast(a.device.type, enabled=False))
-        if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
-            scope.enter_context(torch.profiler.record_function(f"{LABEL_PREFIX}{key}{LABEL_SEP}{algorithm}"))
-        ws = workspace.get(r.workspace_bytes, a.device)
-        return r.algorithm.execute(problem, a, b, out, carve(ws, r.buffers))
+    return runner(key, algorithm)(a, b)
+
+
+class Call:
+    """What a tuned layer runs: the forward problem's key and an algorithm per direction, with their runners.
+
+    The runners are looked up on first use and again when the registry changes.
+    """
+
+    __slots__ = ("key", "fwd", "bwd_data", "bwd_filter", "_runners")
+
+    def __init__(self, key: str, fwd: str, bwd_data: str = "", bwd_filter: str = "") -> None:
+        self.key, self.fwd, self.bwd_data, self.bwd_filter = key, fwd, bwd_data, bwd_filter
+        self._runners: dict[str, Runner] = {}
+
+    def __repr__(self) -> str:
+        return f"Call({self.key!r}, fwd={self.fwd!r}, bwd_data={self.bwd_data!r}, bwd_filter={self.bwd_filter!r})"
+
+    def runner(self, direction: str) -> Runner:
+        r = self._runners.get(direction)
+        if r is None or r.generation != generation():
+            key = self.key if direction == "fwd" else key_for(self.key, direction)
+            r = self._runners[direction] = runner(key, getattr(self, direction))
+        return r
+
+    def names(self) -> tuple[str, str, str, str]:
+        """The op's arguments: (key, fwd, bwd_data, bwd_filter)."""
+        return self.key, self.fwd, self.bwd_data, self.bwd_filter
 
 
 @torch.library.custom_op("convtune::run", mutates_args=())
@@ -141,26 +196,36 @@ def _conv_fake(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: s
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w, key, _, bwd_data, bwd_filter = inputs
+    x, w, key, fwd, bwd_data, bwd_filter = inputs
     ctx.save_for_backward(x, w)
-    ctx.key, ctx.bwd_data, ctx.bwd_filter = key, bwd_data, bwd_filter
+    ctx.call = Call(key, fwd, bwd_data, bwd_filter)
 
 
 def _gradients(ctx, dy: torch.Tensor, run_one) -> tuple:
-    """(dx, dw, None...) of a conv call saved in ``ctx``; ``run_one(a, b, key, algorithm)`` computes each."""
+    """(dx, dw, None...) of a conv call saved in ``ctx``; ``run_one(call, direction, a, b)`` computes each."""
     x, w = ctx.saved_tensors
+    call = ctx.call
     # Autograd hands over whatever strides the consumer produced; the algorithms want the layout.
-    dy = to_layout(dy, problem_of(ctx.key).layout)
+    dy = to_layout(dy, problem_of(call.key).layout)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = run_one(dy, w, key_for(ctx.key, "bwd_data"), ctx.bwd_data)
+        dx = run_one(call, "bwd_data", dy, w)
     if ctx.needs_input_grad[1]:
-        dw = run_one(x, dy, key_for(ctx.key, "bwd_filter"), ctx.bwd_filter)
+        dw = run_one(call, "bwd_filter", x, dy)
     return dx, dw, None, None, None, None
 
 
+def _run_op(call: Call, direction: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # Through the op, so that torch.compile traces the backward too.
+    return run(a, b, key_for(call.key, direction), getattr(call, direction))
+
+
+def _run_eager(call: Call, direction: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return call.runner(direction)(a, b)
+
+
 def _backward(ctx, dy: torch.Tensor):
-    return _gradients(ctx, dy, run)  # through the op, so that torch.compile traces the backward too
+    return _gradients(ctx, dy, _run_op)
 
 
 conv.register_autograd(_backward, setup_context=_setup_context)
@@ -171,24 +236,24 @@ class _EagerConv(torch.autograd.Function):
 
     An op call passes the dispatcher twice (autograd, then the kernel), which costs more host time
     than a small layer's kernel takes on a data-centre GPU (bench/results/tuning_cost.md); eager
-    code calls ``compute`` directly through this Function. Compiled code keeps the op, which
-    torch.compile can trace.
+    code runs the layer's ``Call`` directly through this Function. Compiled code keeps the op,
+    which torch.compile can trace.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str,  # type: ignore[override]
-                bwd_filter: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, call: Call) -> torch.Tensor:  # type: ignore[override]
         # The ctx-taking form: a separate setup_context would bind the arguments by signature on every call.
-        _setup_context(ctx, (x, w, key, fwd, bwd_data, bwd_filter), None)
-        return compute(x, w, key, fwd)
+        ctx.save_for_backward(x, w)
+        ctx.call = call
+        return call.runner("fwd")(x, w)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        return _gradients(ctx, dy, compute)
+        return _gradients(ctx, dy, _run_eager)[:3]
 
 
-def conv_call(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str, bwd_filter: str) -> torch.Tensor:
-    """``torch.ops.convtune.conv(...)`` under torch.compile, the same without the dispatcher in eager code."""
+def conv_call(x: torch.Tensor, w: torch.Tensor, call: Call) -> torch.Tensor:
+    """``torch.ops.convtune.conv(x, w, *call.names())`` under torch.compile, the same without the dispatcher in eager code."""
     if torch.compiler.is_compiling():
-        return conv(x, w, key, fwd, bwd_data, bwd_filter)
-    return _EagerConv.apply(x, w, key, fwd, bwd_data, bwd_filter)
+        return conv(x, w, *call.names())
+    return _EagerConv.apply(x, w, call)

@@ -24,14 +24,14 @@ from convtune.algorithms.registry import get_algorithm
 from convtune.errors import NoAlgorithmError
 from convtune.policy import DEFAULT_POLICY, Policy
 from convtune.problem import ConvProblem, is_in_layout
+from convtune.ranking import NATIVE
 from convtune.results import PerfResult
 from convtune.select import MODES, select
-from convtune.torch import workspace
+from convtune.torch import ops, workspace
 
 log = logging.getLogger(__name__)
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
-NATIVE = "torch:native"  # PyTorch's own path: a layer that chose it everywhere simply calls torch
 
 
 class Signature(NamedTuple):
@@ -115,6 +115,7 @@ class LayerPlan:
     bwd_filter: str = ""
     results: tuple[tuple[str, PerfResult], ...] = ()
     reason: str = ""
+    call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
 
     @property
     def on_torch(self) -> bool:
@@ -126,6 +127,13 @@ class LayerPlan:
         """Every tuned direction chose torch:native: the module calls torch directly, with no op's host cost."""
         names = [name for name in (self.fwd, self.bwd_data, self.bwd_filter) if name]
         return bool(names) and all(name == NATIVE for name in names)
+
+    def __post_init__(self) -> None:
+        # What the module runs through convtune's ops; None when it calls torch. Set once here:
+        # the forward reads it every call (and torch.compile traces a plain attribute).
+        call = None if self.on_torch or self.native_only else ops.Call(self.problem, self.fwd, self.bwd_data,
+                                                                        self.bwd_filter)
+        object.__setattr__(self, "call", call)
 
     def covers(self, need_dx: bool, need_dw: bool) -> bool:
         """Whether every direction a call needs has its algorithm (or the call goes to torch anyway)."""

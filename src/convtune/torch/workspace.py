@@ -28,6 +28,7 @@ import threading
 
 import torch
 
+from convtune.algorithms.base import Buffer, carve
 from convtune.hardware import current_stream_handle
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ _buffers: dict[tuple, torch.Tensor] = {}  # slot (see _slot) -> buffer
 _reserved: dict[tuple, int] = {}  # (device type, index) -> the largest need tuning reserved
 _captured: set[tuple] = set()  # slots whose current buffer a graph capture has used
 _retired: list[torch.Tensor] = []  # outgrown buffers that captured graphs may still use: never freed
+_carved: dict[tuple, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}  # (slot, buffers) -> (buffer, its views)
 _warned_capture = False
 
 
@@ -79,6 +81,7 @@ def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
         if buf is not None and slot in _captured:
             _retired.append(buf)
         _buffers[slot] = buf = torch.empty(max(nbytes, reserved), dtype=torch.uint8, device=device)
+        _forget_views(slot)
         if capturing:
             _captured.add(slot)
         else:
@@ -107,6 +110,25 @@ def get(nbytes: int, device: str | torch.device) -> torch.Tensor:
     return _buffer(nbytes, _device(device))[:nbytes]
 
 
+def carved(buffers: tuple[Buffer, ...], nbytes: int, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """``carve`` of the current stream's buffer for ``buffers`` (of ``nbytes`` in all), made once per buffer.
+
+    The views share the buffer's lifetime: a buffer that grows or is released drops them.
+    """
+    device = _device(device)
+    buf = _buffer(nbytes, device)
+    key = (_slot(device), buffers)
+    entry = _carved.get(key)
+    if entry is None or entry[0] is not buf:
+        entry = _carved[key] = (buf, carve(buf, buffers))
+    return entry[1]
+
+
+def _forget_views(slot: tuple) -> None:
+    for key in [key for key in _carved if key[0] == slot]:
+        del _carved[key]
+
+
 def buffer_bytes(device: str | torch.device) -> int:
     """Size of the buffer of ``device``'s current stream (the CPU: this thread); 0 if none."""
     with _lock:
@@ -123,3 +145,4 @@ def release() -> None:
         for slot in list(_buffers):
             if slot not in _captured:
                 del _buffers[slot]
+                _forget_views(slot)
