@@ -7,12 +7,17 @@ plans are built by then, so what remains is verification and timing). Plans are 
 another, or by a pool of threads on every second problem (``--threads``), to see whether
 building them concurrently pays.
 
-Part 2, host cost: microseconds per call, on a layer small enough that the GPU waits on the host,
+Part 2, the whole network (``--whole``): every distinct problem of the network's training step
+(forward; bwd_data except the first layer's; bwd_filter) selected in 'hybrid' mode on an empty
+database, as ``optimize(training=True)`` does, under cProfile: the wall time and the cumulative
+seconds of each phase (cuDNN graphs, plan builds, references, verification, timing, the database).
+
+Part 3, host cost: microseconds per call, on a layer small enough that the GPU waits on the host,
 of ``F.conv2d`` and of convtune's op path (``ops.compute``, ``torch.ops.convtune.run``, and
 ``torch.ops.convtune.conv`` with autograd) for each algorithm kind, and of an ``nn.Conv2d`` before and
 after ``optimize`` (forward; forward and backward).
 
-    python bench/tuning_cost.py --network resnet50 --batch 128 --dtype float16 --layers 6
+    python bench/tuning_cost.py --network resnet50 --batch 128 --dtype float16 --layers 6 --whole
 
 writes bench/results/tuning_cost.json and .md.
 """
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import cProfile
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -101,6 +108,44 @@ def tuning_rows(problems, threads: int) -> list[dict]:
     return rows
 
 
+# The phases of a cold find, by the functions that do them: (label, module file suffix, function name).
+PHASES = (
+    ("cuDNN graphs (heuristics query)", "algorithms/cudnn.py", "__init__"),
+    ("cuDNN plan builds", "algorithms/cudnn.py", "build"),
+    ("cost-model ranking (get)", "convtune/get.py", "ranked_predictions"),
+    ("float64 references", "convtune/verify.py", "reference_case"),
+    ("verification runs", "convtune/verify.py", "check"),
+    ("timing (timer)", "convtune/timing.py", "benchmark"),
+    ("measuring (verify, determinism, timing)", "convtune/find.py", "_measure"),
+    ("database writes", "convtune/db.py", "store"),
+    ("find, in all", "convtune/find.py", "find"),
+)
+
+
+def whole_network(network: str, batch: int, dtype: str, layout: str, device: str) -> dict:
+    """The network's distinct training problems selected cold in 'hybrid' mode, under cProfile."""
+    layers = zoo.network_layers(network, batch, dtype=dtype, layout=layout, device=device)
+    problems = list(dict.fromkeys(layer.problem.with_direction(d) for i, layer in enumerate(layers)
+                                  for d in ("fwd", "bwd_data", "bwd_filter") if d != "bwd_data" or i > 0))
+    profiler = cProfile.Profile()
+    with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "whole.sqlite")) as db:
+        _sync()
+        t0 = time.perf_counter()
+        profiler.enable()
+        for p in problems:
+            ct.select(p, mode="hybrid", db=db)
+        _sync()
+        profiler.disable()
+        wall = time.perf_counter() - t0
+    stats = pstats.Stats(profiler).stats
+    phases = {}
+    for label, path, func in PHASES:
+        phases[label] = sum(v[3] for (file, _, name), v in stats.items() if file.endswith(path) and name == func)
+    ours = sorted(((v[3], f"{Path(file).name}:{name}") for (file, _, name), v in stats.items()
+                   if "convtune" in file), reverse=True)[:25]
+    return dict(problems=len(problems), wall_s=wall, phases_s=phases, top_cumulative_s=ours)
+
+
 def _per_call_us(fn, calls: int = 2000) -> float:
     for _ in range(50):
         fn()
@@ -140,6 +185,7 @@ def main() -> None:
     common.network_arguments(parser, device_help="cpu: a quick check of the script itself")
     parser.add_argument("--layers", type=int, default=6, help="the first N layers, each in three directions")
     parser.add_argument("--threads", type=int, default=8, help="plan-building threads on every second problem")
+    parser.add_argument("--whole", action="store_true", help="also profile a cold tuning of the whole network")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="tuning_cost")
     args = parser.parse_args()
@@ -149,11 +195,13 @@ def main() -> None:
                 for d in ("fwd", "bwd_data", "bwd_filter")]
     host = host_rows(args.device, args.dtype)
     rows = tuning_rows(problems, args.threads)
+    whole = whole_network(args.network, args.batch, args.dtype, args.layout, args.device) if args.whole else None
     env = common.environment()
     by_threads = {t: [r for r in rows if r["build_threads"] == t] for t in sorted({r["build_threads"] for r in rows})}
     per_plan = {t: statistics.mean(r["build_s"] / max(r["plans"], 1) for r in rs) for t, rs in by_threads.items()}
     per_plan = {t: s for t, s in per_plan.items() if s}
-    payload = dict(environment=env, config=vars(args), tuning=rows, host_us=host, build_s_per_plan=per_plan)
+    payload = dict(environment=env, config=vars(args), tuning=rows, host_us=host, build_s_per_plan=per_plan,
+                   whole=whole)
     text = (f"# Where tuning and running go\n\n{env['date']}, {env.get('gpu')}, torch {env['torch']}, cuDNN "
             f"{env.get('cudnn')}, convtune {env['convtune']}. {args.network} b{args.batch} {args.dtype} "
             f"{args.layout}, the first {args.layers} layers in three directions.\n\n## Cold find, per problem (s)\n\n")
@@ -164,6 +212,11 @@ def main() -> None:
           f"{r['build_sum_s']:.3f}", f"{r['slowest'][0][0]} {r['slowest'][0][1]:.3f}" if r["slowest"] else "-",
           f"{r['reference_s']:.3f}", f"{r['find_s']:.3f}", r["timed"]] for r in rows])
     text += "\nBuild wall seconds per plan, by threads: " + ", ".join(f"{t}: {s:.4f}" for t, s in per_plan.items())
+    if whole:
+        text += (f"\n\n## The whole network, cold (every distinct training problem, 'hybrid' on an empty database)"
+                 f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s. Cumulative seconds by phase "
+                 f"(cProfile; phases nest: measuring holds verification and timing, find holds them all):\n\n")
+        text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
     text += "\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, float16 channels_last: the GPU waits)\n\n"
     text += common.md_table(["call", "us"], [[name, f"{us:.1f}"] for name, us in host])
     common.write(args.name, payload, text, args.out)
