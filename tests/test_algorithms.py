@@ -15,12 +15,15 @@ from convtune.algorithms.native import native_conv
 from convtune.verify import lowered_reference, peak_allocated_bytes, reference, rel_error, tolerance
 
 
-def slack_bytes(problem):
+def slack_bytes(problem, workspace_bytes=0):
     out_shape = problem.operand_shapes[2]
-    # The CPU's reduced-precision matrix products take ~100 KB of scratch of their own whatever the size
-    # (torch.bmm of (2, 3, 375) by (2, 375, 2) bfloat16 allocates 100016 bytes and frees them).
-    fixed = 128 * 1024 if problem.dtype != "float32" and problem.device == "cpu" else 64 * 1024
-    return max(fixed, int(0.02 * problem.element_bytes * torch.Size(out_shape).numel()))
+    slack = max(64 * 1024, int(0.02 * problem.element_bytes * torch.Size(out_shape).numel()))
+    if problem.dtype == "bfloat16" and problem.device == "cpu":
+        # The CPU's bfloat16 matrix products reorder their operands into float32 blocks of their own:
+        # 50-200 KB for small ones (torch.bmm (2, 3, 375) @ (2, 375, 2) takes 100016 bytes), and up to
+        # ~5x an im2col column matrix (55808 bytes of columns, 268356 of scratch). float16 and float32: none.
+        slack += 256 * 1024 + 6 * workspace_bytes
+    return slack
 
 
 @st.composite
@@ -52,6 +55,10 @@ def test_every_supporting_algorithm_matches_the_float64_reference(problem, seed)
     # A result that cancels to nearly zero (a one-element weight gradient, say) falls into the
     # half formats' subnormal range, where relative error says nothing about the algorithm.
     assume(float(torch.linalg.vector_norm(ref)) > 1e-2 * ref.numel() ** 0.5)
+    # Nor does one whose terms mostly cancel (a single output summing 9 products to a tenth of their
+    # size, say): rounding errors scale with the terms, not the sum. Judge well-conditioned cases.
+    magnitude = reference(problem, a.abs(), b.abs())
+    assume(float(torch.linalg.vector_norm(ref)) > 0.1 * float(torch.linalg.vector_norm(magnitude)))
     for algo in ct.algorithms(problem):
         out = problem.empty(problem.operand_shapes[2]).fill_(float("nan"))
         algo.run(problem, a, b, out=out)
@@ -72,7 +79,7 @@ def test_exactly_the_declared_workspace_is_enough_and_nothing_large_is_allocated
         algo.run(problem, a, b, workspace=ws, out=out)  # warm any lazy state first
         extra = peak_allocated_bytes(lambda: algo.run(problem, a, b, workspace=ws, out=out), "cpu")
         # library_bytes: what a library allocates by itself (torch.fft's results), declared apart.
-        assert extra <= algo.library_bytes(problem) + slack_bytes(problem), (algo.name, problem.key, need, extra)
+        assert extra <= algo.library_bytes(problem) + slack_bytes(problem, need), (algo.name, problem.key, need, extra)
 
 
 def test_registry_rejects_duplicates_and_non_algorithms():

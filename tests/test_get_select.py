@@ -1,6 +1,7 @@
 """get (the cost model: runs nothing, ranks sensibly, learns from the database) and select's modes."""
 
 import logging
+import math
 
 import pytest
 
@@ -75,15 +76,22 @@ def test_backend_correction_when_the_algorithm_was_never_measured():
         assert get(P3, db=db)[0].predicted_ms == pytest.approx(10 * plain)
 
 
-def test_corrections_are_cached_per_db_and_dropped_when_find_stores():
-    db = db_with(measured(P3, "fake:a", 1.0))
+def test_corrections_are_read_once_per_db_and_follow_what_find_stores():
+    db = db_with(measured(P3, "fake:a", 1.0), measured(P1, "fake:a", 1.0))
     with isolated(Fake("fake:a"), builtins=False):
         get(P3, db=db)
         get(P3, db=db)
         assert db.measurement_calls == 1
+        before = costmodel.corrections(db, P3.device)
         select(P3, mode="find", db=db)
-        get(P3, db=db)
-        assert db.measurement_calls == 2
+        after = costmodel.corrections(db, P3.device)
+        assert db.measurement_calls == 1  # updated from the stored results, not read again
+        (new,) = [r for r in db.results(P3) if r.ok]
+        # P3's ratio is now the new measurement's; P1's is kept
+        expected = math.exp((math.log(new.time_ms / costmodel.predict_ms("fake:a", P3, new.workspace_bytes))
+                             + math.log(1.0 / costmodel.predict_ms("fake:a", P1))) / 2)
+        key = ("fake:a", P3.direction, P3.dtype)
+        assert after is not before and after.by_algorithm[key] == pytest.approx(expected)
 
 
 def test_ties_go_to_the_smaller_workspace():

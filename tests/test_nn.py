@@ -394,6 +394,24 @@ def test_optimized_models_copy_and_pickle(db):
     assert pickle.loads(pickle.dumps(model))[0]._convtune_tuning.db.path == db.path
 
 
+def test_a_model_that_ran_copies_and_pickles_though_its_algorithms_do_not():
+    class Locked(Fake):  # like a cuDNN plan, which holds its graph and a lock
+        def __init__(self):
+            super().__init__("fake:locked")
+            self.lock = threading.Lock()
+
+    with isolated(Locked(), builtins=False):
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3))
+        convtune.optimize(model, torch.randn(1, 2, 5, 5), mode="get", training=True)
+        x = torch.randn(1, 2, 5, 5, requires_grad=True)
+        model(x).sum().backward()  # every direction's runner now holds the algorithm
+        assert {r["algorithm"] for r in convtune.explain(model)} == {"fake:locked"}
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert clone[0].plans == model[0].plans
+            clone(x).sum().backward()
+            assert clone[0].weight.grad is not None
+
+
 def test_optimize_shows_progress_and_rejects_bad_arguments():
     model = torch.nn.Conv2d(2, 3, 3)
     with settings.override(progress=True):

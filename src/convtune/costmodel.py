@@ -234,44 +234,81 @@ NO_CORRECTIONS = Corrections()
 _tables: weakref.WeakKeyDictionary[Any, dict[str, Corrections]] = weakref.WeakKeyDictionary()
 
 
-def build_corrections(measurements: list[tuple[ConvProblem, Any]]) -> Corrections:
-    """Geometric means of measured / predicted time over (problem, ok PerfResult) pairs."""
-    logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
-    backend_logs: dict[str, list[float]] = defaultdict(list)
-    for problem, result in measurements:
+def _log_ratios(problem: ConvProblem, results: Any) -> list[tuple[str, float]]:
+    """(algorithm, log(measured / predicted)) of each timed ok result of ``problem``."""
+    out = []
+    for result in results:
         if not result.ok or not result.time_ms or result.time_ms <= 0 or not math.isfinite(result.time_ms):
             continue
         predicted = predict_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32)
-        ratio = math.log(result.time_ms / predicted)
-        logs[(result.algorithm, problem.direction, problem.dtype)].append(ratio)
-        backend_logs[result.algorithm.split(":", 1)[0]].append(ratio)
-
-    def geomean(values: list[float]) -> float:
-        return math.exp(sum(values) / len(values))
-
-    return Corrections({k: geomean(v) for k, v in logs.items()}, {k: geomean(v) for k, v in backend_logs.items()})
+        out.append((result.algorithm, math.log(result.time_ms / predicted)))
+    return out
 
 
-def corrections(db: Any, device: str) -> Corrections:
-    """The correction table of ``db`` for ``device``, built once per db object (``forget`` drops it)."""
-    if db is None:
-        return NO_CORRECTIONS
+class _Table:
+    """A device's measurements as log ratios per problem, and the corrections they make."""
+
+    def __init__(self, measurements: list[tuple[ConvProblem, Any]]) -> None:
+        by_problem: dict[ConvProblem, list[Any]] = defaultdict(list)
+        for problem, result in measurements:
+            by_problem[problem].append(result)
+        self.ratios = {p: _log_ratios(p, results) for p, results in by_problem.items()}
+        self.corrections = self._aggregate()
+
+    def replace(self, problem: ConvProblem, results: Any) -> None:
+        """``problem``'s measurements are now ``results`` (a find stored them): the corrections follow."""
+        self.ratios[problem] = _log_ratios(problem, results)
+        self.corrections = self._aggregate()
+
+    def _aggregate(self) -> Corrections:
+        logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+        backend_logs: dict[str, list[float]] = defaultdict(list)
+        for problem, ratios in self.ratios.items():
+            for algorithm, ratio in ratios:
+                logs[(algorithm, problem.direction, problem.dtype)].append(ratio)
+                backend_logs[algorithm.split(":", 1)[0]].append(ratio)
+
+        def geomean(values: list[float]) -> float:
+            return math.exp(sum(values) / len(values))
+
+        return Corrections({k: geomean(v) for k, v in logs.items()}, {k: geomean(v) for k, v in backend_logs.items()})
+
+
+def build_corrections(measurements: list[tuple[ConvProblem, Any]]) -> Corrections:
+    """Geometric means of measured / predicted time over (problem, ok PerfResult) pairs."""
+    return _Table(measurements).corrections
+
+
+def _table(db: Any, device: str, *, build: bool) -> _Table | None:
     try:
         per_device = _tables.setdefault(db, {})
     except TypeError:  # an object that cannot be weakly referenced: no caching
         per_device = {}
     if device not in per_device:
+        if not build:
+            return None
         try:
-            per_device[device] = build_corrections(list(db.measurements(device)))
+            per_device[device] = _Table(list(db.measurements(device)))
         except Exception as exc:  # noqa: BLE001 - a broken database must not stop a heuristic answer
             log.warning("cost model: no corrections from the tuning database (%s: %s)", type(exc).__name__, exc)
-            per_device[device] = NO_CORRECTIONS
+            per_device[device] = _Table([])
     return per_device[device]
 
 
-def forget(db: Any) -> None:
-    """Drop the cached corrections of ``db`` (after new measurements were stored in it)."""
-    try:
-        _tables.pop(db, None)
-    except TypeError:
-        pass
+def corrections(db: Any, device: str) -> Corrections:
+    """The correction table of ``db`` for ``device``: read from it once per db object, then kept up to
+    date with what this process stores (``stored``)."""
+    if db is None:
+        return NO_CORRECTIONS
+    return _table(db, device, build=True).corrections
+
+
+def stored(db: Any, problem: ConvProblem, results: Any) -> None:
+    """``results`` of ``problem`` were just stored in ``db`` (replacing its earlier ones): update the corrections.
+
+    Only this problem's ratios are recomputed: a tuning run that stores after every find would
+    otherwise re-read and decode the whole database each time (quadratic in the problems tuned).
+    """
+    table = _table(db, problem.device, build=False)
+    if table is not None:
+        table.replace(problem, [r for r in results if r.ok])

@@ -299,8 +299,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     if policy.micro_batching:
         results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given, seed=seed)
     if db is not None:
-        db.store(problem, _keep_earlier_measurements(db, problem, results))
-        costmodel.forget(db)
+        kept = _keep_earlier_measurements(db, problem, results)
+        db.store(problem, kept)
+        costmodel.stored(db, problem, kept)
     return order(results, policy)
 
 

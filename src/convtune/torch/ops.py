@@ -161,6 +161,11 @@ class Call:
     def __repr__(self) -> str:
         return f"Call({self.key!r}, fwd={self.fwd!r}, bwd_data={self.bwd_data!r}, bwd_filter={self.bwd_filter!r})"
 
+    def __reduce__(self):
+        # Copies and pickles carry the names, not the runners: those hold algorithms (a cuDNN plan
+        # holds its graph and a lock) and are looked up again where the copy runs.
+        return Call, self.names()
+
     def runner(self, direction: str) -> Runner:
         r = self._runners.get(direction)
         if r is None or r.generation != generation():
