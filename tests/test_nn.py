@@ -26,7 +26,7 @@ from twins import torch_twin
 import convtune
 import convtune.nn
 from convtune import ConvProblem, Policy, TuningDB, algorithms
-from convtune.algorithms.base import SUPPORTED, unsupported
+from convtune.algorithms.base import SUPPORTED, Buffer, buffers_bytes, unsupported
 from convtune.algorithms.registry import isolated
 from convtune.settings import settings
 from convtune.torch import ops, workspace
@@ -477,7 +477,7 @@ def test_tuning_reserves_the_workspace_runs_use(fresh_workspaces):
 
 @pytest.fixture
 def fresh_workspaces(monkeypatch):
-    for name, empty in (("_buffers", {}), ("_reserved", {}), ("_captured", set()), ("_retired", [])):
+    for name, empty in (("_buffers", {}), ("_reserved", {}), ("_captured", set()), ("_retired", []), ("_carved", {})):
         monkeypatch.setattr(workspace, name, empty)
     monkeypatch.setattr(workspace, "_warned_capture", False)
 
@@ -507,6 +507,19 @@ def test_workspace_is_one_buffer_per_thread_grown_to_the_largest_need(fresh_work
     assert in_thread(lambda: (workspace.get(16, "cpu"), workspace.buffer_bytes("cpu"))[1]) == 1000
     with pytest.raises(ValueError, match="nbytes=-1"):
         workspace.get(-1, "cpu")
+
+
+def test_carved_views_are_made_once_per_buffer_and_follow_it_when_it_grows(fresh_workspaces):
+    buffers = (Buffer("a", (4,), torch.float32), Buffer("b", (3,), torch.float64))
+    need = buffers_bytes(buffers)
+    views = workspace.carved(buffers, need, "cpu")
+    assert workspace.carved(buffers, need, "cpu") is views  # the same views, not carved again
+    assert ptr(views["a"]) == ptr(workspace.get(0, "cpu")) and views["b"].shape == (3,)
+    workspace.reserve(need + 4096, "cpu")  # the buffer is replaced: its views go with it
+    grown = workspace.carved(buffers, need, "cpu")
+    assert grown is not views and ptr(grown["a"]) == ptr(workspace.get(0, "cpu")) != ptr(views["a"])
+    workspace.release()
+    assert not workspace._carved and workspace.buffer_bytes("cpu") == 0
 
 
 def test_workspace_is_never_freed_once_a_capture_used_it(fresh_workspaces, monkeypatch, caplog):

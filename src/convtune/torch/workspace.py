@@ -118,10 +118,11 @@ def carved(buffers: tuple[Buffer, ...], nbytes: int, device: str | torch.device)
     device = _device(device)
     buf = _buffer(nbytes, device)
     key = (_slot(device), buffers)
-    entry = _carved.get(key)
-    if entry is None or entry[0] is not buf:
-        entry = _carved[key] = (buf, carve(buf, buffers))
-    return entry[1]
+    with _lock:
+        entry = _carved.get(key)
+        if entry is None or entry[0] is not buf:
+            entry = _carved[key] = (buf, carve(buf, buffers))
+        return entry[1]
 
 
 def _forget_views(slot: tuple) -> None:
