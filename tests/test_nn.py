@@ -412,6 +412,19 @@ def test_a_model_that_ran_copies_and_pickles_though_its_algorithms_do_not():
             assert clone[0].weight.grad is not None
 
 
+def test_a_layer_runs_the_algorithm_registered_under_its_name_now():
+    first, second = Fake("fake:x"), Fake("fake:x", workspace_bytes=256)
+    x = torch.randn(1, 2, 5, 5, requires_grad=True)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3))
+    with isolated(first, builtins=False):
+        convtune.optimize(model, x, mode="get", training=True)
+        model(x).sum().backward()
+        assert first.runs == 3  # the layer's runners now hold ``first``
+    with isolated(second, builtins=False):  # the registry changed: the runners are looked up again
+        model(x).sum().backward()
+    assert (first.runs, second.runs) == (3, 3)
+
+
 def test_optimize_shows_progress_and_rejects_bad_arguments():
     model = torch.nn.Conv2d(2, 3, 3)
     with settings.override(progress=True):
