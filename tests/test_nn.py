@@ -2,8 +2,9 @@
 
 Every result is compared with PyTorch's own convolution (forward and both gradients) on fresh
 random inputs; the ops' outputs are poisoned with NaN before the algorithms write them.
-torch.compile runs with backend="aot_eager": Inductor's C++ compile takes tens of seconds on two
-cores, and the custom op's tracing (fake kernels, registered autograd) is what is under test.
+torch.compile mostly runs with backend="aot_eager": Inductor's C++ compile takes tens of seconds on
+two cores, and the custom op's tracing (fake kernels, registered autograd) is what is under test;
+one test compiles with Inductor itself.
 """
 
 from __future__ import annotations
@@ -469,6 +470,28 @@ def test_torch_compile_traces_the_tuned_convolution_without_graph_breaks():
         x = torch.randn(1, 8, 3, 3)
         torch.testing.assert_close(layer(x), twin.depthwise(x), **TIGHT)
     assert len(model.depthwise.plans) == 2
+
+
+def test_inductor_compiles_the_tuned_ops_into_one_graph_forward_and_backward():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1, groups=2), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+    twin = torch_twin(model)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    portfolio = [convtune.get_algorithm(name) for name in ("gemm:im2col", "direct:taps")]  # not torch:native
+    with isolated(*portfolio, builtins=False):
+        convtune.optimize(model, x, mode="get", training=True)
+        assert all(r["algorithm"] != "torch:native" for r in convtune.explain(model))
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)  # Inductor
+        y = compiled(x)
+        y.sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    yr = twin(xr)
+    yr.sum().backward()
+    torch.testing.assert_close(y, yr, **TIGHT)
+    torch.testing.assert_close(x.grad, xr.grad, **TIGHT)
+    for (name, ga), gb in zip(grads(model).items(), grads(twin).values()):
+        torch.testing.assert_close(ga, gb, **TIGHT, msg=name)
 
 
 # -- workspaces -----------------------------------------------------------------------------------

@@ -178,26 +178,40 @@ class Call:
         return self.key, self.fwd, self.bwd_data, self.bwd_filter
 
 
-@torch.library.custom_op("convtune::run", mutates_args=())
-def run(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
+# The operators, defined through torch.library's low-level API: a call goes from the dispatcher
+# straight to the kernel below (torch.library.custom_op's wrapper adds checks that cost ~5 us per
+# call on a fast host, bench/results/tuning_cost_cpu.md). pt2_compliant: they take and return plain
+# dense tensors and mutate nothing, so torch.compile may trace them.
+_LIB = torch.library.Library("convtune", "DEF")
+_TAGS = (torch.Tag.pt2_compliant_tag,)
+_LIB.define("run(Tensor a, Tensor b, str key, str algorithm) -> Tensor", tags=_TAGS)
+_LIB.define("conv(Tensor x, Tensor w, str key, str fwd, str bwd_data, str bwd_filter) -> Tensor", tags=_TAGS)
+
+
+def _run_kernel(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
     """One direction of the problem ``key`` by ``algorithm``: fwd (x, w), bwd_data (dy, w), bwd_filter (x, dy)."""
-    return compute(a, b, key, algorithm)
+    return runner(key, algorithm)(a, b)
 
 
-@run.register_fake
+def _conv_kernel(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str, bwd_filter: str) -> torch.Tensor:
+    """The forward convolution ``key`` by ``fwd``; differentiable through ``bwd_data`` and ``bwd_filter``."""
+    return runner(key, fwd)(x, w)
+
+
 def _run_fake(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
     return _result_like(problem_of(key), a)
 
 
-@torch.library.custom_op("convtune::conv", mutates_args=())
-def conv(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str, bwd_filter: str) -> torch.Tensor:
-    """The forward convolution ``key`` by ``fwd``; differentiable through ``bwd_data`` and ``bwd_filter``."""
-    return compute(x, w, key, fwd)
-
-
-@conv.register_fake
 def _conv_fake(x: torch.Tensor, w: torch.Tensor, key: str, fwd: str, bwd_data: str, bwd_filter: str) -> torch.Tensor:
     return _result_like(problem_of(key), x)
+
+
+_LIB.impl("run", _run_kernel, "CompositeExplicitAutograd")
+_LIB.impl("conv", _conv_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake("convtune::run", _run_fake, lib=_LIB)
+torch.library.register_fake("convtune::conv", _conv_fake, lib=_LIB)
+run = torch.ops.convtune.run.default
+conv = torch.ops.convtune.conv.default
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -233,7 +247,7 @@ def _backward(ctx, dy: torch.Tensor):
     return _gradients(ctx, dy, _run_op)
 
 
-conv.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("convtune::conv", _backward, setup_context=_setup_context, lib=_LIB)
 
 
 class _EagerConv(torch.autograd.Function):
