@@ -231,7 +231,7 @@ class Corrections:
 
 
 NO_CORRECTIONS = Corrections()
-_tables: weakref.WeakKeyDictionary[Any, dict[str, Corrections]] = weakref.WeakKeyDictionary()
+_tables: weakref.WeakKeyDictionary[Any, dict[str, _Table]] = weakref.WeakKeyDictionary()
 
 
 def _log_ratios(problem: ConvProblem, results: Any) -> list[tuple[str, float]]:
@@ -246,7 +246,8 @@ def _log_ratios(problem: ConvProblem, results: Any) -> list[tuple[str, float]]:
 
 
 class _Table:
-    """A device's measurements as log ratios per problem, and the corrections they make."""
+    """A device's measurements as log ratios per problem, and the corrections they make: the
+    geometric means of measured / predicted time per (algorithm, direction, dtype) and per backend."""
 
     def __init__(self, measurements: list[tuple[ConvProblem, Any]]) -> None:
         by_problem: dict[ConvProblem, list[Any]] = defaultdict(list)
@@ -272,11 +273,6 @@ class _Table:
             return math.exp(sum(values) / len(values))
 
         return Corrections({k: geomean(v) for k, v in logs.items()}, {k: geomean(v) for k, v in backend_logs.items()})
-
-
-def build_corrections(measurements: list[tuple[ConvProblem, Any]]) -> Corrections:
-    """Geometric means of measured / predicted time over (problem, ok PerfResult) pairs."""
-    return _Table(measurements).corrections
 
 
 def _table(db: Any, device: str, *, build: bool) -> _Table | None:

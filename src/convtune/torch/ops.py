@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+
 import torch
 
 from convtune.algorithms.base import OPERAND_NAMES, buffers_bytes, check_tensor
