@@ -4,8 +4,9 @@ Part 1, tuning: for the first layers of a network in every training direction, i
 cold find meets them: making the problem's cuDNN graph (the heuristics query), building each of
 its plans (the slowest named), the float64 reference, then ``find`` itself (empty database; its
 plans are built by then, so what remains is verification and timing). Plans are built one after
-another, or by a pool of threads on every second problem (``--threads``), to see whether
-building them concurrently pays.
+another, or by a pool of threads on every second problem (``--threads``). The per-plan means by
+threads compare different problems, and ``ProblemGraph.build`` serializes the builds of one graph,
+so they do not say what concurrent building would gain.
 
 Part 2, the whole network (``--whole``): every distinct problem of the network's training step
 (forward; bwd_data except the first layer's; bwd_filter) selected in 'hybrid' mode on an empty
@@ -211,7 +212,9 @@ def main() -> None:
         [[r["problem"], f"{r['graph_s']:.3f}", f"{r['built']}/{r['plans']}", f"{r['build_s']:.3f} ({r['build_threads']})",
           f"{r['build_sum_s']:.3f}", f"{r['slowest'][0][0]} {r['slowest'][0][1]:.3f}" if r["slowest"] else "-",
           f"{r['reference_s']:.3f}", f"{r['find_s']:.3f}", r["timed"]] for r in rows])
-    text += "\nBuild wall seconds per plan, by threads: " + ", ".join(f"{t}: {s:.4f}" for t, s in per_plan.items())
+    text += ("\nBuild wall seconds per plan, by threads: " + ", ".join(f"{t}: {s:.4f}" for t, s in per_plan.items())
+             + " (means over alternate problems, not the same ones; builds of one graph take turns on its lock, "
+             "so this does not measure what threads gain)")
     if whole:
         text += (f"\n\n## The whole network, cold (every distinct training problem, 'hybrid' on an empty database)"
                  f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s. Cumulative seconds by phase "
