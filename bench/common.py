@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +23,7 @@ def environment() -> dict:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(), "torch": torch.__version__, "convtune": convtune.__version__,
-        "software": hardware.software_versions(),
+        "software": hardware.software_versions(), "revision": revision(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -36,6 +38,22 @@ def environment() -> dict:
     else:
         env["cpu"] = hardware.cpu_model()
     return env
+
+
+def revision() -> str:
+    """The commit the code under measurement is: BENCH_REVISION (a copy of the tree without its .git
+    sets it), else git's short hash ('+' when the tree has changes), else 'unknown'."""
+    if os.environ.get("BENCH_REVISION"):
+        return os.environ["BENCH_REVISION"]
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")
 
 
 def write(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:

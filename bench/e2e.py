@@ -15,7 +15,8 @@ cross-entropy loss, backward, SGD with momentum; no gradient scaler: timing only
 7 timings of 10 steps between CUDA events, after warm-up. The graph style captures the whole step
 (PyTorch's "whole network capture", warm-up on a side stream); the compile style reports its
 first-call (compile) time; Inductor's on-disk cache is the machine's, shared by the processes of a run.
-In the eager style a profiled training step (torch.profiler, kernel time only) gives each conv
+In the eager style cProfile of a few training steps gives the host's time per step and the functions
+that take it, and a profiled training step (torch.profiler, kernel time only) gives each conv
 layer's forward and backward GPU time and the time of everything else; convtune's runs are found by
 the profiler ranges its ops open ('convtune:<problem key> by <algorithm>'). Each configuration's result is written as soon as it ends, and results
 of earlier runs in the same file are kept (one configuration: one row), so a run cut short, or
@@ -203,9 +204,40 @@ def run_config(cfg: dict) -> dict:
         out[workload] = timer(step)
         print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)",
               file=sys.stderr, flush=True)
-    if cfg["style"] == "eager" and device == "cuda" and cfg.get("profile", True):
-        out["profile"] = profile_step(train_step, cfg.get("profile_steps", 3))
+    if cfg["style"] == "eager" and cfg.get("profile", True):
+        out["host_profile"] = host_profile(train_step, timer, cfg.get("profile_steps", 3))
+        if device == "cuda":
+            out["profile"] = profile_step(train_step, cfg.get("profile_steps", 3))
     return out
+
+
+def host_profile(step, timer: Timer, steps: int, top: int = 15) -> dict:
+    """Host time per training step (ms): the step's wall time, and the functions that take most of it (cProfile)."""
+    import cProfile
+    import pstats
+
+    timer.sync()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    wall_ms = 1e3 * (time.perf_counter() - t0) / steps  # before the sync: the host's own time
+    timer.sync()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return dict(wall_ms=wall_ms, functions=[
+        dict(function=_function_name(where), calls=int(calls / steps), self_ms=1e3 * tottime / steps,
+             cumulative_ms=1e3 * cumtime / steps) for where, (_, calls, tottime, cumtime, _) in rows])
+
+
+def _function_name(where: tuple) -> str:
+    """'file.py:line(name)' of a cProfile entry, the path cut to its last two parts ('{built-in ...}' as it is)."""
+    path, line, name = where
+    if path == "~":
+        return name
+    return f"{'/'.join(Path(path).parts[-2:])}:{line}({name})"
 
 
 def _layer_of(x_shape, w_shape) -> str:
@@ -287,15 +319,17 @@ def _ms(row: dict | None, workload: str) -> str:
 def markdown(env: dict, rows: dict) -> str:
     head = (f"# End-to-end benchmark\n\n{env['date']}, {env.get('gpu', env.get('cpu'))}, torch {env['torch']}, "
             f"CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, convtune {env['convtune']}. Autocast, channels_last; "
-            "median of 7 timings of 10 steps (ms per step); each row its own process.\n\n" + ANCHORS + "\n")
+            "median of 7 timings of 10 steps (ms per step); each row its own process; rows keep the date and "
+            "revision of the run that measured them.\n\n" + ANCHORS + "\n")
     table = []
     for cid, row in rows.items():
-        table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"]])
+        table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"],
+                      f"{row.get('date', '-')} {row.get('revision', '')}".strip()])
     out = head + "## Every configuration\n\nTuning (s): convtune's `optimize` on a cold database (then again in " \
         "the same process) or, in a fresh process, on the warm one; torch: its first inference call plus its " \
         "first training step (benchmark mode tunes there; under compile they include compiling).\n\n"
     out += common.md_table(["model", "batch", "dtype", "style", "mode", "inference ms", "training ms", "tuning s",
-                            "status"], table)
+                            "status", "measured"], table)
     groups = sorted({cid.rsplit(":", 1)[0] for cid in rows})
     ratios = []
     for g in groups:
@@ -314,6 +348,9 @@ def markdown(env: dict, rows: dict) -> str:
         if ct_row and bm1 and "profile" in ct_row and "profile" in bm1:
             out += f"\n## Where the training step's GPU time goes: {g}\n\n" + profile_table(bm1["profile"],
                                                                                             ct_row["profile"])
+        if ct_row and bm1 and "host_profile" in ct_row and "host_profile" in bm1:
+            out += f"\n## Where the training step's host time goes: {g}\n\n" + host_table(bm1["host_profile"],
+                                                                                          ct_row["host_profile"])
     return out
 
 
@@ -344,6 +381,20 @@ def profile_table(torch_profile: dict, ct_profile: dict) -> str:
             "weight shape; ratio = convtune / torch.\n\n" + common.md_table(
                 ["layer", "fwd torch bm1", "fwd convtune", "bwd torch bm1", "bwd convtune", "ratio",
                  "convtune's algorithms"], lines))
+
+
+def host_table(torch_profile: dict, ct_profile: dict) -> str:
+    """The host's wall time per training step, and convtune's costliest functions (self time) beside torch's."""
+    lines = [["**wall time per step**", f"{torch_profile['wall_ms']:.2f}", f"{ct_profile['wall_ms']:.2f}", ""]]
+    torch_self = {f["function"]: f for f in torch_profile["functions"]}
+    for f in ct_profile["functions"]:
+        t = torch_self.get(f["function"])
+        lines.append([f"`{f['function']}`", f"{t['self_ms']:.2f}" if t else "-", f"{f['self_ms']:.2f}",
+                      str(f["calls"])])
+    return ("Host (CPU) time per training step (ms), cProfile of a few steps (its own overhead included, so "
+            "compare the columns, not the absolute figures); rows: convtune's costliest functions by self time, "
+            "with torch benchmark=True's time in the same function where it is among its own costliest.\n\n"
+            + common.md_table(["function", "torch bm1 self ms", "convtune self ms", "convtune calls per step"], lines))
 
 
 def main() -> None:
@@ -391,7 +442,7 @@ def main() -> None:
                        db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite"))
             print(f"{config_id(cfg)}", file=sys.stderr, flush=True)
             row = in_subprocess(cfg, args.config_timeout)
-            row["date"] = env["date"]
+            row["date"], row["revision"] = env["date"], env["revision"]
             rows[config_id(cfg)] = row
             common.write(args.name, payload, markdown(env, rows), out_dir)  # after each: a cut run keeps what it did
     print(markdown(env, rows))

@@ -4,6 +4,7 @@ import hypothesis
 import pytest
 import torch
 
+from convtune import costmodel
 from convtune.settings import settings
 
 # CI (.ci/run sets CI=1) draws the same examples every run, so a run's verdict does not depend on
@@ -26,6 +27,16 @@ def quick_timing():
     """Timing cut to the bone, no progress bars: tests check what is chosen, not how fast."""
     with settings.override(timing_budget_s=0.005, timing_min_repeats=1, timing_max_repeats=2, progress=False):
         yield
+
+
+@pytest.fixture
+def nominal_peaks(monkeypatch):
+    """The cost model on fixed ceilings (100 GFLOP/s, 10 GB/s), not this machine's measured ones: a test whose
+    outcome rests on predictions then means the same on every machine."""
+    monkeypatch.setattr(costmodel, "_peaks", lambda device, dtype, tf32: (1e11, 1e10))
+    costmodel.predict_ms.cache_clear()
+    yield
+    costmodel.predict_ms.cache_clear()
 
 
 def pytest_collection_modifyitems(config, items):

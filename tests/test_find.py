@@ -300,7 +300,7 @@ def test_every_backend_gets_an_early_try_before_patience_runs_out():
     assert find(P, timer=FakeTimer(), candidates=[*same_family, other])[0].algorithm == "other:fast"
 
 
-def test_a_candidate_predicted_far_slower_than_the_best_measured_is_not_run():
+def test_a_candidate_predicted_far_slower_than_the_best_measured_is_not_run(nominal_peaks):
     # The cost model predicts by family: a 1x1 GEMM on a big 1x1 problem is far cheaper than the
     # direct method's per-tap loops, which the prune then skips without running them.
     big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
@@ -314,7 +314,7 @@ def test_a_candidate_predicted_far_slower_than_the_best_measured_is_not_run():
         assert by_name(find(big, timer=FakeTimer(), candidates=[fast, slow]))["direct:taps_fake"].ok
 
 
-def test_a_leaner_candidate_still_runs_after_convergence_and_past_the_prune():
+def test_a_leaner_candidate_still_runs_after_convergence_and_past_the_prune(nominal_peaks):
     big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
     hungry = [Fake(f"gemm:1x1_h{i}", time_ms=1.0 + 0.1 * i, workspace_bytes=1 << 20) for i in range(4)]
     lean = Fake("direct:taps_lean", time_ms=30.0)  # zero workspace, predicted and measured slow

@@ -159,15 +159,6 @@ def test_get_ranks_a_cuda_problem_without_a_gpu():
         assert [c.name for c in get(p)] == ["cudnn:eng0"]
 
 
-@pytest.fixture
-def nominal_peaks(monkeypatch):
-    """The cost model on fixed ceilings (100 GFLOP/s, 10 GB/s), not this machine's measured ones."""
-    monkeypatch.setattr(costmodel, "_peaks", lambda device, dtype, tf32: (1e11, 1e10))
-    costmodel.predict_ms.cache_clear()
-    yield
-    costmodel.predict_ms.cache_clear()
-
-
 def test_cost_model_families(nominal_peaks):
     p = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=3, padding=1)
     names = ["torch:native", "gemm:im2col", "direct:taps", "fft:rfft", "winograd:f4x3", "cudnn:eng1",

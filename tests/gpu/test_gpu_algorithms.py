@@ -92,3 +92,31 @@ def test_find_reports_out_of_memory_as_a_status_and_goes_on():
     by_name = {r.algorithm: r for r in results}
     assert by_name["test:greedy"].status == ct.Status.OUT_OF_MEMORY
     assert results[0].ok and results[0].algorithm != "test:greedy"
+
+
+def test_cudnn_plans_launch_directly_and_agree_with_the_frontends_public_execute():
+    from convtune.algorithms import cudnn as backend
+    from convtune.settings import settings
+
+    p = ct.ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=3, padding=1, device="cuda",
+                       dtype="float16", layout="NHWC")
+    a, b = p.random_inputs(seed=3)
+    graph = backend.ProblemGraph(p)
+    direct = 0
+    for index in range(len(graph.names)):
+        try:
+            need = graph.build(index)
+        except RuntimeError:
+            continue
+        ws = allocate_workspace(need, "cuda")
+        outs = []
+        for on in (True, False):
+            graph._launchers.pop(index, None)
+            with settings.override(cudnn_direct=on):
+                out = p.empty(p.operand_shapes[2]).fill_(float("nan"))
+                graph.execute(index, a, b, out, ws)
+                direct += on and graph._launchers[index].__name__ == "launch"
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1]), graph.names[index]
+    assert direct > 0, "no plan launched directly: the frontend's internals changed; see cudnn._direct_launch"

@@ -24,6 +24,7 @@ import cudnn  # noqa: I001 - an ImportError here leaves the backend out (registr
 
 from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
+from ..settings import settings
 from .base import Algorithm, Backend, Buffer, NumericNotes, Support, unsupported
 from .registry import register
 
@@ -94,6 +95,7 @@ class ProblemGraph:
         self.names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
         self.workspace: dict[int, int] = {}  # built plans: index -> workspace bytes
         self.failed: dict[int, str] = {}  # plans that did not build: index -> why
+        self._launchers: dict[int, object] = {}  # built plans: index -> launch (see _launcher)
 
     def build(self, index: int) -> int:
         """Build plan ``index`` (once) and return its workspace bytes; raises if it cannot be built."""
@@ -110,16 +112,58 @@ class ProblemGraph:
             return self.workspace[index]
 
     def execute(self, index: int, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor) -> None:
-        if index not in self.workspace:
+        launch = self._launchers.get(index)
+        if launch is None:
             self.build(index)
+            launch = self._launchers[index] = self._launcher(index)
         device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
         handle = _handle(device_index)
         # The handle follows PyTorch's current stream, so CUDA-graph capture records this launch.
         _follow_stream(handle, device_index)
-        ta, tb, tout = self.operands
         # A 1-D problem's tensors are 2-D ones of height 1 to cuDNN: the same memory, the same pointers.
-        pack = {ta: a.data_ptr(), tb: b.data_ptr(), tout: out.data_ptr()}
-        self.graph.execute_plan_at_index(pack, workspace.data_ptr() if workspace.numel() else None, index, handle=handle)
+        launch(handle, a.data_ptr(), b.data_ptr(), out.data_ptr(), workspace.data_ptr() if workspace.numel() else 0)
+
+    def _launcher(self, index: int):
+        """``launch(handle, a_ptr, b_ptr, out_ptr, workspace_ptr)`` of built plan ``index``.
+
+        The frontend's public execute re-describes and re-checks every operand in Python on each
+        call (about 35 us of host time a call on the H200's host, bench/results/tuning_cost.md);
+        the operands here were checked once by whoever calls (ops.Runner, Algorithm.run). So a plan
+        that the frontend runs through its C++ graph is launched there directly, by operand uid, as
+        the public call ends up doing; anything else (a frontend without that layout, a plan of
+        the frontend's own Python engines) takes the public call.
+        """
+        g, operands = self.graph, self.operands
+        direct = _direct_launch(g, index, tuple(t.uid for t in operands)) if settings.cudnn_direct else None
+        if direct is not None:
+            return direct
+
+        def public(handle, pa: int, pb: int, pout: int, pws: int) -> None:
+            pack = dict(zip(operands, (pa, pb, pout)))
+            g.execute_plan_at_index(pack, pws or None, index, handle=handle)
+
+        return public
+
+
+def _direct_launch(g, index: int, uids: tuple[int, int, int]):
+    """The C++ launch of plan ``index`` of frontend graph ``g`` (see ``ProblemGraph._launcher``), or None."""
+    try:
+        lowered, plan = g._lowered_graph, g._materialize_backend_plan(index)
+        usable = (plan.cpp_index is not None and g._engine_for(plan) is None and not g._data_bindings
+                  and index not in g._barred_indices() and callable(lowered._execute_plan_at_index))
+    except (AttributeError, TypeError) as exc:  # another frontend's internals: the public call is right there
+        log.info("cuDNN frontend %s: launching plans through its public execute (%s)", cudnn.__version__, exc)
+        return None
+    if not usable:
+        return None
+    cpp_index = plan.cpp_index
+    ua, ub, uout = uids
+
+    def launch(handle, pa: int, pb: int, pout: int, pws: int) -> None:
+        lowered._execute_plan_at_index({ua: pa, ub: pb, uout: pout}, pws, cpp_index, handle.backend_handle,
+                                       None, None, None)
+
+    return launch
 
 
 _handle_streams: dict[int, int] = {}  # id(handle) -> the stream last set on it

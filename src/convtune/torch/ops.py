@@ -90,15 +90,20 @@ class Runner:
 
     def _fits(self, t: torch.Tensor, index: int) -> bool:
         shape, stride = self.operands[index]
-        return t.stride() == stride and t.shape == shape and t.dtype == self.problem.torch_dtype \
-            and t.device.type == self.problem.device
+        return t.shape == shape and t.dtype == self.problem.torch_dtype and t.device.type == self.problem.device \
+            and t.stride() == stride
 
     def _check(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """The quick check of the operands (shape, dtype, device, strides); the full one, with its error, if it fails."""
+        """The quick check of the operands (shape, dtype, device, strides); the full one, with its error, if it fails.
+
+        Strides that differ only where a dimension has size 1 (a 1x1 weight from ``to_layout``) pass
+        the full check; those operands are remembered, so they take the quick one next time.
+        """
         if not (self._fits(a, 0) and self._fits(b, 1)):
             problem = self.problem
             for name, t, (shape, _) in zip(OPERAND_NAMES[problem.direction], (a, b), self.operands):
                 check_tensor(problem, name, t, shape)
+            self.operands = tuple((shape, t.stride()) for t, (shape, _) in zip((a, b), self.operands))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         self._check(a, b)
