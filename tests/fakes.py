@@ -3,7 +3,8 @@
 A fake algorithm computes the true result (through PyTorch) unless it is meant to fail, and
 advances the shared fake ``CLOCK`` by its ``time_ms`` each run; ``FakeTimer`` times by that
 clock, so a test decides candidates' times exactly without sleeping. ``Fake(..., sleep=True)``
-also sleeps for real, for the wall-clock budget and the real timer.
+also sleeps for real, for the wall-clock budget and the real timer. ``CostlyWorkspace`` counts
+how often its workspace had to be learned (a cuDNN plan's build).
 """
 
 from __future__ import annotations
@@ -180,6 +181,28 @@ class UnknownDeterminism(Fake):
         super().compute(problem, a, b, out)
         if self.noisy:  # far within tolerance, but not bit for bit the same: atomics-like
             out.mul_(1 + 1e-6 * (self.runs % 7 + 1))
+
+
+class CostlyWorkspace(Fake):
+    """A workspace learned only by costly work, like a cuDNN plan's by its build.
+
+    ``known_scratch_bytes`` is None for a problem until ``scratch_bytes``, ``workspace_bytes`` or a
+    run learned it; ``builds`` counts the learnings (once per problem, as a plan is built once).
+    """
+
+    def __init__(self, name: str = "fake:costly", **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.built: set[Any] = set()
+        self.builds = 0
+
+    def known_scratch_bytes(self, problem) -> int | None:
+        return self.declared_bytes if problem in self.built else None
+
+    def buffers(self, problem) -> list[Buffer]:
+        if problem not in self.built:
+            self.built.add(problem)
+            self.builds += 1
+        return super().buffers(problem)
 
 
 class FakeDB:

@@ -12,8 +12,8 @@ from convtune.find import is_out_of_memory, summary
 from convtune.ranking import rank
 from convtune.settings import settings
 from convtune.verify import check, reference_case, tolerance
-from fakes import (FakeDB, FakeTimer, Fake, InputWriter, NaNResult, NoWrite, OutOfMemory, Raising,
-                   UnknownDeterminism, WrongResult)
+from fakes import (CostlyWorkspace, FakeDB, FakeTimer, Fake, InputWriter, NaNResult, NoWrite, OutOfMemory,
+                   Raising, UnknownDeterminism, WrongResult)
 
 P = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
 
@@ -322,3 +322,73 @@ def test_a_leaner_candidate_still_runs_after_convergence_and_past_the_prune(nomi
         results = by_name(find(big, timer=FakeTimer(), candidates=[*hungry, lean]))
     assert results["direct:taps_lean"].ok and lean.runs > 0
     assert any("converged" in r.message for r in results.values() if r.status is Status.SKIPPED)
+
+
+def converging(workspaces):
+    """Eight candidates of one backend, p0 fastest: with patience 3, p0-p3 run and p4-p7 are skipped."""
+    return [CostlyWorkspace(f"fake:p{i}", time_ms=1.0 + 0.1 * i, workspace_bytes=ws) for i, ws in enumerate(workspaces)]
+
+
+def test_a_skipped_candidate_is_not_built_when_nothing_can_be_leaner():
+    fakes = converging([0, 0, 0, 0, 4096, 4096, 0, 4096])
+    db = FakeDB()
+    with settings.override(find_patience=3):
+        results = by_name(find(P, db=db, timer=FakeTimer(), candidates=fakes))
+    assert [f.builds for f in fakes] == [1, 1, 1, 1, 0, 0, 0, 0]
+    for f in fakes[4:]:
+        r = results[f.name]
+        assert r.status is Status.SKIPPED and "converged" in r.message and "workspace not learned" in r.message
+        assert r.workspace_bytes == 0
+    # The database keeps what an earlier find measured, not the unlearned 0.
+    find(P, db=db, timer=FakeTimer(), candidates=converging([0, 0, 0, 0, 4096, 4096, 0, 4096]))
+    with settings.override(find_patience=3):
+        find(P, db=db, timer=FakeTimer(), candidates=converging([0, 0, 0, 0, 4096, 4096, 0, 4096]))
+    stored = by_name(db.results(P))
+    assert stored["fake:p5"].ok and stored["fake:p5"].workspace_bytes == 4096
+
+
+def test_a_skipped_candidate_is_built_while_it_could_be_leaner_than_every_one_measured():
+    fakes = converging([4096, 4096, 4096, 4096, 4096, 4096, 1024, 4096])
+    with settings.override(find_patience=3):
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+    assert [f.builds for f in fakes] == [1] * 8
+    assert results["fake:p6"].ok and fakes[6].runs > 0  # the leaner one runs after convergence
+    for name in ("fake:p4", "fake:p5", "fake:p7"):
+        r = results[name]
+        assert r.status is Status.SKIPPED and r.workspace_bytes == 4096 and "not learned" not in r.message
+
+
+def test_a_pruned_candidate_is_not_built_when_nothing_can_be_leaner():
+    big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
+    fast = CostlyWorkspace("gemm:1x1_fake", time_ms=0.1)
+    slow = CostlyWorkspace("direct:taps_fake", time_ms=50.0, workspace_bytes=4096)
+    with settings.override(find_prune_factor=1.0001, find_patience=0):
+        results = by_name(find(big, timer=FakeTimer(), candidates=[fast, slow]))
+    r = results["direct:taps_fake"]
+    assert r.status is Status.SKIPPED and "predicted" in r.message and "workspace not learned" in r.message
+    assert (fast.builds, slow.builds, slow.runs) == (1, 0, 0)
+
+
+def test_a_budget_skip_builds_only_under_a_workspace_limit():
+    def fakes():
+        return [CostlyWorkspace(f"fake:n{i}", time_ms=1.0 + i, workspace_bytes=ws) for i, ws in enumerate([0, 1024, 4096])]
+
+    free = fakes()
+    results = by_name(find(P, Policy(max_candidates=1), timer=FakeTimer(), candidates=free))
+    assert [f.builds for f in free] == [1, 0, 0]
+    assert all("budget" in results[n].message and "workspace not learned" in results[n].message
+               for n in ("fake:n1", "fake:n2"))
+    limited = fakes()
+    results = by_name(find(P, Policy(max_candidates=1, workspace_limit="2KiB"), timer=FakeTimer(), candidates=limited))
+    assert [f.builds for f in limited] == [1, 1, 1]
+    assert results["fake:n1"].status is Status.SKIPPED and results["fake:n1"].workspace_bytes == 1024
+    assert results["fake:n2"].status is Status.OVER_WORKSPACE_LIMIT and results["fake:n2"].workspace_bytes == 4096
+
+
+def test_under_a_workspace_limit_every_skipped_candidate_is_built():
+    fakes = converging([0, 0, 0, 0, 1024, 1024, 0, 4096])
+    with settings.override(find_patience=3):
+        results = by_name(find(P, Policy(workspace_limit="2KiB"), timer=FakeTimer(), candidates=fakes))
+    assert [f.builds for f in fakes] == [1] * 8
+    assert results["fake:p5"].status is Status.SKIPPED and results["fake:p5"].workspace_bytes == 1024
+    assert results["fake:p7"].status is Status.OVER_WORKSPACE_LIMIT

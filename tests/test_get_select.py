@@ -9,8 +9,9 @@ from convtune import ConvProblem, NoAlgorithmError, PerfResult, Policy, Status, 
 from convtune import costmodel
 from convtune.algorithms.base import Backend
 from convtune.algorithms.registry import algorithms, isolated
+from convtune.get import ranked_predictions
 from convtune.settings import settings
-from fakes import Fake, FakeDB, Raising, WrongResult
+from fakes import CostlyWorkspace, Fake, FakeDB, Raising, WrongResult
 
 P1 = ConvProblem("fwd", n=2, c=16, k=16, input_size=(8, 8), kernel_size=1)  # a 1x1 convolution
 P3 = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
@@ -118,6 +119,44 @@ def test_get_leaves_out_policy_violations(policy, excluded):
         everything = {c.name for c in get(P3)}
         names = {c.name for c in get(P3, policy)}
     assert everything - names == {excluded}
+
+
+def plans(kind=CostlyWorkspace):
+    # The vendor cost model ignores the workspace: the two predictions tie, and the tie rule decides.
+    return [kind("cudnn:a_big", workspace_bytes=2**20), kind("cudnn:b_small")]
+
+
+def names(ranked):
+    return [a.name for a, _ in ranked]
+
+
+def test_finds_ranking_builds_nothing_and_keeps_its_order_once_workspaces_are_known():
+    costly = plans()
+    with isolated(builtins=False):
+        cold = ranked_predictions(P3, costly, Policy(), keep_filters=False)
+        assert [c.builds for c in costly] == [0, 0]
+        assert names(cold) == ["cudnn:a_big", "cudnn:b_small"]  # unknown counts as 0: the tie goes by name
+        assert "workspace not known yet" in cold[0][1].message
+        for plan in costly:
+            plan.scratch_bytes(P3)
+        warm = ranked_predictions(P3, costly, Policy(), keep_filters=False)
+        known = ranked_predictions(P3, plans(Fake), Policy(), keep_filters=False)
+    assert names(warm) == names(known) == ["cudnn:b_small", "cudnn:a_big"]
+    assert [g.time_ms for _, g in warm] == [g.time_ms for _, g in known]
+
+
+@pytest.mark.parametrize("policy, keep_filters", [
+    (Policy(), True),  # get's own answers and select's 'get' mode
+    (Policy(workspace_limit="1MiB"), False),
+    (Policy(prefer="least_memory"), False),
+])
+def test_rankings_that_depend_on_the_workspace_build(policy, keep_filters):
+    costly = plans()
+    with isolated(builtins=False):
+        ranked = ranked_predictions(P3, costly, policy, keep_filters=keep_filters)
+    assert [c.builds for c in costly] == [1, 1]
+    assert names(ranked) == ["cudnn:b_small", "cudnn:a_big"]
+    assert ranked[1][1].workspace_bytes == 2**20
 
 
 def test_get_prefer_least_memory():

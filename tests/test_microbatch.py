@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from fakes import CLOCK, Fake, FakeDB, FakeTimer
+from fakes import CLOCK, CostlyWorkspace, Fake, FakeDB, FakeTimer
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -122,6 +122,17 @@ def test_workspace_is_the_largest_sub_batch_plus_the_accumulator(direction, dtyp
     inputs, ref = reference_case(p)
     out = mb.run(p, *inputs, workspace=allocate_workspace(mb.workspace_bytes(p), "cpu"))
     assert rel_error(out, ref) <= tolerance(p, mb.notes(p))
+
+
+def test_a_split_knows_its_workspace_without_building_only_once_every_inner_does():
+    p = problem("bwd_filter", n=6)
+    inner = CostlyWorkspace("fake:costly", workspace_bytes=1000)
+    mb = MicroBatch(inner, [(4, 1), (2, 1)])
+    assert mb.known_scratch_bytes(p) is None and inner.builds == 0
+    inner.scratch_bytes(problem("bwd_filter", n=4))
+    assert mb.known_scratch_bytes(p) is None and inner.builds == 1  # the sub-batch of 2 is not built yet
+    assert mb.scratch_bytes(p) == mb.known_scratch_bytes(p) == aligned(1000) + aligned(6 * 4 * 9 * 4)
+    assert inner.builds == 2
 
 
 def test_one_slice_needs_no_accumulator():

@@ -4,7 +4,8 @@ The candidates are tried in ``get``'s order. Each one is, in turn: held against 
 (a violation is a status, nothing runs), given its declared workspace, run once on the shared
 random inputs with its output poisoned and compared with the float64 reference (a wrong
 result is recorded, not timed), then timed. Whatever goes wrong becomes a status on its
-result; the search goes on.
+result; the search goes on. Neither the ordering nor a skip learns a workspace that costs work
+to learn (an unbuilt cuDNN plan's) unless the decision depends on it (``find``).
 
     >>> from convtune import ConvProblem, get_algorithm
     >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(8, 8), kernel_size=3, padding=1)
@@ -111,33 +112,37 @@ class _Search:
         converged: the search has stopped finding faster candidates. Either way, a candidate that
         needs less scratch than every one measured so far still runs: it is a new point of the
         time/workspace trade-off that a workspace budget (``plan``) may need.
+
+        A workspace that is costly to learn (``known_scratch_bytes`` is None: an unbuilt cuDNN
+        plan) is learned only where it decides: against the policy's workspace limit, for a run,
+        or to see whether a candidate to be skipped is leaner than every one measured (not when
+        the leanest measured needs none). A candidate skipped without it shows 0 bytes, and its
+        message says the workspace was not learned.
         """
         problem = self.problem
+        skip = self._skip(predicted_ms, converged)
         try:
-            workspace_bytes = algorithm.scratch_bytes(problem)
             notes = algorithm.notes(problem)
             declared = algorithm.is_deterministic(problem)
+            workspace_bytes = algorithm.known_scratch_bytes(problem)
+            if workspace_bytes is None and self._workspace_decides(skip):
+                workspace_bytes = algorithm.scratch_bytes(problem)
         except Exception as exc:  # noqa: BLE001 - a failing candidate is data
             return PerfResult(algorithm.name, Status.FAILED, message=_describe(exc))
+        learned = workspace_bytes is not None
         # None: the algorithm does not know (cuDNN plans); two runs compared bit for bit decide.
-        props = dict(workspace_bytes=workspace_bytes, deterministic=declared is None or bool(declared),
+        props = dict(workspace_bytes=workspace_bytes if learned else 0,
+                     deterministic=declared is None or bool(declared),
                      uses_tf32=notes.tf32, reduced_precision=notes.reduced_precision)
         violation = self.policy.violation(**props)
         if violation is not None:
             return PerfResult(algorithm.name, violation[0], message=violation[1], **props)
-        exhausted = self.budget.exhausted()
-        if exhausted:
-            return PerfResult(algorithm.name, Status.SKIPPED, message=exhausted, **props)
-        leaner = workspace_bytes < self.leanest_bytes
-        patience = settings.find_patience
-        if converged and not leaner:
-            return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
-                f"search converged: {patience} candidates in a row were no faster than the best"))
-        prune = settings.find_prune_factor
-        if (prune and not leaner and math.isfinite(self.best_ms) and math.isfinite(predicted_ms)
-                and predicted_ms > prune * self.best_ms):
-            return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
-                f"predicted {predicted_ms:.4g} ms, over {prune:g}x the best measured ({self.best_ms:.4g} ms)"))
+        if skip is not None:
+            message, leaner_runs = skip
+            if not (leaner_runs and learned and workspace_bytes < self.leanest_bytes):
+                if not learned:
+                    message += "; workspace not learned (shown as 0)"
+                return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
         self.budget.timed += 1
         self.case()  # outside the candidate's try: a reference that cannot be computed is not its fault
         try:
@@ -150,6 +155,27 @@ class _Search:
             with contextlib.suppress(Exception):  # it may have scribbled on the inputs before failing
                 self.restore_inputs()
             return PerfResult(algorithm.name, status, message=_describe(exc), **props)
+
+    def _skip(self, predicted_ms: float, converged: bool) -> tuple[str, bool] | None:
+        """Why the next candidate need not run, and whether a leaner one runs all the same; None: it runs."""
+        exhausted = self.budget.exhausted()
+        if exhausted:
+            return exhausted, False
+        if converged:
+            return (f"search converged: {settings.find_patience} candidates in a row were no faster "
+                    f"than the best"), True
+        prune = settings.find_prune_factor
+        if (prune and math.isfinite(self.best_ms) and math.isfinite(predicted_ms)
+                and predicted_ms > prune * self.best_ms):
+            return f"predicted {predicted_ms:.4g} ms, over {prune:g}x the best measured ({self.best_ms:.4g} ms)", True
+        return None
+
+    def _workspace_decides(self, skip: tuple[str, bool] | None) -> bool:
+        """Whether a candidate's workspace changes what happens to it, given why it would be skipped."""
+        if self.policy.workspace_limit is not None or skip is None:
+            return True  # held against the limit, or it runs
+        _, leaner_runs = skip
+        return leaner_runs and self.leanest_bytes > 0  # nothing is leaner than no scratch
 
     def _measure(self, algorithm: Algorithm, props: dict[str, Any], probe_determinism: bool) -> PerfResult:
         problem = self.problem
@@ -237,9 +263,13 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
     is skipped without running. Neither rule skips a candidate needing less scratch than every
-    one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. With ``policy.micro_batching`` and a ``workspace_limit``, the
-    batch splits that ``microbatch.micro_batch_offers`` proposes (from finds on sub-batches)
-    are tried last, verified and timed by ``timer`` like any candidate.
+    one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. A
+    workspace costly to learn (a cuDNN plan's, by building it) is learned for the candidates
+    that run, for all of them under a ``workspace_limit``, and for a skipped one only while a
+    candidate can still be leaner than the leanest measured; a skipped candidate whose workspace
+    was not learned shows 0 bytes and says so in its message. With ``policy.micro_batching`` and
+    a ``workspace_limit``, the batch splits that ``microbatch.micro_batch_offers`` proposes (from
+    finds on sub-batches) are tried last, verified and timed by ``timer`` like any candidate.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
     early and says so), out_of_memory, failed ("ExceptionType: message"), wrong_result (beyond

@@ -37,20 +37,27 @@ MEMO_SIZE = 4096
 _memo: dict[tuple, list[Choice]] = {}
 
 
-def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: float = 1.0) -> PerfResult:
+def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: float = 1.0, *,
+            learn_workspace: bool = True) -> PerfResult:
     """The cost model's guess for ``algorithm`` on ``problem`` as an unmeasured ``PerfResult``.
 
     time_ms is the predicted time (times ``factor``, corrected by ``db``'s measurements on this
     device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
-    precision) are the algorithm's own. Exceptions of the algorithm's description methods propagate.
+    precision) are the algorithm's own. learn_workspace=False takes the workspace only if it is
+    known without costly work (``Algorithm.known_scratch_bytes``; an unbuilt cuDNN plan's is not)
+    and counts an unknown one as 0, in the cost model and in the result. Exceptions of the
+    algorithm's description methods propagate.
     """
-    workspace = algorithm.scratch_bytes(problem)
+    workspace = algorithm.scratch_bytes(problem) if learn_workspace else algorithm.known_scratch_bytes(problem)
+    unknown = workspace is None
+    workspace = workspace or 0
     notes = algorithm.notes(problem)
     ms = costmodel.predict_ms(algorithm.name, problem, workspace, notes.tf32) * factor
     ms *= costmodel.corrections(db, problem.device).factor(algorithm.name, problem)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
-                      reduced_precision=notes.reduced_precision, message=f"predicted {ms:.4g} ms")
+                      reduced_precision=notes.reduced_precision,
+                      message=f"predicted {ms:.4g} ms" + ("; workspace not known yet, counted as 0" if unknown else ""))
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,7 +76,13 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     keep_filters=True leaves out what the policy forbids (get); False keeps every candidate in
     the policy's preferred order (find times them in this order and gives violations a status).
     A candidate whose description raises is logged and ranked last (get leaves it out).
+
+    Workspaces are learned (cuDNN plans built) where they decide: the filters, a workspace limit
+    (find holds every candidate against it anyway) and prefer='least_memory'. Otherwise only the
+    tie rule reads them, and a workspace not known without costly work counts as 0 (``predict``),
+    so find's ordering builds no plan; where every workspace is known, the order is the same.
     """
+    learn_workspace = keep_filters or policy.workspace_limit is not None or policy.prefer == "least_memory"
     by_name: dict[str, Algorithm] = {}
     guesses = []
     broken = []
@@ -81,7 +94,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
             factor += BACKEND_ORDER_STEP * seen[algorithm.backend]
             seen[algorithm.backend] += 1
         try:
-            guess = predict(problem, algorithm, db, factor)
+            guess = predict(problem, algorithm, db, factor, learn_workspace=learn_workspace)
         except Exception as exc:  # noqa: BLE001 - a broken plug-in must not break the ranking
             log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key,
                         type(exc).__name__, exc)

@@ -1,7 +1,8 @@
 """Algorithm: one way to compute a convolution, and the support it needs (workspace carving, checks).
 
-An algorithm knows whether it supports a problem (and why not), how much workspace it needs,
-whether it is deterministic, its numeric behaviour, and how to run. It never times and never
+An algorithm knows whether it supports a problem (and why not), how much workspace it needs
+(and whether that is known yet without costly work: ``known_scratch_bytes``), whether it is
+deterministic, its numeric behaviour, and how to run. It never times and never
 chooses: the timer and the tuner do that.
 
 Workspace honesty: every scratch tensor an algorithm uses is carved from the workspace it is
@@ -187,6 +188,16 @@ class Algorithm(abc.ABC):
         This is what policies and plans count against a memory limit.
         """
         return self.workspace_bytes(problem) + self.library_bytes(problem)
+
+    def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
+        """``scratch_bytes(problem)`` if it is known without costly work, else None.
+
+        An algorithm whose size is learned only by real work (a cuDNN plan is built to learn its
+        workspace, up to a second) returns None until that work was done. The tuner asks this
+        where the size only orders or skips candidates, and ``scratch_bytes`` where a decision
+        depends on it. By default the size is always known.
+        """
+        return self.scratch_bytes(problem)
 
     def run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
             workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

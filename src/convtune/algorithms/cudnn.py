@@ -4,7 +4,9 @@ For a problem, the backend builds the cuDNN graph (conv_fprop, conv_dgrad or con
 compute) and asks heuristics modes A and FALLBACK for every engine configuration they offer. Each
 plan becomes an algorithm named ``cudnn:<plan name>`` (``cudnn:eng62_k2=5_k13=1...``). Building a
 plan costs from 0.1 ms to about a second (runtime-compiled engines), so plans are built lazily, the
-first time their workspace is asked for or they run, and kept per problem for the process.
+first time their workspace is asked for (``scratch_bytes``) or they run, and kept per problem for
+the process. Until then ``known_scratch_bytes`` is None: ``find`` orders and skips candidates
+without building them, and builds only the plans whose workspace decides something (see ``find``).
 
 Determinism is not exposed per plan by the frontend's Python API: a plan's ``is_deterministic``
 is None (unknown) until the tuner has run it twice and compared the results bit for bit.
@@ -201,6 +203,10 @@ class CudnnPlan(Algorithm):
     def notes(self, problem: ConvProblem) -> NumericNotes:
         half = problem.dtype != "float32"
         return NumericNotes(tensor_cores=half or problem.allow_tf32, tf32=not half and problem.allow_tf32)
+
+    def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
+        # The workspace is all of a plan's scratch; only a built plan knows it (None: not built, or failed).
+        return self.graph.workspace.get(self.index)
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         # cuDNN gets its workspace whole; building the plan is what tells its size.

@@ -176,6 +176,12 @@ class MicroBatch(Algorithm):
     def library_bytes(self, problem: ConvProblem) -> int:
         return max(inner.library_bytes(sub) for sub, inner in self._subs(problem))
 
+    def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
+        # Known once every sub-batch's inner knows its own: asking builds no cuDNN plan of a split.
+        if any(inner.known_scratch_bytes(sub) is None for sub, inner in self._subs(problem)):
+            return None
+        return self.scratch_bytes(problem)
+
     def notes(self, problem: ConvProblem) -> NumericNotes:
         notes = [inner.notes(sub) for sub, inner in self._subs(problem)]
         return NumericNotes(**{f.name: any(getattr(n, f.name) for n in notes) for f in dataclasses.fields(NumericNotes)})
