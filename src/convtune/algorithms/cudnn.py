@@ -205,8 +205,9 @@ class CudnnPlan(Algorithm):
         return NumericNotes(tensor_cores=half or problem.allow_tf32, tf32=not half and problem.allow_tf32)
 
     def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
-        # The workspace is all of a plan's scratch; only a built plan knows it (None: not built, or failed).
-        return self.graph.workspace.get(self.index)
+        # Only a built plan knows its workspace (None: not built, or failed); then the same figure as
+        # scratch_bytes, which counts the buffer as carved (aligned).
+        return self.scratch_bytes(problem) if self.index in self.graph.workspace else None
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         # cuDNN gets its workspace whole; building the plan is what tells its size.
