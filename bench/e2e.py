@@ -24,6 +24,7 @@ several 10-minute runs of parts, add up:
 
     python bench/e2e.py                                     # everything (hours: run it in parts)
     python bench/e2e.py --models resnet50 --batches 128 --dtypes float16 --styles eager,graph
+    python bench/e2e.py --missing                           # what the results file does not have yet
     python bench/e2e.py --device cpu --tiny --out /tmp/e2e  # a small stand-in network: checks the pipeline
 
 Results: bench/results/e2e.json and e2e.md (or --out, --name).
@@ -411,6 +412,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--config-timeout", type=float, default=540.0, help="seconds one configuration may take")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled training step (eager style)")
+    parser.add_argument("--missing", action="store_true", help="only the configurations the results file has no "
+                        "ok row for (a run in parts goes on where the last one stopped)")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
                         "temporary folder, so each run tunes cold first)")
     parser.add_argument("--out", default=None)
@@ -440,6 +443,8 @@ def main() -> None:
             cfg = dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device,
                        tiny=args.tiny, steps=args.steps, repeats=args.repeats, profile=not args.no_profile,
                        db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite"))
+            if args.missing and rows.get(config_id(cfg), {}).get("status") == "ok":
+                continue
             print(f"{config_id(cfg)}", file=sys.stderr, flush=True)
             row = in_subprocess(cfg, args.config_timeout)
             row["date"], row["revision"] = env["date"], env["revision"]
