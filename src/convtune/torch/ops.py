@@ -71,7 +71,7 @@ class Runner:
     so a call costs little host time beyond the algorithm's own launches.
     """
 
-    __slots__ = ("problem", "algorithm", "operands", "result", "workspace_bytes", "buffers", "generation")
+    __slots__ = ("problem", "algorithm", "operands", "result", "workspace_bytes", "buffers", "generation", "_kind")
 
     def __init__(self, key: str, algorithm: str) -> None:
         self.generation = generation()  # the registry's: a re-registered name is looked up again
@@ -84,14 +84,14 @@ class Runner:
         if not support:
             raise ValueError(f"{algorithm} does not support {key}: {support.reason}")
         self.operands = tuple(_dense(problem, shape) for shape in problem.operand_shapes[:2])
+        self._kind = (problem.torch_dtype, problem.device == "cuda")  # what _fits compares besides geometry
         self.result = _result_spec(problem)
         self.buffers = tuple(algo.buffers(problem))
         self.workspace_bytes = buffers_bytes(self.buffers)
 
     def _fits(self, t: torch.Tensor, index: int) -> bool:
-        shape, stride = self.operands[index]
-        return t.shape == shape and t.dtype == self.problem.torch_dtype and t.device.type == self.problem.device \
-            and t.stride() == stride
+        # The cheapest attributes first: a run asks this of both operands every call.
+        return (t.dtype, t.is_cuda) == self._kind and (t.shape, t.stride()) == self.operands[index]
 
     def _check(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """The quick check of the operands (shape, dtype, device, strides); the full one, with its error, if it fails.
