@@ -13,6 +13,10 @@ Part 2, the whole network (``--whole``): every distinct problem of the network's
 database, as ``optimize(training=True)`` does, under cProfile: the wall time and the cumulative
 seconds of each phase (cuDNN graphs, plan builds, references, verification, timing, the database).
 
+Then the same problems warm, in a fresh process on the database the cold run filled: each one
+selected from it and its algorithm's workspace learned (a cuDNN plan built), as a warm ``optimize``
+does, under cProfile (database lookups, cuDNN graphs, plan builds).
+
 Part 3, host cost: microseconds per call, on a layer small enough that the GPU waits on the host,
 of ``F.conv2d`` and of convtune's op path (``ops.compute``, ``torch.ops.convtune.run``, and
 ``torch.ops.convtune.conv`` with autograd) for each algorithm kind, and of an ``nn.Conv2d`` before and
@@ -28,9 +32,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import cProfile
+import json
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -123,28 +129,71 @@ PHASES = (
 )
 
 
-def whole_network(network: str, batch: int, dtype: str, layout: str, device: str) -> dict:
-    """The network's distinct training problems selected cold in 'hybrid' mode, under cProfile."""
+def _training_problems(network: str, batch: int, dtype: str, layout: str, device: str) -> list:
+    """Every distinct problem of the network's training step, as ``optimize(training=True)`` meets them."""
     layers = zoo.network_layers(network, batch, dtype=dtype, layout=layout, device=device)
-    problems = list(dict.fromkeys(layer.problem.with_direction(d) for i, layer in enumerate(layers)
-                                  for d in ("fwd", "bwd_data", "bwd_filter") if d != "bwd_data" or i > 0))
+    return list(dict.fromkeys(layer.problem.with_direction(d) for i, layer in enumerate(layers)
+                              for d in ("fwd", "bwd_data", "bwd_filter") if d != "bwd_data" or i > 0))
+
+
+def _profiled(fn) -> tuple[float, dict]:
+    """(wall seconds, cProfile stats) of ``fn()``, the device synchronized around it."""
     profiler = cProfile.Profile()
-    with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "whole.sqlite")) as db:
-        _sync()
-        t0 = time.perf_counter()
-        profiler.enable()
-        for p in problems:
-            ct.select(p, mode="hybrid", db=db)
-        _sync()
-        profiler.disable()
-        wall = time.perf_counter() - t0
-    stats = pstats.Stats(profiler).stats
-    phases = {}
-    for label, path, func in PHASES:
-        phases[label] = sum(v[3] for (file, _, name), v in stats.items() if file.endswith(path) and name == func)
+    _sync()
+    t0 = time.perf_counter()
+    profiler.enable()
+    fn()
+    _sync()
+    profiler.disable()
+    return time.perf_counter() - t0, pstats.Stats(profiler).stats
+
+
+def _phases(stats: dict, phases=None) -> tuple[dict, list]:
+    """Cumulative seconds per phase, and convtune's 25 costliest functions by cumulative time."""
+    out = {label: sum(v[3] for (file, _, name), v in stats.items() if file.endswith(path) and name == func)
+           for label, path, func in (phases or PHASES)}
     ours = sorted(((v[3], f"{Path(file).name}:{name}") for (file, _, name), v in stats.items()
                    if "convtune" in file), reverse=True)[:25]
-    return dict(problems=len(problems), wall_s=wall, phases_s=phases, top_cumulative_s=ours)
+    return out, ours
+
+
+def whole_network(network: str, batch: int, dtype: str, layout: str, device: str) -> dict:
+    """The network's distinct training problems selected cold in 'hybrid' mode, under cProfile; then warm,
+    in a fresh process on the database the cold run filled (``warm_child``)."""
+    problems = _training_problems(network, batch, dtype, layout, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "whole.sqlite")
+        with ct.TuningDB(path) as db:
+            wall, stats = _profiled(lambda: [ct.select(p, mode="hybrid", db=db) for p in problems])
+        phases, ours = _phases(stats)
+        out_json = os.path.join(tmp, "warm.json")
+        subprocess.run([sys.executable, __file__, "--network", network, "--batch", str(batch), "--dtype", dtype,
+                        "--layout", layout, "--device", device, "--warm-child", path, "--child-out", out_json],
+                       check=True)
+        warm = json.loads(Path(out_json).read_text())
+    return dict(problems=len(problems), wall_s=wall, phases_s=phases, top_cumulative_s=ours, warm=warm)
+
+
+WARM_PHASES = (
+    ("database lookups", "convtune/db.py", "lookup"),
+    ("cuDNN graphs (heuristics query)", "algorithms/cudnn.py", "__init__"),
+    ("cuDNN plan builds", "algorithms/cudnn.py", "build"),
+)
+
+
+def warm_child(args) -> None:
+    """What a warm ``optimize`` does per problem, in this fresh process: select from the database, then
+    learn the chosen algorithm's workspace (a cuDNN plan is built), under cProfile."""
+    problems = _training_problems(args.network, args.batch, args.dtype, args.layout, args.device)
+
+    def tune() -> None:
+        with ct.TuningDB(args.warm_child) as db:
+            for p in problems:
+                ct.get_algorithm(ct.select(p, mode="hybrid", db=db).algorithm, p).workspace_bytes(p)
+
+    wall, stats = _profiled(tune)
+    phases, ours = _phases(stats, WARM_PHASES)
+    Path(args.child_out).write_text(json.dumps(dict(wall_s=wall, phases_s=phases, top_cumulative_s=ours)))
 
 
 def _per_call_us(fn, calls: int = 2000) -> float:
@@ -189,7 +238,12 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true", help="also profile a cold tuning of the whole network")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="tuning_cost")
+    parser.add_argument("--warm-child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.warm_child:
+        warm_child(args)
+        return
     problems = [layer.problem.with_direction(d)
                 for layer in zoo.network_layers(args.network, args.batch, dtype=args.dtype, layout=args.layout,
                                                 device=args.device)[: args.layers]
@@ -220,6 +274,10 @@ def main() -> None:
                  f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s. Cumulative seconds by phase "
                  f"(cProfile; phases nest: measuring holds verification and timing, find holds them all):\n\n")
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
+        warm = whole["warm"]
+        text += (f"\n\nThe same problems warm, in a fresh process on the database the cold run filled (select, then "
+                 f"the chosen algorithm's workspace, as optimize does): {warm['wall_s']:.2f} s.\n\n")
+        text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in warm["phases_s"].items()])
     text += "\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, float16 channels_last: the GPU waits)\n\n"
     text += common.md_table(["call", "us"], [[name, f"{us:.1f}"] for name, us in host])
     common.write(args.name, payload, text, args.out)
