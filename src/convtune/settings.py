@@ -70,6 +70,7 @@ _SETTINGS = (
     # stop repeating once (p75 - p25) / median is below this
     _Setting("timing_rel_spread", float, 0.05, "spread that ends repeats"),
     # built cuDNN plans launch through the frontend's C++ graph, skipping its per-call Python checks
+    # (read when a plan first runs in the process)
     _Setting("cudnn_direct", _bool, True, "cuDNN plans launch without the frontend's Python layer"),
     # show a progress bar in the command line
     _Setting("progress", _bool, True, "progress bars in the CLI"),
