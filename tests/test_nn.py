@@ -144,6 +144,23 @@ def test_op_without_a_backward_algorithm_names_the_fix():
         y.sum().backward()
 
 
+def test_a_runner_takes_operands_whose_strides_differ_only_at_size_one_and_still_checks_the_rest():
+    problem = ConvProblem("fwd", n=2, c=3, k=4, input_size=(5, 5), kernel_size=1, layout="channels_last")
+    x, w = problem.random_inputs()
+    w_other = w.clone(memory_format=torch.contiguous_format)  # (4, 3, 1, 1): dense either way
+    assert w_other.stride() != w.stride()
+    run = ops.runner(problem.key, "gemm:1x1")
+    ref = torch.nn.functional.conv2d(x, w)
+    for weight in (w_other, w, w_other):  # each kind of stride, and the one seen first, again
+        torch.testing.assert_close(run(x, weight), ref)
+    with pytest.raises(ValueError, match="shape"):
+        run(x, w[:2])
+    with pytest.raises(ValueError, match="dtype"):
+        run(x, w_other.double())
+    with pytest.raises(ValueError, match="dense"):
+        run(x.contiguous(), w)
+
+
 # -- convtune.nn modules ----------------------------------------------------------------------
 
 MODULES = [
