@@ -20,7 +20,8 @@ does, under cProfile (database lookups, cuDNN graphs, plan builds).
 Part 3, host cost: microseconds per call, on a layer small enough that the GPU waits on the host,
 of ``F.conv2d`` and of convtune's op path (``ops.compute``, ``torch.ops.convtune.run``, and
 ``torch.ops.convtune.conv`` with autograd) for each algorithm kind, and of an ``nn.Conv2d`` before and
-after ``optimize`` (forward; forward and backward).
+after ``optimize`` (forward; forward and backward); on CUDA also a cuDNN plan's execute alone,
+through the C++ launch and through the frontend's public call (setting ``cudnn_direct``).
 
     python bench/tuning_cost.py --network resnet50 --batch 128 --dtype float16 --layers 6 --whole
 
@@ -49,6 +50,7 @@ import common  # noqa: E402
 
 import convtune as ct  # noqa: E402
 from convtune import zoo  # noqa: E402
+from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.torch import ops  # noqa: E402
 from convtune.verify import reference_case  # noqa: E402
 
@@ -207,6 +209,23 @@ def _per_call_us(fn, calls: int = 2000) -> float:
     return 1e6 * (time.perf_counter() - t0) / calls
 
 
+def cudnn_launch_rows(p, x, w, name: str) -> list[tuple[str, float]]:
+    """A cuDNN plan's execute alone (no Runner around it), through the C++ launch and the public call."""
+    from convtune.settings import settings
+
+    plan = ct.get_algorithm(name, p)
+    graph, index = plan.graph, plan.index
+    out, ws = p.empty(p.operand_shapes[2]), allocate_workspace(graph.build(index), p.device)
+    rows = []
+    for direct in (True, False):
+        graph._launchers.pop(index, None)
+        with settings.override(cudnn_direct=direct):
+            us = _per_call_us(lambda: graph.execute(index, x, w, out, ws))
+        rows.append((f"ProblemGraph.execute {name}, {'C++ launch' if direct else 'public execute'}", us))
+    graph._launchers.pop(index, None)  # the next run makes the launcher the settings ask for
+    return rows
+
+
 def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     p = ct.ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype=dtype, layout="NHWC",
                        device=device)
@@ -219,6 +238,8 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
                  (f"torch.ops.convtune.run {name}", _per_call_us(lambda: torch.ops.convtune.run(x, w, p.key, name))),
                  (f"torch.ops.convtune.conv {name}, x needs grad",
                   _per_call_us(lambda: torch.ops.convtune.conv(xg, w, p.key, name, "", "")))]
+    if cudnn_names:
+        rows += cudnn_launch_rows(p, x, w, cudnn_names[0])
     conv = torch.nn.Conv2d(8, 8, 1, bias=False).to(device, p.torch_dtype).to(memory_format=torch.channels_last)
     rows += [("nn.Conv2d forward", _per_call_us(lambda: conv(x))),
              ("nn.Conv2d forward+backward", _per_call_us(lambda: conv(xg).sum().backward()))]
