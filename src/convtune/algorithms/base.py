@@ -75,16 +75,23 @@ class Buffer:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-@contextlib.contextmanager
-def matmul_tf32(device: str, allowed: bool) -> Iterator[None]:
+def matmul_tf32(device: str, allowed: bool) -> contextlib.AbstractContextManager[None]:
     """Inside the block, CUDA float32 GEMMs use TF32 exactly when ``allowed``.
 
     PyTorch's switch is global, so every algorithm that promises (or forbids) TF32 in its notes
-    sets it around its GEMMs and restores it after. A no-op on the CPU.
+    sets it around its GEMMs and restores it after. A no-op on the CPU, and where the switch is
+    already as asked (a shared null context then: runs ask on every call).
     """
     if device != "cuda" or torch.backends.cuda.matmul.allow_tf32 == allowed:
-        yield
-        return
+        return _UNCHANGED
+    return _tf32_switched(allowed)
+
+
+_UNCHANGED = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _tf32_switched(allowed: bool) -> Iterator[None]:
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allowed
     try:
