@@ -299,7 +299,7 @@ def main() -> None:
         text += (f"\n\nThe same problems warm, in a fresh process on the database the cold run filled (select, then "
                  f"the chosen algorithm's workspace, as optimize does): {warm['wall_s']:.2f} s.\n\n")
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in warm["phases_s"].items()])
-    text += "\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, float16 channels_last: the GPU waits)\n\n"
+    text += f"\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, {args.dtype} channels_last: the GPU waits)\n\n"
     text += common.md_table(["call", "us"], [[name, f"{us:.1f}"] for name, us in host])
     common.write(args.name, payload, text, args.out)
     print(text)
