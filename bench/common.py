@@ -67,6 +67,12 @@ def write(name: str, payload: dict, markdown: str, out_dir: Path | None = None) 
     return json_path, md_path
 
 
+def result_arguments(parser, name: str) -> None:
+    """--out (the results folder, default bench/results) and --name (of the .json and .md, default ``name``)."""
+    parser.add_argument("--out", default=None, help="folder of the result files (default: bench/results)")
+    parser.add_argument("--name", default=name, help=f"the result files' name (default: {name})")
+
+
 def network_arguments(parser, device_help: str | None = None) -> None:
     """The options that name a network's layer set: --network, --batch, --dtype, --layout, --device."""
     parser.add_argument("--network", default="resnet50")

@@ -416,8 +416,7 @@ def main() -> None:
                         "ok row for (a run in parts goes on where the last one stopped)")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
                         "temporary folder, so each run tunes cold first)")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--name", default="e2e")
+    common.result_arguments(parser, "e2e")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()

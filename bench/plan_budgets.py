@@ -63,8 +63,7 @@ def main() -> None:
     parser.add_argument("--direction", default="fwd")
     parser.add_argument("--layers", type=int, default=None, help="only the first N layers (quick checks)")
     parser.add_argument("--budgets", default=",".join(BUDGETS))
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--name", default="plan_budgets")
+    common.result_arguments(parser, "plan_budgets")
     args = parser.parse_args()
     layers = ct.zoo.network_layers(args.network, args.batch, direction=args.direction, dtype=args.dtype,
                                    layout=args.layout, device=args.device)[: args.layers]
