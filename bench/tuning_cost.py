@@ -251,6 +251,46 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     return rows
 
 
+def markdown(payload: dict) -> str:
+    """The result file's text, from its payload (so it can be written again from the JSON)."""
+    env, args = payload["environment"], argparse.Namespace(**payload["config"])
+    rows, host, whole = payload["tuning"], payload["host_us"], payload["whole"]
+    per_plan = {int(t): s for t, s in payload["build_s_per_plan"].items()}  # JSON keys are strings
+    text = (f"# Where tuning and running go\n\n{env['date']}, {env.get('gpu')}, torch {env['torch']}, cuDNN "
+            f"{env.get('cudnn')}, convtune {env['convtune']}. {args.network} b{args.batch} {args.dtype} "
+            f"{args.layout}, the first {args.layers} layers in three directions.\n\n## Cold find, per problem (s)\n\n")
+    text += common.md_table(
+        ["problem", "graph", "plans built", "build (threads)", "sum of builds", "slowest plan", "reference", "find",
+         "timed"],
+        [[r["problem"], f"{r['graph_s']:.3f}", f"{r['built']}/{r['plans']}", f"{r['build_s']:.3f} ({r['build_threads']})",
+          f"{r['build_sum_s']:.3f}", f"{r['slowest'][0][0]} {r['slowest'][0][1]:.3f}" if r["slowest"] else "-",
+          f"{r['reference_s']:.3f}", f"{r['find_s']:.3f}", r["timed"]] for r in rows])
+    text += ("\nBuild wall seconds per plan, by threads: " + ", ".join(f"{t}: {s:.4f}" for t, s in per_plan.items())
+             + " (means over alternate problems, not the same ones; builds of one graph take turns on its lock, "
+             "so this does not measure what threads gain)")
+    if whole:
+        text += (f"\n\n## The whole network, cold (every distinct training problem, 'hybrid' on an empty database)"
+                 f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s. Cumulative seconds by phase "
+                 f"(cProfile; phases nest: measuring holds verification and timing, find holds them all):\n\n")
+        text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
+        text += _top_functions(whole)
+        warm = whole["warm"]
+        text += (f"\n\nThe same problems warm, in a fresh process on the database the cold run filled (select, then "
+                 f"the chosen algorithm's workspace, as optimize does): {warm['wall_s']:.2f} s.\n\n")
+        text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in warm["phases_s"].items()])
+        text += _top_functions(warm)
+    text += f"\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, {args.dtype} channels_last: the GPU waits)\n\n"
+    text += common.md_table(["call", "us"], [[name, f"{us:.1f}"] for name, us in host])
+    return text
+
+
+def _top_functions(part: dict, top: int = 12) -> str:
+    """convtune's costliest functions of a profiled part by cumulative seconds: they show where its time went
+    where a phase reads 0 (Python 3.12's cProfile can lose the exits of functions that catch exceptions)."""
+    return ("\n\nconvtune's costliest functions, cumulative s (they nest):\n\n"
+            + common.md_table(["function", "s"], [[f"`{name}`", f"{s:.2f}"] for s, name in part["top_cumulative_s"][:top]]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.network_arguments(parser, device_help="cpu: a quick check of the script itself")
@@ -277,29 +317,7 @@ def main() -> None:
     per_plan = {t: s for t, s in per_plan.items() if s}
     payload = dict(environment=env, config=vars(args), tuning=rows, host_us=host, build_s_per_plan=per_plan,
                    whole=whole)
-    text = (f"# Where tuning and running go\n\n{env['date']}, {env.get('gpu')}, torch {env['torch']}, cuDNN "
-            f"{env.get('cudnn')}, convtune {env['convtune']}. {args.network} b{args.batch} {args.dtype} "
-            f"{args.layout}, the first {args.layers} layers in three directions.\n\n## Cold find, per problem (s)\n\n")
-    text += common.md_table(
-        ["problem", "graph", "plans built", "build (threads)", "sum of builds", "slowest plan", "reference", "find",
-         "timed"],
-        [[r["problem"], f"{r['graph_s']:.3f}", f"{r['built']}/{r['plans']}", f"{r['build_s']:.3f} ({r['build_threads']})",
-          f"{r['build_sum_s']:.3f}", f"{r['slowest'][0][0]} {r['slowest'][0][1]:.3f}" if r["slowest"] else "-",
-          f"{r['reference_s']:.3f}", f"{r['find_s']:.3f}", r["timed"]] for r in rows])
-    text += ("\nBuild wall seconds per plan, by threads: " + ", ".join(f"{t}: {s:.4f}" for t, s in per_plan.items())
-             + " (means over alternate problems, not the same ones; builds of one graph take turns on its lock, "
-             "so this does not measure what threads gain)")
-    if whole:
-        text += (f"\n\n## The whole network, cold (every distinct training problem, 'hybrid' on an empty database)"
-                 f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s. Cumulative seconds by phase "
-                 f"(cProfile; phases nest: measuring holds verification and timing, find holds them all):\n\n")
-        text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
-        warm = whole["warm"]
-        text += (f"\n\nThe same problems warm, in a fresh process on the database the cold run filled (select, then "
-                 f"the chosen algorithm's workspace, as optimize does): {warm['wall_s']:.2f} s.\n\n")
-        text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in warm["phases_s"].items()])
-    text += f"\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, {args.dtype} channels_last: the GPU waits)\n\n"
-    text += common.md_table(["call", "us"], [[name, f"{us:.1f}"] for name, us in host])
+    text = markdown(payload)
     common.write(args.name, payload, text, args.out)
     print(text)
 
