@@ -66,6 +66,21 @@ def test_every_supporting_algorithm_matches_the_float64_reference(problem, seed)
         assert err <= tolerance(problem, algo.notes(problem)), (algo.name, problem.key, err)
 
 
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("input_size,kernel,stride,padding", [(1, 3, 2, 1), (2, 2, 3, 1), (1, 2, 1, 1)])
+def test_native_bfloat16_channels_last_weight_gradient_writes_every_tap(nd, input_size, kernel, stride, padding):
+    # Taps that the stride lets touch only padding: PyTorch's own CPU kernel leaves them unwritten
+    # for bfloat16 channels_last operands, whatever their strides at size-1 dimensions.
+    problem = ct.ConvProblem("bwd_filter", n=2, c=2, k=2, input_size=(input_size,) * nd, kernel_size=kernel,
+                             stride=stride, padding=padding, dtype="bfloat16", layout="channels_last")
+    algo = registry.get_algorithm("torch:native", problem)
+    for seed in range(6):
+        a, b = problem.random_inputs(seed)
+        out = problem.empty(problem.operand_shapes[2]).fill_(float("nan"))
+        algo.run(problem, a, b, out=out)
+        assert rel_error(out, reference(problem, a, b)) <= tolerance(problem, algo.notes(problem)), seed
+
+
 @given(small_problems())
 @hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_exactly_the_declared_workspace_is_enough_and_nothing_large_is_allocated_beside_it(problem):

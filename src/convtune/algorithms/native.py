@@ -34,9 +34,26 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
             x = empty_in_layout(problem.x_shape, problem.layout, a.dtype, a.device)
             dx, _, _ = torch.ops.aten.convolution_backward(a, x, b, None, **args, output_mask=[True, False, False])
             return dx
-        w = empty_in_layout(problem.w_shape, problem.layout, a.dtype, a.device)
+        layout = problem.layout
+        if _unwritten_weight_gradient(problem, a):
+            # clone, not contiguous(): a tensor dense in both orders (size-1 spatial dimensions) must
+            # also have channels_first's strides, which are what PyTorch picks its kernels by.
+            a, b = (t.clone(memory_format=torch.contiguous_format) for t in (a, b))
+            layout = "channels_first"
+        w = empty_in_layout(problem.w_shape, layout, a.dtype, a.device)
         _, dw, _ = torch.ops.aten.convolution_backward(b, a, w, None, **args, output_mask=[False, True, False])
         return dw
+
+
+def _unwritten_weight_gradient(problem: ConvProblem, x: torch.Tensor) -> bool:
+    """Whether PyTorch's CPU weight gradient may leave elements unwritten for these operands.
+
+    In bfloat16 with channels_last operands, ``aten.convolution_backward`` on the CPU (PyTorch 2.13
+    at least) leaves garbage in weight taps that a stride lets touch only padding (input 1 wide,
+    kernel 3, stride 2, padding 1, say); channels_first operands give the right answer, so those
+    operands are computed channels_first.
+    """
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and problem.layout == "channels_last"
 
 
 class Native(Algorithm):
