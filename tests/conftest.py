@@ -29,6 +29,25 @@ def quick_timing():
         yield
 
 
+class _NanResults:
+    """``torch`` as convtune's ops module sees it, except that new tensors (the runs' results) start as NaN."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty_strided(*args, **kwargs):
+        return torch.empty_strided(*args, **kwargs).fill_(float("nan"))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """The ops' result tensors start as NaN, so an algorithm that skips an element is caught."""
+    from convtune.torch import ops
+
+    monkeypatch.setattr(ops, "torch", _NanResults())
+
+
 @pytest.fixture
 def nominal_peaks(monkeypatch):
     """The cost model on fixed ceilings (100 GFLOP/s, 10 GB/s), not this machine's measured ones: a test whose

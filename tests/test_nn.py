@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from fakes import Fake, WrongResult
+from fakes import Fake, NoWrite, WrongResult
 from rich.console import Console
 from torch.autograd.gradcheck import GradcheckError
 
@@ -49,18 +49,6 @@ def db(tmp_path):
         yield database
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """The ops' result tensors start as NaN, so an algorithm that skips an element is caught."""
-    plain = ops._result_like
-
-    def nan_filled(problem, a):
-        return plain(problem, a).fill_(float("nan"))
-
-    monkeypatch.setattr(ops, "_result_like", nan_filled)
-
-
-
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters()}
 
@@ -86,6 +74,14 @@ OP_PROBLEMS = [
     dict(n=3, c=4, k=4, input_size=(9,), kernel_size=3, dilation=2, padding=2),
     dict(n=2, c=3, k=5, input_size=(6, 5), kernel_size=(1, 1), layout="channels_last"),
 ]
+
+
+def test_poisoned_results_show_the_elements_an_algorithm_left_unwritten(poisoned):
+    problem = ConvProblem("fwd", n=1, c=2, k=3, input_size=(4,), kernel_size=1)
+    x, w = problem.random_inputs()
+    with isolated(NoWrite("fake:nowrite")):
+        assert torch.isnan(ops.compute(x, w, problem.key, "fake:nowrite")).all()
+        assert torch.isnan(convtune.torch.ops.conv(x, w, problem.key, "fake:nowrite", "", "")).all()
 
 
 @pytest.mark.parametrize("spec", OP_PROBLEMS, ids=["grouped_strided", "dilated_1d", "1x1_channels_last"])

@@ -27,7 +27,6 @@ import convtune
 import convtune.nn
 from convtune import TuningDB
 from convtune.settings import settings
-from convtune.torch import ops
 from convtune.verify import rel_error
 
 pytestmark = pytest.mark.gpu
@@ -54,10 +53,8 @@ def db(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _poisoned(monkeypatch):
-    """The ops' result tensors start as NaN, so an algorithm that skips an element is caught."""
-    plain = ops._result_like
-    monkeypatch.setattr(ops, "_result_like", lambda problem, a: plain(problem, a).fill_(float("nan")))
+def _poisoned(poisoned):
+    """Every test here: the ops' result tensors start as NaN (tests/conftest.py)."""
 
 
 class SmallCNN(torch.nn.Module):
