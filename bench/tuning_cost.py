@@ -242,13 +242,28 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
         rows += cudnn_launch_rows(p, x, w, cudnn_names[0])
     conv = torch.nn.Conv2d(8, 8, 1, bias=False).to(device, p.torch_dtype).to(memory_format=torch.channels_last)
     rows += [("nn.Conv2d forward", _per_call_us(lambda: conv(x))),
-             ("nn.Conv2d forward+backward", _per_call_us(lambda: conv(xg).sum().backward()))]
+             ("nn.Conv2d forward+backward", _per_call_us(lambda: conv(xg).sum().backward())),
+             ("nn.Conv2d backward alone", _backward_us(conv, xg))]
     with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "host.sqlite")) as db:
         ct.optimize(conv, xg, training=True, db=db)
     chosen = ", ".join(f"{r['direction']}={r['algorithm']}" for r in ct.explain(conv))
     rows += [(f"optimized forward ({chosen})", _per_call_us(lambda: conv(x))),
-             ("optimized forward+backward", _per_call_us(lambda: conv(xg).sum().backward()))]
+             ("optimized forward+backward", _per_call_us(lambda: conv(xg).sum().backward())),
+             ("optimized backward alone", _backward_us(conv, xg))]
+    call = next(iter(conv.plans.values())).call
+    if call is not None:  # the backward's two runs without autograd around them
+        dy = conv(x).detach()
+        data, weights = call.runner("bwd_data"), call.runner("bwd_filter")
+        rows.append(("optimized backward's runs alone (bwd_data, bwd_filter; no autograd)",
+                     _per_call_us(lambda: (data(dy, conv.weight.detach()), weights(x, dy)))))
     return rows
+
+
+def _backward_us(module, x) -> float:
+    """Host cost of one backward pass of ``module(x)`` with a dense gradient, the forward left out."""
+    y = module(x)
+    dy = torch.ones_like(y)  # dense in y's layout, as a network's gradients are (sum()'s would be a broadcast)
+    return _per_call_us(lambda: y.backward(dy, retain_graph=True))
 
 
 def markdown(payload: dict) -> str:
