@@ -250,12 +250,52 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     rows += [(f"optimized forward ({chosen})", _per_call_us(lambda: conv(x))),
              ("optimized forward+backward", _per_call_us(lambda: conv(xg).sum().backward())),
              ("optimized backward alone", _backward_us(conv, xg))]
+    rows += native_rows(p, conv, x, xg)
     call = next(iter(conv.plans.values())).call
     if call is not None:  # the backward's two runs without autograd around them
         dy = conv(x).detach()
         data, weights = call.runner("bwd_data"), call.runner("bwd_filter")
         rows.append(("optimized backward's runs alone (bwd_data, bwd_filter; no autograd)",
                      _per_call_us(lambda: (data(dy, conv.weight.detach()), weights(x, dy)))))
+    return rows
+
+
+def _median_us(fn, repeats: int = 5) -> float:
+    return statistics.median(_per_call_us(fn, 1000) for _ in range(repeats))
+
+
+def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
+    """The same layer forced onto each native executable kind, against nn.Conv2d measured alongside it.
+
+    Each kind's module forward and forward+backward, median of 5 timings, and its ratio to nn.Conv2d's
+    (the issue's target: at most 1.1).
+    """
+    from convtune.torch.modules import Conv2d
+    from convtune.torch.tuning import LayerPlan, Signature, layout_of
+
+    base = torch.nn.Conv2d(8, 8, 1, bias=False).to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
+    base.weight.data.copy_(conv.weight.data)
+    torch_fwd = _median_us(lambda: base(x))
+    torch_both = _median_us(lambda: base(xg).sum().backward())
+    rows = [("nn.Conv2d forward (median of 5)", torch_fwd), ("nn.Conv2d forward+backward (median of 5)", torch_both)]
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    for kind in ("gemm_1x1", "cudnn", "native"):
+        names = {}
+        for d in ("fwd", "bwd_data", "bwd_filter"):
+            q = p.with_direction(d)
+            names[d] = next((a.name for a in ct.algorithms(q) if (r := a.native_recipe(q)) and r.kind == kind), "")
+        if not all(names.values()):
+            continue
+        layer = Conv2d(8, 8, 1, bias=False, mode="get").to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
+        layer.weight.data.copy_(conv.weight.data)
+        plan = layer._convtune_plans[sig] = LayerPlan(p.key, **names)
+        label = f"{kind} executables, runtime {plan.runtime}"
+        layer(xg)
+        fwd, both = _median_us(lambda: layer(x)), _median_us(lambda: layer(xg).sum().backward())
+        rows += [(f"{label}: forward ({names['fwd']})", fwd),
+                 (f"{label}: forward / nn.Conv2d's", fwd / torch_fwd),
+                 (f"{label}: forward+backward", both),
+                 (f"{label}: forward+backward / nn.Conv2d's", both / torch_both)]
     return rows
 
 
@@ -295,7 +335,8 @@ def markdown(payload: dict) -> str:
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in warm["phases_s"].items()])
         text += _top_functions(warm)
     text += f"\n\n## Host cost per call (us; a 1x1 8->8 conv on 4x4, {args.dtype} channels_last: the GPU waits)\n\n"
-    text += common.md_table(["call", "us"], [[name, f"{us:.1f}"] for name, us in host])
+    text += common.md_table(["call", "us (a ratio where the row says /)"],
+                            [[name, f"{us:.2f}" if " / " in name else f"{us:.1f}"] for name, us in host])
     return text
 
 

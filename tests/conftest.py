@@ -42,10 +42,18 @@ class _NanResults:
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """The ops' result tensors start as NaN, so an algorithm that skips an element is caught."""
+    """The ops' result tensors start as NaN (the Python path's and the C++ executables'), so an
+    algorithm that skips an element is caught."""
+    from convtune import extension
     from convtune.torch import ops
 
     monkeypatch.setattr(ops, "torch", _NanResults())
+    native = extension.load()
+    if native is not None:
+        native.set_poison(True)
+    yield
+    if native is not None:
+        native.set_poison(False)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """convtune: picks the best convolution algorithm for the hardware at hand, under your constraints."""
 
-from . import zoo
+from . import nn, zoo
 from .algorithms import Algorithm, NumericNotes, Support, allocate_workspace, register
 from .algorithms.registry import algorithms, get_algorithm, registered, unsupported_reasons
 from .db import TuningDB
@@ -21,5 +21,5 @@ __all__ = [
     "Algorithm", "Choice", "ConvProblem", "ConvtuneError", "NoAlgorithmError", "NumericNotes", "PerfResult",
     "Policy", "Status", "Support", "TuningDB", "algorithms", "allocate_workspace", "get_algorithm", "register",
     "registered", "to_layout", "unsupported_reasons",
-    "find", "get", "select", "optimize", "explain", "Plan", "plan", "InfeasibleBudgetError", "zoo",
+    "find", "get", "select", "optimize", "explain", "Plan", "plan", "InfeasibleBudgetError", "nn", "zoo",
 ]

@@ -1,4 +1,4 @@
-"""The ``convtune`` command: get, find, algorithms, tune, report, cache, settings.
+"""The ``convtune`` command: get, find, algorithms, tune, report, cache, settings, native.
 
 Bad arguments give one line on stderr and exit status 2, never a traceback.
 """
@@ -9,7 +9,9 @@ import argparse
 import datetime
 import json
 import logging
+import shutil
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -191,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     sub.add_parser("settings", help="every setting, its environment variable and current value")
+
+    p = sub.add_parser("native", help="build (ahead of time) and describe the C++ extension that runs tuned layers")
+    p.add_argument("--rebuild", action="store_true", help="build again even if a build of these sources exists")
+    p.add_argument("--json", action="store_true")
     return parser
 
 
@@ -409,6 +415,25 @@ def cmd_settings(args, out: Console) -> int:
     return 0
 
 
+def cmd_native(args, out: Console) -> int:
+    from . import extension
+
+    if args.rebuild:
+        shutil.rmtree(extension.build_dir(), ignore_errors=True)
+        extension.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the status below says it
+        extension.load()
+    status = extension.status()
+    table = Table(title="convtune's C++ extension")
+    table.add_column("")
+    table.add_column("")
+    for key, value in status.items():
+        table.add_row(key, "-" if value is None else (f"{value:.1f}" if isinstance(value, float) else str(value)))
+    _print(out, args, table, status)
+    return 0 if status["loaded"] or not status["enabled"] else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     out = Console(soft_wrap=False, width=200 if not sys.stdout.isatty() else None)
     err = Console(stderr=True)
@@ -420,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("tune", "report"):
             return (cmd_tune if args.command == "tune" else cmd_report)(args, out, err)
         handler = {"get": cmd_get, "find": cmd_find, "algorithms": cmd_algorithms, "cache": cmd_cache,
-                   "settings": cmd_settings}[args.command]
+                   "settings": cmd_settings, "native": cmd_native}[args.command]
         return handler(args, out)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

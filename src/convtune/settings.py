@@ -25,6 +25,12 @@ def _cache_dir_default() -> str:
     return platformdirs.user_cache_dir("convtune")
 
 
+def _extension_dir_default() -> str:
+    import platformdirs
+
+    return str(Path(platformdirs.user_cache_dir("convtune")) / "extension")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setting:
     name: str
@@ -72,6 +78,10 @@ _SETTINGS = (
     # built cuDNN plans launch through the frontend's C++ graph, skipping its per-call Python checks
     # (read when a plan first runs in the process)
     _Setting("cudnn_direct", _bool, True, "cuDNN plans launch without the frontend's Python layer"),
+    # tuned layers run through convtune's C++ extension (built on first use; 0: the Python path)
+    _Setting("native", _bool, True, "tuned layers run through the C++ extension"),
+    # where the C++ extension is built and cached (one folder per sources and software versions)
+    _Setting("extension_dir", str, _extension_dir_default, "folder of the C++ extension's builds"),
     # show a progress bar in the command line
     _Setting("progress", _bool, True, "progress bars in the CLI"),
 )

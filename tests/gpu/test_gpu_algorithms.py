@@ -5,6 +5,7 @@ Run on a CUDA machine: ``python -m pytest tests/gpu``. Skipped without CUDA.
 
 import pytest
 import torch
+from gpu_cases import case_id, cases
 
 import convtune as ct
 from convtune.algorithms.base import allocate_workspace
@@ -22,17 +23,10 @@ LAYERS = [
     dict(n=4, c=32, k=64, input_size=(200,), kernel_size=5, padding=2),
     dict(n=2, c=16, k=16, input_size=(12, 12, 12), kernel_size=3, padding=1),
 ]
-CASES = [(layer, d, dt, lo) for layer in LAYERS for d in ("fwd", "bwd_data", "bwd_filter")
-         for dt in ("float32", "float16", "bfloat16") for lo in ("channels_first", "channels_last")]
+CASES = cases(LAYERS)
 
 
-def _id(case):
-    layer, d, dt, lo = case
-    size = "x".join(map(str, layer["input_size"]))
-    return f"c{layer['c']}k{layer['k']}s{size}r{layer['kernel_size']}g{layer.get('groups', 1)}-{d}-{dt}-{lo}"
-
-
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
     layer, direction, dtype, layout = case
     p = ct.ConvProblem(direction=direction, dtype=dtype, layout=layout, device="cuda", allow_tf32=False, **layer)

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -56,6 +57,19 @@ class Support:
 
 
 SUPPORTED = Support(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeRecipe:
+    """How convtune's C++ runtime runs an algorithm on a problem, with no Python on the call.
+
+    kind: the native executable that computes what the algorithm computes ('native', 'gemm_1x1',
+    'gemm_1x1_strided', 'cudnn'); options: what that executable is made from besides the problem
+    and the algorithm's declared buffers (a cuDNN plan's engine and knobs), as (name, value) pairs.
+    """
+
+    kind: str
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 def unsupported(reason: str) -> Support:
@@ -161,6 +175,10 @@ class Algorithm(abc.ABC):
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return NumericNotes()
+
+    def native_recipe(self, problem: ConvProblem) -> NativeRecipe | None:
+        """How the C++ runtime runs this algorithm on ``problem``; None: it runs in Python only."""
+        return None
 
     def is_deterministic(self, problem: ConvProblem) -> bool:
         """Bit-identical results from run to run for ``problem`` (the class default unless overridden)."""

@@ -27,7 +27,7 @@ import cudnn  # noqa: I001 - an ImportError here leaves the backend out (registr
 from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
 from ..settings import settings
-from .base import Algorithm, Backend, Buffer, NumericNotes, Support, unsupported
+from .base import Algorithm, Backend, Buffer, NativeRecipe, NumericNotes, Support, unsupported
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 _IO_TYPES = {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}
 HEURISTICS = {"A": cudnn.heur_mode.A, "B": cudnn.heur_mode.B, "FALLBACK": cudnn.heur_mode.FALLBACK}
 _MAX_GRAPHS = 512  # problems whose built plans are kept in the process
+try:  # engine ids from here on are the frontend's own engines, not cuDNN backend engines
+    from cudnn.engines.engine_ids import CPP_OSS_ENGINE_ID_BASE as _FRONTEND_ENGINE_IDS
+except ImportError:  # an older frontend: it has only backend engines
+    _FRONTEND_ENGINE_IDS = 1 << 62
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,6 +212,22 @@ class CudnnPlan(Algorithm):
         # Only a built plan knows its workspace (None: not built, or failed); then the same figure as
         # scratch_bytes, which counts the buffer as carved (aligned).
         return self.scratch_bytes(problem) if self.index in self.graph.workspace else None
+
+    def native_recipe(self, problem: ConvProblem) -> NativeRecipe | None:
+        # The C++ runtime builds the same operation graph through cuDNN's backend API and, among its
+        # heuristics' configurations, the one with this plan's tag (the frontend's name for it). Not
+        # for the frontend's own (Python) engines, which the backend does not know.
+        engine_id, _ = self.graph.graph.get_engine_and_knobs_at_index(self.index)
+        if not 0 <= engine_id < _FRONTEND_ENGINE_IDS:
+            return None
+        operands = tuple(_descr(problem, shape) for shape in (problem.x_shape, problem.w_shape, problem.y_shape))
+        conv = _as_2d(problem)
+        return NativeRecipe("cudnn", (
+            ("tag", self.graph.names[self.index]),
+            ("shapes", tuple(tuple(dims) for dims, _ in operands)),
+            ("strides", tuple(tuple(strides) for _, strides in operands)),
+            ("stride", tuple(conv["stride"])), ("padding", tuple(conv["padding"])), ("dilation", tuple(conv["dilation"])),
+        ))
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         # cuDNN gets its workspace whole; building the plan is what tells its size.

@@ -32,7 +32,7 @@ import math
 import torch
 
 from ..problem import ConvProblem, layout_order
-from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
+from .base import SUPPORTED, Algorithm, Buffer, NativeRecipe, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
 from .taps import problem_taps
 
@@ -193,6 +193,9 @@ class Gemm1x1(Algorithm):
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return gemm_notes(problem)
 
+    def native_recipe(self, problem: ConvProblem) -> NativeRecipe:
+        return NativeRecipe("gemm_1x1")
+
     def _run(self, problem, a, b, out, ws) -> None:
         g = problem.groups
         with tf32_as_allowed(problem):
@@ -266,6 +269,9 @@ class Gemm1x1Strided(Algorithm):
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return gemm_notes(problem)
+
+    def native_recipe(self, problem: ConvProblem) -> NativeRecipe:
+        return NativeRecipe("gemm_1x1_strided")
 
     def _run(self, problem, a, b, out, ws) -> None:
         inner = self.sliced(problem)

@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from ..problem import ConvProblem, empty_in_layout, to_layout
-from .base import Algorithm, NumericNotes
+from .base import Algorithm, NativeRecipe, NumericNotes
 from .registry import register
 
 
@@ -60,6 +60,9 @@ class Native(Algorithm):
     """PyTorch's convolution: oneDNN or its own kernels on the CPU, cuDNN's heuristics on CUDA."""
 
     name = "torch:native"
+
+    def native_recipe(self, problem: ConvProblem) -> NativeRecipe:
+        return NativeRecipe("native")
 
     def is_deterministic(self, problem: ConvProblem) -> bool:
         # cuDNN's heuristics may pick atomics-based backward kernels unless PyTorch is told not to.

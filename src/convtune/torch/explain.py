@@ -25,8 +25,11 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
 
     Keys: module (its path in the model; '' for the model itself), problem (the key of the
     direction's ConvProblem, or a description of an input convtune cannot describe), direction,
-    algorithm (None: torch's own path), status, time_ms (None when not measured), workspace_bytes
-    and note (why torch's path, or the result's message). Raises ``TypeError`` for a non-Module.
+    algorithm (None: torch's own path), runtime (what runs the layer: 'native', convtune's C++ ops;
+    'torch', PyTorch's own call, where every direction chose torch:native or none could be tuned;
+    'python', convtune's Python path), status, time_ms (None when not measured), workspace_bytes
+    and note (why torch's or the Python path, or the result's message). Raises ``TypeError`` for a
+    non-Module.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"explain() takes a torch.nn.Module, got {type(model).__name__}")
@@ -36,21 +39,22 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
             continue
         for plan in module.plans.values():
             if plan.on_torch:
-                rows.append(dict(module=name, problem=plan.problem, direction="fwd", algorithm=None, status="torch",
-                                 time_ms=None, workspace_bytes=0, note=plan.reason))
+                rows.append(dict(module=name, problem=plan.problem, direction="fwd", algorithm=None, runtime="torch",
+                                 status="torch", time_ms=None, workspace_bytes=0, note=plan.reason))
                 continue
             for direction, result in plan.results:
                 key = ConvProblem.from_key(plan.problem).with_direction(direction).key
+                note = "; ".join(n for n in (plan.python_reason, result.message) if n)
                 rows.append(dict(module=name, problem=key, direction=direction, algorithm=result.algorithm,
-                                 status=result.status.value, time_ms=result.time_ms,
-                                 workspace_bytes=result.workspace_bytes, note=result.message))
+                                 runtime=plan.runtime, status=result.status.value, time_ms=result.time_ms,
+                                 workspace_bytes=result.workspace_bytes, note=note))
     return rows
 
 
 def explain_table(model: torch.nn.Module) -> Table:
     """``explain(model)`` as a rich Table, for ``rich.print`` or a ``Console``."""
     table = Table(title="convtune layers")
-    for column in ("module", "problem", "direction", "algorithm", "time ms", "workspace", "note"):
+    for column in ("module", "problem", "direction", "algorithm", "runtime", "time ms", "workspace", "note"):
         table.add_column(column, justify="right" if column in ("time ms", "workspace") else "left")
     for row in explain(model):
         try:
@@ -59,5 +63,5 @@ def explain_table(model: torch.nn.Module) -> Table:
             problem = row["problem"]
         time_ms = "-" if row["time_ms"] is None else f"{row['time_ms']:.4g}"
         table.add_row(row["module"] or "(model)", problem, row["direction"], row["algorithm"] or "torch",
-                      time_ms, format_bytes(row["workspace_bytes"]), row["note"][:80])
+                      row["runtime"], time_ms, format_bytes(row["workspace_bytes"]), row["note"][:80])
     return table

@@ -57,6 +57,11 @@ class TunedConv:
     def _init_convtune(self, tuning: Tuning) -> None:
         self._convtune_tuning = tuning
         self._convtune_plans = {}
+        self._convtune_fast = None
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._convtune_fast = None  # a copy's plans make their executables anew: the next call finds them
 
     @property
     def plans(self) -> dict[Signature, LayerPlan]:
@@ -64,6 +69,18 @@ class TunedConv:
         return dict(self._convtune_plans)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # The hot path: the native op on the executables of the last input signature. The op checks
+        # everything the choice depends on (shape, dtype, device, layout, the gradients needed; autocast
+        # casts in C++) and raises ValueError for anything else, which the full path below then handles.
+        fast = self._convtune_fast
+        if fast is not None and not torch.compiler.is_compiling():
+            try:
+                return _tuned_conv(input, self.weight, self.bias, *fast)
+            except ValueError:
+                pass
+        return self._convtune_forward(input)
+
+    def _convtune_forward(self, input: torch.Tensor) -> torch.Tensor:
         nd = len(self.kernel_size)
         batched = input.dim() == nd + 2
         x = input if batched else input.unsqueeze(0)  # unbatched (C, *spatial), as torch allows
@@ -79,14 +96,20 @@ class TunedConv:
         if plan is None or not plan.covers(need_dx, need_dw):
             plan = self._convtune_tune(sig, need_dx, need_dw)
         call = plan.call
-        if call is None:  # torch's path, or the same computation as torch:native minus the op's host cost
+        if call is None and plan.native is None:  # torch's path, or torch:native in every direction
             return super().forward(input)
         if cast is not None:
             x = x if x.dtype == cast else x.to(cast)
             weight = weight.to(cast)
             bias = None if bias is None else bias.to(cast)
-        x = to_layout(self._convtune_pad(x), sig.layout)
+        padded = self._convtune_pad(x)
+        x = to_layout(padded, sig.layout)
         weight = to_layout(weight, sig.layout)
+        if plan.native is not None:
+            if padded is x and batched and not torch.compiler.is_compiling():
+                self._convtune_fast = plan.native  # inputs like this one take the hot path from now on
+            y = _tuned_conv(x, weight, bias, *plan.native)
+            return y if batched else y.squeeze(0)
         y = ops.conv_call(x, weight, call)
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))
@@ -105,11 +128,17 @@ class TunedConv:
 
     @torch.compiler.disable
     def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerPlan:
+        self._convtune_fast = None
         # Tuning runs eagerly (a graph break under torch.compile): it measures, reads databases.
         directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
         plan = plan_layer(self, sig, self._convtune_tuning, directions, self._convtune_plans.get(sig))
         self._convtune_plans[sig] = plan
         return plan
+
+
+def _tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,
+                bwd_filter: int) -> torch.Tensor:
+    return torch.ops.convtune.tuned_conv.default(x, w, bias, fwd, bwd_data, bwd_filter)
 
 
 class Conv1d(TunedConv, torch.nn.Conv1d):

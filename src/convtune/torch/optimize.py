@@ -33,9 +33,8 @@ from convtune.plan import InfeasibleBudgetError, plan
 from convtune.policy import Policy
 from convtune.problem import ConvProblem
 from convtune.settings import settings
-from convtune.torch import workspace
 from convtune.torch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.torch.tuning import Signature, Tuning, layout_of, plan_layer
+from convtune.torch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace
 from convtune.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -211,7 +210,9 @@ def _apply_plan(layers: list[tuple[torch.nn.Module, Signature]], tuning: Tuning)
             continue  # stored by a backend not registered here: the layer keeps its own choice
         if not algorithm.supports(problem):
             continue
-        workspace.reserve(algorithm.workspace_bytes(problem), sig.device)
         layer = module._convtune_plans[sig]
         results = tuple((d, result if d == direction else r) for d, r in layer.results)
-        module._convtune_plans[sig] = dataclasses.replace(layer, **{direction: result.algorithm}, results=results)
+        module._convtune_plans[sig] = layer = dataclasses.replace(layer, **{direction: result.algorithm},
+                                                                  results=results)
+        module._convtune_fast = None
+        reserve_workspace(layer, sig.device)

@@ -27,7 +27,8 @@ from convtune.problem import ConvProblem, is_in_layout
 from convtune.ranking import NATIVE
 from convtune.results import PerfResult
 from convtune.select import MODES, select
-from convtune.torch import ops, workspace
+from convtune.settings import settings
+from convtune.torch import ops, runtime, workspace
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class LayerPlan:
     results: tuple[tuple[str, PerfResult], ...] = ()
     reason: str = ""
     call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
+    native: tuple[int, int, int] | None = dataclasses.field(init=False, compare=False, repr=False)
+    python_reason: str = dataclasses.field(init=False, compare=False, repr=False)
 
     @property
     def on_torch(self) -> bool:
@@ -129,15 +132,51 @@ class LayerPlan:
         return bool(names) and all(name == NATIVE for name in names)
 
     def __post_init__(self) -> None:
-        # What the module runs through convtune's ops; None when it calls torch. Set once here:
-        # the forward reads it every call (and torch.compile traces a plain attribute).
-        call = None if self.on_torch or self.native_only else ops.Call(self.problem, self.fwd, self.bwd_data,
-                                                                        self.bwd_filter)
+        # What the module runs, set once here (the forward reads it every call, and torch.compile
+        # traces plain attributes): ``native``, the executables' handles (fwd, bwd_data, bwd_filter;
+        # 0 for a direction not tuned) when the C++ runtime runs every tuned direction; else ``call``,
+        # the Python path, with ``python_reason`` saying why; neither when the layer calls torch.
+        native, call, why = None, None, ""
+        if not (self.on_torch or self.native_only):
+            native, why = _native_handles(self)
+            if native is None:
+                call = ops.Call(self.problem, self.fwd, self.bwd_data, self.bwd_filter)
+        object.__setattr__(self, "native", native)
         object.__setattr__(self, "call", call)
+        object.__setattr__(self, "python_reason", why)
+
+    def __reduce__(self):
+        # Copies and pickles are made anew, so their executables exist in the process that runs them.
+        return LayerPlan, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason)
+
+    @property
+    def runtime(self) -> str:
+        """What runs the layer: 'torch' (PyTorch's own call), 'native' (convtune's C++ ops) or 'python'."""
+        return "torch" if self.call is None and self.native is None else ("native" if self.native else "python")
 
     def covers(self, need_dx: bool, need_dw: bool) -> bool:
         """Whether every direction a call needs has its algorithm (or the call goes to torch anyway)."""
         return self.on_torch or (bool(self.bwd_data or not need_dx) and bool(self.bwd_filter or not need_dw))
+
+
+def _native_handles(plan: LayerPlan) -> tuple[tuple[int, int, int] | None, str]:
+    """The handles of ``plan``'s executables, or (None, why the layer runs on the Python path)."""
+    if not settings.native:
+        return None, "the native runtime is off (CONVTUNE_NATIVE=0)"
+    base = ConvProblem.from_key(plan.problem)
+    handles = []
+    for direction in DIRECTIONS:
+        name = getattr(plan, direction)
+        if not name:
+            handles.append(0)
+            continue
+        problem = base.with_direction(direction)
+        try:
+            handles.append(runtime.executable(problem, get_algorithm(name, problem)))
+        except (runtime.NotNative, KeyError, RuntimeError) as exc:  # RuntimeError: cuDNN refused the tuned plan
+            log.info("%s runs on the Python path: %s: %s", plan.problem, direction, exc)
+            return None, f"{direction}: {exc}"
+    return (handles[0], handles[1], handles[2]), ""
 
 
 def _torch_path(problem: str, reason: str, module_name: str) -> LayerPlan:
@@ -149,8 +188,8 @@ def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, di
                known: LayerPlan | None = None, name: str = "") -> LayerPlan:
     """The plan of ``module`` (an nn.Conv1d/2d/3d) for ``signature``, tuning ``directions`` not in ``known``.
 
-    Each direction is chosen by ``tuning.select``; its workspace is reserved now, so running the
-    plan allocates none. A problem convtune cannot describe (float64 input, say), a direction no
+    Each direction is chosen by ``tuning.select``; on the Python path its workspace is reserved
+    now, so running the plan allocates none. A problem convtune cannot describe (float64 input, say), a direction no
     algorithm serves under the policy, or a stored choice naming an algorithm that is not
     registered here leaves the layer on torch's path for this signature, with the reason.
     """
@@ -179,9 +218,21 @@ def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, di
         if not support:
             return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm} does not support "
                                             f"the problem ({support.reason})", name)
-        workspace.reserve(algorithm.workspace_bytes(p), signature.device)
         names[direction] = result.algorithm
         results[direction] = result
     ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
-    return LayerPlan(problem.key, **names, results=ordered)
+    plan = LayerPlan(problem.key, **names, results=ordered)
+    reserve_workspace(plan, signature.device)
+    return plan
+
+
+def reserve_workspace(plan: LayerPlan, device: torch.device) -> None:
+    """Reserve the Python path's run-time workspace for ``plan`` (native executables take theirs from
+    PyTorch's caching allocator on each run, as PyTorch's own convolutions do)."""
+    if plan.call is None:
+        return
+    base = ConvProblem.from_key(plan.problem)
+    for direction, _ in plan.results:
+        problem = base.with_direction(direction)
+        workspace.reserve(get_algorithm(getattr(plan, direction), problem).workspace_bytes(problem), device)
 

@@ -1,0 +1,110 @@
+// Executables: one (problem, algorithm) made runnable once, kept in a registry by an integer handle.
+//
+// The control plane (Python) describes a problem and the algorithm chosen for it, and adds an
+// executable under a handle; the ops (ops.cpp) run executables by handle on every call. An
+// executable knows its operands' shapes and strides, so the ops check every call against it and
+// the meta kernels know the result without running anything.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace convtune {
+
+enum class Direction : int64_t { Fwd = 0, BwdData = 1, BwdFilter = 2 };
+
+// A tensor's shape and strides (dense in the problem's layout).
+struct Spec {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+};
+
+// One scratch tensor carved from the workspace, as the algorithm declares it (Algorithm.buffers).
+struct BufferSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+};
+
+// What every executable knows of its problem.
+struct Geometry {
+  Direction direction = Direction::Fwd;
+  at::ScalarType dtype = at::kFloat;
+  at::DeviceType device_type = at::kCPU;
+  bool channels_last = false;
+  bool allow_tf32 = true;
+  int64_t groups = 1;
+  std::vector<int64_t> stride, padding, dilation;
+  Spec a, b, out;  // the two operands and the result: fwd (x, w) -> y, bwd_data (dy, w) -> dx, bwd_filter (x, dy) -> dw
+  std::string label;  // "convtune:<problem key> by <algorithm>": errors and profiler ranges name it
+};
+
+// The names of the operands of a direction, for error messages.
+const char* operand_name(Direction d, int index);
+
+class Executable {
+ public:
+  explicit Executable(Geometry g) : geometry(std::move(g)) {}
+  virtual ~Executable() = default;
+  Executable(const Executable&) = delete;
+  Executable& operator=(const Executable&) = delete;
+
+  // The result of the problem on operands (a, b) that passed check(); a new tensor dense in the layout.
+  virtual at::Tensor run(const at::Tensor& a, const at::Tensor& b) const = 0;
+  // Bytes of workspace one run takes from PyTorch's caching allocator.
+  virtual int64_t workspace_bytes() const { return 0; }
+  // What runs: "native", "gemm", "cudnn".
+  virtual const char* kind() const = 0;
+
+  // Raises ValueError naming the operand and the mismatch unless (a, b) fit the problem (on its
+  // device type, unless ``device`` is false: meta kernels see meta tensors).
+  void check(const at::Tensor& a, const at::Tensor& b, bool device = true) const;
+  // A new, uninitialised result tensor on ``like``'s device.
+  at::Tensor empty_result(const at::Tensor& like) const;
+
+  const Geometry geometry;
+};
+
+using ExecutablePtr = std::shared_ptr<const Executable>;
+
+// The registry. ``description`` says everything the executable was made from: adding a handle
+// again with the same description does nothing, with another one raises.
+void add_executable(int64_t handle, const std::string& description, ExecutablePtr executable);
+bool has_executable(int64_t handle);
+// The executable of ``handle``; raises ValueError when none was added (stale or foreign handle).
+ExecutablePtr find_executable(int64_t handle);
+int64_t executable_count();
+// Tests: every result an executable allocates starts as NaN, so an element left unwritten shows.
+void set_poison(bool on);
+
+// Whether ``t`` has ``spec``'s shape and, where a dimension is longer than 1, its strides.
+bool fits(const at::Tensor& t, const Spec& spec);
+// ``t`` itself when it fits ``spec``, else a copy laid out as ``spec`` says.
+at::Tensor laid_out(const at::Tensor& t, const Spec& spec);
+// Dense strides of ``shape`` in channels_first (row-major) or channels_last (N, *spatial, C) order.
+std::vector<int64_t> dense_strides(const std::vector<int64_t>& shape, bool channels_last);
+
+// Views of a 1-D uint8 workspace for each buffer, in order, each start aligned to 256 bytes.
+std::map<std::string, at::Tensor> carve(const at::Tensor& workspace, const std::vector<BufferSpec>& buffers);
+int64_t buffers_bytes(const std::vector<BufferSpec>& buffers);
+
+// The executables (native.cpp, gemm.cpp, cudnn.cpp).
+ExecutablePtr make_native(Geometry g);
+ExecutablePtr make_gemm_1x1(Geometry g, bool strided, std::vector<BufferSpec> buffers);
+
+struct CudnnSpec {
+  int64_t device_index = 0;
+  Spec x, w, y;  // as cuDNN sees them (a 1-D problem lifted to 2-D)
+  std::vector<int64_t> stride, padding, dilation;  // likewise
+  std::string tag;  // the plan's name as the cuDNN frontend gives it: its engine and knob choices
+};
+bool with_cudnn();
+ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec);
+
+}  // namespace convtune

@@ -1,0 +1,176 @@
+// The native convolution ops, their meta kernels, autocast and autograd: no Python on a tuned layer's
+// forward or backward.
+//
+//   convtune::tuned_run(Tensor a, Tensor b, int executable) -> Tensor
+//       one direction of one problem: fwd (x, w) -> y, bwd_data (dy, w) -> dx, bwd_filter (x, dy) -> dw.
+//   convtune::tuned_conv(Tensor x, Tensor w, Tensor? bias, int fwd, int bwd_data, int bwd_filter) -> Tensor
+//       a layer's forward convolution (plus bias), differentiable through the bwd_data and bwd_filter
+//       executables (0: that gradient was not tuned, and asking for it raises ValueError).
+//
+// Under torch.compile, AOTAutograd traces tuned_conv's autograd into tuned_run calls (its meta kernel
+// gives the result's shape and strides), which Inductor calls from its generated code.
+#include "executable.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+namespace convtune {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor run_executable(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
+  ExecutablePtr exe = find_executable(handle);
+  exe->check(a, b);
+  // The executable computes in the problem's dtype: an autocast region around the model must not
+  // recast the matrix products inside it.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  RECORD_FUNCTION(exe->geometry.label.c_str(), std::vector<c10::IValue>());
+  if (a.is_cuda()) {
+    c10::OptionalDeviceGuard guard(a.device());
+    return exe->run(a, b);
+  }
+  return exe->run(a, b);
+}
+
+at::Tensor run_meta(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
+  ExecutablePtr exe = find_executable(handle);
+  exe->check(a, b, /*device=*/false);
+  return exe->empty_result(a);
+}
+
+at::Tensor call_run(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("convtune::tuned_run", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(a, b, handle);
+}
+
+at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
+  std::vector<int64_t> shape(dims, 1);
+  shape[1] = bias.size(0);
+  return bias.view(shape);
+}
+
+// The forward: the weight in the problem's layout (as torch's own convolution converts it), then the
+// convolution and the bias.
+at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
+  ExecutablePtr exe = find_executable(fwd);
+  at::Tensor y = call_run(x, w.scalar_type() == exe->geometry.dtype ? laid_out(w, exe->geometry.b) : w, fwd);
+  if (bias.has_value() && bias->defined()) y.add_(bias_view(*bias, y.dim()));
+  return y;
+}
+
+struct TunedConv : public torch::autograd::Function<TunedConv> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, int64_t fwd, int64_t bwd_data, int64_t bwd_filter) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["bwd_data"] = bwd_data;
+    ctx->saved_data["bwd_filter"] = bwd_filter;
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();  // an absent bias has no input edge
+    return conv_forward(x, w, bias, fwd);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& w = saved[1];
+    at::Tensor dy = grads[0];
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) {
+      const int64_t handle = ctx->saved_data["bwd_data"].toInt();
+      ExecutablePtr exe = find_executable(handle);
+      dx = call_run(laid_out(dy, exe->geometry.a), laid_out(w, exe->geometry.b), handle);
+    }
+    if (ctx->needs_input_grad(1)) {
+      const int64_t handle = ctx->saved_data["bwd_filter"].toInt();
+      ExecutablePtr exe = find_executable(handle);
+      dw = call_run(laid_out(x, exe->geometry.a), laid_out(dy, exe->geometry.b), handle);
+    }
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
+      std::vector<int64_t> dims{0};
+      for (int64_t d = 2; d < dy.dim(); ++d) dims.push_back(d);
+      db = dy.sum(dims);
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_gradient_tuned(const char* name, bool needed, int64_t handle, int64_t fwd) {
+  TORCH_CHECK_VALUE(!needed || handle != 0, find_executable(fwd)->geometry.label, ": the gradient of ", name,
+                    " is needed but its direction was not tuned; let the layer tune it (call it with "
+                    "requires_grad inputs, or convtune.optimize(..., training=True))");
+}
+
+at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
+                         int64_t bwd_data, int64_t bwd_filter) {
+  const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || w.requires_grad() || bias_grad)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return conv_forward(x, w, bias, fwd);
+  }
+  check_gradient_tuned("the input", x.requires_grad(), bwd_data, fwd);
+  check_gradient_tuned("the weight", w.requires_grad(), bwd_filter, fwd);
+  return TunedConv::apply(x, w, bias, fwd, bwd_data, bwd_filter);
+}
+
+at::Tensor conv_below_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                               int64_t fwd, int64_t bwd_data, int64_t bwd_filter) {
+  return conv_forward(x, w, bias, fwd);
+}
+
+template <c10::DeviceType device_type>
+at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
+                         int64_t bwd_data, int64_t bwd_filter) {
+  // As autocast treats torch's convolutions: the operands in the region's dtype (weights cast once
+  // per region through its cache), float64 left alone.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const auto dtype = at::autocast::get_autocast_dtype(device_type);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("convtune::tuned_conv", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         int64_t, int64_t, int64_t)>();
+  return op.call(at::autocast::cached_cast(dtype, x, device_type), at::autocast::cached_cast(dtype, w, device_type),
+                 at::autocast::cached_cast(dtype, bias, device_type), fwd, bwd_data, bwd_filter);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(convtune, m) {
+  m.def("tuned_run(Tensor a, Tensor b, int executable) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("tuned_conv(Tensor x, Tensor w, Tensor? bias, int fwd, int bwd_data, int bwd_filter) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+}
+
+TORCH_LIBRARY_IMPL(convtune, CPU, m) {
+  m.impl("tuned_run", &run_executable);
+  m.impl("tuned_conv", &conv_below_autograd);
+}
+
+TORCH_LIBRARY_IMPL(convtune, CUDA, m) {
+  m.impl("tuned_run", &run_executable);
+  m.impl("tuned_conv", &conv_below_autograd);
+}
+
+TORCH_LIBRARY_IMPL(convtune, Meta, m) {
+  m.impl("tuned_run", &run_meta);
+  m.impl("tuned_conv", &conv_below_autograd);
+}
+
+TORCH_LIBRARY_IMPL(convtune, Autograd, m) {
+  m.impl("tuned_conv", &conv_autograd);
+  m.impl("tuned_run", torch::autograd::autogradNotImplementedFallback());
+}
+
+TORCH_LIBRARY_IMPL(convtune, AutocastCPU, m) { m.impl("tuned_conv", &conv_autocast<c10::DeviceType::CPU>); }
+
+TORCH_LIBRARY_IMPL(convtune, AutocastCUDA, m) { m.impl("tuned_conv", &conv_autocast<c10::DeviceType::CUDA>); }
+
+}  // namespace convtune

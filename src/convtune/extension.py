@@ -1,0 +1,150 @@
+"""convtune._C, the C++ extension that runs tuned layers: built on first use, cached, loaded once.
+
+The sources are in ``convtune/csrc``. ``load()`` builds them with ``torch.utils.cpp_extension``
+(g++ and ninja) into ``settings.extension_dir``/<tag> (the user's cache folder unless
+``CONVTUNE_EXTENSION_DIR`` says otherwise; the tag hashes the
+sources, the torch, CUDA and Python versions and whether cuDNN is compiled in), so a build happens
+once per machine and software stack, and again only when one of those changes. Where PyTorch is a
+CUDA build and cuDNN's headers are found (the ``nvidia-cudnn`` wheel PyTorch depends on, or
+``CONVTUNE_CUDNN_HOME``), cuDNN execution plans are compiled in too.
+
+Nothing here runs at ``import convtune``: the first tuned layer (or ``convtune native``, which
+builds ahead of time) calls ``load``. When the build fails (no compiler, no headers) ``load``
+returns None and warns once, saying why and how to fix it; layers then run on the Python path.
+
+    >>> status()["enabled"] in (True, False)
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from convtune.settings import settings
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+SOURCES = ("ops.cpp", "registry.cpp", "algorithms.cpp", "cudnn.cpp", "bindings.cpp")
+MODULE_NAME = "convtune._C"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"module": None, "error": None, "build_s": None}
+
+
+class BuildError(RuntimeError):
+    """The extension could not be built or loaded; the message says why and how to fix it."""
+
+
+def cudnn_dirs() -> tuple[Path, Path] | None:
+    """(include, lib) folders of cuDNN for a CUDA build of PyTorch, or None (no CUDA, or no headers found)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return None
+    roots = []
+    home = os.environ.get("CONVTUNE_CUDNN_HOME")
+    if home:
+        roots.append(Path(home))
+    spec = importlib.util.find_spec("nvidia.cudnn") if importlib.util.find_spec("nvidia") else None
+    if spec is not None and spec.submodule_search_locations:
+        roots += [Path(p) for p in spec.submodule_search_locations]
+    roots += [Path("/usr/local/cuda"), Path("/usr")]
+    for root in roots:
+        include = root / "include"
+        if (include / "cudnn.h").exists():
+            for lib in (root / "lib", root / "lib64", root / "lib" / "x86_64-linux-gnu"):
+                if any(lib.glob("libcudnn.so*")):
+                    return include, lib
+    return None
+
+
+def _tag(cudnn: tuple[Path, Path] | None) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for name in SOURCES + ("executable.h",):
+        digest.update(name.encode())
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{cudnn}".encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where this machine's build of the current sources lives."""
+    return Path(settings.extension_dir) / _tag(cudnn_dirs())
+
+
+def _build(verbose: bool = False) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    cudnn = cudnn_dirs()
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    cflags, ldflags, includes = ["-O2", "-std=c++17"], [], []
+    if cudnn is not None:
+        include, lib = cudnn
+        cflags.append("-DCONVTUNE_WITH_CUDNN")
+        includes.append(str(include))
+        ldflags += [f"-L{lib}", "-l:libcudnn.so.9", f"-Wl,-rpath,{lib}"]
+    try:
+        module = cpp_extension.load(
+            name="convtune_C", sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=cflags,
+            extra_ldflags=ldflags, extra_include_paths=includes, build_directory=str(folder),
+            with_cuda=cudnn is not None, verbose=verbose)
+    except Exception as exc:  # compiler missing or failing, ninja missing, headers missing: all say the same
+        raise BuildError(f"building convtune's C++ extension in {folder} failed: {_first_line(exc)}. Install a C++ "
+                         f"compiler and ninja (apt-get install g++; pip install ninja) and the headers of your "
+                         f"torch build, then run `convtune native --rebuild`; CONVTUNE_NATIVE=0 silences this "
+                         f"and keeps the Python path") from exc
+    sys.modules[MODULE_NAME] = module
+    return module
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    lines = [line for line in text.splitlines() if "error:" in line] or text.splitlines()
+    return lines[0][:300]
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The extension module (built first if needed), or None when disabled or not buildable here (warned once)."""
+    module = _state["module"]
+    if module is not None or not settings.native:
+        return module
+    with _lock:
+        if _state["module"] is None and _state["error"] is None:
+            started = time.perf_counter()
+            try:
+                _state["module"] = _build(verbose)
+                _state["build_s"] = time.perf_counter() - started
+                log.info("convtune's C++ extension loaded in %.1f s from %s", _state["build_s"], build_dir())
+            except BuildError as exc:
+                _state["error"] = str(exc)
+                warnings.warn(f"convtune: tuned layers run on the Python path, which costs more host time per call: "
+                              f"{exc}", RuntimeWarning, stacklevel=2)
+    return _state["module"]
+
+
+def reset() -> None:
+    """Forget a failed build, so the next ``load`` tries again (a loaded module stays loaded)."""
+    with _lock:
+        _state["error"] = None
+
+
+def status() -> dict[str, Any]:
+    """What ``convtune native`` prints: enabled, loaded, the build folder, seconds to build or load it, cuDNN, the last error."""
+    module = _state["module"]
+    return {"enabled": bool(settings.native), "loaded": module is not None, "build_dir": str(build_dir()),
+            "load_s": _state["build_s"], "cudnn": bool(module.with_cudnn()) if module is not None else None,
+            "error": _state["error"]}

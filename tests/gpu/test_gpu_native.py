@@ -1,0 +1,130 @@
+"""The native runtime on the GPU: every native executable (cuDNN plans, GEMM, torch:native) in every
+direction and dtype against float64, bit for bit against its Python algorithm, CUDA-graph capture and
+torch.compile of a tuned model. Skipped without CUDA.
+"""
+
+import pytest
+import torch
+from gpu_cases import case_id, cases
+
+import convtune as ct
+from convtune import extension
+from convtune.algorithms.base import allocate_workspace
+from convtune.settings import settings
+from convtune.torch import runtime
+from convtune.verify import reference, rel_error, tolerance
+
+pytestmark = pytest.mark.gpu
+
+LAYERS = [
+    dict(n=4, c=64, k=64, input_size=(28, 28), kernel_size=3, padding=1),
+    dict(n=4, c=128, k=64, input_size=(14, 14), kernel_size=1),
+    dict(n=4, c=64, k=128, input_size=(14, 14), kernel_size=1, stride=2),
+    dict(n=4, c=32, k=32, input_size=(14, 14), kernel_size=3, padding=1, groups=32),
+    dict(n=2, c=16, k=32, input_size=(50,), kernel_size=5, padding=2),
+    dict(n=2, c=8, k=8, input_size=(6, 6, 6), kernel_size=3, padding=1),
+]
+CASES = cases(LAYERS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_every_native_executable_matches_float64_and_its_python_algorithm(case):
+    layer, direction, dtype, layout = case
+    p = ct.ConvProblem(direction=direction, dtype=dtype, layout=layout, device="cuda", allow_tf32=False, **layer)
+    a, b = p.random_inputs(seed=5)
+    ref = reference(p, a, b)
+    failures, ran = [], 0
+    for algo in ct.algorithms(p):
+        if algo.native_recipe(p) is None:
+            continue
+        try:  # the Python run first: a plan the frontend cannot build here (TF32 deselected) is never chosen
+            python = algo.run(p, a, b, workspace=allocate_workspace(algo.workspace_bytes(p), "cuda"))
+        except RuntimeError:
+            continue
+        handle = runtime.executable(p, algo)
+        ran += 1
+        out = torch.ops.convtune.tuned_run(a, b, handle)
+        err = rel_error(out, ref)
+        if not err <= tolerance(p, algo.notes(p)):
+            failures.append(f"{algo.name}: relative error {err:.3g}")
+        if algo.is_deterministic(p) is True and not torch.equal(out, python):
+            failures.append(f"{algo.name}: differs from its Python run (max {(out - python).abs().max().item():.3g})")
+        elif not rel_error(out, python) <= tolerance(p, algo.notes(p)):  # atomics: the same up to summation order
+            failures.append(f"{algo.name}: relative error {rel_error(out, python):.3g} against its Python run")
+    assert ran >= 2, f"only {ran} native executables for {p.key}"
+    assert not failures, "\n".join(failures)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 32, 3, padding=1, groups=32), torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 64, 1), torch.nn.ReLU(),
+        torch.nn.Conv2d(64, 64, 1, stride=2, bias=False),
+    ).cuda().to(memory_format=torch.channels_last)
+
+
+def _tuned(dtype=torch.float16):
+    model = _model()
+    twin = _model()
+    x = torch.randn(8, 16, 16, 16, device="cuda").to(memory_format=torch.channels_last).requires_grad_()
+    with torch.autocast("cuda", dtype=dtype):
+        ct.optimize(model, x, training=True, mode="find")
+    return model, twin, x
+
+
+def test_a_tuned_model_runs_natively_and_trains_like_torch():
+    model, twin, x = _tuned()
+    rows = ct.explain(model)
+    assert any(r["runtime"] == "native" for r in rows), rows
+    with torch.autocast("cuda", dtype=torch.float16):
+        y, yt = model(x), twin(x)
+    assert rel_error(y.float(), yt.float()) < 2e-2
+    y.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_tuned_model_is_captured_and_replayed_in_a_cuda_graph():
+    model, _, x = _tuned()
+    x = x.detach()
+    static = x.clone()
+    with torch.autocast("cuda", dtype=torch.float16):
+        expected = model(x)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model(static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(static)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_a_tuned_model_compiles_fullgraph_with_inductor(training):
+    from torch._inductor.utils import run_and_get_code
+
+    model, twin, x = _tuned()
+    model.train(training)
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, fullgraph=True)
+    x = x.detach().requires_grad_(training)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = compiled(x)
+        if training:
+            y.float().sum().backward()
+        return y
+
+    with settings.override(native=True):
+        y, code = run_and_get_code(step)
+    text = "\n".join(code)
+    assert "convtune.tuned_run" in text and "convtune.torch" not in text
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert rel_error(y.float(), model(x).float()) < 1e-2

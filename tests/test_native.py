@@ -1,0 +1,305 @@
+"""The native runtime on the CPU: the C++ extension builds, its executables compute what their Python
+algorithms compute, the ops' autograd, meta kernels and torch.compile, the fallback when the build fails,
+copies, threads and bad input.
+
+The extension is built once per machine and sources (tens of seconds on two cores) and cached.
+Results are compared with PyTorch's own convolution and with a float64 reference on fresh random
+inputs; every executable's result starts as NaN (``poisoned``), so an element left unwritten shows.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+import pickle
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import convtune as ct
+from convtune import extension
+from convtune.problem import ConvProblem, is_in_layout
+from convtune.settings import settings
+from convtune.torch import runtime
+from convtune.torch.tuning import LayerPlan, Signature, layout_of
+from convtune.verify import reference, rel_error, tolerance
+
+NATIVE_ALGORITHMS = ("torch:native", "gemm:1x1", "gemm:1x1_strided")
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = extension.load()
+    assert module is not None, extension.status()
+    return module
+
+
+def test_the_extension_builds_here_and_reports_its_status(native):
+    status = extension.status()
+    assert status["enabled"] and status["loaded"] and status["error"] is None
+    assert status["cudnn"] is False  # the CPU build of torch has no cuDNN to compile in
+    assert torch.ops.convtune.tuned_conv.default is not None and native.count() >= 0
+    out = subprocess.run([sys.executable, "-m", "convtune.cli", "native", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert '"loaded": true' in out.stdout
+
+
+@pytest.mark.parametrize("dtype,layout,direction", list(itertools.product(
+    ("float32", "float16", "bfloat16"), ("channels_first", "channels_last"), ("fwd", "bwd_data", "bwd_filter"))))
+def test_every_native_executable_matches_its_python_algorithm_and_float64(native, poisoned, dtype, layout, direction):
+    checked = 0
+    for nd, (k, stride, groups) in itertools.product((1, 2, 3), ((1, 1, 1), (1, 2, 1), (1, 1, 2), (3, 2, 2))):
+        p = ConvProblem(direction, n=3, c=4, k=6, input_size=(5,) * nd, kernel_size=k, stride=stride, groups=groups,
+                        padding=k // 2, dtype=dtype, layout=layout)
+        a, b = p.random_inputs(seed=nd + k)
+        ref = reference(p, a, b)
+        for name in NATIVE_ALGORITHMS:
+            algo = ct.get_algorithm(name, p)
+            if not algo.supports(p):
+                continue
+            out = torch.ops.convtune.tuned_run(a, b, runtime.executable(p, algo))
+            assert out.shape == p.operand_shapes[2] and is_in_layout(out, layout), (name, p.key)
+            assert torch.equal(out, algo.run(p, a, b)), (name, p.key)  # the same calls, the same numbers
+            assert rel_error(out, ref) <= tolerance(p, algo.notes(p)), (name, p.key)
+            checked += 1
+    assert checked >= 20
+
+
+# -- the ops: autograd, meta kernels, opcheck --------------------------------------------------
+
+LAYERS = {  # (Conv class, constructor arguments, input shape)
+    "grouped": (torch.nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, groups=2), (2, 4, 7, 6)),
+    "depthwise": (torch.nn.Conv2d, dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, groups=4), (2, 4, 6, 6)),
+    "dilated": (torch.nn.Conv2d, dict(in_channels=3, out_channels=5, kernel_size=3, padding=2, dilation=2), (2, 3, 8, 7)),
+    "strided": (torch.nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=2, padding=1), (2, 3, 9, 9)),
+    "1x1": (torch.nn.Conv2d, dict(in_channels=6, out_channels=4, kernel_size=1), (2, 6, 5, 5)),
+    "1x1_strided": (torch.nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=1, stride=2), (2, 4, 7, 7)),
+    "1d": (torch.nn.Conv1d, dict(in_channels=3, out_channels=4, kernel_size=5, padding=2), (2, 3, 12)),
+    "3d": (torch.nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1), (1, 2, 4, 5, 4)),
+}
+
+
+def _handles(module: torch.nn.Module, x: torch.Tensor, prefer: str = "gemm") -> tuple[int, int, int]:
+    """Executables for ``module`` on ``x``: a GEMM where one serves the direction, else torch:native."""
+    p = ConvProblem.from_module(module, tuple(x.shape), dtype=x.dtype, layout=layout_of(x))
+    handles = []
+    for d in ("fwd", "bwd_data", "bwd_filter"):
+        q = p.with_direction(d)
+        order = ("gemm:1x1", "gemm:1x1_strided", "torch:native") if prefer == "gemm" else ("torch:native",)
+        algo = next(a for a in map(lambda n: ct.get_algorithm(n, q), order) if a.supports(q))
+        handles.append(runtime.executable(q, algo))
+    return handles[0], handles[1], handles[2]
+
+
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_the_native_op_matches_torch_forward_and_both_gradients(native, poisoned, name, layout):
+    cls, kwargs, shape = LAYERS[name]
+    torch.manual_seed(0)
+    conv = cls(**kwargs)
+    x = ct.to_layout(torch.randn(shape), layout).requires_grad_()
+    handles = _handles(conv, x)
+    y = torch.ops.convtune.tuned_conv(x, conv.weight, conv.bias, *handles)
+    yr = conv(x)
+    assert is_in_layout(y, layout)
+    torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-4)
+    g = torch.randn_like(yr)
+    got = torch.autograd.grad(y, (x, conv.weight, conv.bias), g)
+    want = torch.autograd.grad(yr, (x, conv.weight, conv.bias), g)
+    for a, b, what in zip(got, want, ("dx", "dw", "db")):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=what)
+
+
+@pytest.mark.filterwarnings("ignore:Input #")
+def test_the_native_op_passes_gradcheck_and_opcheck(native):
+    # float32 (convtune's problems have no float64): convolution is linear in each operand, so central
+    # differences are exact up to rounding, and eps=1e-2 keeps rounding far below the tolerance.
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1, groups=1)
+    x = torch.randn(1, 2, 5, 4, requires_grad=True)
+    handles = _handles(conv, x)
+    w, b = conv.weight.detach().clone().requires_grad_(), conv.bias.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w, b: torch.ops.convtune.tuned_conv(x, w, b, *handles), (x, w, b),
+                                    eps=1e-2, atol=1e-3, rtol=1e-2)
+    torch.library.opcheck(torch.ops.convtune.tuned_conv.default, (x, w, b, *handles))
+    torch.library.opcheck(torch.ops.convtune.tuned_run.default, (x.detach(), w.detach(), handles[0]))
+
+
+def test_bad_input_raises_a_value_error_that_names_the_layer_and_the_mismatch(native):
+    p = ConvProblem("fwd", n=2, c=4, k=6, input_size=(5, 5), kernel_size=1)
+    h = runtime.executable(p, ct.get_algorithm("gemm:1x1", p))
+    x, w = p.random_inputs()
+    with pytest.raises(ValueError, match="no executable has handle 12345"):
+        torch.ops.convtune.tuned_run(x, w, 12345)
+    with pytest.raises(ValueError, match=r"operand x has shape \[2, 4, 6, 5\]"):
+        torch.ops.convtune.tuned_run(torch.randn(2, 4, 6, 5), w, h)
+    with pytest.raises(ValueError, match="operand w has dtype BFloat16"):
+        torch.ops.convtune.tuned_run(x, w.bfloat16(), h)
+    with pytest.raises(ValueError, match="not dense in the channels_first layout"):
+        torch.ops.convtune.tuned_run(x.to(memory_format=torch.channels_last), w, h)
+    with pytest.raises(ValueError, match="gradient of the input is needed but its direction was not tuned"):
+        torch.ops.convtune.tuned_conv(x.requires_grad_(), w, None, h, 0, 0)
+    with pytest.raises(ValueError, match="already taken"):
+        native.add_native(h, "another description", runtime._geometry(native, p, ct.get_algorithm("torch:native", p)))
+
+
+# -- modules on the native path ------------------------------------------------------------------
+
+def _forced(x: torch.Tensor, algorithm: str, **kwargs) -> ct.nn.Conv2d:
+    """A convtune Conv2d whose plan for ``x`` runs ``algorithm`` in every direction (as if tuned so)."""
+    torch.manual_seed(1)
+    module = ct.nn.Conv2d(**kwargs, mode="get")
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    p = ConvProblem.from_module(module, sig.shape, dtype=sig.dtype, layout=sig.layout)
+    module._convtune_plans[sig] = LayerPlan(p.key, algorithm, algorithm, algorithm)
+    return module
+
+
+def test_a_module_on_the_native_path_trains_like_torch_and_takes_the_hot_path(native, poisoned):
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    twin = torch.nn.Conv2d(6, 4, 1)
+    twin.load_state_dict(module.state_dict())
+    plan = next(iter(module.plans.values()))
+    assert plan.runtime == "native" and plan.native is not None
+    assert [r["runtime"] for r in ct.explain(module)] == []  # forced plans carry no measured results
+    for _ in range(2):  # the first call finds the plan, the second takes the hot path
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = module(xa), twin(xb)
+        torch.testing.assert_close(ya, yb, atol=1e-5, rtol=1e-4)
+        ya.sum().backward()
+        yb.sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, atol=1e-5, rtol=1e-4)
+    assert module._convtune_fast == plan.native
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad, atol=1e-5, rtol=1e-4)
+    # another signature leaves the hot path for the full one, which tunes it
+    y = module(torch.randn(1, 6, 3, 3))
+    assert y.shape == (1, 4, 3, 3) and len(module.plans) == 2
+
+
+def test_autocast_casts_in_the_native_op_as_torch_does(native):
+    x = torch.randn(2, 6, 5, 5)
+    module = _forced(x.bfloat16(), "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    twin = torch.nn.Conv2d(6, 4, 1)
+    twin.load_state_dict(module.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = module(x), twin(x)
+        y = module(x)  # the hot path: the C++ autocast kernel casts
+    assert y.dtype == torch.bfloat16 and module._convtune_fast is not None
+    assert rel_error(y.detach().float(), yr.detach().float()) < 1.6e-2
+
+
+def test_copies_and_pickles_of_a_native_model_run_alike(native):
+    x = torch.randn(2, 4, 7, 7)
+    model = torch.nn.Sequential(_forced(x, "gemm:1x1_strided", in_channels=4, out_channels=6, kernel_size=1,
+                                        stride=2), torch.nn.ReLU())
+    expected = model(x)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin[0]._convtune_fast is None
+        torch.testing.assert_close(twin(x), expected)
+        torch.testing.assert_close(twin(x), expected)  # the hot path
+        assert next(iter(twin[0].plans.values())).runtime == "native"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    torch.testing.assert_close(torch.load(buffer, weights_only=False)(x), expected)
+
+
+def test_two_threads_run_native_layers_at_once(native):
+    x = torch.randn(4, 6, 9, 9)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=8, kernel_size=1)
+    expected = module(x)
+    wrong, errors = [], []
+
+    def work():
+        try:
+            for _ in range(30):
+                xa = x.clone().requires_grad_()
+                y = module(xa)
+                y.sum().backward()
+                if not torch.allclose(y, expected, atol=1e-5):
+                    wrong.append(1)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong
+
+
+def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, monkeypatch, tmp_path):
+    monkeypatch.setattr(extension, "_state", {"module": None, "error": None, "build_s": None})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    x = torch.randn(2, 6, 5, 5)
+    with settings.override(extension_dir=str(tmp_path / "ext")), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+        y = module(x)
+        module(x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "Install a C++ compiler" in messages[0], messages
+    plan = next(iter(module.plans.values()))
+    assert plan.runtime == "python" and "extension is not available" in plan.python_reason
+    torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+
+
+def test_the_native_runtime_can_be_switched_off(native):
+    x = torch.randn(2, 6, 5, 5)
+    with settings.override(native=False):
+        module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    plan = next(iter(module.plans.values()))
+    assert plan.runtime == "python" and "CONVTUNE_NATIVE=0" in plan.python_reason
+
+
+def test_import_convtune_builds_nothing_and_offers_nn():
+    code = ("import sys, convtune as ct; assert ct.nn.Conv2d; "
+            "assert 'convtune._C' not in sys.modules and 'convtune_C' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+
+def _native_model(x: torch.Tensor) -> torch.nn.Module:
+    first = _forced(x, "gemm:1x1", in_channels=6, out_channels=8, kernel_size=1)
+    mid = torch.randn(x.shape[0], 8, *x.shape[2:]).to(memory_format=torch.channels_last)
+    second = _forced(mid, "gemm:1x1_strided", in_channels=8, out_channels=4, kernel_size=1, stride=2, bias=False)
+    return torch.nn.Sequential(first, torch.nn.ReLU(), second, torch.nn.Tanh())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(native, backend):
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
+    model = _native_model(x)
+    twin = copy.deepcopy(model)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+
+    def step():
+        y = compiled(xa)
+        y.sum().backward()
+        return y
+
+    if backend == "inductor":
+        y, code = run_and_get_code(step)
+        text = "\n".join(code)
+        assert "convtune.tuned_run" in text and "convtune.torch" not in text  # the op, no Python of ours
+        assert text.count("convtune.tuned_run") >= 4  # forward of both layers, their backward
+    else:
+        y = step()
+    yb = twin(xb)
+    yb.sum().backward()
+    torch.testing.assert_close(y, yb, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(xa.grad, xb.grad, atol=1e-5, rtol=1e-4)
+    for (name, pa), pb in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-5, rtol=1e-4, msg=name)
