@@ -303,3 +303,55 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
     torch.testing.assert_close(xa.grad, xb.grad, atol=1e-5, rtol=1e-4)
     for (name, pa), pb in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+# -- the host-cost rule ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gain_ms,expected", [(0.003, "torch"), (1.0, "native")])
+def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkeypatch, tmp_path, gain_ms, expected):
+    from convtune.results import PerfResult, Status
+
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
+    x = torch.randn(2, 6, 5, 5)
+    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
+    p = ConvProblem.from_module(module, tuple(x.shape))
+    for d in ("fwd", "bwd_data", "bwd_filter"):  # as find would have stored them: gemm:1x1 ahead by gain_ms
+        module._convtune_tuning.db.store(p.with_direction(d), [
+            PerfResult("gemm:1x1", Status.OK, time_ms=0.01, rel_error=0.0),
+            PerfResult("torch:native", Status.OK, time_ms=0.01 + gain_ms, rel_error=0.0)])
+    y = module(x.requires_grad_())
+    y.sum().backward()
+    plan = next(iter(module.plans.values()))
+    assert plan.runtime == expected, plan
+    if expected == "torch":  # 3 x 3 us of GPU time against 3 x 5 us of host time
+        assert plan.fwd == plan.bwd_data == plan.bwd_filter == "torch:native"
+        assert "would gain 9.0 us of GPU time a step but cost 15.0 us" in ct.explain(module)[0]["note"]
+    with settings.override(host_rule=False):
+        module._convtune_plans.clear()
+        module._convtune_fast = None
+        module(x)
+        assert next(iter(module.plans.values())).fwd == "gemm:1x1"
+
+
+def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
+    from convtune.torch.modules import TorchCall
+
+    torch.manual_seed(2)
+    module = ct.nn.Conv2d(3, 4, 3, padding=1, mode="get")  # on the CPU, 'get' picks torch:native: PyTorch's call
+    x = torch.randn(2, 3, 6, 6)
+    for _ in range(2):
+        torch.testing.assert_close(module(x), F.conv2d(x, module.weight, module.bias, padding=1))
+    fast = module._convtune_fast
+    assert isinstance(fast, TorchCall) and fast.admits(x)
+    plan = next(iter(module.plans.values()))
+    assert plan.runtime == "torch" and plan.bwd_data == ""
+    xg = x.clone().requires_grad_()
+    assert not fast.admits(xg)  # a gradient not tuned yet: the full path tunes it
+    module(xg).sum().backward()
+    assert next(iter(module.plans.values())).bwd_data == "torch:native" and xg.grad is not None
+    assert not module._convtune_fast.admits(x.to(memory_format=torch.channels_last))
+    assert not module._convtune_fast.admits(torch.randn(1, 3, 6, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not module._convtune_fast.admits(x)
+        assert module(x).dtype == torch.bfloat16
+        assert module._convtune_fast.admits(x)

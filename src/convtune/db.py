@@ -4,7 +4,9 @@ An embedded SQLite file in WAL mode; writes are ``BEGIN IMMEDIATE`` transactions
 processes can tune into one file at once and lose nothing. A row is keyed by the device
 fingerprint, the software versions and the problem key, and holds one ``PerfResult``: every
 result of a find is kept, so a later policy (another workspace limit, determinism) is answered
-from the same measurements without running anything.
+from the same measurements without running anything. Beside the results it keeps what rebuilds a
+chosen native executable in a fresh process without searching again (a cuDNN plan's serialized
+form: ``store_executable``), so a warm start runs neither cuDNN's heuristics nor its compiler.
 
     >>> import tempfile, os
     >>> from convtune import ConvProblem, PerfResult, Policy
@@ -48,7 +50,7 @@ from .settings import settings
 log = logging.getLogger(__name__)
 
 # Bump on any change to the tables or to the meaning of a row; older files are moved aside.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_MS = 30_000
 _LINE_FIELDS = ("schema", "fingerprint", "software", "problem", "stored_at", "result")
 _SCHEMA = """
@@ -59,6 +61,11 @@ CREATE TABLE results (
     PRIMARY KEY (fingerprint, software, problem, algorithm)
 );
 CREATE INDEX results_by_problem ON results (problem);
+CREATE TABLE executables (
+    fingerprint TEXT NOT NULL, software TEXT NOT NULL, problem TEXT NOT NULL, algorithm TEXT NOT NULL,
+    stored_at REAL NOT NULL, recipe TEXT NOT NULL, serialized BLOB NOT NULL,
+    PRIMARY KEY (fingerprint, software, problem, algorithm)
+);
 """
 
 
@@ -223,8 +230,36 @@ class TuningDB:
         return len(parsed)
 
     def clear(self) -> int:
-        """Remove every stored result (all machines); returns the number of rows removed."""
-        return self._write(lambda conn: conn.execute("DELETE FROM results").rowcount)
+        """Remove every stored result and executable (all machines); returns the number of results removed."""
+        def remove(conn: sqlite3.Connection) -> int:
+            conn.execute("DELETE FROM executables")
+            return conn.execute("DELETE FROM results").rowcount
+        return self._write(remove)
+
+    def store_executable(self, problem: ConvProblem, algorithm: str, recipe: dict[str, Any], serialized: bytes) -> None:
+        """Keep what rebuilds the native executable of ``algorithm`` on ``problem`` here without searching:
+        its recipe (a JSON-able dict) and serialized form (a cuDNN plan's), for this machine and software."""
+        here = _here(problem.device)
+        if here is None:
+            raise ValueError(f"cannot store an executable of {problem.key}: no {problem.device} device on this machine")
+        row = (*here, problem.key, algorithm, time.time(), json.dumps(recipe), bytes(serialized))
+        self._write(lambda conn: conn.execute("INSERT OR REPLACE INTO executables VALUES (?, ?, ?, ?, ?, ?, ?)", row))
+
+    def executable(self, problem: ConvProblem, algorithm: str) -> tuple[dict[str, Any], bytes] | None:
+        """(recipe, serialized form) stored for ``algorithm`` on ``problem`` on this machine and software, or None."""
+        here = _here(problem.device)
+        if here is None:
+            return None
+        rows = self._read("SELECT recipe, serialized FROM executables WHERE fingerprint=? AND software=? AND problem=? "
+                          "AND algorithm=?", (*here, problem.key, algorithm))
+        if not rows:
+            return None
+        try:
+            return json.loads(rows[0][0]), bytes(rows[0][1])
+        except ValueError:
+            self._warn_once(f"executable:{problem.key}:{algorithm}", "ignoring an unreadable stored executable of %s "
+                            "by %s; it is rebuilt", problem.key, algorithm)
+            return None
 
     def close(self) -> None:
         """Close this process's connection; the object reopens it if used again."""

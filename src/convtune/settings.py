@@ -80,6 +80,8 @@ _SETTINGS = (
     _Setting("cudnn_direct", _bool, True, "cuDNN plans launch without the frontend's Python layer"),
     # tuned layers run through convtune's C++ extension (built on first use; 0: the Python path)
     _Setting("native", _bool, True, "tuned layers run through the C++ extension"),
+    # a layer whose measured GPU gain is below the host time its path adds calls PyTorch instead
+    _Setting("host_rule", _bool, True, "layers that gain less than their host cost call PyTorch"),
     # where the C++ extension is built and cached (one folder per sources and software versions)
     _Setting("extension_dir", str, _extension_dir_default, "folder of the C++ extension's builds"),
     # show a progress bar in the command line

@@ -1,7 +1,8 @@
 """Built-in layer tables: the convolutions of real networks, to tune and to benchmark on.
 
-``resnet50``, ``resnet18``, ``vgg16``, ``mobilenet_v2``: the unique Conv2d layers of torchvision's
-models at 224x224 (each with how often it occurs); ``deepbench``: DeepBench's training convolutions
+``resnet50``, ``resnet18``, ``vgg16``, ``mobilenet_v2``, ``resnext50_32x4d`` (grouped),
+``densenet121``, ``googlenet``: the unique Conv2d layers of torchvision's models at 224x224 (each
+with how often it occurs); ``deepbench``: DeepBench's training convolutions
 (each row with its own batch). A layer file of your own works the same way (``load_layers``): JSON
 ``{"layers": [{"c", "k", "spatial", "kernel", "stride", "padding", "dilation", "groups", "count"}]}``
 or a CSV with DeepBench's columns ``w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h``.
@@ -25,7 +26,7 @@ from typing import Any
 
 from .problem import ConvProblem
 
-MODELS = ("resnet50", "resnet18", "vgg16", "mobilenet_v2")
+MODELS = ("resnet50", "resnet18", "vgg16", "mobilenet_v2", "resnext50_32x4d", "densenet121", "googlenet")
 NETWORKS = (*MODELS, "deepbench")
 DEFAULT_BATCH = 32
 

@@ -153,7 +153,7 @@ class Gemm1x1 final : public Executable {
   Gemm1x1(Geometry g, bool strided, std::vector<BufferSpec> buffers)
       : Executable(std::move(g)), strided_(strided), buffers_(std::move(buffers)),
         workspace_bytes_(buffers_bytes(buffers_)) {}
-  const char* kind() const override { return "gemm"; }
+  const char* kind() const override { return strided_ ? "gemm_1x1_strided" : "gemm_1x1"; }
   int64_t workspace_bytes() const override { return workspace_bytes_; }
 
   at::Tensor run(const at::Tensor& a, const at::Tensor& b) const override {

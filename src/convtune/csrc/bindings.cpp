@@ -69,15 +69,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "add_cudnn",
       [](int64_t handle, const std::string& description, const Geometry& g, int64_t device_index,
          std::vector<std::vector<int64_t>> shapes, std::vector<std::vector<int64_t>> strides, std::vector<int64_t> stride,
-         std::vector<int64_t> padding, std::vector<int64_t> dilation, std::string tag) {
+         std::vector<int64_t> padding, std::vector<int64_t> dilation, std::string tag, py::bytes serialized) {
         if (has_executable(handle)) return add_executable(handle, description, nullptr);  // only checks the description
         TORCH_CHECK_VALUE(shapes.size() == 3 && strides.size() == 3, "convtune: x, w, y shapes and strides needed");
         CudnnSpec spec{device_index,      Spec{shapes[0], strides[0]}, Spec{shapes[1], strides[1]},
                        Spec{shapes[2], strides[2]}, std::move(stride), std::move(padding), std::move(dilation),
                        std::move(tag)};
-        add_executable(handle, description, make_cudnn(g, std::move(spec)));
+        add_executable(handle, description, make_cudnn(g, std::move(spec), std::string(serialized)));
       },
-      "A cuDNN execution plan, the one of cuDNN's heuristics whose tag (the frontend's plan name) is given.");
+      "A cuDNN execution plan: from its serialized form, else the one of cuDNN's heuristics with the tag (the frontend's plan name).");
   m.def("has", &has_executable, "Whether an executable has this handle.");
   m.def("count", &executable_count, "How many executables this process holds.");
   m.def(
@@ -85,7 +85,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Bytes of workspace one run of the executable allocates.");
   m.def(
       "kind", [](int64_t handle) { return std::string(find_executable(handle)->kind()); },
-      "What the executable runs: native, gemm or cudnn.");
+      "What the executable runs: native, gemm_1x1, gemm_1x1_strided or cudnn.");
+  m.def(
+      "serialized", [](int64_t handle) { return py::bytes(find_executable(handle)->serialized()); },
+      "What rebuilds the executable without searching (a cuDNN plan's serialized form; empty for the others).");
   m.def("with_cudnn", &with_cudnn, "Whether this build has cuDNN plans.");
   m.def("set_poison", &set_poison, "Tests: results start as NaN (True) or uninitialised (False, the default).");
 }

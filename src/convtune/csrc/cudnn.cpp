@@ -66,9 +66,14 @@ cudnnDataType_t data_type(at::ScalarType t) {
 
 class CudnnPlan final : public Executable {
  public:
-  CudnnPlan(Geometry g, CudnnSpec spec) : Executable(std::move(g)), spec_(std::move(spec)) {
+  CudnnPlan(Geometry g, CudnnSpec spec, const std::string& serialized)
+      : Executable(std::move(g)), spec_(std::move(spec)) {
     try {
-      build();
+      if (serialized.empty()) {
+        build();
+      } else {
+        load(serialized);
+      }
     } catch (...) {
       release();
       throw;
@@ -76,6 +81,18 @@ class CudnnPlan final : public Executable {
   }
   ~CudnnPlan() override { release(); }
   const char* kind() const override { return "cudnn"; }
+
+  std::string serialized() const override {
+    int64_t size = 0;
+    CONVTUNE_CUDNN(geometry.label, "plan serialization",
+                   cudnnBackendGetAttribute(plan_->get(), CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION, CUDNN_TYPE_CHAR,
+                                            0, &size, nullptr));
+    std::string text(static_cast<size_t>(size), '\0');
+    CONVTUNE_CUDNN(geometry.label, "plan serialization",
+                   cudnnBackendGetAttribute(plan_->get(), CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION, CUDNN_TYPE_CHAR,
+                                            size, &size, text.data()));
+    return text;
+  }
   int64_t workspace_bytes() const override { return workspace_bytes_; }
 
   at::Tensor run(const at::Tensor& a, const at::Tensor& b) const override {
@@ -210,6 +227,22 @@ class CudnnPlan final : public Executable {
     set(*plan_, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
     set(*plan_, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config_desc);
     finalize(*plan_, "execution plan");
+    read_workspace_size();
+  }
+
+  // The plan from its serialized form: no operation graph, no heuristics.
+  void load(const std::string& serialized) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(spec_.device_index));
+    cudnnHandle_t handle = thread_handle(spec_.device_index);
+    plan_ = &make(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+    set(*plan_, CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION, CUDNN_TYPE_CHAR, static_cast<int64_t>(serialized.size()),
+        serialized.data());
+    set(*plan_, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+    finalize(*plan_, "execution plan from its serialized form (another cuDNN or GPU?)");
+    read_workspace_size();
+  }
+
+  void read_workspace_size() {
     int64_t count = 0;
     CONVTUNE_CUDNN(geometry.label, "workspace size",
                    cudnnBackendGetAttribute(plan_->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
@@ -285,7 +318,9 @@ class CudnnPlan final : public Executable {
 
 bool with_cudnn() { return true; }
 
-ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec) { return std::make_shared<CudnnPlan>(std::move(g), std::move(spec)); }
+ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec, const std::string& serialized) {
+  return std::make_shared<CudnnPlan>(std::move(g), std::move(spec), serialized);
+}
 
 }  // namespace convtune
 
@@ -295,7 +330,7 @@ namespace convtune {
 
 bool with_cudnn() { return false; }
 
-ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec) {
+ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec, const std::string& serialized) {
   TORCH_CHECK_VALUE(false, g.label, ": this build of convtune's extension has no cuDNN (its headers were not "
                     "found when it was built); install nvidia-cudnn and rebuild (convtune native --rebuild)");
 }

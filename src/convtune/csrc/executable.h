@@ -59,8 +59,11 @@ class Executable {
   virtual at::Tensor run(const at::Tensor& a, const at::Tensor& b) const = 0;
   // Bytes of workspace one run takes from PyTorch's caching allocator.
   virtual int64_t workspace_bytes() const { return 0; }
-  // What runs: "native", "gemm", "cudnn".
+  // What runs: "native", "gemm_1x1", "gemm_1x1_strided", "cudnn".
   virtual const char* kind() const = 0;
+  // What rebuilds this executable in another process without searching again (a cuDNN plan's
+  // serialized form); empty where the description alone is enough.
+  virtual std::string serialized() const { return ""; }
 
   // Raises ValueError naming the operand and the mismatch unless (a, b) fit the problem (on its
   // device type, unless ``device`` is false: meta kernels see meta tensors).
@@ -105,6 +108,8 @@ struct CudnnSpec {
   std::string tag;  // the plan's name as the cuDNN frontend gives it: its engine and knob choices
 };
 bool with_cudnn();
-ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec);
+// ``serialized`` (from CudnnPlan::serialized, same cuDNN and GPU) rebuilds the plan without heuristics;
+// empty: the plan is found among cuDNN's heuristics by its tag.
+ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec, const std::string& serialized);
 
 }  // namespace convtune

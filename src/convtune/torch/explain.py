@@ -44,7 +44,7 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
                 continue
             for direction, result in plan.results:
                 key = ConvProblem.from_key(plan.problem).with_direction(direction).key
-                note = "; ".join(n for n in (plan.python_reason, result.message) if n)
+                note = "; ".join(n for n in (plan.reason, plan.python_reason, result.message) if n)
                 rows.append(dict(module=name, problem=key, direction=direction, algorithm=result.algorithm,
                                  runtime=plan.runtime, status=result.status.value, time_ms=result.time_ms,
                                  workspace_bytes=result.workspace_bytes, note=note))

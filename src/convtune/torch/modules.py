@@ -23,7 +23,7 @@ convtune cannot describe (float64, say) and layers no algorithm serves run torch
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -69,15 +69,19 @@ class TunedConv:
         return dict(self._convtune_plans)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # The hot path: the native op on the executables of the last input signature. The op checks
-        # everything the choice depends on (shape, dtype, device, layout, the gradients needed; autocast
-        # casts in C++) and raises ValueError for anything else, which the full path below then handles.
+        # The hot path, for inputs like the last one: either the native op on its executables (the op
+        # checks everything the choice depends on: shape, dtype, device, layout, the gradients needed;
+        # autocast casts in C++; anything else raises ValueError, which the full path below handles),
+        # or, where PyTorch's own call was chosen, that call after a few cheap checks.
         fast = self._convtune_fast
         if fast is not None and not torch.compiler.is_compiling():
-            try:
-                return _tuned_conv(input, self.weight, self.bias, *fast)
-            except ValueError:
-                pass
+            if fast.__class__ is tuple:
+                try:
+                    return _tuned_conv(input, self.weight, self.bias, *fast)
+                except ValueError:
+                    pass
+            elif fast.admits(input):
+                return super().forward(input)
         return self._convtune_forward(input)
 
     def _convtune_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -97,6 +101,8 @@ class TunedConv:
             plan = self._convtune_tune(sig, need_dx, need_dw)
         call = plan.call
         if call is None and plan.native is None:  # torch's path, or torch:native in every direction
+            if not torch.compiler.is_compiling():
+                self._convtune_fast = TorchCall.of(input, sig, plan)
             return super().forward(input)
         if cast is not None:
             x = x if x.dtype == cast else x.to(cast)
@@ -134,6 +140,34 @@ class TunedConv:
         plan = plan_layer(self, sig, self._convtune_tuning, directions, self._convtune_plans.get(sig))
         self._convtune_plans[sig] = plan
         return plan
+
+
+class TorchCall(NamedTuple):
+    """The hot path of a layer that calls PyTorch's own convolution: what its input must be to take it."""
+
+    shape: torch.Size
+    strides: tuple[int, ...]  # the same layout (exactly: other strides take the full path, which decides)
+    dtype: torch.dtype  # the input's, or the autocast dtype
+    autocast: bool
+    device_type: str
+    covers_dx: bool  # a gradient of the input was tuned (PyTorch's too), or none is needed
+    covers_dw: bool
+
+    @classmethod
+    def of(cls, input: torch.Tensor, sig: Signature, plan: LayerPlan) -> TorchCall:
+        device = input.device.type
+        return cls(input.shape, input.stride(), sig.dtype, torch.is_autocast_enabled(device), device,
+                   plan.covers(True, False), plan.covers(False, True))
+
+    def admits(self, x: torch.Tensor) -> bool:
+        if x.shape != self.shape or x.stride() != self.strides:
+            return False
+        autocast = self.autocast
+        if torch.is_autocast_enabled(self.device_type) is not autocast:
+            return False
+        if (torch.get_autocast_dtype(self.device_type) if autocast else x.dtype) is not self.dtype:
+            return False
+        return (self.covers_dx or not x.requires_grad) and (self.covers_dw or not torch.is_grad_enabled())
 
 
 def _tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,

@@ -18,14 +18,21 @@ convtune's Python algorithms) raises ``NotNative``; its layer runs on the Python
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import Any
+import logging
+import threading
+import time
+from typing import Any, Callable
 
 import torch
 
 from convtune import extension
 from convtune.algorithms.base import Algorithm
+from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
+
+log = logging.getLogger(__name__)
 
 DIRECTION_INDEX = {"fwd": 0, "bwd_data": 1, "bwd_filter": 2}
 
@@ -49,14 +56,52 @@ def _strides(problem: ConvProblem, shape: tuple[int, ...]) -> list[int]:
     return list(empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta").stride())
 
 
-def _geometry(module: Any, problem: ConvProblem, algorithm: Algorithm) -> Any:
+def _geometry(module: Any, problem: ConvProblem, name: str) -> Any:
     shapes = [list(s) for s in problem.operand_shapes]
     return module.geometry(
         direction=DIRECTION_INDEX[problem.direction], dtype=problem.dtype, device=problem.device,
         channels_last=problem.layout == "channels_last", allow_tf32=problem.allow_tf32, groups=problem.groups,
         stride=list(problem.stride), padding=list(problem.padding), dilation=list(problem.dilation), shapes=shapes,
-        strides=[_strides(problem, s) for s in problem.operand_shapes],
-        label=f"convtune:{problem.key} by {algorithm.name}")
+        strides=[_strides(problem, s) for s in problem.operand_shapes], label=f"convtune:{problem.key} by {name}")
+
+
+def _extension() -> Any:
+    module = extension.load()
+    if module is None:
+        raise NotNative(f"convtune's C++ extension is not available ({extension.status()['error'] or 'disabled'})")
+    return module
+
+
+def _device_index(problem: ConvProblem, device: torch.device | None) -> int:
+    """The CUDA device a cuDNN plan is built for (-1 on the CPU)."""
+    if problem.device != "cuda":
+        return -1
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+
+def _add(module: Any, problem: ConvProblem, name: str, kind: str, options: dict[str, Any], index: int,
+         serialized: bytes = b"") -> int:
+    """Make the executable (once) and return its handle: the hash of the problem, the algorithm, the kind and the
+    device, the same in every process whichever way it is made (from a recipe, or from a serialized form)."""
+    description = f"{problem.key}|{name}|{kind}|{index}"
+    handle = handle_of(description)
+    if module.has(handle):
+        return handle
+    geometry = _geometry(module, problem, name)
+    if kind == "native":
+        module.add_native(handle, description, geometry)
+    elif kind in ("gemm_1x1", "gemm_1x1_strided"):
+        module.add_gemm_1x1(handle, description, geometry, kind == "gemm_1x1_strided", options["buffers"])
+    elif kind == "cudnn":
+        if not module.with_cudnn():
+            raise NotNative(f"{name}: this build of the extension has no cuDNN (its headers were not found when it "
+                            f"was built); set CONVTUNE_CUDNN_HOME and run `convtune native --rebuild`")
+        module.add_cudnn(handle, description, geometry, index, [list(s) for s in options["shapes"]],
+                         [list(s) for s in options["strides"]], list(options["stride"]), list(options["padding"]),
+                         list(options["dilation"]), options["tag"], serialized)
+    else:
+        raise NotNative(f"{name}: no native executable of kind {kind!r} in this version")
+    return handle
 
 
 def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device | None = None) -> int:
@@ -67,38 +112,114 @@ def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device 
     build cannot make it (a cuDNN plan in a build without cuDNN); ``RuntimeError`` when cuDNN
     refuses to build the tuned plan.
     """
-    module = extension.load()
-    if module is None:
-        raise NotNative(f"convtune's C++ extension is not available ({extension.status()['error'] or 'disabled'})")
+    module = _extension()
     recipe = algorithm.native_recipe(problem)
     if recipe is None:
         raise NotNative(f"{algorithm.name} runs in Python only (it has no native executable)")
     options = dict(recipe.options)
-    if recipe.kind == "cudnn":
-        if not module.with_cudnn():
-            raise NotNative(f"{algorithm.name}: this build of the extension has no cuDNN (its headers were not found "
-                            f"when it was built); set CONVTUNE_CUDNN_HOME and run `convtune native --rebuild`")
-        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-        options["device_index"] = index
-    description = f"{problem.key}|{algorithm.name}|{recipe.kind}|{sorted(options.items())}"
-    handle = handle_of(description)
-    if module.has(handle):
-        return handle
-    geometry = _geometry(module, problem, algorithm)
-    if recipe.kind == "native":
-        module.add_native(handle, description, geometry)
-    elif recipe.kind in ("gemm_1x1", "gemm_1x1_strided"):
-        buffers = [(b.name, list(b.shape), str(b.dtype).removeprefix("torch.")) for b in algorithm.buffers(problem)]
-        module.add_gemm_1x1(handle, description, geometry, recipe.kind == "gemm_1x1_strided", buffers)
-    elif recipe.kind == "cudnn":
-        module.add_cudnn(handle, description, geometry, options["device_index"], [list(s) for s in options["shapes"]],
-                         [list(s) for s in options["strides"]], list(options["stride"]), list(options["padding"]),
-                         list(options["dilation"]), options["tag"])
-    else:
-        raise NotNative(f"{algorithm.name}: no native executable of kind {recipe.kind!r} in this version")
-    return handle
+    if recipe.kind in ("gemm_1x1", "gemm_1x1_strided"):
+        options["buffers"] = [(b.name, list(b.shape), str(b.dtype).removeprefix("torch."))
+                              for b in algorithm.buffers(problem)]
+    return _add(module, problem, algorithm.name, recipe.kind, options, _device_index(problem, device))
+
+
+_prepared: dict[tuple, tuple[int, str]] = {}  # (problem key, algorithm, device, registry generation) -> (handle, kind)
+_prepared_lock = threading.Lock()
+
+
+def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.device | None = None) -> tuple[int, str]:
+    """(handle, kind) of the native executable of algorithm ``name`` on ``problem``.
+
+    Made once per process: from the form ``db`` stored for it on this machine and software (a warm
+    start: neither the algorithm nor cuDNN's heuristics are consulted), else from the algorithm's
+    recipe, and then stored in ``db`` where a serialized form saves work (a cuDNN plan). Raises
+    ``NotNative``, ``KeyError`` (``name`` is not registered here) or ``RuntimeError`` (cuDNN refused).
+    """
+    module = _extension()
+    index = _device_index(problem, device)
+    key = (problem.key, name, index, generation())  # a name registered again is made again
+    with _prepared_lock:
+        known = _prepared.get(key)
+    if known is not None:
+        return known
+    stored = db.executable(problem, name) if db is not None else None
+    handle = None
+    if stored is not None:
+        recipe, serialized = stored
+        try:
+            handle = _add(module, problem, name, recipe["kind"], recipe["options"], index, serialized)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another cuDNN or GPU: rebuild below
+            log.info("the stored executable of %s by %s does not load here (%s); rebuilding it", problem.key, name, exc)
+    if handle is None:
+        algorithm = get_algorithm(name, problem)
+        handle = executable(problem, algorithm, device)
+        serialized = module.serialized(handle)
+        if db is not None and serialized:
+            recipe = algorithm.native_recipe(problem)
+            db.store_executable(problem, name, {"kind": recipe.kind, "options": dict(recipe.options)}, serialized)
+    known = (handle, module.kind(handle))
+    with _prepared_lock:
+        _prepared[key] = known
+    return known
 
 
 def tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, handles: tuple[int, int, int]) -> torch.Tensor:
     """``torch.ops.convtune.tuned_conv(x, w, bias, *handles)``: a layer's forward, differentiable."""
     return torch.ops.convtune.tuned_conv.default(x, w, bias, *handles)
+
+
+def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 200, repeats: int = 5) -> float:
+    """Host microseconds per call of ``fn`` (the least of a few timings; on CUDA the GPU waits on the host)."""
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    times = []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - started) / calls * 1e6)
+    return min(times)
+
+
+@functools.lru_cache(maxsize=None)
+def host_overheads_us(device: str) -> dict[str, float]:
+    """Host microseconds that running one direction of a convolution on each path adds over PyTorch's own call.
+
+    Keys: executable kinds ('native', 'gemm_1x1', 'cudnn'; those this build and device have) and
+    'python' (convtune's Python path). Measured once per process and device type, on a convolution
+    so small that the host sets the pace: the path's call against ``torch.nn.functional.conv2d``.
+    """
+    from convtune.torch import ops  # the Python path's ops
+
+    half = device == "cuda"
+    p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype="float16" if half else "float32",
+                    layout="channels_last", device=device)
+    x, w = p.random_inputs()
+    with torch.no_grad():
+        base = _per_call_us(lambda: torch.nn.functional.conv2d(x, w), device)
+        overheads = {"python": _per_call_us(lambda: ops.compute(x, w, p.key, "torch:native"), device) - base}
+        if available():
+            for algo in algorithms(p):
+                recipe = algo.native_recipe(p)
+                if recipe is None or recipe.kind in overheads:
+                    continue
+                try:
+                    handle = executable(p, algo)
+                except (NotNative, RuntimeError):
+                    continue
+                overheads[recipe.kind] = _per_call_us(lambda: tuned_conv(x, w, None, (handle, 0, 0)), device) - base
+    overheads = {kind: max(us, 0.0) for kind, us in overheads.items()}
+    if "gemm_1x1" in overheads:
+        overheads["gemm_1x1_strided"] = overheads["gemm_1x1"]  # the same calls and a slice copy
+    return overheads
+
+
+def extra_host_us(problem: ConvProblem, kind: str) -> float:
+    """Host microseconds one run on ``problem`` costs over PyTorch's own call on the path of ``kind``
+    (an executable kind, or 'python' for convtune's Python path)."""
+    overheads = host_overheads_us(problem.device)
+    return overheads.get(kind, max(overheads.values()))

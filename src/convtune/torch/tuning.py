@@ -170,13 +170,23 @@ def _native_handles(plan: LayerPlan) -> tuple[tuple[int, int, int] | None, str]:
         if not name:
             handles.append(0)
             continue
-        problem = base.with_direction(direction)
         try:
-            handles.append(runtime.executable(problem, get_algorithm(name, problem)))
+            handles.append(runtime.prepare(base.with_direction(direction), name)[0])
         except (runtime.NotNative, KeyError, RuntimeError) as exc:  # RuntimeError: cuDNN refused the tuned plan
             log.info("%s runs on the Python path: %s: %s", plan.problem, direction, exc)
             return None, f"{direction}: {exc}"
     return (handles[0], handles[1], handles[2]), ""
+
+
+def _native_kind(problem: ConvProblem, name: str, db: Any) -> str | None:
+    """The kind of the native executable of ``name`` on ``problem`` (made now, from ``db``'s stored form where
+    there is one), or None when the layer would run it on the Python path."""
+    if not settings.native:
+        return None
+    try:
+        return runtime.prepare(problem, name, db)[1]
+    except (runtime.NotNative, KeyError, RuntimeError):
+        return None
 
 
 def _torch_path(problem: str, reason: str, module_name: str) -> LayerPlan:
@@ -209,21 +219,55 @@ def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, di
             result = tuning.select(p)
         except NoAlgorithmError as exc:
             return _torch_path(problem.key, f"{direction}: {exc}", name)
-        try:
-            algorithm = get_algorithm(result.algorithm, p)
-        except KeyError as exc:
-            return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm!r} is not registered "
-                                            f"here ({exc}); register its backend or clear the tuning database", name)
-        support = algorithm.supports(p)
-        if not support:
-            return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm} does not support "
-                                            f"the problem ({support.reason})", name)
+        if _native_kind(p, result.algorithm, tuning.db) is None:  # a warm start needs no more than that
+            try:
+                algorithm = get_algorithm(result.algorithm, p)
+            except KeyError as exc:
+                return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm!r} is not registered "
+                                                f"here ({exc}); register its backend or clear the tuning database",
+                                   name)
+            support = algorithm.supports(p)
+            if not support:
+                return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm} does not support "
+                                                f"the problem ({support.reason})", name)
         names[direction] = result.algorithm
         results[direction] = result
     ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
-    plan = LayerPlan(problem.key, **names, results=ordered)
+    plan = _where_the_host_pays(LayerPlan(problem.key, **names, results=ordered), tuning)
     reserve_workspace(plan, signature.device)
     return plan
+
+
+def _where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
+    """``plan``, or PyTorch's own call in every direction where that is no slower in eager code.
+
+    The rule: a layer gains, per step, the measured GPU time of torch:native minus that of its choice,
+    summed over its tuned directions; it pays, per step, the host time its path adds over PyTorch's
+    call (``runtime.extra_host_us``, measured once per process). Where the gain is smaller than the
+    cost, the layer calls PyTorch. Only measured choices are judged (the database holds torch:native's
+    time for every tuned direction); settings.host_rule=False turns the rule off.
+    """
+    if plan.runtime == "torch" or not settings.host_rule or tuning.db is None or not plan.results:
+        return plan
+    base = ConvProblem.from_key(plan.problem)
+    gain_us = cost_us = 0.0
+    natives = {}
+    for direction, chosen in plan.results:
+        problem = base.with_direction(direction)
+        native = next((r for r in tuning.db.results(problem) if r.algorithm == NATIVE and r.ok and r.time_ms), None)
+        if native is None or chosen.time_ms is None:
+            return plan
+        natives[direction] = native
+        gain_us += 1e3 * (native.time_ms - chosen.time_ms)
+        kind = runtime.prepare(problem, chosen.algorithm)[1] if plan.native is not None else "python"
+        cost_us += runtime.extra_host_us(problem, kind)
+    if gain_us >= cost_us:
+        return plan
+    log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
+             plan.problem, gain_us, cost_us)
+    return LayerPlan(plan.problem, **dict.fromkeys(natives, NATIVE), results=tuple(natives.items()),
+                     reason=f"PyTorch's own call: the tuned choices would gain {gain_us:.1f} us of GPU time a step "
+                            f"but cost {cost_us:.1f} us more host time ({', '.join(r.algorithm for _, r in plan.results)})")
 
 
 def reserve_workspace(plan: LayerPlan, device: torch.device) -> None:
