@@ -128,3 +128,43 @@ def test_a_tuned_model_compiles_fullgraph_with_inductor(training):
     assert "convtune.tuned_run" in text and "convtune.torch" not in text
     with torch.autocast("cuda", dtype=torch.float16):
         assert rel_error(y.float(), model(x).float()) < 1e-2
+
+
+def test_a_cudnn_plan_is_rebuilt_from_its_serialized_form_and_computes_the_same(tmp_path):
+    import time
+
+    module = extension.load()
+    p = ct.ConvProblem("fwd", n=4, c=64, k=64, input_size=(28, 28), kernel_size=3, padding=1, dtype="float16",
+                       layout="channels_last", device="cuda")
+    a, b = p.random_inputs(seed=3)
+    rebuilt = 0
+    for algo in ct.algorithms(p)[:12]:
+        recipe = algo.native_recipe(p)
+        if recipe is None or recipe.kind != "cudnn":
+            continue
+        started = time.perf_counter()
+        handle = runtime.executable(p, algo)
+        built_s = time.perf_counter() - started
+        serialized = module.serialized(handle)
+        assert serialized, algo.name
+        options = dict(recipe.options)
+        started = time.perf_counter()
+        again = runtime.handle_of(f"rebuilt {algo.name}")
+        module.add_cudnn(again, f"rebuilt {algo.name}", runtime._geometry(module, p, algo.name), 0,
+                         [list(s) for s in options["shapes"]], [list(s) for s in options["strides"]],
+                         list(options["stride"]), list(options["padding"]), list(options["dilation"]), options["tag"],
+                         serialized)
+        loaded_s = time.perf_counter() - started
+        print(f"{algo.name}: built in {built_s * 1e3:.1f} ms, rebuilt from its serialized form in {loaded_s * 1e3:.1f} ms")
+        first = torch.ops.convtune.tuned_run(a, b, handle)
+        assert torch.equal(torch.ops.convtune.tuned_run(a, b, again), first) or algo.is_deterministic(p) is not True
+        assert rel_error(torch.ops.convtune.tuned_run(a, b, again), first) < 1e-2
+        rebuilt += 1
+    assert rebuilt >= 2
+    # through the database: a fresh process (here: a forgotten preparation) rebuilds from the stored form
+    db = ct.TuningDB(tmp_path / "t.sqlite")
+    name = next(a.name for a in ct.algorithms(p) if (r := a.native_recipe(p)) and r.kind == "cudnn")
+    handle, kind = runtime.prepare(p, name, db)
+    assert kind == "cudnn" and db.executable(p, name) is not None
+    runtime._prepared.clear()
+    assert runtime.prepare(p, name, db) == (handle, kind)
