@@ -16,7 +16,7 @@ fi
 python3 -m convtune.cli native --json 2>&1 | tee "$OUT/native.json"
 for step in "$@"; do
   case "$step" in
-    native) python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_native.py 2>&1 | tee "$OUT/gpu_native.txt" | tail -25 ;;
+    native) python3 -m pytest -q -rP -p no:cacheprovider tests/gpu/test_gpu_native.py 2>&1 | tee "$OUT/gpu_native.txt" | tail -25 ;;
     gpu) python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
     host) python3 bench/tuning_cost.py --layers 1 --out "$OUT" --name tuning_cost_native 2>&1 | tail -40 ;;
     e2e:*) cp bench/results/e2e.json "$OUT/" 2>/dev/null; args=${step#e2e:}
