@@ -260,25 +260,27 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     return rows
 
 
-def _median_us(fn, repeats: int = 5) -> float:
-    return statistics.median(_per_call_us(fn, 1000) for _ in range(repeats))
+def _interleaved(base, candidate, rounds: int = 9, calls: int = 500) -> tuple[float, float, float]:
+    """(base us, candidate us, median of the per-round ratios): the two timed in alternation, so a host
+    whose speed drifts during the run (a shared machine) moves both alike."""
+    pairs = [(_per_call_us(base, calls), _per_call_us(candidate, calls)) for _ in range(rounds)]
+    return (statistics.median(b for b, _ in pairs), statistics.median(c for _, c in pairs),
+            statistics.median(c / b for b, c in pairs))
 
 
 def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
-    """The same layer forced onto each native executable kind, against nn.Conv2d measured alongside it.
+    """The same layer forced onto each native executable kind, against nn.Conv2d timed in alternation with it.
 
-    Each kind's module forward and forward+backward, median of 5 timings, and its ratio to nn.Conv2d's
-    (the issue's target: at most 1.1).
+    Each kind's module forward and forward+backward, and their ratio to nn.Conv2d's (median of the
+    rounds' ratios; the issue's target: at most 1.1).
     """
     from convtune.torch.modules import Conv2d
     from convtune.torch.tuning import LayerPlan, Signature, layout_of
 
     base = torch.nn.Conv2d(8, 8, 1, bias=False).to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
     base.weight.data.copy_(conv.weight.data)
-    torch_fwd = _median_us(lambda: base(x))
-    torch_both = _median_us(lambda: base(xg).sum().backward())
-    rows = [("nn.Conv2d forward (median of 5)", torch_fwd), ("nn.Conv2d forward+backward (median of 5)", torch_both)]
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    rows = []
     for kind in ("gemm_1x1", "cudnn", "native"):
         names = {}
         for d in ("fwd", "bwd_data", "bwd_filter"):
@@ -291,11 +293,13 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
         plan = layer._convtune_plans[sig] = LayerPlan(p.key, **names)
         label = f"{kind} executables, runtime {plan.runtime}"
         layer(xg)
-        fwd, both = _median_us(lambda: layer(x)), _median_us(lambda: layer(xg).sum().backward())
-        rows += [(f"{label}: forward ({names['fwd']})", fwd),
-                 (f"{label}: forward / nn.Conv2d's", fwd / torch_fwd),
-                 (f"{label}: forward+backward", both),
-                 (f"{label}: forward+backward / nn.Conv2d's", both / torch_both)]
+        torch_fwd, fwd, fwd_ratio = _interleaved(lambda: base(x), lambda: layer(x))
+        torch_both, both, both_ratio = _interleaved(lambda: base(xg).sum().backward(),
+                                                    lambda: layer(xg).sum().backward(), calls=200)
+        rows += [(f"{label}: forward ({names['fwd']}); nn.Conv2d {torch_fwd:.1f}", fwd),
+                 (f"{label}: forward / nn.Conv2d's", fwd_ratio),
+                 (f"{label}: forward+backward; nn.Conv2d {torch_both:.1f}", both),
+                 (f"{label}: forward+backward / nn.Conv2d's", both_ratio)]
     return rows
 
 
