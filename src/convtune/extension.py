@@ -91,7 +91,7 @@ def _build(verbose: bool = False) -> ModuleType:
     cudnn = cudnn_dirs()
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    cflags, ldflags, includes = ["-O2", "-std=c++17"], [], []
+    cflags, ldflags, includes = ["-O2"], [], []
     if cudnn is not None:
         include, lib = cudnn
         cflags.append("-DCONVTUNE_WITH_CUDNN")

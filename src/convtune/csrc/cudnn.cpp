@@ -8,11 +8,12 @@
 
 #ifdef CONVTUNE_WITH_CUDNN
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cudnn.h>
 
 #include <algorithm>
+#include <mutex>
 #include <unordered_map>
 
 namespace convtune {
@@ -109,7 +110,7 @@ class CudnnPlan final : public Executable {
                         " bytes, which the plan assumes; pass a fresh tensor (clone it)");
     }
     cudnnHandle_t handle = thread_handle(spec_.device_index);
-    CONVTUNE_CUDNN(label, "set stream", cudnnSetStream(handle, at::cuda::getCurrentCUDAStream(spec_.device_index).stream()));
+    CONVTUNE_CUDNN(label, "set stream", cudnnSetStream(handle, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(spec_.device_index)).stream()));
     Descriptor pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, label);
     void* ws = workspace_bytes_ ? workspace.data_ptr() : nullptr;
     CONVTUNE_CUDNN(label, "variant pack", cudnnBackendSetAttribute(pack.get(), CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
@@ -119,7 +120,7 @@ class CudnnPlan final : public Executable {
     CONVTUNE_CUDNN(label, "variant pack", cudnnBackendSetAttribute(pack.get(), CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
                                                                   CUDNN_TYPE_VOID_PTR, 1, &ws));
     CONVTUNE_CUDNN(label, "variant pack", cudnnBackendFinalize(pack.get()));
-    CONVTUNE_CUDNN(label, "execute", cudnnBackendExecute(handle, plan_->get(), pack.get()));
+    CONVTUNE_CUDNN(label, "execute", cudnnBackendExecute(handle, plan_for(handle), pack.get()));
     return out;
   }
 
@@ -127,8 +128,30 @@ class CudnnPlan final : public Executable {
   static constexpr int64_t kAlignment = 16;  // what the frontend's tensors declare, and so the tuned plans assume
   static constexpr int64_t kUids[3] = {1, 2, 3};  // a, b, result
 
+  // The plan made with ``handle``: a plan belongs to the handle it was finalized with, and a thread
+  // runs with its own handle (the autograd engine runs backward passes on threads of its own), so
+  // each other handle gets the plan again from its serialized form (no heuristics, well under a ms).
+  cudnnBackendDescriptor_t plan_for(cudnnHandle_t handle) const {
+    if (handle == build_handle_) return plan_->get();
+    std::lock_guard<std::mutex> lock(per_handle_mutex_);
+    auto found = per_handle_.find(handle);
+    if (found != per_handle_.end()) return found->second->get();
+    if (serialized_.empty()) serialized_ = serialized();
+    auto plan = std::make_unique<Descriptor>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, geometry.label);
+    CONVTUNE_CUDNN(geometry.label, "plan for another thread",
+                   cudnnBackendSetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION, CUDNN_TYPE_CHAR,
+                                            static_cast<int64_t>(serialized_.size()), serialized_.data()));
+    CONVTUNE_CUDNN(geometry.label, "plan for another thread",
+                   cudnnBackendSetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle));
+    CONVTUNE_CUDNN(geometry.label, "plan for another thread", cudnnBackendFinalize(plan->get()));
+    cudnnBackendDescriptor_t raw = plan->get();
+    per_handle_.emplace(handle, std::move(plan));
+    return raw;
+  }
+
   // Descriptors go in the reverse order of their making: a plan before its configuration, its engine, its graph.
   void release() {
+    per_handle_.clear();
     while (!keep_.empty()) keep_.pop_back();
   }
 
@@ -227,6 +250,7 @@ class CudnnPlan final : public Executable {
     set(*plan_, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
     set(*plan_, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config_desc);
     finalize(*plan_, "execution plan");
+    build_handle_ = handle;
     read_workspace_size();
   }
 
@@ -239,6 +263,7 @@ class CudnnPlan final : public Executable {
         serialized.data());
     set(*plan_, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
     finalize(*plan_, "execution plan from its serialized form (another cuDNN or GPU?)");
+    build_handle_ = handle;
     read_workspace_size();
   }
 
@@ -311,6 +336,10 @@ class CudnnPlan final : public Executable {
   const CudnnSpec spec_;
   std::vector<std::unique_ptr<Descriptor>> keep_;  // every descriptor the plan was made from
   Descriptor* plan_ = nullptr;
+  cudnnHandle_t build_handle_ = nullptr;  // the handle plan_ was finalized with
+  mutable std::mutex per_handle_mutex_;
+  mutable std::unordered_map<cudnnHandle_t, std::unique_ptr<Descriptor>> per_handle_;  // plans of other threads
+  mutable std::string serialized_;  // plan_'s serialized form, taken when a second handle first needs it
   int64_t workspace_bytes_ = 0;
 };
 
