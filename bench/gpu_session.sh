@@ -3,6 +3,8 @@
 # command line: native (the native runtime's GPU tests), gpu (every GPU test), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
+# Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
+# on the device may carry an older .git, and the result files name the revision they measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
