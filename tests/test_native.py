@@ -355,3 +355,37 @@ def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
         assert not module._convtune_fast.admits(x)
         assert module(x).dtype == torch.bfloat16
         assert module._convtune_fast.admits(x)
+
+
+def test_double_backward_through_a_native_layer_raises_a_clear_error(native):
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+    x = torch.randn(1, 2, 5, 5, requires_grad=True)
+    y = torch.ops.convtune.tuned_conv(x, conv.weight, conv.bias, *_handles(conv, x))
+    with pytest.raises(NotImplementedError, match="no double backward"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
+def test_the_database_keeps_what_rebuilds_an_executable_and_forgets_it_on_clear(tmp_path):
+    p = ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 5), kernel_size=3)
+    recipe = {"kind": "cudnn", "options": {"tag": "eng0", "shapes": [[1, 2, 5, 5]]}}
+    with ct.TuningDB(tmp_path / "t.sqlite") as db:
+        assert db.executable(p, "cudnn:eng0") is None
+        db.store_executable(p, "cudnn:eng0", recipe, b"\x00serialized")
+        assert db.executable(p, "cudnn:eng0") == (recipe, b"\x00serialized")
+        assert db.executable(p.with_direction("bwd_data"), "cudnn:eng0") is None
+        db.clear()
+        assert db.executable(p, "cudnn:eng0") is None
+    with pytest.raises(ValueError, match="no cuda device"):
+        ct.TuningDB(tmp_path / "u.sqlite").store_executable(p.replace(device="cuda"), "cudnn:eng0", recipe, b"")
+
+
+def test_an_executable_is_prepared_once_per_process(native, tmp_path):
+    p = ConvProblem("bwd_filter", n=2, c=4, k=6, input_size=(5, 5), kernel_size=1, layout="channels_last")
+    with ct.TuningDB(tmp_path / "t.sqlite") as db:
+        handle, kind = runtime.prepare(p, "gemm:1x1", db)
+        assert kind == "gemm_1x1" and runtime.prepare(p, "gemm:1x1") == (handle, kind)
+        assert db.executable(p, "gemm:1x1") is None  # a GEMM is remade from its description: nothing to keep
+    with pytest.raises(KeyError):
+        runtime.prepare(p, "nonesuch:algo")
+    with pytest.raises(runtime.NotNative, match="runs in Python only"):
+        runtime.prepare(p, "direct:taps")

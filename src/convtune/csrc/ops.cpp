@@ -15,7 +15,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -126,6 +125,17 @@ at::Tensor conv_below_autograd(const at::Tensor& x, const at::Tensor& w, const s
   return conv_forward(x, w, bias, fwd);
 }
 
+// tuned_run has no derivative of its own: tuned_conv's backward calls it (with gradients off, so this
+// is one redispatch), and asking for its gradient (double backward through a tuned layer) raises.
+at::Tensor run_autograd(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())),
+                              find_executable(handle)->geometry.label,
+                              ": convtune::tuned_run has no derivative, so a tuned layer has no double backward "
+                              "(create_graph=True); run that model on torch's convolutions");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return call_run(a, b, handle);
+}
+
 template <c10::DeviceType device_type>
 at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                          int64_t bwd_data, int64_t bwd_filter) {
@@ -166,7 +176,7 @@ TORCH_LIBRARY_IMPL(convtune, Meta, m) {
 
 TORCH_LIBRARY_IMPL(convtune, Autograd, m) {
   m.impl("tuned_conv", &conv_autograd);
-  m.impl("tuned_run", torch::autograd::autogradNotImplementedFallback());
+  m.impl("tuned_run", &run_autograd);
 }
 
 TORCH_LIBRARY_IMPL(convtune, AutocastCPU, m) { m.impl("tuned_conv", &conv_autocast<c10::DeviceType::CPU>); }
