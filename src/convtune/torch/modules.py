@@ -7,9 +7,12 @@ input signature (shape, dtype, device, layout) is tuned on its first call, the b
 directions when a gradient will be needed (bwd_data only if the input requires grad, bwd_filter
 only if the weight does), and remembered per module.
 
-The convolution runs through ``torch.ops.convtune.conv`` under torch.compile (which traces it:
-tune the shapes first, then compile) and, in eager code, through the same computation without
-the dispatcher's host cost (``ops.conv_call``); the bias is a plain add after it, which Inductor can fuse. A
+The convolution runs through the native op ``torch.ops.convtune.tuned_conv`` (bias included) where
+the C++ extension has executables for the layer's algorithms (``runtime``), through PyTorch's own
+convolution where every direction chose ``torch:native``, and otherwise on the Python path:
+``torch.ops.convtune.conv`` under torch.compile (which traces it: tune the shapes first, then
+compile) and, in eager code, the same computation without the dispatcher (``ops.conv_call``),
+the bias a plain add after it, which Inductor can fuse. A
 ``padding_mode`` other than 'zeros' and an odd 'same' padding are padded explicitly first, as torch does.
 A channels_last input makes a channels_last problem (the weight is converted to match). Inputs
 convtune cannot describe (float64, say) and layers no algorithm serves run torch's own path.

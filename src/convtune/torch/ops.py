@@ -1,4 +1,6 @@
-"""The custom operators through which tuned convolutions run, so torch.compile traces them.
+"""The Python path: the custom operators through which layers run algorithms that have no native
+executable (convtune's own Python algorithms; see ``runtime`` for the native ones), so that
+torch.compile traces them.
 
 ``convtune::conv(x, w, key, fwd, bwd_data, bwd_filter) -> y`` is the forward convolution of the
 problem ``key`` (a ``ConvProblem.key`` of direction fwd) by the algorithm named ``fwd``. It is

@@ -168,7 +168,7 @@ def tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, hand
     return torch.ops.convtune.tuned_conv.default(x, w, bias, *handles)
 
 
-def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 200, repeats: int = 5) -> float:
+def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 100, repeats: int = 3) -> float:
     """Host microseconds per call of ``fn`` (the least of a few timings; on CUDA the GPU waits on the host)."""
     def sync() -> None:
         if device == "cuda":
