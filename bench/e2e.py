@@ -289,7 +289,23 @@ def profile_step(step, steps: int) -> dict:
     attributed_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     conv_ms = sum(r["fwd_ms"] + r["bwd_ms"] for r in layers.values())
     return dict(total_gpu_ms=total_ms, attributed_gpu_ms=attributed_ms, conv_ms=conv_ms, other_ms=total_ms - conv_ms,
-                layers={k: dict(v, algorithms=sorted(v["algorithms"])) for k, v in sorted(layers.items())})
+                layers={k: dict(v, algorithms=sorted(v["algorithms"])) for k, v in sorted(layers.items())},
+                cpu_ops=_cpu_ops(prof, steps))
+
+
+def _cpu_ops(prof, steps: int, top: int = 25) -> list[dict]:
+    """The host's self time per op (torch.profiler, C++ level: what cProfile sees as one call), per step; the
+    ranges convtune's runs open are summed per direction and algorithm kind."""
+    totals: dict = defaultdict(lambda: [0.0, 0])
+    for a in prof.key_averages():
+        name = a.key
+        if name.startswith(ops.LABEL_PREFIX):
+            key, algorithm = name.removeprefix(ops.LABEL_PREFIX).split(ops.LABEL_SEP, 1)
+            name = f"{ops.LABEL_PREFIX}{key.split('|', 1)[0]} by {algorithm.split(':', 1)[0]}:*"
+        totals[name][0] += a.self_cpu_time_total / 1e3 / steps
+        totals[name][1] += a.count // steps
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [dict(op=name, self_ms=ms, calls=calls) for name, (ms, calls) in rows]
 
 
 def config_id(cfg: dict) -> str:
@@ -349,6 +365,9 @@ def markdown(env: dict, rows: dict) -> str:
         if ct_row and bm1 and "profile" in ct_row and "profile" in bm1:
             out += f"\n## Where the training step's GPU time goes: {g}\n\n" + profile_table(bm1["profile"],
                                                                                             ct_row["profile"])
+            if "cpu_ops" in ct_row["profile"]:
+                out += f"\n## Host time per op of the training step: {g}\n\n" + cpu_ops_table(bm1["profile"],
+                                                                                            ct_row["profile"])
         if ct_row and bm1 and "host_profile" in ct_row and "host_profile" in bm1:
             out += f"\n## Where the training step's host time goes: {g}\n\n" + host_table(bm1["host_profile"],
                                                                                           ct_row["host_profile"])
@@ -382,6 +401,18 @@ def profile_table(torch_profile: dict, ct_profile: dict) -> str:
             "weight shape; ratio = convtune / torch.\n\n" + common.md_table(
                 ["layer", "fwd torch bm1", "fwd convtune", "bwd torch bm1", "bwd convtune", "ratio",
                  "convtune's algorithms"], lines))
+
+
+def cpu_ops_table(torch_profile: dict, ct_profile: dict) -> str:
+    """Host self time per op per training step (torch.profiler), convtune's costliest beside torch's."""
+    torch_ops = {r["op"]: r for r in torch_profile.get("cpu_ops", [])}
+    lines = []
+    for r in ct_profile.get("cpu_ops", []):
+        t = torch_ops.get(r["op"])
+        lines.append([f"`{r['op']}`", f"{t['self_ms']:.2f} ({t['calls']})" if t else "-",
+                      f"{r['self_ms']:.2f} ({r['calls']})"])
+    return ("Host self time per op per training step (ms, calls), torch.profiler (C++ level); rows: convtune's "
+            "costliest ops.\n\n" + common.md_table(["op", "torch bm1", "convtune"], lines))
 
 
 def host_table(torch_profile: dict, ct_profile: dict) -> str:

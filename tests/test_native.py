@@ -389,3 +389,14 @@ def test_an_executable_is_prepared_once_per_process(native, tmp_path):
         runtime.prepare(p, "nonesuch:algo")
     with pytest.raises(runtime.NotNative, match="runs in Python only"):
         runtime.prepare(p, "direct:taps")
+
+
+def test_the_host_cost_calibration_runs_inside_an_autocast_region(native):
+    runtime.host_overheads_us.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            overheads = runtime.host_overheads_us("cpu")
+    finally:
+        runtime.host_overheads_us.cache_clear()
+    assert {"python", "native", "gemm_1x1", "gemm_1x1_strided"} <= set(overheads)
+    assert all(us >= 0 for us in overheads.values())

@@ -199,7 +199,7 @@ def host_overheads_us(device: str) -> dict[str, float]:
     p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype="float16" if half else "float32",
                     layout="channels_last", device=device)
     x, w = p.random_inputs()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(device, enabled=False):  # the caller may be in an autocast region
         base = _per_call_us(lambda: torch.nn.functional.conv2d(x, w), device)
         overheads = {"python": _per_call_us(lambda: ops.compute(x, w, p.key, "torch:native"), device) - base}
         if available():
