@@ -98,8 +98,7 @@ class CudnnPlan final : public Executable {
 
   at::Tensor run(const at::Tensor& a, const at::Tensor& b) const override {
     const std::string& label = geometry.label;
-    TORCH_CHECK_VALUE(a.device().index() == spec_.device_index, label, ": the plan was built for cuda:",
-                      spec_.device_index, ", the operands are on ", a.device(), "; tune the layer on that device");
+    const int64_t device = a.device().index();  // another GPU than the build's gets the plan from its serialized form
     at::Tensor out = empty_result(a);
     at::Tensor workspace;
     if (workspace_bytes_) workspace = at::empty({workspace_bytes_}, a.options().dtype(at::kByte));
@@ -109,8 +108,9 @@ class CudnnPlan final : public Executable {
                         operand_name(geometry.direction, i), " starts at an address not aligned to ", kAlignment,
                         " bytes, which the plan assumes; pass a fresh tensor (clone it)");
     }
-    cudnnHandle_t handle = thread_handle(spec_.device_index);
-    CONVTUNE_CUDNN(label, "set stream", cudnnSetStream(handle, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(spec_.device_index)).stream()));
+    cudnnHandle_t handle = thread_handle(device);
+    CONVTUNE_CUDNN(label, "set stream",
+                   cudnnSetStream(handle, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
     Descriptor pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, label);
     void* ws = workspace_bytes_ ? workspace.data_ptr() : nullptr;
     CONVTUNE_CUDNN(label, "variant pack", cudnnBackendSetAttribute(pack.get(), CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
@@ -128,9 +128,10 @@ class CudnnPlan final : public Executable {
   static constexpr int64_t kAlignment = 16;  // what the frontend's tensors declare, and so the tuned plans assume
   static constexpr int64_t kUids[3] = {1, 2, 3};  // a, b, result
 
-  // The plan made with ``handle``: a plan belongs to the handle it was finalized with, and a thread
-  // runs with its own handle (the autograd engine runs backward passes on threads of its own), so
-  // each other handle gets the plan again from its serialized form (no heuristics, well under a ms).
+  // The plan made with ``handle``: a plan belongs to the handle it was finalized with, and each thread
+  // and device runs with its own handle (the autograd engine runs backward passes on threads of its
+  // own), so each other handle gets the plan again from its serialized form (no heuristics, well
+  // under a ms; a GPU of another architecture refuses it, and the error says so).
   cudnnBackendDescriptor_t plan_for(cudnnHandle_t handle) const {
     if (handle == build_handle_) return plan_->get();
     std::lock_guard<std::mutex> lock(per_handle_mutex_);
