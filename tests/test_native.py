@@ -259,9 +259,10 @@ def test_the_native_runtime_can_be_switched_off(native):
     assert plan.runtime == "python" and "CONVTUNE_NATIVE=0" in plan.python_reason
 
 
-def test_import_convtune_builds_nothing_and_offers_nn():
+def test_import_convtune_builds_nothing_imports_no_dynamo_and_offers_nn():
     code = ("import sys, convtune as ct; assert ct.nn.Conv2d; "
-            "assert 'convtune._C' not in sys.modules and 'convtune_C' not in sys.modules")
+            "assert 'convtune._C' not in sys.modules and 'convtune_C' not in sys.modules; "
+            "assert 'torch._dynamo' not in sys.modules")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

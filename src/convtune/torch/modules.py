@@ -58,6 +58,7 @@ class TunedConv:
         self._init_convtune(Tuning(policy, mode, db))
 
     def _init_convtune(self, tuning: Tuning) -> None:
+        _disable_compile_of_tuning()
         self._convtune_tuning = tuning
         self._convtune_plans = {}
         self._convtune_fast = None
@@ -135,10 +136,10 @@ class TunedConv:
                 return F.pad(x, extra)
         return x
 
-    @torch.compiler.disable
     def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerPlan:
+        # Tuning runs eagerly: TunedConv's first instance wraps this in torch.compiler.disable (a graph
+        # break under torch.compile: it measures, reads databases). Not at import: that imports Dynamo.
         self._convtune_fast = None
-        # Tuning runs eagerly (a graph break under torch.compile): it measures, reads databases.
         directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
         plan = plan_layer(self, sig, self._convtune_tuning, directions, self._convtune_plans.get(sig))
         self._convtune_plans[sig] = plan
@@ -171,6 +172,15 @@ class TorchCall(NamedTuple):
         if (torch.get_autocast_dtype(self.device_type) if autocast else x.dtype) is not self.dtype:
             return False
         return (self.covers_dx or not x.requires_grad) and (self.covers_dw or not torch.is_grad_enabled())
+
+
+def _disable_compile_of_tuning() -> None:
+    """Make ``TunedConv._convtune_tune`` run eagerly under torch.compile (once, when a first layer is made)."""
+    tune = TunedConv.__dict__["_convtune_tune"]
+    if not getattr(tune, "_convtune_eager", False):
+        disabled = torch.compiler.disable(tune)
+        disabled._convtune_eager = True
+        TunedConv._convtune_tune = disabled
 
 
 def _tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,

@@ -1,12 +1,15 @@
 """The native runtime's control plane: an executable per (problem, algorithm), known by an integer handle.
 
-``executable(problem, algorithm)`` makes (once per process) the C++ executable that computes what
-``algorithm`` computes on ``problem``, as the algorithm's ``native_recipe`` describes, and returns
-its handle; the ops ``torch.ops.convtune.tuned_conv`` and ``tuned_run`` (``convtune/csrc/ops.cpp``)
-run it. A handle is a hash of everything the executable is made from, so the same choice gets the
-same handle in every process: code that torch.compile cached in one process names the right
-executable in the next, once the layers are tuned there. An algorithm without a recipe (one of
-convtune's Python algorithms) raises ``NotNative``; its layer runs on the Python path.
+``prepare(problem, name, db)`` makes (once per process) the C++ executable that computes what the
+algorithm ``name`` computes on ``problem`` and returns its handle: from the serialized form the
+database keeps for it (a warm start: neither the algorithm nor cuDNN's heuristics are consulted),
+else from the algorithm's ``native_recipe`` (``executable``). The ops ``torch.ops.convtune.tuned_conv``
+and ``tuned_run`` (``convtune/csrc/ops.cpp``) run it. A handle is a hash of the problem, the
+algorithm, the executable's kind and the device, so the same choice gets the same handle in every
+process: code that torch.compile cached in one process names the right executable in the next,
+once the layers are tuned there. An algorithm without a recipe (one of convtune's Python
+algorithms) raises ``NotNative``; its layer runs on the Python path. ``host_overheads_us`` measures
+what each path costs the host over PyTorch's own call (the host-cost rule, ``tuning``).
 
     >>> import convtune as ct
     >>> p = ct.ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 5), kernel_size=3, padding=1)
