@@ -21,6 +21,7 @@ def tuning_cost():
         sys.path.remove(str(BENCH))
 
 
+@pytest.mark.slow
 def test_tuning_cost_profiles_a_whole_network_cold_and_warm_on_the_cpu(tmp_path, tuning_cost):
     env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
     subprocess.run([sys.executable, str(BENCH / "tuning_cost.py"), "--device", "cpu", "--network", "resnet18",

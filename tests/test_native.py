@@ -276,7 +276,7 @@ def _native_model(x: torch.Tensor) -> torch.nn.Module:
     return torch.nn.Sequential(first, torch.nn.ReLU(), second, torch.nn.Tanh())
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(native, backend):
     from torch._inductor.utils import run_and_get_code
 

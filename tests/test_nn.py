@@ -485,6 +485,7 @@ def test_torch_compile_traces_the_tuned_convolution_without_graph_breaks():
     assert len(model.depthwise.plans) == 2
 
 
+@pytest.mark.slow
 def test_inductor_compiles_the_tuned_ops_into_one_graph_forward_and_backward():
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
