@@ -427,3 +427,10 @@ def test_sqlite_file_is_in_wal_mode(db):
 def test_docstring_example_runs():
     failed, attempted = doctest.testmod(db_module, optionflags=doctest.ELLIPSIS)
     assert attempted > 0 and failed == 0
+
+
+def test_export_lines_of_the_previous_schema_still_import(tmp_path):
+    path = tmp_path / "v1.jsonl"
+    path.write_text(_line(schema=1) + "\n")
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        assert db.import_(path) == 1

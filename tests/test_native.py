@@ -175,7 +175,7 @@ def test_a_module_on_the_native_path_trains_like_torch_and_takes_the_hot_path(na
         ya.sum().backward()
         yb.sum().backward()
         torch.testing.assert_close(xa.grad, xb.grad, atol=1e-5, rtol=1e-4)
-    assert module._convtune_fast == plan.native
+    assert module._convtune_fast[x.shape] == plan.native
     torch.testing.assert_close(module.weight.grad, twin.weight.grad, atol=1e-5, rtol=1e-4)
     # another signature leaves the hot path for the full one, which tunes it
     y = module(torch.randn(1, 6, 3, 3))
@@ -190,7 +190,7 @@ def test_autocast_casts_in_the_native_op_as_torch_does(native):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, yr = module(x), twin(x)
         y = module(x)  # the hot path: the C++ autocast kernel casts
-    assert y.dtype == torch.bfloat16 and module._convtune_fast is not None
+    assert y.dtype == torch.bfloat16 and module._convtune_fast[x.shape] == next(iter(module.plans.values())).native
     assert rel_error(y.detach().float(), yr.detach().float()) < 1.6e-2
 
 
@@ -200,7 +200,7 @@ def test_copies_and_pickles_of_a_native_model_run_alike(native):
                                         stride=2), torch.nn.ReLU())
     expected = model(x)
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert twin[0]._convtune_fast is None
+        assert twin[0]._convtune_fast == {}
         torch.testing.assert_close(twin(x), expected)
         torch.testing.assert_close(twin(x), expected)  # the hot path
         assert next(iter(twin[0].plans.values())).runtime == "native"
@@ -329,7 +329,7 @@ def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkey
         assert "would gain 9.0 us of GPU time a step but cost 15.0 us" in ct.explain(module)[0]["note"]
     with settings.override(host_rule=False):
         module._convtune_plans.clear()
-        module._convtune_fast = None
+        module._convtune_fast.clear()
         module(x)
         assert next(iter(module.plans.values())).fwd == "gemm:1x1"
 
@@ -342,7 +342,7 @@ def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
     x = torch.randn(2, 3, 6, 6)
     for _ in range(2):
         torch.testing.assert_close(module(x), F.conv2d(x, module.weight, module.bias, padding=1))
-    fast = module._convtune_fast
+    fast = module._convtune_fast[x.shape]
     assert isinstance(fast, TorchCall) and fast.admits(x)
     plan = next(iter(module.plans.values()))
     assert plan.runtime == "torch" and plan.bwd_data == ""
@@ -350,12 +350,13 @@ def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
     assert not fast.admits(xg)  # a gradient not tuned yet: the full path tunes it
     module(xg).sum().backward()
     assert next(iter(module.plans.values())).bwd_data == "torch:native" and xg.grad is not None
-    assert not module._convtune_fast.admits(x.to(memory_format=torch.channels_last))
-    assert not module._convtune_fast.admits(torch.randn(1, 3, 6, 6))
+    fast = module._convtune_fast[x.shape]
+    assert not fast.admits(x.to(memory_format=torch.channels_last)) and not fast.admits(x.to("meta"))
+    assert module._convtune_fast.get(torch.Size((1, 3, 6, 6))) is None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not module._convtune_fast.admits(x)
+        assert not module._convtune_fast[x.shape].admits(x)
         assert module(x).dtype == torch.bfloat16
-        assert module._convtune_fast.admits(x)
+        assert module._convtune_fast[x.shape].admits(x)
 
 
 def test_double_backward_through_a_native_layer_raises_a_clear_error(native):
@@ -401,3 +402,50 @@ def test_the_host_cost_calibration_runs_inside_an_autocast_region(native):
         runtime.host_overheads_us.cache_clear()
     assert {"python", "native", "gemm_1x1", "gemm_1x1_strided"} <= set(overheads)
     assert all(us >= 0 for us in overheads.values())
+
+
+def test_a_layer_that_pads_its_input_first_never_takes_the_op_on_the_raw_input(native):
+    kwargs = dict(in_channels=4, out_channels=6, kernel_size=1, padding=1, padding_mode="reflect")
+    first = torch.randn(2, 4, 8, 8)
+    module = _forced(first, "gemm:1x1", **kwargs)  # the problem is the 10x10 padded input's
+    twin = torch.nn.Conv2d(**kwargs)
+    twin.load_state_dict(module.state_dict())
+    assert next(iter(module.plans.values())).runtime == "native"
+    for size in (8, 10, 8, 10):  # 10x10: the shape the op's problem has, but not padded yet
+        x = torch.randn(2, 4, size, size)
+        torch.testing.assert_close(module(x), twin(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_layer_keeps_a_hot_path_per_input_shape(native):
+    x, z = torch.randn(2, 6, 5, 5), torch.randn(1, 6, 3, 3)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    sig = Signature(tuple(z.shape), z.dtype, z.device, layout_of(z))
+    module._convtune_plans[sig] = LayerPlan(next(iter(module.plans.values())).problem.replace("n2", "n1").replace(
+        "in5x5", "in3x3"), "gemm:1x1", "gemm:1x1", "gemm:1x1")
+    for t in (x, z, x, z):
+        torch.testing.assert_close(module(t), F.conv2d(t, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+    assert set(module._convtune_fast) == {x.shape, z.shape}
+
+
+def test_the_host_cost_rule_judges_every_tuned_direction_whatever_the_order(native, monkeypatch, tmp_path):
+    from convtune.results import PerfResult, Status
+
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
+    x = torch.randn(2, 6, 5, 5)
+    plans = []
+    for order in (("inference", "training"), ("training",)):
+        module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / f"{len(order)}.sqlite"))
+        p = ConvProblem.from_module(module, tuple(x.shape))
+        for d, gain_ms in (("fwd", 0.003), ("bwd_data", 0.010), ("bwd_filter", 0.010)):
+            module._convtune_tuning.db.store(p.with_direction(d), [
+                PerfResult("gemm:1x1", Status.OK, time_ms=0.02, rel_error=0.0),
+                PerfResult("torch:native", Status.OK, time_ms=0.02 + gain_ms, rel_error=0.0)])
+        for step in order:
+            if step == "inference":
+                with torch.no_grad():
+                    module(x)
+                assert next(iter(module.plans.values())).runtime == "torch"  # 3 us gained, 5 us paid
+            else:
+                module(x.clone().requires_grad_()).sum().backward()
+        plans.append(next(iter(module.plans.values())))
+    assert plans[0] == plans[1] and plans[0].runtime == "native" and plans[0].fwd == "gemm:1x1"  # 23 us against 15

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 # Bump on any change to the tables or to the meaning of a row; older files are moved aside.
 SCHEMA_VERSION = 2
+LINE_SCHEMAS = (1, 2)  # export lines this version reads: schema 2 added a table, not a change to a result row
 BUSY_TIMEOUT_MS = 30_000
 _LINE_FIELDS = ("schema", "fingerprint", "software", "problem", "stored_at", "result")
 _SCHEMA = """
@@ -379,8 +380,9 @@ def _parse_line(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
     if set(line) != set(_LINE_FIELDS):
         missing, unknown = set(_LINE_FIELDS) - set(line), set(line) - set(_LINE_FIELDS)
         raise ValueError(f"fields must be {list(_LINE_FIELDS)}; missing {sorted(missing)}, unknown {sorted(unknown)}")
-    if line["schema"] != SCHEMA_VERSION or isinstance(line["schema"], bool):
-        raise ValueError(f"schema {line['schema']!r} is not {SCHEMA_VERSION}; export it again with this convtune")
+    if line["schema"] not in LINE_SCHEMAS or isinstance(line["schema"], bool):
+        raise ValueError(f"schema {line['schema']!r} is not one of {list(LINE_SCHEMAS)}; export it again with this "
+                         f"convtune")
     for name in ("fingerprint", "software"):
         if not isinstance(line[name], str) or not line[name]:
             raise ValueError(f"{name}={line[name]!r} must be a non-empty string")

@@ -146,14 +146,15 @@ void Executable::check(const at::Tensor& a, const at::Tensor& b, bool device) co
   for (int i = 0; i < 2; ++i) {
     const at::Tensor& t = *operands[i];
     const Spec& spec = *specs[i];
-    const bool on_device = !device || t.device().type() == g.device_type;
-    if (t.scalar_type() == g.dtype && on_device && fits(t, spec)) continue;
     const char* name = operand_name(g.direction, i);
     TORCH_CHECK_VALUE(t.defined(), g.label, ": operand ", name, " is undefined");
+    // Both operands on the problem's device type, and the second on the first's device (a GPU index too).
+    const bool on_device = !device || (t.device().type() == g.device_type && (i == 0 || t.device() == a.device()));
+    if (t.scalar_type() == g.dtype && on_device && fits(t, spec)) continue;
     TORCH_CHECK_VALUE(t.scalar_type() == g.dtype, g.label, ": operand ", name, " has dtype ", t.scalar_type(),
                       ", the tuned problem needs ", g.dtype);
-    TORCH_CHECK_VALUE(on_device, g.label, ": operand ", name, " is on ", t.device(),
-                      ", the tuned problem is on ", g.device_type);
+    TORCH_CHECK_VALUE(on_device, g.label, ": operand ", name, " is on ", t.device(), ", the tuned problem is on ",
+                      g.device_type, i == 0 ? "" : " (the same device as the first operand)");
     TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(spec.shape), g.label, ": operand ", name, " has shape ",
                       t.sizes(), ", the tuned problem needs ", shape_text(spec.shape));
     TORCH_CHECK_VALUE(false, g.label, ": operand ", name, " has strides ", t.strides(), ", not dense in the ",

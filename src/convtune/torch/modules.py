@@ -61,11 +61,11 @@ class TunedConv:
         _disable_compile_of_tuning()
         self._convtune_tuning = tuning
         self._convtune_plans = {}
-        self._convtune_fast = None
+        self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._convtune_fast = None  # a copy's plans make their executables anew: the next call finds them
+        self._convtune_fast = {}  # a copy's plans make their executables anew: the next call finds them
 
     @property
     def plans(self) -> dict[Signature, LayerPlan]:
@@ -73,20 +73,29 @@ class TunedConv:
         return dict(self._convtune_plans)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # The hot path, for inputs like the last one: either the native op on its executables (the op
-        # checks everything the choice depends on: shape, dtype, device, layout, the gradients needed;
+        # The hot path, for input shapes met before: either the native op on its executables (the op
+        # checks everything else the choice depends on: dtype, device, layout, the gradients needed;
         # autocast casts in C++; anything else raises ValueError, which the full path below handles),
         # or, where PyTorch's own call was chosen, that call after a few cheap checks.
         fast = self._convtune_fast
-        if fast is not None and not torch.compiler.is_compiling():
-            if fast.__class__ is tuple:
+        if fast and not torch.compiler.is_compiling():
+            entry = fast.get(input.shape)
+            if entry.__class__ is tuple:
                 try:
-                    return _tuned_conv(input, self.weight, self.bias, *fast)
+                    return _tuned_conv(input, self.weight, self.bias, *entry)
                 except ValueError:
                     pass
-            elif fast.admits(input):
+            elif entry is not None and entry.admits(input):
                 return super().forward(input)
         return self._convtune_forward(input)
+
+    def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchCall) -> None:
+        """Inputs of ``shape`` take the hot path to ``entry`` from now on (eager code only)."""
+        if torch.compiler.is_compiling():
+            return
+        if len(self._convtune_fast) >= _HOT_SHAPES:
+            self._convtune_fast.clear()
+        self._convtune_fast[shape] = entry
 
     def _convtune_forward(self, input: torch.Tensor) -> torch.Tensor:
         nd = len(self.kernel_size)
@@ -105,19 +114,19 @@ class TunedConv:
             plan = self._convtune_tune(sig, need_dx, need_dw)
         call = plan.call
         if call is None and plan.native is None:  # torch's path, or torch:native in every direction
-            if not torch.compiler.is_compiling():
-                self._convtune_fast = TorchCall.of(input, sig, plan)
+            self._convtune_hot(input.shape, TorchCall.of(input, sig, plan))
             return super().forward(input)
         if cast is not None:
             x = x if x.dtype == cast else x.to(cast)
             weight = weight.to(cast)
             bias = None if bias is None else bias.to(cast)
         padded = self._convtune_pad(x)
+        unpadded = padded is x
         x = to_layout(padded, sig.layout)
         weight = to_layout(weight, sig.layout)
         if plan.native is not None:
-            if padded is x and batched and not torch.compiler.is_compiling():
-                self._convtune_fast = plan.native  # inputs like this one take the hot path from now on
+            if unpadded and batched:  # the op on the input as it comes, nothing done to it first
+                self._convtune_hot(input.shape, plan.native)
             y = _tuned_conv(x, weight, bias, *plan.native)
             return y if batched else y.squeeze(0)
         y = ops.conv_call(x, weight, call)
@@ -139,11 +148,14 @@ class TunedConv:
     def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerPlan:
         # Tuning runs eagerly: TunedConv's first instance wraps this in torch.compiler.disable (a graph
         # break under torch.compile: it measures, reads databases). Not at import: that imports Dynamo.
-        self._convtune_fast = None
+        self._convtune_fast.clear()
         directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
         plan = plan_layer(self, sig, self._convtune_tuning, directions, self._convtune_plans.get(sig))
         self._convtune_plans[sig] = plan
         return plan
+
+
+_HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)
 
 
 class TorchCall(NamedTuple):
@@ -154,17 +166,18 @@ class TorchCall(NamedTuple):
     dtype: torch.dtype  # the input's, or the autocast dtype
     autocast: bool
     device_type: str
+    cuda: bool  # on a CUDA device (any), else on the CPU
     covers_dx: bool  # a gradient of the input was tuned (PyTorch's too), or none is needed
     covers_dw: bool
 
     @classmethod
     def of(cls, input: torch.Tensor, sig: Signature, plan: LayerPlan) -> TorchCall:
         device = input.device.type
-        return cls(input.shape, input.stride(), sig.dtype, torch.is_autocast_enabled(device), device,
+        return cls(input.shape, input.stride(), sig.dtype, torch.is_autocast_enabled(device), device, input.is_cuda,
                    plan.covers(True, False), plan.covers(False, True))
 
     def admits(self, x: torch.Tensor) -> bool:
-        if x.shape != self.shape or x.stride() != self.strides:
+        if x.shape != self.shape or x.stride() != self.strides or not (x.is_cuda if self.cuda else x.is_cpu):
             return False
         autocast = self.autocast
         if torch.is_autocast_enabled(self.device_type) is not autocast:

@@ -34,7 +34,7 @@ from convtune.policy import Policy
 from convtune.problem import ConvProblem
 from convtune.settings import settings
 from convtune.torch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.torch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace
+from convtune.torch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace, where_the_host_pays
 from convtune.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ def _apply_plan(layers: list[tuple[torch.nn.Module, Signature]], tuning: Tuning)
             continue
         layer = module._convtune_plans[sig]
         results = tuple((d, result if d == direction else r) for d, r in layer.results)
-        module._convtune_plans[sig] = layer = dataclasses.replace(layer, **{direction: result.algorithm},
-                                                                  results=results)
-        module._convtune_fast = None
+        layer = dataclasses.replace(layer, **{direction: result.algorithm}, results=results, reason="")
+        module._convtune_plans[sig] = layer = where_the_host_pays(layer, tuning)
+        module._convtune_fast.clear()
         reserve_workspace(layer, sig.device)

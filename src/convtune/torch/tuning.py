@@ -172,7 +172,7 @@ def _native_handles(plan: LayerPlan) -> tuple[tuple[int, int, int] | None, str]:
             continue
         try:
             handles.append(runtime.prepare(base.with_direction(direction), name)[0])
-        except (runtime.NotNative, KeyError, RuntimeError) as exc:  # RuntimeError: cuDNN refused the tuned plan
+        except (runtime.NotNative, KeyError, RuntimeError, ValueError) as exc:  # cuDNN refused the plan here
             log.info("%s runs on the Python path: %s: %s", plan.problem, direction, exc)
             return None, f"{direction}: {exc}"
     return (handles[0], handles[1], handles[2]), ""
@@ -185,7 +185,7 @@ def _native_kind(problem: ConvProblem, name: str, db: Any) -> str | None:
         return None
     try:
         return runtime.prepare(problem, name, db)[1]
-    except (runtime.NotNative, KeyError, RuntimeError):
+    except (runtime.NotNative, KeyError, RuntimeError, ValueError):
         return None
 
 
@@ -211,6 +211,10 @@ def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, di
         return _torch_path(described, str(exc), name)
     names = {d: getattr(known, d) for d in DIRECTIONS} if known else dict.fromkeys(DIRECTIONS, "")
     results = dict(known.results) if known else {}
+    if known is not None and known.reason.startswith(HOST_RULE):  # judged again with the new directions
+        for direction in results:
+            results[direction] = tuning.select(problem.with_direction(direction))
+            names[direction] = results[direction].algorithm
     for direction in directions:
         if names[direction]:
             continue
@@ -233,12 +237,15 @@ def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, di
         names[direction] = result.algorithm
         results[direction] = result
     ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
-    plan = _where_the_host_pays(LayerPlan(problem.key, **names, results=ordered), tuning)
+    plan = where_the_host_pays(LayerPlan(problem.key, **names, results=ordered), tuning)
     reserve_workspace(plan, signature.device)
     return plan
 
 
-def _where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
+HOST_RULE = "PyTorch's own call:"  # how the reason of a plan the host-cost rule sent to PyTorch begins
+
+
+def where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
     """``plan``, or PyTorch's own call in every direction where that is no slower in eager code.
 
     The rule: a layer gains, per step, the measured GPU time of torch:native minus that of its choice,
@@ -266,7 +273,7 @@ def _where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
     log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
              plan.problem, gain_us, cost_us)
     return LayerPlan(plan.problem, **dict.fromkeys(natives, NATIVE), results=tuple(natives.items()),
-                     reason=f"PyTorch's own call: the tuned choices would gain {gain_us:.1f} us of GPU time a step "
+                     reason=f"{HOST_RULE} the tuned choices would gain {gain_us:.1f} us of GPU time a step "
                             f"but cost {cost_us:.1f} us more host time ({', '.join(r.algorithm for _, r in plan.results)})")
 
 
