@@ -1,0 +1,40 @@
+"""Every Python block of the README, the docs and CONTRIBUTING runs as written on the CPU."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+BLOCKS = [(page, i, code) for page in PAGES for i, code in enumerate(BLOCK.findall(page.read_text(encoding="utf-8")))]
+
+
+def test_the_pages_have_python_blocks():
+    assert {page.name for page, _, _ in BLOCKS} >= {"README.md", "api.md"}
+
+
+@pytest.mark.parametrize("page,index,code", BLOCKS, ids=[f"{p.relative_to(ROOT)}#{i}" for p, i, _ in BLOCKS])
+def test_a_python_block_runs(page, index, code, quick_timing, capsys):
+    exec(compile(code, f"{page.name}#{index}", "exec"), {"__name__": f"docs_{page.stem}_{index}"})
+
+
+def test_every_setting_is_documented():
+    from convtune.settings import settings
+
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    for name, env, _, _ in settings.describe():
+        assert f"`{name}`" in text and f"`{env}`" in text, name
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_relative_link_leads_to_a_file(page):
+    missing = [link for link in LINK.findall(page.read_text(encoding="utf-8"))
+               if "://" not in link and not (page.parent / link).exists()]
+    assert not missing, missing
