@@ -42,7 +42,7 @@ def reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.T
     1-D and 2-D problems on CUDA: ``lowered_reference``, PyTorch's unfold/fold and float64 matrix
     products, a few milliseconds per batch-128 ResNet-50 layer on an H200 (cuDNN's float64 path
     took up to 0.4 s longer on the first layer's data gradient: bench/results/tuning_cost_v1.md
-    against tuning_cost_v2.md). Otherwise PyTorch's own float64 convolution (no TF32, no reduced
+    against tuning_cost_v2.md, in git history). Otherwise PyTorch's own float64 convolution (no TF32, no reduced
     precision).
     """
     a, b = a.detach().double(), b.detach().double()

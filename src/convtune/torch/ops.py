@@ -188,7 +188,7 @@ class Call:
 
 # The operators, defined through torch.library's low-level API: a call goes from the dispatcher
 # straight to the kernel below (torch.library.custom_op's wrapper adds checks that cost ~5 us per
-# call on a fast host, bench/results/tuning_cost_cpu.md). pt2_compliant: they take and return plain
+# call on a fast host: bench/results/tuning_cost_cpu.md in git history). pt2_compliant: they take and return plain
 # dense tensors and mutate nothing, so torch.compile may trace them.
 _LIB = torch.library.Library("convtune", "FRAGMENT")  # the C++ extension adds tuned_conv and tuned_run
 _TAGS = (torch.Tag.pt2_compliant_tag,)
