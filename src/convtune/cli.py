@@ -109,7 +109,8 @@ def _add_db_args(p: argparse.ArgumentParser) -> None:
 
 def _policy(args) -> Policy:
     return Policy(
-        workspace_limit=None if args.workspace_limit is None else parse_bytes(args.workspace_limit, "--workspace-limit"),
+        workspace_limit=(None if args.workspace_limit is None
+                         else parse_bytes(args.workspace_limit, "--workspace-limit")),
         deterministic=args.deterministic, allow_tf32=not args.no_tf32,
         allow_reduced_precision=not args.no_reduced_precision, prefer=args.prefer, tolerance=args.tolerance,
         max_candidates=args.max_candidates, budget_s=args.budget_s, micro_batching=args.micro_batching,

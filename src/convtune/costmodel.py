@@ -69,7 +69,7 @@ class Cost:
     composed: bool = True  # a chain of PyTorch operations (convtune's own), not one vendor kernel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _peaks(device: str, dtype: str, tf32: bool) -> tuple[float, float]:
     try:
         return hardware.peaks(device, dtype, tf32)

@@ -143,7 +143,8 @@ def reset() -> None:
 
 
 def status() -> dict[str, Any]:
-    """What ``convtune native`` prints: enabled, loaded, the build folder, seconds to build or load it, cuDNN, the last error."""
+    """What ``convtune native`` prints: enabled, loaded, the build folder, seconds to build or load it,
+    cuDNN, the last error."""
     module = _state["module"]
     return {"enabled": bool(settings.native), "loaded": module is not None, "build_dir": str(build_dir()),
             "load_s": _state["build_s"], "cudnn": bool(module.with_cudnn()) if module is not None else None,

@@ -34,7 +34,7 @@ def current_stream_handle(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -46,7 +46,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvidia_driver() -> str:
     """The NVIDIA kernel driver's version (Linux), else '?'."""
     try:
@@ -68,7 +68,7 @@ def fingerprint(device: str) -> str:
     return f"cpu|{cpu_model()}|threads{torch.get_num_threads()}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def software_versions() -> str:
     """Versions of everything whose change can change a measurement."""
     from . import __version__
@@ -85,7 +85,7 @@ def software_versions() -> str:
     return "|".join(parts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_peaks() -> tuple[float, float]:
     """Measured once a process: a float32 matrix product and a large copy (about 0.2 s)."""
     size = 1024  # large enough for every thread to reach its steady state

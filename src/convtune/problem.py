@@ -353,7 +353,8 @@ def layout_order(ndim_total: int, layout: str) -> tuple[int, ...]:
     return tuple(range(ndim_total))
 
 
-def empty_in_layout(shape: tuple[int, ...], layout: str, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+def empty_in_layout(shape: tuple[int, ...], layout: str, dtype: torch.dtype,
+                    device: str | torch.device) -> torch.Tensor:
     order = layout_order(len(shape), layout)
     stored = torch.empty([shape[i] for i in order], dtype=dtype, device=device)
     inverse = sorted(range(len(order)), key=lambda i: order[i])

@@ -67,7 +67,8 @@ class PerfResult:
         try:
             status = Status(data.get("status"))
         except ValueError:
-            raise ValueError(f"PerfResult status {data.get('status')!r} is not one of {[s.value for s in Status]}") from None
+            allowed = [s.value for s in Status]
+            raise ValueError(f"PerfResult status {data.get('status')!r} is not one of {allowed}") from None
         for name in ("time_ms", "spread_ms", "rel_error"):
             v = data.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0):

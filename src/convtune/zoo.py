@@ -40,7 +40,7 @@ class Layer:
     count: int = 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _models() -> dict[str, Any]:
     text = resources.files("convtune").joinpath("data/model_conv_layers.json").read_text(encoding="utf-8")
     return json.loads(text)["models"]

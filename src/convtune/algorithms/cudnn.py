@@ -20,9 +20,8 @@ import functools
 import logging
 import threading
 
-import torch
-
 import cudnn  # noqa: I001 - an ImportError here leaves the backend out (registry.OPTIONAL_MODULES)
+import torch
 
 from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
@@ -41,7 +40,7 @@ except ImportError:  # an older frontend: it has only backend engines
     _FRONTEND_ENGINE_IDS = 1 << 62
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _handle(device_index: int):
     with torch.cuda.device(device_index):
         return cudnn.create_handle()
@@ -226,7 +225,8 @@ class CudnnPlan(Algorithm):
             ("tag", self.graph.names[self.index]),
             ("shapes", tuple(tuple(dims) for dims, _ in operands)),
             ("strides", tuple(tuple(strides) for _, strides in operands)),
-            ("stride", tuple(conv["stride"])), ("padding", tuple(conv["padding"])), ("dilation", tuple(conv["dilation"])),
+            ("stride", tuple(conv["stride"])), ("padding", tuple(conv["padding"])),
+            ("dilation", tuple(conv["dilation"])),
         ))
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:

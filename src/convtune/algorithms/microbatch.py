@@ -184,7 +184,8 @@ class MicroBatch(Algorithm):
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         notes = [inner.notes(sub) for sub, inner in self._subs(problem)]
-        return NumericNotes(**{f.name: any(getattr(n, f.name) for n in notes) for f in dataclasses.fields(NumericNotes)})
+        fields = dataclasses.fields(NumericNotes)
+        return NumericNotes(**{f.name: any(getattr(n, f.name) for n in notes) for f in fields})
 
     def is_deterministic(self, problem: ConvProblem) -> bool | None:  # type: ignore[override]
         # The slices and the sum run in a fixed order: as deterministic as the inner is.

@@ -26,7 +26,7 @@ class TapSlice:
 
 def _range(size_in: int, size_out: int, offset: int, stride: int) -> tuple[slice, slice] | None:
     # smallest o >= 0 with o*stride + offset >= 0
-    lo = 0 if offset >= 0 else -(-(-offset) // stride)
+    lo = 0 if offset >= 0 else -(offset // stride)  # ceil(-offset / stride)
     # largest o < size_out with o*stride + offset <= size_in - 1
     hi = min(size_out - 1, (size_in - 1 - offset) // stride)
     if hi < lo:

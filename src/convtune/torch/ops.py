@@ -33,7 +33,6 @@ from convtune.algorithms.registry import generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout, to_layout
 from convtune.torch import workspace
 
-
 LABEL_PREFIX, LABEL_SEP = "convtune:", " by "  # profiler ranges: 'convtune:<problem key> by <algorithm>'
 
 
@@ -280,7 +279,8 @@ class _EagerConv(torch.autograd.Function):
 
 
 def conv_call(x: torch.Tensor, w: torch.Tensor, call: Call) -> torch.Tensor:
-    """``torch.ops.convtune.conv(x, w, *call.names())`` under torch.compile, the same without the dispatcher in eager code."""
+    """``torch.ops.convtune.conv(x, w, *call.names())`` under torch.compile; in eager code the same
+    computation without the dispatcher."""
     if torch.compiler.is_compiling():
         return conv(x, w, *call.names())
     return _EagerConv.apply(x, w, call)

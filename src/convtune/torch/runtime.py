@@ -26,7 +26,8 @@ import hashlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -166,7 +167,8 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     return known
 
 
-def tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, handles: tuple[int, int, int]) -> torch.Tensor:
+def tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+               handles: tuple[int, int, int]) -> torch.Tensor:
     """``torch.ops.convtune.tuned_conv(x, w, bias, *handles)``: a layer's forward, differentiable."""
     return torch.ops.convtune.tuned_conv.default(x, w, bias, *handles)
 
@@ -188,7 +190,7 @@ def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 100, repeats: 
     return min(times)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_overheads_us(device: str) -> dict[str, float]:
     """Host microseconds that running one direction of a convolution on each path adds over PyTorch's own call.
 
@@ -214,7 +216,8 @@ def host_overheads_us(device: str) -> dict[str, float]:
                     handle = executable(p, algo)
                 except (NotNative, RuntimeError):
                     continue
-                overheads[recipe.kind] = _per_call_us(lambda: tuned_conv(x, w, None, (handle, 0, 0)), device) - base
+                run = functools.partial(tuned_conv, x, w, None, (handle, 0, 0))
+                overheads[recipe.kind] = _per_call_us(run, device) - base
     overheads = {kind: max(us, 0.0) for kind, us in overheads.items()}
     if "gemm_1x1" in overheads:
         overheads["gemm_1x1_strided"] = overheads["gemm_1x1"]  # the same calls and a slice copy

@@ -274,7 +274,8 @@ def where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
              plan.problem, gain_us, cost_us)
     return LayerPlan(plan.problem, **dict.fromkeys(natives, NATIVE), results=tuple(natives.items()),
                      reason=f"{HOST_RULE} the tuned choices would gain {gain_us:.1f} us of GPU time a step "
-                            f"but cost {cost_us:.1f} us more host time ({', '.join(r.algorithm for _, r in plan.results)})")
+                            f"but cost {cost_us:.1f} us more host time "
+                            f"({', '.join(r.algorithm for _, r in plan.results)})")
 
 
 def reserve_workspace(plan: LayerPlan, device: torch.device) -> None:
