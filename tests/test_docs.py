@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,9 @@ def test_every_relative_link_leads_to_a_file(page):
     missing = [link for link in LINK.findall(page.read_text(encoding="utf-8"))
                if "://" not in link and not (page.parent / link).exists()]
     assert not missing, missing
+
+
+def test_the_benchmarks_page_is_the_one_its_script_writes_from_the_result_files():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "docs_benchmarks.py"), "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, "docs/benchmarks.md is out of date: run python bench/docs_benchmarks.py"

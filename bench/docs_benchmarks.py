@@ -1,0 +1,119 @@
+"""docs/benchmarks.md, written from the result files in bench/results/ (never typed by hand).
+
+Headline tables of every benchmark, each figure with the file it comes from and the date, GPU,
+versions and revision of the run that measured it. Run it after committing new results:
+
+    python bench/docs_benchmarks.py            # writes docs/benchmarks.md
+    python bench/docs_benchmarks.py --check    # exits 1 when docs/benchmarks.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+LINK = "../bench/results/"
+STYLES = ("graph", "eager", "compile")
+
+
+def _load(name: str) -> dict:
+    return json.loads((common.RESULTS / name).read_text(encoding="utf-8"))
+
+
+def _env(env: dict) -> str:
+    revision = env.get("revision", "revision not recorded")
+    return f"{env.get('date')}, {env.get('gpu', 'CPU')}, torch {env.get('torch')}, cuDNN {env.get('cudnn')}, {revision}"
+
+
+def _ratio(torch_row: dict | None, ct_row: dict | None, workload: str) -> str:
+    ok = torch_row and ct_row and torch_row.get("status") == ct_row.get("status") == "ok"
+    return f"{torch_row[workload]['ms'] / ct_row[workload]['ms']:.2f}" if ok else "-"
+
+
+def end_to_end() -> str:
+    data = _load("e2e.json")
+    rows, configs = [], data["configs"]
+    groups = sorted({key.rsplit(":", 2)[0] for key in configs})
+    for group in groups:
+        cells = []
+        for style in STYLES:
+            base, ours = configs.get(f"{group}:{style}:torch_bm1"), configs.get(f"{group}:{style}:convtune")
+            revisions = sorted({r.get("revision") or "?" for r in (base, ours) if r})
+            cells.append(f"{_ratio(base, ours, 'inference')} / {_ratio(base, ours, 'training')} "
+                         f"({', '.join(revisions)})" if base and ours else "-")
+        rows.append([group.replace(":", " "), *cells])
+    return (f"## Whole networks ([`e2e.md`]({LINK}e2e.md), `bench/e2e.py`)\n\n"
+            f"Latest run: {_env(data['environment'])}. Autocast, channels_last; PyTorch with "
+            "`cudnn.benchmark=True` in the same style divided by convtune, inference / training step (above 1: "
+            "convtune is faster), with the revisions of the two rows (rows before the native runtime ran "
+            "the Python path).\n\n" + common.md_table(["network", "CUDA graph", "eager", "torch.compile"], rows))
+
+
+def host_cost() -> str:
+    data = _load("tuning_cost_native.json")
+    rows = [[name.split(":")[0], f"{value:.2f}"] for name, value in data["host_us"] if " / " in name
+            and "executables" in name]
+    return (f"## One layer's host cost ([`tuning_cost_native.md`]({LINK}tuning_cost_native.md), "
+            f"`bench/tuning_cost.py`)\n\n{_env(data['environment'])}. A 1x1 8->8 convolution on 4x4, "
+            f"{data['config']['dtype']}, channels_last; module against `nn.Conv2d` timed in alternation, median "
+            "of the rounds' ratios.\n\n"
+            + common.md_table(["path", "ratio to nn.Conv2d"],
+                              [[f"{path} ({what})", value] for (path, value), what in
+                               zip(rows, ("forward", "forward+backward") * (len(rows) // 2))]))
+
+
+def layers() -> str:
+    files = sorted(common.RESULTS.glob("layers*.json"), key=lambda p: (p.name != "layers.json", p.name))
+    latest = {}
+    for path in files:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for s in data["summaries"]:
+            latest[s["config"]] = (path.name, data["environment"], s)
+    rows = []
+    for config, (name, env, s) in latest.items():
+        g, t = s["geomean_vs_exhaustive"], s["summed_ms"]
+        rows.append([config, f"[{name}]({LINK}{name.replace('.json', '.md')}) {env.get('date')}",
+                     *(f"{g[k]:.3f}" for k in ("get_pick_ms", "find_pick_ms", "heurA_ms", "torch_bench1_ms")),
+                     f"{t['find_pick_ms']:.3f} / {t['exhaustive_best_ms']:.3f}"])
+    return ("## Layers (`bench/layers.py`)\n\nGeometric mean over a network's layers of time / the exhaustive "
+            "best cuDNN plan (1.000: as fast as trying every plan).\n\n"
+            + common.md_table(["config", "file", "get", "find", "cuDNN heuristics A", "torch benchmark=True",
+                               "find / exhaustive sum (ms)"], rows))
+
+
+def budgets() -> str:
+    data = _load("plan_budgets.json")
+    rows = [[r["budget"], f"{r['shared_ms']:.3f}", f"{r['divided_ms']:.3f}", f"{r['even_cap_ms']:.3f}"]
+            for r in data["rows"]]
+    return (f"## Workspace budgets ([`plan_budgets.md`]({LINK}plan_budgets.md), `bench/plan_budgets.py`)\n\n"
+            f"{_env(data['environment'])}. {data['config']}: summed layer times (ms) of the plan made for each "
+            f"budget; without a budget {data['unconstrained_ms']:.3f} ms.\n\n"
+            + common.md_table(["budget", "shared plan", "divided plan", "even per-layer cap"], rows))
+
+
+def render() -> str:
+    return ("# Benchmarks\n\nWritten by `bench/docs_benchmarks.py` from the result files in `bench/results/`; "
+            "what the figures mean and what is still open: [`performance.md`](performance.md).\n\n"
+            + "\n\n".join(part() for part in (end_to_end, host_cost, layers, budgets)) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is out of date")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
+        sys.exit(0 if current == text else 1)
+    DOC.write_text(text, encoding="utf-8")
+    print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()
