@@ -312,7 +312,8 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
 def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkeypatch, tmp_path, gain_ms, expected):
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
+    monkeypatch.setattr(runtime, "host_overheads_us",
+                        lambda device, db=None: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
     x = torch.randn(2, 6, 5, 5)
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
     p = ConvProblem.from_module(module, tuple(x.shape))
@@ -393,13 +394,17 @@ def test_an_executable_is_prepared_once_per_process(native, tmp_path):
         runtime.prepare(p, "direct:taps")
 
 
-def test_the_host_cost_calibration_runs_inside_an_autocast_region(native):
-    runtime.host_overheads_us.cache_clear()
+def test_the_host_cost_calibration_runs_inside_an_autocast_region_and_is_kept(native, tmp_path):
+    runtime.forget_host_costs()
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            overheads = runtime.host_overheads_us("cpu")
+        with torch.autocast("cpu", dtype=torch.bfloat16), ct.TuningDB(tmp_path / "t.sqlite") as db:
+            overheads = runtime.host_overheads_us("cpu", db)
+            assert db.host_costs("cpu") == overheads  # a fresh process reads it from there
+            runtime.forget_host_costs()
+            db.store_host_costs("cpu", {"python": 1.0, "native": 0.5})
+            assert runtime.host_overheads_us("cpu", db) == {"python": 1.0, "native": 0.5}  # read, not measured
     finally:
-        runtime.host_overheads_us.cache_clear()
+        runtime.forget_host_costs()
     assert {"python", "native", "gemm_1x1", "gemm_1x1_strided"} <= set(overheads)
     assert all(us >= 0 for us in overheads.values())
 
@@ -430,7 +435,8 @@ def test_a_layer_keeps_a_hot_path_per_input_shape(native):
 def test_the_host_cost_rule_judges_every_tuned_direction_whatever_the_order(native, monkeypatch, tmp_path):
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
+    monkeypatch.setattr(runtime, "host_overheads_us",
+                        lambda device, db=None: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
     x = torch.randn(2, 6, 5, 5)
     plans = []
     for order in (("inference", "training"), ("training",)):

@@ -62,6 +62,10 @@ CREATE TABLE results (
     PRIMARY KEY (fingerprint, software, problem, algorithm)
 );
 CREATE INDEX results_by_problem ON results (problem);
+CREATE TABLE host_costs (
+    fingerprint TEXT NOT NULL, software TEXT NOT NULL, device TEXT NOT NULL, stored_at REAL NOT NULL,
+    costs TEXT NOT NULL, PRIMARY KEY (fingerprint, software, device)
+);
 CREATE TABLE executables (
     fingerprint TEXT NOT NULL, software TEXT NOT NULL, problem TEXT NOT NULL, algorithm TEXT NOT NULL,
     stored_at REAL NOT NULL, recipe TEXT NOT NULL, serialized BLOB NOT NULL,
@@ -231,9 +235,11 @@ class TuningDB:
         return len(parsed)
 
     def clear(self) -> int:
-        """Remove every stored result and executable (all machines); returns the number of results removed."""
+        """Remove every stored result, executable and host cost (all machines); returns the number of results
+        removed."""
         def remove(conn: sqlite3.Connection) -> int:
             conn.execute("DELETE FROM executables")
+            conn.execute("DELETE FROM host_costs")
             return conn.execute("DELETE FROM results").rowcount
         return self._write(remove)
 
@@ -245,6 +251,29 @@ class TuningDB:
             raise ValueError(f"cannot store an executable of {problem.key}: no {problem.device} device on this machine")
         row = (*here, problem.key, algorithm, time.time(), json.dumps(recipe), bytes(serialized))
         self._write(lambda conn: conn.execute("INSERT OR REPLACE INTO executables VALUES (?, ?, ?, ?, ?, ?, ?)", row))
+
+    def store_host_costs(self, device: str, costs: dict[str, float]) -> None:
+        """Keep the host microseconds each run path adds on ``device`` here (the host-cost rule's measurement)."""
+        here = _here(normalize_device(device))
+        if here is None:
+            raise ValueError(f"cannot store host costs: no {device} device on this machine")
+        row = (*here, normalize_device(device), time.time(), json.dumps(costs))
+        self._write(lambda conn: conn.execute("INSERT OR REPLACE INTO host_costs VALUES (?, ?, ?, ?, ?)", row))
+
+    def host_costs(self, device: str) -> dict[str, float] | None:
+        """The host costs stored for ``device`` on this machine and software, or None."""
+        here = _here(normalize_device(device))
+        if here is None:
+            return None
+        rows = self._read("SELECT costs FROM host_costs WHERE fingerprint=? AND software=? AND device=?",
+                          (*here, normalize_device(device)))
+        try:
+            costs = json.loads(rows[0][0]) if rows else None
+        except ValueError:
+            return None
+        if not isinstance(costs, dict) or not all(isinstance(v, (int, float)) for v in costs.values()):
+            return None
+        return {str(k): float(v) for k, v in costs.items()}
 
     def executable(self, problem: ConvProblem, algorithm: str) -> tuple[dict[str, Any], bytes] | None:
         """(recipe, serialized form) stored for ``algorithm`` on ``problem`` on this machine and software, or None."""

@@ -190,14 +190,34 @@ def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 100, repeats: 
     return min(times)
 
 
-@functools.cache
-def host_overheads_us(device: str) -> dict[str, float]:
+_host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
+
+
+def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     """Host microseconds that running one direction of a convolution on each path adds over PyTorch's own call.
 
-    Keys: executable kinds ('native', 'gemm_1x1', 'cudnn'; those this build and device have) and
-    'python' (convtune's Python path). Measured once per process and device type, on a convolution
-    so small that the host sets the pace: the path's call against ``torch.nn.functional.conv2d``.
+    Keys: executable kinds ('native', 'gemm_1x1', 'gemm_1x1_strided', 'cudnn'; those this build and
+    device have) and 'python' (convtune's Python path). Measured once per machine, software and device
+    type, on a convolution so small that the host sets the pace (the path's call against
+    ``torch.nn.functional.conv2d``), and kept in ``db`` when one is given: a warm start reads it.
     """
+    known = _host_costs.get(device)
+    if known is None:
+        known = db.host_costs(device) if db is not None else None
+        if known is None:
+            known = _measure_host_overheads(device)
+            if db is not None:
+                db.store_host_costs(device, known)
+        _host_costs[device] = known
+    return known
+
+
+def forget_host_costs() -> None:
+    """Measure (or read) the host costs again on next use (tests)."""
+    _host_costs.clear()
+
+
+def _measure_host_overheads(device: str) -> dict[str, float]:
     from convtune.torch import ops  # the Python path's ops
 
     half = device == "cuda"
@@ -224,8 +244,8 @@ def host_overheads_us(device: str) -> dict[str, float]:
     return overheads
 
 
-def extra_host_us(problem: ConvProblem, kind: str) -> float:
+def extra_host_us(problem: ConvProblem, kind: str, db: Any = None) -> float:
     """Host microseconds one run on ``problem`` costs over PyTorch's own call on the path of ``kind``
     (an executable kind, or 'python' for convtune's Python path)."""
-    overheads = host_overheads_us(problem.device)
+    overheads = host_overheads_us(problem.device, db)
     return overheads.get(kind, max(overheads.values()))

@@ -250,7 +250,8 @@ def where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
 
     The rule: a layer gains, per step, the measured GPU time of torch:native minus that of its choice,
     summed over its tuned directions; it pays, per step, the host time its path adds over PyTorch's
-    call (``runtime.extra_host_us``, measured once per process). Where the gain is smaller than the
+    call (``runtime.extra_host_us``, measured once per machine and kept in the database). Where the gain is
+    smaller than the
     cost, the layer calls PyTorch. Only measured choices are judged (the database holds torch:native's
     time for every tuned direction); settings.host_rule=False turns the rule off.
     """
@@ -267,7 +268,7 @@ def where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
         natives[direction] = native
         gain_us += 1e3 * (native.time_ms - chosen.time_ms)
         kind = runtime.prepare(problem, chosen.algorithm)[1] if plan.native is not None else "python"
-        cost_us += runtime.extra_host_us(problem, kind)
+        cost_us += runtime.extra_host_us(problem, kind, tuning.db)
     if gain_us >= cost_us:
         return plan
     log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
