@@ -2,6 +2,6 @@
 
 import importlib.util
 
-collect_ignore = []
+collect_ignore = ["src/convtune/torch.py"]  # the deprecated alias: importing it warns, by design
 if importlib.util.find_spec("cudnn") is None:
     collect_ignore.append("src/convtune/algorithms/cudnn.py")

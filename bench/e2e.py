@@ -51,7 +51,7 @@ import common  # noqa: E402
 
 import convtune  # noqa: E402
 from convtune.problem import ConvProblem  # noqa: E402
-from convtune.torch import ops  # noqa: E402
+from convtune.pytorch import ops  # noqa: E402
 
 MODELS, BATCHES, DTYPES = ("resnet50", "mobilenet_v2", "resnext50_32x4d"), (32, 128), ("float16", "bfloat16")
 STYLES, MODES = ("eager", "graph", "compile"), ("convtune", "torch_bm0", "torch_bm1")

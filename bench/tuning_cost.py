@@ -51,7 +51,7 @@ import common  # noqa: E402
 import convtune as ct  # noqa: E402
 from convtune import zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
-from convtune.torch import ops  # noqa: E402
+from convtune.pytorch import ops  # noqa: E402
 from convtune.verify import reference_case  # noqa: E402
 
 
@@ -274,8 +274,8 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
     Each kind's module forward and forward+backward, and their ratio to nn.Conv2d's (median of the
     rounds' ratios; the issue's target: at most 1.1).
     """
-    from convtune.torch.modules import Conv2d
-    from convtune.torch.tuning import LayerPlan, Signature, layout_of
+    from convtune.pytorch.modules import Conv2d
+    from convtune.pytorch.tuning import LayerPlan, Signature, layout_of
 
     base = torch.nn.Conv2d(8, 8, 1, bias=False).to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
     base.weight.data.copy_(conv.weight.data)

@@ -45,7 +45,7 @@ def poisoned(monkeypatch):
     """The ops' result tensors start as NaN (the Python path's and the C++ executables'), so an
     algorithm that skips an element is caught."""
     from convtune import extension
-    from convtune.torch import ops
+    from convtune.pytorch import ops
 
     monkeypatch.setattr(ops, "torch", _NanResults())
     native = extension.load()

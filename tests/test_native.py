@@ -26,8 +26,8 @@ import convtune as ct
 from convtune import extension
 from convtune.problem import ConvProblem, is_in_layout
 from convtune.settings import settings
-from convtune.torch import runtime
-from convtune.torch.tuning import LayerPlan, Signature, layout_of
+from convtune.pytorch import runtime
+from convtune.pytorch.tuning import LayerPlan, Signature, layout_of
 from convtune.verify import reference, rel_error, tolerance
 
 NATIVE_ALGORITHMS = ("torch:native", "gemm:1x1", "gemm:1x1_strided")
@@ -294,7 +294,7 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
     if backend == "inductor":
         y, code = run_and_get_code(step)
         text = "\n".join(code)
-        assert "convtune.tuned_run" in text and "convtune.torch" not in text  # the op, no Python of ours
+        assert "convtune.tuned_run" in text and "convtune.pytorch" not in text  # the op, no Python of ours
         assert text.count("convtune.tuned_run") >= 4  # forward of both layers, their backward
     else:
         y = step()
@@ -336,7 +336,7 @@ def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkey
 
 
 def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
-    from convtune.torch.modules import TorchCall
+    from convtune.pytorch.modules import TorchCall
 
     torch.manual_seed(2)
     module = ct.nn.Conv2d(3, 4, 3, padding=1, mode="get")  # on the CPU, 'get' picks torch:native: PyTorch's call
@@ -455,3 +455,15 @@ def test_the_host_cost_rule_judges_every_tuned_direction_whatever_the_order(nati
                 module(x.clone().requires_grad_()).sum().backward()
         plans.append(next(iter(module.plans.values())))
     assert plans[0] == plans[1] and plans[0].runtime == "native" and plans[0].fwd == "gemm:1x1"  # 23 us against 15
+
+
+def test_the_old_package_name_still_imports_and_unpickles_with_a_deprecation_warning():
+    code = ("import pickle, warnings, torch, convtune\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import convtune.torch.modules as old\n"
+            "assert any(issubclass(x.category, DeprecationWarning) for x in w)\n"
+            "assert old.Conv2d is convtune.nn.Conv2d\n"
+            "assert pickle.loads(b'cconvtune.torch.modules\\nConv2d\\n.') is convtune.nn.Conv2d\n")  # a pickled class
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

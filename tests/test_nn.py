@@ -30,9 +30,9 @@ from convtune import ConvProblem, Policy, TuningDB, algorithms
 from convtune.algorithms.base import SUPPORTED, Buffer, buffers_bytes, unsupported
 from convtune.algorithms.registry import isolated
 from convtune.settings import settings
-from convtune.torch import ops, workspace
-from convtune.torch.explain import explain_table
-from convtune.torch.tuning import Signature, Tuning, plan_layer
+from convtune.pytorch import ops, workspace
+from convtune.pytorch.explain import explain_table
+from convtune.pytorch.tuning import Signature, Tuning, plan_layer
 from convtune.verify import rel_error
 
 TIGHT = dict(atol=1e-5, rtol=1e-4)  # float32 against PyTorch's float32: rounding differences only
@@ -81,7 +81,7 @@ def test_poisoned_results_show_the_elements_an_algorithm_left_unwritten(poisoned
     x, w = problem.random_inputs()
     with isolated(NoWrite("fake:nowrite")):
         assert torch.isnan(ops.compute(x, w, problem.key, "fake:nowrite")).all()
-        assert torch.isnan(convtune.torch.ops.conv(x, w, problem.key, "fake:nowrite", "", "")).all()
+        assert torch.isnan(convtune.pytorch.ops.conv(x, w, problem.key, "fake:nowrite", "", "")).all()
 
 
 @pytest.mark.parametrize("spec", OP_PROBLEMS, ids=["grouped_strided", "dilated_1d", "1x1_channels_last"])

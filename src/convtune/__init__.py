@@ -10,10 +10,10 @@ from .get import get
 from .plan import InfeasibleBudgetError, Plan, plan
 from .policy import Policy
 from .problem import ConvProblem, to_layout
+from .pytorch.explain import explain
+from .pytorch.optimize import optimize
 from .results import Choice, PerfResult, Status
 from .select import select
-from .torch.explain import explain
-from .torch.optimize import optimize
 
 __version__ = "0.1.0"
 

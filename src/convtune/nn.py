@@ -5,6 +5,6 @@
     True
 """
 
-from convtune.torch.modules import Conv1d, Conv2d, Conv3d
+from convtune.pytorch.modules import Conv1d, Conv2d, Conv3d
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d"]

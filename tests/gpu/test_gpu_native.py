@@ -11,7 +11,7 @@ import convtune as ct
 from convtune import extension
 from convtune.algorithms.base import allocate_workspace
 from convtune.settings import settings
-from convtune.torch import runtime
+from convtune.pytorch import runtime
 from convtune.verify import reference, rel_error, tolerance
 
 pytestmark = pytest.mark.gpu
@@ -125,7 +125,7 @@ def test_a_tuned_model_compiles_fullgraph_with_inductor(training):
     with settings.override(native=True):
         y, code = run_and_get_code(step)
     text = "\n".join(code)
-    assert "convtune.tuned_run" in text and "convtune.torch" not in text
+    assert "convtune.tuned_run" in text and "convtune.pytorch" not in text
     with torch.autocast("cuda", dtype=torch.float16):
         assert rel_error(y.float(), model(x).float()) < 1e-2
 

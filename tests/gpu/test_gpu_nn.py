@@ -90,7 +90,7 @@ def optimized_model(dtype: torch.dtype, db: TuningDB, training: bool, device: st
     model = SmallCNN().to(device).to(memory_format=torch.channels_last).train(training)
     with torch.autocast(device, dtype=dtype):
         convtune.optimize(model, random_input(device), training=training, db=db)
-    assert [type(getattr(model, name)).__module__ for name in CONVS] == ["convtune.torch.modules"] * len(CONVS)
+    assert [type(getattr(model, name)).__module__ for name in CONVS] == ["convtune.pytorch.modules"] * len(CONVS)
     rows = convtune.explain(model)
     assert rows and all(r["algorithm"] for r in rows), [r for r in rows if not r["algorithm"]]
     assert all(f"|{str(dtype).removeprefix('torch.')}|" in r["problem"] for r in rows)  # tuned in the autocast dtype

@@ -55,7 +55,7 @@ void add_executable(int64_t handle, const std::string& description, ExecutablePt
   if (found != entries.end()) {
     TORCH_CHECK_VALUE(found->second.description == description, "convtune: executable handle ", handle,
                       " is already taken by '", found->second.description, "', not '", description,
-                      "'; handles must be derived from the whole description (convtune.torch.native.handle_of)");
+                      "'; handles must be derived from the whole description (convtune.pytorch.runtime.handle_of)");
     return;
   }
   entries.emplace(handle, Entry{description, std::move(executable)});

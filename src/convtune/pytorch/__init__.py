@@ -5,7 +5,7 @@ ops ``torch.ops.convtune.tuned_conv`` and ``tuned_run``), ``ops`` (the Python pa
 operators ``torch.ops.convtune.conv`` and ``run``, for layers whose algorithms have no native
 executable), ``workspace`` (the Python path's scratch buffers), ``tuning`` (one layer's choices),
 ``modules`` (Conv1d/2d/3d, public as ``convtune.nn``), ``optimize`` and ``explain``.
-Inside this package ``import torch`` is PyTorch itself: every import here is absolute. The
-public names are ``convtune.optimize``, ``convtune.explain`` (``explain.explain_table`` prints
-it) and ``convtune.nn``; nothing is re-exported here, so each submodule keeps its name.
+(``convtune.torch``, its former name, still imports, with a DeprecationWarning.) The public names
+are ``convtune.optimize``, ``convtune.explain`` (``explain.explain_table`` prints it) and
+``convtune.nn``; nothing is re-exported here, so each submodule keeps its name.
 """

@@ -11,7 +11,7 @@ statistics) and the random number generators are restored afterwards.
     >>> expected = model(x)
     >>> model = convtune.optimize(model, x, mode="get")
     >>> type(model[0]).__module__, torch.allclose(model(x), expected, atol=1e-5)
-    ('convtune.torch.modules', True)
+    ('convtune.pytorch.modules', True)
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from convtune.errors import NoAlgorithmError
 from convtune.plan import InfeasibleBudgetError, plan
 from convtune.policy import Policy
 from convtune.problem import ConvProblem
+from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
+from convtune.pytorch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace, where_the_host_pays
 from convtune.settings import settings
-from convtune.torch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.torch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace, where_the_host_pays
 from convtune.units import parse_bytes
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from convtune.policy import Policy
 from convtune.problem import explicit_padding, to_layout
-from convtune.torch import ops
-from convtune.torch.tuning import LayerPlan, Signature, Tuning, layout_of, plan_layer
+from convtune.pytorch import ops
+from convtune.pytorch.tuning import LayerPlan, Signature, Tuning, layout_of, plan_layer
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:

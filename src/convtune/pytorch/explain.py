@@ -15,8 +15,8 @@ import torch
 from rich.table import Table
 
 from convtune.problem import ConvProblem
+from convtune.pytorch.modules import TunedConv
 from convtune.report import problem_title
-from convtune.torch.modules import TunedConv
 from convtune.units import format_bytes
 
 

@@ -24,11 +24,11 @@ from convtune.algorithms.registry import get_algorithm
 from convtune.errors import NoAlgorithmError
 from convtune.policy import DEFAULT_POLICY, Policy
 from convtune.problem import ConvProblem, is_in_layout
+from convtune.pytorch import ops, runtime, workspace
 from convtune.ranking import NATIVE
 from convtune.results import PerfResult
 from convtune.select import MODES, select
 from convtune.settings import settings
-from convtune.torch import ops, runtime, workspace
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ own, so double backward (``create_graph=True``) is not supported.
 
 Operands must be dense in the problem's layout (the modules convert them); the result is too.
 Each op has a fake implementation (shapes and strides from the key) for tracing, and takes its
-workspace from ``convtune.torch.workspace``, so a run allocates nothing but its output.
+workspace from ``convtune.pytorch.workspace``, so a run allocates nothing but its output.
 
     >>> import convtune as ct
     >>> p = ct.ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 5), kernel_size=3, padding=1)
@@ -31,7 +31,7 @@ import torch
 from convtune.algorithms.base import OPERAND_NAMES, buffers_bytes, check_tensor
 from convtune.algorithms.registry import generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout, to_layout
-from convtune.torch import workspace
+from convtune.pytorch import workspace
 
 LABEL_PREFIX, LABEL_SEP = "convtune:", " by "  # profiler ranges: 'convtune:<problem key> by <algorithm>'
 

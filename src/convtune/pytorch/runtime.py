@@ -218,7 +218,7 @@ def forget_host_costs() -> None:
 
 
 def _measure_host_overheads(device: str) -> dict[str, float]:
-    from convtune.torch import ops  # the Python path's ops
+    from convtune.pytorch import ops  # the Python path's ops
 
     half = device == "cuda"
     p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype="float16" if half else "float32",
