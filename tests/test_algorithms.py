@@ -81,6 +81,30 @@ def test_native_bfloat16_channels_last_weight_gradient_writes_every_tap(nd, inpu
         assert rel_error(out, reference(problem, a, b)) <= tolerance(problem, algo.notes(problem)), seed
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_native_bfloat16_channels_last_grouped_3d_forward_matches_float64(groups, native_module):
+    # PyTorch's own CPU kernel is 5-50 % off here (a 1x1x1 input under a 3x3x3 kernel, groups 2);
+    # torch:native and its native executable compute it from channels_first copies.
+    problem = ct.ConvProblem("fwd", n=1, c=2, k=4, input_size=(1, 1, 1), kernel_size=3, padding=1, groups=groups,
+                             dtype="bfloat16", layout="channels_last")
+    algo = registry.get_algorithm("torch:native", problem)
+    handle = native_module.executable(problem, algo)
+    for seed in range(4):
+        a, b = problem.random_inputs(seed)
+        ref = reference(problem, a, b)
+        for out in (algo.run(problem, a, b), torch.ops.convtune.tuned_run(a, b, handle)):
+            assert rel_error(out, ref) <= tolerance(problem, algo.notes(problem)), seed
+
+
+@pytest.fixture
+def native_module():
+    from convtune.pytorch import runtime
+
+    if not runtime.available():
+        pytest.skip("the C++ extension is not available here")
+    return runtime
+
+
 @given(small_problems())
 @hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_exactly_the_declared_workspace_is_enough_and_nothing_large_is_allocated_beside_it(problem):

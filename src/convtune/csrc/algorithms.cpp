@@ -63,8 +63,13 @@ class Native final : public Executable {
     CudnnFlags flags(a.is_cuda(), g.allow_tf32);
     std::vector<int64_t> output_padding(g.stride.size(), 0);
     at::Tensor result;
+    // PyTorch's CPU bfloat16 channels_last kernels are wrong in some cases (algorithms/native.py,
+    // _wrong_in_channels_last): the forward and the weight gradient run on channels_first copies.
+    const bool channels_first_copies = a.device().is_cpu() && g.dtype == at::kBFloat16 && g.channels_last;
     if (g.direction == Direction::Fwd) {
-      result = at::convolution(a, b, std::nullopt, g.stride, g.padding, g.dilation, false, output_padding, g.groups);
+      const at::Tensor x = channels_first_copies ? a.clone(at::MemoryFormat::Contiguous) : a;
+      const at::Tensor w = channels_first_copies ? b.clone(at::MemoryFormat::Contiguous) : b;
+      result = at::convolution(x, w, std::nullopt, g.stride, g.padding, g.dilation, false, output_padding, g.groups);
     } else if (g.direction == Direction::BwdData) {
       at::Tensor x = at::empty_strided(g.out.shape, g.out.strides, a.options());
       result = std::get<0>(at::convolution_backward(a, x, b, std::nullopt, g.stride, g.padding, g.dilation, false,
@@ -72,9 +77,7 @@ class Native final : public Executable {
     } else {
       at::Tensor x = a, dy = b;
       Spec w_spec = g.out;
-      // PyTorch's CPU bfloat16 channels_last weight gradient leaves taps that see only padding
-      // unwritten (algorithms/native.py, _unwritten_weight_gradient): compute it channels_first.
-      if (a.device().is_cpu() && g.dtype == at::kBFloat16 && g.channels_last) {
+      if (channels_first_copies) {
         x = a.clone(at::MemoryFormat::Contiguous);
         dy = b.clone(at::MemoryFormat::Contiguous);
         w_spec.strides = dense_strides(w_spec.shape, false);
