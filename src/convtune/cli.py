@@ -16,18 +16,17 @@ from collections.abc import Sequence
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from . import zoo
 from .errors import ConvtuneError, NoAlgorithmError
 from .policy import Policy
 from .problem import DIRECTIONS, ConvProblem
+from .progress import tuning_bar
 from .report import LayerRow, choices_table, layer_groups, perf_table, tune_table
+from .select import MODES
 from .settings import settings
 from .units import format_bytes, parse_bytes
-
-MODES = ("hybrid", "find", "get", "db_then_get")
 
 
 class UsageError(Exception):
@@ -274,9 +273,7 @@ def _select_layers(args, layers, policy: Policy, mode: str, db, err: Console) ->
     from .select import select
 
     rows = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, disable=not settings.progress or getattr(args, "json", False)) as bar:
-        task = bar.add_task(f"tuning {args.network}", total=len(layers))
+    with tuning_bar(f"tuning {args.network}", len(layers), err, disable=getattr(args, "json", False)) as (bar, task):
         for layer in layers:
             bar.update(task, description=f"tuning {args.network} {layer.name}")
             try:

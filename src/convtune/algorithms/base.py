@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..problem import ConvProblem, is_in_layout
+from ..problem import DIRECTIONS, ConvProblem, is_in_layout
 
 OPERAND_NAMES = {"fwd": ("x", "w", "y"), "bwd_data": ("dy", "w", "dx"), "bwd_filter": ("x", "dy", "dw")}
 ALIGN_BYTES = 256
@@ -150,7 +150,7 @@ class Algorithm(abc.ABC):
 
     name: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
-    directions: tuple[str, ...] = ("fwd", "bwd_data", "bwd_filter")
+    directions: tuple[str, ...] = DIRECTIONS
     deterministic: bool = True
 
     def __init__(self) -> None:

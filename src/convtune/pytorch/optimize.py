@@ -24,17 +24,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from convtune.algorithms.registry import get_algorithm
 from convtune.errors import NoAlgorithmError
 from convtune.plan import InfeasibleBudgetError, plan
 from convtune.policy import Policy
 from convtune.problem import ConvProblem
+from convtune.progress import tuning_bar
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
 from convtune.pytorch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace, where_the_host_pays
-from convtune.settings import settings
 from convtune.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -158,9 +156,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
                         "torch's path", name or "the model", type(module).__name__)
     jobs = [(name, module, sig, needs) for name, (module, calls) in seen.items()
             if isinstance(module, TunedConv) or type(module) in TUNED for sig, needs in calls.items()]
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True, disable=not settings.progress) as bar:
-        task = bar.add_task("convtune: tuning", total=len(jobs))
+    with tuning_bar("convtune: tuning", len(jobs), transient=True) as (bar, task):
         converted: set[int] = set()
         for name, module, sig, (need_dx, need_dw) in jobs:
             bar.update(task, description=f"convtune: tuning {name or type(module).__name__}")

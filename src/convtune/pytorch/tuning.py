@@ -23,7 +23,7 @@ import torch
 from convtune.algorithms.registry import get_algorithm
 from convtune.errors import NoAlgorithmError
 from convtune.policy import DEFAULT_POLICY, Policy
-from convtune.problem import ConvProblem, is_in_layout
+from convtune.problem import DIRECTIONS, ConvProblem, is_in_layout
 from convtune.pytorch import ops, runtime, workspace
 from convtune.ranking import NATIVE
 from convtune.results import PerfResult
@@ -32,7 +32,6 @@ from convtune.settings import settings
 
 log = logging.getLogger(__name__)
 
-DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
 
 
 class Signature(NamedTuple):
