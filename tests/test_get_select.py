@@ -297,3 +297,14 @@ def test_select_no_algorithm_from_the_model():
             select(P3, Policy(workspace_limit=0), mode="get")
     text = str(info.value)
     assert P3.key in text and "fake:huge: needs" in text and "fake:gpu: runs on cuda" in text
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("tolerance", False, TypeError), ("tolerance", float("nan"), ValueError), ("max_candidates", 1.5, TypeError),
+    ("max_candidates", True, TypeError), ("budget_s", True, TypeError), ("budget_s", float("inf"), ValueError),
+    ("max_rel_error", float("nan"), ValueError), ("workspace_limit", "9" * 400, ValueError),
+    ("workspace_limit", 1.5, TypeError), ("prefer", ["fastest"], ValueError),
+])
+def test_a_policy_refuses_values_that_are_not_what_its_fields_mean(field, value, error):
+    with pytest.raises(error, match=field if field != "workspace_limit" else "workspace_limit"):
+        Policy(**{field: value})

@@ -135,3 +135,16 @@ def test_to_layout_converts_1d_2d_3d():
         cl = ct.to_layout(t, "channels_last")
         assert is_in_layout(cl, "channels_last") and torch.equal(cl, t)
         assert ct.to_layout(t, "NCHW") is t
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("kernel_size", {3: 1, 5: 2}, TypeError),  # a dict's keys are no sizes
+    ("input_size", {8, 9}, TypeError),  # nor an unordered set
+    ("n", 2**70, ValueError),  # beyond any real batch (and int64)
+    ("input_size", (2**40, 8), ValueError),
+    ("device", "cpu:garbage", ValueError),
+])
+def test_sizes_and_devices_that_name_no_convolution_are_refused(field, value, error):
+    fields = dict(direction="fwd", n=1, c=2, k=2, input_size=(8, 8), kernel_size=3) | {field: value}
+    with pytest.raises(error, match=field if field != "device" else "device"):
+        ct.ConvProblem(**fields)

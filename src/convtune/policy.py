@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .units import parse_bytes
 
@@ -48,8 +49,15 @@ class Policy:
         for name in ("deterministic", "allow_tf32", "allow_reduced_precision", "micro_batching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.prefer not in PREFERENCES:
+        if not isinstance(self.prefer, str) or self.prefer not in PREFERENCES:
             raise ValueError(f"Policy.prefer={self.prefer!r} is not supported; use one of {list(PREFERENCES)}")
+        _number("tolerance", self.tolerance)
+        for name in ("max_rel_error", "budget_s"):
+            if getattr(self, name) is not None:
+                _number(name, getattr(self, name))
+        if self.max_candidates is not None and (isinstance(self.max_candidates, bool)
+                                                or not isinstance(self.max_candidates, int)):
+            raise TypeError(f"Policy.max_candidates must be an int or None, got {self.max_candidates!r}")
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"Policy.tolerance={self.tolerance} must be a fraction in [0, 1), e.g. 0.02 for 2%")
         if self.max_rel_error is not None and not self.max_rel_error > 0:
@@ -71,6 +79,14 @@ class Policy:
         if not self.allow_reduced_precision and reduced_precision:
             return "skipped", "accumulates in reduced precision, and the policy forbids it"
         return None
+
+
+def _number(name: str, value: object) -> None:
+    """Raise unless ``value`` is a finite real number (not a bool, not a tensor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"Policy.{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"Policy.{name}={value} must be finite")
 
 
 DEFAULT_POLICY = Policy()

@@ -28,6 +28,7 @@ _LAYOUT_ALIASES = {
     "channels_last": "channels_last", "nhwc": "channels_last", "nlc": "channels_last",
     "ndhwc": "channels_last", "nwc": "channels_last",
 }
+MAX_DIM = 2**31 - 1  # any size, channel count or batch beyond this is no real convolution (and overflows int32 kernels)
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 
@@ -37,7 +38,7 @@ def _tuple(field: str, value: Any, ndim: int, minimum: int) -> tuple[int, ...]:
         raise TypeError(f"ConvProblem.{field} must be an int or a tuple of ints, got {value!r}")
     if isinstance(value, int):
         values = (value,) * ndim
-    elif isinstance(value, (str, bytes)):
+    elif isinstance(value, (str, bytes, dict, set, frozenset)):  # unordered or not numbers: never sizes
         raise TypeError(f"ConvProblem.{field} must be an int or a tuple of ints, got {value!r}")
     else:
         try:
@@ -54,14 +55,16 @@ def _tuple(field: str, value: Any, ndim: int, minimum: int) -> tuple[int, ...]:
             raise TypeError(f"ConvProblem.{field} must hold ints, got {value!r}")
         if v < minimum:
             raise ValueError(f"ConvProblem.{field}={value!r} is invalid: every value must be >= {minimum}")
+        if v > MAX_DIM:
+            raise ValueError(f"ConvProblem.{field}={value!r} is invalid: every value must be <= {MAX_DIM}")
     return values
 
 
 def _positive_int(field: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"ConvProblem.{field} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"ConvProblem.{field}={value} is invalid: it must be >= 1")
+    if not 1 <= value <= MAX_DIM:
+        raise ValueError(f"ConvProblem.{field}={value} is invalid: it must be >= 1 and <= {MAX_DIM}")
     return value
 
 
@@ -92,10 +95,10 @@ def normalize_device(value: Any) -> str:
     if isinstance(value, torch.device):
         value = value.type
     if isinstance(value, str):
-        kind = value.split(":")[0].lower()
-        if kind in DEVICES:
+        kind, _, index = value.lower().partition(":")
+        if kind in DEVICES and (not index or index.isdigit()):  # 'cuda:1' names a device; 'cpu:x' nothing
             return kind
-    raise ValueError(f"device={value!r} is not supported; use 'cpu' or 'cuda'")
+    raise ValueError(f"device={value!r} is not supported; use 'cpu' or 'cuda' (or 'cuda:N')")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
+MAX_BYTES = 2**63 - 1  # what an int64 byte count holds
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -21,14 +23,20 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     if isinstance(text, bool):
         raise TypeError(f"{what} must be a number of bytes or a size like '64MiB', got {text!r}")
     if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"{what}={text} is negative; give 0 or more bytes")
-        return text
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{what}={text!r} is not a size; write bytes or a size like 512KiB, 64MiB, 1GiB, 2GB")
-    return int(float(match.group(1)) * _UNITS[unit])
+        value = text
+    elif isinstance(text, str):
+        match = _SIZE.match(text)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{what}={text!r} is not a size; write bytes or a size like 512KiB, 64MiB, 1GiB, 2GB")
+        value = int(Fraction(match.group(1)) * _UNITS[unit])  # exact: no float overflow, no rounding
+    else:
+        raise TypeError(f"{what} must be a number of bytes or a size like '64MiB', got {type(text).__name__}")
+    if value < 0:
+        raise ValueError(f"{what}={text} is negative; give 0 or more bytes")
+    if value > MAX_BYTES:
+        raise ValueError(f"{what}={text!r} is more than {MAX_BYTES} bytes (8 EiB); give a smaller size")
+    return value
 
 
 def format_bytes(n: int | None) -> str:
