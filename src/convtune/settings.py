@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -43,6 +44,16 @@ class _Setting:
         return "CONVTUNE_" + self.name.upper()
 
 
+def _at_least(low: float, kind: type = float, above: bool = False) -> Callable[[str], Any]:
+    """A parser of finite ``kind`` values >= ``low`` (> ``low`` where ``above``)."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise ValueError(f"expected a finite number {'>' if above else '>='} {low}, got {text!r}")
+        return value
+    return parse
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -58,23 +69,23 @@ _SETTINGS = (
     # seed of the random inputs that verification uses
     _Setting("verify_seed", int, 0, "seed of verification inputs"),
     # wall-clock budget of one find() in seconds (0: no limit)
-    _Setting("find_budget_s", float, 0.0, "seconds one find may spend"),
+    _Setting("find_budget_s", _at_least(0), 0.0, "seconds one find may spend"),
     # most candidates one find() times (0: no limit)
-    _Setting("find_max_candidates", int, 0, "candidates one find may time"),
+    _Setting("find_max_candidates", _at_least(0, int), 0, "candidates one find may time"),
     # the search ends once this many candidates in a row were no faster than the best (0: never)
-    _Setting("find_patience", int, 8, "candidates in a row without a new best that end a find"),
+    _Setting("find_patience", _at_least(0, int), 8, "candidates in a row without a new best that end a find"),
     # a candidate predicted this many times slower than the best measured is not run (0: never)
-    _Setting("find_prune_factor", float, 10.0, "predicted slowdown that skips a candidate"),
+    _Setting("find_prune_factor", _at_least(0), 10.0, "predicted slowdown that skips a candidate"),
     # a candidate whose time exceeds the best so far by this factor stops being timed
-    _Setting("early_stop_factor", float, 1.5, "slowdown that ends a candidate's timing"),
+    _Setting("early_stop_factor", _at_least(1), 1.5, "slowdown that ends a candidate's timing"),
     # target seconds of timing per candidate
-    _Setting("timing_budget_s", float, 0.25, "seconds the timer spends per candidate"),
+    _Setting("timing_budget_s", _at_least(0, above=True), 0.25, "seconds the timer spends per candidate"),
     # repeats the timer takes at least
-    _Setting("timing_min_repeats", int, 3, "fewest timed repeats"),
+    _Setting("timing_min_repeats", _at_least(1, int), 3, "fewest timed repeats"),
     # repeats the timer takes at most
-    _Setting("timing_max_repeats", int, 50, "most timed repeats"),
+    _Setting("timing_max_repeats", _at_least(1, int), 50, "most timed repeats"),
     # stop repeating once (p75 - p25) / median is below this
-    _Setting("timing_rel_spread", float, 0.05, "spread that ends repeats"),
+    _Setting("timing_rel_spread", _at_least(0, above=True), 0.05, "spread that ends repeats"),
     # built cuDNN plans launch through the frontend's C++ graph, skipping its per-call Python checks
     # (read when a plan first runs in the process)
     _Setting("cudnn_direct", _bool, True, "cuDNN plans launch without the frontend's Python layer"),

@@ -43,15 +43,17 @@ def smooth_size(n: int) -> int:
     >>> [smooth_size(n) for n in (1, 7, 11, 58, 97)]
     [1, 8, 12, 60, 100]
     """
-    size = max(1, n)
-    while True:
-        rest = size
-        for prime in (2, 3, 5):
-            while rest % prime == 0:
-                rest //= prime
-        if rest == 1:
-            return size
-        size += 1
+    n = max(1, n)
+    best = 1 << (n - 1).bit_length()  # a power of two always qualifies
+    five = 1
+    while five < best:  # every 5^a * 3^b below the best so far, times the least power of two that reaches n
+        odd = five
+        while odd < best:
+            candidate = odd << max(0, (-(-n // odd) - 1).bit_length())
+            best = min(best, candidate)
+            odd *= 3
+        five *= 5
+    return best
 
 
 @functools.lru_cache(maxsize=1024)
