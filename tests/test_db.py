@@ -369,6 +369,8 @@ class _Evil:
     (_line(problem=problem().key.replace("n1|", "n0|")), "bad problem"),
     (_line(result={**FIND[0].to_dict(), "time_ms": -2.0}), "time_ms=-2.0"),
     (_line(stored_at=-1), "stored_at"),
+    (_line(result={**FIND[0].to_dict(), "status": "ok", "time_ms": float("inf")}), "finite"),
+    (_line(result={**FIND[0].to_dict(), "status": "ok", "rel_error": float("inf")}), "finite"),
     (_line(schema=db_module.SCHEMA_VERSION + 1), "schema"),
     (_line(fingerprint="cuda|H200|sm90|cuda12"), "not of a cpu device"),
     (_line(result=base64.b64encode(pickle.dumps(_Evil())).decode()), "JSON object"),
@@ -377,7 +379,7 @@ class _Evil:
     ("[1, 2, 3]", "JSON object"),
     (pickle.dumps(_Evil()), "not UTF-8"),
 ], ids=["bad_json", "unknown_status", "bad_key", "invalid_problem", "negative_time", "negative_stored_at",
-        "other_schema", "device_mismatch", "pickle_in_json", "unknown_field", "missing_fields", "not_object",
+        "ok_with_infinite_time", "ok_with_infinite_error", "other_schema", "device_mismatch", "pickle_in_json", "unknown_field", "missing_fields", "not_object",
         "raw_pickle"])
 def test_malformed_import_is_refused_whole(db, tmp_path, bad, message):
     db.store(problem(5), FIND[:1])

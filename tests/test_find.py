@@ -40,6 +40,7 @@ def test_fastest_first_and_fields():
     (NaNResult(), Status.WRONG_RESULT, "NaN"),
     (NoWrite(), Status.WRONG_RESULT, "NaN"),
     (InputWriter(), Status.FAILED, "input operands"),
+    (Raising("fake:exits", SystemExit(3)), Status.FAILED, "SystemExit"),  # a candidate may not end the process
     (Fake("fake:refuses", unsupported_reason="only on Tuesdays"), Status.UNSUPPORTED, "only on Tuesdays"),
 ])
 def test_every_failure_is_a_status_and_the_search_goes_on(fake, status, text):
@@ -394,3 +395,20 @@ def test_under_a_workspace_limit_every_skipped_candidate_is_built():
     assert [f.builds for f in fakes] == [1] * 8
     assert results["fake:p5"].status is Status.SKIPPED and results["fake:p5"].workspace_bytes == 1024
     assert results["fake:p7"].status is Status.OVER_WORKSPACE_LIMIT
+
+
+class _SupportsRaises(Fake):
+    def _supports(self, problem):
+        raise RuntimeError("broken plug-in")
+
+
+def test_a_plug_in_whose_supports_raises_is_left_out_of_every_question(caplog):
+    broken, good = _SupportsRaises("fake:broken"), Fake("fake:good")
+    with isolated(broken, good, builtins=False):
+        assert [a.name for a in algorithms(P)] == ["fake:good"]
+        from convtune import get, select, unsupported_reasons
+
+        assert "supports() raised RuntimeError: broken plug-in" in unsupported_reasons(P)["fake:broken"]
+        assert [c.name for c in get(P)] == ["fake:good"]
+        assert select(P, mode="find").algorithm == "fake:good"
+    assert "fake:broken.supports() raised" in caplog.text

@@ -467,3 +467,17 @@ def test_the_old_package_name_still_imports_and_unpickles_with_a_deprecation_war
             "assert pickle.loads(b'cconvtune.torch.modules\\nConv2d\\n.') is convtune.nn.Conv2d\n")  # a pickled class
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("change", [dict(stride=(2, 2)), dict(padding=(1, 1)), dict(dilation=(2, 2))])
+def test_changing_a_tuned_layer_drops_its_choices_and_it_computes_what_it_now_is(native, change):
+    x = torch.randn(2, 4, 12, 12)
+    module = _forced(x, "gemm:1x1", in_channels=4, out_channels=6, kernel_size=1)
+    module(x)
+    module(x)  # the hot path holds the native op now
+    for name, value in change.items():
+        setattr(module, name, value)
+    assert module.plans == {} and module._convtune_fast == {}
+    expected = F.conv2d(x, module.weight, module.bias, stride=module.stride, padding=module.padding,
+                        dilation=module.dilation)
+    torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-4)

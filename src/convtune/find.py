@@ -127,7 +127,7 @@ class _Search:
             workspace_bytes = algorithm.known_scratch_bytes(problem)
             if workspace_bytes is None and self._workspace_decides(skip):
                 workspace_bytes = algorithm.scratch_bytes(problem)
-        except Exception as exc:  # noqa: BLE001 - a failing candidate is data
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data (even one that exits)
             return PerfResult(algorithm.name, Status.FAILED, message=_describe(exc))
         learned = workspace_bytes is not None
         # None: the algorithm does not know (cuDNN plans); two runs compared bit for bit decide.
@@ -147,7 +147,7 @@ class _Search:
         self.case()  # outside the candidate's try: a reference that cannot be computed is not its fault
         try:
             return self._measure(algorithm, props, declared is None)
-        except Exception as exc:  # noqa: BLE001 - a failing candidate is data
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data (even one that exits)
             log.debug("%s failed on %s", algorithm.name, problem.key, exc_info=exc)
             status = Status.OUT_OF_MEMORY if is_out_of_memory(exc) else Status.FAILED
             if status is Status.OUT_OF_MEMORY and problem.device == "cuda":
@@ -299,7 +299,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
                 raise TypeError(f"find(candidates=...) takes Algorithm instances, got {type(algorithm).__name__}")
             try:
                 support = algorithm.supports(problem)
-            except Exception as exc:  # noqa: BLE001 - a failing candidate is data
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data (even one that exits)
                 results.append(PerfResult(algorithm.name, Status.FAILED, message=_describe(exc)))
                 continue
             if support:

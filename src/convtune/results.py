@@ -73,6 +73,9 @@ class PerfResult:
             v = data.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0):
                 raise ValueError(f"PerfResult {name}={v!r} must be a number >= 0 or null")
+        if status is Status.OK and any(data.get(n) is not None and not math.isfinite(data[n])
+                                       for n in ("time_ms", "spread_ms", "rel_error")):
+            raise ValueError("an ok PerfResult needs finite time_ms, spread_ms and rel_error")
         ws = data.get("workspace_bytes", 0)
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 0:
             raise ValueError(f"PerfResult workspace_bytes={ws!r} must be an int >= 0")

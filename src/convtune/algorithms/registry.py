@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterator
 
 from ..problem import ConvProblem
-from .base import Algorithm, Backend
+from .base import Algorithm, Backend, Support
 
 log = logging.getLogger(__name__)
 
@@ -123,21 +123,37 @@ def algorithms(problem: ConvProblem) -> list[Algorithm]:
     """Every registered algorithm that supports ``problem`` on its device, backends' plans included."""
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"algorithms() takes a ConvProblem, got {type(problem).__name__}")
-    found = [a for a in registered() if a.supports(problem)]
+    found = [a for a in registered() if _support(a, problem)]
     for backend in backends():
-        found += backend.algorithms(problem)
+        try:
+            found += backend.algorithms(problem)
+        except Exception as exc:  # noqa: BLE001 - a broken plug-in backend leaves itself out, not the search
+            log.warning("backend %s offers nothing for %s: algorithms() raised %s: %s", backend.prefix, problem.key,
+                        type(exc).__name__, exc)
     return found
+
+
+def _support(algorithm: Algorithm, problem: ConvProblem) -> Support:
+    """``algorithm.supports(problem)``; an exception there (a broken plug-in) makes it unsupported, with the reason."""
+    try:
+        return algorithm.supports(problem)
+    except Exception as exc:  # noqa: BLE001 - one broken candidate must not break every question
+        log.warning("%s.supports() raised %s: %s; it is left out", algorithm.name, type(exc).__name__, exc)
+        return Support(False, f"supports() raised {type(exc).__name__}: {exc}")
 
 
 def unsupported_reasons(problem: ConvProblem) -> dict[str, str]:
     """For each registered algorithm (or backend) that does not support ``problem``: why not."""
     reasons = {}
     for a in registered():
-        support = a.supports(problem)
+        support = _support(a, problem)
         if not support:
             reasons[a.name] = support.reason
     for backend in backends():
-        why = backend.unavailable(problem)
+        try:
+            why = backend.unavailable(problem)
+        except Exception as exc:  # noqa: BLE001 - as in algorithms()
+            why = f"unavailable() raised {type(exc).__name__}: {exc}"
         if why:
             reasons[backend.prefix + ":*"] = why
     return reasons

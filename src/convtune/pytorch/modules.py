@@ -63,6 +63,14 @@ class TunedConv:
         self._convtune_plans = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A tuned choice belongs to the convolution the layer was: changing what it computes (stride,
+        # padding, ...) after tuning drops the choices, and the next call tunes the layer it now is.
+        super().__setattr__(name, value)
+        if name in _GEOMETRY and "_convtune_plans" in self.__dict__:
+            self._convtune_plans.clear()
+            self._convtune_fast.clear()
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._convtune_fast = {}  # a copy's plans make their executables anew: the next call finds them
@@ -155,6 +163,8 @@ class TunedConv:
         return plan
 
 
+_GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode", "kernel_size", "in_channels",
+                       "out_channels", "_reversed_padding_repeated_twice"})  # what a choice depends on
 _HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)
 
 
