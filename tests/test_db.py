@@ -436,3 +436,16 @@ def test_export_lines_of_the_previous_schema_still_import(tmp_path):
     path.write_text(_line(schema=1) + "\n")
     with TuningDB(tmp_path / "t.sqlite") as db:
         assert db.import_(path) == 1
+
+
+def test_a_row_that_is_not_utf8_is_ignored_and_the_rest_still_served(tmp_path):
+    path = tmp_path / "t.sqlite"
+    with TuningDB(path) as db:
+        db.store(problem(), [PerfResult("fast", "ok", time_ms=1.0), PerfResult("slow", "ok", time_ms=2.0)])
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE results SET result = CAST(X'ff7b22616c676f' AS TEXT) WHERE algorithm='fast'")
+    conn.commit()
+    conn.close()
+    with TuningDB(path) as db:
+        assert db.lookup(problem()).algorithm == "slow"  # the damaged row is ignored, with a warning
+        assert len(db.entries()) == 1 and db.export(tmp_path / "out.jsonl") == 1

@@ -412,3 +412,19 @@ def test_a_plug_in_whose_supports_raises_is_left_out_of_every_question(caplog):
         assert [c.name for c in get(P)] == ["fake:good"]
         assert select(P, mode="find").algorithm == "fake:good"
     assert "fake:broken.supports() raised" in caplog.text
+
+
+def test_a_database_that_cannot_be_written_loses_the_memory_not_the_answer(tmp_path, caplog):
+    import sqlite3
+
+    from convtune import TuningDB
+
+    db = TuningDB(tmp_path / "t.sqlite")
+
+    def refuse(problem, results):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    db.store = refuse
+    results = find(P, timer=FakeTimer(), candidates=[Fake("fake:good")], db=db)
+    assert results[0].algorithm == "fake:good" and results[0].ok
+    assert "could not store the results" in caplog.text

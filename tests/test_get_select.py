@@ -308,3 +308,15 @@ def test_select_no_algorithm_from_the_model():
 def test_a_policy_refuses_values_that_are_not_what_its_fields_mean(field, value, error):
     with pytest.raises(error, match=field if field != "workspace_limit" else "workspace_limit"):
         Policy(**{field: value})
+
+
+def test_without_a_usable_default_database_select_still_answers(tmp_path, monkeypatch, caplog):
+    from convtune import db as db_module
+    from convtune.settings import settings
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(db_module, "_default_failed", [])
+    with settings.override(cache_dir=str(blocked / "cache")):  # its parent is a file: the folder cannot exist
+        result = select(ConvProblem("fwd", n=1, c=2, k=2, input_size=(6, 6), kernel_size=3), mode="hybrid")
+    assert result.ok and "cannot be opened" in caplog.text

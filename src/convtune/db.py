@@ -374,6 +374,22 @@ class TuningDB:
         return self._run(in_transaction)
 
 
+_default_failed: list[str] = []  # why the default database could not be opened (warned once)
+
+
+def default_db() -> TuningDB | None:
+    """``TuningDB()`` at the default path, or None (warned once) when it cannot be opened there (a read-only
+    or missing cache folder): selections then go on without remembering, rather than failing."""
+    try:
+        return TuningDB()
+    except (OSError, sqlite3.Error, RuntimeError) as exc:
+        if not _default_failed:
+            log.warning("the tuning database at %s cannot be opened (%s: %s); choices are made but not remembered. "
+                        "Set CONVTUNE_CACHE_DIR to a writable folder", settings.db_path, type(exc).__name__, exc)
+        _default_failed.append(str(exc))
+        return None
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -453,6 +469,9 @@ def _open(path: Path) -> sqlite3.Connection:
 def _connect(path: Path) -> sqlite3.Connection:
     # isolation_level=None: transactions are begun explicitly (BEGIN IMMEDIATE for writes).
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
+    # A damaged row whose text is not UTF-8 reads as text with the bad bytes replaced: its JSON then
+    # fails to decode and that one row is ignored with a warning, instead of every read failing.
+    conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
     conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     return conn
 

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import sqlite3
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -330,8 +331,13 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given, seed=seed)
     if db is not None:
         kept = _keep_earlier_measurements(db, problem, results)
-        db.store(problem, kept)
-        costmodel.stored(db, problem, kept)
+        try:
+            db.store(problem, kept)
+        except (sqlite3.Error, OSError) as exc:  # a read-only or full disk: the answer stands, unremembered
+            log.warning("find: could not store the results of %s in the tuning database (%s: %s); they are used "
+                        "but not remembered", problem.key, type(exc).__name__, exc)
+        else:
+            costmodel.stored(db, problem, kept)
     return order(results, policy)
 
 

@@ -48,10 +48,10 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
         raise TypeError(f"select(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
     if mode in ("hybrid", "db_then_get"):
         if db is None:
-            from .db import TuningDB
+            from .db import default_db
 
-            db = TuningDB()
-        hit = db.lookup(problem, policy)
+            db = default_db()
+        hit = db.lookup(problem, policy) if db is not None else None
         if hit is not None and usable(hit, policy):
             return hit
     if mode in ("get", "db_then_get"):

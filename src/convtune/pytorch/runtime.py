@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -160,7 +161,11 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
         serialized = module.serialized(handle)
         if db is not None and serialized:
             recipe = algorithm.native_recipe(problem)
-            db.store_executable(problem, name, {"kind": recipe.kind, "options": dict(recipe.options)}, serialized)
+            try:
+                db.store_executable(problem, name, {"kind": recipe.kind, "options": dict(recipe.options)}, serialized)
+            except (sqlite3.Error, OSError, ValueError) as exc:  # unremembered: the next process builds it again
+                log.warning("could not keep the executable of %s by %s in the tuning database: %s", problem.key,
+                            name, exc)
     known = (handle, module.kind(handle))
     with _prepared_lock:
         _prepared[key] = known
@@ -207,7 +212,10 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
         if known is None:
             known = _measure_host_overheads(device)
             if db is not None:
-                db.store_host_costs(device, known)
+                try:
+                    db.store_host_costs(device, known)
+                except (sqlite3.Error, OSError, ValueError) as exc:  # measured again by the next process
+                    log.warning("could not keep the host costs in the tuning database: %s", exc)
         _host_costs[device] = known
     return known
 

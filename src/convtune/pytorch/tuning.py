@@ -78,9 +78,9 @@ class Tuning:
 
             self._db = TuningDB(self._db)
         elif self._db is None and self.mode in ("hybrid", "db_then_get"):
-            from convtune.db import TuningDB
+            from convtune.db import default_db
 
-            self._db = TuningDB()
+            self._db = default_db()
         return self._db
 
     def select(self, problem: ConvProblem) -> PerfResult:
