@@ -135,3 +135,18 @@ def test_a_budget_in_a_mode_that_never_measures_asks_for_measurements_first(caps
     code, out, err = run(capsys, "tune", "resnet18", "--batch", "1", "--layers", "1", "--device", "cpu", "--db", db,
                          "--mode", "db_then_get", "--workspace-budget", "1MiB")
     assert code == 0
+
+
+@pytest.mark.parametrize("case", ["db_folder", "db_device", "deep_json", "layer_not_object", "negative_layers"])
+def test_bad_input_gets_one_line_and_status_2_never_an_internal_error(capsys, tmp_path, case):
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    layer_file = tmp_path / "layers.json"
+    layer_file.write_text("[1]")
+    argv = {"db_folder": ["cache", "ls", "--db", str(tmp_path)],
+            "db_device": ["cache", "ls", "--db", "/dev/null"],
+            "deep_json": ["cache", "import", str(deep), "--db", str(tmp_path / "t.sqlite")],
+            "layer_not_object": ["tune", str(layer_file)],
+            "negative_layers": ["tune", "resnet18", "--layers", "-1"]}[case]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "internal error" not in err and err.strip(), err

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="tune every layer of a built-in network or a layer file")
     _add_network_args(p)
     p.add_argument("--mode", default="hybrid", choices=MODES, help="how each layer is chosen (default hybrid)")
-    p.add_argument("--layers", type=int, default=None, help="tune only the first N layers")
+    p.add_argument("--layers", type=_positive, default=None, help="tune only the first N layers")
     _add_budget_args(p, required=False)
     _add_policy_args(p)
     _add_db_args(p)
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="tune a network, plan it under a workspace budget, write an HTML report")
     _add_network_args(p)
-    p.add_argument("--layers", type=int, default=None, help="tune only the first N layers")
+    p.add_argument("--layers", type=_positive, default=None, help="tune only the first N layers")
     _add_budget_args(p, required=True)
     p.add_argument("--out", default="report.html", help="the HTML file; its PNG figures go beside it "
                                                         "(default report.html)")
@@ -198,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="build again even if a build of these sources exists")
     p.add_argument("--json", action="store_true")
     return parser
+
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
+    return value
 
 
 def _print(console: Console, args, table: Table, payload) -> None:

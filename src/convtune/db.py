@@ -109,7 +109,14 @@ class TuningDB:
         self._forked: list[sqlite3.Connection] = []  # inherited connections: never used, never closed
         self._identity: tuple[int, int] | None = None
         self._warned: set[str] = set()
-        self._run(lambda conn: None)  # open now, so a bad file is reported (and replaced) at construction
+        if self.path.exists() and not self.path.is_file():
+            hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
+            raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
+        try:
+            self._run(lambda conn: None)  # open now, so a bad file is reported (and replaced) at construction
+        except sqlite3.Error as exc:
+            raise ValueError(f"cannot open the tuning database {self.path} ({exc}); give a writable file's path "
+                             f"or set CONVTUNE_CACHE_DIR") from None
 
     # -- public API ------------------------------------------------------------------------
     def store(self, problem: ConvProblem, results: Iterable[PerfResult]) -> None:
@@ -382,7 +389,7 @@ def default_db() -> TuningDB | None:
     or missing cache folder): selections then go on without remembering, rather than failing."""
     try:
         return TuningDB()
-    except (OSError, sqlite3.Error, RuntimeError) as exc:
+    except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
         if not _default_failed:
             log.warning("the tuning database at %s cannot be opened (%s: %s); choices are made but not remembered. "
                         "Set CONVTUNE_CACHE_DIR to a writable folder", settings.db_path, type(exc).__name__, exc)
@@ -420,6 +427,8 @@ def _parse_line(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
         raise ValueError("not UTF-8 text (a binary payload?)") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to be an export line") from None
     if not isinstance(line, dict):
         raise ValueError(f"expected a JSON object, got {type(line).__name__}")
     if set(line) != set(_LINE_FIELDS):

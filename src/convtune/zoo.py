@@ -54,6 +54,8 @@ def _dims(value: Any) -> Any:
 def _from_entries(entries: list[dict[str, Any]], source: str, batch: int | None, **fields: Any) -> list[Layer]:
     layers = []
     for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{source}: layer {i} is {entry!r}, not an object with c, k, spatial and kernel")
         try:
             if entry.get("transposed"):
                 raise ValueError("transposed convolutions are not supported")
@@ -109,7 +111,7 @@ def load_layers(path: str | Path, batch: int | None = None, **fields: Any) -> li
         return _from_deepbench_csv(text, str(path), batch, **fields)
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"layer file {path} is not valid JSON: {exc}") from None
     entries = data.get("layers") if isinstance(data, dict) else data
     if not isinstance(entries, list):
