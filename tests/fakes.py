@@ -229,3 +229,45 @@ class FakeDB:
     def measurements(self, device: str) -> list[tuple[Any, Any]]:
         self.measurement_calls += 1
         return [(p, r) for p, results in self.stored.values() if p.device == device for r in results if r.ok]
+
+
+class FirstCallOnly(Fake):
+    """Correct on its first run, garbage on every later one (what the timed calls run)."""
+
+    def __init__(self, name: str = "fake:firstonly", after: int = 1, **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.after = after
+
+    def compute(self, problem, a, b, out) -> None:
+        if self.runs <= self.after:
+            super().compute(problem, a, b, out)
+        else:
+            out.fill_(1.0)
+
+
+class PoisonSniffer(Fake):
+    """Computes only when its output buffer holds NaN (the poison it expects); garbage otherwise."""
+
+    def __init__(self, name: str = "fake:sniffer", **kw: Any) -> None:
+        super().__init__(name, **kw)
+
+    def compute(self, problem, a, b, out) -> None:
+        if torch.isnan(out).all():
+            super().compute(problem, a, b, out)
+        else:
+            out.zero_()
+
+
+class Memoising(Fake):
+    """Computes its first result and returns it for every later input."""
+
+    def __init__(self, name: str = "fake:memo", **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.first = None
+
+    def compute(self, problem, a, b, out) -> None:
+        if self.first is None:
+            super().compute(problem, a, b, out)
+            self.first = out.clone()
+        else:
+            out.copy_(self.first)

@@ -12,8 +12,8 @@ from convtune.find import is_out_of_memory, summary
 from convtune.ranking import rank
 from convtune.settings import settings
 from convtune.verify import check, reference_case, tolerance
-from fakes import (CostlyWorkspace, FakeDB, FakeTimer, Fake, InputWriter, NaNResult, NoWrite, OutOfMemory,
-                   Raising, UnknownDeterminism, WrongResult)
+from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, InputWriter, Memoising, NaNResult, NoWrite,
+                   OutOfMemory, PoisonSniffer, Raising, UnknownDeterminism, WrongResult)
 
 P = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
 
@@ -428,3 +428,17 @@ def test_a_database_that_cannot_be_written_loses_the_memory_not_the_answer(tmp_p
     results = find(P, timer=FakeTimer(), candidates=[Fake("fake:good")], db=db)
     assert results[0].algorithm == "fake:good" and results[0].ok
     assert "could not store the results" in caplog.text
+
+
+@pytest.mark.parametrize("cheat, text", [
+    (lambda: FirstCallOnly(after=1), "second input set"),  # garbage from its second run on
+    (lambda: FirstCallOnly(after=3), "timed calls"),  # correct in both checks (and the determinism probe), then not
+    (lambda: PoisonSniffer(), "second input set"),
+    (lambda: Memoising(), "second input set"),
+])
+def test_a_candidate_that_is_right_only_when_checked_is_never_selected(cheat, text):
+    bad, good = cheat(), Fake("fake:good", time_ms=5.0)
+    bad.time_ms = 0.1  # the fastest, if it were right
+    results = by_name(find(P, timer=FakeTimer(), candidates=[bad, good]))
+    assert results[bad.name].status is Status.WRONG_RESULT and text in results[bad.name].message
+    assert find(P, timer=FakeTimer(), candidates=[cheat(), good])[0].algorithm == "fake:good"

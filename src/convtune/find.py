@@ -39,7 +39,7 @@ from .results import PerfResult, Status
 from .settings import settings
 from .timing import Timer, benchmark
 from .units import format_bytes
-from .verify import check, reference_case
+from .verify import check, reference_case, rel_error, tolerance
 
 log = logging.getLogger(__name__)
 
@@ -85,25 +85,29 @@ class _Search:
         self.budget = _Budget(policy)
         self.best_ms = math.inf
         self.leanest_bytes = math.inf  # the smallest scratch of a measured ok candidate
-        self._case: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        self._pristine: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Two input sets and their references, shared by all candidates, each with pristine copies.
+        self._cases: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]] = []
+        self._pristine: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def case(self) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def case(self, index: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Input set ``index`` (0: the one timed; 1: a second one, fresh, that only a check sees)."""
         # Built on first need: a search where nothing runs computes no reference.
-        if self._case is None:
-            self._case = reference_case(self.problem, self.seed)
-            self._pristine = (self._case[0][0].clone(), self._case[0][1].clone())
-        return self._case
+        while len(self._cases) <= index:
+            seed = (settings.verify_seed if self.seed is None else self.seed) + len(self._cases)
+            case = reference_case(self.problem, seed)
+            self._cases.append(case)
+            self._pristine.append((case[0][0].clone(), case[0][1].clone()))
+        return self._cases[index]
 
     def restore_inputs(self) -> bool:
         """Put the shared inputs back if a candidate wrote into them; True if it had."""
-        (a, b), _ = self.case()
-        a0, b0 = self._pristine
-        if torch.equal(a, a0) and torch.equal(b, b0):
-            return False
-        a.copy_(a0)
-        b.copy_(b0)
-        return True
+        wrote = False
+        for ((a, b), _), (a0, b0) in zip(self._cases, self._pristine):
+            if not (torch.equal(a, a0) and torch.equal(b, b0)):
+                a.copy_(a0)
+                b.copy_(b0)
+                wrote = True
+        return wrote
 
     def try_candidate(self, algorithm: Algorithm, predicted_ms: float = math.inf,
                       converged: bool = False) -> PerfResult:
@@ -145,7 +149,7 @@ class _Search:
                     message += "; workspace not learned (shown as 0)"
                 return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
         self.budget.timed += 1
-        self.case()  # outside the candidate's try: a reference that cannot be computed is not its fault
+        self.case(1)  # outside the candidate's try: a reference that cannot be computed is not its fault
         try:
             return self._measure(algorithm, props, declared is None)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data (even one that exits)
@@ -190,6 +194,17 @@ class _Search:
                               message="wrote into its input operands (they must stay read-only)")
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err, message=message, **props)
+        # A second input set it has not seen, its output poisoned with a finite value this time: a
+        # candidate that memoises, or behaves only when it sees NaN in its output, fails here.
+        inputs2, ref2 = self.case(1)
+        err2, ok, message = check(algorithm, problem, inputs2, ref2, problem.empty(problem.operand_shapes[2]),
+                                  workspace, max_rel_error=self.policy.max_rel_error, poison=_finite_poison(problem))
+        if self.restore_inputs():
+            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
+                              message="wrote into its input operands (they must stay read-only)")
+        if not ok:
+            return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err2, **props,
+                              message=f"on a second input set: {message}")
         if probe_determinism:
             again = algorithm.run(problem, *inputs, workspace=workspace, out=problem.empty(problem.operand_shapes[2]))
             props["deterministic"] = bool(torch.equal(out, again))
@@ -203,6 +218,12 @@ class _Search:
         if self.restore_inputs():
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
                               message="wrote into its input operands (they must stay read-only)")
+        timed_err = rel_error(out, ref)  # what the timed calls left in the output: the same answer
+        bound = self.policy.max_rel_error or tolerance(problem, algorithm.notes(problem))
+        if not timed_err <= bound:
+            return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=timed_err, **props,
+                              message=f"the timed calls' result differs from the reference (relative error "
+                                      f"{timed_err:.2e}, tolerance {bound:.1e})")
         if timing.stopped_early:
             message = (f"timing stopped early: over {settings.early_stop_factor:g}x the best so far "
                        f"({self.best_ms:.4g} ms)")
@@ -212,6 +233,11 @@ class _Search:
         self.leanest_bytes = min(self.leanest_bytes, props["workspace_bytes"])
         return PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
                           rel_error=err, message=message, **props)
+
+
+def _finite_poison(problem: ConvProblem) -> float:
+    """A finite value far outside any result, for the second check's output (the first is poisoned with NaN)."""
+    return float(torch.finfo(problem.torch_dtype).max) / 4
 
 
 def _describe(exc: BaseException) -> str:

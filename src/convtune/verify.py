@@ -165,8 +165,8 @@ def reference_case(problem: ConvProblem,
 
 def check(algorithm: Algorithm, problem: ConvProblem, inputs: tuple[torch.Tensor, torch.Tensor],
           ref: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None,
-          *, max_rel_error: float | None = None) -> tuple[float, bool, str]:
-    """Run ``algorithm`` once into ``out`` (poisoned with NaN first) and compare with ``ref``.
+          *, max_rel_error: float | None = None, poison: float = math.nan) -> tuple[float, bool, str]:
+    """Run ``algorithm`` once into ``out`` (poisoned first: NaN, or ``poison``) and compare with ``ref``.
 
     inputs: the operands (a, b) of ``reference_case``; ref: their float64 result; workspace: as
     for ``Algorithm.run``. The bound is ``max_rel_error`` when given (a policy's), else
@@ -182,7 +182,7 @@ def check(algorithm: Algorithm, problem: ConvProblem, inputs: tuple[torch.Tensor
         True
     """
     # Poisoned, so an element the algorithm forgets to write shows up as NaN.
-    out.fill_(math.nan)
+    out.fill_(poison)
     algorithm.run(problem, *inputs, workspace=workspace, out=out)
     err = rel_error(out, ref)
     bound = max_rel_error if max_rel_error is not None else tolerance(problem, algorithm.notes(problem))
