@@ -442,3 +442,21 @@ def test_a_candidate_that_is_right_only_when_checked_is_never_selected(cheat, te
     results = by_name(find(P, timer=FakeTimer(), candidates=[bad, good]))
     assert results[bad.name].status is Status.WRONG_RESULT and text in results[bad.name].message
     assert find(P, timer=FakeTimer(), candidates=[cheat(), good])[0].algorithm == "fake:good"
+
+
+def test_a_find_where_everything_failed_keeps_the_good_results_stored_before(tmp_path):
+    from convtune import TuningDB
+
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        find(P, timer=FakeTimer(), candidates=[Fake("fake:good")], db=db)
+        assert db.lookup(P).algorithm == "fake:good"
+        find(P, timer=FakeTimer(), candidates=[Raising("fake:good", RuntimeError("device in trouble"))], db=db)
+        assert db.lookup(P).algorithm == "fake:good" and db.lookup(P).ok
+
+
+def test_a_candidate_slower_than_its_deadline_is_a_timeout_and_the_search_goes_on():
+    sleeper, good = Fake("fake:sleeper", time_ms=300.0, sleep=True), Fake("fake:good", time_ms=5.0)
+    results = by_name(find(P, Policy(deadline_s=0.1), timer=FakeTimer(), candidates=[sleeper, good]))
+    assert results["fake:sleeper"].status is Status.TIMEOUT and "deadline" in results["fake:sleeper"].message
+    assert sleeper.runs == 1  # run once, then left: not checked again, not timed
+    assert results["fake:good"].status is Status.OK

@@ -187,8 +187,16 @@ class _Search:
         inputs, ref = self.case()
         workspace = allocate_workspace(algorithm.workspace_bytes(problem), problem.device)
         out = problem.empty(problem.operand_shapes[2])
+        started = time.perf_counter()
         err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,
                                  max_rel_error=self.policy.max_rel_error)
+        took_s = time.perf_counter() - started
+        deadline_s = self.policy.deadline_s or settings.candidate_deadline_s
+        if deadline_s and took_s > deadline_s:
+            self.restore_inputs()
+            return PerfResult(algorithm.name, Status.TIMEOUT, rel_error=err, **props,
+                              message=f"its first run took {took_s:.1f} s, over the deadline of {deadline_s:g} s "
+                                      f"(Policy.deadline_s, CONVTUNE_CANDIDATE_DEADLINE_S); not timed")
         if self.restore_inputs():
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
                               message="wrote into its input operands (they must stay read-only)")
@@ -381,13 +389,20 @@ def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResul
 
 
 def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[PerfResult]) -> list[PerfResult]:
-    """``results``, where a candidate this search did not time (policy, budget) keeps its earlier ok result.
+    """``results``, where a candidate this search did not time (policy, budget) keeps its earlier ok result;
+    the earlier ok results alone when no candidate of this search succeeded.
 
     The database replaces a problem's results with each find's: without this, a find under a
     narrow policy (deterministic, a small workspace limit) would erase timings that a later,
     wider policy can use.
     """
     earlier = {r.algorithm: r for r in db.results(problem) if r.ok}
+    if earlier and not any(r.ok for r in results):
+        # Every candidate failed this time (a broken setting, a device in trouble): the good
+        # measurements stored before stay; this find's failures are not worth more than they are.
+        log.warning("find: every candidate of %s failed; the %d good result(s) stored before are kept",
+                    problem.key, len(earlier))
+        return list(earlier.values())
     not_timed = (Status.SKIPPED, Status.OVER_WORKSPACE_LIMIT)
     return [earlier.get(r.algorithm, r) if r.status in not_timed else r for r in results]
 

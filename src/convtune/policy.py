@@ -28,6 +28,9 @@ class Policy:
     tolerance: times within this fraction of each other tie; ties go to the smaller workspace, then
         to torch:native (PyTorch's own path, the least host time per call).
     max_candidates, budget_s: the tuning budget of one find (None: the settings' defaults).
+    deadline_s: seconds a candidate's first run may take before it is a ``timeout`` and the search
+        goes on (None: the setting ``candidate_deadline_s``, 10 s; it cannot be stopped midway, so a
+        hung candidate still holds the search that long).
     micro_batching: with a workspace_limit, find also offers algorithms run over sub-batches one
         after another (mu-cuDNN), so one whose workspace grows with the batch fits the limit.
     """
@@ -42,6 +45,7 @@ class Policy:
     max_candidates: int | None = None
     budget_s: float | None = None
     micro_batching: bool = False
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.workspace_limit is not None:
@@ -52,7 +56,7 @@ class Policy:
         if not isinstance(self.prefer, str) or self.prefer not in PREFERENCES:
             raise ValueError(f"Policy.prefer={self.prefer!r} is not supported; use one of {list(PREFERENCES)}")
         _number("tolerance", self.tolerance)
-        for name in ("max_rel_error", "budget_s"):
+        for name in ("max_rel_error", "budget_s", "deadline_s"):
             if getattr(self, name) is not None:
                 _number(name, getattr(self, name))
         if self.max_candidates is not None and (isinstance(self.max_candidates, bool)
@@ -64,6 +68,8 @@ class Policy:
             raise ValueError(f"Policy.max_rel_error={self.max_rel_error} must be > 0, or None for the default")
         if self.max_candidates is not None and self.max_candidates < 1:
             raise ValueError(f"Policy.max_candidates={self.max_candidates} must be >= 1, or None for no limit")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError(f"Policy.deadline_s={self.deadline_s} must be > 0 seconds, or None for the setting")
         if self.budget_s is not None and not self.budget_s > 0:
             raise ValueError(f"Policy.budget_s={self.budget_s} must be > 0 seconds, or None for no limit")
 
