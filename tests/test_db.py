@@ -308,7 +308,23 @@ def test_a_row_that_no_longer_validates_is_ignored(db, caplog):
     with caplog.at_level(logging.WARNING, logger="convtune.db"):
         assert db.results(p) == FIND[1:2]
         assert db.lookup(p).algorithm == "cpu:lean"
-    assert [r.getMessage() for r in caplog.records if "no longer validates" in r.getMessage()]
+    assert [r.getMessage() for r in caplog.records if "damaged row" in r.getMessage()]
+
+
+@pytest.mark.parametrize("column, value", [("result", None), ("problem", "other")])
+def test_a_row_changed_on_disk_is_never_served_even_when_it_still_reads_as_valid(db, caplog, column, value):
+    # A bit flip that leaves valid JSON (another time) or moves a row to another problem key.
+    p, other = problem(), problem(n=2)
+    db.store(p, FIND[:2])
+    db.store(other, FIND[1:2])
+    changed = json.dumps({**FIND[0].to_dict(), "time_ms": 0.001}) if column == "result" else other.key
+    with sqlite3.connect(db.path) as conn:
+        conn.execute(f"UPDATE results SET {column}=? WHERE algorithm='cpu:fast' AND problem=?", (changed, p.key))
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        assert all(r.time_ms != 0.001 for r in db.results(p))
+        assert [r.algorithm for r in db.results(other)] == ["cpu:lean"]
+    assert "damaged row" in caplog.text
 
 
 # -- other machines and software ------------------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -58,7 +59,7 @@ _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE results (
     fingerprint TEXT NOT NULL, software TEXT NOT NULL, problem TEXT NOT NULL, algorithm TEXT NOT NULL,
-    device TEXT NOT NULL, stored_at REAL NOT NULL, result TEXT NOT NULL,
+    device TEXT NOT NULL, stored_at REAL NOT NULL, result TEXT NOT NULL, checksum TEXT NOT NULL,
     PRIMARY KEY (fingerprint, software, problem, algorithm)
 );
 CREATE INDEX results_by_problem ON results (problem);
@@ -137,23 +138,25 @@ class TuningDB:
         def replace(conn: sqlite3.Connection) -> None:
             conn.execute("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", (fp, sw, problem.key))
             conn.executemany(
-                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(fp, sw, problem.key, name, problem.device, now, text) for name, text in rows],
+                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(fp, sw, problem.key, name, problem.device, now, text, _checksum(fp, sw, problem.key, name, text))
+                 for name, text in rows],
             )
 
         self._write(replace)
 
     def results(self, problem: ConvProblem) -> list[PerfResult]:
         """The stored results of ``problem`` measured on this machine and software, in stored order."""
-        rows = self._read("SELECT fingerprint, software, result FROM results WHERE problem=? ORDER BY rowid",
-                          (problem.key,))
+        rows = self._read("SELECT fingerprint, software, algorithm, result, checksum FROM results WHERE problem=? "
+                          "ORDER BY rowid", (problem.key,))
         here = _here(problem.device)
-        mine = [text for fp, sw, text in rows if (fp, sw) == here]
+        mine = [row for row in rows if tuple(row[:2]) == here]
         if len(mine) < len(rows):
             self._warn_once(f"stale:{problem.key}",
                             "ignoring %d stored result(s) of %s measured on another machine or software "
                             "(see `convtune cache ls`); tune again to refresh them", len(rows) - len(mine), problem.key)
-        return [r for r in (self._decode(text, problem.key) for text in mine) if r is not None]
+        decoded = (self._decode(text, problem.key, (fp, sw, name, checksum)) for fp, sw, name, text, checksum in mine)
+        return [r for r in decoded if r is not None]
 
     def lookup(self, problem: ConvProblem, policy: Policy | None = None) -> PerfResult | None:
         """The best stored result of ``problem`` under ``policy`` (default Policy()), or None."""
@@ -167,12 +170,12 @@ class TuningDB:
         if here is None:
             return []
         rows = self._read(
-            "SELECT problem, result FROM results WHERE fingerprint=? AND software=? AND device=? ORDER BY rowid",
-            (*here, device),
+            "SELECT problem, algorithm, result, checksum FROM results WHERE fingerprint=? AND software=? AND device=? "
+            "ORDER BY rowid", (*here, device),
         )
         out = []
-        for key, text in rows:
-            result = self._decode(text, key)
+        for key, name, text, checksum in rows:
+            result = self._decode(text, key, (*here, name, checksum))
             problem = self._problem(key)
             if result is not None and problem is not None and result.ok:
                 out.append((problem, result))
@@ -180,30 +183,31 @@ class TuningDB:
 
     def entries(self) -> list[Entry]:
         """One Entry per stored (problem, fingerprint, software), sorted by problem key."""
-        rows = self._read("SELECT problem, fingerprint, software, device, stored_at, result FROM results "
-                          "ORDER BY problem, fingerprint, software, rowid")
+        rows = self._read("SELECT problem, fingerprint, software, device, stored_at, result, algorithm, checksum "
+                          "FROM results ORDER BY problem, fingerprint, software, rowid")
         groups: dict[tuple[str, str, str], list[Any]] = {}
-        for key, fp, sw, device, stored_at, text in rows:
-            groups.setdefault((key, fp, sw), []).append((device, stored_at, text))
+        for key, fp, sw, device, stored_at, text, name, checksum in rows:
+            groups.setdefault((key, fp, sw), []).append((device, stored_at, text, name, checksum))
         here = {device: _here(device) for device in {row[3] for row in rows}}
         entries = []
         for (key, fp, sw), items in groups.items():
-            results = [r for r in (self._decode(text, key) for _, _, text in items) if r is not None]
+            decoded = (self._decode(text, key, (fp, sw, name, checksum)) for _, _, text, name, checksum in items)
+            results = [r for r in decoded if r is not None]
             best = rank(results, Policy())
             entries.append(Entry(
                 problem=key, fingerprint=fp, software=sw, num_results=len(results),
                 best_algorithm=best[0].algorithm if best else None, best_ms=best[0].time_ms if best else None,
-                stored_at=max(s for _, s, _ in items), usable=here[items[0][0]] == (fp, sw),
+                stored_at=max(item[1] for item in items), usable=here[items[0][0]] == (fp, sw),
             ))
         return entries
 
     def export(self, path: str | os.PathLike) -> int:
         """Write every stored result (all machines) to ``path`` as JSON lines; returns lines written."""
-        rows = self._read("SELECT fingerprint, software, problem, stored_at, result FROM results "
+        rows = self._read("SELECT fingerprint, software, problem, stored_at, result, algorithm, checksum FROM results "
                           "ORDER BY fingerprint, software, problem, rowid")
         lines = []
-        for fp, sw, key, stored_at, text in rows:
-            result = self._decode(text, key)
+        for fp, sw, key, stored_at, text, name, checksum in rows:
+            result = self._decode(text, key, (fp, sw, name, checksum))
             if result is not None:
                 line = dict(zip(_LINE_FIELDS, (SCHEMA_VERSION, fp, sw, key, stored_at, result.to_dict())))
                 lines.append(json.dumps(line) + "\n")
@@ -233,8 +237,9 @@ class TuningDB:
         def replace(conn: sqlite3.Connection) -> None:
             conn.executemany("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", groups)
             conn.executemany(
-                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(fp, sw, p.key, r.algorithm, p.device, at, json.dumps(r.to_dict())) for fp, sw, p, at, r in parsed],
+                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(fp, sw, p.key, r.algorithm, p.device, at, text, _checksum(fp, sw, p.key, r.algorithm, text))
+                 for fp, sw, p, at, r in parsed for text in (json.dumps(r.to_dict()),)],
             )
 
         self._write(replace)
@@ -317,9 +322,22 @@ class TuningDB:
         return f"TuningDB({str(self.path)!r})"
 
     # -- rows --------------------------------------------------------------------------------
-    def _decode(self, text: str, key: str) -> PerfResult | None:
+    def _decode(self, text: str, key: str, row: tuple[str, str, str, str]) -> PerfResult | None:
+        """The result a row holds, or None (warned once) when it fails its checksum or no longer validates.
+
+        row: (fingerprint, software, algorithm, checksum) of the row, which the checksum binds together
+        with the problem key and the text: a bit flipped anywhere in them is a damaged row, never served.
+        """
+        fp, sw, name, checksum = row
+        if checksum != _checksum(fp, sw, key, name, text):
+            self._warn_once(f"checksum:{key}:{name}:{checksum}", "ignoring a stored result of %s by %s whose "
+                            "checksum does not match (a damaged row); tune it again", key, name)
+            return None
         try:
-            return PerfResult.from_dict(json.loads(text))
+            result = PerfResult.from_dict(json.loads(text))
+            if result.algorithm != name:
+                raise ValueError(f"it names {result.algorithm}, its row {name}")
+            return result
         except ValueError as exc:  # json.JSONDecodeError is a ValueError too
             self._warn_once(f"row:{key}:{text}", "ignoring a stored result of %s that no longer validates: %s",
                             key, exc)
@@ -403,6 +421,14 @@ def _identity(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+def _checksum(fingerprint: str, software: str, problem: str, algorithm: str, text: str) -> str:
+    """What binds a result row's text to its machine, software, problem and algorithm."""
+    digest = hashlib.blake2b(digest_size=12)
+    for part in (fingerprint, software, problem, algorithm, text):
+        digest.update(part.encode("utf-8", errors="surrogatepass") + b"\0")
+    return digest.hexdigest()
 
 
 def _encode(result: PerfResult) -> tuple[str, str]:
