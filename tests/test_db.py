@@ -219,7 +219,7 @@ def _random_bytes(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", [_random_bytes, _truncated_db], ids=["random_bytes", "truncated"])
-def test_corrupt_file_is_moved_aside_and_replaced(tmp_path, caplog, damage):
+def test_corrupt_file_is_moved_aside_and_what_is_intact_salvaged(tmp_path, caplog, damage):
     path = tmp_path / "tuning.sqlite"
     damage(path)
     damaged = path.read_bytes()
@@ -228,7 +228,14 @@ def test_corrupt_file_is_moved_aside_and_replaced(tmp_path, caplog, damage):
     assert any("moved it to" in r.getMessage() and "unusable" in r.getMessage() for r in caplog.records)
     [moved] = aside(path, "corrupt")
     assert moved.read_bytes() == damaged  # kept for a post-mortem, untouched
-    assert tdb.entries() == [] and tdb.lookup(problem(1)) is None  # no garbage served
+    entries = tdb.entries()
+    if damage is _random_bytes:
+        assert entries == [] and tdb.lookup(problem(1)) is None  # no garbage served
+    else:  # whatever still reads is salvaged (a cut through the table's pages can leave nothing), served as stored
+        assert len(entries) < 200
+        for e in entries:
+            served = tdb.lookup(ConvProblem.from_key(e.problem))
+            assert (served.algorithm, served.time_ms, served.message) == ("x", 1.0, "m" * 300)
     tdb.store(problem(1), FIND)
     assert tdb.lookup(problem(1)).algorithm == "cpu:fast"
     tdb.close()
@@ -465,3 +472,17 @@ def test_a_row_that_is_not_utf8_is_ignored_and_the_rest_still_served(tmp_path):
     with TuningDB(path) as db:
         assert db.lookup(problem()).algorithm == "slow"  # the damaged row is ignored, with a warning
         assert len(db.entries()) == 1 and db.export(tmp_path / "out.jsonl") == 1
+
+
+def test_the_rows_of_a_file_that_still_reads_are_salvaged_into_a_fresh_one(tmp_path, caplog):
+    damaged, fresh = tmp_path / "damaged.sqlite", tmp_path / "fresh.sqlite"
+    with TuningDB(damaged) as tdb:
+        for n in (1, 2, 3):
+            tdb.store(problem(n), FIND)
+    rows = db_module._salvage(damaged)
+    assert len(rows["results"]) == 3 * len(FIND)
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        db_module._restore(fresh, rows)
+    assert "salvaged" in caplog.text
+    with TuningDB(fresh) as tdb:
+        assert [tdb.lookup(problem(n)).algorithm for n in (1, 2, 3)] == ["cpu:fast"] * 3

@@ -497,7 +497,10 @@ def _open(path: Path) -> sqlite3.Connection:
             fault = _check(conn)
             conn.close()
             if fault is not None:
+                rows = _salvage(path) if fault[0] == "corrupt" else {}
                 _move_aside(path, *fault)
+                if any(rows.values()):
+                    _restore(path, rows)
     raise RuntimeError(f"could not open a fresh tuning database at {path}; remove the file or set CONVTUNE_CACHE_DIR")
 
 
@@ -590,6 +593,48 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_SALVAGED_TABLES = {"results": 8, "executables": 7, "host_costs": 5}  # table -> columns of this schema
+
+
+def _salvage(path: Path) -> dict[str, list[tuple]]:
+    """The rows of a damaged database that can still be read, table by table (reading stops at the damage)."""
+    rows: dict[str, list[tuple]] = {table: [] for table in _SALVAGED_TABLES}
+    try:
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000)
+    except sqlite3.Error:
+        return rows
+    conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
+    try:
+        for table, width in _SALVAGED_TABLES.items():
+            try:
+                cursor = conn.execute(f"SELECT * FROM {table}")
+                while True:
+                    batch = cursor.fetchmany(256)
+                    if not batch:
+                        break
+                    rows[table] += [tuple(row) for row in batch if len(row) == width]
+            except sqlite3.Error:
+                continue  # this table is damaged from here on: keep what was read
+    finally:
+        conn.close()
+    return rows
+
+
+def _restore(path: Path, rows: dict[str, list[tuple]]) -> None:
+    """A fresh database at ``path`` holding the salvaged ``rows`` (their checksums are checked when read)."""
+    conn = _connect(path)
+    try:
+        if _check(conn) is None:
+            with _transaction(conn):
+                for table, table_rows in rows.items():
+                    marks = ", ".join("?" * _SALVAGED_TABLES[table])
+                    conn.executemany(f"INSERT OR IGNORE INTO {table} VALUES ({marks})", table_rows)
+            log.warning("tuning database %s: %s salvaged from the damaged file", path,
+                        ", ".join(f"{len(v)} {k} rows" for k, v in rows.items() if v))
+    finally:
+        conn.close()
 
 
 def _move_aside(path: Path, kind: str, reason: str) -> None:
