@@ -40,7 +40,6 @@ def test_fastest_first_and_fields():
     (NaNResult(), Status.WRONG_RESULT, "NaN"),
     (NoWrite(), Status.WRONG_RESULT, "NaN"),
     (InputWriter(), Status.FAILED, "input operands"),
-    (Raising("fake:exits", SystemExit(3)), Status.FAILED, "SystemExit"),  # a candidate may not end the process
     (Fake("fake:refuses", unsupported_reason="only on Tuesdays"), Status.UNSUPPORTED, "only on Tuesdays"),
 ])
 def test_every_failure_is_a_status_and_the_search_goes_on(fake, status, text):
@@ -460,3 +459,19 @@ def test_a_candidate_slower_than_its_deadline_is_a_timeout_and_the_search_goes_o
     assert results["fake:sleeper"].status is Status.TIMEOUT and "deadline" in results["fake:sleeper"].message
     assert sleeper.runs == 1  # run once, then left: not checked again, not timed
     assert results["fake:good"].status is Status.OK
+
+
+def test_where_no_candidate_finishes_within_the_deadline_the_fastest_right_one_answers():
+    slow, slower = Fake("fake:slow", time_ms=150.0, sleep=True), Fake("fake:slower", time_ms=300.0, sleep=True)
+    results = by_name(find(P, Policy(deadline_s=0.05), timer=FakeTimer(), candidates=[slower, slow]))
+    assert results["fake:slow"].ok and "timed once" in results["fake:slow"].message
+    assert results["fake:slower"].status is Status.TIMEOUT
+
+
+def test_a_find_where_everything_failed_does_not_keep_what_it_found_wrong(tmp_path):
+    from convtune import TuningDB
+
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        find(P, timer=FakeTimer(), candidates=[Fake("fake:x")], db=db)
+        find(P, timer=FakeTimer(), candidates=[WrongResult("fake:x")], db=db)
+        assert db.lookup(P) is None and db.results(P)[0].status is Status.WRONG_RESULT

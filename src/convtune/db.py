@@ -51,8 +51,9 @@ from .settings import settings
 log = logging.getLogger(__name__)
 
 # Bump on any change to the tables or to the meaning of a row; older files are moved aside.
-SCHEMA_VERSION = 2
-LINE_SCHEMAS = (1, 2)  # export lines this version reads: schema 2 added a table, not a change to a result row
+SCHEMA_VERSION = 3
+LINE_SCHEMAS = (1, 2, 3)  # export lines this version reads: schemas 2 and 3 added tables and a checksum column,
+# not a change to what a result row says
 BUSY_TIMEOUT_MS = 30_000
 _LINE_FIELDS = ("schema", "fingerprint", "software", "problem", "stored_at", "result")
 _SCHEMA = """
@@ -595,7 +596,9 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-_SALVAGED_TABLES = {"results": 8, "executables": 7, "host_costs": 5}  # table -> columns of this schema
+# table -> columns of this schema: the results alone, which carry checksums (executables and host costs
+# are made again where they are missing)
+_SALVAGED_TABLES = {"results": 8}
 
 
 def _salvage(path: Path) -> dict[str, list[tuple]]:

@@ -132,7 +132,7 @@ class _Search:
             workspace_bytes = algorithm.known_scratch_bytes(problem)
             if workspace_bytes is None and self._workspace_decides(skip):
                 workspace_bytes = algorithm.scratch_bytes(problem)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data (even one that exits)
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is data
             return PerfResult(algorithm.name, Status.FAILED, message=_describe(exc))
         learned = workspace_bytes is not None
         # None: the algorithm does not know (cuDNN plans); two runs compared bit for bit decide.
@@ -152,7 +152,7 @@ class _Search:
         self.case(1)  # outside the candidate's try: a reference that cannot be computed is not its fault
         try:
             return self._measure(algorithm, props, declared is None)
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data (even one that exits)
+        except Exception as exc:  # noqa: BLE001 - a failing candidate is data
             log.debug("%s failed on %s", algorithm.name, problem.key, exc_info=exc)
             status = Status.OUT_OF_MEMORY if is_out_of_memory(exc) else Status.FAILED
             if status is Status.OUT_OF_MEMORY and problem.device == "cuda":
@@ -192,9 +192,9 @@ class _Search:
                                  max_rel_error=self.policy.max_rel_error)
         took_s = time.perf_counter() - started
         deadline_s = self.policy.deadline_s or settings.candidate_deadline_s
-        if deadline_s and took_s > deadline_s:
-            self.restore_inputs()
-            return PerfResult(algorithm.name, Status.TIMEOUT, rel_error=err, **props,
+        if deadline_s and took_s > deadline_s and ok and not self.restore_inputs():
+            # Right, but too slow to time: its one run's time is kept, for when nothing else finishes.
+            return PerfResult(algorithm.name, Status.TIMEOUT, time_ms=took_s * 1e3, rel_error=err, **props,
                               message=f"its first run took {took_s:.1f} s, over the deadline of {deadline_s:g} s "
                                       f"(Policy.deadline_s, CONVTUNE_CANDIDATE_DEADLINE_S); not timed")
         if self.restore_inputs():
@@ -241,6 +241,18 @@ class _Search:
         self.leanest_bytes = min(self.leanest_bytes, props["workspace_bytes"])
         return PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
                           rel_error=err, message=message, **props)
+
+
+def _slow_but_right(results: list[PerfResult]) -> list[PerfResult]:
+    """Where no candidate finished within the deadline, the fastest of those that ran right once, as ``ok``
+    (timed once, its first run's time): a slow answer rather than none."""
+    slow = [r for r in results if r.status is Status.TIMEOUT and r.time_ms is not None]
+    if not slow:
+        return results
+    best = min(slow, key=lambda r: r.time_ms)
+    answer = dataclasses.replace(best, status=Status.OK, message=f"timed once, over the deadline: no candidate "
+                                                                 f"finished within it ({best.message})")
+    return [answer if r is best else r for r in results]
 
 
 def _finite_poison(problem: ConvProblem) -> float:
@@ -334,7 +346,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
                 raise TypeError(f"find(candidates=...) takes Algorithm instances, got {type(algorithm).__name__}")
             try:
                 support = algorithm.supports(problem)
-            except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data (even one that exits)
+            except Exception as exc:  # noqa: BLE001 - a failing candidate is data
                 results.append(PerfResult(algorithm.name, Status.FAILED, message=_describe(exc)))
                 continue
             if support:
@@ -361,6 +373,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
             gained = result.time_ms < best_before * (1 - policy.tolerance)
             without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)
+    if not any(r.ok for r in results):
+        results = _slow_but_right(results)
     if policy.micro_batching:
         results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given, seed=seed)
     if db is not None:
@@ -399,10 +413,12 @@ def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[Perf
     earlier = {r.algorithm: r for r in db.results(problem) if r.ok}
     if earlier and not any(r.ok for r in results):
         # Every candidate failed this time (a broken setting, a device in trouble): the good
-        # measurements stored before stay; this find's failures are not worth more than they are.
-        log.warning("find: every candidate of %s failed; the %d good result(s) stored before are kept",
-                    problem.key, len(earlier))
-        return list(earlier.values())
+        # measurements stored before stay, except those this find found wrong, which are recorded so.
+        wrong = [r for r in results if r.status is Status.WRONG_RESULT]
+        kept = [r for name, r in earlier.items() if name not in {w.algorithm for w in wrong}]
+        log.warning("find: no candidate of %s succeeded; %d good result(s) stored before are kept",
+                    problem.key, len(kept))
+        return kept + wrong
     not_timed = (Status.SKIPPED, Status.OVER_WORKSPACE_LIMIT)
     return [earlier.get(r.algorithm, r) if r.status in not_timed else r for r in results]
 

@@ -29,8 +29,9 @@ class Policy:
         to torch:native (PyTorch's own path, the least host time per call).
     max_candidates, budget_s: the tuning budget of one find (None: the settings' defaults).
     deadline_s: seconds a candidate's first run may take before it is a ``timeout`` and the search
-        goes on (None: the setting ``candidate_deadline_s``, 10 s; it cannot be stopped midway, so a
-        hung candidate still holds the search that long).
+        goes on (None: the setting ``candidate_deadline_s``, 60 s; it cannot be stopped midway, so a
+        hung candidate still holds the search that long). Where no candidate finishes within it, the
+        fastest that ran right once is the answer, timed by that run.
     micro_batching: with a workspace_limit, find also offers algorithms run over sub-batches one
         after another (mu-cuDNN), so one whose workspace grows with the batch fits the limit.
     """

@@ -77,7 +77,7 @@ _SETTINGS = (
     # a candidate predicted this many times slower than the best measured is not run (0: never)
     _Setting("find_prune_factor", _at_least(0), 10.0, "predicted slowdown that skips a candidate"),
     # a candidate whose first (checked) run takes longer than this is a timeout, not timed (0: no deadline)
-    _Setting("candidate_deadline_s", _at_least(0), 10.0, "seconds a candidate's first run may take"),
+    _Setting("candidate_deadline_s", _at_least(0), 60.0, "seconds a candidate's first run may take"),
     # a candidate whose time exceeds the best so far by this factor stops being timed
     _Setting("early_stop_factor", _at_least(1), 1.5, "slowdown that ends a candidate's timing"),
     # target seconds of timing per candidate

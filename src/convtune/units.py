@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from fractions import Fraction
 
@@ -22,8 +24,12 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     """
     if isinstance(text, bool):
         raise TypeError(f"{what} must be a number of bytes or a size like '64MiB', got {text!r}")
-    if isinstance(text, int):
-        value = text
+    if isinstance(text, numbers.Integral):  # int, numpy's ints
+        value = int(text)
+    elif isinstance(text, numbers.Real):  # a computed budget: free_bytes * 0.1
+        if not math.isfinite(text):
+            raise ValueError(f"{what}={text} is not a finite number of bytes")
+        value = int(text)
     elif isinstance(text, str):
         match = _SIZE.match(text)
         unit = match.group(2).lower() if match else None
