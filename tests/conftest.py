@@ -61,9 +61,9 @@ def nominal_peaks(monkeypatch):
     """The cost model on fixed ceilings (100 GFLOP/s, 10 GB/s), not this machine's measured ones: a test whose
     outcome rests on predictions then means the same on every machine."""
     monkeypatch.setattr(costmodel, "_peaks", lambda device, dtype, tf32: (1e11, 1e10))
-    costmodel.predict_ms.cache_clear()
+    costmodel.clear_cache()
     yield
-    costmodel.predict_ms.cache_clear()
+    costmodel.clear_cache()
 
 
 def pytest_collection_modifyitems(config, items):

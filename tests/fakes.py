@@ -16,6 +16,7 @@ import torch
 
 from convtune.algorithms.base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, unsupported
 from convtune.algorithms.native import native_conv
+from convtune.algorithms.registry import get_algorithm
 from convtune.policy import Policy
 from convtune.ranking import rank
 from convtune.timing import Timing, percentile, summarize
@@ -73,13 +74,20 @@ class Fake(Algorithm):
                  deterministic: bool = True, tf32: bool = False, reduced_precision: bool = False,
                  devices: tuple[str, ...] = ("cpu", "cuda"),
                  directions: tuple[str, ...] = ("fwd", "bwd_data", "bwd_filter"),
-                 unsupported_reason: str | None = None) -> None:
+                 unsupported_reason: str | None = None, priced_like: str | None = None) -> None:
         self.name = name
         super().__init__()
         self.time_ms, self.sleep, self.declared_bytes = time_ms, sleep, workspace_bytes
         self.deterministic, self.tf32, self.reduced_precision = deterministic, tf32, reduced_precision
         self.devices, self.directions, self.unsupported_reason = devices, directions, unsupported_reason
         self.runs = 0
+        # the cost model prices it as this built-in algorithm (None: the generic cost of an unknown family)
+        self.priced_like = None if priced_like is None else get_algorithm(priced_like)
+
+    def cost(self, problem, workspace_bytes):
+        if self.priced_like is None:
+            return super().cost(problem, workspace_bytes)
+        return self.priced_like.cost(problem, workspace_bytes)
 
     def _supports(self, problem) -> Support:
         return unsupported(self.unsupported_reason) if self.unsupported_reason else SUPPORTED

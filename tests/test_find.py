@@ -306,8 +306,8 @@ def test_a_candidate_predicted_far_slower_than_the_best_measured_is_not_run(nomi
     # The cost model predicts by family: a 1x1 GEMM on a big 1x1 problem is far cheaper than the
     # direct method's per-tap loops, which the prune then skips without running them.
     big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
-    fast = Fake("gemm:1x1_fake", time_ms=0.1)
-    slow = Fake("direct:taps_fake", time_ms=50.0)
+    fast = Fake("gemm:1x1_fake", priced_like="gemm:1x1", time_ms=0.1)
+    slow = Fake("direct:taps_fake", priced_like="direct:taps", time_ms=50.0)
     with settings.override(find_prune_factor=1.0001, find_patience=0):
         results = by_name(find(big, timer=FakeTimer(), candidates=[fast, slow]))
     assert results["direct:taps_fake"].status is Status.SKIPPED and "predicted" in results["direct:taps_fake"].message
@@ -318,8 +318,9 @@ def test_a_candidate_predicted_far_slower_than_the_best_measured_is_not_run(nomi
 
 def test_a_leaner_candidate_still_runs_after_convergence_and_past_the_prune(nominal_peaks):
     big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
-    hungry = [Fake(f"gemm:1x1_h{i}", time_ms=1.0 + 0.1 * i, workspace_bytes=1 << 20) for i in range(4)]
-    lean = Fake("direct:taps_lean", time_ms=30.0)  # zero workspace, predicted and measured slow
+    hungry = [Fake(f"gemm:1x1_h{i}", priced_like="gemm:1x1", time_ms=1.0 + 0.1 * i, workspace_bytes=1 << 20)
+              for i in range(4)]
+    lean = Fake("direct:taps_lean", priced_like="direct:taps", time_ms=30.0)  # no workspace; predicted and measured slow
     with settings.override(find_patience=1, find_prune_factor=1.0001):
         results = by_name(find(big, timer=FakeTimer(), candidates=[*hungry, lean]))
     assert results["direct:taps_lean"].ok and lean.runs > 0
@@ -362,8 +363,8 @@ def test_a_skipped_candidate_is_built_while_it_could_be_leaner_than_every_one_me
 
 def test_a_pruned_candidate_is_not_built_when_nothing_can_be_leaner():
     big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
-    fast = CostlyWorkspace("gemm:1x1_fake", time_ms=0.1)
-    slow = CostlyWorkspace("direct:taps_fake", time_ms=50.0, workspace_bytes=4096)
+    fast = CostlyWorkspace("gemm:1x1_fake", priced_like="gemm:1x1", time_ms=0.1)
+    slow = CostlyWorkspace("direct:taps_fake", priced_like="direct:taps", time_ms=50.0, workspace_bytes=4096)
     with settings.override(find_prune_factor=1.0001, find_patience=0):
         results = by_name(find(big, timer=FakeTimer(), candidates=[fast, slow]))
     r = results["direct:taps_fake"]

@@ -37,7 +37,7 @@ def db_with(*measurements):
 # -- get ----------------------------------------------------------------------------------------
 
 def test_get_runs_nothing_and_ranks_1x1_gemm_first():
-    gemm, direct = Fake("gemm:1x1"), Fake("direct:taps")
+    gemm, direct = Fake("gemm:1x1", priced_like="gemm:1x1"), Fake("direct:taps", priced_like="direct:taps")
     with isolated(direct, gemm, builtins=False):
         for _ in range(3):
             choices = get(P1)
@@ -58,7 +58,7 @@ def test_get_on_the_builtin_registry():
 
 
 def test_database_measurements_change_the_ranking():
-    gemm, direct = Fake("gemm:1x1"), Fake("direct:taps")
+    gemm, direct = Fake("gemm:1x1", priced_like="gemm:1x1"), Fake("direct:taps", priced_like="direct:taps")
     other = ConvProblem("fwd", n=4, c=32, k=32, input_size=(8, 8), kernel_size=1)
     with isolated(gemm, direct, builtins=False):
         assert get(P1)[0].name == "gemm:1x1"
@@ -71,7 +71,7 @@ def test_database_measurements_change_the_ranking():
 
 
 def test_backend_correction_when_the_algorithm_was_never_measured():
-    with isolated(Fake("direct:taps"), builtins=False):
+    with isolated(Fake("direct:taps", priced_like="direct:taps"), builtins=False):
         plain = get(P3)[0].predicted_ms
         db = db_with(measured(P3, "direct:other_variant", 10 * costmodel.predict_ms("direct:other_variant", P3)))
         assert get(P3, db=db)[0].predicted_ms == pytest.approx(10 * plain)
@@ -160,7 +160,8 @@ def test_rankings_that_depend_on_the_workspace_build(policy, keep_filters):
 
 
 def test_get_prefer_least_memory():
-    fakes = [Fake("gemm:1x1", workspace_bytes=4096), Fake("direct:taps")]
+    fakes = [Fake("gemm:1x1", priced_like="gemm:1x1", workspace_bytes=4096),
+             Fake("direct:taps", priced_like="direct:taps")]
     with isolated(*fakes, builtins=False):
         assert get(P1)[0].name == "gemm:1x1"
         assert get(P1, Policy(prefer="least_memory"))[0].name == "direct:taps"
@@ -216,7 +217,7 @@ def test_cost_model_families(nominal_peaks):
 # -- select -------------------------------------------------------------------------------------
 
 def test_select_get_measures_nothing():
-    fast, slow = Fake("gemm:1x1"), Fake("direct:taps")
+    fast, slow = Fake("gemm:1x1", priced_like="gemm:1x1"), Fake("direct:taps", priced_like="direct:taps")
     with isolated(fast, slow, builtins=False):
         result = select(P1, mode="get")
     assert result.algorithm == "gemm:1x1" and result.status is Status.OK

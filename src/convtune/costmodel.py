@@ -1,23 +1,21 @@
 """The analytic cost model behind ``get``: a predicted time for (algorithm, problem), running nothing.
 
-Each algorithm family, told by its name ('backend:variant'), gets a roofline of its own:
+Each algorithm declares its own cost next to its code (``Algorithm.cost(problem, workspace_bytes)``,
+a ``Cost`` of roofline terms: the FLOPs it really performs at a fraction of the device's peak, the
+bytes it moves, the operations it launches); a backend whose algorithms depend on the problem
+(cuDNN's plans) declares one for them all (``Backend.cost``). This module keeps what is common:
 
-- arithmetic: the FLOPs it really performs (FFT's transforms ~ 5·L·log2(L) each plus the
-  pointwise products, Winograd's reduced multiplications plus its transforms) at a fraction of
-  the device's peak (``hardware.peaks``); skinny matrix products (few channels per group) reach
-  less of it;
-- traffic: the compulsory bytes, plus the workspace written and read back, plus what a family
-  re-reads (the direct method reads the input once per kernel tap), at the peak bandwidth;
-- the longer of the two, plus fixed per-call costs: one per operation launched (per tap, per
-  sub-batch, per Python loop iteration), which decide small problems.
+- the roofline arithmetic: the longer of compute (``hardware.peaks``) and traffic, plus fixed
+  per-call costs that decide small problems (``roofline_ms``);
+- the helpers families share (``shape_factor``, ``gemm_dims``, ``taps``);
+- the database corrections: for every (algorithm, direction, dtype) measured on this device, the
+  geometric mean of measured / predicted multiplies later predictions; an algorithm never
+  measured takes its backend's factor.
 
 convtune's own algorithms, chains of PyTorch operations, reach a fraction of what one vendor
 kernel does (``COMPOSED_FACTOR``); FFT and Winograd compute in float32 whatever the dtype, so
-a float16 problem does not get the tensor-core peak for them.
-
-The efficiencies are rough on purpose: the tuning database corrects them. For every
-(algorithm, direction, dtype) measured on this device, the geometric mean of measured /
-predicted multiplies later predictions; an algorithm never measured takes its backend's factor.
+a float16 problem does not get the tensor-core peak for them. The efficiencies are rough on
+purpose: the tuning database corrects them.
 
     >>> from convtune.problem import ConvProblem
     >>> p = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
@@ -31,7 +29,6 @@ import dataclasses
 import functools
 import logging
 import math
-import re
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -78,128 +75,34 @@ def _peaks(device: str, dtype: str, tf32: bool) -> tuple[float, float]:
         return FALLBACK_PEAKS[device]
 
 
-def _shape_factor(*dims: float) -> float:
+def shape_factor(*dims: float) -> float:
     """How much of the peak a matrix product with these dimensions reaches: small ones waste lanes."""
     smallest = max(1.0, min(dims))
     return max(0.05, min(1.0, smallest / 64.0) ** 0.5)
 
 
-def _taps(p: ConvProblem) -> int:
+def taps(p: ConvProblem) -> int:
     return math.prod(p.kernel_size)
 
 
-def _gemm_dims(p: ConvProblem) -> tuple[int, int, int]:
+def gemm_dims(p: ConvProblem) -> tuple[int, int, int]:
     """(M, N, K) of the per-group matrix product that lowers ``p``."""
-    return p.n * math.prod(p.output_size), p.k // p.groups, (p.c // p.groups) * _taps(p)
+    return p.n * math.prod(p.output_size), p.k // p.groups, (p.c // p.groups) * taps(p)
 
 
-def _native(p: ConvProblem, ws: int) -> Cost:
-    # On the CPU the measured 'peak' is one 512^3 product; oneDNN's convolutions reach about it.
-    eff = 0.6 if p.device == "cuda" else 0.9
-    # PyTorch's result is copied into the caller's output: a second operation.
-    return Cost(p.flops, eff * _shape_factor(*_gemm_dims(p)), p.min_bytes, 2, composed=False)
+def generic_cost(p: ConvProblem, workspace_bytes: int) -> Cost:
+    """What an algorithm that declares no cost of its own is assumed to cost: a modest GEMM-like path."""
+    return Cost(p.flops, 0.3 * shape_factor(*gemm_dims(p)), p.min_bytes + 2 * workspace_bytes, 2)
 
 
-def _gemm_1x1(p: ConvProblem, ws: int) -> Cost:
-    # One matrix product straight on the operands: as good as a vendor kernel.
-    return Cost(p.flops, 0.8 * _shape_factor(*_gemm_dims(p)), p.min_bytes + 2 * ws, p.groups + 1, composed=False)
+def vendor_cost(efficiency: float, p: ConvProblem) -> Cost:
+    """A vendor's fused kernel: its workspace is used inside the kernel (cuDNN's fp32 NCHW plans
+    transpose through 50 MB and still lead), so it is no traffic term here."""
+    return Cost(p.flops, efficiency * shape_factor(*gemm_dims(p)), p.min_bytes, 1, composed=False)
 
 
-_CHUNK = re.compile(r"chunk(\d+)")
-
-
-def _im2col(p: ConvProblem, ws: int, name: str = "") -> Cost:
-    # The column matrix is written once and read once by the product; a variant that lowers
-    # sub-batches of b samples ('..._chunk{b}') repeats the per-tap copies and the product per sub-batch.
-    match = _CHUNK.search(name)
-    batches = -(-p.n // int(match.group(1))) if match and int(match.group(1)) > 0 else 1
-    m, n, k = _gemm_dims(p)
-    return Cost(p.flops, 0.7 * _shape_factor(m / batches, n, k), p.min_bytes + 2 * ws, batches * (_taps(p) + 1))
-
-
-def _direct(p: ConvProblem, ws: int) -> Cost:
-    m, n, _ = _gemm_dims(p)
-    # Per tap, one batched product over the largest of the batch, leading spatial and group
-    # dimensions, and a loop over the others; the filter gradient loops over every row.
-    leading = [p.n, *p.output_size[:-1], p.groups]
-    loops = p.n * math.prod(p.output_size[:-1]) if p.direction == "bwd_filter" else math.prod(leading) // max(leading)
-    return Cost(p.flops, 0.5 * _shape_factor(m, n, p.c // p.groups), _taps(p) * p.min_bytes + 2 * ws,
-                _taps(p) * loops + 1)
-
-
-def _fft(p: ConvProblem, ws: int) -> Cost:
-    length = math.prod(h + 2 * pad for h, pad in zip(p.input_size, p.padding))
-    half = length // 2 + 1
-    cg, kg = p.c // p.groups, p.k // p.groups
-    transforms = p.n * p.c + p.k * cg + p.n * p.k  # input, filter, result (any direction)
-    transform_flops = transforms * 5.0 * length * math.log2(max(2, length))
-    # A complex multiply-add (8 real FLOPs) per frequency, batch, filter and input channel.
-    pointwise = 8.0 * p.n * p.k * cg * half
-    return Cost(pointwise, 0.6 * _shape_factor(p.n, kg, cg), p.min_bytes + 3 * ws, 40,
-                extra_flops=transform_flops, float32_inside=True)
-
-
-_WINOGRAD = re.compile(r"f(\d+)x(\d+)")
-
-
-def _winograd(p: ConvProblem, ws: int, name: str) -> Cost:
-    match = _WINOGRAD.search(name.split(":", 1)[1])
-    m, r = (int(match.group(1)), int(match.group(2))) if match else (2, 3)
-    t, d = m + r - 1, p.ndim
-    tiles = math.prod(-(-o // m) for o in p.output_size)
-    cg, kg = p.c // p.groups, p.k // p.groups
-    # t^d products per tile instead of m^d·r^d: the multiplications Winograd saves.
-    products = 2.0 * p.n * p.k * cg * tiles * t**d
-    transforms = 2.0 * d * (p.n * p.c * tiles * t ** (d + 1) + p.n * p.k * tiles * t**d * m + p.k * cg * t ** (d + 1))
-    # Tiles are gathered and scattered with a few strided copies per position in the tile.
-    return Cost(products, 0.6 * _shape_factor(p.n * tiles, kg, cg), p.min_bytes + 2 * ws, 8 * t**d + 10,
-                extra_flops=transforms, float32_inside=True)
-
-
-def _vendor(efficiency: float):
-    # A vendor's plan uses its workspace inside fused kernels (cuDNN's fp32 NCHW plans transpose
-    # through 50 MB and still lead): the workspace is no traffic term here.
-    def cost(p: ConvProblem, ws: int) -> Cost:
-        return Cost(p.flops, efficiency * _shape_factor(*_gemm_dims(p)), p.min_bytes, 1, composed=False)
-
-    return cost
-
-
-def _unknown(p: ConvProblem, ws: int) -> Cost:
-    return Cost(p.flops, 0.3 * _shape_factor(*_gemm_dims(p)), p.min_bytes + 2 * ws, 2)
-
-
-_BACKENDS = {"torch": _native, "cudnn": _vendor(0.7), "cublas": _vendor(0.75), "triton": _vendor(0.6)}
-
-
-def family_cost(name: str, problem: ConvProblem, workspace_bytes: int) -> Cost:
-    """The cost of algorithm ``name`` on ``problem``: by backend, else by a keyword of the name."""
-    backend = name.split(":", 1)[0]
-    if backend in _BACKENDS:
-        return _BACKENDS[backend](problem, workspace_bytes)
-    lowered = name.lower()
-    if "winograd" in lowered:
-        return _winograd(problem, workspace_bytes, name)
-    if "fft" in lowered:
-        return _fft(problem, workspace_bytes)
-    if "im2col" in lowered:
-        return _im2col(problem, workspace_bytes, lowered)
-    if "1x1" in lowered:
-        return _gemm_1x1(problem, workspace_bytes)
-    if "direct" in lowered:
-        return _direct(problem, workspace_bytes)
-    if "gemm" in lowered:
-        return _im2col(problem, workspace_bytes)
-    return _unknown(problem, workspace_bytes)
-
-
-@functools.lru_cache(maxsize=8192)
-def predict_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32: bool = False) -> float:
-    """The model's time in ms for algorithm ``name`` on ``problem``, before database corrections.
-
-    workspace_bytes: what the algorithm declares; tf32: whether it computes float32 with TF32.
-    """
-    cost = family_cost(name, problem, workspace_bytes)
+def roofline_ms(cost: Cost, problem: ConvProblem, tf32: bool = False) -> float:
+    """The model's time in ms for ``cost`` on ``problem`` (tf32: float32 computed with TF32), before corrections."""
     dtype = "float32" if cost.float32_inside else problem.dtype
     peak_flops, bandwidth = _peaks(problem.device, dtype, bool(tf32 and problem.allow_tf32))
     scale = COMPOSED_FACTOR[problem.device] if cost.composed else 1.0
@@ -209,6 +112,30 @@ def predict_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32: 
     compute_s += cost.extra_flops / (peak_flops * cost.extra_efficiency * scale)
     seconds = max(compute_s, cost.bytes / bandwidth) + cost.launches * LAUNCH_S[problem.device]
     return 1e3 * seconds * DIRECTION_FACTOR[problem.direction]
+
+
+def predict_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32: bool = False) -> float:
+    """The model's time in ms for the algorithm called ``name`` on ``problem``, before database corrections.
+
+    The cost is the one the registry's algorithm (or backend) of that name declares; a name nothing
+    here declares (a stored result of a plug-in not registered now) gets ``generic_cost``.
+    workspace_bytes: what the algorithm declares; tf32: whether it computes float32 with TF32.
+    """
+    from .algorithms.registry import generation
+
+    return _predict_ms(name, problem, workspace_bytes, bool(tf32), generation())
+
+
+@functools.lru_cache(maxsize=8192)
+def _predict_ms(name: str, problem: ConvProblem, workspace_bytes: int, tf32: bool, generation: int) -> float:
+    from .algorithms.registry import declared_cost
+
+    return roofline_ms(declared_cost(name)(problem, workspace_bytes), problem, tf32)
+
+
+def clear_cache() -> None:
+    """Forget cached predictions (tests that change the machine's peaks)."""
+    _predict_ms.cache_clear()
 
 
 # -- corrections from the database -------------------------------------------------------------

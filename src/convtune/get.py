@@ -52,7 +52,7 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: 
     unknown = workspace is None
     workspace = workspace or 0
     notes = algorithm.notes(problem)
-    ms = costmodel.predict_ms(algorithm.name, problem, workspace, notes.tf32) * factor
+    ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32) * factor
     ms *= costmodel.corrections(db, problem.device).factor(algorithm.name, problem)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,

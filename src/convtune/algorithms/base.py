@@ -17,11 +17,13 @@ import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from .. import costmodel
+from ..costmodel import Cost
 from ..problem import DIRECTIONS, ConvProblem, is_in_layout
 
 OPERAND_NAMES = {"fwd": ("x", "w", "y"), "bwd_data": ("dy", "w", "dx"), "bwd_filter": ("x", "dy", "dw")}
@@ -176,6 +178,11 @@ class Algorithm(abc.ABC):
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return NumericNotes()
 
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        """The roofline terms of a run on ``problem`` with this workspace (``costmodel``); a family that
+        declares none is priced as a modest GEMM-like path."""
+        return costmodel.generic_cost(problem, workspace_bytes)
+
     def native_recipe(self, problem: ConvProblem) -> NativeRecipe | None:
         """How the C++ runtime runs this algorithm on ``problem``; None: it runs in Python only."""
         return None
@@ -303,6 +310,14 @@ class Backend(abc.ABC):
     def unavailable(self, problem: ConvProblem) -> str | None:
         """Why this backend offers nothing for ``problem`` (None when it offers something)."""
         return None
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        """The roofline terms of one of this backend's algorithms on ``problem`` (generic unless declared)."""
+        return costmodel.generic_cost(problem, workspace_bytes)
+
+    def declared_cost(self, name: str) -> Callable[[ConvProblem, int], Cost]:
+        """The cost of the algorithm called ``name`` (one of this backend's), without making it for a problem."""
+        return self.cost
 
     def get(self, name: str, problem: ConvProblem) -> Algorithm:
         """The algorithm called ``name`` for ``problem``; ``KeyError`` if it is not offered."""

@@ -23,6 +23,7 @@ import threading
 import cudnn  # noqa: I001 - an ImportError here leaves the backend out (registry.OPTIONAL_MODULES)
 import torch
 
+from ..costmodel import Cost, vendor_cost
 from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
 from ..settings import settings
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 _IO_TYPES = {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}
 HEURISTICS = {"A": cudnn.heur_mode.A, "B": cudnn.heur_mode.B, "FALLBACK": cudnn.heur_mode.FALLBACK}
 _MAX_GRAPHS = 512  # problems whose built plans are kept in the process
+VENDOR_EFFICIENCY = 0.7  # of the roofline, for the cost model (the database corrects it per plan)
 try:  # engine ids from here on are the frontend's own engines, not cuDNN backend engines
     from cudnn.engines.engine_ids import CPP_OSS_ENGINE_ID_BASE as _FRONTEND_ENGINE_IDS
 except ImportError:  # an older frontend: it has only backend engines
@@ -212,6 +214,9 @@ class CudnnPlan(Algorithm):
         # scratch_bytes, which counts the buffer as carved (aligned).
         return self.scratch_bytes(problem) if self.index in self.graph.workspace else None
 
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        return BACKEND.cost(problem, workspace_bytes)
+
     def native_recipe(self, problem: ConvProblem) -> NativeRecipe | None:
         # The C++ runtime builds the same operation graph through cuDNN's backend API and, among its
         # heuristics' configurations, the one with this plan's tag (the frontend's name for it). Not
@@ -246,6 +251,9 @@ class CudnnBackend(Backend):
         self._graphs: dict[ConvProblem, ProblemGraph] = {}
         self._plans: dict[ConvProblem, list[CudnnPlan]] = {}
         self._lock = threading.Lock()
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        return vendor_cost(VENDOR_EFFICIENCY, problem)
 
     def unavailable(self, problem: ConvProblem) -> str | None:
         if problem.device != "cuda":

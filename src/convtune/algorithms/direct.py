@@ -37,6 +37,7 @@ import math
 
 import torch
 
+from ..costmodel import Cost, gemm_dims, shape_factor, taps
 from ..problem import ConvProblem
 from .base import Algorithm, Buffer, NumericNotes
 from .gemm import GemmSum, gemm_notes, grouped_nsc, is_half, tap_index, tf32_as_allowed
@@ -77,6 +78,16 @@ class DirectTaps(Algorithm):
     """Direct convolution, tap by tap: batched GEMMs over channels on strided views."""
 
     name = "direct:taps"
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        m, n, _ = gemm_dims(problem)
+        # Per tap, one batched product over the largest of the batch, leading spatial and group
+        # dimensions, and a loop over the others; the filter gradient loops over every row.
+        leading = [problem.n, *problem.output_size[:-1], problem.groups]
+        loops = (problem.n * math.prod(problem.output_size[:-1]) if problem.direction == "bwd_filter"
+                 else math.prod(leading) // max(leading))
+        return Cost(problem.flops, 0.5 * shape_factor(m, n, problem.c // problem.groups),
+                    taps(problem) * problem.min_bytes + 2 * workspace_bytes, taps(problem) * loops + 1)
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         g, taps = problem.groups, math.prod(problem.kernel_size)

@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from ..costmodel import Cost, shape_factor
 from ..problem import ConvProblem
 from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
@@ -135,6 +136,18 @@ class FFT(Algorithm):
     """Cross-correlation through ``torch.fft`` real transforms and batched complex GEMMs."""
 
     name = "fft:rfft"
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        p = problem
+        length = math.prod(h + 2 * pad for h, pad in zip(p.input_size, p.padding))
+        half = length // 2 + 1
+        cg, kg = p.c // p.groups, p.k // p.groups
+        transforms = p.n * p.c + p.k * cg + p.n * p.k  # input, filter, result (any direction)
+        transform_flops = transforms * 5.0 * length * math.log2(max(2, length))
+        # A complex multiply-add (8 real FLOPs) per frequency, batch, filter and input channel.
+        pointwise = 8.0 * p.n * p.k * cg * half
+        return Cost(pointwise, 0.6 * shape_factor(p.n, kg, cg), p.min_bytes + 3 * workspace_bytes, 40,
+                    extra_flops=transform_flops, float32_inside=True)
 
     def _supports(self, problem: ConvProblem) -> Support:
         if any(s != 1 for s in problem.stride):

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from ..costmodel import Cost, gemm_dims, shape_factor, taps
 from ..problem import ConvProblem, layout_order
 from .base import SUPPORTED, Algorithm, Buffer, NativeRecipe, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
@@ -196,6 +197,11 @@ class Gemm1x1(Algorithm):
     def native_recipe(self, problem: ConvProblem) -> NativeRecipe:
         return NativeRecipe("gemm_1x1")
 
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        # One matrix product straight on the operands: as good as a vendor kernel.
+        return Cost(problem.flops, 0.8 * shape_factor(*gemm_dims(problem)), problem.min_bytes + 2 * workspace_bytes,
+                    problem.groups + 1, composed=False)
+
     def _run(self, problem, a, b, out, ws) -> None:
         g = problem.groups
         with tf32_as_allowed(problem):
@@ -273,6 +279,9 @@ class Gemm1x1Strided(Algorithm):
     def native_recipe(self, problem: ConvProblem) -> NativeRecipe:
         return NativeRecipe("gemm_1x1_strided")
 
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        return _GEMM_1X1.cost(problem, workspace_bytes)  # the slice copy is in the workspace traffic
+
     def _run(self, problem, a, b, out, ws) -> None:
         inner = self.sliced(problem)
         order = layout_order(len(inner.x_shape), problem.layout)
@@ -321,6 +330,14 @@ class Im2col(Algorithm):
             return unsupported(f"runs sub-batches of {self.chunk} samples, which needs n > {self.chunk} "
                                f"(n={problem.n}); gemm:im2col is the same method on the whole batch")
         return SUPPORTED
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        # The column matrix is written once and read once by the product; sub-batches of b samples
+        # repeat the per-tap copies and the product per sub-batch.
+        batches = -(-problem.n // self._batch(problem))
+        m, n, k = gemm_dims(problem)
+        return Cost(problem.flops, 0.7 * shape_factor(m / batches, n, k), problem.min_bytes + 2 * workspace_bytes,
+                    batches * (taps(problem) + 1))
 
     def _batch(self, problem: ConvProblem) -> int:
         return problem.n if self.chunk is None else min(self.chunk, problem.n)

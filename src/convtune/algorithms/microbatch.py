@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ..costmodel import Cost
 from ..problem import ConvProblem, layout_order
 from .base import (
     SUPPORTED,
@@ -40,7 +41,7 @@ from .base import (
     buffers_bytes,
     unsupported,
 )
-from .registry import get_algorithm, register
+from .registry import declared_cost, get_algorithm, register
 
 PREFIX = "mb"
 _MB_NAME = re.compile(r"^mb:(?P<backend>[a-z0-9_]+)\.(?P<variant>[A-Za-z0-9_.=\-]+)_s(?P<split>\d+x\d+(?:_\d+x\d+)*)$")
@@ -126,6 +127,10 @@ class MicroBatch(Algorithm):
         super().__init__()
         if self._inner is not None:
             self.devices, self.directions = self._inner.devices, self._inner.directions
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        # The sub-batches do the inner algorithm's work on the whole batch, one after another.
+        return declared_cost(self.inner_name)(problem, workspace_bytes)
 
     @property
     def n(self) -> int:
@@ -231,6 +236,10 @@ class MicroBatchBackend(Backend):
 
     def algorithms(self, problem: ConvProblem) -> list[Algorithm]:
         return []
+
+    def declared_cost(self, name: str) -> Callable[[ConvProblem, int], Cost]:
+        # Its inner algorithm's cost on the whole batch: the sub-batches do the same work in turn.
+        return declared_cost(parse_micro_batch_name(name)[0])
 
     def get(self, name: str, problem: ConvProblem) -> Algorithm:
         """The micro-batched algorithm ``name`` for ``problem``; ``KeyError`` naming why if there is none."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+from .. import costmodel
+from ..costmodel import Cost
 from ..problem import ConvProblem
 from .base import Algorithm, Backend, Support
 
@@ -117,6 +119,18 @@ def get_algorithm(name: str, problem: ConvProblem | None = None) -> Algorithm:
             raise KeyError(f"{name!r} belongs to the {prefix} backend: pass the problem to get_algorithm")
         return _backends[prefix].get(name, problem)
     raise KeyError(f"no algorithm named {name!r}; registered: {sorted(_registry)} and backends {sorted(_backends)}")
+
+
+def declared_cost(name: str) -> Callable[[ConvProblem, int], Cost]:
+    """The cost the algorithm called ``name`` declares: a registered algorithm's, else its backend's (by the
+    ``backend:`` part of the name, as ``get_algorithm`` resolves names), else the generic one."""
+    _ensure_builtins()
+    if name in _registry:
+        return _registry[name].cost
+    prefix = name.split(":", 1)[0]
+    if prefix in _backends:
+        return _backends[prefix].declared_cost(name)
+    return costmodel.generic_cost
 
 
 def algorithms(problem: ConvProblem) -> list[Algorithm]:

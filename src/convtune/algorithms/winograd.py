@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from ..costmodel import Cost, shape_factor
 from ..problem import ConvProblem
 from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
@@ -97,6 +98,19 @@ class Winograd(Algorithm):
     """F(m^d, 3^d) Winograd convolution; subclasses fix the output tile size ``m``."""
 
     m: int = 0
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        p, m = problem, self.m
+        t, d = m + KERNEL - 1, p.ndim
+        tiles = math.prod(-(-o // m) for o in p.output_size)
+        cg, kg = p.c // p.groups, p.k // p.groups
+        # t^d products per tile instead of m^d·r^d: the multiplications Winograd saves.
+        products = 2.0 * p.n * p.k * cg * tiles * t**d
+        transforms = 2.0 * d * (p.n * p.c * tiles * t ** (d + 1) + p.n * p.k * tiles * t**d * m
+                                + p.k * cg * t ** (d + 1))
+        # Tiles are gathered and scattered with a few strided copies per position in the tile.
+        return Cost(products, 0.6 * shape_factor(p.n * tiles, kg, cg), p.min_bytes + 2 * workspace_bytes,
+                    8 * t**d + 10, extra_flops=transforms, float32_inside=True)
 
     def _supports(self, problem: ConvProblem) -> Support:
         if any(r != KERNEL for r in problem.kernel_size):
