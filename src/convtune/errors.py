@@ -7,11 +7,3 @@ class ConvtuneError(Exception):
 
 class NoAlgorithmError(ConvtuneError):
     """No registered algorithm can serve the problem under the policy."""
-
-
-class AlgorithmError(ConvtuneError):
-    """An algorithm failed for a reason not covered by a status; names the algorithm and problem."""
-
-
-class WorkspaceTooSmallError(ValueError):
-    """The workspace handed to an algorithm is smaller than it declared."""

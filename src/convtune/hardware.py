@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import os
 import platform
 import time
 
@@ -125,7 +124,3 @@ def roofline_ms(problem) -> float:
     """The floor of ``problem``'s time: max(FLOPs / peak, compulsory bytes / bandwidth), in ms."""
     flops, bandwidth = peaks(problem.device, problem.dtype, problem.allow_tf32)
     return 1e3 * max(problem.flops / flops, problem.min_bytes / bandwidth)
-
-
-def cpu_threads() -> int:
-    return torch.get_num_threads() or os.cpu_count() or 1
