@@ -13,6 +13,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 from rich.console import Console
@@ -34,7 +35,7 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage dump
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage dump
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 

@@ -31,7 +31,7 @@ import logging
 import math
 import weakref
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
 from . import hardware
 from .problem import ConvProblem
@@ -223,7 +223,7 @@ def corrections(db: Any, device: str) -> Corrections:
     date with what this process stores (``stored``)."""
     if db is None:
         return NO_CORRECTIONS
-    return _table(db, device, build=True).corrections
+    return cast(_Table, _table(db, device, build=True)).corrections  # build=True always gives a table
 
 
 def stored(db: Any, problem: ConvProblem, results: Any) -> None:

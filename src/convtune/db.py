@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -371,7 +371,8 @@ class TuningDB:
                 if not _is_corruption(exc):
                     raise
                 failed = self._identity
-                self._conn.close()
+                # fn ran on the connection _connection() set (_open moves a corrupt file aside itself).
+                cast(sqlite3.Connection, self._conn).close()
                 self._conn = None
                 with _file_lock(self.path):
                     if _identity(self.path) == failed:  # no other process has replaced it yet

@@ -23,7 +23,7 @@ import math
 import sqlite3
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -42,6 +42,15 @@ from .units import format_bytes
 from .verify import check, reference_case, rel_error, tolerance
 
 log = logging.getLogger(__name__)
+
+
+class _Props(TypedDict):
+    """A candidate's properties, as ``Policy.violation`` takes them and ``PerfResult`` records them."""
+
+    workspace_bytes: int
+    deterministic: bool
+    uses_tf32: bool
+    reduced_precision: bool
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -136,15 +145,15 @@ class _Search:
             return PerfResult(algorithm.name, Status.FAILED, message=_describe(exc))
         learned = workspace_bytes is not None
         # None: the algorithm does not know (cuDNN plans); two runs compared bit for bit decide.
-        props = dict(workspace_bytes=workspace_bytes if learned else 0,
-                     deterministic=declared is None or bool(declared),
-                     uses_tf32=notes.tf32, reduced_precision=notes.reduced_precision)
+        props: _Props = dict(workspace_bytes=cast(int, workspace_bytes) if learned else 0,
+                             deterministic=declared is None or bool(declared),
+                             uses_tf32=notes.tf32, reduced_precision=notes.reduced_precision)
         violation = self.policy.violation(**props)
         if violation is not None:
             return PerfResult(algorithm.name, violation[0], message=violation[1], **props)
         if skip is not None:
             message, leaner_runs = skip
-            if not (leaner_runs and learned and workspace_bytes < self.leanest_bytes):
+            if not (leaner_runs and learned and cast(int, workspace_bytes) < self.leanest_bytes):
                 if not learned:
                     message += "; workspace not learned (shown as 0)"
                 return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
@@ -182,7 +191,7 @@ class _Search:
         _, leaner_runs = skip
         return leaner_runs and self.leanest_bytes > 0  # nothing is leaner than no scratch
 
-    def _measure(self, algorithm: Algorithm, props: dict[str, Any], probe_determinism: bool) -> PerfResult:
+    def _measure(self, algorithm: Algorithm, props: _Props, probe_determinism: bool) -> PerfResult:
         problem = self.problem
         inputs, ref = self.case()
         workspace = allocate_workspace(algorithm.workspace_bytes(problem), problem.device)
@@ -249,7 +258,7 @@ def _slow_but_right(results: list[PerfResult]) -> list[PerfResult]:
     slow = [r for r in results if r.status is Status.TIMEOUT and r.time_ms is not None]
     if not slow:
         return results
-    best = min(slow, key=lambda r: r.time_ms)
+    best = min(slow, key=lambda r: cast(float, r.time_ms))  # slow holds timed results only
     answer = dataclasses.replace(best, status=Status.OK, message=f"timed once, over the deadline: no candidate "
                                                                  f"finished within it ({best.message})")
     return [answer if r is best else r for r in results]
@@ -267,7 +276,8 @@ def _describe(exc: BaseException) -> str:
 def _log_result(index: int, total: int, result: PerfResult, best_ms: float) -> None:
     if result.ok:
         log.info("[%d/%d] %s: %.4g ms (%.0f%% of best), workspace %s", index, total, result.algorithm,
-                 result.time_ms, 100 * result.time_ms / best_ms, format_bytes(result.workspace_bytes))
+                 result.time_ms, 100 * cast(float, result.time_ms) / best_ms,  # an ok result of find is timed
+                 format_bytes(result.workspace_bytes))
     else:
         log.info("[%d/%d] %s: %s (%s), workspace %s", index, total, result.algorithm, result.status,
                  result.message, format_bytes(result.workspace_bytes))
@@ -359,7 +369,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     if twice:
         raise ValueError(f"find(candidates=...) names an algorithm twice: {twice}; pass each once")
     predictions = ranked_predictions(problem, candidates, policy, db, keep_filters=False)
-    predicted_ms = {a.name: guess.time_ms for a, guess in predictions}
+    predicted_ms = {a.name: cast(float, guess.time_ms) for a, guess in predictions}  # every prediction has a time
     ranked, head_size = search_order([a for a, _ in predictions])
     search = _Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
@@ -370,7 +380,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf), converged=converged)
         results.append(result)
         if result.ok and index > head_size:  # the first try of each backend does not count
-            gained = result.time_ms < best_before * (1 - policy.tolerance)
+            gained = cast(float, result.time_ms) < best_before * (1 - policy.tolerance)  # ok: timed
             without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)
     if not any(r.ok for r in results):

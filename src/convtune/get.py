@@ -15,7 +15,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -137,7 +137,8 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     choices = _memo.get(key)
     if choices is None:
         ranked = ranked_predictions(problem, algorithms(problem), policy, db)
-        choices = [Choice(g.algorithm, g.time_ms, g.workspace_bytes) for _, g in ranked]
+        choices = [Choice(g.algorithm, cast(float, g.time_ms), g.workspace_bytes)  # rank keeps timed ones
+                   for _, g in ranked]
         if len(_memo) >= MEMO_SIZE:
             _memo.clear()
         _memo[key] = choices

@@ -116,8 +116,8 @@ def peaks(device: str, dtype: str, tf32: bool = False) -> tuple[float, float]:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         # Unknown GPU: a rough figure from its size, good enough to rank, not to report.
         return props.multi_processor_count * 1e12, 1e12
-    flops, bandwidth = _cpu_peaks()
-    return flops, bandwidth
+    cpu_flops, cpu_bandwidth = _cpu_peaks()
+    return cpu_flops, cpu_bandwidth
 
 
 def roofline_ms(problem) -> float:

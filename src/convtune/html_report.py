@@ -13,7 +13,7 @@ import html
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from matplotlib.figure import Figure  # Figure + savefig renders with Agg, never touching pyplot's global backend
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
@@ -176,18 +176,19 @@ def _pareto_figure(plan: Plan, first: int, runs: list[int], name: str, db: Any, 
                alpha=0.6, label="measured", zorder=2)
     if front:
         xs = [r.workspace_bytes for r in front] + [ax.get_xlim()[1]]
-        ax.plot(xs, [r.time_ms for r in front] + [front[-1].time_ms], drawstyle="steps-post", color="#1f5fa8",
-                lw=1.6, label="Pareto front", zorder=3)
+        # Plan fronts, choices and the fastest point hold timed results only.
+        ax.plot(xs, [cast(float, r.time_ms) for r in front] + [cast(float, front[-1].time_ms)],
+                drawstyle="steps-post", color="#1f5fa8", lw=1.6, label="Pareto front", zorder=3)
         to_axes = ax.transData + ax.transAxes.inverted()
         for r in front:  # a label near the right edge goes to the left of its point, to stay inside
-            right = to_axes.transform((r.workspace_bytes, r.time_ms))[0] > 0.75
+            right = to_axes.transform((r.workspace_bytes, cast(float, r.time_ms)))[0] > 0.75
             ax.annotate(r.algorithm, (r.workspace_bytes, r.time_ms), xytext=(-4 if right else 4, 3),
                         textcoords="offset points", ha="right" if right else "left", fontsize=6.5, color="#1f5fa8")
     if fastest.algorithm not in chosen:
-        ax.scatter([fastest.workspace_bytes], [fastest.time_ms], s=70, facecolors="none", edgecolors="#e07b00",
-                   lw=1.5, label="fastest, no budget", zorder=4)
-    ax.scatter([r.workspace_bytes for r in chosen.values()], [r.time_ms for r in chosen.values()], marker="*",
-               s=150, color="#c62828", label="chosen", zorder=5)
+        ax.scatter([fastest.workspace_bytes], [cast(float, fastest.time_ms)], s=70, facecolors="none",
+                   edgecolors="#e07b00", lw=1.5, label="fastest, no budget", zorder=4)
+    ax.scatter([r.workspace_bytes for r in chosen.values()], [cast(float, r.time_ms) for r in chosen.values()],
+               marker="*", s=150, color="#c62828", label="chosen", zorder=5)
     if plan.workspace_budget is not None:
         whose = "" if plan.mode == "shared" else " (all layers)"
         ax.axvline(plan.workspace_budget, color="#c62828", ls="--", lw=1,

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .algorithms.base import Algorithm
 from .algorithms.microbatch import MicroBatch, accumulator_bytes, sub_problem
@@ -71,18 +71,20 @@ def best_split(n: int, options: Mapping[int, Option],
                 continue
             # Time adds and workspace is a max, so (time, workspace) in that order has optimal substructure.
             candidate = (rest[0] + t, max(rest[1], w), b)
-            if best[m] is None or candidate[:2] < best[m][:2]:
+            current = best[m]
+            if current is None or candidate[:2] < current[:2]:
                 best[m] = candidate
-    if best[n] is None:
+    final = best[n]
+    if final is None:
         return None
     counts: dict[int, int] = {}
     m = n
     while m:
-        b = best[m][2]
+        b = cast(tuple[float, int, int], best[m])[2]  # every m on the path back from n has a cover
         counts[b] = counts.get(b, 0) + 1
         m -= b
     split = [(b, counts[b], options[b][2]) for b in sorted(counts, reverse=True)]
-    return best[n][0], best[n][1], split
+    return final[0], final[1], split
 
 
 def sub_batch_sizes(n: int, extra_divisors: int = EXTRA_DIVISORS) -> list[int]:
@@ -126,13 +128,15 @@ def micro_batch_offers(problem: ConvProblem, policy: Policy, results: Sequence[P
     for b in sub_batch_sizes(problem.n):
         for r in find_sub(sub_problem(problem, b), sub_policy):
             if usable(r, sub_policy):
-                options.setdefault(r.algorithm, {})[b] = (r.time_ms, r.workspace_bytes, r.algorithm)
+                # usable: time_ms is not None
+                options.setdefault(r.algorithm, {})[b] = (cast(float, r.time_ms), r.workspace_bytes, r.algorithm)
     whole = {r.algorithm: r for r in results}
     for r in results:
         if usable(r, policy):
-            options.setdefault(r.algorithm, {})[problem.n] = (r.time_ms, r.workspace_bytes, r.algorithm)
-    best_whole_ms = min((r.time_ms for r in results if usable(r, policy)), default=math.inf)
-    limit = policy.workspace_limit - accumulator_bytes(problem)
+            options.setdefault(r.algorithm, {})[problem.n] = (cast(float, r.time_ms), r.workspace_bytes, r.algorithm)
+    best_whole_ms = min((cast(float, r.time_ms) for r in results if usable(r, policy)), default=math.inf)
+    # Policy parses a workspace_limit given as a size string to its int bytes.
+    limit = cast(int, policy.workspace_limit) - accumulator_bytes(problem)
     by_name = {a.name: a for a in candidates or ()}
     offers = []
     for name, sizes in options.items():
@@ -145,7 +149,7 @@ def micro_batch_offers(problem: ConvProblem, policy: Policy, results: Sequence[P
         if not (time_ms < best_whole_ms or rescued):
             continue
         parts = " + ".join(f"{c} x {b}" for b, c, _ in split)
-        why = f"its whole batch was {counterpart.status.value}" if rescued else (
+        why = f"its whole batch was {cast(PerfResult, counterpart).status.value}" if rescued else (
             f"the best whole batch took {best_whole_ms:.4g} ms")
         offers.append(Offer(MicroBatch(by_name.get(name, name), [(b, c) for b, c, _ in split]), time_ms,
                             f"micro-batched {parts} samples; sub-batch times sum to {time_ms:.4g} ms ({why})"))

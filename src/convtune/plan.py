@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class Plan:
     @property
     def unconstrained_time_ms(self) -> float:
         """Total time of each problem's fastest result, with no budget."""
-        return sum(r.time_ms for r in self.unconstrained)
+        return sum(cast(float, r.time_ms) for r in self.unconstrained)  # a plan holds timed results only
 
     @property
     def unconstrained_workspace_bytes(self) -> int:
@@ -88,9 +88,11 @@ class Plan:
         unconstrained_time_ms, unconstrained_workspace_bytes, time_lost_ms (chosen minus
         unconstrained time, >= 0) and memory_saved_bytes (unconstrained minus chosen workspace).
         """
+        # A plan holds timed results only (pareto_front keeps usable ones).
         return [{"problem": p.key, "algorithm": c.algorithm, "time_ms": c.time_ms, "workspace_bytes": c.workspace_bytes,
                  "unconstrained_algorithm": u.algorithm, "unconstrained_time_ms": u.time_ms,
-                 "unconstrained_workspace_bytes": u.workspace_bytes, "time_lost_ms": c.time_ms - u.time_ms,
+                 "unconstrained_workspace_bytes": u.workspace_bytes,
+                 "time_lost_ms": cast(float, c.time_ms) - cast(float, u.time_ms),
                  "memory_saved_bytes": u.workspace_bytes - c.workspace_bytes}
                 for p, c, u in zip(self.problems, self.choices, self.unconstrained)]
 
@@ -115,7 +117,7 @@ def pareto_front(results: Iterable[PerfResult], policy: Policy | None = None) ->
     pool = sorted((r for r in results if usable(r, policy)), key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
     front: list[PerfResult] = []
     for r in pool:
-        if not front or r.time_ms < front[-1].time_ms:
+        if not front or cast(float, r.time_ms) < cast(float, front[-1].time_ms):  # usable: timed
             front.append(r)
     return front
 
@@ -149,7 +151,7 @@ def plan(problems: Sequence[ConvProblem], workspace_budget: int | str | None, mo
         picks = _backtrack(steps, len(ws) - 1)  # the largest total within budget is the fastest
     choices = tuple(f[i] for f, i in zip(per_problem, picks))
     result = Plan(problems=tuple(problems), choices=choices, mode=mode, workspace_budget=budget,
-                  total_time_ms=sum(c.time_ms for c in choices),
+                  total_time_ms=sum(cast(float, c.time_ms) for c in choices),  # fronts hold timed results
                   workspace_bytes=_aggregate(mode, [c.workspace_bytes for c in choices]),
                   unconstrained=tuple(f[-1] for f in per_problem), fronts=tuple(tuple(f) for f in per_problem))
     log.info("plan (%s, budget %s): %d problem(s), %.4g ms (%.4g ms without a budget), workspace %s",
@@ -173,23 +175,23 @@ def budget_curve(problems: Sequence[ConvProblem], budgets: Iterable[int | str], 
         [(0, inf), (64, 1.0)]
     """
     _, policy = _check(problems, None, mode, policy)
-    budgets = [parse_bytes(b, "budget_curve(budgets=...)") for b in budgets]
+    sizes = [parse_bytes(b, "budget_curve(budgets=...)") for b in budgets]
     fronts = _fronts(problems, db, policy, find_missing)
     per_problem = [fronts[p] for p in problems]
     if mode == "divided":
         ws, times, _ = _merge(per_problem, None)
         totals = ws.tolist()
         curve = []
-        for b in budgets:
+        for b in sizes:
             i = bisect.bisect_right(totals, b) - 1
             curve.append((b, float(times[i]) if i >= 0 else math.inf))
         return curve
     curve = []
-    for b in budgets:
+    for b in sizes:
         if any(f[0].workspace_bytes > b for f in per_problem):
             curve.append((b, math.inf))
-        else:
-            curve.append((b, sum(f[_fastest_within(f, b)].time_ms for f in per_problem)))
+        else:  # fronts hold timed results
+            curve.append((b, sum(cast(float, f[_fastest_within(f, b)].time_ms) for f in per_problem)))
     return curve
 
 

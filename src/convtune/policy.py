@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from .units import parse_bytes
 
@@ -36,7 +37,7 @@ class Policy:
         after another (mu-cuDNN), so one whose workspace grows with the batch fits the limit.
     """
 
-    workspace_limit: int | str | None = None
+    workspace_limit: int | None = None  # a size string given to the constructor is parsed to bytes
     deterministic: bool = False
     allow_tf32: bool = True
     allow_reduced_precision: bool = True
@@ -47,6 +48,15 @@ class Policy:
     budget_s: float | None = None
     micro_batching: bool = False
     deadline_s: float | None = None
+
+    if TYPE_CHECKING:
+        # The signature dataclasses generates at runtime, with the size string __post_init__ parses.
+        def __init__(
+            self, workspace_limit: int | str | None = None, deterministic: bool = False, allow_tf32: bool = True,
+            allow_reduced_precision: bool = True, max_rel_error: float | None = None, prefer: str = "fastest",
+            tolerance: float = 0.02, max_candidates: int | None = None, budget_s: float | None = None,
+            micro_batching: bool = False, deadline_s: float | None = None,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         if self.workspace_limit is not None:

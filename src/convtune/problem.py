@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -112,16 +113,27 @@ class ConvProblem:
     n: int
     c: int
     k: int
+    # Annotated with the types __post_init__ normalises to; what the constructor accepts is
+    # spelled out for the type checker by the __init__ signature below.
     input_size: tuple[int, ...]
-    kernel_size: tuple[int, ...] | int
-    stride: tuple[int, ...] | int = 1
-    padding: tuple[int, ...] | int = 0
-    dilation: tuple[int, ...] | int = 1
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...] = cast("tuple[int, ...]", 1)  # an int default, made a tuple by __post_init__
+    padding: tuple[int, ...] = cast("tuple[int, ...]", 0)  # an int default, made a tuple by __post_init__
+    dilation: tuple[int, ...] = cast("tuple[int, ...]", 1)  # an int default, made a tuple by __post_init__
     groups: int = 1
     dtype: str = "float32"
     layout: str = "channels_first"
     device: str = "cpu"
     allow_tf32: bool = True
+
+    if TYPE_CHECKING:
+        # The signature dataclasses generates at runtime, with the inputs __post_init__ accepts.
+        def __init__(
+            self, direction: str, n: int, c: int, k: int, input_size: int | Sequence[int],
+            kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+            dilation: int | Sequence[int] = 1, groups: int = 1, dtype: str | torch.dtype = "float32",
+            layout: str = "channels_first", device: str | torch.device = "cpu", allow_tf32: bool = True,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
@@ -335,7 +347,15 @@ class ConvProblem:
         return out[0], out[1]
 
 
-def explicit_padding(module: torch.nn.Module) -> list[tuple[int, int]]:
+class ConvGeometry(Protocol):
+    """What ``explicit_padding`` reads of a conv module (``nn.Conv1d/2d/3d`` have it)."""
+
+    kernel_size: tuple[int, ...]
+    dilation: tuple[int, ...]
+    padding: str | tuple[int, ...]
+
+
+def explicit_padding(module: ConvGeometry) -> list[tuple[int, int]]:
     """(before, after) padding per spatial dimension of a conv module, string paddings resolved."""
     ndim = len(module.kernel_size)
     if isinstance(module.padding, str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from .policy import Policy
 from .results import PerfResult, Status
@@ -36,7 +37,8 @@ def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
         return sorted(pool, key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
     ranked = []
     while pool:
-        window = [r for r in pool if r.time_ms <= pool[0].time_ms * (1 + policy.tolerance)]
+        fastest = cast(float, pool[0].time_ms)  # usable() keeps only timed results
+        window = [r for r in pool if cast(float, r.time_ms) <= fastest * (1 + policy.tolerance)]
         best = min(window, key=lambda r: (r.workspace_bytes, r.algorithm != NATIVE, r.time_ms, r.algorithm))
         ranked.append(best)
         pool.remove(best)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class Status(str, enum.Enum):
@@ -40,6 +40,15 @@ class PerfResult:
     reduced_precision: bool = False
     rel_error: float | None = None
     message: str = ""
+
+    if TYPE_CHECKING:
+        # The signature dataclasses generates at runtime, with the status value __post_init__ converts.
+        def __init__(
+            self, algorithm: str, status: Status | str, time_ms: float | None = None,
+            spread_ms: float | None = None, workspace_bytes: int = 0, deterministic: bool = True,
+            uses_tf32: bool = False, reduced_precision: bool = False, rel_error: float | None = None,
+            message: str = "",
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", Status(self.status))

@@ -193,6 +193,8 @@ class _CudaSampler:
     synchronisation to read the events. ``fn`` must enqueue its work on the current stream.
     """
 
+    graph: torch.cuda.CUDAGraph | None  # None until prepare() captures one (or when fn cannot be captured)
+
     def __init__(self, fn: Callable[[], object]) -> None:
         self.fn = fn
         props = torch.cuda.get_device_properties(torch.cuda.current_device())

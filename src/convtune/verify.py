@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -97,7 +98,8 @@ def lowered_reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
         dx = torch.cat([torch.nn.functional.fold(torch.matmul(wt, rows(a[s])).reshape(a[s].shape[0], -1, positions),
                                                  output_size=size, **geometry) for s in batches])
         return dx.view(problem.x_shape)
-    dw = sum(torch.einsum("ngkl,ngcl->gkc", rows(b[s]), columns(a[s])) for s in batches)
+    # batches is never empty (n >= 1), so the sum is a tensor, not its start value 0.
+    dw = cast(torch.Tensor, sum(torch.einsum("ngkl,ngcl->gkc", rows(b[s]), columns(a[s])) for s in batches))
     return dw.reshape(problem.w_shape)
 
 

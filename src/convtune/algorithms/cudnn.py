@@ -19,8 +19,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any, cast
 
-import cudnn  # noqa: I001 - an ImportError here leaves the backend out (registry.OPTIONAL_MODULES)
+# An ImportError here leaves the backend out (registry.OPTIONAL_MODULES). The ignore: the optional
+# frontend is not installed where mypy runs.
+import cudnn  # type: ignore[import-not-found]  # noqa: I001
 import torch
 
 from ..costmodel import Cost, vendor_cost
@@ -37,7 +41,9 @@ HEURISTICS = {"A": cudnn.heur_mode.A, "B": cudnn.heur_mode.B, "FALLBACK": cudnn.
 _MAX_GRAPHS = 512  # problems whose built plans are kept in the process
 VENDOR_EFFICIENCY = 0.7  # of the roofline, for the cost model (the database corrects it per plan)
 try:  # engine ids from here on are the frontend's own engines, not cuDNN backend engines
-    from cudnn.engines.engine_ids import CPP_OSS_ENGINE_ID_BASE as _FRONTEND_ENGINE_IDS
+    from cudnn.engines.engine_ids import (  # type: ignore[import-not-found]  # optional frontend, not installed here
+        CPP_OSS_ENGINE_ID_BASE as _FRONTEND_ENGINE_IDS,
+    )
 except ImportError:  # an older frontend: it has only backend engines
     _FRONTEND_ENGINE_IDS = 1 << 62
 
@@ -102,7 +108,8 @@ class ProblemGraph:
         self.names = [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
         self.workspace: dict[int, int] = {}  # built plans: index -> workspace bytes
         self.failed: dict[int, str] = {}  # plans that did not build: index -> why
-        self._launchers: dict[int, object] = {}  # built plans: index -> launch (see _launcher)
+        # built plans: index -> launch (see _launcher)
+        self._launchers: dict[int, Callable[[Any, int, int, int, int], None]] = {}
 
     def build(self, index: int) -> int:
         """Build plan ``index`` (once) and return its workspace bytes; raises if it cannot be built."""
@@ -248,7 +255,7 @@ class CudnnBackend(Backend):
     prefix = "cudnn"
 
     def __init__(self) -> None:
-        self._graphs: dict[ConvProblem, ProblemGraph] = {}
+        self._graphs: dict[ConvProblem, ProblemGraph | None] = {}
         self._plans: dict[ConvProblem, list[CudnnPlan]] = {}
         self._lock = threading.Lock()
 
@@ -268,7 +275,7 @@ class CudnnBackend(Backend):
             if problem in self._graphs:
                 return self._graphs[problem]
             try:
-                graph = ProblemGraph(problem)
+                graph: ProblemGraph | None = ProblemGraph(problem)
             except Exception as exc:  # cudnnGraphNotSupportedError and friends
                 log.info("cuDNN offers no plan for %s: %s", problem.key, exc)
                 graph = None
@@ -288,7 +295,7 @@ class CudnnBackend(Backend):
             for i, name in enumerate(graph.names if graph else []):
                 full = f"cudnn:{name}" if name not in seen else f"cudnn:{name}_i{i}"
                 seen.add(name)
-                plans.append(CudnnPlan(graph, i, full))
+                plans.append(CudnnPlan(cast(ProblemGraph, graph), i, full))  # names come from a graph
             self._plans[problem] = plans
         return [p for p in self._plans[problem] if p.index not in p.graph.failed]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import cast
 
 import torch
 
@@ -42,7 +43,7 @@ from ..problem import ConvProblem
 from .base import Algorithm, Buffer, NumericNotes
 from .gemm import GemmSum, gemm_notes, grouped_nsc, is_half, tap_index, tf32_as_allowed
 from .registry import register
-from .taps import problem_taps
+from .taps import TensorIndex, problem_taps
 
 
 def _elementwise(problem: ConvProblem) -> bool:
@@ -159,7 +160,7 @@ def _rows_gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch_dim: i
     a = a.transpose(-3, -2).movedim(batch_dim, 0)
     group_batched = batch_dim == lead
     for index in itertools.product(*(range(size) for size in out.shape[1:-2])):
-        o, x = out[(slice(None), *index)], a[(slice(None), *index)]
+        o, x = out[cast(TensorIndex, (slice(None), *index))], a[cast(TensorIndex, (slice(None), *index))]
         m = b if group_batched else b[index[-1]].expand(o.shape[0], *b.shape[1:])
         if rows is None:
             _add_products(o, x, m)
@@ -199,9 +200,10 @@ def _filter(problem: ConvProblem, x: torch.Tensor, dy: torch.Tensor, dw: torch.T
     for tap in problem_taps(problem):
         t = tap_index(tap.tap, problem.kernel_size)
         if half:
-            total = GemmSum(None, ws["partial"], ws["widened"], sum32[t])
-        else:
-            total = GemmSum(target_of(t) if target_of else sum32[t])
+            # "partial" comes with "sum32" (buffers)
+            total = GemmSum(None, ws["partial"], ws["widened"], cast(torch.Tensor, sum32)[t])
+        else:  # without target_of, sum32 was given
+            total = GemmSum(target_of(t) if target_of else cast(torch.Tensor, sum32)[t])
         dy_region = dys[(slice(None), *tap.out)]  # (n, *region, G, Kg)
         x_region = xs[(slice(None), *tap.inp)]  # (n, *region, G, Cg)
         for index in itertools.product(*(range(size) for size in dy_region.shape[:-3])):

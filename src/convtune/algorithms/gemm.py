@@ -28,6 +28,7 @@ overlapping taps) the sum is kept in a declared float32 buffer, never in the hal
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -118,19 +119,21 @@ class GemmSum:
             if first:
                 torch.bmm(a, b, out=self.target)
             else:
-                self.target.baddbmm_(a, b)
+                cast(torch.Tensor, self.target).baddbmm_(a, b)  # target=None comes only with sum32
             return
+        # sum32 comes with partial and widened (gemm_sum_buffers)
         torch.bmm(a, b, out=self.partial)
         if first:
-            self.sum32.copy_(self.partial)
+            self.sum32.copy_(cast(torch.Tensor, self.partial))
         else:
-            self.widened.copy_(self.partial)
-            self.sum32.add_(self.widened)
+            cast(torch.Tensor, self.widened).copy_(cast(torch.Tensor, self.partial))
+            self.sum32.add_(cast(torch.Tensor, self.widened))
 
     def finish(self) -> None:
         """Write the sum into ``target`` (zeros when no term was added)."""
         if self.terms == 0:
-            (self.target if self.sum32 is None else self.sum32).zero_()
+            # target=None comes only with sum32
+            cast(torch.Tensor, self.target if self.sum32 is None else self.sum32).zero_()
         if self.sum32 is not None and self.target is not None:
             self.target.copy_(self.sum32)
 
@@ -373,15 +376,16 @@ class Im2col(Algorithm):
             for start in range(0, problem.n, step):
                 rows = slice(start, min(start + step, problem.n))
                 cols = ws["cols"][: rows.stop - rows.start]
+                # w is set for fwd and bwd_data, total for bwd_filter
                 if problem.direction == "fwd":
                     im2col(problem, a[rows], cols)
-                    _cols_gemm(problem, w, cols, out[rows])
+                    _cols_gemm(problem, cast(torch.Tensor, w), cols, out[rows])
                 elif problem.direction == "bwd_data":
-                    _cols_gemm(problem, w, cols, a[rows], transposed=True)
+                    _cols_gemm(problem, cast(torch.Tensor, w), cols, a[rows], transposed=True)
                     col2im(problem, cols, out[rows], ws)
                 else:
                     im2col(problem, a[rows], cols)
-                    _cols_filter_terms(problem, b[rows], cols, total)
+                    _cols_filter_terms(problem, b[rows], cols, cast(GemmSum, total))
             if total is not None:
                 total.finish()
 

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -116,14 +117,15 @@ class MicroBatch(Algorithm):
             raise ValueError(f"MicroBatch inner={inner!r} must be an Algorithm or a 'backend:variant' name")
         if self.inner_name.startswith(PREFIX + ":"):
             raise ValueError(f"MicroBatch inner={self.inner_name!r} is micro-batched already; split its inner once")
-        split = tuple(tuple(pair) for pair in split)
-        if not split or any(len(p) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in p)
-                            for p in split):
-            raise ValueError(f"MicroBatch split={split!r} must be a non-empty sequence of (size, count) "
+        pairs = tuple(tuple(pair) for pair in split)
+        if not pairs or any(len(p) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in p)
+                            for p in pairs):
+            raise ValueError(f"MicroBatch split={pairs!r} must be a non-empty sequence of (size, count) "
                              f"pairs of ints >= 1, e.g. [(4, 2), (1, 1)]")
         self._inner = inner if isinstance(inner, Algorithm) else None
-        self.split: tuple[tuple[int, int], ...] = split  # type: ignore[assignment]
-        self.name = micro_batch_name(self.inner_name, split)
+        # Every pair has length 2: checked just above.
+        self.split = cast(tuple[tuple[int, int], ...], pairs)
+        self.name = micro_batch_name(self.inner_name, self.split)
         super().__init__()
         if self._inner is not None:
             self.devices, self.directions = self._inner.devices, self._inner.directions
@@ -219,7 +221,8 @@ class MicroBatch(Algorithm):
                 if acc is not None:
                     acc.copy_(out)
             else:
-                total.add_(partial)
+                # bwd_filter's buffers always include "partial" (accumulator_buffers)
+                total.add_(cast(torch.Tensor, partial))
         if acc is not None:
             out.copy_(acc)  # rounded to the half dtype once, after the whole sum
 

@@ -15,6 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from types import EllipsisType
+from typing import cast
+
+# A tensor index built from regions, e.g. ``(..., *tap.out)``: mypy joins such a tuple's items to
+# ``object``, so the places that index a tensor with one cast it to this.
+TensorIndex = tuple[EllipsisType | slice | int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +53,8 @@ def tap_slices(input_size: tuple[int, ...], output_size: tuple[int, ...], kernel
         ranges = [per_dim[dim][i] for dim, i in enumerate(tap)]
         if any(rg is None for rg in ranges):
             continue
-        out.append(TapSlice(tap, tuple(rg[0] for rg in ranges), tuple(rg[1] for rg in ranges)))
+        found = cast(list[tuple[slice, slice]], ranges)  # none is None: checked just above
+        out.append(TapSlice(tap, tuple(rg[0] for rg in found), tuple(rg[1] for rg in found)))
     return tuple(out)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import torch
 
@@ -34,7 +35,7 @@ from ..costmodel import Cost, shape_factor
 from ..problem import ConvProblem
 from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
 from .registry import register
-from .taps import TapSlice, tap_slices
+from .taps import TapSlice, TensorIndex, tap_slices
 
 # Lavin and Gray's matrices: F(2, 3) on the points 0, 1, -1, inf; F(4, 3) on 0, 1, -1, 2, -2, inf.
 _MATRICES = {
@@ -56,7 +57,9 @@ KERNEL = 3
 
 def transforms(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B^T, G, A^T) of F(m, 3) in float64: (alpha, alpha), (alpha, 3), (m, alpha)."""
-    return tuple(torch.tensor(rows, dtype=torch.float64) for rows in _MATRICES[m])
+    # _MATRICES holds three matrices per m
+    return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                tuple(torch.tensor(rows, dtype=torch.float64) for rows in _MATRICES[m]))
 
 
 @functools.lru_cache(maxsize=16)
@@ -73,7 +76,9 @@ def kron_transforms(m: int, ndim: int, pinned: bool = False) -> tuple[torch.Tens
         return result.to(torch.float32)
 
     matrices = tuple(kron(matrix) for matrix in transforms(m))
-    return tuple(matrix.pin_memory() for matrix in matrices) if pinned else matrices
+    # three matrices, as transforms gives them
+    return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                tuple(matrix.pin_memory() for matrix in matrices) if pinned else matrices)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -213,7 +218,7 @@ def _gather(tiles: torch.Tensor, source: torch.Tensor, slices: tuple[TapSlice, .
     tiles.zero_()
     view, src = tiles.movedim(-1, 2), _grouped(source, tiles.shape[1])
     for s in slices:
-        view[_flat_index(s.tap, width)][(..., *s.out)].copy_(src[(..., *s.inp)])
+        view[_flat_index(s.tap, width)][cast(TensorIndex, (..., *s.out))].copy_(src[cast(TensorIndex, (..., *s.inp))])
 
 
 def _filter_transform(problem: ConvProblem, w: torch.Tensor, ws) -> torch.Tensor:
@@ -239,7 +244,7 @@ def _forward(problem, m, x, w, y, ws) -> None:
     torch.mm(ws["kron_a"], product.view(alpha, -1), out=result.view(outs, -1))
     view, target = result.movedim(-1, 2), _grouped(y, problem.groups)
     for s in _output_tiles(problem, m):
-        target[(..., *s.inp)].copy_(view[_flat_index(s.tap, m)][(..., *s.out)])
+        target[cast(TensorIndex, (..., *s.inp))].copy_(view[_flat_index(s.tap, m)][cast(TensorIndex, (..., *s.out))])
 
 
 def _backward_data(problem, m, dy, w, dx, ws) -> None:
@@ -265,7 +270,8 @@ def _backward_data(problem, m, dy, w, dx, ws) -> None:
     total.zero_()
     view = dd.movedim(-1, 2)
     for s in _input_tiles(problem, m):
-        total[(..., *s.inp)].add_(view[_flat_index(s.tap, m + 2)][(..., *s.out)])
+        total[cast(TensorIndex, (..., *s.inp))].add_(
+            view[_flat_index(s.tap, m + 2)][cast(TensorIndex, (..., *s.out))])
     if total is not target:
         target.copy_(total)
 

@@ -26,7 +26,8 @@ convtune cannot describe (float64, say) and layers no algorithm serves run torch
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import typing
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,11 @@ from convtune.policy import Policy
 from convtune.problem import explicit_padding, to_layout
 from convtune.pytorch import ops
 from convtune.pytorch.tuning import LayerPlan, Signature, Tuning, layout_of, plan_layer
+
+if TYPE_CHECKING:  # TunedConv is only ever mixed into a torch conv module: type it as one
+    from torch.nn.modules.conv import _ConvNd as _ConvBase
+else:
+    _ConvBase = object
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
@@ -46,7 +52,7 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-class TunedConv:
+class TunedConv(_ConvBase):
     """The behaviour that Conv1d/2d/3d add to their ``torch.nn`` base (a mixin placed before it)."""
 
     _convtune_tuning: Tuning
@@ -93,7 +99,8 @@ class TunedConv:
                     return _tuned_conv(input, self.weight, self.bias, *entry)
                 except ValueError:
                     pass
-            elif entry is not None and entry.admits(input):
+            # a tuple took the branch above (tested by class, the fastest test, which mypy cannot narrow by)
+            elif entry is not None and entry.admits(input):  # type: ignore[union-attr]
                 return super().forward(input)
         return self._convtune_forward(input)
 
@@ -137,7 +144,7 @@ class TunedConv:
                 self._convtune_hot(input.shape, plan.native)
             y = _tuned_conv(x, weight, bias, *plan.native)
             return y if batched else y.squeeze(0)
-        y = ops.conv_call(x, weight, call)
+        y = ops.conv_call(x, weight, typing.cast(ops.Call, call))  # not None: handled above when it is
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))
         return y if batched else y.squeeze(0)
@@ -203,7 +210,7 @@ def _disable_compile_of_tuning() -> None:
     if not getattr(tune, "_convtune_eager", False):
         disabled = torch.compiler.disable(tune)
         disabled._convtune_eager = True
-        TunedConv._convtune_tune = disabled
+        TunedConv._convtune_tune = disabled  # type: ignore[method-assign]  # its eager wrapper, on purpose
 
 
 def _tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,
@@ -223,7 +230,8 @@ class Conv3d(TunedConv, torch.nn.Conv3d):
     """``torch.nn.Conv3d`` running convtune's selected algorithms (see the module docstring)."""
 
 
-TUNED = {torch.nn.Conv1d: Conv1d, torch.nn.Conv2d: Conv2d, torch.nn.Conv3d: Conv3d}
+TUNED: dict[type[torch.nn.Module], type[TunedConv]] = {
+    torch.nn.Conv1d: Conv1d, torch.nn.Conv2d: Conv2d, torch.nn.Conv3d: Conv3d}
 
 
 def convert(module: torch.nn.Module, tuning: Tuning) -> TunedConv:
@@ -241,5 +249,6 @@ def convert(module: torch.nn.Module, tuning: Tuning) -> TunedConv:
         raise TypeError(f"convert() takes an nn.Conv1d, nn.Conv2d or nn.Conv3d (not a subclass, whose forward may "
                         f"differ), got {type(module).__name__}")
     module.__class__ = cls
-    module._init_convtune(tuning)
-    return module
+    tuned = typing.cast(TunedConv, module)  # the same object, now of class ``cls``
+    tuned._init_convtune(tuning)
+    return tuned

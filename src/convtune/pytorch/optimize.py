@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -35,12 +35,15 @@ from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
 from convtune.pytorch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace, where_the_host_pays
 from convtune.units import parse_bytes
 
+if TYPE_CHECKING:
+    from torch.nn.modules.conv import _ConvNd
+
 log = logging.getLogger(__name__)
 
 _CONV_TYPES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
-def _observed_call(module: torch.nn.Module, x: torch.Tensor, training: bool) -> tuple[Signature, bool, bool]:
+def _observed_call(module: _ConvNd, x: torch.Tensor, training: bool) -> tuple[Signature, bool, bool]:
     """The signature a call of ``module`` on ``x`` tunes, and whether it needs dx and dw."""
     x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
     dtype = _autocast_dtype(x) or x.dtype
@@ -79,13 +82,13 @@ def _leave_no_trace(model: torch.nn.Module, example_inputs: Any) -> Iterator[Non
 
 def _observe(model: torch.nn.Module, example_inputs: Any, training: bool) -> dict[str, tuple[torch.nn.Module, dict]]:
     """Run the model once; for each conv layer called: (module, {signature: (need_dx, need_dw)})."""
-    names = {}
+    names: dict[_ConvNd, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, _CONV_TYPES):
             names.setdefault(module, name)  # a shared layer is known by its first name
     seen: dict[str, tuple[torch.nn.Module, dict]] = {}
 
-    def hook(module: torch.nn.Module, args: tuple) -> None:
+    def hook(module: _ConvNd, args: tuple) -> None:  # registered on the conv layers only
         if not args or not isinstance(args[0], torch.Tensor):
             return
         sig, need_dx, need_dw = _observed_call(module, args[0], training)
@@ -100,7 +103,9 @@ def _observe(model: torch.nn.Module, example_inputs: Any, training: bool) -> dic
             if isinstance(module, TunedConv):
                 # Already converted (optimize called again): observe on torch's path, tune nothing yet.
                 base = next(c for c in type(module).__mro__ if c in TUNED)
-                module.forward = torch_forward[module] = functools.partial(base.forward, module)
+                # An instance attribute that shadows the class's forward until the run ends, on purpose:
+                module.forward = torch_forward[module] = functools.partial(  # type: ignore[method-assign]
+                    base.forward, module)
         with _leave_no_trace(model, example_inputs), torch.set_grad_enabled(training):
             _call(model, example_inputs)
     finally:
@@ -164,10 +169,10 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
                 convert(module, tuning)
                 converted.add(id(module))
             directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
-            module._convtune_plans[sig] = plan_layer(module, sig, tuning, directions, name=name)
+            cast(TunedConv, module)._convtune_plans[sig] = plan_layer(module, sig, tuning, directions, name=name)
             bar.advance(task)
     if budget is not None:
-        _apply_plan([(module, sig) for _, module, sig, _ in jobs], tuning)
+        _apply_plan([(cast(TunedConv, module), sig) for _, module, sig, _ in jobs], tuning)  # all converted
     return model
 
 
@@ -180,7 +185,7 @@ def _within(policy: Any, budget: int | None) -> Any:
     return dataclasses.replace(policy, workspace_limit=limit)
 
 
-def _apply_plan(layers: list[tuple[torch.nn.Module, Signature]], tuning: Tuning) -> None:
+def _apply_plan(layers: list[tuple[TunedConv, Signature]], tuning: Tuning) -> None:
     """Replace the layers' choices by the shared-workspace plan of least total time, where one can be made."""
     entries = []  # (module, signature, direction, problem)
     for module, sig in dict.fromkeys((m, s) for m, s in layers):
@@ -208,7 +213,9 @@ def _apply_plan(layers: list[tuple[torch.nn.Module, Signature]], tuning: Tuning)
             continue
         layer = module._convtune_plans[sig]
         results = tuple((d, result if d == direction else r) for d, r in layer.results)
-        layer = dataclasses.replace(layer, **{direction: result.algorithm}, results=results, reason="")
+        # (direction names one of LayerPlan's algorithm fields, a str)
+        layer = dataclasses.replace(layer, **cast(dict[str, Any], {direction: result.algorithm}), results=results,
+                                    reason="")
         module._convtune_plans[sig] = layer = where_the_host_pays(layer, tuning)
         module._convtune_fast.clear()
         reserve_workspace(layer, sig.device)

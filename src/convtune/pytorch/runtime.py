@@ -28,12 +28,12 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from convtune import extension
-from convtune.algorithms.base import Algorithm
+from convtune.algorithms.base import Algorithm, NativeRecipe
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
 
@@ -66,7 +66,9 @@ def _geometry(module: Any, problem: ConvProblem, name: str) -> Any:
     return module.geometry(
         direction=DIRECTION_INDEX[problem.direction], dtype=problem.dtype, device=problem.device,
         channels_last=problem.layout == "channels_last", allow_tf32=problem.allow_tf32, groups=problem.groups,
-        stride=list(problem.stride), padding=list(problem.padding), dilation=list(problem.dilation), shapes=shapes,
+        stride=list(cast(tuple[int, ...], problem.stride)),  # ConvProblem makes these tuples
+        padding=list(cast(tuple[int, ...], problem.padding)),
+        dilation=list(cast(tuple[int, ...], problem.dilation)), shapes=shapes,
         strides=[_strides(problem, s) for s in problem.operand_shapes], label=f"convtune:{problem.key} by {name}")
 
 
@@ -160,7 +162,7 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
         handle = executable(problem, algorithm, device)
         serialized = module.serialized(handle)
         if db is not None and serialized:
-            recipe = algorithm.native_recipe(problem)
+            recipe = cast(NativeRecipe, algorithm.native_recipe(problem))  # executable() raised if None
             try:
                 db.store_executable(problem, name, {"kind": recipe.kind, "options": dict(recipe.options)}, serialized)
             except (sqlite3.Error, OSError, ValueError) as exc:  # unremembered: the next process builds it again
