@@ -144,7 +144,7 @@ class TunedConv(_ConvBase):
                 self._convtune_hot(input.shape, plan.native)
             y = _tuned_conv(x, weight, bias, *plan.native)
             return y if batched else y.squeeze(0)
-        y = ops.conv_call(x, weight, typing.cast(ops.Call, call))  # not None: handled above when it is
+        y = ops.conv_call(x, weight, call)  # type: ignore[arg-type]  # not None: handled above when it is
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))
         return y if batched else y.squeeze(0)
