@@ -486,3 +486,66 @@ def test_the_rows_of_a_file_that_still_reads_are_salvaged_into_a_fresh_one(tmp_p
     assert "salvaged" in caplog.text
     with TuningDB(fresh) as tdb:
         assert [tdb.lookup(problem(n)).algorithm for n in (1, 2, 3)] == ["cpu:fast"] * 3
+
+
+# -- the corruption suite -----------------------------------------------------------------------
+def _stored_file(path: Path, problems: int) -> dict[str, set[tuple]]:
+    """A closed database of ``problems`` finds, each told apart by its times; what each problem may serve."""
+    allowed: dict[str, set[tuple]] = {}
+    with TuningDB(path) as tdb:
+        for n in range(1, problems + 1):
+            find = [PerfResult(r.algorithm, r.status, time_ms=None if r.time_ms is None else r.time_ms * n,
+                               workspace_bytes=r.workspace_bytes, deterministic=r.deterministic,
+                               uses_tf32=r.uses_tf32, rel_error=r.rel_error, message=r.message) for r in FIND]
+            tdb.store(problem(n), find)
+            allowed[problem(n).key] = {(r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) for r in find if r.ok}
+    return allowed
+
+
+def _damages(size: int) -> list[tuple[str, int]]:
+    generator = torch.Generator().manual_seed(7)
+    flips = torch.randint(0, size * 8, (48,), generator=generator).tolist()
+    return ([("truncate", size * i // 24) for i in range(24)] + [("flip", bit) for bit in flips]
+            + [("garbage", size * i // 12) for i in range(12)])
+
+
+def _damage(path: Path, kind: str, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    if kind == "truncate":
+        data = data[:at]
+    elif kind == "flip":
+        data[at // 8] ^= 1 << (at % 8)
+    else:
+        data[at:at + 512] = torch.randint(0, 256, (len(data[at:at + 512]),), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(at)).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_file_never_crashes_never_serves_what_was_not_stored_and_stays_usable(tmp_path):
+    # Truncations at 24 offsets, 48 bit flips, 12 runs of garbage over a closed database of 30 finds:
+    # opening it, looking every problem up and storing again must raise nothing, and every answer
+    # must be a stored successful row of that problem (or none: a lost row is a new measurement,
+    # never a wrong selection). The counts are in the reliability report of the closing note.
+    pristine = tmp_path / "pristine.sqlite"
+    allowed = _stored_file(pristine, 30)
+    counts = {"tried": 0, "clean": 0, "unclean": 0, "crashes": 0, "lost": 0}
+    for i, (kind, at) in enumerate(_damages(pristine.stat().st_size)):
+        path = tmp_path / f"damaged{i}" / "tuning.sqlite"
+        path.parent.mkdir()
+        path.write_bytes(pristine.read_bytes())
+        _damage(path, kind, at)
+        counts["tried"] += 1
+        try:
+            with TuningDB(path) as tdb:
+                served = {key: tdb.lookup(ConvProblem.from_key(key)) for key in allowed}
+                wrong = [key for key, r in served.items() if r is not None
+                         and (r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) not in allowed[key]]
+                counts["lost"] += sum(r is None for r in served.values())
+                tdb.store(problem(99), FIND)
+                usable = tdb.lookup(problem(99)).algorithm == "cpu:fast"
+        except Exception as exc:  # counted, and the assertion names it
+            counts["crashes"] += 1
+            raise AssertionError(f"{kind} at {at}: {type(exc).__name__}: {exc}") from exc
+        counts["clean" if not wrong and usable else "unclean"] += 1
+        assert not wrong and usable, (kind, at, wrong)
+    assert counts["tried"] == counts["clean"] == 84 and counts["crashes"] == 0
