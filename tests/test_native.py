@@ -481,3 +481,29 @@ def test_changing_a_tuned_layer_drops_its_choices_and_it_computes_what_it_now_is
     expected = F.conv2d(x, module.weight, module.bias, stride=module.stride, padding=module.padding,
                         dilation=module.dilation)
     torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("missing", ["device", "toolkit"])
+def test_a_cuda_build_of_torch_without_a_device_or_toolkit_builds_for_the_cpu(monkeypatch, tmp_path, missing):
+    # A CUDA wheel of PyTorch on a CPU-only machine: compiling against CUDA would fail (no device to
+    # pick an architecture for, no cuda_runtime_api.h), so the extension is built for the CPU alone.
+    from torch.utils import cpp_extension
+
+    from convtune import extension
+
+    home = tmp_path / "cuda"
+    (home / "include").mkdir(parents=True)
+    (home / "include" / "cuda_runtime_api.h").write_text("")
+    (home / "include" / "cudnn.h").write_text("")
+    (home / "lib").mkdir()
+    (home / "lib" / "libcudnn.so.9").write_text("")
+    monkeypatch.setenv("CONVTUNE_CUDNN_HOME", str(home))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(home))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert extension.cudnn_dirs() == (home / "include", home / "lib")  # everything there: the CUDA build
+    if missing == "device":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    else:
+        (home / "include" / "cuda_runtime_api.h").unlink()
+    assert extension.cudnn_dirs() is None

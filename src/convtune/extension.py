@@ -47,10 +47,16 @@ class BuildError(RuntimeError):
 
 
 def cudnn_dirs() -> tuple[Path, Path] | None:
-    """(include, lib) folders of cuDNN for a CUDA build of PyTorch, or None (no CUDA, or no headers found)."""
+    """(include, lib) folders of cuDNN for a CUDA build of PyTorch, or None: then the extension is built
+    for the CPU only. None without a CUDA build, without a CUDA device (a CUDA build of PyTorch on a
+    CPU-only machine), without the CUDA toolkit's headers, or without cuDNN's."""
     import torch
+    from torch.utils.cpp_extension import CUDA_HOME
 
-    if torch.version.cuda is None:
+    if torch.version.cuda is None or not torch.cuda.is_available() or CUDA_HOME is None:
+        return None
+    if not any((include / "cuda_runtime_api.h").exists()
+               for include in (Path(CUDA_HOME) / "include", *Path(CUDA_HOME).glob("targets/*/include"))):
         return None
     roots = []
     home = os.environ.get("CONVTUNE_CUDNN_HOME")
