@@ -462,6 +462,13 @@ def test_a_candidate_slower_than_its_deadline_is_a_timeout_and_the_search_goes_o
     assert results["fake:good"].status is Status.OK
 
 
+def test_a_candidate_slower_than_its_deadline_that_writes_into_its_inputs_fails_and_runs_no_more():
+    writer = InputWriter("fake:slowwriter", time_ms=300.0, sleep=True)
+    results = by_name(find(P, Policy(deadline_s=0.1), timer=FakeTimer(), candidates=[writer, Fake("fake:good")]))
+    assert results["fake:slowwriter"].status is Status.FAILED and "input" in results["fake:slowwriter"].message
+    assert writer.runs == 1
+
+
 def test_where_no_candidate_finishes_within_the_deadline_the_fastest_right_one_answers():
     slow, slower = Fake("fake:slow", time_ms=150.0, sleep=True), Fake("fake:slower", time_ms=300.0, sleep=True)
     results = by_name(find(P, Policy(deadline_s=0.05), timer=FakeTimer(), candidates=[slower, slow]))

@@ -200,13 +200,14 @@ class _Search:
         err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,
                                  max_rel_error=self.policy.max_rel_error)
         took_s = time.perf_counter() - started
+        wrote = self.restore_inputs()  # once: it puts the inputs back, so a second call would say no
         deadline_s = self.policy.deadline_s or settings.candidate_deadline_s
-        if deadline_s and took_s > deadline_s and ok and not self.restore_inputs():
+        if deadline_s and took_s > deadline_s and ok and not wrote:
             # Right, but too slow to time: its one run's time is kept, for when nothing else finishes.
             return PerfResult(algorithm.name, Status.TIMEOUT, time_ms=took_s * 1e3, rel_error=err, **props,
                               message=f"its first run took {took_s:.1f} s, over the deadline of {deadline_s:g} s "
                                       f"(Policy.deadline_s, CONVTUNE_CANDIDATE_DEADLINE_S); not timed")
-        if self.restore_inputs():
+        if wrote:
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
                               message="wrote into its input operands (they must stay read-only)")
         if not ok:
@@ -216,7 +217,7 @@ class _Search:
         inputs2, ref2 = self.case(1)
         err2, ok, message = check(algorithm, problem, inputs2, ref2, problem.empty(problem.operand_shapes[2]),
                                   workspace, max_rel_error=self.policy.max_rel_error, poison=_finite_poison(problem))
-        if self.restore_inputs():
+        if wrote:
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
                               message="wrote into its input operands (they must stay read-only)")
         if not ok:
@@ -232,7 +233,7 @@ class _Search:
         stop_above = self.best_ms * settings.early_stop_factor if math.isfinite(self.best_ms) else None
         timing = self.timer(lambda: algorithm.run(problem, *inputs, workspace=workspace, out=out),
                             device=problem.device, budget_s=self.budget.timer_budget_s(), stop_above_ms=stop_above)
-        if self.restore_inputs():
+        if wrote:
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
                               message="wrote into its input operands (they must stay read-only)")
         timed_err = rel_error(out, ref)  # what the timed calls left in the output: the same answer
