@@ -41,6 +41,8 @@ def end_to_end() -> str:
     rows, configs = [], data["configs"]
     groups = sorted({key.rsplit(":", 2)[0] for key in configs})
     for group in groups:
+        if not any(f"{group}:{style}:convtune" in configs for style in STYLES):
+            continue  # only PyTorch's rows: nothing to compare
         cells = []
         for style in STYLES:
             base, ours = configs.get(f"{group}:{style}:torch_bm1"), configs.get(f"{group}:{style}:convtune")
@@ -51,8 +53,9 @@ def end_to_end() -> str:
     return (f"## Whole networks ([`e2e.md`]({LINK}e2e.md), `bench/e2e.py`)\n\n"
             f"Latest run: {_env(data['environment'])}. Autocast, channels_last; PyTorch with "
             "`cudnn.benchmark=True` in the same style divided by convtune, inference / training step (above 1: "
-            "convtune is faster), with the revisions of the two rows (rows before the native runtime ran "
-            "the Python path).\n\n" + common.md_table(["network", "CUDA graph", "eager", "torch.compile"], rows))
+            "convtune is faster), with the revisions of the two rows; where the host sets the pace (eager and "
+            "compiled inference at these sizes) one configuration measured in two processes has differed by up to "
+            "1.7x ([`performance.md`](performance.md)).\n\n" + common.md_table(["network", "CUDA graph", "eager", "torch.compile"], rows))
 
 
 def host_cost() -> str:

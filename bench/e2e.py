@@ -16,8 +16,9 @@ cross-entropy loss, backward, SGD with momentum; no gradient scaler: timing only
 (PyTorch's "whole network capture", warm-up on a side stream); the compile style reports its
 first-call (compile) time; Inductor's on-disk cache is the machine's, shared by the processes of a run.
 In the eager style cProfile of a few training steps gives the host's time per step and the functions
-that take it, and a profiled training step (torch.profiler, kernel time only) gives each conv
-layer's forward and backward GPU time and the time of everything else; convtune's runs are found by
+that take it (under compile: of inference), and profiled training steps and inferences (torch.profiler,
+eager and compile styles) give each conv layer's forward and backward kernel time, the time of
+everything else and the host's time per op; convtune's runs are found by
 the profiler ranges its ops open ('convtune:<problem key> by <algorithm>'). Each configuration's result is written as soon as it ends, and results
 of earlier runs in the same file are kept (one configuration: one row), so a run cut short, or
 several 10-minute runs of parts, add up:
@@ -36,6 +37,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -205,10 +207,18 @@ def run_config(cfg: dict) -> dict:
         out[workload] = timer(step)
         print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)",
               file=sys.stderr, flush=True)
-    if cfg["style"] == "eager" and cfg.get("profile", True):
-        out["host_profile"] = host_profile(train_step, timer, cfg.get("profile_steps", 3))
+    if cfg["style"] != "graph" and cfg.get("profile", True):
+        steps = cfg.get("profile_steps", 3)
+        model.train()
+        if cfg["style"] == "eager":
+            out["host_profile"] = host_profile(train_step, timer, steps)
         if device == "cuda":
-            out["profile"] = profile_step(train_step, cfg.get("profile_steps", 3))
+            out["profile"] = profile_step(train_step, steps)
+        model.eval()
+        if cfg["style"] == "compile":  # the Python that runs is Dynamo's guard check and Inductor's wrapper code
+            out["inference_host_profile"] = host_profile(infer, timer, steps)
+        if device == "cuda":
+            out["inference_profile"] = profile_step(infer, steps)
     return out
 
 
@@ -285,12 +295,21 @@ def profile_step(step, steps: int) -> dict:
             row["algorithms"].add(f"{direction}=torch")
     # Every kernel the step ran. attributed_gpu_ms, a check: the self device time of all events, which
     # counts each kernel twice (as its own event and under its CPU op), so about twice total_gpu_ms.
-    total_ms = sum(e.time_range.elapsed_us() for e in events if e.device_type != DeviceType.CPU) / 1e3 / steps
+    # A kernel is a device event that is not a range a user (Inductor's "## Call CompiledFxGraph ##", the
+    # optimizer's step) marked on the device.
+    kernel_events = [e for e in events if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    total_ms = sum(e.time_range.elapsed_us() for e in kernel_events) / 1e3 / steps
     attributed_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     conv_ms = sum(r["fwd_ms"] + r["bwd_ms"] for r in layers.values())
+    kernels: dict = defaultdict(lambda: [0.0, 0])  # every kernel by name: ms and launches per step
+    for e in kernel_events:
+        kernels[e.name][0] += e.time_range.elapsed_us() / 1e3 / steps
+        kernels[e.name][1] += 1
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:40]
     return dict(total_gpu_ms=total_ms, attributed_gpu_ms=attributed_ms, conv_ms=conv_ms, other_ms=total_ms - conv_ms,
                 layers={k: dict(v, algorithms=sorted(v["algorithms"])) for k, v in sorted(layers.items())},
-                cpu_ops=_cpu_ops(prof, steps))
+                cpu_ops=_cpu_ops(prof, steps),
+                kernels=[dict(kernel=name[:160], ms=ms, launches=n // steps) for name, (ms, n) in top])
 
 
 def _cpu_ops(prof, steps: int, top: int = 25) -> list[dict]:
@@ -299,7 +318,7 @@ def _cpu_ops(prof, steps: int, top: int = 25) -> list[dict]:
     totals: dict = defaultdict(lambda: [0.0, 0])
     for a in prof.key_averages():
         name = a.key
-        if name.startswith(ops.LABEL_PREFIX):
+        if name.startswith(ops.LABEL_PREFIX) and not name.startswith("convtune::"):  # a run, not the op
             key, algorithm = name.removeprefix(ops.LABEL_PREFIX).split(ops.LABEL_SEP, 1)
             name = f"{ops.LABEL_PREFIX}{key.split('|', 1)[0]} by {algorithm.split(':', 1)[0]}:*"
         totals[name][0] += a.self_cpu_time_total / 1e3 / steps
@@ -312,6 +331,11 @@ def config_id(cfg: dict) -> str:
     return f"{cfg['model']}:b{cfg['batch']}:{cfg['dtype']}:{cfg['style']}:{cfg['mode']}"
 
 
+# What a child prints at exit that is not its error (the cuDNN frontend's bindings list "leaked" objects).
+_EXIT_NOISE = re.compile(r"nanobind: |\s+- (leaked|\.\.\. skipped)|See https://nanobind")
+_ERROR_LINE = re.compile(r"\w+(\.\w+)*(Error|Exception|Interrupt)\b")
+
+
 def in_subprocess(cfg: dict, timeout_s: float) -> dict:
     """``run_config(cfg)`` in a fresh Python process; a crash or a timeout is a row with its status."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -322,10 +346,11 @@ def in_subprocess(cfg: dict, timeout_s: float) -> dict:
             proc = subprocess.run(cmd, env=env, timeout=timeout_s, stderr=subprocess.PIPE, text=True)
         except subprocess.TimeoutExpired:
             return dict(status=f"timeout after {timeout_s:.0f} s")
-        sys.stderr.write(proc.stderr[-2000:])
+        lines = [line for line in proc.stderr.splitlines() if not _EXIT_NOISE.match(line)]
+        sys.stderr.write("\n".join(lines)[-4000:] + "\n")
         if proc.returncode != 0 or not path.exists():
-            tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-            return dict(status=f"failed (exit {proc.returncode}): {tail[0][:200]}")
+            errors = [line for line in lines if _ERROR_LINE.match(line)] or lines[-1:] or ["no output"]
+            return dict(status=f"failed (exit {proc.returncode}): {errors[-1][:300]}", stderr="\n".join(lines)[-3000:])
         return json.loads(path.read_text())
 
 
@@ -351,6 +376,8 @@ def markdown(env: dict, rows: dict) -> str:
     ratios = []
     for g in groups:
         ct_row, bm0, bm1 = (rows.get(f"{g}:{m}") for m in MODES)
+        if ct_row is None:
+            continue
         cells = []
         for workload in ("inference", "training"):
             for base in (bm0, bm1):
@@ -362,15 +389,18 @@ def markdown(env: dict, rows: dict) -> str:
                             "training vs bm0", "training vs bm1"], ratios)
     for g in groups:
         ct_row, bm1 = rows.get(f"{g}:convtune"), rows.get(f"{g}:torch_bm1")
-        if ct_row and bm1 and "profile" in ct_row and "profile" in bm1:
-            out += f"\n## Where the training step's GPU time goes: {g}\n\n" + profile_table(bm1["profile"],
-                                                                                            ct_row["profile"])
-            if "cpu_ops" in ct_row["profile"]:
-                out += f"\n## Host time per op of the training step: {g}\n\n" + cpu_ops_table(bm1["profile"],
-                                                                                            ct_row["profile"])
-        if ct_row and bm1 and "host_profile" in ct_row and "host_profile" in bm1:
-            out += f"\n## Where the training step's host time goes: {g}\n\n" + host_table(bm1["host_profile"],
-                                                                                          ct_row["host_profile"])
+        if not (ct_row and bm1):
+            continue
+        for key, what in (("profile", "per training step"), ("inference_profile", "per inference")):
+            if key in ct_row and key in bm1:
+                out += f"\n## Where the GPU time goes {what}: {g}\n\n" + profile_table(
+                    bm1[key], ct_row[key]).replace("per training step", what)
+        if "cpu_ops" in ct_row.get("profile", {}) and "profile" in bm1:
+            out += f"\n## Host time per op of the training step: {g}\n\n" + cpu_ops_table(bm1["profile"],
+                                                                                        ct_row["profile"])
+        for key, what in (("host_profile", "the training step's"), ("inference_host_profile", "inference's")):
+            if key in ct_row and key in bm1:
+                out += f"\n## Where {what} host time goes: {g}\n\n" + host_table(bm1[key], ct_row[key])
     return out
 
 
@@ -442,9 +472,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--config-timeout", type=float, default=540.0, help="seconds one configuration may take")
-    parser.add_argument("--no-profile", action="store_true", help="skip the profiled training step (eager style)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps (eager and compile styles)")
     parser.add_argument("--missing", action="store_true", help="only the configurations the results file has no "
                         "ok row for (a run in parts goes on where the last one stopped)")
+    parser.add_argument("--report", action="store_true", help="write the markdown again from the results file "
+                        "(runs nothing)")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
                         "temporary folder, so each run tunes cold first)")
     common.result_arguments(parser, "e2e")
@@ -461,6 +493,10 @@ def main() -> None:
     models = ["tiny"] if args.tiny else args.models
     out_dir = Path(args.out or common.RESULTS)
     json_path = out_dir / f"{args.name}.json"
+    if args.report:
+        payload = json.loads(json_path.read_text())
+        common.write(args.name, payload, markdown(payload["environment"], payload["configs"]), out_dir)
+        return
     env = common.environment()
     payload = json.loads(json_path.read_text()) if json_path.exists() else {}
     payload["environment"] = env

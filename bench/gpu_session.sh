@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session's checks, in order: build the C++ extension (timed), then each step named on the
 # command line: native (the native runtime's GPU tests), gpu (every GPU test), host (the host-cost table),
-# e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json).
+# e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json; several
+# e2e steps add to the same copy).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
 # on the device may carry an older .git, and the result files name the revision they measured.
@@ -16,12 +17,16 @@ else
   export PYTHONPATH=$PWD/src
 fi
 python3 -m convtune.cli native --json 2>&1 | tee "$OUT/native.json"
+# The first line of a test log: when, where, what software and which revision it tested.
+header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c 'import platform, torch; g = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"; print(g + ", torch", torch.__version__ + ", cuDNN", str(torch.backends.cudnn.version()) + ", CUDA", str(torch.version.cuda) + ", Python", platform.python_version())'); revision ${BENCH_REVISION:-unknown} (bench/gpu_session.sh)"; }
+# Exit-time lines of the cuDNN frontend's bindings (objects it reports as leaked), not test output.
+quiet() { grep -v -E 'nanobind|^ - (leaked|\.\.\. skipped)|refleaks'; }
 for step in "$@"; do
   case "$step" in
-    native) python3 -m pytest -q -rP -p no:cacheprovider tests/gpu/test_gpu_native.py 2>&1 | tee "$OUT/gpu_native.txt" | tail -25 ;;
-    gpu) python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25 ;;
+    native) { header tests/gpu/test_gpu_native.py; python3 -m pytest -q -rP -p no:cacheprovider tests/gpu/test_gpu_native.py 2>&1 | quiet; } | tee "$OUT/gpu_tests_native.txt" | tail -25 ;;
+    gpu) { header tests/gpu; python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | quiet; } | tee "$OUT/gpu_tests.txt" | tail -25 ;;
     host) python3 bench/tuning_cost.py --layers 1 --out "$OUT" --name tuning_cost_native 2>&1 | tail -40 ;;
-    e2e:*) cp bench/results/e2e.json "$OUT/" 2>/dev/null; args=${step#e2e:}
+    e2e:*) [ -e "$OUT/e2e.json" ] || cp bench/results/e2e.json "$OUT/" 2>/dev/null; args=${step#e2e:}
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name e2e 2>&1 | tail -30 ;;
   esac
 done
