@@ -50,6 +50,16 @@ def test_the_extension_builds_here_and_reports_its_status(native):
     assert '"loaded": true' in out.stdout
 
 
+def test_a_finished_build_is_loaded_as_it_is_and_an_unfinished_one_is_not(native, tmp_path):
+    folder = extension.build_dir()
+    library = folder / (folder / extension.BUILT).read_text().strip()
+    assert library.exists() and library.samefile(native.__file__)  # the build said what it made
+    assert extension._load_finished(folder).__file__ == native.__file__
+    (tmp_path / extension.BUILT).write_text("convtune_C.so")  # names a library that is not there: a cut build
+    assert extension._load_finished(tmp_path) is None
+    assert extension._load_finished(tmp_path / "nothing") is None  # no build at all
+
+
 @pytest.mark.parametrize("dtype,layout,direction", list(itertools.product(
     ("float32", "float16", "bfloat16"), ("channels_first", "channels_last"), ("fwd", "bwd_data", "bwd_filter"))))
 def test_every_native_executable_matches_its_python_algorithm_and_float64(native, poisoned, dtype, layout, direction):
@@ -263,6 +273,16 @@ def test_import_convtune_builds_nothing_imports_no_dynamo_and_offers_nn():
     code = ("import sys, convtune as ct; assert ct.nn.Conv2d; "
             "assert 'convtune._C' not in sys.modules and 'convtune_C' not in sys.modules; "
             "assert 'torch._dynamo' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_optimize_and_running_a_tuned_model_import_no_dynamo():
+    # Dynamo costs about a second to import: a warm optimize must not pay it (torch.compile does, later).
+    code = ("import sys, torch, convtune as ct; m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()); "
+            "x = torch.randn(1, 3, 6, 6); ct.optimize(m, x, mode='get', training=True); m(x).sum().backward(); "
+            "c = ct.nn.Conv2d(4, 4, 1, mode='get'); c(m(x)); assert isinstance(m[0], ct.nn.Conv2d); "
+            "assert 'torch._dynamo' not in sys.modules, 'Dynamo was imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

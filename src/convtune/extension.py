@@ -3,8 +3,9 @@
 The sources are in ``convtune/csrc``. ``load()`` builds them with ``torch.utils.cpp_extension``
 (g++ and ninja) into ``settings.extension_dir``/<tag> (the user's cache folder unless
 ``CONVTUNE_EXTENSION_DIR`` says otherwise; the tag hashes the
-sources, the torch, CUDA and Python versions and whether cuDNN is compiled in), so a build happens
-once per machine and software stack, and again only when one of those changes. Where PyTorch is a
+sources, the build flags, the torch, CUDA and Python versions and whether cuDNN is compiled in), so a
+build happens once per machine and software stack, and again only when one of those changes; a
+finished build is imported directly by the next process (no compiler, no ninja). Where PyTorch is a
 CUDA build and cuDNN's headers are found (the ``nvidia-cudnn`` wheel PyTorch depends on, or
 ``CONVTUNE_CUDNN_HOME``), cuDNN execution plans are compiled in too.
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("ops.cpp", "registry.cpp", "algorithms.cpp", "cudnn.cpp", "bindings.cpp")
 MODULE_NAME = "convtune._C"
+LIBRARY = "convtune_C"  # the built library's name
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "error": None, "build_s": None}
@@ -75,6 +77,17 @@ def cudnn_dirs() -> tuple[Path, Path] | None:
     return None
 
 
+def _flags(cudnn: tuple[Path, Path] | None) -> tuple[list[str], list[str], list[str]]:
+    """(compiler flags, linker flags, include folders) of the build."""
+    cflags, ldflags, includes = ["-O2"], [], []
+    if cudnn is not None:
+        include, lib = cudnn
+        cflags.append("-DCONVTUNE_WITH_CUDNN")
+        includes.append(str(include))
+        ldflags += [f"-L{lib}", "-l:libcudnn.so.9", f"-Wl,-rpath,{lib}"]
+    return cflags, ldflags, includes
+
+
 def _tag(cudnn: tuple[Path, Path] | None) -> str:
     import torch
 
@@ -82,7 +95,7 @@ def _tag(cudnn: tuple[Path, Path] | None) -> str:
     for name in SOURCES + ("executable.h",):
         digest.update(name.encode())
         digest.update((SOURCE_DIR / name).read_bytes())
-    digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{cudnn}".encode())
+    digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{_flags(cudnn)}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -91,21 +104,24 @@ def build_dir() -> Path:
     return Path(settings.extension_dir) / _tag(cudnn_dirs())
 
 
-def _build(verbose: bool = False) -> ModuleType:
-    from torch.utils import cpp_extension
+BUILT = "built"  # the file a finished build leaves in its folder, naming the library it made
 
+
+def _build(verbose: bool = False) -> ModuleType:
+    """The extension of the current sources: the finished build in its folder loaded as it is, else built
+    (``torch.utils.cpp_extension``, which runs ninja even when nothing changed: a fraction of a second)."""
     cudnn = cudnn_dirs()
     folder = build_dir()
+    if (module := _load_finished(folder)) is not None:
+        return module
+    from torch.utils import cpp_extension
+
     folder.mkdir(parents=True, exist_ok=True)
-    cflags, ldflags, includes = ["-O2"], [], []
-    if cudnn is not None:
-        include, lib = cudnn
-        cflags.append("-DCONVTUNE_WITH_CUDNN")
-        includes.append(str(include))
-        ldflags += [f"-L{lib}", "-l:libcudnn.so.9", f"-Wl,-rpath,{lib}"]
+    (folder / BUILT).unlink(missing_ok=True)
+    cflags, ldflags, includes = _flags(cudnn)
     try:
         module = cpp_extension.load(
-            name="convtune_C", sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=cflags,
+            name=LIBRARY, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=cflags,
             extra_ldflags=ldflags, extra_include_paths=includes, build_directory=str(folder),
             with_cuda=cudnn is not None, verbose=verbose)
     except Exception as exc:  # compiler missing or failing, ninja missing, headers missing: all say the same
@@ -113,6 +129,26 @@ def _build(verbose: bool = False) -> ModuleType:
                          f"compiler and ninja (apt-get install g++; pip install ninja) and the headers of your "
                          f"torch build, then run `convtune native --rebuild`; CONVTUNE_NATIVE=0 silences this "
                          f"and keeps the Python path") from exc
+    library = Path(module.__file__ or "")
+    if library.parent == folder and library.exists():  # written last: a build cut short leaves no such file
+        (folder / BUILT).write_text(library.name)
+    sys.modules[MODULE_NAME] = module
+    return module
+
+
+def _load_finished(folder: Path) -> ModuleType | None:
+    """The library a finished build left in ``folder`` (its tag names these sources, this torch and these
+    flags), imported directly; None where there is none or it does not import (then it is built again)."""
+    try:
+        library = folder / (folder / BUILT).read_text().strip()
+        spec = importlib.util.spec_from_file_location(LIBRARY, library)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (OSError, ImportError) as exc:
+        log.info("the finished build in %s does not load (%s); building again", folder, exc)
+        return None
     sys.modules[MODULE_NAME] = module
     return module
 

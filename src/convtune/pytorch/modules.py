@@ -64,7 +64,6 @@ class TunedConv(_ConvBase):
         self._init_convtune(Tuning(policy, mode, db))
 
     def _init_convtune(self, tuning: Tuning) -> None:
-        _disable_compile_of_tuning()
         self._convtune_tuning = tuning
         self._convtune_plans = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
@@ -126,7 +125,8 @@ class TunedConv(_ConvBase):
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
         plan = self._convtune_plans.get(sig)
         if plan is None or not plan.covers(need_dx, need_dw):
-            plan = self._convtune_tune(sig, need_dx, need_dw)
+            tune = _eager_tuning() if torch.compiler.is_compiling() else TunedConv._convtune_tune
+            plan = tune(self, sig, need_dx, need_dw)
         call = plan.call
         if call is None and plan.native is None:  # torch's path, or torch:native in every direction
             self._convtune_hot(input.shape, TorchCall.of(input, sig, plan))
@@ -161,8 +161,8 @@ class TunedConv(_ConvBase):
         return x
 
     def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerPlan:
-        # Tuning runs eagerly: TunedConv's first instance wraps this in torch.compiler.disable (a graph
-        # break under torch.compile: it measures, reads databases). Not at import: that imports Dynamo.
+        # Under torch.compile this runs eagerly, at a graph break (it measures, reads databases): see
+        # _eager_tuning. Never wrapped before: torch.compiler.disable imports Dynamo (a second on a warm start).
         self._convtune_fast.clear()
         directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
         plan = plan_layer(self, sig, self._convtune_tuning, directions, self._convtune_plans.get(sig))
@@ -204,13 +204,18 @@ class TorchCall(NamedTuple):
         return (self.covers_dx or not x.requires_grad) and (self.covers_dw or not torch.is_grad_enabled())
 
 
-def _disable_compile_of_tuning() -> None:
-    """Make ``TunedConv._convtune_tune`` run eagerly under torch.compile (once, when a first layer is made)."""
-    tune = TunedConv.__dict__["_convtune_tune"]
-    if not getattr(tune, "_convtune_eager", False):
-        disabled = torch.compiler.disable(tune)
-        disabled._convtune_eager = True
-        TunedConv._convtune_tune = disabled  # type: ignore[method-assign]  # its eager wrapper, on purpose
+_EAGER_TUNING: list[Any] = []  # TunedConv._convtune_tune under torch.compiler.disable, made on first need
+
+
+def _eager_tuning() -> Any:
+    """``TunedConv._convtune_tune`` as a call Dynamo does not trace (it runs eagerly at a graph break).
+
+    Made when a compiled region first meets an input signature not tuned yet, when Dynamo is loaded
+    anyway: making it earlier (``optimize``, a layer's construction) would import Dynamo for every user.
+    """
+    if not _EAGER_TUNING:
+        _EAGER_TUNING.append(torch.compiler.disable(TunedConv._convtune_tune))
+    return _EAGER_TUNING[0]
 
 
 def _tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,
