@@ -1,0 +1,157 @@
+"""PyTorch against convtune in ONE process, timed in alternation: the host-bound cells of bench/e2e.py without
+the process-to-process noise.
+
+bench/e2e.py runs each configuration in its own process, as BENCHMARKING.md asks, and where the host sets the
+pace (eager code, compiled inference at small sizes) one configuration has measured up to 1.7x apart in two
+processes. Here one process builds the network twice (the same weights), runs ``convtune.optimize`` on one copy
+(an empty tuning database) and times the two in rounds, A then B and B then A in turn, each round a timing of
+``--steps`` steps between CUDA events; host drift moves both alike. Reported per style and workload: each one's
+median over the rounds and the median of the rounds' ratios (PyTorch / convtune; above 1: convtune faster).
+
+PyTorch runs with ``cudnn.benchmark=True`` (the flag is per process, so convtune's layers that chose PyTorch's
+own call run with it too). Under torch.compile the two compiled models share Dynamo's cache of the network's
+forward (one code object): each call's guard check may first try the other model's entry, which fails on its
+first differing module type.
+
+    python bench/ab.py --models mobilenet_v2 --batches 128 --dtypes float16 --styles eager,compile
+    python bench/ab.py --device cpu --tiny --out /tmp/ab       # a small stand-in network: checks the pipeline
+
+Results: bench/results/ab.json and ab.md (or --out, --name); results of earlier runs in the file are kept
+(one row per model, batch, dtype, style, workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import convtune  # noqa: E402
+import e2e  # noqa: E402
+
+
+def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device: str, tiny: bool, steps: int,
+        rounds: int) -> dict:
+    """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
+    dtype = getattr(torch, dtype_name)
+    torch_model, size, classes = e2e.build_model(model_name, tiny)
+    torch_model = torch_model.to(device).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(torch_model)
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    labels = torch.randint(0, classes, (batch,), device=device)
+    timer = e2e.Timer(device, steps, 1)
+    with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "ab.sqlite")) as db:
+        with torch.autocast(device, dtype=dtype):
+            t0 = time.perf_counter()
+            convtune.optimize(ours, x, training=True, db=db)
+            tune_s = time.perf_counter() - t0
+    rows = {}
+    for style in styles:
+        steps_of = {}
+        for who, model in (("torch", torch_model), ("convtune", ours)):
+            runner = torch.compile(model) if style == "compile" else model
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+            steps_of[who] = _steps(model, runner, optimizer, x, labels, device, dtype)
+        for workload in ("inference", "training"):
+            torch_model.train(workload == "training")
+            ours.train(workload == "training")
+            a, b = steps_of["torch"][workload], steps_of["convtune"][workload]
+            first = {who: e2e._first_call_s(steps_of[who][workload], timer) for who in steps_of}
+            pairs = []
+            for r in range(rounds):
+                order = ((a, b) if r % 2 == 0 else (b, a))
+                times = [timer(step)["ms"] for step in order]
+                pairs.append(times if r % 2 == 0 else times[::-1])
+            row = rows[f"{style}:{workload}"] = dict(
+                torch_ms=statistics.median(p[0] for p in pairs), convtune_ms=statistics.median(p[1] for p in pairs),
+                ratio=statistics.median(p[0] / p[1] for p in pairs),
+                ratio_range=[min(p[0] / p[1] for p in pairs), max(p[0] / p[1] for p in pairs)],
+                first_call_s=first, rounds=rounds, steps=steps)
+            print(f"  {style} {workload}: torch {row['torch_ms']:.3f} ms, convtune {row['convtune_ms']:.3f} ms, "
+                  f"ratio {row['ratio']:.3f}", file=sys.stderr, flush=True)
+    return dict(rows=rows, tune_s=tune_s)
+
+
+def _steps(model, runner, optimizer, x, labels, device: str, dtype: torch.dtype) -> dict:
+    """The inference and training-step callables of one model (the caller sets the model's mode)."""
+
+    def infer():
+        with torch.no_grad(), torch.autocast(device, dtype=dtype):
+            return runner(x)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=dtype):
+            loss = torch.nn.functional.cross_entropy(runner(x), labels)
+        loss.backward()
+        optimizer.step()
+
+    return dict(inference=infer, training=train_step)
+
+
+def markdown(env: dict, results: dict) -> str:
+    lines = []
+    for key, res in sorted(results.items()):
+        for cell, row in sorted(res["rows"].items()):
+            lo, hi = row["ratio_range"]
+            lines.append([*key.split(":"), *cell.split(":"), f"{row['torch_ms']:.3f}", f"{row['convtune_ms']:.3f}",
+                          f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}", f"{res['date']} {res['revision']}"])
+    return ("# PyTorch and convtune in one process, timed in alternation\n\n"
+            f"{env.get('date')}, {env.get('gpu', 'CPU')}, torch {env.get('torch')}, cuDNN {env.get('cudnn')}. "
+            "Autocast, channels_last, `cudnn.benchmark=True`; per round one timing of each (CUDA events, the "
+            "order swapped every round); ms: medians over the rounds; ratio: median of the rounds' PyTorch / "
+            "convtune (above 1: convtune faster), and its range. `bench/ab.py`.\n\n"
+            + common.md_table(["model", "batch", "dtype", "style", "workload", "PyTorch ms", "convtune ms", "ratio",
+                               "range", "measured"], lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    split = lambda text: [s for s in text.split(",") if s]  # noqa: E731
+    parser.add_argument("--models", type=split, default=["mobilenet_v2"])
+    parser.add_argument("--batches", type=lambda t: [int(b) for b in split(t)], default=[128])
+    parser.add_argument("--dtypes", type=split, default=["float16"])
+    parser.add_argument("--styles", type=split, default=["eager", "compile"])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="a small stand-in network (no torchvision needed)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=9)
+    common.result_arguments(parser, "ab")
+    args = parser.parse_args()
+    for option, values, allowed in (("--styles", args.styles, ("eager", "compile")), ("--dtypes", args.dtypes,
+                                                                                       e2e.DTYPES)):
+        if set(values) - set(allowed):
+            parser.error(f"{option} {','.join(values)}: each must be one of {','.join(allowed)}")
+    out_dir = Path(args.out or common.RESULTS)
+    json_path = out_dir / f"{args.name}.json"
+    env = common.environment()
+    payload = json.loads(json_path.read_text()) if json_path.exists() else {}
+    payload["environment"] = env
+    results = payload.setdefault("results", {})
+    for model in ["tiny"] if args.tiny else args.models:
+        for batch in args.batches:
+            for dtype in args.dtypes:
+                key = f"{model}:b{batch}:{dtype}"
+                print(key, file=sys.stderr, flush=True)
+                res = run(model, batch, dtype, args.styles, args.device, args.tiny, args.steps, args.rounds)
+                old = results.get(key, {}).get("rows", {})
+                res["rows"] = {**old, **res["rows"]}
+                res["date"], res["revision"] = env["date"], env["revision"]
+                results[key] = res
+                common.write(args.name, payload, markdown(env, results), out_dir)
+    print(markdown(env, results))
+
+
+if __name__ == "__main__":
+    main()
