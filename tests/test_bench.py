@@ -35,3 +35,34 @@ def test_tuning_cost_profiles_a_whole_network_cold_and_warm_on_the_cpu(tmp_path,
     text = (tmp_path / "t.md").read_text()
     assert "convtune's costliest functions" in text
     assert text.rstrip("\n") == tuning_cost.markdown(payload).rstrip("\n")
+
+
+def _run(script: str, tmp_path: Path, *args: str) -> dict:
+    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
+    out = subprocess.run([sys.executable, str(BENCH / script), "--device", "cpu", "--tiny", "--out", str(tmp_path),
+                          "--steps", "1", *args], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((tmp_path / f"{Path(script).stem}.json").read_text())
+
+
+@pytest.mark.slow
+def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp_path):
+    rows = _run("e2e.py", tmp_path, "--styles", "eager", "--modes", "convtune,torch_bm1", "--repeats", "1",
+                "--dtypes", "bfloat16", "--batches", "4")["configs"]
+    assert set(rows) == {"tiny:b4:bfloat16:eager:convtune", "tiny:b4:bfloat16:eager:torch_bm1"}
+    ours = rows["tiny:b4:bfloat16:eager:convtune"]
+    assert ours["status"] == "ok" and ours["db"] == "cold" and ours["training"]["ms"] > 0 and ours["algorithms"]
+    assert ours["host_profile"]["functions"]  # cProfile of the eager training step
+    report = (tmp_path / "e2e.md").read_text()
+    (tmp_path / "e2e.md").unlink()
+    subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,
+                   capture_output=True, timeout=120)
+    assert (tmp_path / "e2e.md").read_text() == report  # the markdown comes from the JSON alone
+
+    results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
+                   "--batches", "4")["results"]
+    cells = results["tiny:b4:bfloat16"]["rows"]
+    assert set(cells) == {"eager:inference", "eager:training"}
+    for row in cells.values():
+        assert row["torch_ms"] > 0 and row["convtune_ms"] > 0 and row["rounds"] == 2
+        assert row["ratio_range"][0] <= row["ratio"] <= row["ratio_range"][1]
