@@ -204,6 +204,26 @@ def test_autocast_casts_in_the_native_op_as_torch_does(native):
     assert rel_error(y.detach().float(), yr.detach().float()) < 1.6e-2
 
 
+def test_a_layer_that_pads_first_casts_in_the_op_under_autocast_and_trains_like_torch(native):
+    # padding_mode='reflect' pads in Python on every call (never the hot path); the op casts the padded
+    # input and the weight (through autocast's cache), so the weight's gradient arrives in float32.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x.bfloat16(), "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1, padding=1,
+                     padding_mode="reflect").to(memory_format=torch.channels_last)
+    twin = torch.nn.Conv2d(6, 4, 1, padding=1, padding_mode="reflect").to(memory_format=torch.channels_last)
+    twin.load_state_dict(module.state_dict())
+    assert next(iter(module.plans.values())).runtime == "native"
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, yr = module(x), twin(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (2, 4, 7, 7) and module._convtune_fast == {}
+        assert rel_error(y.detach().float(), yr.detach().float()) < 1.6e-2
+    y.float().sum().backward()
+    yr.float().sum().backward()
+    assert module.weight.grad.dtype == torch.float32
+    assert rel_error(module.weight.grad, twin.weight.grad) < 1.6e-2
+
+
 def test_copies_and_pickles_of_a_native_model_run_alike(native):
     x = torch.randn(2, 4, 7, 7)
     model = torch.nn.Sequential(_forced(x, "gemm:1x1_strided", in_channels=4, out_channels=6, kernel_size=1,

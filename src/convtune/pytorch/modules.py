@@ -131,19 +131,20 @@ class TunedConv(_ConvBase):
         if call is None and plan.native is None:  # torch's path, or torch:native in every direction
             self._convtune_hot(input.shape, TorchCall.of(input, sig, plan))
             return super().forward(input)
+        padded = self._convtune_pad(x)
+        if plan.native is not None:
+            # The op casts under autocast itself, as the hot path relies on (the weight once per autocast
+            # region, through autocast's cache), and lays the weight out as the problem needs.
+            if padded is x and batched:  # the op on the input as it comes, nothing done to it first
+                self._convtune_hot(input.shape, plan.native)
+            y = _tuned_conv(to_layout(padded, sig.layout), weight, bias, *plan.native)
+            return y if batched else y.squeeze(0)
         if cast is not None:
-            x = x if x.dtype == cast else x.to(cast)
+            padded = padded if padded.dtype == cast else padded.to(cast)
             weight = weight.to(cast)
             bias = None if bias is None else bias.to(cast)
-        padded = self._convtune_pad(x)
-        unpadded = padded is x
         x = to_layout(padded, sig.layout)
         weight = to_layout(weight, sig.layout)
-        if plan.native is not None:
-            if unpadded and batched:  # the op on the input as it comes, nothing done to it first
-                self._convtune_hot(input.shape, plan.native)
-            y = _tuned_conv(x, weight, bias, *plan.native)
-            return y if batched else y.squeeze(0)
         y = ops.conv_call(x, weight, call)  # type: ignore[arg-type]  # not None: handled above when it is
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))

@@ -33,6 +33,7 @@ from convtune.problem import ConvProblem
 from convtune.progress import tuning_bar
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
 from convtune.pytorch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace, where_the_host_pays
+from convtune.results import PerfResult
 from convtune.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -204,6 +205,9 @@ def _apply_plan(layers: list[tuple[TunedConv, Signature]], tuning: Tuning) -> No
     except (NoAlgorithmError, InfeasibleBudgetError) as exc:
         log.warning("optimize: no workspace plan (%s); each layer keeps the choice it made within the budget", exc)
         return
+    # Each layer's directions replaced together, then judged once by the host-cost rule: one new plan per
+    # layer (replacing one direction at a time would make executables for mixtures never run, and judge them).
+    per_layer: dict[tuple[int, Signature], tuple[TunedConv, dict[str, PerfResult]]] = {}
     for (module, sig, direction, problem), result in zip(entries, chosen):
         try:
             algorithm = get_algorithm(result.algorithm, problem)
@@ -211,11 +215,15 @@ def _apply_plan(layers: list[tuple[TunedConv, Signature]], tuning: Tuning) -> No
             continue  # stored by a backend not registered here: the layer keeps its own choice
         if not algorithm.supports(problem):
             continue
+        per_layer.setdefault((id(module), sig), (module, {}))[1][direction] = result
+    for (_, sig), (module, replaced) in per_layer.items():
         layer = module._convtune_plans[sig]
-        results = tuple((d, result if d == direction else r) for d, r in layer.results)
-        # (direction names one of LayerPlan's algorithm fields, a str)
-        layer = dataclasses.replace(layer, **cast(dict[str, Any], {direction: result.algorithm}), results=results,
-                                    reason="")
+        results = tuple((d, replaced.get(d, r)) for d, r in layer.results)
+        if results == layer.results:
+            continue  # the plan keeps what the layer chose: nothing to make again
+        # (the directions name LayerPlan's algorithm fields, each a str)
+        names = cast(dict[str, Any], {d: r.algorithm for d, r in results})
+        layer = dataclasses.replace(layer, **names, results=results, reason="")
         module._convtune_plans[sig] = layer = where_the_host_pays(layer, tuning)
         module._convtune_fast.clear()
         reserve_workspace(layer, sig.device)
