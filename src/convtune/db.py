@@ -603,27 +603,70 @@ _SALVAGED_TABLES = {"results": 8}
 
 
 def _salvage(path: Path) -> dict[str, list[tuple]]:
-    """The rows of a damaged database that can still be read, table by table (reading stops at the damage)."""
+    """The rows of a damaged database that can still be read, table by table: a scan in rowid order that,
+    where it meets a damaged page, seeks past it and goes on (the rows on that page are lost)."""
     rows: dict[str, list[tuple]] = {table: [] for table in _SALVAGED_TABLES}
     try:
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000)
+        # A file cut short: read the pages it still has (SQLite refuses to read a file shorter than its
+        # header says unless the schema is writable; nothing is written here).
+        conn.execute("PRAGMA writable_schema=ON")
     except sqlite3.Error:
         return rows
     conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
     try:
         for table, width in _SALVAGED_TABLES.items():
-            try:
-                cursor = conn.execute(f"SELECT * FROM {table}")
-                while True:
-                    batch = cursor.fetchmany(256)
-                    if not batch:
-                        break
-                    rows[table] += [tuple(row) for row in batch if len(row) == width]
-            except sqlite3.Error:
-                continue  # this table is damaged from here on: keep what was read
+            start: int | None = 0  # the scan reads the rows after this rowid
+            while start is not None:
+                begin = last = start  # last: the last rowid read
+                try:
+                    cursor = conn.execute(f"SELECT rowid, * FROM {table} WHERE rowid > ? ORDER BY rowid", (begin,))
+                    for row in cursor:  # row by row: a batch that meets the damage would be lost whole
+                        last = row[0]
+                        if len(row) == width + 1:
+                            rows[table].append(tuple(row[1:]))
+                    start = None  # the end of the table
+                except sqlite3.Error:
+                    # past the damage; a scan that read nothing from where it began skips that row too
+                    start = _past_damage(conn, table, last if last > begin else begin + 1)
     finally:
         conn.close()
     return rows
+
+
+def _past_damage(conn: sqlite3.Connection, table: str, after: int) -> int | None:
+    """Where a scan of ``table`` that failed after rowid ``after`` goes on (the rowid before the first one a
+    seek can reach), or None when no later row can be reached. A seek to rowid >= m fails while m lies on
+    the damaged page and succeeds past it: found by doubling the step, then halving the interval."""
+
+    def reaches(m: int) -> tuple[bool, int | None]:
+        try:
+            found = conn.execute(f"SELECT rowid FROM {table} WHERE rowid >= ? ORDER BY rowid LIMIT 1", (m,)).fetchone()
+        except sqlite3.Error:
+            return False, None
+        return True, None if found is None else found[0]
+
+    step, failed = 1, after  # every seek at or before ``failed`` failed
+    while True:
+        ok, _ = reaches(failed + step)
+        if ok:
+            break
+        failed += step
+        step *= 2
+        if failed + step > _MAX_ROWID:
+            return None
+    good = failed + step
+    while good - failed > 1:  # the first rowid a seek reaches, between the last failure and the first success
+        middle = (failed + good) // 2
+        if reaches(middle)[0]:
+            good = middle
+        else:
+            failed = middle
+    first = reaches(good)[1]
+    return None if first is None else first - 1
+
+
+_MAX_ROWID = 2**63 - 1
 
 
 def _restore(path: Path, rows: dict[str, list[tuple]]) -> None:
