@@ -183,6 +183,61 @@ def test_processes_racing_to_create_the_file_lose_nothing(tmp_path):
         assert rows(path) == 2 * 4 * PROBLEMS_PER_WRITER
 
 
+def _write_until_killed(path: Path, writer: int, done) -> None:
+    with TuningDB(path) as tdb:
+        for i in range(10_000):
+            tdb.store(problem(n=1 + writer * 100_000 + i), FIND)
+            done.put((writer, i))  # after the store returned: committed
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method")
+def test_writers_killed_mid_transaction_lose_nothing_they_committed(tmp_path):
+    # Rounds of 3 processes storing finds as fast as they can, each SIGKILLed after a random delay (so
+    # many die inside a transaction): the file must open cleanly, serve every find a writer finished, and
+    # take new ones. Counts for the reliability report: tried / clean / unclean / crashes / lost.
+    import random
+    import signal
+    import time
+
+    path = tmp_path / "tuning.sqlite"
+    ctx = multiprocessing.get_context("fork")
+    counts = {"tried": 0, "clean": 0, "unclean": 0, "crashes": 0, "lost": 0}
+    committed: list[tuple[int, int]] = []
+    delays = random.Random(5)
+    for round_ in range(4):
+        done = ctx.Queue()
+        procs = [ctx.Process(target=_write_until_killed, args=(path, 3 * round_ + w, done)) for w in range(3)]
+        for proc in procs:
+            proc.start()
+        time.sleep(0.3)  # the file exists and every writer has begun
+        for proc in procs:
+            time.sleep(delays.uniform(0.0, 0.05))
+            os.kill(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.join(timeout=60)
+        while True:  # a writer killed while putting may leave half a message: read up to there
+            try:
+                committed.append(done.get(timeout=0.5))
+            except Exception:  # queue.Empty, or that half message
+                break
+        counts["tried"] += len(procs)
+        try:
+            with TuningDB(path) as tdb:
+                missing = [(w, i) for w, i in committed if tdb.lookup(problem(n=1 + w * 100_000 + i)) is None]
+                tdb.store(problem(99), FIND)
+                usable = tdb.lookup(problem(99)).algorithm == "cpu:fast"
+        except Exception as exc:  # counted, and the assertion names it
+            counts["crashes"] += len(procs)
+            raise AssertionError(f"round {round_}: {type(exc).__name__}: {exc}") from exc
+        counts["lost"] += len(missing)
+        counts["clean" if not missing and usable else "unclean"] += len(procs)
+        assert not missing and usable, missing[:5]
+    assert all(proc.exitcode == -signal.SIGKILL for proc in procs)  # killed, not finished
+    print(f"killed writers: {counts}, {len(committed)} committed finds checked")
+    assert counts == {"tried": 12, "clean": 12, "unclean": 0, "crashes": 0, "lost": 0} and len(committed) > 12
+    assert not aside(path, "corrupt")
+
+
 def test_threads_sharing_one_object(db):
     errors = []
 
