@@ -22,7 +22,7 @@ from convtune import ConvProblem, PerfResult, Policy, TuningDB
 from convtune.algorithms.registry import get_algorithm, isolated
 from convtune.errors import NoAlgorithmError
 from convtune.plan import InfeasibleBudgetError, Plan, budget_curve, pareto_front, plan
-from convtune.pytorch import optimize as optimize_module
+from convtune.pytorch import tuning as tuning_module
 from convtune.ranking import usable
 
 MODES = ("shared", "divided")
@@ -322,10 +322,10 @@ def test_optimize_runs_the_plans_choices_forward_and_backward(tmp_path):
         for conv, shape in ((model[0], x.shape), (model[2], (1, 4, 5, 5))):
             for direction in ("fwd", "bwd_data", "bwd_filter"):
                 db.store(ConvProblem.from_module(conv, shape, direction), stored)
-        judged = []  # the host-cost rule judges each layer's new plan once, its directions replaced together
-        judge = optimize_module.where_the_host_pays
+        judged = []  # the host-cost rule judges each layer's plan once, with the budget plan's choices
+        judge = tuning_module.where_the_host_pays
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(optimize_module, "where_the_host_pays", lambda layer, tuning: judged.append(layer) or
+            mp.setattr(tuning_module, "where_the_host_pays", lambda layer, tuning: judged.append(layer) or
                        judge(layer, tuning))
             convtune.optimize(model, x, training=True, mode="db_then_get", db=db, workspace_budget="2KiB")
         assert len(judged) == 2 and all(layer.fwd == layer.bwd_filter == "fake:mid_fast" for layer in judged)

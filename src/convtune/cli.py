@@ -13,7 +13,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from rich.console import Console
@@ -21,13 +21,16 @@ from rich.table import Table
 
 from . import zoo
 from .errors import ConvtuneError, NoAlgorithmError
+from .network import LayerRow, Tuning, plan_layers, planned_rows, run_names, select_layers
 from .policy import Policy
 from .problem import DIRECTIONS, ConvProblem
-from .progress import tuning_bar
-from .report import LayerRow, choices_table, layer_groups, perf_table, tune_table
+from .report import choices_table, perf_table, tune_table
 from .select import MODES
 from .settings import settings
 from .units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 class UsageError(Exception):
@@ -280,39 +283,16 @@ def _tune_layers(args):
     return layers
 
 
-def _select_layers(args, layers, policy: Policy, mode: str, db, err: Console) -> list[LayerRow]:
-    """Each layer's selection (measured, looked up or predicted as ``mode`` says), with a progress bar."""
-    from .select import select
-
-    rows = []
-    with tuning_bar(f"tuning {args.network}", len(layers), err, disable=getattr(args, "json", False)) as (bar, task):
-        for layer in layers:
-            bar.update(task, description=f"tuning {args.network} {layer.name}")
-            try:
-                result = select(layer.problem, policy, mode=mode, db=db)
-                rows.append(LayerRow(layer.name, layer.problem, layer.count, result))
-            except NoAlgorithmError as exc:
-                rows.append(LayerRow(layer.name, layer.problem, layer.count, None, str(exc)))
-            bar.advance(task)
-    return rows
-
-
-def _plan_layers(args, layers, policy: Policy, db):
-    """The plan of ``layers`` under ``--workspace-budget`` (a layer run ``count`` times is ``count`` problems).
-
-    Returns (plan, one layer name per planned problem). An infeasible budget is a usage error
-    naming the smallest feasible budget.
-    """
-    from .plan import InfeasibleBudgetError, plan
+def _plan_layers(args, rows: list[LayerRow], tuning: Tuning) -> Plan:
+    """The plan of the served ``rows`` under ``--workspace-budget``; an infeasible budget is a usage error
+    naming the smallest feasible budget."""
+    from .plan import InfeasibleBudgetError
 
     budget = parse_bytes(args.workspace_budget, "--workspace-budget")
-    problems = [layer.problem for layer in layers for _ in range(layer.count)]
-    names = [layer.name for layer in layers for _ in range(layer.count)]
-    measuring = getattr(args, "mode", "hybrid") in ("hybrid", "find")
     try:
-        return plan(problems, budget, args.budget_mode, db=db, policy=policy, find_missing=measuring), names
+        return plan_layers(rows, tuning, budget, args.budget_mode)
     except NoAlgorithmError as exc:
-        if measuring:
+        if tuning.mode in ("hybrid", "find"):
             raise
         raise UsageError(f"--workspace-budget plans from measurements, and --mode {args.mode} never measures: "
                          f"{exc}; run once with --mode hybrid") from None
@@ -323,14 +303,6 @@ def _plan_layers(args, layers, policy: Policy, db):
                          f"({least} bytes); give --workspace-budget {least} or more") from None
 
 
-def _planned_rows(layers, rows: list[LayerRow], plan, names: list[str]) -> list[LayerRow]:
-    """The rows of the layers as planned (one per layer and choice), failed layers as they were."""
-    planned: dict[str, list[LayerRow]] = {}
-    for name, problem, runs in layer_groups(names, plan.problems, plan.choices):
-        planned.setdefault(name, []).append(LayerRow(name, problem, len(runs), plan.choices[runs[0]]))
-    return [r for layer, row in zip(layers, rows) for r in planned.get(layer.name, [row])]
-
-
 def cmd_tune(args, out: Console, err: Console) -> int:
     if args.batch is not None and args.batch < 1:
         raise UsageError(f"--batch {args.batch} must be >= 1")
@@ -339,14 +311,15 @@ def cmd_tune(args, out: Console, err: Console) -> int:
     payload: dict = {"network": args.network}
     total_workspace, caption = None, None
     with _db(args) as db:
-        rows = _select_layers(args, layers, policy, args.mode, db, err)
+        tuning = Tuning(policy, args.mode, db)
+        rows = select_layers([(layer.name, layer.problem, layer.count) for layer in layers], tuning,
+                             f"tuning {args.network}", err, show_progress=not getattr(args, "json", False))
         title = (f"convtune tune {args.network}: {len(rows)} layers, {rows[0].problem.dtype if rows else ''} "
                  f"{rows[0].problem.layout if rows else ''} on {rows[0].problem.device if rows else ''}, "
                  f"mode {args.mode}")
         if args.workspace_budget is not None:
-            served = [layer for layer, row in zip(layers, rows) if row.result]
-            plan, names = _plan_layers(args, served, policy, db)
-            rows = _planned_rows(layers, rows, plan, names)
+            plan = _plan_layers(args, rows, tuning)
+            rows = planned_rows(rows, plan)
             total_workspace = plan.workspace_bytes
             caption = (f"planned for a {args.budget_mode} workspace budget of {format_bytes(plan.workspace_budget)}: "
                        f"{plan.total_time_ms:.4g} ms, workspace {format_bytes(plan.workspace_bytes)} "
@@ -374,11 +347,13 @@ def cmd_report(args, out: Console, err: Console) -> int:
     layers = _tune_layers(args)
     policy = _policy(args)
     with _db(args) as db:
-        rows = _select_layers(args, layers, policy, "hybrid", db, err)
+        tuning = Tuning(policy, "hybrid", db)
+        rows = select_layers([(layer.name, layer.problem, layer.count) for layer in layers], tuning,
+                             f"tuning {args.network}", err, show_progress=not getattr(args, "json", False))
         failed = [r for r in rows if not r.result]
         if failed:
             raise NoAlgorithmError(f"layer {failed[0].name} of {args.network} cannot be served: {failed[0].error}")
-        plan, names = _plan_layers(args, layers, policy, db)
+        plan, names = _plan_layers(args, rows, tuning), run_names(rows)
         p = layers[0].problem
         direction = "all directions" if args.direction == "all" else p.direction
         title = (f"convtune report: {args.network}, {len(layers)} layers, batch {p.n}, {direction}, "

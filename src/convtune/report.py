@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from rich.table import Table
 
 from .hardware import roofline_ms
+from .network import LayerRow
 from .problem import ConvProblem
 from .results import Choice, PerfResult
 from .units import format_bytes
@@ -52,28 +52,6 @@ def choices_table(problem: ConvProblem, choices: Sequence[Choice]) -> Table:
         table.add_row(str(i), c.name, _ms(c.predicted_ms), format_bytes(c.workspace_bytes),
                       _pct_of_floor(floor, c.predicted_ms))
     return table
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRow:
-    """One layer of a tuned network: its problem, how often it runs, what was chosen."""
-
-    name: str
-    problem: ConvProblem
-    count: int
-    result: PerfResult | None  # None when nothing could serve the layer
-    error: str = ""
-
-    @property
-    def floor_ms(self) -> float:
-        return roofline_ms(self.problem)
-
-    def to_dict(self) -> dict:
-        r = self.result
-        return {"layer": self.name, "problem": self.problem.key, "count": self.count,
-                "algorithm": r.algorithm if r else None, "status": r.status.value if r else "no_algorithm",
-                "time_ms": r.time_ms if r else None, "workspace_bytes": r.workspace_bytes if r else None,
-                "floor_ms": self.floor_ms, "message": (r.message if r else self.error)}
 
 
 def layer_groups(names: Sequence[str], problems: Sequence[ConvProblem],

@@ -27,12 +27,11 @@ import torch
 
 from convtune.algorithms.registry import get_algorithm
 from convtune.errors import NoAlgorithmError
-from convtune.plan import InfeasibleBudgetError, plan
+from convtune.network import LayerRow, Tuning, plan_layers, planned_rows, select_layers
+from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
-from convtune.problem import ConvProblem
-from convtune.progress import tuning_bar
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.pytorch.tuning import Signature, Tuning, layout_of, plan_layer, reserve_workspace, where_the_host_pays
+from convtune.pytorch.tuning import Signature, describe, layout_of, plan_layer
 from convtune.results import PerfResult
 from convtune.units import parse_bytes
 
@@ -162,19 +161,56 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
                         "torch's path", name or "the model", type(module).__name__)
     jobs = [(name, module, sig, needs) for name, (module, calls) in seen.items()
             if isinstance(module, TunedConv) or type(module) in TUNED for sig, needs in calls.items()]
-    with tuning_bar("convtune: tuning", len(jobs), transient=True) as (bar, task):
-        converted: set[int] = set()
-        for name, module, sig, (need_dx, need_dw) in jobs:
-            bar.update(task, description=f"convtune: tuning {name or type(module).__name__}")
-            if id(module) not in converted:
-                convert(module, tuning)
-                converted.add(id(module))
-            directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
-            cast(TunedConv, module)._convtune_plans[sig] = plan_layer(module, sig, tuning, directions, name=name)
-            bar.advance(task)
+    # A network is tuned one way (convtune.network): every layer's directions selected, then, under a
+    # budget, planned together; then each layer's choices checked and judged into its plan.
+    layers, owners = [], []  # owners: the job and direction of each layer row
+    for index, (name, module, sig, (need_dx, need_dw)) in enumerate(jobs):
+        if not isinstance(module, TunedConv) or module._convtune_tuning is not tuning:
+            convert(module, tuning)
+        try:
+            problem = describe(module, sig)
+        except (TypeError, ValueError):
+            continue  # plan_layer below puts the layer on torch's path, with the reason
+        for direction in _directions(need_dx, need_dw):
+            layers.append((f"{name or type(module).__name__}", problem.with_direction(direction), 1))
+            owners.append((index, direction))
+    rows = select_layers(layers, tuning, "convtune: tuning", transient=True)
     if budget is not None:
-        _apply_plan([(cast(TunedConv, module), sig) for _, module, sig, _ in jobs], tuning)  # all converted
+        rows = _within_budget(rows, tuning)
+    chosen: dict[int, dict[str, PerfResult | str]] = {}
+    for (index, direction), row in zip(owners, rows):
+        chosen.setdefault(index, {})[direction] = row.result or row.error
+    for index, (name, module, sig, (need_dx, need_dw)) in enumerate(jobs):
+        tuned = cast(TunedConv, module)  # converted above
+        tuned._convtune_plans[sig] = plan_layer(tuned, sig, tuning, _directions(need_dx, need_dw), name=name,
+                                                chosen=chosen.get(index, {}))
     return model
+
+
+def _directions(need_dx: bool, need_dw: bool) -> tuple[str, ...]:
+    return ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
+
+
+def _within_budget(rows: list[LayerRow], tuning: Tuning) -> list[LayerRow]:
+    """``rows`` (one run each) with the choices of the shared-workspace plan of least total time, where one
+    can be made; a layer keeps its own choice where the plan's is not registered here or does not serve it."""
+    if tuning.db is None:
+        log.info("optimize: no tuning database to plan the workspace budget from; each layer chose within it alone")
+        return rows
+    try:
+        planned = planned_rows(rows, plan_layers(rows, tuning, cast(int, tuning.policy.workspace_limit)))
+    except (NoAlgorithmError, InfeasibleBudgetError) as exc:
+        log.warning("optimize: no workspace plan (%s); each layer keeps the choice it made within the budget", exc)
+        return rows
+    kept = []
+    for own, new in zip(rows, planned):  # one run each: a row in, a row out
+        try:
+            serves = new.result is not None and bool(get_algorithm(new.result.algorithm, new.problem).supports(
+                new.problem))
+        except KeyError:  # stored by a backend not registered here
+            serves = False
+        kept.append(new if serves else own)
+    return kept
 
 
 def _within(policy: Any, budget: int | None) -> Any:
@@ -184,46 +220,3 @@ def _within(policy: Any, budget: int | None) -> Any:
     policy = policy or Policy()
     limit = budget if policy.workspace_limit is None else min(policy.workspace_limit, budget)
     return dataclasses.replace(policy, workspace_limit=limit)
-
-
-def _apply_plan(layers: list[tuple[TunedConv, Signature]], tuning: Tuning) -> None:
-    """Replace the layers' choices by the shared-workspace plan of least total time, where one can be made."""
-    entries = []  # (module, signature, direction, problem)
-    for module, sig in dict.fromkeys((m, s) for m, s in layers):
-        layer = module._convtune_plans[sig]
-        if not layer.on_torch:
-            base = ConvProblem.from_key(layer.problem)
-            entries += [(module, sig, d, base.with_direction(d)) for d, _ in layer.results]
-    if not entries:
-        return
-    if tuning.db is None:
-        log.info("optimize: no tuning database to plan the workspace budget from; each layer chose within it alone")
-        return
-    try:
-        chosen = plan([p for *_, p in entries], tuning.policy.workspace_limit, "shared", tuning.db, tuning.policy,
-                      find_missing=tuning.mode in ("hybrid", "find")).choices
-    except (NoAlgorithmError, InfeasibleBudgetError) as exc:
-        log.warning("optimize: no workspace plan (%s); each layer keeps the choice it made within the budget", exc)
-        return
-    # Each layer's directions replaced together, then judged once by the host-cost rule: one new plan per
-    # layer (replacing one direction at a time would make executables for mixtures never run, and judge them).
-    per_layer: dict[tuple[int, Signature], tuple[TunedConv, dict[str, PerfResult]]] = {}
-    for (module, sig, direction, problem), result in zip(entries, chosen):
-        try:
-            algorithm = get_algorithm(result.algorithm, problem)
-        except KeyError:
-            continue  # stored by a backend not registered here: the layer keeps its own choice
-        if not algorithm.supports(problem):
-            continue
-        per_layer.setdefault((id(module), sig), (module, {}))[1][direction] = result
-    for (_, sig), (module, replaced) in per_layer.items():
-        layer = module._convtune_plans[sig]
-        results = tuple((d, replaced.get(d, r)) for d, r in layer.results)
-        if results == layer.results:
-            continue  # the plan keeps what the layer chose: nothing to make again
-        # (the directions name LayerPlan's algorithm fields, each a str)
-        names = cast(dict[str, Any], {d: r.algorithm for d, r in results})
-        layer = dataclasses.replace(layer, **names, results=results, reason="")
-        module._convtune_plans[sig] = layer = where_the_host_pays(layer, tuning)
-        module._convtune_fast.clear()
-        reserve_workspace(layer, sig.device)

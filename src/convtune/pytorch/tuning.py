@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
 from convtune.algorithms.registry import get_algorithm
 from convtune.errors import NoAlgorithmError
-from convtune.policy import DEFAULT_POLICY, Policy
+from convtune.network import Tuning
 from convtune.problem import DIRECTIONS, ConvProblem, is_in_layout
 from convtune.pytorch import ops, runtime, workspace
 from convtune.ranking import NATIVE
 from convtune.results import PerfResult
-from convtune.select import MODES, select
 from convtune.settings import settings
 
 log = logging.getLogger(__name__)
@@ -48,56 +47,6 @@ def layout_of(x: torch.Tensor) -> str:
     if is_in_layout(x, "channels_last") and not is_in_layout(x, "channels_first"):
         return "channels_last"
     return "channels_first"
-
-
-class Tuning:
-    """How layers choose: ``select(problem, policy, mode, db)``, with a memo of the answers.
-
-    db: a ``TuningDB`` (or its path); None takes the default ``TuningDB()`` for the modes that read
-    one ('hybrid', 'db_then_get'), opened on first need. Copies of a model share their Tuning;
-    pickling keeps a database's path, not its connection.
-    """
-
-    def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not a selection mode; use one of {list(MODES)}")
-        if policy is not None and not isinstance(policy, Policy):
-            raise TypeError(f"policy must be a convtune.Policy or None, got {type(policy).__name__}")
-        self.policy = DEFAULT_POLICY if policy is None else policy
-        self.mode = mode
-        self._db = db
-        self._memo: dict[str, PerfResult] = {}
-
-    def __repr__(self) -> str:
-        return f"Tuning(policy={self.policy}, mode={self.mode!r})"
-
-    @property
-    def db(self) -> Any:
-        if isinstance(self._db, (str, Path)):
-            from convtune.db import TuningDB
-
-            self._db = TuningDB(self._db)
-        elif self._db is None and self.mode in ("hybrid", "db_then_get"):
-            from convtune.db import default_db
-
-            self._db = default_db()
-        return self._db
-
-    def select(self, problem: ConvProblem) -> PerfResult:
-        """The choice for ``problem`` (asked once per Tuning). Raises ``NoAlgorithmError``."""
-        if problem.key not in self._memo:
-            self._memo[problem.key] = select(problem, self.policy, self.mode, self.db)
-        return self._memo[problem.key]
-
-    def __deepcopy__(self, memo: dict) -> Tuning:
-        return self  # a choice, not state: copies of a model choose alike
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        path = getattr(self._db, "path", None)
-        state["_db"] = str(path) if path is not None else (self._db if isinstance(self._db, (str, Path)) else None)
-        state["_memo"] = {}
-        return state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,18 +142,27 @@ def _torch_path(problem: str, reason: str, module_name: str) -> LayerPlan:
     return LayerPlan(problem, reason=reason)
 
 
+def describe(module: torch.nn.Module, signature: Signature) -> ConvProblem:
+    """The forward problem ``module`` solves on inputs of ``signature``; ``TypeError`` or ``ValueError`` where
+    convtune cannot describe it (float64 input, say: the layer then stays on torch's path)."""
+    return ConvProblem.from_module(module, signature.shape, dtype=signature.dtype, layout=signature.layout,
+                                   device=signature.device)
+
+
 def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, directions: tuple[str, ...],
-               known: LayerPlan | None = None, name: str = "") -> LayerPlan:
+               known: LayerPlan | None = None, name: str = "",
+               chosen: Mapping[str, PerfResult | str] | None = None) -> LayerPlan:
     """The plan of ``module`` (an nn.Conv1d/2d/3d) for ``signature``, tuning ``directions`` not in ``known``.
 
-    Each direction is chosen by ``tuning.select``; on the Python path its workspace is reserved
+    Each direction is chosen by ``tuning.select``, or given in ``chosen`` (a direction's choice, or why
+    no algorithm serves it: ``optimize`` selects a network's layers first, ``convtune.network``); on the
+    Python path its workspace is reserved
     now, so running the plan allocates none. A problem convtune cannot describe (float64 input, say), a direction no
     algorithm serves under the policy, or a stored choice naming an algorithm that is not
     registered here leaves the layer on torch's path for this signature, with the reason.
     """
     try:
-        problem = ConvProblem.from_module(module, signature.shape, dtype=signature.dtype, layout=signature.layout,
-                                          device=signature.device)
+        problem = describe(module, signature)
     except (TypeError, ValueError) as exc:
         described = f"input {tuple(signature.shape)} {signature.dtype} {signature.device}"
         return _torch_path(described, str(exc), name)
@@ -218,8 +176,11 @@ def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, di
         if names[direction]:
             continue
         p = problem.with_direction(direction)
+        given = chosen.get(direction) if chosen else None
+        if isinstance(given, str):
+            return _torch_path(problem.key, f"{direction}: {given}", name)
         try:
-            result = tuning.select(p)
+            result = given if given is not None else tuning.select(p)
         except NoAlgorithmError as exc:
             return _torch_path(problem.key, f"{direction}: {exc}", name)
         if _native_kind(p, result.algorithm, tuning.db) is None:  # a warm start needs no more than that

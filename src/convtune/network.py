@@ -1,0 +1,159 @@
+"""Tuning a network, the one way convtune does it: select every layer, then plan under a workspace budget.
+
+The command line (``convtune tune``) and ``optimize`` both tune many layers this way:
+``select_layers`` asks ``Tuning.select`` for each layer (a progress bar shows it), and where a
+workspace budget is given ``plan_layers`` makes ``convtune.plan``'s choices of least total time
+within it, from the stored measurements; ``planned_rows`` puts the plan's choices back in the
+layers' rows. What each caller does with a budget that cannot be met is its own: the command line
+refuses it, ``optimize`` keeps each layer's own choice.
+
+    >>> from convtune import ConvProblem
+    >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(6, 6), kernel_size=3, padding=1)
+    >>> rows = select_layers([("conv1", p, 2)], Tuning(mode="get"), show_progress=False)
+    >>> rows[0].name, rows[0].count, rows[0].result is not None
+    ('conv1', 2, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from .errors import NoAlgorithmError
+from .hardware import roofline_ms
+from .policy import DEFAULT_POLICY, Policy
+from .problem import ConvProblem
+from .progress import tuning_bar
+from .results import PerfResult
+from .select import MODES, select
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+
+class Tuning:
+    """How layers choose: ``select(problem, policy, mode, db)``, with a memo of the answers.
+
+    db: a ``TuningDB`` (or its path); None takes the default ``TuningDB()`` for the modes that read
+    one ('hybrid', 'db_then_get'), opened on first need. Copies of a model share their Tuning;
+    pickling keeps a database's path, not its connection.
+    """
+
+    def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not a selection mode; use one of {list(MODES)}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a convtune.Policy or None, got {type(policy).__name__}")
+        self.policy = DEFAULT_POLICY if policy is None else policy
+        self.mode = mode
+        self._db = db
+        self._memo: dict[str, PerfResult] = {}
+
+    def __repr__(self) -> str:
+        return f"Tuning(policy={self.policy}, mode={self.mode!r})"
+
+    @property
+    def db(self) -> Any:
+        if isinstance(self._db, (str, Path)):
+            from convtune.db import TuningDB
+
+            self._db = TuningDB(self._db)
+        elif self._db is None and self.mode in ("hybrid", "db_then_get"):
+            from convtune.db import default_db
+
+            self._db = default_db()
+        return self._db
+
+    def select(self, problem: ConvProblem) -> PerfResult:
+        """The choice for ``problem`` (asked once per Tuning). Raises ``NoAlgorithmError``."""
+        if problem.key not in self._memo:
+            self._memo[problem.key] = select(problem, self.policy, self.mode, self.db)
+        return self._memo[problem.key]
+
+    def __deepcopy__(self, memo: dict) -> Tuning:
+        return self  # a choice, not state: copies of a model choose alike
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        path = getattr(self._db, "path", None)
+        state["_db"] = str(path) if path is not None else (self._db if isinstance(self._db, (str, Path)) else None)
+        state["_memo"] = {}
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One layer of a tuned network: its problem, how often it runs, what was chosen."""
+
+    name: str
+    problem: ConvProblem
+    count: int
+    result: PerfResult | None  # None when nothing could serve the layer
+    error: str = ""
+
+    @property
+    def floor_ms(self) -> float:
+        return roofline_ms(self.problem)
+
+    def to_dict(self) -> dict:
+        r = self.result
+        return {"layer": self.name, "problem": self.problem.key, "count": self.count,
+                "algorithm": r.algorithm if r else None, "status": r.status.value if r else "no_algorithm",
+                "time_ms": r.time_ms if r else None, "workspace_bytes": r.workspace_bytes if r else None,
+                "floor_ms": self.floor_ms, "message": (r.message if r else self.error)}
+
+
+def select_layers(layers: Sequence[tuple[str, ConvProblem, int]], tuning: Tuning, label: str = "tuning",
+                  console: Console | None = None, show_progress: bool = True,
+                  transient: bool = False) -> list[LayerRow]:
+    """A row per ``(name, problem, count)`` with ``tuning``'s choice, or, where no algorithm serves the
+    problem under the policy, none and the reason; a progress bar (``label`` and the layer's name) on
+    ``console`` (stderr by default) unless ``show_progress`` is off."""
+    rows = []
+    with tuning_bar(label, len(layers), console, disable=not show_progress, transient=transient) as (bar, task):
+        for name, problem, count in layers:
+            bar.update(task, description=f"{label} {name}")
+            try:
+                rows.append(LayerRow(name, problem, count, tuning.select(problem)))
+            except NoAlgorithmError as exc:
+                rows.append(LayerRow(name, problem, count, None, str(exc)))
+            bar.advance(task)
+    return rows
+
+
+def plan_layers(rows: Sequence[LayerRow], tuning: Tuning, workspace_budget: int, mode: str = "shared") -> Plan:
+    """``convtune.plan`` of the served rows (a layer run ``count`` times is ``count`` problems, in order)
+    within ``workspace_budget``, from ``tuning``'s database and policy, measuring what is missing where
+    the tuning's mode measures. Raises ``InfeasibleBudgetError`` (with the smallest feasible budget) and
+    ``NoAlgorithmError`` (a problem without stored measurements, in a mode that never measures)."""
+    from .plan import plan
+
+    problems = [row.problem for row in rows if row.result for _ in range(row.count)]
+    return plan(problems, workspace_budget, mode, db=tuning.db, policy=tuning.policy,
+                find_missing=tuning.mode in ("hybrid", "find"))
+
+
+def planned_rows(rows: Sequence[LayerRow], planned: Plan) -> list[LayerRow]:
+    """``rows`` with the choices of ``planned`` (made by ``plan_layers`` from these rows): a row per layer and
+    choice (a divided budget may give the runs of one layer different algorithms); rows the plan did not
+    cover (nothing served them) as they were."""
+    runs = iter(zip(planned.problems, planned.choices))
+    out = []
+    for row in rows:
+        if not row.result:
+            out.append(row)
+            continue
+        by_choice: dict[str, list[tuple[ConvProblem, PerfResult]]] = {}
+        for problem, choice in (next(runs) for _ in range(row.count)):
+            by_choice.setdefault(choice.algorithm, []).append((problem, choice))
+        out += [LayerRow(row.name, same[0][0], len(same), same[0][1]) for same in by_choice.values()]
+    return out
+
+
+def run_names(rows: Sequence[LayerRow]) -> list[str]:
+    """The layer name of each problem ``plan_layers`` plans, in its order (a name per run of a served row)."""
+    return [row.name for row in rows if row.result for _ in range(row.count)]
