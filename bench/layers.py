@@ -58,7 +58,7 @@ def layers_of(cfg: dict) -> list[zoo.Layer]:
 def time_algorithm(problem, algo, inputs, ref) -> tuple[float | None, float | None, str]:
     """(median ms, rel error, status) of one algorithm with the shared timer; wrong results are not timed."""
     try:
-        ws = allocate_workspace(algo.workspace_bytes(problem), "cuda")
+        ws = allocate_workspace(algo.buffer_bytes(problem), "cuda")
         out = problem.empty(problem.operand_shapes[2]).fill_(float("nan"))
         algo.run(problem, *inputs, workspace=ws, out=out)
         err = rel_error(out, ref)

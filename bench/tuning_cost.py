@@ -191,7 +191,7 @@ def warm_child(args) -> None:
     def tune() -> None:
         with ct.TuningDB(args.warm_child) as db:
             for p in problems:
-                ct.get_algorithm(ct.select(p, mode="hybrid", db=db).algorithm, p).workspace_bytes(p)
+                ct.get_algorithm(ct.select(p, mode="hybrid", db=db).algorithm, p).buffer_bytes(p)
 
     wall, stats = _profiled(tune)
     phases, ours = _phases(stats, WARM_PHASES)

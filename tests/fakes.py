@@ -194,7 +194,7 @@ class UnknownDeterminism(Fake):
 class CostlyWorkspace(Fake):
     """A workspace learned only by costly work, like a cuDNN plan's by its build.
 
-    ``known_scratch_bytes`` is None for a problem until ``scratch_bytes``, ``workspace_bytes`` or a
+    ``known_workspace_bytes`` is None for a problem until ``workspace_bytes``, ``workspace_bytes`` or a
     run learned it; ``builds`` counts the learnings (once per problem, as a plan is built once).
     """
 
@@ -203,7 +203,7 @@ class CostlyWorkspace(Fake):
         self.built: set[Any] = set()
         self.builds = 0
 
-    def known_scratch_bytes(self, problem) -> int | None:
+    def known_workspace_bytes(self, problem) -> int | None:
         return self.declared_bytes if problem in self.built else None
 
     def buffers(self, problem) -> list[Buffer]:

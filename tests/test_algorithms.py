@@ -112,7 +112,7 @@ def test_exactly_the_declared_workspace_is_enough_and_nothing_large_is_allocated
     for algo in ct.algorithms(problem):
         if algo.name == "torch:native":
             continue  # PyTorch manages its own scratch; its notes say so
-        need = algo.workspace_bytes(problem)
+        need = algo.buffer_bytes(problem)
         ws = allocate_workspace(need, "cpu")
         out = problem.empty(problem.operand_shapes[2])
         algo.run(problem, a, b, workspace=ws, out=out)  # warm any lazy state first
@@ -183,7 +183,7 @@ def test_run_validates_its_tensors_with_clear_errors(fwd, algo_name):
         algo.run(p, x, w.numpy())
     with pytest.raises(ValueError, match="operand y has shape"):
         algo.run(p, x, w, out=torch.empty(1))
-    need = algo.workspace_bytes(p)
+    need = algo.buffer_bytes(p)
     if need:
         with pytest.raises(ValueError, match="smaller than"):
             algo.run(p, x, w, workspace=allocate_workspace(need - 1, "cpu"))

@@ -117,7 +117,7 @@ def test_find_with_micro_batching_offers_a_split_under_a_tight_limit(capsys):
     from convtune import ConvProblem, get_algorithm
 
     p = ConvProblem("fwd", n=4, c=4, k=4, input_size=(8, 8), kernel_size=3, padding=1)
-    limit = str(get_algorithm("gemm:im2col").workspace_bytes(p.replace(n=1)))
+    limit = str(get_algorithm("gemm:im2col").buffer_bytes(p.replace(n=1)))
     code, out, _ = run(capsys, "find", *problem, "--workspace-limit", limit, "--micro-batching", "--json")
     names = [r["algorithm"] for r in json.loads(out)["results"]]
     assert code == 0 and any(n.startswith("mb:") for n in names)

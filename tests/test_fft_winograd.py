@@ -73,7 +73,7 @@ def test_matches_reference(name, shape, direction, layout, dtype):
     algo = get_algorithm(name)
     assert algo.supports(problem), algo.supports(problem).reason
     a, b = problem.random_inputs(seed=zlib.crc32(f"{name}{problem.key}".encode()))
-    out, workspace = _poisoned(problem, algo.workspace_bytes(problem))
+    out, workspace = _poisoned(problem, algo.buffer_bytes(problem))
     result = algo.run(problem, a, b, workspace=workspace, out=out)
     assert result is out
     error = rel_error(out, reference(problem, a, b))
@@ -105,11 +105,11 @@ def test_allocates_nothing_beyond_its_declared_memory(name, shape, direction, dt
     problem = ConvProblem(direction=direction, layout="channels_last", dtype=dtype, **shape)
     algo = get_algorithm(name)
     a, b = problem.random_inputs(seed=1)
-    out, workspace = _poisoned(problem, algo.workspace_bytes(problem))
+    out, workspace = _poisoned(problem, algo.buffer_bytes(problem))
     algo.run(problem, a, b, workspace=workspace, out=out)  # warm-up: one-time library set-up
     allowance = max(64 * 1024, out.numel() * out.element_size() // 50)
     # The check must be able to fail: the scratch is far larger than what may leak.
-    assert algo.workspace_bytes(problem) > 4 * allowance
+    assert algo.buffer_bytes(problem) > 4 * allowance
     library = algo.library_bytes(problem)  # torch.fft's own result buffers: declared, not carved
     peak = peak_allocated_bytes(lambda: algo.run(problem, a, b, workspace=workspace, out=out), "cpu")
     assert peak <= library + allowance, f"{name} allocated {peak} bytes beyond its workspace on {problem.key}"
@@ -206,7 +206,7 @@ def test_on_cuda_matches_reference_within_declared_memory(name, shape, direction
     problem = ConvProblem(direction=direction, layout=layout, dtype=dtype, device="cuda", **shape)
     algo = get_algorithm(name)
     a, b = problem.random_inputs(seed=3)
-    out, workspace = _poisoned(problem, algo.workspace_bytes(problem))
+    out, workspace = _poisoned(problem, algo.buffer_bytes(problem))
     algo.run(problem, a, b, workspace=workspace, out=out)  # warm-up: cuFFT plans
     error = rel_error(out, reference(problem, a, b))
     assert error <= tolerance(problem, algo.notes(problem)), f"{name} {problem.key}: relative error {error:.3g}"

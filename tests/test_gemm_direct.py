@@ -81,7 +81,7 @@ def run_checked(name: str, p: ConvProblem, measure_memory: bool) -> None:
     (a, b), ref = case(p)
     out = p.empty(p.operand_shapes[2])
     out.fill_(math.nan)  # an element left unwritten fails the comparison
-    workspace = allocate_workspace(algo.workspace_bytes(p), p.device)
+    workspace = allocate_workspace(algo.buffer_bytes(p), p.device)
     if measure_memory:
         peak = peak_cpu_bytes(lambda: algo.run(p, a, b, workspace=workspace, out=out))
         assert peak <= slack_bytes(out), (
@@ -130,9 +130,9 @@ def test_filter_gradient_sums_half_terms_in_float32(name):
 
 def test_chunked_workspace_scales_with_the_sub_batch():
     p = ConvProblem("fwd", n=64, c=16, k=16, input_size=(10, 10), kernel_size=3, padding=1)
-    full = get_algorithm("gemm:im2col").workspace_bytes(p)
+    full = get_algorithm("gemm:im2col").buffer_bytes(p)
     for chunk in CHUNKS[:-1]:
-        part = get_algorithm(f"gemm:im2col_chunk{chunk}").workspace_bytes(p)
+        part = get_algorithm(f"gemm:im2col_chunk{chunk}").buffer_bytes(p)
         assert abs(part - full * chunk / p.n) <= ALIGN_BYTES, (chunk, part, full)
 
 
@@ -140,8 +140,8 @@ def test_chunked_workspace_scales_with_the_sub_batch():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_1x1_needs_no_workspace_in_float32(direction, layout):
     p = ConvProblem(direction, n=4, c=8, k=16, input_size=(6, 6), kernel_size=1, layout=layout)
-    assert get_algorithm("gemm:1x1").workspace_bytes(p) == 0
-    assert get_algorithm("direct:taps").workspace_bytes(p.replace(kernel_size=3, padding=1,
+    assert get_algorithm("gemm:1x1").buffer_bytes(p) == 0
+    assert get_algorithm("direct:taps").buffer_bytes(p.replace(kernel_size=3, padding=1,
                                                                   layout="channels_last")) == 0
 
 

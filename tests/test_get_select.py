@@ -138,7 +138,7 @@ def test_finds_ranking_builds_nothing_and_keeps_its_order_once_workspaces_are_kn
         assert names(cold) == ["cudnn:a_big", "cudnn:b_small"]  # unknown counts as 0: the tie goes by name
         assert "workspace not known yet" in cold[0][1].message
         for plan in costly:
-            plan.scratch_bytes(P3)
+            plan.workspace_bytes(P3)
         warm = ranked_predictions(P3, costly, Policy(), keep_filters=False)
         known = ranked_predictions(P3, plans(Fake), Policy(), keep_filters=False)
     assert names(warm) == names(known) == ["cudnn:b_small", "cudnn:a_big"]

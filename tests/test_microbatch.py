@@ -116,11 +116,11 @@ def test_workspace_is_the_largest_sub_batch_plus_the_accumulator(direction, dtyp
     p = problem(direction, n=9, dtype=dtype)
     inner = Growing(bytes_per_sample=1000)
     mb = MicroBatch(inner, [(4, 2), (1, 1)])
-    assert mb.workspace_bytes(p) == aligned(4000) + extra
-    assert mb.workspace_bytes(p) < inner.workspace_bytes(p)
+    assert mb.buffer_bytes(p) == aligned(4000) + extra
+    assert mb.buffer_bytes(p) < inner.buffer_bytes(p)
     # Runs in exactly what it declares (Growing fills its whole scratch each run).
     inputs, ref = reference_case(p)
-    out = mb.run(p, *inputs, workspace=allocate_workspace(mb.workspace_bytes(p), "cpu"))
+    out = mb.run(p, *inputs, workspace=allocate_workspace(mb.buffer_bytes(p), "cpu"))
     assert rel_error(out, ref) <= tolerance(p, mb.notes(p))
 
 
@@ -128,10 +128,10 @@ def test_a_split_knows_its_workspace_without_building_only_once_every_inner_does
     p = problem("bwd_filter", n=6)
     inner = CostlyWorkspace("fake:costly", workspace_bytes=1000)
     mb = MicroBatch(inner, [(4, 1), (2, 1)])
-    assert mb.known_scratch_bytes(p) is None and inner.builds == 0
-    inner.scratch_bytes(problem("bwd_filter", n=4))
-    assert mb.known_scratch_bytes(p) is None and inner.builds == 1  # the sub-batch of 2 is not built yet
-    assert mb.scratch_bytes(p) == mb.known_scratch_bytes(p) == aligned(1000) + aligned(6 * 4 * 9 * 4)
+    assert mb.known_workspace_bytes(p) is None and inner.builds == 0
+    inner.workspace_bytes(problem("bwd_filter", n=4))
+    assert mb.known_workspace_bytes(p) is None and inner.builds == 1  # the sub-batch of 2 is not built yet
+    assert mb.workspace_bytes(p) == mb.known_workspace_bytes(p) == aligned(1000) + aligned(6 * 4 * 9 * 4)
     assert inner.builds == 2
 
 
@@ -169,7 +169,7 @@ def test_name_round_trip_through_get_algorithm():
     assert mb.name == "mb:gemm.im2col_s3x1_2x1"
     again = get_algorithm(mb.name, p)
     assert again.name == mb.name and again.split == ((3, 1), (2, 1)) and again.inner_name == "gemm:im2col"
-    assert again.workspace_bytes(p) == mb.workspace_bytes(p)
+    assert again.buffer_bytes(p) == mb.buffer_bytes(p)
     inputs, ref = reference_case(p)
     assert rel_error(again.run(p, *inputs), ref) <= tolerance(p, again.notes(p))
 

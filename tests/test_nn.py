@@ -516,9 +516,9 @@ def test_tuning_reserves_the_workspace_runs_use(fresh_workspaces):
     sig = Signature((2, 4, 6, 6), torch.float32, torch.device("cpu"), "channels_first")
     plan = plan_layer(conv, sig, Tuning(Policy(prefer="least_memory"), mode="get"), ("fwd",))
     assert plan.problem == problem.key
-    need = convtune.get_algorithm("gemm:im2col").workspace_bytes(problem)
+    need = convtune.get_algorithm("gemm:im2col").buffer_bytes(problem)
     plan = plan_layer(conv, sig, Tuning(Policy(workspace_limit=need), mode="get"), ("fwd",))
-    chosen = convtune.get_algorithm(plan.fwd).workspace_bytes(problem)
+    chosen = convtune.get_algorithm(plan.fwd).buffer_bytes(problem)
     assert workspace.buffer_bytes("cpu") >= chosen
     before = ptr(workspace.get(0, "cpu"))
     torch.ops.convtune.conv(*problem.random_inputs(), plan.problem, plan.fwd, "", "")

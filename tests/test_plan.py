@@ -266,7 +266,7 @@ def test_plan_measures_what_the_database_does_not_know_then_reads_it(tmp_path, m
         assert finds == [p.key]  # read from the database this time
     for result in (first, again):
         assert all(c.ok and c.workspace_bytes == 0 and c.time_ms > 0 for c in result.choices)
-        assert all(get_algorithm(c.algorithm, p).workspace_bytes(p) == 0 for c in result.choices)
+        assert all(get_algorithm(c.algorithm, p).buffer_bytes(p) == 0 for c in result.choices)
         assert result.total_time_ms == pytest.approx(2 * result.choices[0].time_ms)
     free = plan([p], None, db=TuningDB(tmp_path / "tuning.sqlite"))
     assert free.choices[0].time_ms <= first.choices[0].time_ms
@@ -298,7 +298,7 @@ def test_optimize_with_a_zero_budget_selects_zero_workspace_algorithms(tmp_path)
     for row in rows:
         assert row["algorithm"] and row["workspace_bytes"] == 0, row
         p = ConvProblem.from_key(row["problem"])
-        assert get_algorithm(row["algorithm"], p).workspace_bytes(p) == 0
+        assert get_algorithm(row["algorithm"], p).buffer_bytes(p) == 0
     out, expected = model(x), twin(x)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
     out.square().sum().backward()

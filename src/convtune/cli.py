@@ -257,7 +257,7 @@ def cmd_algorithms(args, out: Console) -> int:
         table.add_column(column)
     payload = []
     for a in offered:
-        ws = a.scratch_bytes(problem)
+        ws = a.workspace_bytes(problem)
         table.add_row(a.name, "yes", format_bytes(ws), "yes" if a.is_deterministic(problem) else "no",
                       a.notes(problem).describe())
         payload.append({"algorithm": a.name, "supports": True, "workspace_bytes": ws,

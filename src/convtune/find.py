@@ -127,7 +127,7 @@ class _Search:
         needs less scratch than every one measured so far still runs: it is a new point of the
         time/workspace trade-off that a workspace budget (``plan``) may need.
 
-        A workspace that is costly to learn (``known_scratch_bytes`` is None: an unbuilt cuDNN
+        A workspace that is costly to learn (``known_workspace_bytes`` is None: an unbuilt cuDNN
         plan) is learned only where it decides: against the policy's workspace limit, for a run,
         or to see whether a candidate to be skipped is leaner than every one measured (not when
         the leanest measured needs none). A candidate skipped without it shows 0 bytes, and its
@@ -138,9 +138,9 @@ class _Search:
         try:
             notes = algorithm.notes(problem)
             declared = algorithm.is_deterministic(problem)
-            workspace_bytes = algorithm.known_scratch_bytes(problem)
+            workspace_bytes = algorithm.known_workspace_bytes(problem)
             if workspace_bytes is None and self._workspace_decides(skip):
-                workspace_bytes = algorithm.scratch_bytes(problem)
+                workspace_bytes = algorithm.workspace_bytes(problem)
         except Exception as exc:  # noqa: BLE001 - a failing candidate is data
             return PerfResult(algorithm.name, Status.FAILED, message=_describe(exc))
         learned = workspace_bytes is not None
@@ -194,7 +194,7 @@ class _Search:
     def _measure(self, algorithm: Algorithm, props: _Props, probe_determinism: bool) -> PerfResult:
         problem = self.problem
         inputs, ref = self.case()
-        workspace = allocate_workspace(algorithm.workspace_bytes(problem), problem.device)
+        workspace = allocate_workspace(algorithm.buffer_bytes(problem), problem.device)
         out = problem.empty(problem.operand_shapes[2])
         started = time.perf_counter()
         err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,

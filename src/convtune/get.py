@@ -44,11 +44,11 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: 
     time_ms is the predicted time (times ``factor``, corrected by ``db``'s measurements on this
     device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
     precision) are the algorithm's own. learn_workspace=False takes the workspace only if it is
-    known without costly work (``Algorithm.known_scratch_bytes``; an unbuilt cuDNN plan's is not)
+    known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt cuDNN plan's is not)
     and counts an unknown one as 0, in the cost model and in the result. Exceptions of the
     algorithm's description methods propagate.
     """
-    workspace = algorithm.scratch_bytes(problem) if learn_workspace else algorithm.known_scratch_bytes(problem)
+    workspace = algorithm.workspace_bytes(problem) if learn_workspace else algorithm.known_workspace_bytes(problem)
     unknown = workspace is None
     workspace = workspace or 0
     notes = algorithm.notes(problem)

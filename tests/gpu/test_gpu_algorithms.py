@@ -37,7 +37,7 @@ def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
     failures = []
     for algo in algos:
         try:
-            need = algo.workspace_bytes(p)
+            need = algo.buffer_bytes(p)
         except RuntimeError:  # a cuDNN plan that cannot be built is reported, not run
             continue
         ws = allocate_workspace(need, "cuda")
@@ -131,15 +131,15 @@ def test_find_builds_no_cudnn_plan_that_it_skips_once_a_measured_candidate_needs
         results = ct.find(p)
     assert any(r.ok and r.workspace_bytes == 0 for r in results)
     skipped = [r for r in results if r.algorithm in plans and r.status == ct.Status.SKIPPED]
-    unbuilt = [r for r in skipped if plans[r.algorithm].known_scratch_bytes(p) is None]
+    unbuilt = [r for r in skipped if plans[r.algorithm].known_workspace_bytes(p) is None]
     assert unbuilt, [(r.algorithm, r.status.value, r.message) for r in results]
     for r in skipped:  # one skipped before torch:native was measured may have been built to compare
         assert ("workspace not learned" in r.message) == (r in unbuilt)
-        assert r in unbuilt or r.workspace_bytes == plans[r.algorithm].known_scratch_bytes(p)
+        assert r in unbuilt or r.workspace_bytes == plans[r.algorithm].known_workspace_bytes(p)
     assert all(r.workspace_bytes == 0 for r in unbuilt)
     for r in results:
         if r.ok and r.algorithm in plans:
-            assert plans[r.algorithm].known_scratch_bytes(p) == r.workspace_bytes
+            assert plans[r.algorithm].known_workspace_bytes(p) == r.workspace_bytes
     # get's answers still learn every workspace: each plan is built for them.
     choices = ct.get(p)
-    assert all(plans[c.name].known_scratch_bytes(p) == c.workspace_bytes for c in choices if c.name in plans)
+    assert all(plans[c.name].known_workspace_bytes(p) == c.workspace_bytes for c in choices if c.name in plans)

@@ -38,7 +38,7 @@ def test_every_native_executable_matches_float64_and_its_python_algorithm(case):
         if algo.native_recipe(p) is None:
             continue
         try:  # the Python run first: a plan the frontend cannot build here (TF32 deselected) is never chosen
-            python = algo.run(p, a, b, workspace=allocate_workspace(algo.workspace_bytes(p), "cuda"))
+            python = algo.run(p, a, b, workspace=allocate_workspace(algo.buffer_bytes(p), "cuda"))
         except RuntimeError:
             continue
         handle = runtime.executable(p, algo)

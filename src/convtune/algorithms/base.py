@@ -1,12 +1,12 @@
 """Algorithm: one way to compute a convolution, and the support it needs (workspace carving, checks).
 
 An algorithm knows whether it supports a problem (and why not), how much workspace it needs
-(and whether that is known yet without costly work: ``known_scratch_bytes``), whether it is
+(and whether that is known yet without costly work: ``known_workspace_bytes``), whether it is
 deterministic, its numeric behaviour, and how to run. It never times and never
 chooses: the timer and the tuner do that.
 
-Workspace honesty: every scratch tensor an algorithm uses is carved from the workspace it is
-given, through the same ``buffers`` list that ``workspace_bytes`` sums, so the declaration and
+Workspace honesty: every scratch tensor an algorithm uses is carved from the buffer it is
+given, through the same ``buffers`` list that ``buffer_bytes`` sums, so the declaration and
 the use cannot drift apart.
 """
 
@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -205,37 +206,43 @@ class Algorithm(abc.ABC):
             return unsupported(f"computes {'/'.join(self.directions)}, not {problem.direction}")
         return self._supports(problem)
 
-    def workspace_bytes(self, problem: ConvProblem) -> int:
-        """Bytes of scratch ``run`` needs for ``problem``; it never uses more."""
+    def buffer_bytes(self, problem: ConvProblem) -> int:
+        """Bytes of the buffer ``run`` carves its scratch tensors from (``buffers``); it never uses more."""
         return buffers_bytes(self.buffers(problem))
 
     def library_bytes(self, problem: ConvProblem) -> int:
-        """Bytes the libraries ``run`` calls allocate by themselves, outside the workspace (cuFFT's
-        result and work buffers, say): memory a budget must count but cannot carve. 0 by default."""
+        """Bytes the libraries ``run`` calls allocate by themselves, outside the buffer (cuFFT's result and
+        work buffers, say): memory a budget must count but cannot carve. 0 by default."""
         return 0
 
-    def scratch_bytes(self, problem: ConvProblem) -> int:
-        """All the scratch memory a run needs: the workspace plus what libraries allocate themselves.
+    def workspace_bytes(self, problem: ConvProblem) -> int:
+        """All the memory a run needs beside its operands: the buffer plus what libraries allocate themselves.
 
-        This is what policies and plans count against a memory limit.
+        What ``PerfResult.workspace_bytes`` reports and what policies and plans count against a limit.
         """
-        return self.workspace_bytes(problem) + self.library_bytes(problem)
+        return self.buffer_bytes(problem) + self.library_bytes(problem)
 
-    def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
-        """``scratch_bytes(problem)`` if it is known without costly work, else None.
+    def known_workspace_bytes(self, problem: ConvProblem) -> int | None:
+        """``workspace_bytes(problem)`` if it is known without costly work, else None.
 
         An algorithm whose size is learned only by real work (a cuDNN plan is built to learn its
         workspace, up to a second) returns None until that work was done. The tuner asks this
-        where the size only orders or skips candidates, and ``scratch_bytes`` where a decision
+        where the size only orders or skips candidates, and ``workspace_bytes`` where a decision
         depends on it. By default the size is always known.
         """
-        return self.scratch_bytes(problem)
+        return self.workspace_bytes(problem)
+
+    def scratch_bytes(self, problem: ConvProblem) -> int:
+        """Deprecated: ``workspace_bytes``, the name ``PerfResult`` and ``Policy`` use for the same figure."""
+        warnings.warn("Algorithm.scratch_bytes is now Algorithm.workspace_bytes (the whole workspace a run needs; "
+                      "buffer_bytes is the part it carves)", DeprecationWarning, stacklevel=2)
+        return self.workspace_bytes(problem)
 
     def run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
             workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Compute ``problem``: fwd (x, w) -> y; bwd_data (dy, w) -> dx; bwd_filter (x, dy) -> dw.
 
-        ``workspace``: a 1-D uint8 tensor of at least ``workspace_bytes(problem)`` bytes on the
+        ``workspace``: a 1-D uint8 tensor of at least ``buffer_bytes(problem)`` bytes on the
         problem's device (None: allocated here). ``out``: where to write the result (None: a new
         tensor in the problem's layout). Bad tensors raise ``ValueError`` naming the operand.
         """
@@ -259,7 +266,7 @@ class Algorithm(abc.ABC):
         elif workspace.numel() < need:
             raise ValueError(
                 f"workspace of {workspace.numel()} bytes is smaller than the {need} bytes {self.name} "
-                f"declares for {problem.key}; pass workspace_bytes(problem) bytes or more"
+                f"declares for {problem.key}; pass buffer_bytes(problem) bytes or more"
             )
         elif workspace.device.type != problem.device:
             raise ValueError(f"workspace is on {workspace.device} but the problem is on {problem.device}")

@@ -4,8 +4,8 @@ For a problem, the backend builds the cuDNN graph (conv_fprop, conv_dgrad or con
 compute) and asks heuristics modes A and FALLBACK for every engine configuration they offer. Each
 plan becomes an algorithm named ``cudnn:<plan name>`` (``cudnn:eng62_k2=5_k13=1...``). Building a
 plan costs from 0.1 ms to about a second (runtime-compiled engines), so plans are built lazily, the
-first time their workspace is asked for (``scratch_bytes``) or they run, and kept per problem for
-the process. Until then ``known_scratch_bytes`` is None: ``find`` orders and skips candidates
+first time their workspace is asked for (``workspace_bytes``) or they run, and kept per problem for
+the process. Until then ``known_workspace_bytes`` is None: ``find`` orders and skips candidates
 without building them, and builds only the plans whose workspace decides something (see ``find``).
 
 Determinism is not exposed per plan by the frontend's Python API: a plan's ``is_deterministic``
@@ -216,10 +216,10 @@ class CudnnPlan(Algorithm):
         half = problem.dtype != "float32"
         return NumericNotes(tensor_cores=half or problem.allow_tf32, tf32=not half and problem.allow_tf32)
 
-    def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
+    def known_workspace_bytes(self, problem: ConvProblem) -> int | None:
         # Only a built plan knows its workspace (None: not built, or failed); then the same figure as
-        # scratch_bytes, which counts the buffer as carved (aligned).
-        return self.scratch_bytes(problem) if self.index in self.graph.workspace else None
+        # workspace_bytes, which counts the buffer as carved (aligned).
+        return self.workspace_bytes(problem) if self.index in self.graph.workspace else None
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         return BACKEND.cost(problem, workspace_bytes)

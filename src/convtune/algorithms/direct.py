@@ -26,7 +26,7 @@ buffer of the weight's size.
     >>> from convtune.problem import ConvProblem
     >>> from convtune.algorithms.registry import get_algorithm
     >>> p = ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=3, padding=1)
-    >>> get_algorithm("direct:taps").workspace_bytes(p.replace(layout="channels_last"))
+    >>> get_algorithm("direct:taps").buffer_bytes(p.replace(layout="channels_last"))
     0
 """
 

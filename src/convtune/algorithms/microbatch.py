@@ -176,18 +176,18 @@ class MicroBatch(Algorithm):
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         # One workspace serves every sub-batch in turn: the largest need is enough.
-        inner_bytes = max(inner.workspace_bytes(sub) for sub, inner in self._subs(problem))
+        inner_bytes = max(inner.buffer_bytes(sub) for sub, inner in self._subs(problem))
         extra = accumulator_buffers(problem) if len(self.slices()) > 1 else []
         return [Buffer("inner", (inner_bytes,), torch.uint8), *extra]
 
     def library_bytes(self, problem: ConvProblem) -> int:
         return max(inner.library_bytes(sub) for sub, inner in self._subs(problem))
 
-    def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
+    def known_workspace_bytes(self, problem: ConvProblem) -> int | None:
         # Known once every sub-batch's inner knows its own: asking builds no cuDNN plan of a split.
-        if any(inner.known_scratch_bytes(sub) is None for sub, inner in self._subs(problem)):
+        if any(inner.known_workspace_bytes(sub) is None for sub, inner in self._subs(problem)):
             return None
-        return self.scratch_bytes(problem)
+        return self.workspace_bytes(problem)
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         notes = [inner.notes(sub) for sub, inner in self._subs(problem)]

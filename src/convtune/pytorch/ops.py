@@ -72,7 +72,7 @@ class Runner:
     so a call costs little host time beyond the algorithm's own launches.
     """
 
-    __slots__ = ("problem", "algorithm", "operands", "result", "workspace_bytes", "buffers", "generation", "_kind")
+    __slots__ = ("problem", "algorithm", "operands", "result", "buffer_bytes", "buffers", "generation", "_kind")
 
     def __init__(self, key: str, algorithm: str) -> None:
         self.generation = generation()  # the registry's: a re-registered name is looked up again
@@ -88,7 +88,7 @@ class Runner:
         self._kind = (problem.torch_dtype, problem.device == "cuda")  # what _fits compares besides geometry
         self.result = _result_spec(problem)
         self.buffers = tuple(algo.buffers(problem))
-        self.workspace_bytes = buffers_bytes(self.buffers)
+        self.buffer_bytes = buffers_bytes(self.buffers)
 
     def _fits(self, t: torch.Tensor, index: int) -> bool:
         # The cheapest attributes first: a run asks this of both operands every call.
@@ -110,7 +110,7 @@ class Runner:
         self._check(a, b)
         device = a.device
         out = torch.empty_strided(*self.result, dtype=a.dtype, device=device)
-        ws = workspace.carved(self.buffers, self.workspace_bytes, device) if self.buffers else {}
+        ws = workspace.carved(self.buffers, self.buffer_bytes, device) if self.buffers else {}
         kind = device.type
         # The algorithm computes in the problem's dtype: an autocast region around the model must not
         # recast the matmuls inside it. Under the profiler each run is a range named after its problem

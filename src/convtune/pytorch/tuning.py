@@ -247,5 +247,5 @@ def reserve_workspace(plan: LayerPlan, device: torch.device) -> None:
     base = ConvProblem.from_key(plan.problem)
     for direction, _ in plan.results:
         problem = base.with_direction(direction)
-        workspace.reserve(get_algorithm(getattr(plan, direction), problem).workspace_bytes(problem), device)
+        workspace.reserve(get_algorithm(getattr(plan, direction), problem).buffer_bytes(problem), device)
 
