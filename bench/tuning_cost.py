@@ -251,7 +251,7 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
              ("optimized forward+backward", _per_call_us(lambda: conv(xg).sum().backward())),
              ("optimized backward alone", _backward_us(conv, xg))]
     rows += native_rows(p, conv, x, xg)
-    call = next(iter(conv.plans.values())).call
+    call = next(iter(conv.selections.values())).call
     if call is not None:  # the backward's two runs without autograd around them
         dy = conv(x).detach()
         data, weights = call.runner("bwd_data"), call.runner("bwd_filter")
@@ -275,7 +275,7 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
     rounds' ratios; the issue's target: at most 1.1).
     """
     from convtune.pytorch.modules import Conv2d
-    from convtune.pytorch.tuning import LayerPlan, Signature, layout_of
+    from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
 
     base = torch.nn.Conv2d(8, 8, 1, bias=False).to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
     base.weight.data.copy_(conv.weight.data)
@@ -290,7 +290,7 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
             continue
         layer = Conv2d(8, 8, 1, bias=False, mode="get").to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
         layer.weight.data.copy_(conv.weight.data)
-        plan = layer._convtune_plans[sig] = LayerPlan(p.key, **names)
+        plan = layer._convtune_selections[sig] = LayerSelection(p.key, **names)
         label = f"{kind} executables, runtime {plan.runtime}"
         layer(xg)
         torch_fwd, fwd, fwd_ratio = _interleaved(lambda: base(x), lambda: layer(x))

@@ -27,7 +27,7 @@ from convtune import extension
 from convtune.problem import ConvProblem, is_in_layout
 from convtune.settings import settings
 from convtune.pytorch import runtime
-from convtune.pytorch.tuning import LayerPlan, Signature, layout_of
+from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
 from convtune.verify import reference, rel_error, tolerance
 
 NATIVE_ALGORITHMS = ("torch:native", "gemm:1x1", "gemm:1x1_strided")
@@ -166,7 +166,7 @@ def _forced(x: torch.Tensor, algorithm: str, **kwargs) -> ct.nn.Conv2d:
     module = ct.nn.Conv2d(**kwargs, mode="get")
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     p = ConvProblem.from_module(module, sig.shape, dtype=sig.dtype, layout=sig.layout)
-    module._convtune_plans[sig] = LayerPlan(p.key, algorithm, algorithm, algorithm)
+    module._convtune_selections[sig] = LayerSelection(p.key, algorithm, algorithm, algorithm)
     return module
 
 
@@ -175,7 +175,7 @@ def test_a_module_on_the_native_path_trains_like_torch_and_takes_the_hot_path(na
     module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
     twin = torch.nn.Conv2d(6, 4, 1)
     twin.load_state_dict(module.state_dict())
-    plan = next(iter(module.plans.values()))
+    plan = next(iter(module.selections.values()))
     assert plan.runtime == "native" and plan.native is not None
     assert [r["runtime"] for r in ct.explain(module)] == []  # forced plans carry no measured results
     for _ in range(2):  # the first call finds the plan, the second takes the hot path
@@ -189,7 +189,7 @@ def test_a_module_on_the_native_path_trains_like_torch_and_takes_the_hot_path(na
     torch.testing.assert_close(module.weight.grad, twin.weight.grad, atol=1e-5, rtol=1e-4)
     # another signature leaves the hot path for the full one, which tunes it
     y = module(torch.randn(1, 6, 3, 3))
-    assert y.shape == (1, 4, 3, 3) and len(module.plans) == 2
+    assert y.shape == (1, 4, 3, 3) and len(module.selections) == 2
 
 
 def test_autocast_casts_in_the_native_op_as_torch_does(native):
@@ -200,7 +200,7 @@ def test_autocast_casts_in_the_native_op_as_torch_does(native):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, yr = module(x), twin(x)
         y = module(x)  # the hot path: the C++ autocast kernel casts
-    assert y.dtype == torch.bfloat16 and module._convtune_fast[x.shape] == next(iter(module.plans.values())).native
+    assert y.dtype == torch.bfloat16 and module._convtune_fast[x.shape] == next(iter(module.selections.values())).native
     assert rel_error(y.detach().float(), yr.detach().float()) < 1.6e-2
 
 
@@ -212,7 +212,7 @@ def test_a_layer_that_pads_first_casts_in_the_op_under_autocast_and_trains_like_
                      padding_mode="reflect").to(memory_format=torch.channels_last)
     twin = torch.nn.Conv2d(6, 4, 1, padding=1, padding_mode="reflect").to(memory_format=torch.channels_last)
     twin.load_state_dict(module.state_dict())
-    assert next(iter(module.plans.values())).runtime == "native"
+    assert next(iter(module.selections.values())).runtime == "native"
     for _ in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y, yr = module(x), twin(x)
@@ -233,7 +233,7 @@ def test_copies_and_pickles_of_a_native_model_run_alike(native):
         assert twin[0]._convtune_fast == {}
         torch.testing.assert_close(twin(x), expected)
         torch.testing.assert_close(twin(x), expected)  # the hot path
-        assert next(iter(twin[0].plans.values())).runtime == "native"
+        assert next(iter(twin[0].selections.values())).runtime == "native"
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -276,7 +276,7 @@ def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, m
         module(x)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "Install a C++ compiler" in messages[0], messages
-    plan = next(iter(module.plans.values()))
+    plan = next(iter(module.selections.values()))
     assert plan.runtime == "python" and "extension is not available" in plan.python_reason
     torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
 
@@ -285,7 +285,7 @@ def test_the_native_runtime_can_be_switched_off(native):
     x = torch.randn(2, 6, 5, 5)
     with settings.override(native=False):
         module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
-    plan = next(iter(module.plans.values()))
+    plan = next(iter(module.selections.values()))
     assert plan.runtime == "python" and "CONVTUNE_NATIVE=0" in plan.python_reason
 
 
@@ -363,16 +363,16 @@ def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkey
             PerfResult("torch:native", Status.OK, time_ms=0.01 + gain_ms, rel_error=0.0)])
     y = module(x.requires_grad_())
     y.sum().backward()
-    plan = next(iter(module.plans.values()))
+    plan = next(iter(module.selections.values()))
     assert plan.runtime == expected, plan
     if expected == "torch":  # 3 x 3 us of GPU time against 3 x 5 us of host time
         assert plan.fwd == plan.bwd_data == plan.bwd_filter == "torch:native"
         assert "would gain 9.0 us of GPU time a step but cost 15.0 us" in ct.explain(module)[0]["note"]
     with settings.override(host_rule=False):
-        module._convtune_plans.clear()
+        module._convtune_selections.clear()
         module._convtune_fast.clear()
         module(x)
-        assert next(iter(module.plans.values())).fwd == "gemm:1x1"
+        assert next(iter(module.selections.values())).fwd == "gemm:1x1"
 
 
 def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
@@ -385,12 +385,12 @@ def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
         torch.testing.assert_close(module(x), F.conv2d(x, module.weight, module.bias, padding=1))
     fast = module._convtune_fast[x.shape]
     assert isinstance(fast, TorchCall) and fast.admits(x)
-    plan = next(iter(module.plans.values()))
+    plan = next(iter(module.selections.values()))
     assert plan.runtime == "torch" and plan.bwd_data == ""
     xg = x.clone().requires_grad_()
     assert not fast.admits(xg)  # a gradient not tuned yet: the full path tunes it
     module(xg).sum().backward()
-    assert next(iter(module.plans.values())).bwd_data == "torch:native" and xg.grad is not None
+    assert next(iter(module.selections.values())).bwd_data == "torch:native" and xg.grad is not None
     fast = module._convtune_fast[x.shape]
     assert not fast.admits(x.to(memory_format=torch.channels_last)) and not fast.admits(x.to("meta"))
     assert module._convtune_fast.get(torch.Size((1, 3, 6, 6))) is None
@@ -455,7 +455,7 @@ def test_a_layer_that_pads_its_input_first_never_takes_the_op_on_the_raw_input(n
     module = _forced(first, "gemm:1x1", **kwargs)  # the problem is the 10x10 padded input's
     twin = torch.nn.Conv2d(**kwargs)
     twin.load_state_dict(module.state_dict())
-    assert next(iter(module.plans.values())).runtime == "native"
+    assert next(iter(module.selections.values())).runtime == "native"
     for size in (8, 10, 8, 10):  # 10x10: the shape the op's problem has, but not padded yet
         x = torch.randn(2, 4, size, size)
         torch.testing.assert_close(module(x), twin(x), atol=1e-5, rtol=1e-4)
@@ -465,7 +465,7 @@ def test_a_layer_keeps_a_hot_path_per_input_shape(native):
     x, z = torch.randn(2, 6, 5, 5), torch.randn(1, 6, 3, 3)
     module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
     sig = Signature(tuple(z.shape), z.dtype, z.device, layout_of(z))
-    module._convtune_plans[sig] = LayerPlan(next(iter(module.plans.values())).problem.replace("n2", "n1").replace(
+    module._convtune_selections[sig] = LayerSelection(next(iter(module.selections.values())).problem.replace("n2", "n1").replace(
         "in5x5", "in3x3"), "gemm:1x1", "gemm:1x1", "gemm:1x1")
     for t in (x, z, x, z):
         torch.testing.assert_close(module(t), F.conv2d(t, module.weight, module.bias), atol=1e-5, rtol=1e-4)
@@ -490,10 +490,10 @@ def test_the_host_cost_rule_judges_every_tuned_direction_whatever_the_order(nati
             if step == "inference":
                 with torch.no_grad():
                     module(x)
-                assert next(iter(module.plans.values())).runtime == "torch"  # 3 us gained, 5 us paid
+                assert next(iter(module.selections.values())).runtime == "torch"  # 3 us gained, 5 us paid
             else:
                 module(x.clone().requires_grad_()).sum().backward()
-        plans.append(next(iter(module.plans.values())))
+        plans.append(next(iter(module.selections.values())))
     assert plans[0] == plans[1] and plans[0].runtime == "native" and plans[0].fwd == "gemm:1x1"  # 23 us against 15
 
 
@@ -517,7 +517,7 @@ def test_changing_a_tuned_layer_drops_its_choices_and_it_computes_what_it_now_is
     module(x)  # the hot path holds the native op now
     for name, value in change.items():
         setattr(module, name, value)
-    assert module.plans == {} and module._convtune_fast == {}
+    assert module.selections == {} and module._convtune_fast == {}
     expected = F.conv2d(x, module.weight, module.bias, stride=module.stride, padding=module.padding,
                         dilation=module.dilation)
     torch.testing.assert_close(module(x), expected, atol=1e-5, rtol=1e-4)

@@ -32,7 +32,7 @@ from convtune.algorithms.registry import isolated
 from convtune.settings import settings
 from convtune.pytorch import ops, workspace
 from convtune.pytorch.explain import explain_table
-from convtune.pytorch.tuning import Signature, Tuning, plan_layer
+from convtune.pytorch.tuning import Signature, Tuning, select_for_layer
 from convtune.verify import rel_error
 
 TIGHT = dict(atol=1e-5, rtol=1e-4)  # float32 against PyTorch's float32: rounding differences only
@@ -184,7 +184,7 @@ def test_module_is_a_drop_in_for_torch_nn(cls, kwargs, shape, poisoned):
     assert conv.state_dict().keys() == plain.state_dict().keys()
     plain.load_state_dict(conv.state_dict())
     assert_same_training_step(conv, plain, torch.randn(shape))
-    (plan,) = conv.plans.values()
+    (plan,) = conv.selections.values()
     assert not plan.on_torch and plan.fwd and plan.bwd_data and plan.bwd_filter
     assert repr(conv) == repr(plain)
 
@@ -194,7 +194,7 @@ def test_module_measures_in_hybrid_mode_and_stores_in_the_database(db):
     x = torch.randn(2, 3, 6, 6)
     with torch.no_grad():
         torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1), **TIGHT)
-    (plan,) = conv.plans.values()
+    (plan,) = conv.selections.values()
     assert (plan.bwd_data, plan.bwd_filter) == ("", "")  # no gradient was needed
     (direction, result), = plan.results
     assert direction == "fwd" and result.time_ms is not None
@@ -209,9 +209,9 @@ def test_unbatched_and_channels_last_inputs():
     y = conv(xl)
     assert y.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(y, F.conv2d(xl, conv.weight, conv.bias, padding=1), **TIGHT)
-    layouts = sorted(sig.layout for sig in conv.plans)
+    layouts = sorted(sig.layout for sig in conv.selections)
     assert layouts == ["channels_first", "channels_last"]
-    assert all(plan.problem.split("|")[-3] == sig.layout for sig, plan in conv.plans.items())
+    assert all(plan.problem.split("|")[-3] == sig.layout for sig, plan in conv.selections.items())
     assert conv.weight.is_contiguous()  # the Parameter is not converted in place
     assert_same_training_step(conv, torch_twin(conv), xl)  # the weight's gradient flows through the conversion
 
@@ -223,7 +223,7 @@ def test_autocast_computes_in_the_autocast_dtype():
         y = conv(x)
         expected = F.conv2d(x, conv.weight, conv.bias, padding=1)
     assert y.dtype == expected.dtype == torch.bfloat16
-    (sig,) = conv.plans
+    (sig,) = conv.selections
     assert sig.dtype == torch.bfloat16
     with torch.no_grad():
         reference = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
@@ -234,7 +234,7 @@ def test_inputs_convtune_cannot_describe_run_torchs_path():
     conv = convtune.nn.Conv2d(2, 3, 3, mode="get").double()
     x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
     torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias))
-    (plan,) = conv.plans.values()
+    (plan,) = conv.selections.values()
     assert plan.on_torch and "float64" in plan.reason
     (row,) = convtune.explain(conv)
     assert row["algorithm"] is None and "float64" in row["note"]
@@ -336,7 +336,7 @@ def test_new_input_shapes_are_tuned_on_first_use_by_the_modes_rule(db, monkeypat
         x = torch.randn(3, 3, 5, 7)
         torch.testing.assert_close(model(x), twin(x), **TIGHT)
     assert len(calls) == 4 and {p.n for p in calls[2:]} == {3}
-    assert len(model[0].plans) == 2
+    assert len(model[0].selections) == 2
     with torch.no_grad():
         model(x)
     assert len(calls) == 4  # cached per module per shape
@@ -403,7 +403,7 @@ def test_optimized_models_copy_and_pickle(db):
     with torch.no_grad():
         expected = model(x)
         for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            assert isinstance(clone[0], convtune.nn.Conv2d) and clone[0].plans == model[0].plans
+            assert isinstance(clone[0], convtune.nn.Conv2d) and clone[0].selections == model[0].selections
             torch.testing.assert_close(clone(x), expected, rtol=0, atol=0)
     assert pickle.loads(pickle.dumps(model))[0]._convtune_tuning.db.path == db.path
 
@@ -421,7 +421,7 @@ def test_a_model_that_ran_copies_and_pickles_though_its_algorithms_do_not():
         model(x).sum().backward()  # every direction's runner now holds the algorithm
         assert {r["algorithm"] for r in convtune.explain(model)} == {"fake:locked"}
         for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            assert clone[0].plans == model[0].plans
+            assert clone[0].selections == model[0].selections
             clone(x).sum().backward()
             assert clone[0].weight.grad is not None
 
@@ -482,7 +482,7 @@ def test_torch_compile_traces_the_tuned_convolution_without_graph_breaks():
     with torch.no_grad():  # a shape not tuned yet: tuned eagerly at a graph break, then traced
         x = torch.randn(1, 8, 3, 3)
         torch.testing.assert_close(layer(x), twin.depthwise(x), **TIGHT)
-    assert len(model.depthwise.plans) == 2
+    assert len(model.depthwise.selections) == 2
 
 
 @pytest.mark.slow
@@ -514,10 +514,10 @@ def test_tuning_reserves_the_workspace_runs_use(fresh_workspaces):
     problem = ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=3)
     conv = torch.nn.Conv2d(4, 4, 3)
     sig = Signature((2, 4, 6, 6), torch.float32, torch.device("cpu"), "channels_first")
-    plan = plan_layer(conv, sig, Tuning(Policy(prefer="least_memory"), mode="get"), ("fwd",))
+    plan = select_for_layer(conv, sig, Tuning(Policy(prefer="least_memory"), mode="get"), ("fwd",))
     assert plan.problem == problem.key
     need = convtune.get_algorithm("gemm:im2col").buffer_bytes(problem)
-    plan = plan_layer(conv, sig, Tuning(Policy(workspace_limit=need), mode="get"), ("fwd",))
+    plan = select_for_layer(conv, sig, Tuning(Policy(workspace_limit=need), mode="get"), ("fwd",))
     chosen = convtune.get_algorithm(plan.fwd).buffer_bytes(problem)
     assert workspace.buffer_bytes("cpu") >= chosen
     before = ptr(workspace.get(0, "cpu"))
@@ -596,10 +596,28 @@ def test_a_layer_that_chose_torch_native_everywhere_calls_torch_directly(monkeyp
         x = torch.randn(2, 3, 6, 6)
         convtune.optimize(model, x, training=True, mode="get")
         assert {r["algorithm"] for r in convtune.explain(model)} == {"torch:native"}
-        assert all(plan.native_only for m in (model[0], model[2]) for plan in m.plans.values())
+        assert all(plan.native_only for m in (model[0], model[2]) for plan in m.selections.values())
 
         def no_op_call(*args):
             raise AssertionError("a torch:native layer went through convtune's op")
 
         monkeypatch.setattr(ops, "compute", no_op_call)
         assert_same_training_step(model, twin, x)
+
+
+def test_the_old_names_of_a_layers_selections_still_work():
+    conv = convtune.nn.Conv2d(2, 3, 3, mode="get")
+    conv(torch.randn(1, 2, 5, 5))
+    with pytest.warns(DeprecationWarning, match="selections"):
+        assert conv.plans == conv.selections and len(conv.selections) == 1
+    with pytest.warns(DeprecationWarning, match="workspace_bytes"):
+        algo = convtune.get_algorithm("gemm:im2col")
+        p = ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 5), kernel_size=3)
+        assert algo.scratch_bytes(p) == algo.workspace_bytes(p) == algo.buffer_bytes(p) + algo.library_bytes(p)
+    state = dict(conv.__dict__)  # as a version that called them plans pickled it
+    state["_convtune_plans"] = state.pop("_convtune_selections")
+    old = convtune.nn.Conv2d.__new__(convtune.nn.Conv2d)
+    old.__setstate__(state)
+    assert old.selections == conv.selections
+    from convtune.pytorch.tuning import LayerPlan, LayerSelection
+    assert LayerPlan is LayerSelection

@@ -37,16 +37,17 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     for name, module in model.named_modules():
         if not isinstance(module, TunedConv):
             continue
-        for plan in module.plans.values():
-            if plan.on_torch:
-                rows.append(dict(module=name, problem=plan.problem, direction="fwd", algorithm=None, runtime="torch",
-                                 status="torch", time_ms=None, workspace_bytes=0, note=plan.reason))
+        for selection in module.selections.values():
+            if selection.on_torch:
+                rows.append(dict(module=name, problem=selection.problem, direction="fwd", algorithm=None,
+                                 runtime="torch", status="torch", time_ms=None, workspace_bytes=0,
+                                 note=selection.reason))
                 continue
-            for direction, result in plan.results:
-                key = ConvProblem.from_key(plan.problem).with_direction(direction).key
-                note = "; ".join(n for n in (plan.reason, plan.python_reason, result.message) if n)
+            for direction, result in selection.results:
+                key = ConvProblem.from_key(selection.problem).with_direction(direction).key
+                note = "; ".join(n for n in (selection.reason, selection.python_reason, result.message) if n)
                 rows.append(dict(module=name, problem=key, direction=direction, algorithm=result.algorithm,
-                                 runtime=plan.runtime, status=result.status.value, time_ms=result.time_ms,
+                                 runtime=selection.runtime, status=result.status.value, time_ms=result.time_ms,
                                  workspace_bytes=result.workspace_bytes, note=note))
     return rows
 

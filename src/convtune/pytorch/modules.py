@@ -27,6 +27,7 @@ convtune cannot describe (float64, say) and layers no algorithm serves run torch
 from __future__ import annotations
 
 import typing
+import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from convtune.policy import Policy
 from convtune.problem import explicit_padding, to_layout
 from convtune.pytorch import ops
-from convtune.pytorch.tuning import LayerPlan, Signature, Tuning, layout_of, plan_layer
+from convtune.pytorch.tuning import LayerSelection, Signature, Tuning, layout_of, select_for_layer
 
 if TYPE_CHECKING:  # TunedConv is only ever mixed into a torch conv module: type it as one
     from torch.nn.modules.conv import _ConvNd as _ConvBase
@@ -56,7 +57,7 @@ class TunedConv(_ConvBase):
     """The behaviour that Conv1d/2d/3d add to their ``torch.nn`` base (a mixin placed before it)."""
 
     _convtune_tuning: Tuning
-    _convtune_plans: dict[Signature, LayerPlan]
+    _convtune_selections: dict[Signature, LayerSelection]
 
     def __init__(self, *args: Any, policy: Policy | None = None, mode: str = "hybrid", db: Any = None,
                  **kwargs: Any) -> None:
@@ -65,25 +66,33 @@ class TunedConv(_ConvBase):
 
     def _init_convtune(self, tuning: Tuning) -> None:
         self._convtune_tuning = tuning
-        self._convtune_plans = {}
+        self._convtune_selections = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A tuned choice belongs to the convolution the layer was: changing what it computes (stride,
         # padding, ...) after tuning drops the choices, and the next call tunes the layer it now is.
         super().__setattr__(name, value)
-        if name in _GEOMETRY and "_convtune_plans" in self.__dict__:
-            self._convtune_plans.clear()
+        if name in _GEOMETRY and "_convtune_selections" in self.__dict__:
+            self._convtune_selections.clear()
             self._convtune_fast.clear()
 
     def __setstate__(self, state: dict) -> None:
+        if "_convtune_plans" in state:  # pickled by a version that called the selections plans
+            state["_convtune_selections"] = state.pop("_convtune_plans")
         super().__setstate__(state)
-        self._convtune_fast = {}  # a copy's plans make their executables anew: the next call finds them
+        self._convtune_fast = {}  # a copy's selections make their executables anew: the next call finds them
 
     @property
-    def plans(self) -> dict[Signature, LayerPlan]:
+    def selections(self) -> dict[Signature, LayerSelection]:
         """What this layer runs for each input signature it has seen (read-only view, for ``explain``)."""
-        return dict(self._convtune_plans)
+        return dict(self._convtune_selections)
+
+    @property
+    def plans(self) -> dict[Signature, LayerSelection]:
+        """Deprecated: ``selections`` ("plan" is the network's workspace plan, ``convtune.plan``)."""
+        warnings.warn("TunedConv.plans is now TunedConv.selections", DeprecationWarning, stacklevel=2)
+        return self.selections
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # The hot path, for input shapes met before: either the native op on its executables (the op
@@ -123,21 +132,21 @@ class TunedConv(_ConvBase):
         sig = Signature(tuple(x.shape), dtype, x.device, layout_of(x))
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
-        plan = self._convtune_plans.get(sig)
-        if plan is None or not plan.covers(need_dx, need_dw):
+        selection = self._convtune_selections.get(sig)
+        if selection is None or not selection.covers(need_dx, need_dw):
             tune = _eager_tuning() if torch.compiler.is_compiling() else TunedConv._convtune_tune
-            plan = tune(self, sig, need_dx, need_dw)
-        call = plan.call
-        if call is None and plan.native is None:  # torch's path, or torch:native in every direction
-            self._convtune_hot(input.shape, TorchCall.of(input, sig, plan))
+            selection = tune(self, sig, need_dx, need_dw)
+        call = selection.call
+        if call is None and selection.native is None:  # torch's path, or torch:native in every direction
+            self._convtune_hot(input.shape, TorchCall.of(input, sig, selection))
             return super().forward(input)
         padded = self._convtune_pad(x)
-        if plan.native is not None:
+        if selection.native is not None:
             # The op casts under autocast itself, as the hot path relies on (the weight once per autocast
             # region, through autocast's cache), and lays the weight out as the problem needs.
             if padded is x and batched:  # the op on the input as it comes, nothing done to it first
-                self._convtune_hot(input.shape, plan.native)
-            y = _tuned_conv(to_layout(padded, sig.layout), weight, bias, *plan.native)
+                self._convtune_hot(input.shape, selection.native)
+            y = _tuned_conv(to_layout(padded, sig.layout), weight, bias, *selection.native)
             return y if batched else y.squeeze(0)
         if cast is not None:
             padded = padded if padded.dtype == cast else padded.to(cast)
@@ -161,14 +170,14 @@ class TunedConv(_ConvBase):
                 return F.pad(x, extra)
         return x
 
-    def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerPlan:
+    def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerSelection:
         # Under torch.compile this runs eagerly, at a graph break (it measures, reads databases): see
         # _eager_tuning. Never wrapped before: torch.compiler.disable imports Dynamo (a second on a warm start).
         self._convtune_fast.clear()
         directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
-        plan = plan_layer(self, sig, self._convtune_tuning, directions, self._convtune_plans.get(sig))
-        self._convtune_plans[sig] = plan
-        return plan
+        selection = select_for_layer(self, sig, self._convtune_tuning, directions, self._convtune_selections.get(sig))
+        self._convtune_selections[sig] = selection
+        return selection
 
 
 _GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode", "kernel_size", "in_channels",
@@ -189,10 +198,10 @@ class TorchCall(NamedTuple):
     covers_dw: bool
 
     @classmethod
-    def of(cls, input: torch.Tensor, sig: Signature, plan: LayerPlan) -> TorchCall:
+    def of(cls, input: torch.Tensor, sig: Signature, selection: LayerSelection) -> TorchCall:
         device = input.device.type
         return cls(input.shape, input.stride(), sig.dtype, torch.is_autocast_enabled(device), device, input.is_cuda,
-                   plan.covers(True, False), plan.covers(False, True))
+                   selection.covers(True, False), selection.covers(False, True))
 
     def admits(self, x: torch.Tensor) -> bool:
         if x.shape != self.shape or x.stride() != self.strides or not (x.is_cuda if self.cuda else x.is_cpu):
@@ -241,7 +250,7 @@ TUNED: dict[type[torch.nn.Module], type[TunedConv]] = {
 
 
 def convert(module: torch.nn.Module, tuning: Tuning) -> TunedConv:
-    """Make ``module`` a convtune module in place, choosing by ``tuning`` (its earlier plans are dropped).
+    """Make ``module`` a convtune module in place, choosing by ``tuning`` (its earlier selections are dropped).
 
     The object stays the same (its class changes, as ``torch.nn.utils.parametrize`` does), so its
     Parameters, buffers, hooks and every reference to it are kept. ``module`` must be exactly an

@@ -31,7 +31,7 @@ from convtune.network import LayerRow, Tuning, plan_layers, planned_rows, select
 from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.pytorch.tuning import Signature, describe, layout_of, plan_layer
+from convtune.pytorch.tuning import Signature, describe, layout_of, select_for_layer
 from convtune.results import PerfResult
 from convtune.units import parse_bytes
 
@@ -170,7 +170,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
         try:
             problem = describe(module, sig)
         except (TypeError, ValueError):
-            continue  # plan_layer below puts the layer on torch's path, with the reason
+            continue  # select_for_layer below puts the layer on torch's path, with the reason
         for direction in _directions(need_dx, need_dw):
             layers.append((f"{name or type(module).__name__}", problem.with_direction(direction), 1))
             owners.append((index, direction))
@@ -182,7 +182,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
         chosen.setdefault(index, {})[direction] = row.result or row.error
     for index, (name, module, sig, (need_dx, need_dw)) in enumerate(jobs):
         tuned = cast(TunedConv, module)  # converted above
-        tuned._convtune_plans[sig] = plan_layer(tuned, sig, tuning, _directions(need_dx, need_dw), name=name,
+        tuned._convtune_selections[sig] = select_for_layer(tuned, sig, tuning, _directions(need_dx, need_dw), name=name,
                                                 chosen=chosen.get(index, {}))
     return model
 

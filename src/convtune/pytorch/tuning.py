@@ -1,13 +1,13 @@
 """Tuning one layer: the problems a conv module solves on an input, and the algorithm for each direction.
 
-A ``Tuning`` is how a model's layers choose (policy, ``select`` mode, database); a ``LayerPlan``
+A ``Tuning`` is how a model's layers choose (policy, ``select`` mode, database); a ``LayerSelection``
 is what one layer chose for one input signature (shape, dtype, device, layout): an algorithm name
 per direction, or torch's own path with the reason.
 
     >>> conv = torch.nn.Conv2d(2, 4, 3, padding=1)
-    >>> plan = plan_layer(conv, Signature((1, 2, 6, 6), torch.float32, torch.device("cpu"), "channels_first"),
-    ...                   Tuning(mode="get"), ("fwd",))
-    >>> plan.on_torch, plan.fwd != "", plan.bwd_data
+    >>> sig = Signature((1, 2, 6, 6), torch.float32, torch.device("cpu"), "channels_first")
+    >>> selection = select_for_layer(conv, sig, Tuning(mode="get"), ("fwd",))
+    >>> selection.on_torch, selection.fwd != "", selection.bwd_data
     (False, True, '')
 """
 
@@ -50,7 +50,7 @@ def layout_of(x: torch.Tensor) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerPlan:
+class LayerSelection:
     """What one layer runs for one input signature.
 
     problem: the forward problem's key ('' when none could be built, e.g. float64 input).
@@ -95,7 +95,7 @@ class LayerPlan:
 
     def __reduce__(self):
         # Copies and pickles are made anew, so their executables exist in the process that runs them.
-        return LayerPlan, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason)
+        return LayerSelection, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason)
 
     @property
     def runtime(self) -> str:
@@ -107,21 +107,24 @@ class LayerPlan:
         return self.on_torch or (bool(self.bwd_data or not need_dx) and bool(self.bwd_filter or not need_dw))
 
 
-def _native_handles(plan: LayerPlan) -> tuple[tuple[int, int, int] | None, str]:
-    """The handles of ``plan``'s executables, or (None, why the layer runs on the Python path)."""
+LayerPlan = LayerSelection  # the name before; models pickled then still load
+
+
+def _native_handles(selection: LayerSelection) -> tuple[tuple[int, int, int] | None, str]:
+    """The handles of ``selection``'s executables, or (None, why the layer runs on the Python path)."""
     if not settings.native:
         return None, "the native runtime is off (CONVTUNE_NATIVE=0)"
-    base = ConvProblem.from_key(plan.problem)
+    base = ConvProblem.from_key(selection.problem)
     handles = []
     for direction in DIRECTIONS:
-        name = getattr(plan, direction)
+        name = getattr(selection, direction)
         if not name:
             handles.append(0)
             continue
         try:
             handles.append(runtime.prepare(base.with_direction(direction), name)[0])
         except (runtime.NotNative, KeyError, RuntimeError, ValueError) as exc:  # cuDNN refused the plan here
-            log.info("%s runs on the Python path: %s: %s", plan.problem, direction, exc)
+            log.info("%s runs on the Python path: %s: %s", selection.problem, direction, exc)
             return None, f"{direction}: {exc}"
     return (handles[0], handles[1], handles[2]), ""
 
@@ -137,9 +140,9 @@ def _native_kind(problem: ConvProblem, name: str, db: Any) -> str | None:
         return None
 
 
-def _torch_path(problem: str, reason: str, module_name: str) -> LayerPlan:
+def _torch_path(problem: str, reason: str, module_name: str) -> LayerSelection:
     log.info("%s stays on torch's path for %s: %s", module_name or "conv", problem, reason)
-    return LayerPlan(problem, reason=reason)
+    return LayerSelection(problem, reason=reason)
 
 
 def describe(module: torch.nn.Module, signature: Signature) -> ConvProblem:
@@ -149,17 +152,17 @@ def describe(module: torch.nn.Module, signature: Signature) -> ConvProblem:
                                    device=signature.device)
 
 
-def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, directions: tuple[str, ...],
-               known: LayerPlan | None = None, name: str = "",
-               chosen: Mapping[str, PerfResult | str] | None = None) -> LayerPlan:
-    """The plan of ``module`` (an nn.Conv1d/2d/3d) for ``signature``, tuning ``directions`` not in ``known``.
+def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, directions: tuple[str, ...],
+               known: LayerSelection | None = None, name: str = "",
+               chosen: Mapping[str, PerfResult | str] | None = None) -> LayerSelection:
+    """The selection of ``module`` (an nn.Conv1d/2d/3d) for ``signature``, tuning ``directions`` not in ``known``.
 
     Each direction is chosen by ``tuning.select``, or given in ``chosen`` (a direction's choice, or why
     no algorithm serves it: ``optimize`` selects a network's layers first, ``convtune.network``); on the
-    Python path its workspace is reserved
-    now, so running the plan allocates none. A problem convtune cannot describe (float64 input, say), a direction no
-    algorithm serves under the policy, or a stored choice naming an algorithm that is not
-    registered here leaves the layer on torch's path for this signature, with the reason.
+    Python path its workspace is reserved now, so running the selection allocates none. A problem
+    convtune cannot describe (float64 input, say), a direction no algorithm serves under the policy,
+    or a stored choice naming an algorithm that is not registered here leaves the layer on torch's
+    path for this signature, with the reason.
     """
     try:
         problem = describe(module, signature)
@@ -197,16 +200,16 @@ def plan_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, di
         names[direction] = result.algorithm
         results[direction] = result
     ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
-    plan = where_the_host_pays(LayerPlan(problem.key, **names, results=ordered), tuning)
-    reserve_workspace(plan, signature.device)
-    return plan
+    selection = where_the_host_pays(LayerSelection(problem.key, **names, results=ordered), tuning)
+    reserve_workspace(selection, signature.device)
+    return selection
 
 
-HOST_RULE = "PyTorch's own call:"  # how the reason of a plan the host-cost rule sent to PyTorch begins
+HOST_RULE = "PyTorch's own call:"  # how the reason of a selection the host-cost rule sent to PyTorch begins
 
 
-def where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
-    """``plan``, or PyTorch's own call in every direction where that is no slower in eager code.
+def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
+    """``selection``, or PyTorch's own call in every direction where that is no slower in eager code.
 
     The rule: a layer gains, per step, the measured GPU time of torch:native minus that of its choice,
     summed over its tuned directions; it pays, per step, the host time its path adds over PyTorch's
@@ -215,37 +218,37 @@ def where_the_host_pays(plan: LayerPlan, tuning: Tuning) -> LayerPlan:
     cost, the layer calls PyTorch. Only measured choices are judged (the database holds torch:native's
     time for every tuned direction); settings.host_rule=False turns the rule off.
     """
-    if plan.runtime == "torch" or not settings.host_rule or tuning.db is None or not plan.results:
-        return plan
-    base = ConvProblem.from_key(plan.problem)
+    if selection.runtime == "torch" or not settings.host_rule or tuning.db is None or not selection.results:
+        return selection
+    base = ConvProblem.from_key(selection.problem)
     gain_us = cost_us = 0.0
     natives = {}
-    for direction, chosen in plan.results:
+    for direction, chosen in selection.results:
         problem = base.with_direction(direction)
         native = next((r for r in tuning.db.results(problem) if r.algorithm == NATIVE and r.ok and r.time_ms), None)
         if native is None or chosen.time_ms is None:
-            return plan
+            return selection
         natives[direction] = native
         gain_us += 1e3 * (native.time_ms - chosen.time_ms)
-        kind = runtime.prepare(problem, chosen.algorithm)[1] if plan.native is not None else "python"
+        kind = runtime.prepare(problem, chosen.algorithm)[1] if selection.native is not None else "python"
         cost_us += runtime.extra_host_us(problem, kind, tuning.db)
     if gain_us >= cost_us:
-        return plan
+        return selection
     log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
-             plan.problem, gain_us, cost_us)
-    return LayerPlan(plan.problem, **dict.fromkeys(natives, NATIVE), results=tuple(natives.items()),
+             selection.problem, gain_us, cost_us)
+    return LayerSelection(selection.problem, **dict.fromkeys(natives, NATIVE), results=tuple(natives.items()),
                      reason=f"{HOST_RULE} the tuned choices would gain {gain_us:.1f} us of GPU time a step "
                             f"but cost {cost_us:.1f} us more host time "
-                            f"({', '.join(r.algorithm for _, r in plan.results)})")
+                            f"({', '.join(r.algorithm for _, r in selection.results)})")
 
 
-def reserve_workspace(plan: LayerPlan, device: torch.device) -> None:
-    """Reserve the Python path's run-time workspace for ``plan`` (native executables take theirs from
+def reserve_workspace(selection: LayerSelection, device: torch.device) -> None:
+    """Reserve the Python path's run-time workspace for ``selection`` (native executables take theirs from
     PyTorch's caching allocator on each run, as PyTorch's own convolutions do)."""
-    if plan.call is None:
+    if selection.call is None:
         return
-    base = ConvProblem.from_key(plan.problem)
-    for direction, _ in plan.results:
+    base = ConvProblem.from_key(selection.problem)
+    for direction, _ in selection.results:
         problem = base.with_direction(direction)
-        workspace.reserve(get_algorithm(getattr(plan, direction), problem).buffer_bytes(problem), device)
+        workspace.reserve(get_algorithm(getattr(selection, direction), problem).buffer_bytes(problem), device)
 
