@@ -137,16 +137,20 @@ def test_a_budget_in_a_mode_that_never_measures_asks_for_measurements_first(caps
     assert code == 0
 
 
-@pytest.mark.parametrize("case", ["db_folder", "db_device", "deep_json", "layer_not_object", "negative_layers"])
+@pytest.mark.parametrize("case", ["db_folder", "db_device", "deep_json", "layer_not_object", "negative_layers",
+                                  "zero_count"])
 def test_bad_input_gets_one_line_and_status_2_never_an_internal_error(capsys, tmp_path, case):
     deep = tmp_path / "deep.jsonl"
     deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
     layer_file = tmp_path / "layers.json"
     layer_file.write_text("[1]")
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({"layers": [{"c": 4, "k": 4, "spatial": [6, 6], "kernel": [1, 1], "count": 0}]}))
     argv = {"db_folder": ["cache", "ls", "--db", str(tmp_path)],
             "db_device": ["cache", "ls", "--db", "/dev/null"],
             "deep_json": ["cache", "import", str(deep), "--db", str(tmp_path / "t.sqlite")],
             "layer_not_object": ["tune", str(layer_file)],
-            "negative_layers": ["tune", "resnet18", "--layers", "-1"]}[case]
+            "negative_layers": ["tune", "resnet18", "--layers", "-1"],
+            "zero_count": ["tune", str(zero), "--device", "cpu"]}[case]
     code, _, err = run(capsys, *argv)
     assert code == 2 and "internal error" not in err and err.strip(), err

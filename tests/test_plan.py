@@ -19,6 +19,7 @@ from fakes import Fake
 
 import convtune
 from convtune import ConvProblem, PerfResult, Policy, TuningDB
+from convtune.algorithms.base import SUPPORTED, unsupported
 from convtune.algorithms.registry import get_algorithm, isolated
 from convtune.errors import NoAlgorithmError
 from convtune.plan import InfeasibleBudgetError, Plan, budget_curve, pareto_front, plan
@@ -322,13 +323,14 @@ def test_optimize_runs_the_plans_choices_forward_and_backward(tmp_path):
         for conv, shape in ((model[0], x.shape), (model[2], (1, 4, 5, 5))):
             for direction in ("fwd", "bwd_data", "bwd_filter"):
                 db.store(ConvProblem.from_module(conv, shape, direction), stored)
-        judged = []  # the host-cost rule judges each layer's plan once, with the budget plan's choices
+        judged = []  # the host-cost rule's judgments
         judge = tuning_module.where_the_host_pays
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(tuning_module, "where_the_host_pays", lambda layer, tuning: judged.append(layer) or
                        judge(layer, tuning))
             convtune.optimize(model, x, training=True, mode="db_then_get", db=db, workspace_budget="2KiB")
-        assert len(judged) == 2 and all(layer.fwd == layer.bwd_filter == "fake:mid_fast" for layer in judged)
+        # each layer judged on its own selection, then once more on the plan's choices, all directions at once
+        assert len(judged) == 4 and all(layer.fwd == layer.bwd_filter == "fake:mid_fast" for layer in judged[2:])
         rows = convtune.explain(model)
         assert len(rows) == 5 and {r["algorithm"] for r in rows} == {"fake:mid_fast"}
         assert {r["direction"] for r in rows} == {"fwd", "bwd_data", "bwd_filter"}
@@ -342,3 +344,30 @@ def test_optimize_runs_the_plans_choices_forward_and_backward(tmp_path):
         assert {r["algorithm"] for r in convtune.explain(model)} == {"fake:zero"}
         convtune.optimize(model, x, training=True, mode="db_then_get", db=db)
         assert {r["algorithm"] for r in convtune.explain(model)} == {"fake:big"}
+
+
+class _ForwardRefused(Fake):
+    """Serves every problem but the forward of a 2-channel input."""
+
+    def _supports(self, p):
+        return unsupported("fwd of a 2-channel input refused") if p.direction == "fwd" and p.c == 2 else SUPPORTED
+
+
+def test_a_layer_on_torchs_path_is_neither_measured_backward_nor_planned(tmp_path):
+    # The first layer's forward is served by nothing: its backward directions are not measured, and it
+    # takes no part in the budget's plan (it has no measurements in a mode that never measures, which
+    # would fail the plan of every layer); the second layer still gets the plan's choice.
+    refused = [_ForwardRefused("fake:big", workspace_bytes=8192), _ForwardRefused("fake:mid", workspace_bytes=1024),
+               _ForwardRefused("fake:mid_fast", workspace_bytes=2048), _ForwardRefused("fake:zero")]
+    stored = [ok("fake:big", 1.0, 8192), ok("fake:mid", 2.0, 1024), ok("fake:mid_fast", 1.99, 2048),
+              ok("fake:zero", 5.0, 0)]
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 3, 1))
+    x = torch.randn(1, 2, 5, 5)
+    with isolated(*refused, builtins=False), TuningDB(tmp_path / "tuning.sqlite") as db:
+        for direction in ("fwd", "bwd_data", "bwd_filter"):
+            db.store(ConvProblem.from_module(model[2], (1, 4, 5, 5), direction), stored)
+        convtune.optimize(model, x, training=True, mode="db_then_get", db=db, workspace_budget="2KiB")
+        rows = convtune.explain(model)
+        assert [r["algorithm"] for r in rows] == [None, "fake:mid_fast", "fake:mid_fast", "fake:mid_fast"]
+        convtune.optimize(model[:1], x, training=True, mode="hybrid", db=db)  # measures what is missing
+        assert sum(a.runs for a in refused) == 0

@@ -603,57 +603,101 @@ _SALVAGED_TABLES = {"results": 8}
 
 
 def _salvage(path: Path) -> dict[str, list[tuple]]:
-    """The rows of a damaged database that can still be read, table by table: a scan in rowid order that,
-    where it meets a damaged page, seeks past it and goes on (the rows on that page are lost)."""
+    """The rows of a damaged database that can still be read, table by table: every rowid that some path
+    still reaches (``_rowids``), each row then read on its own, so a damaged page loses its rows only."""
     rows: dict[str, list[tuple]] = {table: [] for table in _SALVAGED_TABLES}
     try:
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000)
-        # A file cut short: read the pages it still has (SQLite refuses to read a file shorter than its
-        # header says unless the schema is writable; nothing is written here).
-        conn.execute("PRAGMA writable_schema=ON")
     except sqlite3.Error:
         return rows
-    conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
     try:
+        # A file cut short: read the pages it still has (SQLite refuses to read a file shorter than its
+        # header says unless the schema is writable; salvage only reads).
+        conn.execute("PRAGMA writable_schema=ON")
+        conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
         for table, width in _SALVAGED_TABLES.items():
-            start: int | None = 0  # the scan reads the rows after this rowid
-            while start is not None:
-                begin = last = start  # last: the last rowid read
+            for rowid in sorted(_rowids(conn, table)):
                 try:
-                    cursor = conn.execute(f"SELECT rowid, * FROM {table} WHERE rowid > ? ORDER BY rowid", (begin,))
-                    for row in cursor:  # row by row: a batch that meets the damage would be lost whole
-                        last = row[0]
-                        if len(row) == width + 1:
-                            rows[table].append(tuple(row[1:]))
-                    start = None  # the end of the table
+                    row = conn.execute(f"SELECT * FROM {table} WHERE rowid = ?", (rowid,)).fetchone()
                 except sqlite3.Error:
-                    # past the damage; a scan that read nothing from where it began skips that row too
-                    start = _past_damage(conn, table, last if last > begin else begin + 1)
+                    continue  # on a damaged page
+                if row is not None and len(row) == width:
+                    rows[table].append(tuple(row))
+    except sqlite3.Error:
+        pass  # keep what was read
     finally:
         conn.close()
     return rows
 
 
-def _past_damage(conn: sqlite3.Connection, table: str, after: int) -> int | None:
-    """Where a scan of ``table`` that failed after rowid ``after`` goes on (the rowid before the first one a
-    seek can reach), or None when no later row can be reached. A seek to rowid >= m fails while m lies on
-    the damaged page and succeeds past it: found by doubling the step, then halving the interval."""
+def _rowids(conn: sqlite3.Connection, table: str) -> set[int]:
+    """The rowids of ``table`` that can still be reached: from each of its indexes (which hold the rowids
+    apart from the rows' pages), read as far as it goes, and from the table itself, scanned in rowid
+    order and, where the scan meets a damaged page, sought past it."""
+    ids: set[int] = set()
+    try:
+        indexes = [name for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table,))]
+    except sqlite3.Error:
+        indexes = []
+    for index in indexes:
+        try:
+            for (rowid,) in conn.execute(f'SELECT rowid FROM {table} INDEXED BY "{index}"'):
+                ids.add(rowid)
+        except sqlite3.Error:
+            continue  # this index is damaged from here on: keep what was read
+    start: int | None = 1  # the scan reads the rowids from here on (SQLite numbers rows from 1)
+    while start is not None:
+        begin = following = start  # following: the rowid after the last one read
+        try:
+            for (rowid,) in conn.execute(f"SELECT rowid FROM {table} WHERE rowid >= ? ORDER BY rowid", (begin,)):
+                if rowid < following:  # out of order: a damaged page that still parses
+                    raise sqlite3.DatabaseError(f"rowid {rowid} after {following - 1}")
+                ids.add(rowid)
+                following = rowid + 1
+            start = None  # the end of the table
+        except sqlite3.Error:
+            # The cursor fails stepping past the row it was about to return: read that one alone.
+            try:
+                one = conn.execute(f"SELECT rowid FROM {table} WHERE rowid >= ? ORDER BY rowid LIMIT 1",
+                                   (following,)).fetchone()
+            except sqlite3.Error:
+                one = None
+            if one is not None and one[0] >= following:
+                ids.add(one[0])
+                following = one[0] + 1
+            start = _past_damage(conn, table, max(following, begin + 1))  # always onwards
+    return ids
+
+
+def _past_damage(conn: sqlite3.Connection, table: str, start: int) -> int | None:
+    """The first rowid from ``start`` on that a seek reaches, or None when none can be reached. A seek to
+    rowid >= m fails while m lies on a damaged page and succeeds past it: found by stepping (the step
+    doubles up to a page's worth of rows, so an intact page between two damaged runs is not jumped
+    over), then halving the interval between the last failure and the first success."""
 
     def reaches(m: int) -> tuple[bool, int | None]:
         try:
             found = conn.execute(f"SELECT rowid FROM {table} WHERE rowid >= ? ORDER BY rowid LIMIT 1", (m,)).fetchone()
         except sqlite3.Error:
             return False, None
+        if found is not None and found[0] < m:  # a damaged page that still parses
+            return False, None
         return True, None if found is None else found[0]
 
-    step, failed = 1, after  # every seek at or before ``failed`` failed
+    try:
+        end = conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0]  # the last page may be intact
+    except sqlite3.Error:
+        end = None
+    step, failed = 1, start - 1  # every seek up to ``failed`` failed (or was not tried: before ``start``)
     while True:
         ok, _ = reaches(failed + step)
         if ok:
             break
         failed += step
-        step *= 2
-        if failed + step > _MAX_ROWID:
+        # doubling, but not past a page of small rows where the end of the table is known
+        step = min(2 * step, _ROWS_PER_PAGE) if end is not None else 2 * step
+        if failed + step > (end if end is not None else _MAX_ROWID):
             return None
     good = failed + step
     while good - failed > 1:  # the first rowid a seek reaches, between the last failure and the first success
@@ -662,10 +706,10 @@ def _past_damage(conn: sqlite3.Connection, table: str, after: int) -> int | None
             good = middle
         else:
             failed = middle
-    first = reaches(good)[1]
-    return None if first is None else first - 1
+    return reaches(good)[1]
 
 
+_ROWS_PER_PAGE = 16  # a result row takes 300-600 bytes: a 4 KiB page holds about 8
 _MAX_ROWID = 2**63 - 1
 
 

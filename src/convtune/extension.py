@@ -96,6 +96,8 @@ def _tag(cudnn: tuple[Path, Path] | None) -> str:
         digest.update(name.encode())
         digest.update((SOURCE_DIR / name).read_bytes())
     digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{_flags(cudnn)}".encode())
+    if cudnn is not None and (cudnn[0] / "cudnn_version.h").exists():  # cuDNN upgraded in place: build again
+        digest.update((cudnn[0] / "cudnn_version.h").read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -17,7 +17,7 @@ refuses it, ``optimize`` keeps each layer's own choice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,19 +108,27 @@ class LayerRow:
 
 
 def select_layers(layers: Sequence[tuple[str, ConvProblem, int]], tuning: Tuning, label: str = "tuning",
-                  console: Console | None = None, show_progress: bool = True,
-                  transient: bool = False) -> list[LayerRow]:
+                  console: Console | None = None, show_progress: bool = True, transient: bool = False,
+                  groups: Sequence[Hashable] | None = None) -> list[LayerRow]:
     """A row per ``(name, problem, count)`` with ``tuning``'s choice, or, where no algorithm serves the
     problem under the policy, none and the reason; a progress bar (``label`` and the layer's name) on
-    ``console`` (stderr by default) unless ``show_progress`` is off."""
-    rows = []
+    ``console`` (stderr by default) unless ``show_progress`` is off. ``groups`` (one per layer): once a
+    layer of a group is not served, the later layers of that group are not selected (a module's
+    backward directions after its forward: the module runs PyTorch's convolution anyway)."""
+    rows: list[LayerRow] = []
+    failed: dict[Hashable, str] = {}
     with tuning_bar(label, len(layers), console, disable=not show_progress, transient=transient) as (bar, task):
-        for name, problem, count in layers:
+        for i, (name, problem, count) in enumerate(layers):
             bar.update(task, description=f"{label} {name}")
-            try:
-                rows.append(LayerRow(name, problem, count, tuning.select(problem)))
-            except NoAlgorithmError as exc:
-                rows.append(LayerRow(name, problem, count, None, str(exc)))
+            group = groups[i] if groups is not None else i
+            if group in failed:
+                rows.append(LayerRow(name, problem, count, None, f"not selected: {failed[group]}"))
+            else:
+                try:
+                    rows.append(LayerRow(name, problem, count, tuning.select(problem)))
+                except NoAlgorithmError as exc:
+                    rows.append(LayerRow(name, problem, count, None, str(exc)))
+                    failed[group] = f"{problem.direction}: {exc}"
             bar.advance(task)
     return rows
 
@@ -144,7 +152,7 @@ def planned_rows(rows: Sequence[LayerRow], planned: Plan) -> list[LayerRow]:
     runs = iter(zip(planned.problems, planned.choices))
     out = []
     for row in rows:
-        if not row.result:
+        if not row.result or row.count < 1:  # nothing planned for it
             out.append(row)
             continue
         by_choice: dict[str, list[tuple[ConvProblem, PerfResult]]] = {}

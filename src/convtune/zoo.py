@@ -66,7 +66,11 @@ def _from_entries(entries: list[dict[str, Any]], source: str, batch: int | None,
                 groups=entry.get("groups", 1), **fields)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{source}: layer {i} is not a valid convolution ({type(exc).__name__}: {exc})") from None
-        layers.append(Layer(f"L{i:02d}", problem, int(entry.get("count", 1))))
+        count = entry.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{source}: layer {i} has count {count!r}; a count is how often the layer runs, "
+                             f"an integer of 1 or more")
+        layers.append(Layer(f"L{i:02d}", problem, count))
     return layers
 
 

@@ -134,8 +134,10 @@ class TunedConv(_ConvBase):
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
         selection = self._convtune_selections.get(sig)
         if selection is None or not selection.covers(need_dx, need_dw):
-            tune = _eager_tuning() if torch.compiler.is_compiling() else TunedConv._convtune_tune
-            selection = tune(self, sig, need_dx, need_dw)
+            if torch.compiler.is_compiling():
+                selection = _eager_tuning(type(self))(self, sig, need_dx, need_dw)
+            else:
+                selection = self._convtune_tune(sig, need_dx, need_dw)
         call = selection.call
         if call is None and selection.native is None:  # torch's path, or torch:native in every direction
             self._convtune_hot(input.shape, TorchCall.of(input, sig, selection))
@@ -214,18 +216,18 @@ class TorchCall(NamedTuple):
         return (self.covers_dx or not x.requires_grad) and (self.covers_dw or not torch.is_grad_enabled())
 
 
-_EAGER_TUNING: list[Any] = []  # TunedConv._convtune_tune under torch.compiler.disable, made on first need
+_EAGER_TUNING: dict[type, Any] = {}  # a class's _convtune_tune under torch.compiler.disable, made on first need
 
 
-def _eager_tuning() -> Any:
-    """``TunedConv._convtune_tune`` as a call Dynamo does not trace (it runs eagerly at a graph break).
+def _eager_tuning(cls: type[TunedConv]) -> Any:
+    """``cls._convtune_tune`` as a call Dynamo does not trace (it runs eagerly at a graph break).
 
     Made when a compiled region first meets an input signature not tuned yet, when Dynamo is loaded
     anyway: making it earlier (``optimize``, a layer's construction) would import Dynamo for every user.
     """
-    if not _EAGER_TUNING:
-        _EAGER_TUNING.append(torch.compiler.disable(TunedConv._convtune_tune))
-    return _EAGER_TUNING[0]
+    if cls not in _EAGER_TUNING:
+        _EAGER_TUNING[cls] = torch.compiler.disable(cls._convtune_tune)
+    return _EAGER_TUNING[cls]
 
 
 def _tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,

@@ -31,7 +31,7 @@ from convtune.network import LayerRow, Tuning, plan_layers, planned_rows, select
 from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.pytorch.tuning import Signature, describe, layout_of, select_for_layer
+from convtune.pytorch.tuning import LayerSelection, Signature, describe, layout_of, select_for_layer
 from convtune.results import PerfResult
 from convtune.units import parse_bytes
 
@@ -161,8 +161,10 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
                         "torch's path", name or "the model", type(module).__name__)
     jobs = [(name, module, sig, needs) for name, (module, calls) in seen.items()
             if isinstance(module, TunedConv) or type(module) in TUNED for sig, needs in calls.items()]
-    # A network is tuned one way (convtune.network): every layer's directions selected, then, under a
-    # budget, planned together; then each layer's choices checked and judged into its plan.
+    # A network is tuned one way (convtune.network): every layer's directions selected (a module's
+    # backward ones only while its forward is served), each module's selection made of them (checked,
+    # judged by the host-cost rule), and under a budget the layers that run convtune's algorithms
+    # planned together, their selections made again from the plan's choices.
     layers, owners = [], []  # owners: the job and direction of each layer row
     for index, (name, module, sig, (need_dx, need_dw)) in enumerate(jobs):
         if not isinstance(module, TunedConv) or module._convtune_tuning is not tuning:
@@ -174,17 +176,29 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
         for direction in _directions(need_dx, need_dw):
             layers.append((f"{name or type(module).__name__}", problem.with_direction(direction), 1))
             owners.append((index, direction))
-    rows = select_layers(layers, tuning, "convtune: tuning", transient=True)
-    if budget is not None:
-        rows = _within_budget(rows, tuning)
+    rows = select_layers(layers, tuning, "convtune: tuning", transient=True, groups=[i for i, _ in owners])
     chosen: dict[int, dict[str, PerfResult | str]] = {}
     for (index, direction), row in zip(owners, rows):
         chosen.setdefault(index, {})[direction] = row.result or row.error
-    for index, (name, module, sig, (need_dx, need_dw)) in enumerate(jobs):
-        tuned = cast(TunedConv, module)  # converted above
-        tuned._convtune_selections[sig] = select_for_layer(tuned, sig, tuning, _directions(need_dx, need_dw), name=name,
-                                                chosen=chosen.get(index, {}))
+    selections = {index: _select(jobs[index], tuning, chosen.get(index, {})) for index in range(len(jobs))}
+    if budget is not None:
+        planned = [i for i, (index, _) in enumerate(owners) if not selections[index].on_torch]
+        replanned = set()
+        for i, row in zip(planned, _within_budget([rows[i] for i in planned], tuning)):
+            index, direction = owners[i]
+            if row.result is not None and row.result != rows[i].result:
+                chosen[index][direction] = row.result
+                replanned.add(index)
+        for index in replanned:
+            selections[index] = _select(jobs[index], tuning, chosen[index])
+    for index, (_, module, sig, _) in enumerate(jobs):
+        cast(TunedConv, module)._convtune_selections[sig] = selections[index]  # converted above
     return model
+
+
+def _select(job: tuple, tuning: Tuning, chosen: dict[str, PerfResult | str]) -> LayerSelection:
+    name, module, sig, (need_dx, need_dw) = job
+    return select_for_layer(module, sig, tuning, _directions(need_dx, need_dw), name=name, chosen=chosen)
 
 
 def _directions(need_dx: bool, need_dw: bool) -> tuple[str, ...]:
