@@ -99,8 +99,10 @@ class TunedConv(_ConvBase):
         # checks everything else the choice depends on: dtype, device, layout, the gradients needed;
         # autocast casts in C++; anything else raises ValueError, which the full path below handles),
         # or, where PyTorch's own call was chosen, that call after a few cheap checks.
+        if torch.compiler.is_compiling():  # traced: the hot path's dict would only add guards
+            return self._convtune_forward(input)
         fast = self._convtune_fast
-        if fast and not torch.compiler.is_compiling():
+        if fast:
             entry = fast.get(input.shape)
             if entry.__class__ is tuple:
                 try:
