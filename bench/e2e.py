@@ -19,12 +19,16 @@ In the eager style cProfile of a few training steps gives the host's time per st
 that take it (under compile: of inference), and profiled training steps and inferences (torch.profiler,
 eager and compile styles) give each conv layer's forward and backward kernel time, the time of
 everything else and the host's time per op; convtune's runs are found by
-the profiler ranges its ops open ('convtune:<problem key> by <algorithm>'). Each configuration's result is written as soon as it ends, and results
-of earlier runs in the same file are kept (one configuration: one row), so a run cut short, or
-several 10-minute runs of parts, add up:
+the profiler ranges its ops open ('convtune:<problem key> by <algorithm>'). With --processes N each
+configuration runs in N processes, the modes of a group taking turns, and its row gives the median of
+the processes' medians and their range (where the host sets the pace, two processes of one
+configuration have differed by 1.7x). Each configuration's result is written as soon as it ends, and
+results of earlier runs in the same file are kept (one configuration: one row), so a run cut short,
+or several 10-minute runs of parts, add up:
 
     python bench/e2e.py                                     # everything (hours: run it in parts)
     python bench/e2e.py --models resnet50 --batches 128 --dtypes float16 --styles eager,graph
+    python bench/e2e.py --models mobilenet_v2 --batches 128 --styles eager --processes 3
     python bench/e2e.py --missing                           # what the results file does not have yet
     python bench/e2e.py --device cpu --tiny --out /tmp/e2e  # a small stand-in network: checks the pipeline
 
@@ -297,7 +301,8 @@ def profile_step(step, steps: int) -> dict:
     # counts each kernel twice (as its own event and under its CPU op), so about twice total_gpu_ms.
     # A kernel is a device event that is not a range a user (Inductor's "## Call CompiledFxGraph ##", the
     # optimizer's step) marked on the device.
-    kernel_events = [e for e in events if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
+    kernel_events = [e for e in events
+                     if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)]
     total_ms = sum(e.time_range.elapsed_us() for e in kernel_events) / 1e3 / steps
     attributed_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
     conv_ms = sum(r["fwd_ms"] + r["bwd_ms"] for r in layers.values())
@@ -325,6 +330,31 @@ def _cpu_ops(prof, steps: int, top: int = 25) -> list[dict]:
         totals[name][1] += a.count // steps
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
     return [dict(op=name, self_ms=ms, calls=calls) for name, (ms, calls) in rows]
+
+
+def combine(runs: list[dict]) -> dict:
+    """One configuration's row from its processes: the first process's row (its tuning time is the cold
+    one, its profiles the ones kept), each workload's time the median of the processes' medians, with
+    the processes' medians and the whole range; later processes' tuning times (a warm database)."""
+    row = dict(runs[0])
+    ok = [r for r in runs if r.get("status") == "ok"]
+    if len(runs) == 1 or not ok:
+        return row
+    if row.get("status") != "ok":
+        row = dict(ok[0])
+    for workload in ("inference", "training"):
+        measured = [r[workload] for r in ok if workload in r]
+        if measured:
+            row[workload] = dict(ms=statistics.median(m["ms"] for m in measured),
+                                 min_ms=min(m["min_ms"] for m in measured), max_ms=max(m["max_ms"] for m in measured),
+                                 process_ms=[m["ms"] for m in measured])
+    later = [r["tune_s"] for r in ok[1:] if "tune_s" in r]
+    if later:
+        row["later_tune_s"] = later
+    row["processes"] = len(runs)
+    if len(ok) < len(runs):
+        row["failed_processes"] = [r.get("status") for r in runs if r.get("status") != "ok"]
+    return row
 
 
 def config_id(cfg: dict) -> str:
@@ -355,14 +385,19 @@ def in_subprocess(cfg: dict, timeout_s: float) -> dict:
 
 
 def _ms(row: dict | None, workload: str) -> str:
-    return f"{row[workload]['ms']:.3f}" if row and workload in row else "-"
+    if not (row and workload in row):
+        return "-"
+    spread = row[workload].get("process_ms", [])
+    return f"{row[workload]['ms']:.3f}" + (f" ({min(spread):.3f}-{max(spread):.3f}, {len(spread)} processes)"
+                                           if len(spread) > 1 else "")
 
 
 def markdown(env: dict, rows: dict) -> str:
     head = (f"# End-to-end benchmark\n\n{env['date']}, {env.get('gpu', env.get('cpu'))}, torch {env['torch']}, "
             f"CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, convtune {env['convtune']}. Autocast, channels_last; "
-            "median of 7 timings of 10 steps (ms per step); each row its own process; rows keep the date and "
-            "revision of the run that measured them.\n\n" + ANCHORS + "\n")
+            "median of 7 timings of 10 steps (ms per step); each row its own process (or, where a range follows, "
+            "the median of several processes' medians and their range); rows keep the date and revision of the "
+            "run that measured them.\n\n" + ANCHORS + "\n")
     table = []
     for cid, row in rows.items():
         table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"],
@@ -407,7 +442,8 @@ def markdown(env: dict, rows: dict) -> str:
 def tuning_cell(row: dict) -> str:
     if "tune_s" in row:
         again = f" (again {row['tune_again_s']:.2f})" if "tune_again_s" in row else ""
-        return f"{row['db']} {row['tune_s']:.2f}{again}"
+        later = f"; warm {', '.join(f'{t:.2f}' for t in row['later_tune_s'])}" if row.get("later_tune_s") else ""
+        return f"{row['db']} {row['tune_s']:.2f}{again}{later}"
     firsts = [row.get(f"{w}_first_s") for w in ("inference", "training")]
     return f"{sum(firsts):.2f}" if None not in firsts else "-"
 
@@ -472,6 +508,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--config-timeout", type=float, default=540.0, help="seconds one configuration may take")
+    parser.add_argument("--processes", type=int, default=1, help="processes per configuration, the modes of a "
+                        "group taking turns (a row's time is the median of its processes' medians, with their range: "
+                        "where the host sets the pace, processes of one configuration differ by far more than "
+                        "the timings inside one)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps (eager and compile styles)")
     parser.add_argument("--missing", action="store_true", help="only the configurations the results file has no "
                         "ok row for (a run in parts goes on where the last one stopped)")
@@ -504,18 +544,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         db_dir = Path(args.db_dir or tmp)
         db_dir.mkdir(parents=True, exist_ok=True)
-        for model, batch, dtype, style, mode in itertools.product(models, args.batches, args.dtypes, args.styles,
-                                                                  args.modes):
-            cfg = dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device,
-                       tiny=args.tiny, steps=args.steps, repeats=args.repeats, profile=not args.no_profile,
-                       db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite"))
-            if args.missing and rows.get(config_id(cfg), {}).get("status") == "ok":
-                continue
-            print(f"{config_id(cfg)}", file=sys.stderr, flush=True)
-            row = in_subprocess(cfg, args.config_timeout)
-            row["date"], row["revision"] = env["date"], env["revision"]
-            rows[config_id(cfg)] = row
-            common.write(args.name, payload, markdown(env, rows), out_dir)  # after each: a cut run keeps what it did
+        if args.processes < 1:
+            parser.error(f"--processes {args.processes} must be 1 or more")
+        for model, batch, dtype, style in itertools.product(models, args.batches, args.dtypes, args.styles):
+            cfgs = [dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device,
+                         tiny=args.tiny, steps=args.steps, repeats=args.repeats, profile=not args.no_profile,
+                         db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite")) for mode in args.modes]
+            cfgs = [c for c in cfgs if not (args.missing and rows.get(config_id(c), {}).get("status") == "ok")]
+            runs: dict[str, list[dict]] = {config_id(c): [] for c in cfgs}
+            for turn in range(args.processes if cfgs else 0):  # the modes take turns, in a rotated order
+                for cfg in cfgs[turn % len(cfgs):] + cfgs[:turn % len(cfgs)]:
+                    print(f"{config_id(cfg)} (process {turn + 1} of {args.processes})", file=sys.stderr, flush=True)
+                    runs[config_id(cfg)].append(in_subprocess(dict(cfg, profile=cfg["profile"] and turn == 0),
+                                                              args.config_timeout))
+                    row = combine(runs[config_id(cfg)])
+                    row["date"], row["revision"] = env["date"], env["revision"]
+                    rows[config_id(cfg)] = row
+                    common.write(args.name, payload, markdown(env, rows), out_dir)  # a cut run keeps what it did
     print(markdown(env, rows))
 
 

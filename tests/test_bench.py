@@ -48,11 +48,14 @@ def _run(script: str, tmp_path: Path, *args: str) -> dict:
 @pytest.mark.slow
 def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp_path):
     rows = _run("e2e.py", tmp_path, "--styles", "eager", "--modes", "convtune,torch_bm1", "--repeats", "1",
-                "--dtypes", "bfloat16", "--batches", "4")["configs"]
+                "--dtypes", "bfloat16", "--batches", "4", "--processes", "2")["configs"]
     assert set(rows) == {"tiny:b4:bfloat16:eager:convtune", "tiny:b4:bfloat16:eager:torch_bm1"}
     ours = rows["tiny:b4:bfloat16:eager:convtune"]
     assert ours["status"] == "ok" and ours["db"] == "cold" and ours["training"]["ms"] > 0 and ours["algorithms"]
-    assert ours["host_profile"]["functions"]  # cProfile of the eager training step
+    assert ours["host_profile"]["functions"]  # cProfile of the eager training step, in the first process
+    assert ours["processes"] == 2 and len(ours["later_tune_s"]) == 1  # the second process found the database warm
+    spread = ours["training"]["process_ms"]
+    assert len(spread) == 2 and min(spread) <= ours["training"]["ms"] <= max(spread)
     report = (tmp_path / "e2e.md").read_text()
     (tmp_path / "e2e.md").unlink()
     subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,
