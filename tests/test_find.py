@@ -483,3 +483,16 @@ def test_a_find_where_everything_failed_does_not_keep_what_it_found_wrong(tmp_pa
         find(P, timer=FakeTimer(), candidates=[Fake("fake:x")], db=db)
         find(P, timer=FakeTimer(), candidates=[WrongResult("fake:x")], db=db)
         assert db.lookup(P) is None and db.results(P)[0].status is Status.WRONG_RESULT
+
+
+def test_a_problem_whose_operands_exceed_the_devices_memory_is_refused_before_anything_runs():
+    from convtune import hardware
+
+    huge = ConvProblem("fwd", n=100_000, c=1024, k=1024, input_size=(1024, 1024), kernel_size=3)
+    fake = Fake("fake:a")
+    assert huge.min_bytes > hardware.memory_bytes("cpu") > 0
+    with pytest.raises(ValueError, match=r"operands take .* more than the .* memory of cpu"):
+        find(huge, candidates=[fake])
+    assert fake.runs == 0
+    small = huge.replace(n=1, c=4, k=4, input_size=(8, 8))
+    assert find(small, candidates=[fake])[0].ok  # and a problem that fits runs as before

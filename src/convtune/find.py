@@ -27,7 +27,7 @@ from typing import Any, TypedDict, cast
 
 import torch
 
-from . import costmodel
+from . import costmodel, hardware
 from .algorithms.base import Algorithm, allocate_workspace
 from .algorithms.registry import algorithms
 from .get import ranked_predictions
@@ -303,6 +303,15 @@ def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
     return head + [a for a in ranked if a not in head], len(head)
 
 
+def _refuse_what_cannot_fit(problem: ConvProblem) -> None:
+    """``ValueError`` before anything runs where the problem's operands alone exceed its device's memory."""
+    capacity = hardware.memory_bytes(problem.device)
+    if capacity is not None and problem.min_bytes > capacity:
+        raise ValueError(f"{problem.key}: its operands take {format_bytes(problem.min_bytes)} ({problem.min_bytes} "
+                         f"bytes), more than the {format_bytes(capacity)} of memory of {problem.device}; no "
+                         f"algorithm can run it there: measure a smaller batch or spatial size")
+
+
 def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, timer: Timer = benchmark,
          candidates: Sequence[Algorithm] | None = None, seed: int | None = None) -> list[PerfResult]:
     """Run, check and time the candidates for ``problem``; a perf list, fastest usable first.
@@ -346,6 +355,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     policy = DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, Policy):
         raise TypeError(f"find(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
+    _refuse_what_cannot_fit(problem)
     results: list[PerfResult] = []
     given = candidates
     if candidates is None:

@@ -85,6 +85,22 @@ def software_versions() -> str:
 
 
 @functools.cache
+def memory_bytes(device: str) -> int | None:
+    """The memory of ``device`` ('cpu': the machine's RAM; 'cuda' or 'cuda:N': that GPU's), None if unknown."""
+    import os
+
+    if device == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX system
+            return None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = int(device.partition(":")[2] or torch.cuda.current_device())
+        if index < torch.cuda.device_count():
+            return int(torch.cuda.get_device_properties(index).total_memory)
+    return None
+
+
 def _cpu_peaks() -> tuple[float, float]:
     """Measured once a process: a float32 matrix product and a large copy (about 0.2 s)."""
     size = 1024  # large enough for every thread to reach its steady state
