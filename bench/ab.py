@@ -62,7 +62,8 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
         for who, model in (("torch", torch_model), ("convtune", ours)):
             runner = torch.compile(model) if style == "compile" else model
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-            steps_of[who] = _steps(model, runner, optimizer, x, labels, device, dtype)
+            infer, train_step = e2e.workloads(runner, optimizer, x, labels, lambda: torch.autocast(device, dtype=dtype))
+            steps_of[who] = dict(inference=infer, training=train_step)
         for workload in ("inference", "training"):
             torch_model.train(workload == "training")
             ours.train(workload == "training")
@@ -83,23 +84,6 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
     return dict(rows=rows, tune_s=tune_s)
 
 
-def _steps(model, runner, optimizer, x, labels, device: str, dtype: torch.dtype) -> dict:
-    """The inference and training-step callables of one model (the caller sets the model's mode)."""
-
-    def infer():
-        with torch.no_grad(), torch.autocast(device, dtype=dtype):
-            return runner(x)
-
-    def train_step():
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=dtype):
-            loss = torch.nn.functional.cross_entropy(runner(x), labels)
-        loss.backward()
-        optimizer.step()
-
-    return dict(inference=infer, training=train_step)
-
-
 def markdown(env: dict, results: dict) -> str:
     lines = []
     for key, res in sorted(results.items()):
@@ -118,7 +102,7 @@ def markdown(env: dict, results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    split = lambda text: [s for s in text.split(",") if s]  # noqa: E731
+    split = e2e.split
     parser.add_argument("--models", type=split, default=["mobilenet_v2"])
     parser.add_argument("--batches", type=lambda t: [int(b) for b in split(t)], default=[128])
     parser.add_argument("--dtypes", type=split, default=["float16"])

@@ -192,16 +192,7 @@ def run_config(cfg: dict) -> dict:
     runner = torch.compile(model) if cfg["style"] == "compile" else model
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
-    def infer():
-        with torch.no_grad(), autocast():
-            return runner(x)
-
-    def train_step():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            loss = torch.nn.functional.cross_entropy(runner(x), labels)
-        loss.backward()
-        optimizer.step()
+    infer, train_step = workloads(runner, optimizer, x, labels, autocast)
 
     for workload, step, train in (("inference", infer, False), ("training", train_step, True)):
         model.train(train)
@@ -224,6 +215,30 @@ def run_config(cfg: dict) -> dict:
         if device == "cuda":
             out["inference_profile"] = profile_step(infer, steps)
     return out
+
+
+def workloads(runner, optimizer, x: torch.Tensor, labels: torch.Tensor, autocast) -> tuple:
+    """(inference, training step) of ``runner`` on ``x``: inference without gradients, and a step of
+    forward, cross-entropy loss, backward and ``optimizer``; each inside ``autocast()``. The caller sets
+    the model's train/eval mode."""
+
+    def infer():
+        with torch.no_grad(), autocast():
+            return runner(x)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = torch.nn.functional.cross_entropy(runner(x), labels)
+        loss.backward()
+        optimizer.step()
+
+    return infer, train_step
+
+
+def split(text: str) -> list[str]:
+    """argparse type: a comma-separated list."""
+    return [s for s in text.split(",") if s]
 
 
 def host_profile(step, timer: Timer, steps: int, top: int = 15) -> dict:
@@ -497,7 +512,6 @@ def host_table(torch_profile: dict, ct_profile: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    split = lambda text: [s for s in text.split(",") if s]  # noqa: E731
     parser.add_argument("--models", type=split, default=list(MODELS))
     parser.add_argument("--batches", type=lambda t: [int(b) for b in split(t)], default=list(BATCHES))
     parser.add_argument("--dtypes", type=split, default=list(DTYPES))

@@ -283,6 +283,12 @@ def _tune_layers(args):
     return layers
 
 
+def _select_layers(args, layers: list[zoo.Layer], tuning: Tuning, err: Console) -> list[LayerRow]:
+    """The network's layers selected by ``tuning``, with a progress bar on ``err`` (none for --json)."""
+    return select_layers([(layer.name, layer.problem, layer.count) for layer in layers], tuning,
+                         f"tuning {args.network}", err, show_progress=not getattr(args, "json", False))
+
+
 def _plan_layers(args, rows: list[LayerRow], tuning: Tuning) -> Plan:
     """The plan of the served ``rows`` under ``--workspace-budget``; an infeasible budget is a usage error
     naming the smallest feasible budget."""
@@ -292,7 +298,7 @@ def _plan_layers(args, rows: list[LayerRow], tuning: Tuning) -> Plan:
     try:
         return plan_layers(rows, tuning, budget, args.budget_mode)
     except NoAlgorithmError as exc:
-        if tuning.mode in ("hybrid", "find"):
+        if tuning.measures:
             raise
         raise UsageError(f"--workspace-budget plans from measurements, and --mode {args.mode} never measures: "
                          f"{exc}; run once with --mode hybrid") from None
@@ -312,8 +318,7 @@ def cmd_tune(args, out: Console, err: Console) -> int:
     total_workspace, caption = None, None
     with _db(args) as db:
         tuning = Tuning(policy, args.mode, db)
-        rows = select_layers([(layer.name, layer.problem, layer.count) for layer in layers], tuning,
-                             f"tuning {args.network}", err, show_progress=not getattr(args, "json", False))
+        rows = _select_layers(args, layers, tuning, err)
         title = (f"convtune tune {args.network}: {len(rows)} layers, {rows[0].problem.dtype if rows else ''} "
                  f"{rows[0].problem.layout if rows else ''} on {rows[0].problem.device if rows else ''}, "
                  f"mode {args.mode}")
@@ -348,8 +353,7 @@ def cmd_report(args, out: Console, err: Console) -> int:
     policy = _policy(args)
     with _db(args) as db:
         tuning = Tuning(policy, "hybrid", db)
-        rows = select_layers([(layer.name, layer.problem, layer.count) for layer in layers], tuning,
-                             f"tuning {args.network}", err, show_progress=not getattr(args, "json", False))
+        rows = _select_layers(args, layers, tuning, err)
         failed = [r for r in rows if not r.result]
         if failed:
             raise NoAlgorithmError(f"layer {failed[0].name} of {args.network} cannot be served: {failed[0].error}")

@@ -68,6 +68,11 @@ class Tuning:
             self._db = default_db()
         return self._db
 
+    @property
+    def measures(self) -> bool:
+        """Whether this tuning's mode measures what the database does not know ('hybrid', 'find')."""
+        return self.mode in ("hybrid", "find")
+
     def select(self, problem: ConvProblem) -> PerfResult:
         """The choice for ``problem`` (asked once per Tuning). Raises ``NoAlgorithmError``."""
         if problem.key not in self._memo:
@@ -142,7 +147,7 @@ def plan_layers(rows: Sequence[LayerRow], tuning: Tuning, workspace_budget: int,
 
     problems = [row.problem for row in rows if row.result for _ in range(row.count)]
     return plan(problems, workspace_budget, mode, db=tuning.db, policy=tuning.policy,
-                find_missing=tuning.mode in ("hybrid", "find"))
+                find_missing=tuning.measures)
 
 
 def planned_rows(rows: Sequence[LayerRow], planned: Plan) -> list[LayerRow]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from convtune.policy import Policy
 from convtune.problem import explicit_padding, to_layout
 from convtune.pytorch import ops
-from convtune.pytorch.tuning import LayerSelection, Signature, Tuning, layout_of, select_for_layer
+from convtune.pytorch.tuning import LayerSelection, Signature, Tuning, directions_needed, layout_of, select_for_layer
 
 if TYPE_CHECKING:  # TunedConv is only ever mixed into a torch conv module: type it as one
     from torch.nn.modules.conv import _ConvNd as _ConvBase
@@ -178,7 +178,7 @@ class TunedConv(_ConvBase):
         # Under torch.compile this runs eagerly, at a graph break (it measures, reads databases): see
         # _eager_tuning. Never wrapped before: torch.compiler.disable imports Dynamo (a second on a warm start).
         self._convtune_fast.clear()
-        directions = ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
+        directions = directions_needed(need_dx, need_dw)
         selection = select_for_layer(self, sig, self._convtune_tuning, directions, self._convtune_selections.get(sig))
         self._convtune_selections[sig] = selection
         return selection

@@ -31,7 +31,7 @@ from convtune.network import LayerRow, Tuning, plan_layers, planned_rows, select
 from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.pytorch.tuning import LayerSelection, Signature, describe, layout_of, select_for_layer
+from convtune.pytorch.tuning import LayerSelection, Signature, describe, directions_needed, layout_of, select_for_layer
 from convtune.results import PerfResult
 from convtune.units import parse_bytes
 
@@ -173,7 +173,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
             problem = describe(module, sig)
         except (TypeError, ValueError):
             continue  # select_for_layer below puts the layer on torch's path, with the reason
-        for direction in _directions(need_dx, need_dw):
+        for direction in directions_needed(need_dx, need_dw):
             layers.append((f"{name or type(module).__name__}", problem.with_direction(direction), 1))
             owners.append((index, direction))
     rows = select_layers(layers, tuning, "convtune: tuning", transient=True, groups=[i for i, _ in owners])
@@ -198,11 +198,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
 
 def _select(job: tuple, tuning: Tuning, chosen: dict[str, PerfResult | str]) -> LayerSelection:
     name, module, sig, (need_dx, need_dw) = job
-    return select_for_layer(module, sig, tuning, _directions(need_dx, need_dw), name=name, chosen=chosen)
-
-
-def _directions(need_dx: bool, need_dw: bool) -> tuple[str, ...]:
-    return ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
+    return select_for_layer(module, sig, tuning, directions_needed(need_dx, need_dw), name=name, chosen=chosen)
 
 
 def _within_budget(rows: list[LayerRow], tuning: Tuning) -> list[LayerRow]:

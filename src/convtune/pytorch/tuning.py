@@ -145,6 +145,11 @@ def _torch_path(problem: str, reason: str, module_name: str) -> LayerSelection:
     return LayerSelection(problem, reason=reason)
 
 
+def directions_needed(need_dx: bool, need_dw: bool) -> tuple[str, ...]:
+    """The directions a layer tunes: the forward, and the gradients a call will need."""
+    return ("fwd",) + ("bwd_data",) * need_dx + ("bwd_filter",) * need_dw
+
+
 def describe(module: torch.nn.Module, signature: Signature) -> ConvProblem:
     """The forward problem ``module`` solves on inputs of ``signature``; ``TypeError`` or ``ValueError`` where
     convtune cannot describe it (float64 input, say: the layer then stays on torch's path)."""
