@@ -2,7 +2,8 @@
 # One device session's checks, in order: build the C++ extension (timed), then each step named on the
 # command line: native (the native runtime's GPU tests), gpu (every GPU test), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json; several
-# e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), probe (the host's CPUs and topology).
+# e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
+# on the GPU), depthwise:<depthwise.py arguments joined by +>, probe (the host's CPUs and topology).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
 # on the device may carry an older .git, and the result files name the revision they measured.
@@ -30,6 +31,8 @@ for step in "$@"; do
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name e2e 2>&1 | tail -30 ;;
     ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}
           python3 bench/ab.py ${args//+/ } --out "$OUT" --name ab 2>&1 | quiet | tail -30 ;;
+    triton) { header tests/test_triton_depthwise.py; python3 -m pytest -q -p no:cacheprovider tests/test_triton_depthwise.py 2>&1 | quiet; } | tee "$OUT/triton_tests.txt" | tail -8 ;;
+    depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done

@@ -544,6 +544,23 @@ def test_the_rows_of_a_file_that_still_reads_are_salvaged_into_a_fresh_one(tmp_p
         assert [tdb.lookup(problem(n)).algorithm for n in (1, 2, 3)] == ["cpu:fast"] * 3
 
 
+def test_salvage_keeps_only_rows_whose_checksum_holds(tmp_path):
+    # A damaged page can still parse into rows of zeros or garbage: salvage drops every row its checksum
+    # does not bind, so a listing of the salvaged file never shows a key that was not stored.
+    path = tmp_path / "damaged.sqlite"
+    with TuningDB(path) as tdb:
+        tdb.store(problem(1), FIND)
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO results SELECT fingerprint, software, ?, algorithm, device, stored_at, result, checksum "
+                 "FROM results LIMIT 1", ("\0" * 40,))
+    conn.execute("INSERT INTO results SELECT fingerprint, software, problem, 'cpu:other', device, stored_at, result, "
+                 "checksum FROM results LIMIT 1")
+    conn.commit()
+    conn.close()
+    rows = db_module._salvage(path)["results"]
+    assert len(rows) == len(FIND) and {row[2] for row in rows} == {problem(1).key}
+
+
 # -- the corruption suite -----------------------------------------------------------------------
 def _stored_file(path: Path, problems: int) -> dict[str, set[tuple]]:
     """A closed database of ``problems`` finds, each told apart by its times; what each problem may serve."""
@@ -613,11 +630,13 @@ def test_a_damaged_file_never_crashes_never_serves_what_was_not_stored_and_stays
     assert counts["tried"] == counts["clean"] == 96 and counts["crashes"] == 0
     # Salvage reads every row it can still reach (through the table's indexes, and the table scanned and
     # sought past its damage): a bit flip loses no problem (its row fails its checksum, and the problem is
-    # served by its other rows), a cut through the file's last pages loses only the rows there (none at
-    # 23/24 of the file here), the losses fall as the cut moves later, and garbage over a page after the
+    # served by its other rows), a cut through the file's last pages loses only the rows there (at 23/24 of
+    # the file, at most the one or two problems whose rows all lay on the last page; where that page falls
+    # depends on the rows' length, which names the installed software), the losses fall as the cut moves
+    # later, and garbage over a page after the
     # first loses at most the few problems whose rows were on it (487 of 2880 lookups lost when this was
     # written: 452 by truncation, 35 by garbage, 30 of them over the first page, 0 by flips).
     assert all(n == 0 for (kind, _), n in lost.items() if kind == "flip")
     cuts = [n for (kind, _), n in lost.items() if kind == "truncate"]
-    assert cuts[-1] == 0 and cuts == sorted(cuts, reverse=True) and cuts[-8] < 30
+    assert cuts[-1] <= 2 and cuts == sorted(cuts, reverse=True) and cuts[-8] < 30
     assert all(n <= 3 for (kind, at), n in lost.items() if kind == "garbage" and at >= 4096)

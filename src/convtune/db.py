@@ -621,13 +621,23 @@ def _salvage(path: Path) -> dict[str, list[tuple]]:
                     row = conn.execute(f"SELECT * FROM {table} WHERE rowid = ?", (rowid,)).fetchone()
                 except sqlite3.Error:
                     continue  # on a damaged page
-                if row is not None and len(row) == width:
+                if row is not None and len(row) == width and _intact(table, row):
                     rows[table].append(tuple(row))
     except sqlite3.Error:
         pass  # keep what was read
     finally:
         conn.close()
     return rows
+
+
+def _intact(table: str, row: tuple) -> bool:
+    """Whether a row read from a damaged file is what was written: a results row's checksum binds its
+    fields (a page of zeros or garbage that still parses yields rows that fail it)."""
+    fingerprint, software, problem, algorithm, _, _, text, checksum = row
+    try:
+        return checksum == _checksum(fingerprint, software, problem, algorithm, text)
+    except (AttributeError, TypeError):  # a field that is not text
+        return False
 
 
 def _rowids(conn: sqlite3.Connection, table: str) -> set[int]:
@@ -714,7 +724,7 @@ _MAX_ROWID = 2**63 - 1
 
 
 def _restore(path: Path, rows: dict[str, list[tuple]]) -> None:
-    """A fresh database at ``path`` holding the salvaged ``rows`` (their checksums are checked when read)."""
+    """A fresh database at ``path`` holding the salvaged ``rows`` (each one's checksum checked by ``_intact``)."""
     conn = _connect(path)
     try:
         if _check(conn) is None:

@@ -10,7 +10,7 @@ import time
 import torch
 
 # convtune's own kernels change their numbers when their code changes: bump on every such change.
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 
 # Peak dense throughput (FLOP/s by dtype) and memory bandwidth (bytes/s) of known GPUs, by name
 # fragment. H200 figures measured on the device (BENCHMARKING.md): bf16 GEMM ~790 TFLOP/s, copy 4.3 TB/s.
@@ -137,6 +137,12 @@ def peaks(device: str, dtype: str, tf32: bool = False) -> tuple[float, float]:
 
 
 def roofline_ms(problem) -> float:
-    """The floor of ``problem``'s time: max(FLOPs / peak, compulsory bytes / bandwidth), in ms."""
-    flops, bandwidth = peaks(problem.device, problem.dtype, problem.allow_tf32)
+    """The floor of ``problem``'s time: max(FLOPs / peak, compulsory bytes / bandwidth), in ms.
+
+    A depthwise problem (one input channel per group) has no matrix product for tensor cores to
+    take: its multiply-adds are priced at the CUDA cores' float32 rate, whatever the dtype.
+    """
+    depthwise = problem.c == problem.groups and problem.groups > 1
+    dtype = "float32" if depthwise else problem.dtype
+    flops, bandwidth = peaks(problem.device, dtype, problem.allow_tf32 and not depthwise)
     return 1e3 * max(problem.flops / flops, problem.min_bytes / bandwidth)

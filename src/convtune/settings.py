@@ -95,6 +95,8 @@ _SETTINGS = (
     _Setting("native", _bool, True, "tuned layers run through the C++ extension"),
     # a layer whose measured GPU gain is below the host time its path adds calls PyTorch instead
     _Setting("host_rule", _bool, True, "layers that gain less than their host cost call PyTorch"),
+    # convtune's own Triton kernels (triton:*) are candidates wherever they support a problem
+    _Setting("triton", _bool, True, "convtune's Triton kernels join the portfolio"),
     # where the C++ extension is built and cached (one folder per sources and software versions)
     _Setting("extension_dir", str, _extension_dir_default, "folder of the C++ extension's builds"),
     # show a progress bar in the command line

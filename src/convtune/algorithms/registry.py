@@ -28,6 +28,7 @@ BUILTIN_MODULES = (
     "convtune.algorithms.fft",
     "convtune.algorithms.winograd",
     "convtune.algorithms.microbatch",
+    "convtune.algorithms.triton_depthwise",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged.
 OPTIONAL_MODULES = ("convtune.algorithms.cudnn",)

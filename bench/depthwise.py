@@ -1,0 +1,197 @@
+"""Depthwise benchmark: convtune's Triton kernels against every cuDNN plan, PyTorch and the floor.
+
+For each shape and direction, with one timer (convtune.timing.benchmark) for everything and every
+result checked against float64 first:
+- ours: every triton:depthwise configuration of the direction, the fastest reported;
+- the best cuDNN plan: every plan of heuristics A + FALLBACK, built, checked and timed;
+- PyTorch's own call with cudnn.benchmark False and True, each in its own process;
+- the floor (hardware.roofline_ms: multiply-adds at the CUDA cores' float32 rate, compulsory bytes).
+
+    python bench/depthwise.py                 # the default sweep (float16, batch 32, the three directions)
+    python bench/depthwise.py --sweep full    # the whole grid, resumable with --missing
+    python bench/depthwise.py --shape 96:56:7:1 --batch 128 --dtype bfloat16
+    python bench/depthwise.py --ours-again    # after a kernel change: cuDNN's and PyTorch's times kept
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from convtune import hardware  # noqa: E402
+from convtune.algorithms.native import native_conv  # noqa: E402
+from convtune.algorithms.registry import registered  # noqa: E402
+from convtune.algorithms.triton_depthwise import TritonDepthwise  # noqa: E402
+from convtune.problem import ConvProblem  # noqa: E402
+from convtune.timing import benchmark  # noqa: E402
+from convtune.verify import reference  # noqa: E402
+from layers import time_algorithm  # noqa: E402
+
+DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
+# channels:spatial:kernel:stride. The issue's four layers first, then a spread of networks' depthwise layers.
+DEFAULT_SHAPES = ("96:56:7:1", "384:14:7:1", "672:14:5:1", "1152:7:5:1",
+                  "32:112:3:1", "144:56:3:2", "960:7:3:1", "128:56:9:1", "256:28:13:1", "512:14:31:1")
+FULL = dict(channels=(32, 96, 256, 512, 1536), spatial=(7, 14, 28, 56, 112), kernels=(3, 5, 7, 9, 13, 31),
+            strides=(1, 2))
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    c, hw, r, s = (int(v) for v in text.split(":"))
+    return c, hw, r, s
+
+
+def make_problem(shape: str, direction: str, batch: int, dtype: str, layout: str) -> ConvProblem:
+    c, hw, r, stride = parse_shape(shape)
+    return ConvProblem(direction, n=batch, c=c, k=c, input_size=(hw, hw), kernel_size=r, stride=stride,
+                       padding=r // 2, groups=c, dtype=dtype, layout=layout, device="cuda")
+
+
+def full_shapes() -> list[str]:
+    return [f"{c}:{hw}:{r}:{s}" for c, hw, r, s in itertools.product(*FULL.values()) if r <= hw]
+
+
+def measure(p: ConvProblem, row: dict | None = None) -> dict:
+    """The row of ``p``; given an earlier ``row``, only our kernels are measured again (cuDNN's and
+    PyTorch's times do not depend on this code), and the row says at which revision."""
+    from convtune.algorithms.cudnn import BACKEND
+
+    inputs = p.random_inputs(seed=0)
+    ref = reference(p, *inputs)
+    again = row is not None
+    row = dict(row or {}, problem=p.key, floor_ms=hardware.roofline_ms(p))
+    ours = {a.name: time_algorithm(p, a, inputs, ref) for a in registered()
+            if isinstance(a, TritonDepthwise) and a.supports(p)}
+    row["ours"] = {n: v[0] for n, v in ours.items()}
+    row["ours_failures"] = {n: v[2] for n, v in ours.items() if v[2] != "ok"}
+    timed = {n: v for n, v in row["ours"].items() if v is not None}
+    row["ours_best"] = min(timed, key=timed.get) if timed else None
+    row["ours_ms"] = timed.get(row["ours_best"]) if timed else None
+    row["ours_revision"] = common.revision()
+    if again:
+        return row
+    t0 = time.perf_counter()
+    plans = {a.name: time_algorithm(p, a, inputs, ref) for a in BACKEND.algorithms(p)}
+    row["cudnn_wall_s"] = time.perf_counter() - t0
+    cudnn_timed = {n: v[0] for n, v in plans.items() if v[0] is not None}
+    row["cudnn_best"] = min(cudnn_timed, key=cudnn_timed.get) if cudnn_timed else None
+    row["cudnn_ms"] = cudnn_timed.get(row["cudnn_best"]) if cudnn_timed else None
+    return row
+
+
+def torch_times(keys: list[str], benchmark_mode: bool) -> list[float]:
+    torch.backends.cudnn.benchmark = benchmark_mode
+    times = []
+    for key in keys:
+        p = ConvProblem.from_key(key)
+        a, b = p.random_inputs(seed=0)
+        def call(p=p, a=a, b=b):
+            return native_conv(p, a, b)
+
+        call()
+        times.append(benchmark(call, device="cuda").median_ms)
+    return times
+
+
+def torch_in_subprocess(keys: list[str], benchmark_mode: bool) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        keys_path, out_path = Path(tmp) / "keys.json", Path(tmp) / "times.json"
+        keys_path.write_text(json.dumps(keys))
+        subprocess.run([sys.executable, __file__, "--torch-only", str(keys_path), "--benchmark-mode",
+                        str(int(benchmark_mode)), "--torch-out", str(out_path)], check=True)
+        return json.loads(out_path.read_text())
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def markdown(env: dict, rows: dict) -> str:
+    def fmt(v, digits=4):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    head = (f"# Depthwise convolutions: convtune's kernels against cuDNN and PyTorch\n\n{env['date']}, "
+            f"{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, cuDNN {env.get('cudnn')}, "
+            f"revision {env['revision']} (ours: the row's ours_revision in the JSON). Times in ms "
+            f"(convtune.timing.benchmark, every result checked against "
+            f"float64 first); ours: the fastest triton:depthwise configuration; cuDNN: the fastest of every "
+            f"plan; floor: multiply-adds at the CUDA cores' float32 rate or compulsory bytes at bandwidth; "
+            f"speed-up: cuDNN's best / ours.\n\n")
+    body = []
+    groups: dict[tuple, list[float]] = {}
+    for r in rows.values():
+        p = ConvProblem.from_key(r["problem"])
+        speedup = ratio(r.get("cudnn_ms"), r.get("ours_ms"))
+        body.append([p.direction, p.dtype, p.n, p.c, f"{p.input_size[0]}", f"{p.kernel_size[0]}", p.stride[0],
+                     fmt(r.get("ours_ms")), fmt(r.get("cudnn_ms")), fmt(r.get("torch_bench1_ms")),
+                     fmt(r.get("torch_bench0_ms")), fmt(r["floor_ms"]), fmt(speedup, 2),
+                     fmt(ratio(r.get("ours_ms"), r["floor_ms"]), 1), r.get("ours_best") or "-"])
+        kernel = p.kernel_size[0]
+        family = "≥7" if kernel >= 7 else str(kernel)
+        if speedup:
+            groups.setdefault((p.direction, family), []).append(speedup)
+    table = common.md_table(["direction", "dtype", "batch", "channels", "size", "kernel", "stride", "ours",
+                             "cuDNN best", "torch bm1", "torch bm0", "floor", "speed-up", "ours / floor",
+                             "our pick"], body)
+    means = common.md_table(["direction", "kernel", "shapes", "geometric mean speed-up over cuDNN's best"],
+                            [[d, f, len(v), f"{common.geomean(v):.2f}"] for (d, f), v in sorted(groups.items())])
+    return head + "## Geometric means\n\n" + means + "\n## Every shape\n\n" + table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", choices=("default", "full"), default="default")
+    parser.add_argument("--shape", action="append", default=[], help="channels:spatial:kernel:stride (repeatable)")
+    parser.add_argument("--batch", type=lambda t: [int(v) for v in t.split(",")], default=[32])
+    parser.add_argument("--dtype", type=lambda t: t.split(","), default=["float16"])
+    parser.add_argument("--layout", default="channels_last")
+    parser.add_argument("--directions", type=lambda t: t.split(","), default=list(DIRECTIONS))
+    parser.add_argument("--missing", action="store_true", help="only rows the results file lacks")
+    parser.add_argument("--no-torch", action="store_true", help="skip PyTorch's own timings")
+    parser.add_argument("--ours-again", action="store_true", help="measure only our kernels again in the rows the "
+                        "results file has (cuDNN's and PyTorch's times kept)")
+    common.result_arguments(parser, "depthwise")
+    parser.add_argument("--torch-only")
+    parser.add_argument("--benchmark-mode", type=int, default=0)
+    parser.add_argument("--torch-out")
+    args = parser.parse_args()
+    if args.torch_only:
+        keys = json.loads(Path(args.torch_only).read_text())
+        Path(args.torch_out).write_text(json.dumps(torch_times(keys, bool(args.benchmark_mode))))
+        return
+    shapes = args.shape or (full_shapes() if args.sweep == "full" else list(DEFAULT_SHAPES))
+    out_dir = Path(args.out or common.RESULTS)
+    json_path = out_dir / f"{args.name}.json"
+    keep = args.missing or args.ours_again
+    payload = json.loads(json_path.read_text()) if keep and json_path.exists() else {}
+    env = payload["environment"] = common.environment()
+    rows = payload.setdefault("rows", {})
+    for shape, batch, dtype, direction in itertools.product(shapes, args.batch, args.dtype, args.directions):
+        p = make_problem(shape, direction, batch, dtype, args.layout)
+        if p.key in rows and not args.ours_again:
+            continue
+        rows[p.key] = measure(p, rows.get(p.key) if args.ours_again else None)
+        r = rows[p.key]
+        print(f"{p.key}: ours {r['ours_ms']} ({r['ours_best']}) cuDNN {r['cudnn_ms']} floor {r['floor_ms']:.4f}",
+              file=sys.stderr, flush=True)
+        common.write(args.name, payload, markdown(env, rows), out_dir)  # a cut run keeps what it measured
+    if not args.no_torch:
+        keys = [k for k, r in rows.items() if "torch_bench1_ms" not in r]
+        for mode in (0, 1):
+            for key, ms in zip(keys, torch_in_subprocess(keys, bool(mode))):
+                rows[key][f"torch_bench{mode}_ms"] = ms
+        common.write(args.name, payload, markdown(env, rows), out_dir)
+    print(markdown(env, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Measurement sweep: every candidate timed on problems sampled from what real networks contain.
+
+The data a learned cost model for ``get`` is trained on. Problem i of a sweep is drawn from a
+generator seeded with (seed, i): a seed layer (the built-in networks' layer tables and DeepBench),
+then random perturbations of it (channels, spatial size, kernel including 1xN and Nx1, stride,
+dilation, groups from dense to depthwise, batch), a direction, a dtype (float16, bfloat16, float32
+with and without TF32) and a layout. Each problem is measured by ``find`` with its search rules
+off, so every supporting candidate is checked against float64 and timed by the one timer; the
+results go to a tuning database, which is what makes a cut run resumable (a problem the database
+has is not measured again) and what the dataset is exported from, in the database's export
+format (JSON lines keyed by the machine's fingerprint and software).
+
+    python bench/sweep.py --minutes 9 --db bench/data/sweep.sqlite --export bench/data/sweep.jsonl
+    python bench/sweep.py --device cpu --tiny --count 4      # a small run, as the tests do
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import convtune as ct  # noqa: E402
+from convtune import zoo  # noqa: E402
+from convtune.problem import ConvProblem  # noqa: E402
+from convtune.settings import settings  # noqa: E402
+
+DTYPES = (("float16", True), ("bfloat16", True), ("float32", True), ("float32", False))  # (dtype, allow_tf32)
+LAYOUTS = ("channels_last", "channels_first")
+DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
+BATCHES = (1, 8, 32, 64, 128, 256)
+MAX_ELEMENTS = 2**27  # per operand: keeps one problem's find within seconds and its memory modest
+
+
+def seeds() -> list[ConvProblem]:
+    """Every unique layer of the built-in networks and DeepBench, as forward problems (batch 1)."""
+    found: dict[str, ConvProblem] = {}
+    for network in zoo.NETWORKS:
+        for layer in zoo.network_layers(network, 1):
+            p = layer.problem
+            found.setdefault(p.replace(n=1).key, p.replace(n=1))
+    return list(found.values())
+
+
+def _round_channels(value: float, rng: random.Random) -> int:
+    multiple = rng.choice((1, 8, 8, 16))  # mostly the multiples of 8 networks use, now and then any
+    return max(1, int(round(value / multiple)) * multiple or multiple)
+
+
+def _divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProblem]) -> ConvProblem:
+    """Problem ``index`` of the sweep seeded ``seed``: the same problem for the same arguments, always."""
+    rng = random.Random(seed * 1_000_003 + index)
+    base = rng.choice(layers)
+    c, k = base.c, base.k
+    if rng.random() < 0.6:
+        c = _round_channels(c * rng.choice((0.25, 0.5, 1, 1, 2, 4)), rng)
+        k = _round_channels(k * rng.choice((0.25, 0.5, 1, 1, 2, 4)), rng)
+    ndim = base.ndim
+    size = tuple(max(1, int(round(s * rng.choice((0.25, 0.5, 1, 1, 2))))) for s in base.input_size)
+    kernel = base.kernel_size
+    if rng.random() < 0.4:
+        r = rng.choice((1, 3, 3, 5, 7))
+        kernel = (r,) * ndim
+        if ndim == 2 and rng.random() < 0.25:  # 1xN and Nx1 (Inception, separable stacks)
+            kernel = (1, r) if rng.random() < 0.5 else (r, 1)
+    stride = base.stride if rng.random() < 0.7 else (rng.choice((1, 2)),) * ndim
+    dilation = (1,) * ndim if rng.random() < 0.85 else (rng.choice((2, 3)),) * ndim
+    groups = 1
+    roll = rng.random()
+    if roll < 0.15:  # depthwise, with a channel multiplier now and then
+        groups, k = c, c * rng.choice((1, 1, 1, 2))
+    elif roll < 0.35:  # grouped: 2 to 64 channels per group
+        common = [g for g in _divisors(math.gcd(c, k)) if 2 <= c // g <= 64 and g > 1]
+        groups = rng.choice(common) if common else 1
+    if tiny:  # a small stand-in for the tests: a handful of channels and positions
+        c, k = min(c, 8), min(k, 8)
+        groups = math.gcd(groups, math.gcd(c, k))
+        size = tuple(min(s, 9) for s in size)
+        kernel = tuple(min(r, 3) for r in kernel)
+    padding = tuple(d * (r - 1) // 2 for r, d in zip(kernel, dilation))
+    size = tuple(max(s, d * (r - 1) + 1 - 2 * pad) for s, r, d, pad in zip(size, kernel, dilation, padding))
+    dtype, tf32 = rng.choice(DTYPES) if device == "cuda" else rng.choice((("float32", True), ("bfloat16", True)))
+    batch = rng.choice(BATCHES[:3] if tiny else BATCHES)
+    p = ConvProblem(rng.choice(DIRECTIONS), n=batch, c=c, k=k, input_size=size, kernel_size=kernel, stride=stride,
+                    padding=padding, dilation=dilation, groups=groups, dtype=dtype, layout=rng.choice(LAYOUTS),
+                    device=device, allow_tf32=tf32)
+    while max(math.prod(s) for s in p.operand_shapes) > MAX_ELEMENTS and p.n > 1:
+        p = p.replace(n=p.n // 2)
+    return p
+
+
+def measure(p: ConvProblem, db: ct.TuningDB) -> int:
+    """Every supporting candidate of ``p`` checked and timed, stored in ``db``; the number timed."""
+    with settings.override(find_patience=0, find_prune_factor=0, find_max_candidates=0, find_budget_s=0):
+        results = ct.find(p, ct.Policy(allow_tf32=p.allow_tf32), db=db)
+    return sum(r.ok for r in results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--db", default="bench/data/sweep.sqlite", help="the tuning database the sweep fills")
+    parser.add_argument("--export", default=None, help="write the database's results here (JSON lines) at the end")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", type=int, default=0, help="first problem index")
+    parser.add_argument("--count", type=int, default=100_000, help="problem indices to go through")
+    parser.add_argument("--minutes", type=float, default=0.0, help="stop starting new problems after this (0: none)")
+    parser.add_argument("--tiny", action="store_true", help="small problems (tests)")
+    args = parser.parse_args(argv)
+    layers = seeds()
+    deadline = time.monotonic() + 60 * args.minutes if args.minutes else math.inf
+    Path(args.db).parent.mkdir(parents=True, exist_ok=True)
+    measured = kept = 0
+    with ct.TuningDB(args.db) as db:
+        for index in range(args.start, args.start + args.count):
+            if time.monotonic() > deadline:
+                break
+            p = sample(index, args.seed, args.device, args.tiny, layers)
+            if db.results(p):
+                kept += 1
+                continue
+            started = time.monotonic()
+            timed = measure(p, db)
+            measured += 1
+            print(f"{index} {p.key}: {timed} timed in {time.monotonic() - started:.1f} s", file=sys.stderr,
+                  flush=True)
+        if args.export:
+            lines = db.export(args.export)
+            print(f"exported {lines} results to {args.export}", file=sys.stderr)
+    print(f"measured {measured} problems, {kept} already in {args.db}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
