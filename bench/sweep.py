@@ -100,7 +100,9 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
 
 def measure(p: ConvProblem, db: ct.TuningDB) -> int:
     """Every supporting candidate of ``p`` checked and timed, stored in ``db``; the number timed."""
-    with settings.override(find_patience=0, find_prune_factor=0, find_max_candidates=0, find_budget_s=0):
+    # the search's rules off, and every candidate that can be in a worker process: a crash costs it alone
+    with settings.override(find_patience=0, find_prune_factor=0, find_max_candidates=0, find_budget_s=0,
+                           isolate="all"):
         results = ct.find(p, ct.Policy(allow_tf32=p.allow_tf32), db=db)
     return sum(r.ok for r in results)
 

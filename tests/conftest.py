@@ -16,9 +16,11 @@ if os.environ.get("CI"):
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
-    """Every test gets its own tuning database folder: nothing touches the user's cache."""
+    """Every test gets its own tuning database folder: nothing touches the user's cache. The tests' fake
+    algorithms are measured in the process (they count their runs, read a shared clock); the tests of
+    isolation (tests/test_isolation.py) turn worker processes on themselves."""
     monkeypatch.setenv("CONVTUNE_CACHE_DIR", str(tmp_path / "cache"))
-    with settings.override(cache_dir=str(tmp_path / "cache")):
+    with settings.override(cache_dir=str(tmp_path / "cache"), isolate="off"):
         yield
 
 

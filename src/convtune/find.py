@@ -27,7 +27,7 @@ from typing import Any, TypedDict, cast
 
 import torch
 
-from . import costmodel, hardware
+from . import costmodel, hardware, isolation
 from .algorithms.base import Algorithm, allocate_workspace
 from .algorithms.registry import algorithms
 from .get import ranked_predictions
@@ -158,10 +158,24 @@ class _Search:
                     message += "; workspace not learned (shown as 0)"
                 return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
         self.budget.timed += 1
+        if isolation.wanted(algorithm):
+            deadline_s = self.policy.deadline_s or settings.candidate_deadline_s or math.inf
+            result = isolation.measure(problem, self.policy, self.timer, self.seed, algorithm, dict(props),
+                                       declared is None, self.best_ms, self.budget.timer_budget_s(), deadline_s)
+            if result.ok:
+                self.best_ms = min(self.best_ms, cast(float, result.time_ms))
+                self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
+            return result
+        return self.measure_here(algorithm, props, declared is None, self.budget.timer_budget_s())
+
+    def measure_here(self, algorithm: Algorithm, props: _Props, probe_determinism: bool,
+                     timer_budget_s: float | None) -> PerfResult:
+        """Check and time ``algorithm`` in this process; an exception it raises (SystemExit too) is its status."""
+        problem = self.problem
         self.case(1)  # outside the candidate's try: a reference that cannot be computed is not its fault
         try:
-            return self._measure(algorithm, props, declared is None)
-        except Exception as exc:  # noqa: BLE001 - a failing candidate is data
+            return self._measure(algorithm, props, probe_determinism, timer_budget_s)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failing candidate is data
             log.debug("%s failed on %s", algorithm.name, problem.key, exc_info=exc)
             status = Status.OUT_OF_MEMORY if is_out_of_memory(exc) else Status.FAILED
             if status is Status.OUT_OF_MEMORY and problem.device == "cuda":
@@ -191,7 +205,8 @@ class _Search:
         _, leaner_runs = skip
         return leaner_runs and self.leanest_bytes > 0  # nothing is leaner than no scratch
 
-    def _measure(self, algorithm: Algorithm, props: _Props, probe_determinism: bool) -> PerfResult:
+    def _measure(self, algorithm: Algorithm, props: _Props, probe_determinism: bool,
+                 timer_budget_s: float | None) -> PerfResult:
         problem = self.problem
         inputs, ref = self.case()
         workspace = allocate_workspace(algorithm.buffer_bytes(problem), problem.device)
@@ -200,7 +215,7 @@ class _Search:
         err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,
                                  max_rel_error=self.policy.max_rel_error)
         took_s = time.perf_counter() - started
-        wrote = self.restore_inputs()  # once: it puts the inputs back, so a second call would say no
+        wrote = self.restore_inputs()  # after each stage: a candidate that writes into its inputs later fails too
         deadline_s = self.policy.deadline_s or settings.candidate_deadline_s
         if deadline_s and took_s > deadline_s and ok and not wrote:
             # Right, but too slow to time: its one run's time is kept, for when nothing else finishes.
@@ -217,6 +232,7 @@ class _Search:
         inputs2, ref2 = self.case(1)
         err2, ok, message = check(algorithm, problem, inputs2, ref2, problem.empty(problem.operand_shapes[2]),
                                   workspace, max_rel_error=self.policy.max_rel_error, poison=_finite_poison(problem))
+        wrote = self.restore_inputs()
         if wrote:
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
                               message="wrote into its input operands (they must stay read-only)")
@@ -232,7 +248,8 @@ class _Search:
                                           "asks for determinism")
         stop_above = self.best_ms * settings.early_stop_factor if math.isfinite(self.best_ms) else None
         timing = self.timer(lambda: algorithm.run(problem, *inputs, workspace=workspace, out=out),
-                            device=problem.device, budget_s=self.budget.timer_budget_s(), stop_above_ms=stop_above)
+                            device=problem.device, budget_s=timer_budget_s, stop_above_ms=stop_above)
+        wrote = self.restore_inputs()
         if wrote:
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
                               message="wrote into its input operands (they must stay read-only)")
@@ -384,16 +401,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     ranked, head_size = search_order([a for a, _ in predictions])
     search = _Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
-    patience, without_gain = settings.find_patience, 0
-    for index, algorithm in enumerate(ranked, 1):
-        converged = bool(patience and without_gain >= patience)
-        best_before = search.best_ms
-        result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf), converged=converged)
-        results.append(result)
-        if result.ok and index > head_size:  # the first try of each backend does not count
-            gained = cast(float, result.time_ms) < best_before * (1 - policy.tolerance)  # ok: timed
-            without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
-        _log_result(index, len(ranked), result, search.best_ms)
+    results += _search(search, ranked, head_size, predicted_ms, policy, settings.find_patience)
     if not any(r.ok for r in results):
         results = _slow_but_right(results)
     if policy.micro_batching:
@@ -408,6 +416,23 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         else:
             costmodel.stored(db, problem, kept)
     return order(results, policy)
+
+
+def _search(search: _Search, ranked: list[Algorithm], head_size: int, predicted_ms: dict[str, float],
+            policy: Policy, patience: int) -> list[PerfResult]:
+    """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules)."""
+    results = []
+    without_gain = 0
+    for index, algorithm in enumerate(ranked, 1):
+        converged = bool(patience and without_gain >= patience)
+        best_before = search.best_ms
+        result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf), converged=converged)
+        results.append(result)
+        if result.ok and index > head_size:  # the first try of each backend does not count
+            gained = cast(float, result.time_ms) < best_before * (1 - policy.tolerance)  # ok: timed
+            without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
+        _log_result(index, len(ranked), result, search.best_ms)
+    return results
 
 
 def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResult], search: _Search,

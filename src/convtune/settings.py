@@ -63,6 +63,15 @@ def _bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
 
 
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return value
+    return parse
+
+
 _SETTINGS = (
     # where the tuning database lives unless a path is given
     _Setting("cache_dir", str, _cache_dir_default, "folder of tuning.sqlite"),
@@ -95,6 +104,8 @@ _SETTINGS = (
     _Setting("native", _bool, True, "tuned layers run through the C++ extension"),
     # a layer whose measured GPU gain is below the host time its path adds calls PyTorch instead
     _Setting("host_rule", _bool, True, "layers that gain less than their host cost call PyTorch"),
+    # which candidates find measures in a worker process (isolation.py): plugins, all or off
+    _Setting("isolate", _one_of("plugins", "all", "off"), "plugins", "candidates measured in a worker process"),
     # convtune's own Triton kernels (triton:*) are candidates wherever they support a problem
     _Setting("triton", _bool, True, "convtune's Triton kernels join the portfolio"),
     # where the C++ extension is built and cached (one folder per sources and software versions)
@@ -138,6 +149,10 @@ class Settings:
             yield
         finally:
             self._overrides = saved
+
+    def overrides(self) -> dict[str, Any]:
+        """The values ``override`` has set now (a worker process takes them along; the environment it inherits)."""
+        return dict(self._overrides)
 
     def describe(self) -> list[tuple[str, str, Any, str]]:
         """(name, environment variable, current value, meaning) for every setting."""

@@ -1,0 +1,74 @@
+"""Plug-in algorithms that misbehave in ways only a worker process survives (tests/test_isolation.py).
+
+They live in a module of their own so that a spawned worker can import them by name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+from convtune.algorithms.base import Algorithm
+from convtune.algorithms.native import native_conv
+
+
+class Correct(Algorithm):
+    """Right, through PyTorch: the one to be selected among the adversaries."""
+
+    name = "plugin:correct"
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        out.copy_(native_conv(problem, a, b))
+
+
+class Exits(Correct):
+    """Ends the process it runs in, as a library's abort would."""
+
+    name = "plugin:exits"
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        os._exit(3)
+
+
+class Segfaults(Correct):
+    """Reads address 0: a segmentation fault."""
+
+    name = "plugin:segfaults"
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        ctypes.string_at(0)
+
+
+class Hangs(Correct):
+    """Never returns."""
+
+    name = "plugin:hangs"
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        time.sleep(3600)
+
+
+class CallsExit(Correct):
+    """Raises SystemExit, as a sys.exit() deep in a library would."""
+
+    name = "plugin:calls_exit"
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        raise SystemExit(2)
+
+
+class WritesItsInputsLater(Correct):
+    """Right on its checked runs, then scribbles on its input operands while it is timed."""
+
+    name = "plugin:writes_inputs_later"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        self.runs += 1
+        super()._run(problem, a, b, out, ws)
+        if self.runs > 2:
+            a.mul_(2)
