@@ -155,7 +155,8 @@ def main() -> None:
     parser.add_argument("--dtype", type=lambda t: t.split(","), default=["float16"])
     parser.add_argument("--layout", default="channels_last")
     parser.add_argument("--directions", type=lambda t: t.split(","), default=list(DIRECTIONS))
-    parser.add_argument("--missing", action="store_true", help="only rows the results file lacks")
+    parser.add_argument("--missing", action="store_true", help="only rows the results file lacks (rows measured "
+                        "again replace theirs; the others are kept)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch's own timings")
     parser.add_argument("--ours-again", action="store_true", help="measure only our kernels again in the rows the "
                         "results file has (cuDNN's and PyTorch's times kept)")
@@ -171,13 +172,12 @@ def main() -> None:
     shapes = args.shape or (full_shapes() if args.sweep == "full" else list(DEFAULT_SHAPES))
     out_dir = Path(args.out or common.RESULTS)
     json_path = out_dir / f"{args.name}.json"
-    keep = args.missing or args.ours_again
-    payload = json.loads(json_path.read_text()) if keep and json_path.exists() else {}
+    payload = json.loads(json_path.read_text()) if json_path.exists() else {}  # rows measured now replace theirs
     env = payload["environment"] = common.environment()
     rows = payload.setdefault("rows", {})
     for shape, batch, dtype, direction in itertools.product(shapes, args.batch, args.dtype, args.directions):
         p = make_problem(shape, direction, batch, dtype, args.layout)
-        if p.key in rows and not args.ours_again:
+        if p.key in rows and args.missing:
             continue
         rows[p.key] = measure(p, rows.get(p.key) if args.ours_again else None)
         r = rows[p.key]

@@ -67,6 +67,10 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
     ndim = base.ndim
     size = tuple(max(1, int(round(s * rng.choice((0.25, 0.5, 1, 1, 2))))) for s in base.input_size)
     kernel = base.kernel_size
+    if ndim == 2 and rng.random() < 0.1:  # 1-D, as audio and sequence models have: one long row
+        ndim, size, kernel = 1, (size[0] * size[1],), (max(kernel),)
+        base = base.replace(input_size=size, kernel_size=kernel, stride=base.stride[0], padding=base.padding[0],
+                            dilation=base.dilation[0])
     if rng.random() < 0.4:
         r = rng.choice((1, 3, 3, 5, 7))
         kernel = (r,) * ndim
@@ -93,8 +97,16 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
     p = ConvProblem(rng.choice(DIRECTIONS), n=batch, c=c, k=k, input_size=size, kernel_size=kernel, stride=stride,
                     padding=padding, dilation=dilation, groups=groups, dtype=dtype, layout=rng.choice(LAYOUTS),
                     device=device, allow_tf32=tf32)
-    while max(math.prod(s) for s in p.operand_shapes) > MAX_ELEMENTS and p.n > 1:
-        p = p.replace(n=p.n // 2)
+    while max(math.prod(s) for s in p.operand_shapes) > MAX_ELEMENTS:  # smaller batches, then narrower
+        if p.n > 1:
+            p = p.replace(n=p.n // 2)
+        else:
+            g = p.groups
+            c, k = max(g, p.c // 2 // g * g), max(g, p.k // 2 // g * g)
+            if (c, k) == (p.c, p.k):
+                p = p.replace(input_size=tuple(max(1, s // 2) for s in p.input_size))
+            else:
+                p = p.replace(c=c, k=k)
     return p
 
 
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = seeds()
     deadline = time.monotonic() + 60 * args.minutes if args.minutes else math.inf
     Path(args.db).parent.mkdir(parents=True, exist_ok=True)
-    measured = kept = 0
+    measured = kept = failed = 0
     with ct.TuningDB(args.db) as db:
         for index in range(args.start, args.start + args.count):
             if time.monotonic() > deadline:
@@ -131,14 +143,19 @@ def main(argv: list[str] | None = None) -> int:
                 kept += 1
                 continue
             started = time.monotonic()
-            timed = measure(p, db)
+            try:
+                timed = measure(p, db)
+            except Exception as exc:  # noqa: BLE001 - one problem that cannot be measured does not end the sweep
+                failed += 1
+                print(f"{index} {p.key}: not measured ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+                continue
             measured += 1
             print(f"{index} {p.key}: {timed} timed in {time.monotonic() - started:.1f} s", file=sys.stderr,
                   flush=True)
         if args.export:
             lines = db.export(args.export)
             print(f"exported {lines} results to {args.export}", file=sys.stderr)
-    print(f"measured {measured} problems, {kept} already in {args.db}")
+    print(f"measured {measured} problems, {kept} already in {args.db}, {failed} could not be measured")
     return 0
 
 

@@ -72,3 +72,16 @@ class WritesItsInputsLater(Correct):
         super()._run(problem, a, b, out, ws)
         if self.runs > 2:
             a.mul_(2)
+
+
+class RightOnlyUnderSeed7(Correct):
+    """Right only where convtune's verify_seed setting reads 7: tells whether a worker sees the parent's settings."""
+
+    name = "plugin:right_under_seed_7"
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        from convtune.settings import settings
+
+        super()._run(problem, a, b, out, ws)
+        if settings.verify_seed != 7:
+            out.mul_(2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -51,9 +52,9 @@ def test_one_worker_serves_every_find_until_a_candidate_ends_it(workers):
         ct.find(P, candidates=[adversaries.Correct()])
         first = isolation._worker._process
         ct.find(P.replace(n=3), candidates=[adversaries.Correct(), get_algorithm("torch:native")])
-        assert isolation._worker._process is first and first.is_alive() and first.pid != os.getpid()
+        assert isolation._worker._process is first and first.poll() is None and first.pid != os.getpid()
         ct.find(P, candidates=[adversaries.Exits()])
-        assert not first.is_alive()
+        assert first.poll() == 3
         assert by_name(ct.find(P, candidates=[adversaries.Correct()]))["plugin:correct"].ok  # a new worker
 
 
@@ -84,3 +85,62 @@ def test_in_the_process_systemexit_and_late_writes_cost_the_candidate_only():
     assert results["plugin:writes_inputs_later"].status is Status.FAILED
     assert "input operands" in results["plugin:writes_inputs_later"].message
     assert results["torch:native"].ok
+
+
+def test_an_interrupted_measurement_leaves_no_answer_for_the_next(workers, monkeypatch):
+    # Interrupted while waiting for the worker (Ctrl-C in a notebook): the worker is ended, and the next
+    # find gets its own candidate's result, never the interrupted one's.
+    with settings.override(isolate="all"):
+        calls = {"n": 0}
+        real = isolation.Worker._reply
+
+        def interrupted(self, task_id, limit_s):
+            calls["n"] += 1
+            if calls["n"] == 2:  # after the worker said its reference is ready
+                raise KeyboardInterrupt
+            return real(self, task_id, limit_s)
+
+        monkeypatch.setattr(isolation.Worker, "_reply", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            ct.find(P, candidates=[adversaries.Correct()])
+        monkeypatch.setattr(isolation.Worker, "_reply", real)
+        results = ct.find(P.replace(n=3), candidates=[get_algorithm("torch:native")])
+        assert [r.algorithm for r in results] == ["torch:native"] and results[0].ok
+
+
+def test_finds_in_threads_each_get_their_own_answers(workers):
+    answers: list[list[str]] = []
+
+    def run(candidate):
+        for _ in range(3):
+            answers.append([r.algorithm for r in ct.find(P, candidates=[candidate])])
+
+    with settings.override(isolate="all"):
+        threads = [threading.Thread(target=run, args=(c,)) for c in (adversaries.Correct(),
+                                                                      get_algorithm("torch:native"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(map(tuple, answers)) == [("plugin:correct",)] * 3 + [("torch:native",)] * 3
+
+
+def test_the_worker_sees_the_settings_of_the_moment(workers, monkeypatch):
+    with settings.override(isolate="all"):
+        ct.find(P, candidates=[adversaries.Correct()])  # the worker is up before the setting changes
+        monkeypatch.setenv("CONVTUNE_VERIFY_SEED", "7")
+        with settings.override():
+            assert by_name(ct.find(P, candidates=[adversaries.RightOnlyUnderSeed7()]))[
+                "plugin:right_under_seed_7"].ok
+
+
+def test_what_cannot_go_to_a_worker_is_measured_here(workers):
+    class InMain(adversaries.Correct):
+        name = "plugin:in_main"
+
+    InMain.__module__ = "__main__"  # as a class defined in a script or a notebook
+    with settings.override(isolate="all"):
+        assert not isolation.wanted(InMain())
+        assert not isolation.wanted(adversaries.Correct(), timer=lambda fn, **kw: None)  # a timer that cannot go
+        results = by_name(ct.find(P, candidates=[InMain()]))
+    assert results["plugin:in_main"].ok

@@ -1,37 +1,31 @@
 """triton:depthwise_*: every direction, dtype, layout, stride, dilation and multiplier against float64.
 
-The kernels run on CUDA where there is a GPU and in Triton's CPU interpreter otherwise: without
-either, ``test_in_the_interpreter`` runs this file again in a process with ``TRITON_INTERPRET=1``
-(the switch must be on before Triton is imported). Every run writes into an output poisoned with
-NaN and is compared with the float64 reference within ``verify.tolerance`` for its numeric notes.
+Where the kernels run (a GPU, or Triton's interpreter: tests/test_triton_interpreter.py) and the checked
+run: tests/triton_cases.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-import zlib
-from pathlib import Path
 
 import pytest
-import torch
 
-from convtune import verify
-from convtune.algorithms.base import allocate_workspace
 from convtune.algorithms.registry import get_algorithm, registered
-from convtune.algorithms.triton_depthwise import INDEX_LIMIT, TritonDepthwise, _interpreting
+from convtune.algorithms.triton_depthwise import TritonDepthwise
+from convtune.algorithms.triton_family import INDEX_LIMIT
 from convtune.problem import ConvProblem
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-RUNS_KERNELS = HAS_TRITON and (DEVICE == "cuda" or _interpreting())
-kernels = pytest.mark.skipif(not RUNS_KERNELS, reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1)")
+from triton_cases import (
+    DEVICE,
+    DIRECTIONS,
+    check_configurations,
+    check_supporting,
+    every_case,
+    kernel_tests,
+    kernels,
+    needs_triton,
+)
 
 FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwise)]
-DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
 SHAPES = {
     "3x3_pad1": dict(n=2, c=5, k=5, input_size=(7, 6), kernel_size=3, padding=1),
     "multiplier2_stride2": dict(n=2, c=3, k=6, input_size=(9, 8), kernel_size=3, stride=2, padding=1),
@@ -41,6 +35,7 @@ SHAPES = {
     "1d_31_multiplier3": dict(n=1, c=2, k=6, input_size=(18,), kernel_size=31, padding=15),
     "1d_stride2_dilated": dict(n=3, c=4, k=4, input_size=(12,), kernel_size=3, stride=2, dilation=3, padding=2),
 }
+KERNEL_TESTS = kernel_tests(SHAPES)
 
 
 def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
@@ -48,27 +43,10 @@ def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
     return ConvProblem(direction, dtype=dtype, layout=layout, device=DEVICE, groups=spec["c"], **spec)
 
 
-def run_checked(name: str, p: ConvProblem) -> None:
-    algorithm = get_algorithm(name)
-    a, b = p.random_inputs(seed=zlib.crc32(p.key.encode()) % 1000)
-    ref = verify.reference(p, a, b)
-    out = p.empty(p.operand_shapes[2])
-    err, ok, message = verify.check(algorithm, p, (a, b), ref, out, allocate_workspace(algorithm.buffer_bytes(p),
-                                                                                       p.device))
-    assert ok, f"{name} on {p.key}: {message}"
-
-
 @kernels
-@pytest.mark.parametrize("layout", ("channels_last", "channels_first"))
-@pytest.mark.parametrize("dtype", ("float32", "float16", "bfloat16"))
-@pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("shape", list(SHAPES))
+@every_case(SHAPES)
 def test_matches_reference(shape, direction, dtype, layout):
-    p = problem(shape, direction, dtype, layout)
-    names = [n for n in FAMILY if get_algorithm(n).supports(p)]
-    assert len(names) == 4, names  # every tile configuration of the direction, and only those
-    for name in names:
-        run_checked(name, p)
+    check_configurations(FAMILY, problem(shape, direction, dtype, layout), 4)
 
 
 @kernels
@@ -78,12 +56,10 @@ def test_partial_tiles_and_many_chunks(direction):
     # (37 > 32) and 22 output rows in runs of 8 to 32, the last run partial.
     p = ConvProblem(direction, n=2, c=3, k=3, input_size=(11, 37), kernel_size=3, padding=1, groups=3,
                     dtype="bfloat16", layout="channels_last", device=DEVICE)
-    for name in FAMILY:
-        if get_algorithm(name).supports(p):
-            run_checked(name, p)
+    check_supporting(FAMILY, p)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@needs_triton
 def test_the_family_declares_what_it_supports():
     p = ConvProblem("fwd", n=2, c=8, k=16, input_size=(9, 9), kernel_size=5, padding=2, groups=8, device="cuda")
     name = "triton:depthwise_fwd_p32c64w4"
@@ -106,7 +82,7 @@ def test_the_family_declares_what_it_supports():
     assert wgrad.buffer_bytes(q) >= parts * 16 * 25 * 4
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@needs_triton
 def test_operands_beyond_32_bit_offsets_are_refused():
     # 2**31 elements or more: the kernels' 32-bit offsets would wrap, so the family declines it.
     p = ConvProblem("fwd", n=64, c=2048, k=2048, input_size=(128, 128), kernel_size=3, padding=1, groups=2048,
@@ -131,15 +107,3 @@ def test_cpu_needs_the_interpreter(monkeypatch):
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(6, 6), kernel_size=3, groups=4)
     support = get_algorithm("triton:depthwise_fwd_p32c64w4").supports(p)
     assert not support and "TRITON_INTERPRET=1" in support.reason
-
-
-@pytest.mark.skipif(RUNS_KERNELS or not HAS_TRITON, reason="the kernels run in this process")
-def test_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-                            env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    kernel_tests = len(SHAPES) * len(DIRECTIONS) * 3 * 2 + len(DIRECTIONS)
-    passed = int(summary.split(" passed")[0].split()[-1])
-    assert passed >= kernel_tests, summary  # the kernel tests ran there, none skipped

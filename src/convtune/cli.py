@@ -198,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("settings", help="every setting, its environment variable and current value")
 
+    p = sub.add_parser("train-get", help="train get's learned cost model on this device's measurements")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="whose measurements (default: cuda where there is a GPU, else cpu)")
+    p.add_argument("--out", default=None, help="the model file (default: learned_get_<device>.pt beside the "
+                                               "database, where get looks for it)")
+    p.add_argument("--epochs", type=_positive, default=400)
+    p.add_argument("--holdout", type=float, default=0.2, help="fraction of the problems held out to judge a "
+                                                              "model trained on the rest first (0: none)")
+    _add_db_args(p)
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("native", help="build (ahead of time) and describe the C++ extension that runs tuned layers")
     p.add_argument("--rebuild", action="store_true", help="build again even if a build of these sources exists")
     p.add_argument("--json", action="store_true")
@@ -404,6 +415,39 @@ def cmd_settings(args, out: Console) -> int:
     return 0
 
 
+def cmd_train_get(args, out: Console) -> int:
+    import torch
+
+    from . import learned
+    from .hardware import fingerprint
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible to PyTorch here")
+    if not 0 <= args.holdout < 1:
+        raise UsageError(f"--holdout {args.holdout} must be at least 0 and below 1")
+    with _db(args) as db:
+        samples = learned.samples_from(db, device)
+    if not samples:
+        raise UsageError(f"the database holds no measurements of this machine's {device}: tune first "
+                         f"(convtune tune, find)")
+    here = fingerprint(device)
+    problems = len({s.problem for s in samples})
+    summary: dict[str, float | str] = {"device": here, "measurements": len(samples), "problems": problems}
+    if args.holdout and problems >= 5:  # too few to hold some out and still learn from the rest
+        summary.update(learned.holdout_report(samples, here, fraction=args.holdout, epochs=args.epochs))
+    model = learned.train(samples, here, epochs=args.epochs)
+    path = model.save(args.out or learned.default_path(device))
+    summary["model"] = str(path)
+    table = Table(title="get's learned cost model")
+    table.add_column("")
+    table.add_column("")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    _print(out, args, table, summary)
+    return 0
+
+
 def cmd_native(args, out: Console) -> int:
     from . import extension
 
@@ -434,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("tune", "report"):
             return (cmd_tune if args.command == "tune" else cmd_report)(args, out, err)
         handler = {"get": cmd_get, "find": cmd_find, "algorithms": cmd_algorithms, "cache": cmd_cache,
-                   "settings": cmd_settings, "native": cmd_native}[args.command]
+                   "settings": cmd_settings, "native": cmd_native, "train-get": cmd_train_get}[args.command]
         return handler(args, out)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -33,7 +33,7 @@ import weakref
 from collections import defaultdict
 from typing import Any, cast
 
-from . import hardware
+from . import hardware, learned
 from .problem import ConvProblem
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,9 @@ def roofline_ms(cost: Cost, problem: ConvProblem, tf32: bool = False) -> float:
 
 
 def predict_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32: bool = False) -> float:
-    """The model's time in ms for the algorithm called ``name`` on ``problem``, before database corrections.
+    """The model's time in ms for the algorithm called ``name`` on ``problem``, before database corrections:
+    the analytic price (``analytic_ms``) times the learned correction where this device has a model
+    (``learned``).
 
     The cost is the one the registry's algorithm (or backend) of that name declares; a name nothing
     here declares (a stored result of a plug-in not registered now) gets ``generic_cost``.
@@ -123,19 +125,34 @@ def predict_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32: 
     """
     from .algorithms.registry import generation
 
-    return _predict_ms(name, problem, workspace_bytes, bool(tf32), generation())
+    return _predict_ms(name, problem, workspace_bytes, bool(tf32), generation(), learned.version(problem.device))
+
+
+def analytic_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32: bool = False) -> float:
+    """The analytic model's time in ms for ``name`` on ``problem`` (its family's roofline terms alone)."""
+    from .algorithms.registry import generation
+
+    return _analytic_ms(name, problem, workspace_bytes, bool(tf32), generation())
 
 
 @functools.lru_cache(maxsize=8192)
-def _predict_ms(name: str, problem: ConvProblem, workspace_bytes: int, tf32: bool, generation: int) -> float:
+def _analytic_ms(name: str, problem: ConvProblem, workspace_bytes: int, tf32: bool, generation: int) -> float:
     from .algorithms.registry import declared_cost
 
     return roofline_ms(declared_cost(name)(problem, workspace_bytes), problem, tf32)
 
 
+@functools.lru_cache(maxsize=8192)
+def _predict_ms(name: str, problem: ConvProblem, workspace_bytes: int, tf32: bool, generation: int,
+                model: int) -> float:
+    base = analytic_ms(name, problem, workspace_bytes, tf32)
+    return base * learned.correction(problem, name, base)
+
+
 def clear_cache() -> None:
     """Forget cached predictions (tests that change the machine's peaks)."""
     _predict_ms.cache_clear()
+    _analytic_ms.cache_clear()
 
 
 # -- corrections from the database -------------------------------------------------------------

@@ -631,13 +631,18 @@ def _salvage(path: Path) -> dict[str, list[tuple]]:
 
 
 def _intact(table: str, row: tuple) -> bool:
-    """Whether a row read from a damaged file is what was written: a results row's checksum binds its
-    fields (a page of zeros or garbage that still parses yields rows that fail it)."""
-    fingerprint, software, problem, algorithm, _, _, text, checksum = row
+    """Whether a results row read from a damaged file is what was written: its checksum binds the machine,
+    software, problem, algorithm and result (a page of zeros or garbage that still parses fails it); the
+    two fields it does not bind must agree with the problem (the device) and be a time (stored_at)."""
+    if table != "results" or len(row) != 8:
+        return False
+    fingerprint, software, problem, algorithm, device, stored_at, text, checksum = row
     try:
-        return checksum == _checksum(fingerprint, software, problem, algorithm, text)
+        bound = checksum == _checksum(fingerprint, software, problem, algorithm, text)
     except (AttributeError, TypeError):  # a field that is not text
         return False
+    sane_time = isinstance(stored_at, (int, float)) and math.isfinite(stored_at) and stored_at > 0
+    return bound and sane_time and device in ("cpu", "cuda") and f"|{device}|" in problem
 
 
 def _rowids(conn: sqlite3.Connection, table: str) -> set[int]:

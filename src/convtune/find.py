@@ -97,6 +97,7 @@ class _Search:
         # Two input sets and their references, shared by all candidates, each with pristine copies.
         self._cases: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]] = []
         self._pristine: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.isolated = False  # a candidate was measured in the worker process (isolation.py)
 
     def case(self, index: int = 0) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Input set ``index`` (0: the one timed; 1: a second one, fresh, that only a check sees)."""
@@ -158,14 +159,19 @@ class _Search:
                     message += "; workspace not learned (shown as 0)"
                 return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
         self.budget.timed += 1
-        if isolation.wanted(algorithm):
+        if isolation.wanted(algorithm, self.timer):
             deadline_s = self.policy.deadline_s or settings.candidate_deadline_s or math.inf
-            result = isolation.measure(problem, self.policy, self.timer, self.seed, algorithm, dict(props),
-                                       declared is None, self.best_ms, self.budget.timer_budget_s(), deadline_s)
-            if result.ok:
-                self.best_ms = min(self.best_ms, cast(float, result.time_ms))
-                self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
-            return result
+            try:
+                result = isolation.measure(problem, self.policy, self.timer, self.seed, algorithm, dict(props),
+                                           declared is None, self.best_ms, self.budget.timer_budget_s(), deadline_s)
+            except isolation.NotSendable as exc:
+                log.info("%s is measured in the process: it cannot go to a worker (%s)", algorithm.name, exc)
+            else:
+                self.isolated = True
+                if result.ok:
+                    self.best_ms = min(self.best_ms, cast(float, result.time_ms))
+                    self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
+                return result
         return self.measure_here(algorithm, props, declared is None, self.budget.timer_budget_s())
 
     def measure_here(self, algorithm: Algorithm, props: _Props, probe_determinism: bool,
@@ -401,11 +407,16 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     ranked, head_size = search_order([a for a, _ in predictions])
     search = _Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
-    results += _search(search, ranked, head_size, predicted_ms, policy, settings.find_patience)
-    if not any(r.ok for r in results):
-        results = _slow_but_right(results)
-    if policy.micro_batching:
-        results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given, seed=seed)
+    try:
+        results += _search(search, ranked, head_size, predicted_ms, policy, settings.find_patience)
+        if not any(r.ok for r in results):
+            results = _slow_but_right(results)
+        if policy.micro_batching:
+            results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given,
+                                      seed=seed)
+    finally:
+        if search.isolated:
+            isolation.release()  # the worker drops this problem's inputs and reference
     if db is not None:
         kept = _keep_earlier_measurements(db, problem, results)
         try:

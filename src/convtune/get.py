@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import torch
 
-from . import costmodel
+from . import costmodel, learned
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, backends, registered
 from .policy import DEFAULT_POLICY, Policy
@@ -52,7 +52,8 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: 
     unknown = workspace is None
     workspace = workspace or 0
     notes = algorithm.notes(problem)
-    ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32) * factor
+    base_ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32)
+    ms = base_ms * learned.correction(problem, algorithm.name, base_ms) * factor
     ms *= costmodel.corrections(db, problem.device).factor(algorithm.name, problem)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
@@ -130,10 +131,10 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"get() takes a ConvProblem, got {type(problem).__name__}")
     # Everything the answer depends on: a repeated question costs a dictionary lookup. The
-    # registry's content and the correction table (a new object once the db gets measurements)
-    # are part of the key; cuDNN's global determinism flag changes what torch:native declares.
+    # registry's content, the correction table (a new object once the db gets measurements) and the
+    # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares.
     key = (problem, policy, tuple(registered()), tuple(backends()), costmodel.corrections(db, problem.device),
-           torch.backends.cudnn.deterministic)
+           learned.version(problem.device), torch.backends.cudnn.deterministic)
     choices = _memo.get(key)
     if choices is None:
         ranked = ranked_predictions(problem, algorithms(problem), policy, db)

@@ -2,36 +2,50 @@
 
 A crash (a segmentation fault, ``os._exit``), a hang, ``SystemExit``, or a CUDA error that poisons
 the context ends the worker, not the search: the candidate's result says what happened, and the
-next isolated candidate gets a fresh worker. The worker is a spawned process (never forked: a
-fork of a process that uses CUDA is unsafe) that imports convtune, computes the same inputs and
-float64 reference as the search (the same seed), and measures each candidate it is sent exactly
-as ``find`` does in its own process. One worker serves every isolated candidate of the process
-(it keeps a problem's inputs and reference while the candidates are of that problem); starting
-it costs an interpreter and ``import torch`` (1-3 s), once, and again after a candidate ends it.
+next isolated candidate gets a fresh worker. The worker is a new interpreter running this module's
+``_main`` (never a fork, unsafe in a process that uses CUDA, and never a second run of the user's
+script, which a ``multiprocessing`` spawn would import again). It receives this process's import path, every convtune
+setting, the CUDA device and PyTorch's numeric switches with each task, computes the same inputs
+and float64 reference as the search (the same seed), and measures each candidate exactly as
+``find`` does in its own process. One worker serves every isolated candidate of the process, one
+at a time (a lock); it keeps a problem's inputs and reference while the candidates are of that
+problem and drops them when ``find`` ends; starting it costs an interpreter and ``import torch``
+(1-3 s), once, and again after a candidate ends it. It exits when this process does.
 
 Which candidates are isolated (``settings.isolate``, ``CONVTUNE_ISOLATE``):
 
 - ``plugins`` (the default): algorithms defined outside convtune (registered plug-ins and
   candidates passed to ``find``), whose behaviour convtune cannot vouch for; convtune's own
   algorithms and cuDNN's plans run in the process, at no extra cost;
-- ``all``: every candidate that can be sent to a worker (``bench/sweep.py`` uses it); a cuDNN
-  plan, which holds a built graph, cannot be, and runs in the process;
+- ``all``: every candidate that can be sent to a worker (``bench/sweep.py`` uses it);
 - ``off``: none.
 
-An isolated candidate must finish its whole measurement (two checked runs, a determinism probe and
-the timing) within ``hard_limit_s``: three times the per-candidate deadline plus ten timing budgets
-and five seconds; past that its worker is killed and the candidate is a ``timeout``.
+A candidate stays in the process when it, or the timer, cannot be sent: a cuDNN plan (it holds a
+built graph), a class defined in ``__main__`` (a script or a notebook; the worker cannot import it),
+a timer that does not pickle. A timer that is sent runs as a copy in the worker.
+
+An isolated candidate must finish its measurement (two checked runs, a determinism probe and the
+timing) within ``hard_limit_s`` of the worker having its inputs and reference ready: three times the
+per-candidate deadline plus ten timing budgets and five seconds (an hour where no deadline is set);
+past that its worker is killed and the candidate is a ``timeout``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import itertools
 import logging
 import math
-import multiprocessing
+import os
 import pickle
+import subprocess
+import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
+
+import torch
 
 from .algorithms.base import Algorithm
 from .policy import Policy
@@ -41,102 +55,197 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-START_LIMIT_S = 300.0  # a worker that has not imported convtune by then is not coming
+START_LIMIT_S = 300.0  # a worker that has not imported convtune, or made its reference, by then is not coming
+NO_DEADLINE_LIMIT_S = 3600.0  # where no per-candidate deadline is set
 
 
-def wanted(algorithm: Algorithm) -> bool:
-    """Whether ``algorithm`` is measured in a worker under ``settings.isolate``."""
+class NotSendable(Exception):
+    """The candidate or the timer cannot go to a worker: measure it in the process."""
+
+
+def _sendable(obj: Any) -> bool:
+    try:
+        buffer = io.BytesIO()
+        pickle.Pickler(buffer).dump(obj)
+    except Exception:  # noqa: BLE001 - anything unpicklable stays in the process
+        return False
+    return "__main__" not in {getattr(type(obj), "__module__", ""), getattr(obj, "__module__", "")}
+
+
+def wanted(algorithm: Algorithm, timer: Any = None) -> bool:
+    """Whether ``algorithm`` (timed by ``timer``) is measured in a worker under ``settings.isolate``."""
     mode = settings.isolate
     if mode == "off":
         return False
     if mode == "plugins" and type(algorithm).__module__.split(".")[0] == "convtune":
         return False
-    try:
-        pickle.dumps(algorithm)
-    except Exception as exc:  # noqa: BLE001 - anything unpicklable stays in the process
-        log.debug("%s cannot be sent to a worker (%s: %s); measured in the process", algorithm.name,
-                  type(exc).__name__, exc)
+    if not _sendable(algorithm) or (timer is not None and not _sendable(timer)):
+        log.debug("%s (or its timer) cannot be sent to a worker; measured in the process", algorithm.name)
         return False
     return True
 
 
 def hard_limit_s(deadline_s: float, timer_budget_s: float | None) -> float:
-    """Seconds an isolated candidate's whole measurement may take before its worker is killed."""
+    """Seconds an isolated candidate's measurement may take before its worker is killed."""
+    if not math.isfinite(deadline_s) or deadline_s <= 0:
+        return NO_DEADLINE_LIMIT_S
     return 3 * deadline_s + 10 * (timer_budget_s or settings.timing_budget_s) + 5.0
 
 
+def _state() -> dict[str, Any]:
+    """What a worker must share with this process besides the task: import path, settings, device, switches."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {
+        "path": list(sys.path),
+        "settings": {name: value for name, _, value, _ in settings.describe()},
+        "device": torch.cuda.current_device() if cuda else None,
+        "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+                  torch.backends.cudnn.deterministic),
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+
+
 class Worker:
-    """A spawned process that measures candidates; started on first use, restarted after a candidate
-    kills it, ended by ``close`` (or with this process: it is a daemon)."""
+    """A worker interpreter that measures candidates; started on first use, restarted after a candidate
+    kills it, ended by ``close`` (or when this process ends: it watches its parent)."""
 
     def __init__(self) -> None:
-        self._process: Any = None
-        self._conn: Connection | None = None
+        self._process: subprocess.Popen | None = None
+        self._send: Connection | None = None
+        self._recv: Connection | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._tasks = itertools.count(1)
 
     def measure(self, problem: ConvProblem, policy: Policy, timer: Any, seed: int | None, algorithm: Algorithm,
                 props: dict, probe_determinism: bool, best_ms: float, timer_budget_s: float | None,
                 deadline_s: float) -> PerfResult:
-        """The candidate's result as ``find`` would measure it, or a failure or timeout of its own."""
+        """The candidate's result as ``find`` would measure it, or a failure or timeout of its own.
+        ``NotSendable``: measure it in the process instead."""
+        with self._lock:
+            try:
+                return self._measure(problem, policy, timer, seed, algorithm, props, probe_determinism, best_ms,
+                                     timer_budget_s, deadline_s)
+            except BaseException:
+                self.close()  # an interrupt or an error here: the worker's state is unknown, start again
+                raise
+
+    def _measure(self, problem, policy, timer, seed, algorithm, props, probe_determinism, best_ms, timer_budget_s,
+                 deadline_s) -> PerfResult:
         try:
-            conn = self._started()
+            self._started()
         except (OSError, RuntimeError, EOFError) as exc:
             self.close()
             return PerfResult(algorithm.name, Status.FAILED, message=f"its worker process could not start "
                                                                      f"({type(exc).__name__}: {exc})", **props)
-        limit_s = hard_limit_s(deadline_s, timer_budget_s)
-        task = (problem, policy, timer, seed, settings.overrides(), algorithm, props, probe_determinism, best_ms,
-                timer_budget_s)
+        task_id = next(self._tasks)
         try:
-            conn.send(task)
-            if not conn.poll(None if limit_s == math.inf else limit_s):
-                self.close()
-                return PerfResult(algorithm.name, Status.TIMEOUT, **props,
-                                  message=f"its measurement did not finish within {limit_s:.0f} s in its worker "
-                                          f"process, which was killed (the deadline is Policy.deadline_s, "
-                                          f"CONVTUNE_CANDIDATE_DEADLINE_S)")
-            kind, payload = conn.recv()
+            task = pickle.dumps((problem, policy, timer, seed, algorithm, props, probe_determinism, best_ms,
+                                 timer_budget_s))
+        except Exception as exc:  # noqa: BLE001 - what cannot be sent is measured in the process
+            raise NotSendable(str(exc)) from exc
+        # The state (plain values) travels apart: the worker needs its import path to read the task.
+        payload = pickle.dumps(("measure", task_id, _state(), task))
+        limit_s = hard_limit_s(deadline_s, timer_budget_s)
+        try:
+            self._send_bytes(payload)
+            ready = self._reply(task_id, START_LIMIT_S)  # the worker has the inputs and the reference
+            if ready is None:
+                return self._killed(algorithm, props, f"its worker made no reference within {START_LIMIT_S:.0f} s")
+            if ready[0] == "unsendable":  # the worker cannot import what was sent (the parent's script, say)
+                raise NotSendable(ready[1])
+            if ready[0] == "reference_failed":
+                raise RuntimeError(f"the float64 reference of {problem.key} failed in the worker: {ready[1]}")
+            answer = self._reply(task_id, limit_s)
+            if answer is None:
+                return self._killed(algorithm, props,
+                                    f"its measurement did not finish within {limit_s:.0f} s in its worker process, "
+                                    f"which was killed (the deadline is Policy.deadline_s, "
+                                    f"CONVTUNE_CANDIDATE_DEADLINE_S)")
         except (EOFError, OSError) as exc:
-            code = None
-            if self._process is not None:
-                self._process.join(timeout=5.0)  # the pipe closes as the process ends: its exit code follows
-                code = self._process.exitcode
+            code = self._exit_code()
             self.close()
             why = f"exit code {code}" if code is not None else f"{type(exc).__name__}: {exc}"
             return PerfResult(algorithm.name, Status.FAILED, **props,
                               message=f"its worker process died measuring it ({why})")
-        if kind == "died":  # KeyboardInterrupt or the like inside the candidate: the worker ended
+        kind, body = answer
+        if kind == "died":  # a BaseException in the candidate, or a CUDA context it poisoned: the worker ended
             self.close()
-            return PerfResult(algorithm.name, Status.FAILED, message=payload, **props)
-        return PerfResult.from_dict(payload)
+            return PerfResult(algorithm.name, Status.FAILED, message=body, **props)
+        return PerfResult.from_dict(body)
 
-    def _started(self) -> Connection:
-        if self._conn is not None and self._process is not None and self._process.is_alive():
-            return self._conn
+    def release(self) -> None:
+        """Let the worker drop its inputs and reference (``find`` is done with the problem)."""
+        with self._lock:
+            if self._process is not None and self._process.poll() is None and self._pid == os.getpid():
+                with contextlib.suppress(OSError, ValueError):
+                    self._send_bytes(pickle.dumps(("release", 0, None, None)))
+
+    def _reply(self, task_id: int, limit_s: float) -> tuple[str, Any] | None:
+        """The worker's next message about ``task_id`` (older ones, of an interrupted task, are dropped);
+        None when none came within ``limit_s``."""
+        assert self._recv is not None
+        while True:
+            if not self._recv.poll(limit_s):
+                return None
+            reply_id, kind, body = pickle.loads(self._recv.recv_bytes())
+            if reply_id == task_id:
+                return kind, body
+
+    def _send_bytes(self, payload: bytes) -> None:
+        assert self._send is not None
+        self._send.send_bytes(payload)
+
+    def _killed(self, algorithm: Algorithm, props: dict, message: str) -> PerfResult:
         self.close()
-        context = multiprocessing.get_context("spawn")
-        parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(child,), daemon=True, name="convtune-candidate")
-        process.start()
-        child.close()
-        self._process, self._conn = process, parent
-        if not parent.poll(START_LIMIT_S):
+        return PerfResult(algorithm.name, Status.TIMEOUT, message=message, **props)
+
+    def _exit_code(self) -> int | None:
+        if self._process is None:
+            return None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self._process.wait(timeout=5.0)  # the pipe closes as the process ends: its code follows
+        return None
+
+    def _started(self) -> None:
+        if self._pid != os.getpid():  # a fork of the process that started it: not ours to talk to
+            self._process, self._send, self._recv, self._pid = None, None, None, os.getpid()
+        if self._process is not None and self._process.poll() is None:
+            return
+        self.close()
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from convtune.isolation import _main; _main(sys.argv[1:])",
+                 str(to_child_r), str(to_parent_w), str(os.getpid())],
+                pass_fds=(to_child_r, to_parent_w), close_fds=True, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(to_child_r)
+            os.close(to_parent_w)
+        self._send, self._recv = Connection(to_child_w, readable=False), Connection(to_parent_r, writable=False)
+        if not self._recv.poll(START_LIMIT_S):
             raise RuntimeError(f"no answer within {START_LIMIT_S:.0f} s")
-        parent.recv()  # "ready"
-        return parent
+        self._recv.recv_bytes()  # "ready"
 
     def close(self) -> None:
         """End the worker (killed if it does not stop at once)."""
-        conn, process = self._conn, self._process
-        self._conn = self._process = None
-        if conn is not None:
+        process, send, recv = self._process, self._send, self._recv
+        self._process = self._send = self._recv = None
+        if send is not None:
             with contextlib.suppress(OSError, ValueError):
-                conn.send(None)
-            conn.close()
+                send.send_bytes(pickle.dumps(("stop", 0, None, None)))
+            send.close()
+        if recv is not None:
+            recv.close()
         if process is not None:
-            process.join(timeout=1.0)
-            if process.is_alive():
+            try:
+                process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join(timeout=5.0)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=5.0)
 
 
 _worker = Worker()  # one per process, shared by every find: its start is paid once
@@ -147,26 +256,100 @@ def measure(*args: Any, **kwargs: Any) -> PerfResult:
     return _worker.measure(*args, **kwargs)
 
 
-def _serve(conn: Connection) -> None:
-    """The worker: measure each candidate sent until told to stop (None). A search (its inputs and
-    reference) is kept while the candidates sent are of the same problem, policy, timer and seed."""
+def release() -> None:
+    """``Worker.release`` on this process's worker."""
+    _worker.release()
+
+
+# -- the worker ---------------------------------------------------------------------------------
+def _apply(state: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """This worker set as the parent is: import path, device, PyTorch's switches; the settings for the task."""
+    for entry in state["path"]:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    if state["device"] is not None:
+        torch.cuda.set_device(state["device"])
+    cudnn = torch.backends.cudnn
+    cudnn.enabled, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = state["cudnn"]
+    torch.backends.cuda.matmul.allow_tf32 = state["matmul_tf32"]
+    torch.use_deterministic_algorithms(state["deterministic_algorithms"])
+    return settings.override(**state["settings"])
+
+
+def _context_poisoned(problem: ConvProblem) -> bool:
+    if problem.device != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - an illegal address, a device-side assert: every later call fails too
+        return True
+    return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End this worker when the process that started it is gone (killed, say)."""
+    import time
+
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(1.0)
+
+
+def _serve(recv: Connection, send: Connection) -> None:
+    """Measure each candidate sent until told to stop. A search (inputs and reference) is kept while the
+    candidates sent are of the same problem, policy, timer and seed."""
     from .find import _describe, _Search
 
-    conn.send("ready")
+    def reply(task_id: int, kind: str, body: Any) -> None:
+        send.send_bytes(pickle.dumps((task_id, kind, body)))
+
+    send.send_bytes(pickle.dumps("ready"))
     current: tuple[Any, _Search] | None = None
     while True:
-        task = conn.recv()
-        if task is None:
+        try:
+            kind, task_id, state, task = pickle.loads(recv.recv_bytes())
+        except EOFError:
             return
-        problem, policy, timer, seed, overrides, algorithm, props, probe, best_ms, timer_budget_s = task
-        with settings.override(**overrides):
-            if current is None or current[0] != (problem, policy, seed, pickle.dumps(timer)):
-                current = ((problem, policy, seed, pickle.dumps(timer)), _Search(problem, policy, timer, seed))
+        if kind == "stop":
+            return
+        if kind == "release":
+            current = None
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            continue
+        with _apply(state):
+            try:
+                problem, policy, timer, seed, algorithm, props, probe, best_ms, timer_budget_s = pickle.loads(task)
+            except Exception as exc:  # noqa: BLE001 - a class this worker cannot import: the parent measures it
+                reply(task_id, "unsendable", f"{type(exc).__name__}: {exc}")
+                continue
+            identity = (problem, policy, seed, pickle.dumps(timer))
+            if current is None or current[0] != identity:
+                current = (identity, _Search(problem, policy, timer, seed))
             search = current[1]
             search.best_ms = best_ms
             try:
+                search.case(1)
+            except Exception as exc:  # noqa: BLE001 - the reference is not the candidate's fault
+                current = None
+                reply(task_id, "reference_failed", f"{type(exc).__name__}: {exc}")
+                continue
+            reply(task_id, "ready", None)
+            try:
                 result = search.measure_here(algorithm, props, probe, timer_budget_s)
             except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and the like: this worker ends
-                conn.send(("died", f"it raised {_describe(exc)} (its worker process ended)"))
+                reply(task_id, "died", f"it raised {_describe(exc)} (its worker process ended)")
                 return
-        conn.send(("result", result.to_dict()))
+            if result.status is not Status.OK and _context_poisoned(problem):
+                reply(task_id, "died", f"{result.message}; it left the CUDA context unusable (its worker "
+                                       f"process ended)")
+                return
+        reply(task_id, "result", result.to_dict())
+
+
+def _main(argv: list[str]) -> None:
+    recv_fd, send_fd, parent_pid = (int(a) for a in argv)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _serve(Connection(recv_fd, writable=False), Connection(send_fd, readable=False))
+

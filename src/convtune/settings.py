@@ -106,6 +106,8 @@ _SETTINGS = (
     _Setting("host_rule", _bool, True, "layers that gain less than their host cost call PyTorch"),
     # which candidates find measures in a worker process (isolation.py): plugins, all or off
     _Setting("isolate", _one_of("plugins", "all", "off"), "plugins", "candidates measured in a worker process"),
+    # the learned cost model get uses ('' : learned_get_<device>.pt beside the database; {device} is replaced)
+    _Setting("learned_model", str, "", "file of the learned cost model"),
     # convtune's own Triton kernels (triton:*) are candidates wherever they support a problem
     _Setting("triton", _bool, True, "convtune's Triton kernels join the portfolio"),
     # where the C++ extension is built and cached (one folder per sources and software versions)

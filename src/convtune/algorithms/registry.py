@@ -29,6 +29,7 @@ BUILTIN_MODULES = (
     "convtune.algorithms.winograd",
     "convtune.algorithms.microbatch",
     "convtune.algorithms.triton_depthwise",
+    "convtune.algorithms.triton_grouped",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged.
 OPTIONAL_MODULES = ("convtune.algorithms.cudnn",)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
+from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,6 @@ class Tile:
     channels: int
     warps: int = 4
     chunk: int = 0
-
-
-@triton.jit
-def _positions(total, rows, cols, BLOCK_POS: tl.constexpr):
-    """This program's positions (n, row, col) of an (N, rows, cols) grid, and which exist."""
-    pos = tl.program_id(0) * BLOCK_POS + tl.arange(0, BLOCK_POS)
-    return pos < total, pos // (rows * cols), (pos // cols) % rows, pos % cols
 
 
 @triton.jit
@@ -65,7 +59,7 @@ def _forward(x, w, y, total, P, Q, H, W, K,
              sxn, sxc, sxh, sxw, swk, swr, sws, syn, syk, syp, syq,
              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
              M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr, BLOCK_CH: tl.constexpr):
-    pos_ok, n, p, q = _positions(total, P, Q, BLOCK_POS)
+    pos_ok, n, p, q = positions(total, P, Q, BLOCK_POS)
     k = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     k_ok = k < K
     h0 = p * stride_h - pad_h
@@ -89,7 +83,7 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, C,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                    M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr,
                    BLOCK_CH: tl.constexpr):
-    pos_ok, n, h, wi = _positions(total, H, W, BLOCK_POS)
+    pos_ok, n, h, wi = positions(total, H, W, BLOCK_POS)
     c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     c_ok = c < C
     acc = tl.zeros((BLOCK_POS, BLOCK_CH), dtype=tl.float32)
@@ -97,13 +91,10 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, C,
         k = c * M + m
         dy_rows = dy + n[:, None] * sdn + k[None, :] * sdk
         for r in range(R):
-            th = h + pad_h - r * dil_h
-            p = th // stride_h
-            h_ok = pos_ok & (th >= 0) & (th - p * stride_h == 0) & (p < P)
+            p, p_ok = gradient_source(h, pad_h, r, dil_h, stride_h, P)
             for s in range(S):
-                tw = wi + pad_w - s * dil_w
-                q = tw // stride_w
-                ok = h_ok & (tw >= 0) & (tw - q * stride_w == 0) & (q < Q)
+                q, q_ok = gradient_source(wi, pad_w, s, dil_w, stride_w, Q)
+                ok = pos_ok & p_ok & q_ok
                 acc = _add_tap(acc, dy_rows + (p * sdp + q * sdq)[:, None], ok, c_ok, w + k * swk + r * swr + s * sws)
     offsets = (n * sxn + h * sxh + wi * sxw)[:, None] + c[None, :] * sxc
     tl.store(dx + offsets, acc.to(dx.dtype.element_ty), mask=pos_ok[:, None] & c_ok[None, :])
@@ -117,8 +108,8 @@ def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, 
                               BLOCK_K: tl.constexpr):
     # One program: a tile of channels over a run of output rows (n, p), tap after tap; the rows are
     # decoded once per row, the positions of a row are a vector (no division per element).
-    k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    part = tl.program_id(1)
+    part = tl.program_id(0)  # the first grid axis: it has room for 2**31 - 1 runs (the others 65535)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     first_row = part * rows_per_part
     last_row = tl.minimum(first_row + rows_per_part, rows)
@@ -145,45 +136,15 @@ def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, 
             tl.store(partials + part * K * R * S + k * R * S + r * S + s, tl.sum(acc, axis=0), mask=k_ok)
 
 
-@triton.jit
-def _sum_partials(partials, dw, parts, size, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < size
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for part in range(parts):
-        acc += tl.load(partials + part * size + i, mask=ok, other=0.0)
-    tl.store(dw + i, acc.to(dw.dtype.element_ty), mask=ok)
-
-
 # -- launches ---------------------------------------------------------------------------------
-def _as_4d(t: torch.Tensor, problem: ConvProblem) -> torch.Tensor:
-    return t if problem.ndim == 2 else t.unsqueeze(2)
-
-
-def _geometry(problem: ConvProblem) -> tuple[int, ...]:
-    """(R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w) of the 4-D view of ``problem``."""
-    if problem.ndim == 2:
-        (r, s), (sh, sw), (ph, pw), (dh, dw) = problem.kernel_size, problem.stride, problem.padding, problem.dilation
-        return r, s, sh, sw, ph, pw, dh, dw
-    return 1, problem.kernel_size[0], 1, problem.stride[0], 0, problem.padding[0], 1, problem.dilation[0]
-
-
-def _sizes(problem: ConvProblem) -> tuple[int, int, int, int]:
-    """(H, W, P, Q) of the 4-D view of ``problem``."""
-    if problem.ndim == 2:
-        (h, w), (p, q) = problem.input_size, problem.output_size
-        return h, w, p, q
-    return 1, problem.input_size[0], 1, problem.output_size[0]
-
-
 def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             computed: tuple[int, int], read: tuple[int, int], channels: int) -> None:
     """Launch ``_forward`` or ``_backward_data``: programs over tiles of (positions of ``out``, whose
     spatial size is ``computed``, × its ``channels``), reading ``a`` of spatial size ``read``."""
-    a4, w4, out4 = (_as_4d(t, problem) for t in (a, w, out))
+    a4, w4, out4 = (as_4d(t, problem) for t in (a, w, out))
     total = problem.n * computed[0] * computed[1]
     grid = (triton.cdiv(total, tile.positions), triton.cdiv(channels, tile.channels))
-    r, s, *steps = _geometry(problem)
+    r, s, *steps = geometry(problem)
     kernel[grid](a4, w4, out4, total, *computed, *read, channels,
                  *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
                  M=problem.k // problem.c, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels,
@@ -192,13 +153,13 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
 
 def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     """y = the depthwise convolution of x with w, into ``y``."""
-    h, wd, p, q = _sizes(problem)
+    h, wd, p, q = sizes(problem)
     _direct(_forward, problem, tile, x, w, y, (p, q), (h, wd), problem.k)
 
 
 def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor) -> None:
     """dx = the gradient of the input from dy and w, into ``dx``."""
-    h, wd, p, q = _sizes(problem)
+    h, wd, p, q = sizes(problem)
     _direct(_backward_data, problem, tile, dy, w, dx, (h, wd), (p, q), problem.c)
 
 
@@ -206,16 +167,14 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
                     partials: torch.Tensor) -> None:
     """dw = the gradient of the weight from x and dy, into ``dw``, through ``partials`` (float32,
     (parts, K, taps): one partial sum per run of ``tile.chunk`` output rows, ceil(N·P / chunk) runs)."""
-    x4, dy4 = _as_4d(x, problem), _as_4d(dy, problem)
-    h, wd, p, q = _sizes(problem)
+    x4, dy4 = as_4d(x, problem), as_4d(dy, problem)
+    h, wd, p, q = sizes(problem)
     parts = partials.shape[0]
-    r, s, *steps = _geometry(problem)
+    r, s, *steps = geometry(problem)
     # The row is the tile's widest extent: a tile wider than the row would idle its lanes.
     block_q = min(tile.positions, triton.next_power_of_2(q))
-    _backward_filter_partials[(triton.cdiv(problem.k, tile.channels), parts)](
+    _backward_filter_partials[(parts, triton.cdiv(problem.k, tile.channels))](
         x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), *steps,
         M=problem.k // problem.c, R=r, S=s, BLOCK_Q=block_q, BLOCK_K=tile.channels, num_warps=tile.warps)
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
-    size = dw.numel()
-    block = 256
-    _sum_partials[(triton.cdiv(size, block),)](partials, dw, parts, size, BLOCK=block, num_warps=4)
+    sum_partials(partials.view(parts, -1), dw)

@@ -1,0 +1,105 @@
+"""What convtune's Triton algorithms share: where they run, what they refuse, how they are named.
+
+A Triton family is one algorithm per direction and tile configuration, so that ``find``'s verified
+measurement is the kernels' autotuner (no second tuning loop). They run on CUDA, and on the CPU in
+Triton's interpreter (``TRITON_INTERPRET=1``: how the tests check them without a GPU). Triton
+compiles a configuration the first time it meets a problem shape (a second or so; Triton keeps the
+binaries on disk, so once per machine). ``settings.triton`` (``CONVTUNE_TRITON=0``) leaves them out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+from typing import Any
+
+import torch
+
+from ..problem import ConvProblem
+from ..settings import settings
+from .base import SUPPORTED, Algorithm, Buffer, Support, unsupported
+from .registry import register
+
+INDEX_LIMIT = 2**31  # the kernels' offsets are 32-bit
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (its documented ``TRITON_INTERPRET`` switch)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+class TritonAlgorithm(Algorithm):
+    """One direction of a Triton kernel family with one tile configuration.
+
+    Subclasses set ``family`` (the name's stem), ``kernels`` (the module under ``convtune.kernels``, with
+    ``forward``, ``backward_data`` and ``backward_filter``) and ``tile_type`` (its configuration class's
+    name there), refuse what their kernels do not compute in ``_family_supports``, and give the shape of
+    the weight gradient's float32 partial sums in ``partials_shape``.
+    """
+
+    devices = ("cuda", "cpu")
+    family = ""
+    kernels = ""
+    tile_type = ""
+
+    def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0):
+        self.tile_args = (positions, channels, warps, chunk)
+        label = f"p{positions}c{channels}w{warps}" + (f"s{chunk}" if chunk else "")
+        self.name = f"triton:{self.family}_{direction}_{label}"
+        self.directions = (direction,)
+        super().__init__()
+
+    def module(self) -> Any:
+        """The kernels' module, imported on first use (it imports Triton)."""
+        return importlib.import_module(f"convtune.kernels.{self.kernels}")
+
+    @property
+    def tile(self) -> Any:
+        return getattr(self.module(), self.tile_type)(*self.tile_args)
+
+    def _supports(self, problem: ConvProblem) -> Support:
+        if not settings.triton:
+            return unsupported("convtune's Triton kernels are off (settings.triton, CONVTUNE_TRITON=0)")
+        if problem.device == "cpu" and not interpreting():
+            return unsupported("Triton kernels run on the CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
+        if importlib.util.find_spec("triton") is None:
+            return unsupported("needs Triton: pip install triton")
+        if problem.ndim not in (1, 2):
+            return unsupported(f"handles 1-D and 2-D convolutions, got {problem.ndim}-D")
+        family = self._family_supports(problem)
+        if not family:
+            return family
+        biggest = max(math.prod(shape) for shape in problem.operand_shapes)
+        if biggest >= INDEX_LIMIT:
+            return unsupported(f"an operand of {biggest} elements needs 64-bit offsets; these kernels use 32-bit "
+                               f"ones (below {INDEX_LIMIT}); torch:native and cuDNN take it")
+        return SUPPORTED
+
+    def _family_supports(self, problem: ConvProblem) -> Support:
+        return SUPPORTED
+
+    def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
+        raise NotImplementedError(f"{type(self).__name__} declares no partial sums")
+
+    def buffers(self, problem: ConvProblem) -> list[Buffer]:
+        if problem.direction != "bwd_filter":
+            return []
+        return [Buffer("partials", self.partials_shape(problem), torch.float32)]
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        module = self.module()
+        if problem.direction == "fwd":
+            module.forward(problem, self.tile, a, b, out)
+        elif problem.direction == "bwd_data":
+            module.backward_data(problem, self.tile, a, b, out)
+        else:
+            module.backward_filter(problem, self.tile, a, b, out, ws["partials"])
+
+
+def register_family(family: type[TritonAlgorithm], tiles: dict[str, tuple[tuple[int, ...], ...]]) -> None:
+    """Register one algorithm of ``family`` per direction and tile configuration."""
+    for direction, configurations in tiles.items():
+        for tile in configurations:
+            register(family(direction, *tile))

@@ -1,0 +1,66 @@
+"""triton:grouped_*: convtune's own grouped-convolution kernels (``convtune.kernels.grouped``), an implicit
+GEMM per group on the tensor cores, for 2 to 64 input channels per group; one algorithm per direction
+and tile configuration.
+
+Where they run and what every Triton family refuses: ``triton_family``.
+
+    >>> from convtune.problem import ConvProblem
+    >>> from convtune.algorithms.registry import get_algorithm
+    >>> p = ConvProblem("fwd", n=8, c=128, k=128, input_size=(28, 28), kernel_size=3, padding=1, groups=32,
+    ...                 dtype="float16", layout="channels_last", device="cuda")
+    >>> bool(get_algorithm("triton:grouped_fwd_p64c32w4").supports(p))
+    True
+    >>> print(get_algorithm("triton:grouped_fwd_p64c32w4").supports(p.replace(groups=1)).reason)
+    needs a grouped problem with 2 to 64 input channels per group, got 128 (groups=1)
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..costmodel import Cost, gemm_dims, shape_factor
+from ..problem import ConvProblem
+from .base import SUPPORTED, NumericNotes, Support, unsupported
+from .triton_family import TritonAlgorithm, register_family
+
+MAX_GROUP_CHANNELS = 64
+# (positions, channels, warps[, positions per partial sum]); the channel tile is capped at the group's width.
+FORWARD_TILES = ((64, 32, 4), (128, 16, 4))
+BACKWARD_DATA_TILES = FORWARD_TILES
+BACKWARD_FILTER_TILES = ((64, 64, 4, 4096), (32, 64, 4, 1024))
+
+
+class TritonGrouped(TritonAlgorithm):
+    """One direction of the grouped kernels with one tile configuration."""
+
+    family = "grouped"
+    kernels = "grouped"
+    tile_type = "GemmTile"
+
+    def _family_supports(self, problem: ConvProblem) -> Support:
+        per_group = problem.c // problem.groups
+        if problem.groups == 1 or not 2 <= per_group <= MAX_GROUP_CHANNELS:
+            return unsupported(f"needs a grouped problem with 2 to {MAX_GROUP_CHANNELS} input channels per group, "
+                               f"got {per_group} (groups={problem.groups})")
+        return SUPPORTED
+
+    def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
+        # One float32 partial sum of the whole gradient per run of output positions.
+        positions = problem.n * math.prod(problem.output_size)
+        return (-(-positions // self.tile_args[3]), math.prod(problem.w_shape))
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        half = problem.dtype != "float32"
+        tf32 = not half and problem.allow_tf32
+        return NumericNotes(tensor_cores=half or tf32, tf32=tf32, float32_inside=half)
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        # Tensor-core products of one group's width at a time, each tap's input gathered from cache; a group
+        # narrower than 16 channels leaves lanes idle (shape_factor). Not yet measured on a GPU: priced below
+        # cuDNN's engines, so get leaves them first.
+        return Cost(problem.flops, 0.3 * shape_factor(*gemm_dims(problem)), 2 * problem.min_bytes + 2 * workspace_bytes,
+                    1 + bool(workspace_bytes), composed=False)
+
+
+register_family(TritonGrouped, {"fwd": FORWARD_TILES, "bwd_data": BACKWARD_DATA_TILES,
+                                "bwd_filter": BACKWARD_FILTER_TILES})

@@ -1,0 +1,65 @@
+"""What convtune's kernel families share: 4-D views of a problem's operands, the decode of a program's
+positions, and the fixed-order sum of partial results."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..problem import ConvProblem
+
+
+def as_4d(t: torch.Tensor, problem: ConvProblem) -> torch.Tensor:
+    """A 1-D problem's operand (N, C, L) as the view (N, C, 1, L); a 2-D one's as it is."""
+    return t if problem.ndim == 2 else t.unsqueeze(2)
+
+
+def geometry(problem: ConvProblem) -> tuple[int, ...]:
+    """(R, S, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w) of the 4-D view of ``problem``."""
+    if problem.ndim == 2:
+        (r, s), (sh, sw), (ph, pw), (dh, dw) = problem.kernel_size, problem.stride, problem.padding, problem.dilation
+        return r, s, sh, sw, ph, pw, dh, dw
+    return 1, problem.kernel_size[0], 1, problem.stride[0], 0, problem.padding[0], 1, problem.dilation[0]
+
+
+def sizes(problem: ConvProblem) -> tuple[int, int, int, int]:
+    """(H, W, P, Q) of the 4-D view of ``problem``."""
+    if problem.ndim == 2:
+        (h, w), (p, q) = problem.input_size, problem.output_size
+        return h, w, p, q
+    return 1, problem.input_size[0], 1, problem.output_size[0]
+
+
+@triton.jit
+def positions(total, rows, cols, BLOCK_POS: tl.constexpr):
+    """This program's positions (n, row, col) of an (N, rows, cols) grid, and which exist."""
+    pos = tl.program_id(0) * BLOCK_POS + tl.arange(0, BLOCK_POS)
+    return pos < total, pos // (rows * cols), (pos // cols) % rows, pos % cols
+
+
+@triton.jit
+def gradient_source(i, pad, tap, dilation, stride, size):
+    """The output position whose gradient input position ``i`` receives through kernel tap ``tap`` (along one
+    axis), and whether there is one: whole (the stride divides it) and inside the output's ``size``."""
+    t = i + pad - tap * dilation
+    o = t // stride
+    return o, (t >= 0) & (t - o * stride == 0) & (o < size)
+
+
+@triton.jit
+def _sum_partials(partials, out, parts, size, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for part in range(parts):
+        acc += tl.load(partials + part * size + i, mask=ok, other=0.0)
+    tl.store(out + i, acc.to(out.dtype.element_ty), mask=ok)
+
+
+def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` (dense) = the sum over the first axis of ``partials`` (float32, (parts, out.numel()), each row
+    laid out as ``out``'s memory), added in order and rounded once: deterministic."""
+    size = out.numel()
+    block = 256
+    _sum_partials[(triton.cdiv(size, block),)](partials, out, partials.shape[0], size, BLOCK=block, num_warps=4)

@@ -1,0 +1,275 @@
+"""A learned correction of the cost model: trained on one device's measurements, used on that device.
+
+The analytic model (``costmodel``) prices a candidate from its family's roofline terms. The learned
+model predicts, for a (problem, candidate) pair, how far the measured time lies from that price:
+log2(measured / analytic), from features of the problem (sizes, strides, groups, direction, dtype,
+layout, FLOPs and bytes, all as logarithms or switches), of the candidate (its name's parts, hashed:
+a cuDNN plan's engine and knobs, a tile configuration, a family) and the analytic price itself. It
+is a small multilayer perceptron in PyTorch (no other dependency), a few thousand weights, queried
+in tens of microseconds. ``get`` multiplies the analytic price by its correction where a model
+trained on this device (its fingerprint) is installed, and the database's measurement corrections
+apply on top, as before; everywhere else the analytic model serves alone.
+
+Train one from a tuning database with ``convtune train-get`` (or ``train`` and ``save``): it is
+stored as ``learned_get_<device>.pt`` beside the database, or where ``settings.learned_model``
+points. A file that is damaged, of another feature version or of another device is ignored with a
+warning, never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import random
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .problem import DIRECTIONS, ConvProblem
+from .settings import settings
+
+log = logging.getLogger(__name__)
+
+FEATURE_VERSION = 1
+NAME_BUCKETS = 64
+HIDDEN = 64
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def problem_features(p: ConvProblem) -> list[float]:
+    """What the model knows of a problem: sizes as log2, shapes of the computation, switches."""
+    def log2(value: float) -> float:
+        return math.log2(max(value, 1))
+
+    taps = math.prod(p.kernel_size)
+    return [
+        log2(p.n), log2(p.c), log2(p.k), log2(p.groups), log2(p.c // p.groups), log2(p.k // p.groups),
+        log2(math.prod(p.input_size)), log2(math.prod(p.output_size)), log2(taps), float(max(p.stride)),
+        float(max(p.dilation)), float(any(p.padding)), float(p.ndim), float(len(set(p.kernel_size)) > 1),
+        log2(p.flops), log2(p.min_bytes), float(p.groups == p.c > 1),
+        *(float(p.direction == d) for d in DIRECTIONS), *(float(p.dtype == d) for d in _DTYPES),
+        float(p.dtype == "float32" and p.allow_tf32), float(p.layout == "channels_last"),
+    ]
+
+
+def name_features(name: str) -> list[float]:
+    """The candidate's identity: its backend and each part of its variant ('eng58', 'k25=1'), hashed."""
+    backend, _, variant = name.partition(":")
+    tokens = [backend, *(f"{backend}:{part}" for part in variant.split("_") if part)]
+    vector = [0.0] * NAME_BUCKETS
+    for token in tokens:
+        vector[zlib.crc32(token.encode()) % NAME_BUCKETS] = 1.0
+    return vector
+
+
+def features(problem: ConvProblem, name: str, analytic_ms: float) -> list[float]:
+    return [*problem_features(problem), *name_features(name), math.log2(max(analytic_ms, 1e-9))]
+
+
+FEATURES = len(features(ConvProblem("fwd", n=1, c=1, k=1, input_size=(1,), kernel_size=1), "x:y", 1.0))
+
+
+def _network() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One measurement: the candidate ``name`` took ``measured_ms`` on ``problem``; the analytic model said
+    ``analytic_ms``."""
+
+    problem: ConvProblem
+    name: str
+    analytic_ms: float
+    measured_ms: float
+
+
+class LearnedModel:
+    """A trained correction for one device (``fingerprint``); ``log2_factor`` answers a batch of pairs."""
+
+    def __init__(self, network: torch.nn.Module, mean: torch.Tensor, std: torch.Tensor, fingerprint: str,
+                 samples: int) -> None:
+        self.network, self.mean, self.std = network.eval(), mean, std
+        self.fingerprint, self.samples = fingerprint, samples
+
+    def log2_factor(self, rows: Sequence[Sequence[float]]) -> list[float]:
+        with torch.no_grad():
+            x = (torch.tensor(rows, dtype=torch.float32) - self.mean) / self.std
+            return self.network(x).squeeze(1).tolist()
+
+    def factor(self, problem: ConvProblem, name: str, analytic_ms: float) -> float:
+        """measured / analytic, as predicted for ``name`` on ``problem``."""
+        return 2.0 ** self.log2_factor([features(problem, name, analytic_ms)])[0]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the model to ``path`` (written to a temporary name, then renamed)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        torch.save({"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN,
+                    "fingerprint": self.fingerprint, "samples": self.samples, "saved_at": time.time(),
+                    "mean": self.mean, "std": self.std, "state": self.network.state_dict()}, tmp)
+        os.replace(tmp, path)
+        return path
+
+
+def load(path: str | os.PathLike) -> LearnedModel:
+    """The model stored at ``path``; ``ValueError`` naming the file and the fault when it is not one."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same fault for the caller
+        raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict) or data.get("feature_version") != FEATURE_VERSION or \
+            data.get("features") != FEATURES or data.get("hidden") != HIDDEN:
+        raise ValueError(f"{path} holds a model of other features (version {data.get('feature_version')!r}, "
+                         f"this convtune reads {FEATURE_VERSION}); train it again with convtune train-get"
+                         if isinstance(data, dict) else f"{path} is not a learned cost model")
+    network = _network()
+    try:
+        network.load_state_dict(data["state"])
+        mean, std = data["mean"], data["std"]
+        shapes_ok = tuple(mean.shape) == tuple(std.shape) == (FEATURES,)
+    except (KeyError, RuntimeError, AttributeError, TypeError) as exc:
+        raise ValueError(f"{path} is a damaged learned cost model ({type(exc).__name__}: {exc})") from None
+    finite = shapes_ok and all(bool(torch.isfinite(t).all()) for t in (mean, std, *network.state_dict().values()))
+    if not finite or not bool((std > 0).all()):
+        raise ValueError(f"{path} is a damaged learned cost model (non-finite or malformed weights)")
+    return LearnedModel(network, mean, std, str(data.get("fingerprint", "")), int(data.get("samples", 0)))
+
+
+def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, seed: int = 0) -> LearnedModel:
+    """A model fitted to ``samples`` (measurements of one device, ``fingerprint``): log2(measured / analytic)
+    by mean squared error, Adam, full batches; deterministic for a seed. ``ValueError`` without samples."""
+    usable = [s for s in samples if s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms)]
+    if not usable:
+        raise ValueError("no usable measurements to train on: tune some problems first (convtune tune, find)")
+    generator = torch.Generator().manual_seed(seed)
+    torch_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        network = _network()
+    finally:
+        torch.random.set_rng_state(torch_state)
+    x = torch.tensor([features(s.problem, s.name, s.analytic_ms) for s in usable], dtype=torch.float32)
+    y = torch.tensor([math.log2(s.measured_ms / s.analytic_ms) for s in usable], dtype=torch.float32)
+    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-3)
+    x = (x - mean) / std
+    optimizer = torch.optim.Adam(network.parameters(), lr=3e-3, weight_decay=1e-5)
+    batch = 1024
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=generator)
+        for start in range(0, len(x), batch):
+            rows = order[start:start + batch]
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(network(x[rows]).squeeze(1), y[rows])
+            loss.backward()
+            optimizer.step()
+    return LearnedModel(network, mean, std, fingerprint, len(usable))
+
+
+def samples_from(db: Any, device: str) -> list[Sample]:
+    """Every timed result ``db`` holds for this machine's ``device``, with the analytic model's price."""
+    from .costmodel import analytic_ms
+
+    out = []
+    for problem, result in db.measurements(device):
+        if result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms):
+            out.append(Sample(problem, result.algorithm,
+                              analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32),
+                              result.time_ms))
+    return out
+
+
+def default_path(device: str) -> Path:
+    """Where ``train-get`` stores the model of ``device`` and where ``get`` looks for it."""
+    configured = settings.learned_model
+    if configured:
+        return Path(configured.replace("{device}", device))
+    return Path(settings.cache_dir) / f"learned_get_{device}.pt"
+
+
+_loaded: dict[str, tuple[Any, LearnedModel | None]] = {}  # device -> (file identity, model or None)
+_warned: set[str] = set()
+
+
+def active(device: str) -> LearnedModel | None:
+    """The model ``get`` uses on ``device``: the file at ``default_path`` if it is a model of this machine."""
+    path = default_path(device)
+    try:
+        stat = path.stat()
+        identity: Any = (str(path), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        identity = (str(path), None)
+    known = _loaded.get(device)
+    if known is not None and known[0] == identity:
+        return known[1]
+    model = None
+    if identity[1] is not None:
+        try:
+            model = load(path)
+            from .hardware import fingerprint
+
+            here = fingerprint(device)
+            if model.fingerprint != here:
+                _warn(f"{path} was trained on another machine ({model.fingerprint}, this one is {here}); "
+                      f"the analytic cost model serves instead; train one here with convtune train-get")
+                model = None
+        except (ValueError, RuntimeError, AssertionError) as exc:
+            _warn(f"{exc}; the analytic cost model serves instead")
+            model = None
+    _loaded[device] = (identity, model)
+    return model
+
+
+def correction(problem: ConvProblem, name: str, analytic_ms: float) -> float:
+    """measured / analytic for ``name`` on ``problem`` as this device's model predicts it; 1 without one."""
+    model = active(problem.device)
+    return 1.0 if model is None else model.factor(problem, name, analytic_ms)
+
+
+def version(device: str) -> int:
+    """A number that changes when the model ``get`` uses on ``device`` changes (caches key on it)."""
+    model = active(device)
+    return 0 if model is None else id(model)
+
+
+def _warn(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def holdout_report(samples: Sequence[Sample], fingerprint: str, *, fraction: float = 0.2, seed: int = 0,
+                   epochs: int = 400) -> dict[str, float]:
+    """Trained on most problems, judged on the rest (whole problems held out): for each held-out
+    problem, the time of the candidate each model ranks first over the best measured, as a geometric
+    mean and worst case, and how often each picks the best (top-1), learned against analytic."""
+    problems = sorted({s.problem for s in samples}, key=lambda p: p.key)
+    random.Random(seed).shuffle(problems)
+    held = set(problems[:max(1, int(len(problems) * fraction))])
+    model = train([s for s in samples if s.problem not in held], fingerprint, epochs=epochs, seed=seed)
+    scores: dict[str, list[float]] = {"learned": [], "analytic": []}
+    for problem in held:
+        rows = [s for s in samples if s.problem == problem]
+        if len(rows) < 2:
+            continue
+        best = min(s.measured_ms for s in rows)
+        corrections = model.log2_factor([features(problem, s.name, s.analytic_ms) for s in rows])
+        learned_pick = min(zip(rows, corrections), key=lambda rc: math.log2(rc[0].analytic_ms) + rc[1])[0]
+        analytic_pick = min(rows, key=lambda s: s.analytic_ms)
+        scores["learned"].append(learned_pick.measured_ms / best)
+        scores["analytic"].append(analytic_pick.measured_ms / best)
+    report: dict[str, float] = {"train_samples": float(model.samples), "held_out_problems": float(len(held))}
+    for name, ratios in scores.items():
+        if ratios:
+            report[f"{name}_geomean"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            report[f"{name}_worst"] = max(ratios)
+            report[f"{name}_top1"] = sum(r == 1.0 for r in ratios) / len(ratios)
+    return report

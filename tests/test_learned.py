@@ -1,0 +1,129 @@
+"""get's learned cost model: it learns what the analytic model cannot see, is used only on its device,
+and a damaged or foreign model file is ignored with a warning."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+
+import pytest
+import torch
+
+import convtune as ct
+from convtune import costmodel, learned
+from convtune.algorithms import registry
+from convtune.cli import main as cli_main
+from convtune.hardware import fingerprint
+from convtune.problem import ConvProblem
+from convtune.settings import settings
+from fakes import Fake
+
+
+def problems(count: int, seed: int = 0) -> list[ConvProblem]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        c = rng.choice((8, 16, 32, 64, 128))
+        groups = c if rng.random() < 0.4 else 1
+        r = rng.choice((1, 3, 5, 7))
+        out.append(ConvProblem(rng.choice(("fwd", "bwd_data", "bwd_filter")), n=rng.choice((1, 8, 32)), c=c,
+                               k=c, input_size=(rng.choice((7, 14, 28, 56)),) * 2, kernel_size=r, padding=r // 2,
+                               groups=groups, dtype=rng.choice(("float32", "float16"))))
+    return out
+
+
+def measured(problem: ConvProblem, name: str, analytic_ms: float) -> float:
+    """A machine where one family wins on depthwise problems and the other on dense ones, by 4x: what
+    the analytic model (which prices both alike) cannot know."""
+    depthwise = problem.groups == problem.c
+    fast = (name == "plugin:dw") == depthwise
+    return analytic_ms * (0.5 if fast else 2.0) * (1.1 if problem.direction == "bwd_filter" else 1.0)
+
+
+def samples(count: int, seed: int = 0) -> list[learned.Sample]:
+    out = []
+    for p in problems(count, seed):
+        for name in ("plugin:dw", "plugin:dense"):
+            analytic = costmodel.analytic_ms(name, p)
+            out.append(learned.Sample(p, name, analytic, measured(p, name, analytic)))
+    return out
+
+
+def test_it_learns_what_the_analytic_model_cannot_see_on_problems_it_never_saw():
+    report = learned.holdout_report(samples(120), "test-machine", fraction=0.25, epochs=150)
+    # the analytic model prices both families alike: its pick is right about half the time
+    assert report["analytic_top1"] < 0.8 and report["analytic_geomean"] > 1.5
+    assert report["learned_top1"] >= 0.9 and report["learned_geomean"] < 1.1, report
+
+
+def test_a_saved_model_loads_and_answers_the_same(tmp_path):
+    model = learned.train(samples(40), "test-machine", epochs=50)
+    p = problems(1, seed=5)[0]
+    path = model.save(tmp_path / "m.pt")
+    again = learned.load(path)
+    assert again.fingerprint == "test-machine" and again.samples == 80
+    assert math.isclose(again.factor(p, "plugin:dw", 1.0), model.factor(p, "plugin:dw", 1.0), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_weights", "not_a_dict"])
+def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
+    path = learned.train(samples(10), "test-machine", epochs=5).save(tmp_path / "m.pt")
+    data = torch.load(path, weights_only=True)
+    if damage == "garbage":
+        path.write_bytes(b"\x00garbage" * 50)
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    elif damage == "other_version":
+        torch.save(dict(data, feature_version=learned.FEATURE_VERSION + 1), path)
+    elif damage == "nan_weights":
+        state = {k: v.clone() for k, v in data["state"].items()}
+        next(iter(state.values())).fill_(float("nan"))
+        torch.save(dict(data, state=state), path)
+    else:
+        torch.save([1, 2, 3], path)
+    with pytest.raises(ValueError, match="m.pt"):
+        learned.load(path)
+
+
+def test_get_uses_a_model_of_this_machine_and_ignores_others_with_a_warning(tmp_path, caplog):
+    p = ConvProblem("fwd", n=8, c=32, k=32, input_size=(14, 14), kernel_size=3, padding=1, groups=32)
+    plugins = [Fake("plugin:dw"), Fake("plugin:dense")]
+    with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), registry.isolated(*plugins):
+        def first_of_two():
+            names = [c.name for c in ct.get(p) if c.name.startswith("plugin:")]
+            return names[0]
+
+        assert math.isclose(costmodel.predict_ms("plugin:dw", p), costmodel.analytic_ms("plugin:dw", p))
+        # trained here on the machine above: the depthwise family wins depthwise problems
+        model = learned.train(samples(150), fingerprint("cpu"), epochs=150)
+        model.save(tmp_path / "get_cpu.pt")
+        assert learned.active("cpu") is not None
+        assert first_of_two() == "plugin:dw"
+        assert costmodel.predict_ms("plugin:dw", p) < costmodel.analytic_ms("plugin:dw", p)
+        # the same model, but trained on another machine: not used, said once
+        learned.LearnedModel(model.network, model.mean, model.std, "cuda|some other GPU", model.samples).save(
+            tmp_path / "get_cpu.pt")
+        with caplog.at_level(logging.WARNING, logger="convtune.learned"):
+            assert learned.active("cpu") is None
+        assert "another machine" in caplog.text
+        assert math.isclose(costmodel.predict_ms("plugin:dw", p), costmodel.analytic_ms("plugin:dw", p))
+        # damaged: not used either
+        (tmp_path / "get_cpu.pt").write_bytes(b"not a model")
+        with caplog.at_level(logging.WARNING, logger="convtune.learned"):
+            assert learned.active("cpu") is None
+        assert "not a learned cost model" in caplog.text
+
+
+def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, capsys, quick_timing):
+    db_path = tmp_path / "t.sqlite"
+    out = tmp_path / "model.pt"
+    assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--out", str(out)]) == 2
+    assert "no measurements" in capsys.readouterr().err
+    with ct.TuningDB(db_path) as db, settings.override(find_patience=0, find_prune_factor=0):
+        for p in problems(6, seed=3):  # every candidate timed: several measurements per problem
+            ct.find(p.replace(n=1, input_size=(6, 6)), db=db)
+    assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--out", str(out), "--epochs", "20",
+                     "--json"]) == 0
+    assert learned.load(out).fingerprint == fingerprint("cpu")
+    assert '"learned_geomean"' in capsys.readouterr().out  # judged on held-out problems first

@@ -1,0 +1,28 @@
+"""The Triton families' tests in Triton's CPU interpreter, where this machine has no GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import test_triton_depthwise
+import test_triton_grouped
+from triton_cases import HAS_TRITON, RUNS_KERNELS
+
+FILES = (test_triton_depthwise, test_triton_grouped)
+
+
+@pytest.mark.skipif(RUNS_KERNELS or not HAS_TRITON, reason="the kernels run in this process")
+def test_the_kernel_tests_pass_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                             *(module.__file__ for module in FILES)],
+                            env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    passed = int(summary.split(" passed")[0].split()[-1])
+    assert passed >= sum(module.KERNEL_TESTS for module in FILES), summary  # the kernel tests ran, none skipped

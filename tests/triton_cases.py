@@ -1,0 +1,68 @@
+"""What the Triton families' tests share: where the kernels can run here, and a checked run.
+
+The kernels run on CUDA where there is a GPU and in Triton's CPU interpreter otherwise; without
+either, tests/test_triton_interpreter.py runs the families' test files again in a process with
+``TRITON_INTERPRET=1`` (the switch must be on before Triton is imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from convtune import verify
+from convtune.algorithms.base import allocate_workspace
+from convtune.algorithms.registry import get_algorithm
+from convtune.algorithms.triton_family import interpreting
+from convtune.problem import ConvProblem
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RUNS_KERNELS = HAS_TRITON and (DEVICE == "cuda" or interpreting())
+kernels = pytest.mark.skipif(not RUNS_KERNELS, reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1)")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
+DTYPES = ("float32", "float16", "bfloat16")
+LAYOUTS = ("channels_last", "channels_first")
+
+
+def every_case(shapes: dict) -> pytest.MarkDecorator:
+    """Every (shape, direction, dtype, layout) of ``shapes`` as the test's parameters."""
+    return pytest.mark.parametrize("shape,direction,dtype,layout",
+                                   list(itertools.product(shapes, DIRECTIONS, DTYPES, LAYOUTS)))
+
+
+def kernel_tests(shapes: dict) -> int:
+    """How many tests of a family's file need the kernels: ``every_case`` and one per direction more."""
+    return len(shapes) * len(DIRECTIONS) * len(DTYPES) * len(LAYOUTS) + len(DIRECTIONS)
+
+
+def check_supporting(family: list[str], p: ConvProblem) -> None:
+    """Every algorithm of ``family`` that supports ``p`` checked against float64."""
+    for name in family:
+        if get_algorithm(name).supports(p):
+            run_checked(name, p)
+
+
+def check_configurations(family: list[str], p: ConvProblem, configurations: int) -> None:
+    """Every tile configuration of ``family`` that supports ``p`` (all ``configurations`` of its direction,
+    and only those) checked against float64."""
+    names = [n for n in family if get_algorithm(n).supports(p)]
+    assert len(names) == configurations, names
+    for name in names:
+        run_checked(name, p)
+
+
+def run_checked(name: str, p: ConvProblem) -> None:
+    """One run of ``name`` on fresh random operands, its output poisoned with NaN, against float64."""
+    algorithm = get_algorithm(name)
+    a, b = p.random_inputs(seed=zlib.crc32(p.key.encode()) % 1000)
+    ref = verify.reference(p, a, b)
+    out = p.empty(p.operand_shapes[2])
+    err, ok, message = verify.check(algorithm, p, (a, b), ref, out, allocate_workspace(algorithm.buffer_bytes(p),
+                                                                                       p.device))
+    assert ok, f"{name} on {p.key}: {message}"
