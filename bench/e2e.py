@@ -1,6 +1,6 @@
 """End-to-end benchmark (issue 5): whole networks with convtune.optimize against plain PyTorch.
 
-For each network (torchvision ResNet-50, MobileNetV2 and ResNeXt-50 32x4d, weights=None), batch, autocast dtype
+For each network (torchvision ResNet-50, MobileNetV2, ResNeXt-50 32x4d and ConvNeXt-T, weights=None), batch, autocast dtype
 (channels_last model and inputs) and execution style (eager; eager captured in a CUDA graph;
 torch.compile, default mode), three ways of running the convolutions, EACH IN ITS OWN PROCESS
 (PyTorch's cudnn.benchmark cache is per process):
@@ -59,7 +59,10 @@ import convtune  # noqa: E402
 from convtune.problem import ConvProblem  # noqa: E402
 from convtune.pytorch import ops  # noqa: E402
 
-MODELS, BATCHES, DTYPES = ("resnet50", "mobilenet_v2", "resnext50_32x4d"), (32, 128), ("float16", "bfloat16")
+# ConvNeXt-T: a 7x7 depthwise convolution in every block, the layers where cuDNN's plans are farthest from the
+# floor and convtune's own depthwise kernels are meant to pay (MobileNetV2's are 3x3).
+MODELS = ("resnet50", "mobilenet_v2", "resnext50_32x4d", "convnext_tiny")
+BATCHES, DTYPES = (32, 128), ("float16", "bfloat16")
 STYLES, MODES = ("eager", "graph", "compile"), ("convtune", "torch_bm0", "torch_bm1")
 ANCHORS = """Anchors (BENCHMARKING.md, "Measured anchors, whole networks": H200, autocast float16, channels_last,
 2026-11-29, plain PyTorch 2.11, each configuration in its own process, median of 7 timings of 10 steps):

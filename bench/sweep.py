@@ -12,6 +12,8 @@ format (JSON lines keyed by the machine's fingerprint and software).
 
     python bench/sweep.py --minutes 9 --db bench/data/sweep.sqlite --export bench/data/sweep.jsonl
     python bench/sweep.py --device cpu --tiny --count 4      # a small run, as the tests do
+    python bench/sweep.py --networks all --batch 32 --dtypes float16   # the built-in networks' layers too,
+                                                     # which bench/learned_get.py holds out one at a time
 """
 
 from __future__ import annotations
@@ -110,6 +112,20 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
     return p
 
 
+def network_problems(networks: list[str], batch: int, dtypes: list[str], layouts: list[str], device: str,
+                     layers: int | None = None) -> list[tuple[str, ConvProblem]]:
+    """(network, problem) of every layer of ``networks`` in every direction, dtype and layout asked."""
+    out = []
+    for network in networks:
+        for direction in DIRECTIONS:
+            for dtype in dtypes:
+                for layout in layouts:
+                    found = zoo.network_layers(network, batch, direction=direction, dtype=dtype, layout=layout,
+                                               device=device)
+                    out += [(network, layer.problem) for layer in found[:layers]]
+    return out
+
+
 def measure(p: ConvProblem, db: ct.TuningDB) -> int:
     """Every supporting candidate of ``p`` checked and timed, stored in ``db``; the number timed."""
     # the search's rules off, and every candidate that can be in a worker process: a crash costs it alone
@@ -129,16 +145,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=100_000, help="problem indices to go through")
     parser.add_argument("--minutes", type=float, default=0.0, help="stop starting new problems after this (0: none)")
     parser.add_argument("--tiny", action="store_true", help="small problems (tests)")
+    parser.add_argument("--networks", default=None, help="measure these built-in networks' layers instead of "
+                        "sampled problems (comma-separated, or 'all')")
+    parser.add_argument("--batch", type=int, default=32, help="the networks' batch")
+    parser.add_argument("--dtypes", default="float16", help="the networks' dtypes (comma-separated)")
+    parser.add_argument("--layouts", default="channels_last", help="the networks' layouts (comma-separated)")
+    parser.add_argument("--layers", type=int, default=None, help="only the first N layers of each network")
     args = parser.parse_args(argv)
-    layers = seeds()
     deadline = time.monotonic() + 60 * args.minutes if args.minutes else math.inf
+    if args.networks:
+        names = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
+        listed = network_problems(names, args.batch, args.dtypes.split(","), args.layouts.split(","), args.device,
+                                  args.layers)
+        problems = iter([(i, p) for i, (_, p) in enumerate(listed)])
+    else:
+        layers = seeds()
+        problems = ((i, sample(i, args.seed, args.device, args.tiny, layers))
+                    for i in range(args.start, args.start + args.count))
     Path(args.db).parent.mkdir(parents=True, exist_ok=True)
     measured = kept = failed = 0
     with ct.TuningDB(args.db) as db:
-        for index in range(args.start, args.start + args.count):
+        for index, p in problems:
             if time.monotonic() > deadline:
                 break
-            p = sample(index, args.seed, args.device, args.tiny, layers)
             if db.results(p):
                 kept += 1
                 continue

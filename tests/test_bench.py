@@ -116,3 +116,40 @@ def test_a_sweep_measures_every_candidate_resumes_and_exports_what_the_database_
         assert fresh.import_(export) == len(lines)
     assert sweep.main(args) == 0
     assert "measured 0 problems, 3 already" in capsys.readouterr().out  # a second run resumes: nothing again
+
+
+learned_get = _bench_script("learned_get")
+
+
+def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, learned_get, sweep):
+    # A database filled with made-up measurements (fast to make): on this "machine" direct:taps takes half
+    # of torch:native's price on 3x3 layers and twice it elsewhere, gemm:im2col 1.5 times it; torch:native
+    # is as priced. The analytic model prices each by its own terms, so it misses direct:taps' wins.
+    import convtune as ct
+    from convtune import costmodel
+    from convtune.results import PerfResult
+
+    db_path = tmp_path / "sweep.sqlite"
+    names = ("torch:native", "gemm:im2col", "direct:taps")
+    layers = sweep.seeds()
+    problems = [p for _, p in sweep.network_problems(["resnet18", "mobilenet_v2"], 1, ["float32"], ["channels_first"],
+                                                     "cpu", 6)]
+    problems += [sweep.sample(i, 0, "cpu", True, layers) for i in range(60)]
+    with ct.TuningDB(db_path) as db:
+        for p in problems:
+            three = p.kernel_size[0] == 3
+            factors = {"torch:native": 1.0, "gemm:im2col": 1.5, "direct:taps": 0.5 if three else 2.0}
+            base = costmodel.analytic_ms("torch:native", p)
+            db.store(p, [PerfResult(n, "ok", time_ms=base * factors[n]) for n in names])
+    out = tmp_path / "out"
+    assert learned_get.main(["--db", str(db_path), "--device", "cpu", "--networks", "resnet18,mobilenet_v2",
+                             "--batch", "1", "--dtypes", "float32", "--layouts", "channels_first", "--layers", "6",
+                             "--epochs", "60", "--out", str(out)]) == 0
+    payload = json.loads((out / "learned_get.json").read_text())
+    assert {key.split("/")[0] for key in payload["by_network"]} == {"resnet18", "mobilenet_v2"}
+    for summary in payload["by_network"].values():
+        assert summary["learned"]["problems"] >= 1 and summary["torch_bm0"]  # every held-out problem judged
+        assert summary["cudnn_A"] == {}  # no GPU here: cuDNN's heuristics are not asked
+    split = payload["random_split"]
+    assert split["analytic_geomean"] > 1.1 and split["learned_geomean"] < split["analytic_geomean"], split
+    assert "geomean / worst / top-1" in (out / "learned_get.md").read_text()

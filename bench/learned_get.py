@@ -1,0 +1,142 @@
+"""Judging get's learned cost model on networks it never saw.
+
+From a tuning database that a sweep filled (``bench/sweep.py``: sampled problems, and with
+``--networks`` the built-in networks' layers), for each built-in network in turn: a model trained on
+everything except that network's layers, judged on those layers (leave one network out); then a
+model trained on most problems and judged on the rest (a random split). For each held-out problem
+with two or more measured candidates: the measured time of the candidate each ranking puts first
+over the best measured, for the learned model, the analytic model, PyTorch's own call with
+``cudnn.benchmark=False`` (``torch:native`` as find measured it) and, on a GPU, cuDNN's heuristics A
+and B (their first plan, where it was measured). Reported per network, direction and dtype: the
+geometric mean, the worst case and how often the pick is the best (top-1).
+
+    python bench/learned_get.py --db bench/data/sweep.sqlite --batch 32 --dtypes float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import convtune as ct  # noqa: E402
+from convtune import learned, zoo  # noqa: E402
+from convtune.hardware import fingerprint  # noqa: E402
+from sweep import network_problems  # noqa: E402
+
+RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
+
+
+def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: dict[str, str | None]) -> dict:
+    """The measured time over the best of what each ranking puts first (None where it picks nothing measured)."""
+    best = min(s.measured_ms for s in rows)
+    corrections = model.log2_factor([learned.features(s.problem, s.name, s.analytic_ms) for s in rows])
+    by_name = {s.name: s.measured_ms for s in rows}
+    learned_pick = min(zip(rows, corrections), key=lambda rc: math.log2(rc[0].analytic_ms) + rc[1])[0]
+    chosen = {"learned": learned_pick.name, "analytic": min(rows, key=lambda s: s.analytic_ms).name,
+              "torch_bm0": "torch:native", "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")}
+    return {ranking: (by_name[name] / best if name in by_name else None) for ranking, name in chosen.items()}
+
+
+def heuristic_names(problem: ct.ConvProblem) -> dict[str, str | None]:
+    """cuDNN's own first plans under heuristics A and B (a GPU with the cuDNN frontend only)."""
+    if problem.device != "cuda":
+        return {}
+    try:
+        from convtune.algorithms.cudnn import BACKEND
+    except ImportError:
+        return {}
+    return {mode: BACKEND.heuristic_choice(problem, mode) for mode in ("A", "B")}
+
+
+def summarize(ratios: list[float]) -> dict:
+    if not ratios:
+        return {}
+    return {"geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "worst": max(ratios),
+            "top1": sum(r <= 1.0 + 1e-9 for r in ratios) / len(ratios), "problems": len(ratios)}
+
+
+def judge(samples: list[learned.Sample], held: set, here: str, epochs: int) -> list[dict]:
+    """Train without the ``held`` problems; one row of ratios per held-out problem."""
+    model = learned.train([s for s in samples if s.problem not in held], here, epochs=epochs)
+    by_problem: dict = defaultdict(list)
+    for s in samples:
+        if s.problem in held:
+            by_problem[s.problem].append(s)
+    out = []
+    for problem, rows in by_problem.items():
+        if len(rows) >= 2:
+            out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
+                            **picks(model, rows, heuristic_names(problem))))
+    return out
+
+
+def table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
+    summary, lines = {}, []
+    for key, rows in sorted(groups.items()):
+        summary["/".join(key)] = {r: summarize([row[r] for row in rows if row.get(r)]) for r in RANKINGS}
+        cells = []
+        for ranking in RANKINGS:
+            s = summary["/".join(key)][ranking]
+            cells.append(f"{s['geomean']:.3f} / {s['worst']:.2f} / {100 * s['top1']:.0f}%" if s else "-")
+        lines.append([*key, len(rows), *cells])
+    header = ["held out", "direction", "dtype", "problems", *(f"{r}: geomean / worst / top-1" for r in RANKINGS)]
+    return summary, common.md_table(header, lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--db", default="bench/data/sweep.sqlite")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--networks", default="all")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtypes", default="float16")
+    parser.add_argument("--layouts", default="channels_last")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--epochs", type=int, default=400)
+    common.result_arguments(parser, "learned_get")
+    args = parser.parse_args(argv)
+    names = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
+    with ct.TuningDB(args.db) as db:
+        samples = learned.samples_from(db, args.device)
+    if not samples:
+        parser.error(f"{args.db} holds no measurements of this machine's {args.device}: run bench/sweep.py first")
+    here = fingerprint(args.device)
+    members = network_problems(names, args.batch, args.dtypes.split(","), args.layouts.split(","), args.device,
+                               args.layers)
+    measured = {s.problem for s in samples}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for network in names:
+        held = {p for n, p in members if n == network and p in measured}
+        if not held:
+            print(f"{network}: none of its layers is in {args.db}; run bench/sweep.py --networks {network}",
+                  file=sys.stderr)
+            continue
+        for row in judge(samples, held, here, args.epochs):
+            groups[(network, row["direction"], row["dtype"])].append(row)
+    report = learned.holdout_report(samples, here, epochs=args.epochs)
+    summary, text = table(groups)
+    env = common.environment()
+    payload = {"environment": env, "samples": len(samples), "problems": len(measured), "random_split": report,
+               "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
+    split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
+    markdown = (f"# get's learned cost model on networks it never saw\n\n{env['date']}, "
+                f"{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}; "
+                f"{len(samples)} measurements of {len(measured)} problems ({args.db}).\n\n"
+                f"Each row: a model trained without that network's layers, judged on them; per ranking the "
+                f"measured time of its first pick over the best measured: geometric mean / worst / how often "
+                f"it is the best. torch_bm0: PyTorch's own call (cudnn.benchmark=False); cudnn_A/B: cuDNN's "
+                f"heuristics' first plan.\n\n{text}\nA random split (whole problems held out): {split}.\n")
+    common.write(args.name, payload, markdown, args.out)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
