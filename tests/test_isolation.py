@@ -144,3 +144,37 @@ def test_what_cannot_go_to_a_worker_is_measured_here(workers):
         assert not isolation.wanted(adversaries.Correct(), timer=lambda fn, **kw: None)  # a timer that cannot go
         results = by_name(ct.find(P, candidates=[InMain()]))
     assert results["plugin:in_main"].ok
+
+
+def test_a_fork_while_another_thread_measures_does_not_deadlock_the_child():
+    import time
+
+    isolation._worker._lock.acquire()  # as a thread inside measure() holds it
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its worker (and lock) are its own
+            try:
+                isolation.release()
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+    finally:
+        isolation._worker._lock.release()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on its parent's lock")
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_no_worker_can_start_so_the_candidate_is_measured_here(workers, monkeypatch):
+    monkeypatch.setattr(isolation.sys, "executable", "/nonexistent/python")
+    with settings.override(isolate="all"):
+        results = by_name(ct.find(P, candidates=[adversaries.Correct()]))
+    assert results["plugin:correct"].ok

@@ -66,7 +66,8 @@ def test_a_saved_model_loads_and_answers_the_same(tmp_path):
     assert math.isclose(again.factor(p, "plugin:dw", 1.0), model.factor(p, "plugin:dw", 1.0), rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_weights", "not_a_dict"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_weights", "not_a_dict",
+                                    "samples_none", "float64_mean"])
 def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
     path = learned.train(samples(10), "test-machine", epochs=5).save(tmp_path / "m.pt")
     data = torch.load(path, weights_only=True)
@@ -80,6 +81,10 @@ def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
         state = {k: v.clone() for k, v in data["state"].items()}
         next(iter(state.values())).fill_(float("nan"))
         torch.save(dict(data, state=state), path)
+    elif damage == "samples_none":
+        torch.save(dict(data, samples=None), path)
+    elif damage == "float64_mean":
+        torch.save(dict(data, mean=data["mean"].double()), path)
     else:
         torch.save([1, 2, 3], path)
     with pytest.raises(ValueError, match="m.pt"):
@@ -110,6 +115,7 @@ def test_get_uses_a_model_of_this_machine_and_ignores_others_with_a_warning(tmp_
         assert math.isclose(costmodel.predict_ms("plugin:dw", p), costmodel.analytic_ms("plugin:dw", p))
         # damaged: not used either
         (tmp_path / "get_cpu.pt").write_bytes(b"not a model")
+        learned.forget()  # get looks at the file again at most once a second; a test does not wait
         with caplog.at_level(logging.WARNING, logger="convtune.learned"):
             assert learned.active("cpu") is None
         assert "not a learned cost model" in caplog.text
@@ -127,3 +133,17 @@ def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, cap
                      "--json"]) == 0
     assert learned.load(out).fingerprint == fingerprint("cpu")
     assert '"learned_geomean"' in capsys.readouterr().out  # judged on held-out problems first
+
+
+def test_a_correction_is_bounded_and_the_corrections_follow_the_model(tmp_path):
+    p = problems(1, seed=9)[0]
+    model = learned.train(samples(30), fingerprint("cpu"), epochs=20)
+    with torch.no_grad():  # a model that would say something absurd
+        model.network[-1].bias.fill_(1000.0)
+    assert model.factor(p, "plugin:dw", 1.0) == 2.0 ** learned.MAX_LOG2_FACTOR
+    # the database's corrections are ratios to the prediction of the model in use: a new model, a new table
+    with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), ct.TuningDB(tmp_path / "t.sqlite") as db:
+        before = costmodel.corrections(db, "cpu")
+        assert costmodel.corrections(db, "cpu") is before
+        model.save(tmp_path / "get_cpu.pt")
+        assert costmodel.corrections(db, "cpu") is not before

@@ -193,7 +193,8 @@ class _Table:
     """A device's measurements as log ratios per problem, and the corrections they make: the
     geometric means of measured / predicted time per (algorithm, direction, dtype) and per backend."""
 
-    def __init__(self, measurements: list[tuple[ConvProblem, Any]]) -> None:
+    def __init__(self, measurements: list[tuple[ConvProblem, Any]], model: int = 0) -> None:
+        self.model = model  # the learned model's version the ratios were taken against
         by_problem: dict[ConvProblem, list[Any]] = defaultdict(list)
         for problem, result in measurements:
             by_problem[problem].append(result)
@@ -224,20 +225,23 @@ def _table(db: Any, device: str, *, build: bool) -> _Table | None:
         per_device = _tables.setdefault(db, {})
     except TypeError:  # an object that cannot be weakly referenced: no caching
         per_device = {}
+    if device in per_device and per_device[device].model != learned.version(device):
+        del per_device[device]  # measured / predicted ratios taken against another model
     if device not in per_device:
         if not build:
             return None
         try:
-            per_device[device] = _Table(list(db.measurements(device)))
+            per_device[device] = _Table(list(db.measurements(device)), learned.version(device))
         except Exception as exc:  # noqa: BLE001 - a broken database must not stop a heuristic answer
             log.warning("cost model: no corrections from the tuning database (%s: %s)", type(exc).__name__, exc)
-            per_device[device] = _Table([])
+            per_device[device] = _Table([], learned.version(device))
     return per_device[device]
 
 
 def corrections(db: Any, device: str) -> Corrections:
-    """The correction table of ``db`` for ``device``: read from it once per db object, then kept up to
-    date with what this process stores (``stored``)."""
+    """The correction table of ``db`` for ``device``: read from it once per db object (and again when the
+    learned model changes: its ratios are to the model's prediction), then kept up to date with what this
+    process stores (``stored``)."""
     if db is None:
         return NO_CORRECTIONS
     return cast(_Table, _table(db, device, build=True)).corrections  # build=True always gives a table

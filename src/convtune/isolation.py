@@ -97,7 +97,9 @@ def _state() -> dict[str, Any]:
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     return {
         "path": list(sys.path),
-        "settings": {name: value for name, _, value, _ in settings.describe()},
+        # what override() set, and convtune's environment now (the worker inherited it at its start)
+        "settings": settings.overrides(),
+        "environment": {k: v for k, v in os.environ.items() if k.startswith("CONVTUNE_")},
         "device": torch.cuda.current_device() if cuda else None,
         "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
                   torch.backends.cudnn.deterministic),
@@ -127,6 +129,8 @@ class Worker:
             try:
                 return self._measure(problem, policy, timer, seed, algorithm, props, probe_determinism, best_ms,
                                      timer_budget_s, deadline_s)
+            except NotSendable:
+                raise  # the worker is fine: the caller measures this one in the process
             except BaseException:
                 self.close()  # an interrupt or an error here: the worker's state is unknown, start again
                 raise
@@ -137,8 +141,7 @@ class Worker:
             self._started()
         except (OSError, RuntimeError, EOFError) as exc:
             self.close()
-            return PerfResult(algorithm.name, Status.FAILED, message=f"its worker process could not start "
-                                                                     f"({type(exc).__name__}: {exc})", **props)
+            raise NotSendable(f"no worker process could start ({type(exc).__name__}: {exc})") from exc
         task_id = next(self._tasks)
         try:
             task = pickle.dumps((problem, policy, timer, seed, algorithm, props, probe_determinism, best_ms,
@@ -146,7 +149,10 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - what cannot be sent is measured in the process
             raise NotSendable(str(exc)) from exc
         # The state (plain values) travels apart: the worker needs its import path to read the task.
-        payload = pickle.dumps(("measure", task_id, _state(), task))
+        try:
+            payload = pickle.dumps(("measure", task_id, _state(), task))
+        except Exception as exc:  # noqa: BLE001 - an override that does not pickle: measured in the process
+            raise NotSendable(str(exc)) from exc
         limit_s = hard_limit_s(deadline_s, timer_budget_s)
         try:
             self._send_bytes(payload)
@@ -155,8 +161,8 @@ class Worker:
                 return self._killed(algorithm, props, f"its worker made no reference within {START_LIMIT_S:.0f} s")
             if ready[0] == "unsendable":  # the worker cannot import what was sent (the parent's script, say)
                 raise NotSendable(ready[1])
-            if ready[0] == "reference_failed":
-                raise RuntimeError(f"the float64 reference of {problem.key} failed in the worker: {ready[1]}")
+            if ready[0] == "reference_failed":  # not the candidate's fault: measured in the process, as it can be
+                raise NotSendable(f"its worker could not make the float64 reference ({ready[1]})")
             answer = self._reply(task_id, limit_s)
             if answer is None:
                 return self._killed(algorithm, props,
@@ -209,18 +215,22 @@ class Worker:
         return None
 
     def _started(self) -> None:
-        if self._pid != os.getpid():  # a fork of the process that started it: not ours to talk to
-            self._process, self._send, self._recv, self._pid = None, None, None, os.getpid()
         if self._process is not None and self._process.poll() is None:
             return
         self.close()
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
+        # The worker imports convtune (and the candidates' modules) from where this process does.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", "import sys; from convtune.isolation import _main; _main(sys.argv[1:])",
                  str(to_child_r), str(to_parent_w), str(os.getpid())],
-                pass_fds=(to_child_r, to_parent_w), close_fds=True, stdin=subprocess.DEVNULL)
+                pass_fds=(to_child_r, to_parent_w), close_fds=True, stdin=subprocess.DEVNULL, env=env)
+        except BaseException:
+            os.close(to_child_w)
+            os.close(to_parent_r)
+            raise
         finally:
             os.close(to_child_r)
             os.close(to_parent_w)
@@ -248,7 +258,15 @@ class Worker:
                     process.wait(timeout=5.0)
 
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's worker, pipes and lock (perhaps held then) are not this process's."""
+        self._process = self._send = self._recv = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+
 _worker = Worker()  # one per process, shared by every find: its start is paid once
+os.register_at_fork(after_in_child=_worker.forget_after_fork)
 
 
 def measure(*args: Any, **kwargs: Any) -> PerfResult:
@@ -263,10 +281,12 @@ def release() -> None:
 
 # -- the worker ---------------------------------------------------------------------------------
 def _apply(state: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
-    """This worker set as the parent is: import path, device, PyTorch's switches; the settings for the task."""
-    for entry in state["path"]:
-        if entry not in sys.path:
-            sys.path.append(entry)
+    """This worker set as the parent is: import path, environment, device, PyTorch's switches; the settings'
+    overrides for the task."""
+    sys.path[:] = list(dict.fromkeys([*state["path"], *sys.path]))
+    for key in [k for k in os.environ if k.startswith("CONVTUNE_") and k not in state["environment"]]:
+        del os.environ[key]
+    os.environ.update(state["environment"])
     if state["device"] is not None:
         torch.cuda.set_device(state["device"])
     cudnn = torch.backends.cudnn

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 FEATURE_VERSION = 1
 NAME_BUCKETS = 64
 HIDDEN = 64
+MAX_LOG2_FACTOR = 6.0  # a correction of at most 64x either way
+RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -100,9 +102,12 @@ class LearnedModel:
         self.fingerprint, self.samples = fingerprint, samples
 
     def log2_factor(self, rows: Sequence[Sequence[float]]) -> list[float]:
+        """log2(measured / analytic) per row of features, within ±MAX_LOG2_FACTOR (a model far outside what
+        it was trained on says no more than that)."""
         with torch.no_grad():
             x = (torch.tensor(rows, dtype=torch.float32) - self.mean) / self.std
-            return self.network(x).squeeze(1).tolist()
+            y = self.network(x).squeeze(1).nan_to_num(0.0).clamp(-MAX_LOG2_FACTOR, MAX_LOG2_FACTOR)
+            return y.tolist()
 
     def factor(self, problem: ConvProblem, name: str, analytic_ms: float) -> float:
         """measured / analytic, as predicted for ``name`` on ``problem``."""
@@ -117,6 +122,7 @@ class LearnedModel:
                     "fingerprint": self.fingerprint, "samples": self.samples, "saved_at": time.time(),
                     "mean": self.mean, "std": self.std, "state": self.network.state_dict()}, tmp)
         os.replace(tmp, path)
+        forget()  # this process sees the new file at once
         return path
 
 
@@ -138,10 +144,12 @@ def load(path: str | os.PathLike) -> LearnedModel:
         shapes_ok = tuple(mean.shape) == tuple(std.shape) == (FEATURES,)
     except (KeyError, RuntimeError, AttributeError, TypeError) as exc:
         raise ValueError(f"{path} is a damaged learned cost model ({type(exc).__name__}: {exc})") from None
-    finite = shapes_ok and all(bool(torch.isfinite(t).all()) for t in (mean, std, *network.state_dict().values()))
-    if not finite or not bool((std > 0).all()):
-        raise ValueError(f"{path} is a damaged learned cost model (non-finite or malformed weights)")
-    return LearnedModel(network, mean, std, str(data.get("fingerprint", "")), int(data.get("samples", 0)))
+    floats = shapes_ok and mean.dtype == std.dtype == torch.float32
+    finite = floats and all(bool(torch.isfinite(t).all()) for t in (mean, std, *network.state_dict().values()))
+    samples, fingerprint = data.get("samples"), data.get("fingerprint")
+    if not finite or not bool((std > 0).all()) or not isinstance(samples, int) or not isinstance(fingerprint, str):
+        raise ValueError(f"{path} is a damaged learned cost model (non-finite or malformed weights or fields)")
+    return LearnedModel(network, mean, std, fingerprint, samples)
 
 
 def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, seed: int = 0) -> LearnedModel:
@@ -195,21 +203,32 @@ def default_path(device: str) -> Path:
     return Path(settings.cache_dir) / f"learned_get_{device}.pt"
 
 
-_loaded: dict[str, tuple[Any, LearnedModel | None]] = {}  # device -> (file identity, model or None)
+_loaded: dict[str, tuple[Any, LearnedModel | None, int]] = {}  # device -> (file identity, model or None, version)
+_checked_at: dict[str, float] = {}  # device -> when the file was last looked at (time.monotonic)
 _warned: set[str] = set()
+_versions = iter(range(1, 2**62))
 
 
-def active(device: str) -> LearnedModel | None:
-    """The model ``get`` uses on ``device``: the file at ``default_path`` if it is a model of this machine."""
+def forget() -> None:
+    """Look at the model files again on next use (``save`` calls it; tests that write files do too)."""
+    _loaded.clear()
+    _checked_at.clear()
+
+
+def _current(device: str) -> tuple[LearnedModel | None, int]:
+    now = time.monotonic()
+    known = _loaded.get(device)
+    if known is not None and now - _checked_at.get(device, -math.inf) < RECHECK_S:
+        return known[1], known[2]
+    _checked_at[device] = now
     path = default_path(device)
     try:
         stat = path.stat()
         identity: Any = (str(path), stat.st_mtime_ns, stat.st_size)
     except OSError:
         identity = (str(path), None)
-    known = _loaded.get(device)
     if known is not None and known[0] == identity:
-        return known[1]
+        return known[1], known[2]
     model = None
     if identity[1] is not None:
         try:
@@ -221,23 +240,37 @@ def active(device: str) -> LearnedModel | None:
                 _warn(f"{path} was trained on another machine ({model.fingerprint}, this one is {here}); "
                       f"the analytic cost model serves instead; train one here with convtune train-get")
                 model = None
-        except (ValueError, RuntimeError, AssertionError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, the analytic model serves
             _warn(f"{exc}; the analytic cost model serves instead")
             model = None
-    _loaded[device] = (identity, model)
-    return model
+    version = 0 if model is None else next(_versions)
+    _loaded[device] = (identity, model, version)
+    return model, version
+
+
+def active(device: str) -> LearnedModel | None:
+    """The model ``get`` uses on ``device``: the file at ``default_path`` if it is a model of this machine
+    (looked at again at most once a second)."""
+    return _current(device)[0]
 
 
 def correction(problem: ConvProblem, name: str, analytic_ms: float) -> float:
-    """measured / analytic for ``name`` on ``problem`` as this device's model predicts it; 1 without one."""
+    """measured / analytic for ``name`` on ``problem`` as this device's model predicts it; 1 without one (or
+    where the model cannot answer, with a warning)."""
     model = active(problem.device)
-    return 1.0 if model is None else model.factor(problem, name, analytic_ms)
+    if model is None:
+        return 1.0
+    try:
+        return model.factor(problem, name, analytic_ms)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot answer leaves the analytic price
+        _warn(f"the learned cost model could not price {name} ({type(exc).__name__}: {exc}); the analytic "
+              f"price serves")
+        return 1.0
 
 
 def version(device: str) -> int:
-    """A number that changes when the model ``get`` uses on ``device`` changes (caches key on it)."""
-    model = active(device)
-    return 0 if model is None else id(model)
+    """A number that changes when the model ``get`` uses on ``device`` changes (caches key on it; 0: none)."""
+    return _current(device)[1]
 
 
 def _warn(message: str) -> None:

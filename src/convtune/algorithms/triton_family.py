@@ -71,9 +71,12 @@ class TritonAlgorithm(Algorithm):
         family = self._family_supports(problem)
         if not family:
             return family
-        biggest = max(math.prod(shape) for shape in problem.operand_shapes)
+        shapes = list(problem.operand_shapes)
+        if problem.direction == "bwd_filter":
+            shapes.append(self.partials_shape(problem))  # the weight gradient's partial sums too
+        biggest = max(math.prod(shape) for shape in shapes)
         if biggest >= INDEX_LIMIT:
-            return unsupported(f"an operand of {biggest} elements needs 64-bit offsets; these kernels use 32-bit "
+            return unsupported(f"a tensor of {biggest} elements needs 64-bit offsets; these kernels use 32-bit "
                                f"ones (below {INDEX_LIMIT}); torch:native and cuDNN take it")
         return SUPPORTED
 
