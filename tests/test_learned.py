@@ -119,6 +119,12 @@ def test_get_uses_a_model_of_this_machine_and_ignores_others_with_a_warning(tmp_
         with caplog.at_level(logging.WARNING, logger="convtune.learned"):
             assert learned.active("cpu") is None
         assert "not a learned cost model" in caplog.text
+        # trained here but with other software: used, and said once
+        learned.LearnedModel(model.network, model.mean, model.std, fingerprint("cpu"), model.samples,
+                             "torch0.0|cudnn0").save(tmp_path / "get_cpu.pt")
+        with caplog.at_level(logging.WARNING, logger="convtune.learned"):
+            assert learned.active("cpu") is not None
+        assert "other software" in caplog.text
 
 
 def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, capsys, quick_timing):

@@ -201,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-get", help="train get's learned cost model on this device's measurements")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="whose measurements (default: cuda where there is a GPU, else cpu)")
-    p.add_argument("--out", default=None, help="the model file (default: learned_get_<device>.pt beside the "
-                                               "database, where get looks for it)")
+    p.add_argument("--out", default=None, help="the model file (default: learned_get_<device>.pt in the cache "
+                                               "folder, where get looks for it)")
     p.add_argument("--epochs", type=_positive, default=400)
     p.add_argument("--holdout", type=float, default=0.2, help="fraction of the problems held out to judge a "
                                                               "model trained on the rest first (0: none)")

@@ -11,9 +11,10 @@ trained on this device (its fingerprint) is installed, and the database's measur
 apply on top, as before; everywhere else the analytic model serves alone.
 
 Train one from a tuning database with ``convtune train-get`` (or ``train`` and ``save``): it is
-stored as ``learned_get_<device>.pt`` beside the database, or where ``settings.learned_model``
-points. A file that is damaged, of another feature version or of another device is ignored with a
-warning, never used.
+stored as ``learned_get_<device>.pt`` in the cache folder (beside the default database), or where
+``settings.learned_model`` points: that is where ``get`` looks. A file that is damaged, of another
+feature version or of another device is ignored with a warning, never used; one trained with other
+software (a new cuDNN) is used, with a warning, until it is trained again.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ class LearnedModel:
     """A trained correction for one device (``fingerprint``); ``log2_factor`` answers a batch of pairs."""
 
     def __init__(self, network: torch.nn.Module, mean: torch.Tensor, std: torch.Tensor, fingerprint: str,
-                 samples: int) -> None:
+                 samples: int, software: str = "") -> None:
         self.network, self.mean, self.std = network.eval(), mean, std
-        self.fingerprint, self.samples = fingerprint, samples
+        self.fingerprint, self.samples, self.software = fingerprint, samples, software
 
     def log2_factor(self, rows: Sequence[Sequence[float]]) -> list[float]:
         """log2(measured / analytic) per row of features, within ±MAX_LOG2_FACTOR (a model far outside what
@@ -118,8 +119,11 @@ class LearnedModel:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        from .hardware import software_versions
+
         torch.save({"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN,
-                    "fingerprint": self.fingerprint, "samples": self.samples, "saved_at": time.time(),
+                    "fingerprint": self.fingerprint, "software": self.software or software_versions(),
+                    "samples": self.samples, "saved_at": time.time(),
                     "mean": self.mean, "std": self.std, "state": self.network.state_dict()}, tmp)
         os.replace(tmp, path)
         forget()  # this process sees the new file at once
@@ -149,7 +153,7 @@ def load(path: str | os.PathLike) -> LearnedModel:
     samples, fingerprint = data.get("samples"), data.get("fingerprint")
     if not finite or not bool((std > 0).all()) or not isinstance(samples, int) or not isinstance(fingerprint, str):
         raise ValueError(f"{path} is a damaged learned cost model (non-finite or malformed weights or fields)")
-    return LearnedModel(network, mean, std, fingerprint, samples)
+    return LearnedModel(network, mean, std, fingerprint, samples, str(data.get("software", "")))
 
 
 def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, seed: int = 0) -> LearnedModel:
@@ -240,6 +244,12 @@ def _current(device: str) -> tuple[LearnedModel | None, int]:
                 _warn(f"{path} was trained on another machine ({model.fingerprint}, this one is {here}); "
                       f"the analytic cost model serves instead; train one here with convtune train-get")
                 model = None
+            else:
+                from .hardware import software_versions
+
+                if model.software != software_versions():
+                    _warn(f"{path} was trained with other software ({model.software or 'unknown'}; now "
+                          f"{software_versions()}): used until convtune train-get trains it again")
         except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, the analytic model serves
             _warn(f"{exc}; the analytic cost model serves instead")
             model = None
