@@ -61,6 +61,10 @@ def test_one_worker_serves_every_find_until_a_candidate_ends_it(workers):
 def test_what_stays_in_the_process(workers):
     with settings.override(isolate="plugins"):
         assert isolation.wanted(adversaries.Correct()) and not isolation.wanted(get_algorithm("torch:native"))
+        from convtune.algorithms.microbatch import MicroBatch
+
+        assert isolation.wanted(MicroBatch(adversaries.Correct(), [(1, 2)]))  # it runs the plug-in's code
+        assert not isolation.wanted(MicroBatch("torch:native", [(1, 2)]))
     with settings.override(isolate="all"):
         assert isolation.wanted(get_algorithm("torch:native"))
         assert not isolation.wanted(Unpicklable())  # cannot be sent: measured here

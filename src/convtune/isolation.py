@@ -77,7 +77,7 @@ def wanted(algorithm: Algorithm, timer: Any = None) -> bool:
     mode = settings.isolate
     if mode == "off":
         return False
-    if mode == "plugins" and type(algorithm).__module__.split(".")[0] == "convtune":
+    if mode == "plugins" and algorithm.origin.split(".")[0] == "convtune":
         return False
     if not _sendable(algorithm) or (timer is not None and not _sendable(timer)):
         log.debug("%s (or its timer) cannot be sent to a worker; measured in the process", algorithm.name)

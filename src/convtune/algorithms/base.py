@@ -192,6 +192,12 @@ class Algorithm(abc.ABC):
         """Bit-identical results from run to run for ``problem`` (the class default unless overridden)."""
         return self.deterministic
 
+    @property
+    def origin(self) -> str:
+        """The module whose code computes this algorithm's results: where isolation (``settings.isolate``)
+        decides whether convtune vouches for it. A wrapper answers for what it wraps."""
+        return type(self).__module__
+
     @abc.abstractmethod
     def _run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
              ws: dict[str, torch.Tensor]) -> None:

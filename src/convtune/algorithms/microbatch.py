@@ -130,6 +130,16 @@ class MicroBatch(Algorithm):
         if self._inner is not None:
             self.devices, self.directions = self._inner.devices, self._inner.directions
 
+    @property
+    def origin(self) -> str:
+        # The sub-batches run the inner algorithm's code: a plug-in's, where it is one.
+        if self._inner is not None:
+            return self._inner.origin
+        try:
+            return get_algorithm(self.inner_name).origin
+        except KeyError:  # a backend's plan (it needs its problem) or nothing registered: convtune's backends
+            return type(self).__module__
+
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # The sub-batches do the inner algorithm's work on the whole batch, one after another.
         return declared_cost(self.inner_name)(problem, workspace_bytes)
