@@ -182,3 +182,16 @@ def test_no_worker_can_start_so_the_candidate_is_measured_here(workers, monkeypa
     with settings.override(isolate="all"):
         results = by_name(ct.find(P, candidates=[adversaries.Correct()]))
     assert results["plugin:correct"].ok
+
+
+def test_a_worker_that_died_while_idle_is_not_the_next_candidates_fault(workers):
+    import signal
+    import time
+
+    with settings.override(isolate="all"):
+        ct.find(P, candidates=[adversaries.Correct()])
+        process = isolation._worker._process
+        os.kill(process.pid, signal.SIGKILL)  # killed between candidates (out of memory, say)
+        process.wait(timeout=10)
+        time.sleep(0.1)
+        assert by_name(ct.find(P, candidates=[adversaries.Correct()]))["plugin:correct"].ok

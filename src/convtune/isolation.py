@@ -155,7 +155,7 @@ class Worker:
             raise NotSendable(str(exc)) from exc
         limit_s = hard_limit_s(deadline_s, timer_budget_s)
         try:
-            self._send_bytes(payload)
+            self._send_to_live_worker(payload)
             ready = self._reply(task_id, START_LIMIT_S)  # the worker has the inputs and the reference
             if ready is None:
                 return self._killed(algorithm, props, f"its worker made no reference within {START_LIMIT_S:.0f} s")
@@ -198,6 +198,19 @@ class Worker:
             reply_id, kind, body = pickle.loads(self._recv.recv_bytes())
             if reply_id == task_id:
                 return kind, body
+
+    def _send_to_live_worker(self, payload: bytes) -> None:
+        """Send a task; a worker that died while idle (killed, say) is not this task's fault: start another."""
+        try:
+            self._send_bytes(payload)
+        except (OSError, EOFError):
+            self.close()
+            try:
+                self._started()
+            except (OSError, RuntimeError, EOFError) as exc:
+                self.close()
+                raise NotSendable(f"no worker process could start ({type(exc).__name__}: {exc})") from exc
+            self._send_bytes(payload)
 
     def _send_bytes(self, payload: bytes) -> None:
         assert self._send is not None
