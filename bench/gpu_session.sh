@@ -31,7 +31,7 @@ for step in "$@"; do
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name e2e 2>&1 | tail -30 ;;
     ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}
           python3 bench/ab.py ${args//+/ } --out "$OUT" --name ab 2>&1 | quiet | tail -30 ;;
-    triton) { header tests/test_triton_depthwise.py; python3 -m pytest -q -p no:cacheprovider tests/test_triton_depthwise.py 2>&1 | quiet; } | tee "$OUT/triton_tests.txt" | tail -8 ;;
+    triton) { header "tests/test_triton_*.py"; python3 -m pytest -q -p no:cacheprovider tests/test_triton_depthwise.py tests/test_triton_grouped.py 2>&1 | quiet; } | tee "$OUT/triton_tests.txt" | tail -8 ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac

@@ -85,3 +85,17 @@ class RightOnlyUnderSeed7(Correct):
         super()._run(problem, a, b, out, ws)
         if settings.verify_seed != 7:
             out.mul_(2)
+
+
+class PoisonsTheContext(Correct):
+    """Triggers a device-side assert (an index out of range in a CUDA kernel): every later CUDA call of its
+    process fails too."""
+
+    name = "plugin:poisons_the_context"
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        import torch
+
+        index = torch.tensor([1 << 20], device=out.device)
+        out.view(-1)[index] = 1.0  # out of range: the kernel asserts
+        torch.cuda.synchronize()
