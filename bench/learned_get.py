@@ -16,7 +16,6 @@ geometric mean, the worst case and how often the pick is the best (top-1).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -36,11 +35,9 @@ RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
 def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: dict[str, str | None]) -> dict:
     """The measured time over the best of what each ranking puts first (None where it picks nothing measured)."""
     best = min(s.measured_ms for s in rows)
-    corrections = model.log2_factor([learned.features(s.problem, s.name, s.analytic_ms) for s in rows])
     by_name = {s.name: s.measured_ms for s in rows}
-    learned_pick = min(zip(rows, corrections), key=lambda rc: math.log2(rc[0].analytic_ms) + rc[1])[0]
-    chosen = {"learned": learned_pick.name, "analytic": min(rows, key=lambda s: s.analytic_ms).name,
-              "torch_bm0": "torch:native", "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")}
+    chosen = {ranking: pick.name for ranking, pick in learned.first_picks(model, rows).items()}
+    chosen.update({"torch_bm0": "torch:native", "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")})
     return {ranking: (by_name[name] / best if name in by_name else None) for ranking, name in chosen.items()}
 
 
@@ -53,13 +50,6 @@ def heuristic_names(problem: ct.ConvProblem) -> dict[str, str | None]:
     except ImportError:
         return {}
     return {mode: BACKEND.heuristic_choice(problem, mode) for mode in ("A", "B")}
-
-
-def summarize(ratios: list[float]) -> dict:
-    if not ratios:
-        return {}
-    return {"geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "worst": max(ratios),
-            "top1": sum(r <= 1.0 + 1e-9 for r in ratios) / len(ratios), "problems": len(ratios)}
 
 
 def judge(samples: list[learned.Sample], held: set, here: str, epochs: int) -> list[dict]:
@@ -80,7 +70,7 @@ def judge(samples: list[learned.Sample], held: set, here: str, epochs: int) -> l
 def table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
     summary, lines = {}, []
     for key, rows in sorted(groups.items()):
-        summary["/".join(key)] = {r: summarize([row[r] for row in rows if row.get(r)]) for r in RANKINGS}
+        summary["/".join(key)] = {r: learned.summarize([row[r] for row in rows if row.get(r)]) for r in RANKINGS}
         cells = []
         for ranking in RANKINGS:
             s = summary["/".join(key)][ranking]

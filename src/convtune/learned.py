@@ -304,15 +304,26 @@ def holdout_report(samples: Sequence[Sample], fingerprint: str, *, fraction: flo
         if len(rows) < 2:
             continue
         best = min(s.measured_ms for s in rows)
-        corrections = model.log2_factor([features(problem, s.name, s.analytic_ms) for s in rows])
-        learned_pick = min(zip(rows, corrections), key=lambda rc: math.log2(rc[0].analytic_ms) + rc[1])[0]
-        analytic_pick = min(rows, key=lambda s: s.analytic_ms)
-        scores["learned"].append(learned_pick.measured_ms / best)
-        scores["analytic"].append(analytic_pick.measured_ms / best)
+        for ranking, pick in first_picks(model, rows).items():
+            scores[ranking].append(pick.measured_ms / best)
     report: dict[str, float] = {"train_samples": float(model.samples), "held_out_problems": float(len(held))}
     for name, ratios in scores.items():
-        if ratios:
-            report[f"{name}_geomean"] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-            report[f"{name}_worst"] = max(ratios)
-            report[f"{name}_top1"] = sum(r == 1.0 for r in ratios) / len(ratios)
+        report.update({f"{name}_{key}": value for key, value in summarize(ratios).items() if key != "problems"})
     return report
+
+
+def first_picks(model: LearnedModel, rows: Sequence[Sample]) -> dict[str, Sample]:
+    """The measurement of one problem's candidate that each ranking puts first: 'learned' (the analytic
+    price corrected by ``model``) and 'analytic'."""
+    corrections = model.log2_factor([features(s.problem, s.name, s.analytic_ms) for s in rows])
+    learned_pick = min(zip(rows, corrections), key=lambda rc: math.log2(rc[0].analytic_ms) + rc[1])[0]
+    return {"learned": learned_pick, "analytic": min(rows, key=lambda s: s.analytic_ms)}
+
+
+def summarize(ratios: Sequence[float]) -> dict[str, float]:
+    """Picked time over best time across problems: geometric mean, worst, share of best picks, count
+    (empty without ratios)."""
+    if not ratios:
+        return {}
+    return {"geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)), "worst": max(ratios),
+            "top1": sum(r <= 1.0 + 1e-9 for r in ratios) / len(ratios), "problems": float(len(ratios))}
