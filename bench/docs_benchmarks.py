@@ -71,6 +71,25 @@ def host_cost() -> str:
                                zip(rows, ("forward", "forward+backward") * (len(rows) // 2))]))
 
 
+def warm_start() -> str:
+    rows = []
+    for path in sorted(common.RESULTS.glob("warm_start*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        a, stages = data["args"], data["stages"]
+        warm, torch_row = stages.get("warm", {}), stages.get("torch", {})
+        if warm.get("status") != "ok":
+            continue
+        rows.append([f"{a['network']} b{a['batch']} {a['dtype']}", f"{stages['cold']['optimize_s']:.2f}",
+                     f"{warm['optimize_s']:.2f}", f"{warm['first_step_s']:.2f}",
+                     f"{torch_row['first_step_s']:.2f}" if torch_row.get("status") == "ok" else "-",
+                     f"[{path.stem}.md]({LINK}{path.stem}.md) {_env(data['environment'])}"])
+    return ("## Warm start (`bench/warm_start.py`)\n\n`optimize(training=True)` under autocast, channels_last, "
+            "seconds: on an empty database, then in a fresh process on the full one; the first training step "
+            "after the warm one, and PyTorch's first training step (`cudnn.benchmark=False`) in a fresh process.\n\n"
+            + common.md_table(["network", "cold optimize", "warm optimize", "first step after it",
+                               "PyTorch's first step", "file"], rows))
+
+
 def layers() -> str:
     files = sorted(common.RESULTS.glob("layers*.json"), key=lambda p: (p.name != "layers.json", p.name))
     latest = {}
@@ -103,7 +122,7 @@ def budgets() -> str:
 def render() -> str:
     return ("# Benchmarks\n\nWritten by `bench/docs_benchmarks.py` from the result files in `bench/results/`; "
             "what the figures mean and what is still open: [`performance.md`](performance.md).\n\n"
-            + "\n\n".join(part() for part in (end_to_end, host_cost, layers, budgets)) + "\n")
+            + "\n\n".join(part() for part in (end_to_end, host_cost, warm_start, layers, budgets)) + "\n")
 
 
 def main() -> None:

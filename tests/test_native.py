@@ -297,6 +297,31 @@ def test_import_convtune_builds_nothing_imports_no_dynamo_and_offers_nn():
     assert out.returncode == 0, out.stderr
 
 
+def test_a_finished_build_loads_without_the_build_tools(native):
+    # torch.utils.cpp_extension imports setuptools: a warm start that only loads the library must not pay it.
+    code = ("import sys, torch; from convtune import extension; assert extension.load() is not None; "
+            "assert 'torch.utils.cpp_extension' not in sys.modules, 'the build tools were imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_cuda_toolkit_is_found_as_torch_finds_it(monkeypatch, tmp_path):
+    from convtune import extension
+
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    bin_dir = tmp_path / "toolkit" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "nvcc").write_text("#!/bin/sh\n")
+    (bin_dir / "nvcc").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert extension._cuda_home() == str(tmp_path / "toolkit")  # the folder above nvcc on PATH
+    monkeypatch.setenv("CUDA_PATH", "/opt/a")
+    assert extension._cuda_home() == "/opt/a"
+    monkeypatch.setenv("CUDA_HOME", "/opt/b")  # CUDA_HOME first, as torch.utils.cpp_extension has it
+    assert extension._cuda_home() == "/opt/b"
+
+
 def test_optimize_and_running_a_tuned_model_import_no_dynamo():
     # Dynamo costs about a second to import: a warm optimize must not pay it (torch.compile does, later).
     code = ("import sys, torch, convtune as ct; m = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()); "
@@ -527,8 +552,6 @@ def test_changing_a_tuned_layer_drops_its_choices_and_it_computes_what_it_now_is
 def test_a_cuda_build_of_torch_without_a_device_or_toolkit_builds_for_the_cpu(monkeypatch, tmp_path, missing):
     # A CUDA wheel of PyTorch on a CPU-only machine: compiling against CUDA would fail (no device to
     # pick an architecture for, no cuda_runtime_api.h), so the extension is built for the CPU alone.
-    from torch.utils import cpp_extension
-
     from convtune import extension
 
     home = tmp_path / "cuda"
@@ -539,7 +562,7 @@ def test_a_cuda_build_of_torch_without_a_device_or_toolkit_builds_for_the_cpu(mo
     (home / "lib" / "libcudnn.so.9").write_text("")
     monkeypatch.setenv("CONVTUNE_CUDNN_HOME", str(home))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(home))
+    monkeypatch.setenv("CUDA_HOME", str(home))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert extension.cudnn_dirs() == (home / "include", home / "lib")  # everything there: the CUDA build
     if missing == "device":

@@ -282,6 +282,79 @@ def test_optimize_for_training_then_a_backward_pass(db):
     model.load_state_dict(twin.state_dict())  # and back: the keys are torch's
 
 
+def _counting_torch_convs(monkeypatch) -> list[torch.nn.Module]:
+    """The conv layers whose torch convolution runs, one entry per call."""
+    calls: list[torch.nn.Module] = []
+    for cls in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+        real = cls._conv_forward
+        monkeypatch.setattr(cls, "_conv_forward", lambda self, *a, _real=real: calls.append(self) or _real(self, *a))
+    return calls
+
+
+def test_a_warm_optimize_computes_no_convolution_in_its_example_run(db, monkeypatch):
+    calls = _counting_torch_convs(monkeypatch)
+    torch.manual_seed(0)
+    cold, x = SmallCNN(), torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    convtune.optimize(cold, x, training=True, db=db)
+    assert len(calls) == 5  # cold: the dry run met layers the database did not answer, so the real run ran
+    calls.clear()
+    warm = SmallCNN()
+    twin = torch_twin(warm)
+    convtune.optimize(warm, x, training=True, db=db)
+    assert calls == []  # warm: the dry run met only answered layers, and it computes nothing
+    assert [(r["module"], r["direction"], r["algorithm"]) for r in convtune.explain(warm)] == \
+        [(r["module"], r["direction"], r["algorithm"]) for r in convtune.explain(cold)]
+    assert_same_training_step(warm, twin, x)
+
+
+def test_the_dry_example_run_sees_what_the_real_one_sees():
+    from convtune.pytorch.optimize import _observe_run
+
+    torch.manual_seed(0)
+    model = SmallCNN()
+    for x in (torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last),
+              torch.randn(3, 8, 8)[None].expand(2, 3, 8, 8)):
+        for training in (False, True):
+            for autocast in (False, True):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    dry = _observe_run(model, x, training, dry=True)
+                    real = _observe_run(model, x, training, dry=False)
+                assert {k: calls for k, (_, calls) in dry.items()} == {k: calls for k, (_, calls) in real.items()}
+    assert {sig.layout for _, calls in real.values() for sig in calls} == {"channels_first"}
+    unbatched = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3), torch.nn.Conv1d(3, 2, 1))
+    x = torch.randn(2, 9)
+    assert {k: c for k, (_, c) in _observe_run(unbatched, x, True, dry=True).items()} == \
+        {k: c for k, (_, c) in _observe_run(unbatched, x, True, dry=False).items()}
+
+
+class ValueDependent(torch.nn.Module):
+    """Code that zeros break: the dry example run fails and the real one runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        if not bool(y.abs().sum() > 0):
+            raise ValueError("an all-zero activation")
+        return y
+
+
+def test_a_model_that_fails_on_the_dry_run_is_observed_for_real(db, monkeypatch):
+    calls = _counting_torch_convs(monkeypatch)
+    x = torch.randn(2, 3, 6, 6)
+    convtune.optimize(ValueDependent(), x, db=db)
+    calls.clear()
+    model = ValueDependent()
+    twin = torch_twin(model)
+    convtune.optimize(model, x, db=db)  # warm: the dry run raises, the real one runs
+    assert calls == [model.conv]
+    assert isinstance(model.conv, convtune.nn.Conv2d) and convtune.explain(model)[0]["algorithm"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), twin(x), **TIGHT)
+
+
 def test_optimize_for_inference_tunes_the_forward_only_and_matches_torch():
     torch.manual_seed(0)
     model = SmallCNN().eval()

@@ -111,6 +111,9 @@ class TuningDB:
         self._forked: list[sqlite3.Connection] = []  # inherited connections: never used, never closed
         self._identity: tuple[int, int] | None = None
         self._warned: set[str] = set()
+        # Each row decoded once: a row is immutable (its checksum binds all it says), and a warm start reads
+        # a problem's rows more than once (selecting, then judging the host-cost rule).
+        self._decoded: dict[tuple[str, ...], PerfResult | None] = {}
         if self.path.exists() and not self.path.is_file():
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
@@ -156,7 +159,8 @@ class TuningDB:
             self._warn_once(f"stale:{problem.key}",
                             "ignoring %d stored result(s) of %s measured on another machine or software "
                             "(see `convtune cache ls`); tune again to refresh them", len(rows) - len(mine), problem.key)
-        decoded = (self._decode(text, problem.key, (fp, sw, name, checksum)) for fp, sw, name, text, checksum in mine)
+        key = problem.key
+        decoded = (self._decode(text, key, (fp, sw, name, checksum)) for fp, sw, name, text, checksum in mine)
         return [r for r in decoded if r is not None]
 
     def lookup(self, problem: ConvProblem, policy: Policy | None = None) -> PerfResult | None:
@@ -329,6 +333,12 @@ class TuningDB:
         row: (fingerprint, software, algorithm, checksum) of the row, which the checksum binds together
         with the problem key and the text: a bit flipped anywhere in them is a damaged row, never served.
         """
+        memo = (key, *row, text)
+        if memo not in self._decoded:
+            self._decoded[memo] = self._decode_row(text, key, row)
+        return self._decoded[memo]
+
+    def _decode_row(self, text: str, key: str, row: tuple[str, str, str, str]) -> PerfResult | None:
         fp, sw, name, checksum = row
         if checksum != _checksum(fp, sw, key, name, text):
             self._warn_once(f"checksum:{key}:{name}:{checksum}", "ignoring a stored result of %s by %s whose "

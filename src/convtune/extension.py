@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -55,12 +56,12 @@ def cudnn_dirs() -> tuple[Path, Path] | None:
     for the CPU only. None without a CUDA build, without a CUDA device (a CUDA build of PyTorch on a
     CPU-only machine), without the CUDA toolkit's headers, or without cuDNN's."""
     import torch
-    from torch.utils.cpp_extension import CUDA_HOME
 
-    if torch.version.cuda is None or not torch.cuda.is_available() or CUDA_HOME is None:
+    cuda_home = _cuda_home() if torch.version.cuda is not None and torch.cuda.is_available() else None
+    if cuda_home is None:
         return None
     if not any((include / "cuda_runtime_api.h").exists()
-               for include in (Path(CUDA_HOME) / "include", *Path(CUDA_HOME).glob("targets/*/include"))):
+               for include in (Path(cuda_home) / "include", *Path(cuda_home).glob("targets/*/include"))):
         return None
     roots = []
     home = os.environ.get("CONVTUNE_CUDNN_HOME")
@@ -77,6 +78,19 @@ def cudnn_dirs() -> tuple[Path, Path] | None:
                 if any(lib.glob("libcudnn.so*")):
                     return include, lib
     return None
+
+
+def _cuda_home() -> str | None:
+    """The CUDA toolkit's folder, searched as ``torch.utils.cpp_extension.CUDA_HOME`` is (CUDA_HOME, CUDA_PATH,
+    the folder above ``nvcc`` on PATH, /usr/local/cuda) without importing that module, which imports
+    setuptools: a tenth of a second of every warm start, where a finished build needs no compiler."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        return home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(nvcc))
+    return "/usr/local/cuda" if os.path.exists("/usr/local/cuda") else None
 
 
 def _flags(cudnn: tuple[Path, Path] | None) -> tuple[list[str], list[str], list[str]]:

@@ -29,7 +29,7 @@ from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .progress import tuning_bar
 from .results import PerfResult
-from .select import MODES, select
+from .select import MODES, select, stored
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -77,6 +77,16 @@ class Tuning:
         """The choice for ``problem`` (asked once per Tuning). Raises ``NoAlgorithmError``."""
         if problem.key not in self._memo:
             self._memo[problem.key] = select(problem, self.policy, self.mode, self.db)
+        return self._memo[problem.key]
+
+    def stored(self, problem: ConvProblem) -> PerfResult | None:
+        """The database's answer for ``problem`` (what 'hybrid' selects without measuring), or None; an
+        answer is remembered as the choice, so selecting it later reads nothing again."""
+        if problem.key not in self._memo:
+            hit = stored(problem, self.policy, self.db) if self.mode in ("hybrid", "db_then_get") else None
+            if hit is None:
+                return None
+            self._memo[problem.key] = hit
         return self._memo[problem.key]
 
     def __deepcopy__(self, memo: dict) -> Tuning:

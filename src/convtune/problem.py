@@ -12,6 +12,7 @@ A problem is its own cache key: ``ConvProblem.from_key(p.key) == p``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -228,7 +229,7 @@ class ConvProblem:
         return all(r == 1 for r in self.kernel_size)
 
     # -- identity ------------------------------------------------------------------------
-    @property
+    @functools.cached_property  # a frozen problem's key never changes; databases ask for it on every row
     def key(self) -> str:
         """A stable string that identifies the problem; ``from_key`` inverts it."""
         def dims(t: tuple[int, ...]) -> str:

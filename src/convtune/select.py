@@ -51,12 +51,19 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
             from .db import default_db
 
             db = default_db()
-        hit = db.lookup(problem, policy) if db is not None else None
-        if hit is not None and usable(hit, policy):
+        hit = stored(problem, policy, db)
+        if hit is not None:
             return hit
     if mode in ("get", "db_then_get"):
         return _from_model(problem, policy, db)
     return _from_measurements(problem, policy, db)
+
+
+def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
+    """What the modes that read ``db`` select for ``problem`` from it alone: its best stored result that
+    ``policy`` can use, or None (then they measure or predict)."""
+    hit = db.lookup(problem, policy) if db is not None else None
+    return hit if hit is not None and usable(hit, policy) else None
 
 
 def _from_model(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:

@@ -5,6 +5,13 @@ input each layer sees; every (layer, input) is tuned, and the layers become ``co
 modules in place, keeping their Parameters. The example run leaves no trace: buffers (batch-norm
 statistics) and the random number generators are restored afterwards.
 
+The example run goes first dry: each conv layer returns zeros of its result's shape, dtype and layout
+without computing anything, so none of PyTorch's first-call costs are paid (cuDNN's heuristics, and
+its compiling kernels at run time for depthwise layers: seconds on MobileNetV2). Where the database
+already answers every (layer, input) that run met, it is all a warm start needs; otherwise (a cold
+database, or a model whose code fails on zeros) the model runs again with its real convolutions, and
+what that run meets is tuned.
+
     >>> import torch, convtune
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
     >>> x = torch.randn(1, 3, 8, 8)
@@ -30,6 +37,7 @@ from convtune.errors import NoAlgorithmError
 from convtune.network import LayerRow, Tuning, plan_layers, planned_rows, select_layers
 from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
+from convtune.problem import empty_in_layout
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
 from convtune.pytorch.tuning import LayerSelection, Signature, describe, directions_needed, layout_of, select_for_layer
 from convtune.results import PerfResult
@@ -52,16 +60,20 @@ def _observed_call(module: _ConvNd, x: torch.Tensor, training: bool) -> tuple[Si
             grad and x.requires_grad, grad and module.weight.requires_grad)
 
 
+def _check_inputs(example_inputs: Any) -> None:
+    if not isinstance(example_inputs, (torch.Tensor, dict, tuple, list)):
+        raise TypeError(f"example_inputs must be a tensor, a tuple of the model's arguments or a dict of its "
+                        f"keyword arguments, got {type(example_inputs).__name__}")
+
+
 def _call(model: torch.nn.Module, example_inputs: Any) -> None:
-    if isinstance(example_inputs, torch.Tensor):
-        model(example_inputs)
-    elif isinstance(example_inputs, dict):
+    _check_inputs(example_inputs)
+    if isinstance(example_inputs, dict):
         model(**example_inputs)
     elif isinstance(example_inputs, (tuple, list)):
         model(*example_inputs)
     else:
-        raise TypeError(f"example_inputs must be a tensor, a tuple of the model's arguments or a dict of its "
-                        f"keyword arguments, got {type(example_inputs).__name__}")
+        model(example_inputs)
 
 
 @contextlib.contextmanager
@@ -80,8 +92,64 @@ def _leave_no_trace(model: torch.nn.Module, example_inputs: Any) -> Iterator[Non
                 b.copy_(saved)
 
 
-def _observe(model: torch.nn.Module, example_inputs: Any, training: bool) -> dict[str, tuple[torch.nn.Module, dict]]:
-    """Run the model once; for each conv layer called: (module, {signature: (need_dx, need_dw)})."""
+def _dry_forward(module: _ConvNd, base: Any, training: bool, input: torch.Tensor) -> torch.Tensor:
+    """What a conv layer returns in the dry run: zeros of its output's shape, dtype and layout (PyTorch lays
+    a 2-D or 3-D convolution's result out channels_last where the input or the weight is), requiring grad
+    where the real result would. ``base``: the layer's own forward, for a layer convtune cannot describe."""
+    batched = input.dim() == len(module.kernel_size) + 2
+    x = input if batched else input.unsqueeze(0)
+    sig, _, _ = _observed_call(module, x, training)
+    try:
+        problem = describe(module, sig)
+    except (TypeError, ValueError):  # stays on torch's path: its result as torch computes it
+        return base(input)
+    channels_last = problem.ndim > 1 and "channels_last" in (sig.layout, layout_of(module.weight))
+    y = empty_in_layout(problem.y_shape, "channels_last" if channels_last else "channels_first", sig.dtype,
+                        x.device).zero_()
+    if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
+        y.requires_grad_()
+    return y if batched else y.squeeze(0)
+
+
+def _observe(model: torch.nn.Module, example_inputs: Any, training: bool,
+             tuning: Tuning) -> dict[str, tuple[torch.nn.Module, dict]]:
+    """Run the model once; for each conv layer called: (module, {signature: (need_dx, need_dw)}).
+
+    On the meta device first; where the database does not answer everything that run found (or the model
+    does not run there), on the model's own device (see the module's docstring)."""
+    _check_inputs(example_inputs)
+    try:
+        seen = _observe_run(model, example_inputs, training, dry=True)
+    except Exception as exc:  # noqa: BLE001  # whatever the model's code makes of zeros
+        log.debug("optimize: the dry example run failed (%s: %s); running it for real", type(exc).__name__, exc)
+    else:
+        if _answered(seen, tuning):
+            return seen
+    return _observe_run(model, example_inputs, training, dry=False)
+
+
+def _answered(seen: dict[str, tuple[torch.nn.Module, dict]], tuning: Tuning) -> bool:
+    """Whether selecting what ``seen`` holds measures nothing: the mode never measures, or the database
+    answers every direction of every (layer, input) under the tuning's policy, as ``select`` asks it."""
+    if not tuning.measures:
+        return True
+    if tuning.mode != "hybrid":
+        return False
+    for module, calls in seen.values():
+        for sig, (need_dx, need_dw) in calls.items():
+            try:
+                problem = describe(module, sig)
+            except (TypeError, ValueError):
+                continue  # stays on torch's path: nothing to select
+            if any(tuning.stored(problem.with_direction(d)) is None for d in directions_needed(need_dx, need_dw)):
+                return False
+    return True
+
+
+def _observe_run(model: torch.nn.Module, example_inputs: Any, training: bool,
+                 dry: bool) -> dict[str, tuple[torch.nn.Module, dict]]:
+    """The example run, with the hook recording each conv layer's calls (``dry``: the layers computing
+    nothing, ``_dry_forward``)."""
     names: dict[_ConvNd, str] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, _CONV_TYPES):
@@ -96,22 +164,27 @@ def _observe(model: torch.nn.Module, example_inputs: Any, training: bool) -> dic
         dx, dw = calls.get(sig, (False, False))
         calls[sig] = (dx or need_dx, dw or need_dw)
 
-    handles, torch_forward = [], {}
+    handles, shadowed = [], []
     try:
         for module in names:
             handles.append(module.register_forward_pre_hook(hook))
+            forward = module.forward
             if isinstance(module, TunedConv):
                 # Already converted (optimize called again): observe on torch's path, tune nothing yet.
                 base = next(c for c in type(module).__mro__ if c in TUNED)
+                forward = functools.partial(base.forward, module)
+            if dry:
+                forward = functools.partial(_dry_forward, module, forward, training)
+            if forward is not module.forward:
                 # An instance attribute that shadows the class's forward until the run ends, on purpose:
-                module.forward = torch_forward[module] = functools.partial(  # type: ignore[method-assign]
-                    base.forward, module)
+                module.forward = forward  # type: ignore[method-assign]
+                shadowed.append(module)
         with _leave_no_trace(model, example_inputs), torch.set_grad_enabled(training):
             _call(model, example_inputs)
     finally:
         for handle in handles:
             handle.remove()
-        for module in torch_forward:
+        for module in shadowed:
             del module.forward
     return seen
 
@@ -154,7 +227,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "optimize(workspace_budget=...)")
     tuning = Tuning(_within(policy, budget), mode, db)  # validates policy and mode before anything runs
-    seen = _observe(model, example_inputs, bool(training))
+    seen = _observe(model, example_inputs, bool(training), tuning)
     for name, module in model.named_modules():
         if isinstance(module, _CONV_TYPES) and not isinstance(module, TunedConv) and type(module) not in TUNED:
             log.warning("%s is a %s, a subclass of a torch conv module whose forward may differ: left on "
