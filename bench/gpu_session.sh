@@ -3,7 +3,8 @@
 # command line: native (the native runtime's GPU tests), gpu (every GPU test), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json; several
 # e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
-# on the GPU), depthwise:<depthwise.py arguments joined by +>, probe (the host's CPUs and topology).
+# on the GPU), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
+# written as warm_start_<network>_b<batch>), probe (the host's CPUs and topology).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
 # on the device may carry an older .git, and the result files name the revision they measured.
@@ -22,16 +23,22 @@ python3 -m convtune.cli native --json 2>&1 | tee "$OUT/native.json"
 header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c 'import platform, torch; g = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"; print(g + ", torch", torch.__version__ + ", cuDNN", str(torch.backends.cudnn.version()) + ", CUDA", str(torch.version.cuda) + ", Python", platform.python_version())'); revision ${BENCH_REVISION:-unknown} (bench/gpu_session.sh)"; }
 # Exit-time lines of the cuDNN frontend's bindings (objects it reports as leaked), not test output.
 quiet() { grep -v -E 'nanobind|^ - (leaked|\.\.\. skipped)|refleaks'; }
+# pytest into its log file directly (a run cut short by a time limit keeps what it wrote), then its last lines.
+tests() { local log=$1; shift; header "$*" > "$log"; python3 -m pytest -q -p no:cacheprovider "$@" >> "$log" 2>&1
+          quiet < "$log" | tail -25; }
 for step in "$@"; do
   case "$step" in
-    native) { header tests/gpu/test_gpu_native.py; python3 -m pytest -q -rP -p no:cacheprovider tests/gpu/test_gpu_native.py 2>&1 | quiet; } | tee "$OUT/gpu_tests_native.txt" | tail -25 ;;
-    gpu) { header tests/gpu; python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | quiet; } | tee "$OUT/gpu_tests.txt" | tail -25 ;;
+    native) tests "$OUT/gpu_tests_native.txt" -rP tests/gpu/test_gpu_native.py ;;
+    gpu) tests "$OUT/gpu_tests.txt" tests/gpu ;;
     host) python3 bench/tuning_cost.py --layers 1 --out "$OUT" --name tuning_cost_native 2>&1 | tail -40 ;;
     e2e:*) [ -e "$OUT/e2e.json" ] || cp bench/results/e2e.json "$OUT/" 2>/dev/null; args=${step#e2e:}
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name e2e 2>&1 | tail -30 ;;
     ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}
           python3 bench/ab.py ${args//+/ } --out "$OUT" --name ab 2>&1 | quiet | tail -30 ;;
-    triton) { header "tests/test_triton_*.py"; python3 -m pytest -q -p no:cacheprovider tests/test_triton_depthwise.py tests/test_triton_grouped.py 2>&1 | quiet; } | tee "$OUT/triton_tests.txt" | tail -8 ;;
+    triton) tests "$OUT/triton_tests.txt" tests/test_triton_depthwise.py tests/test_triton_grouped.py ;;
+    warm:*) IFS=: read -r _ network batch dtype <<< "$step"
+            python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" \
+              --name "warm_start_${network}_b${batch}" 2>&1 | sed -n '8,14p' ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac

@@ -12,7 +12,8 @@ from convtune.find import is_out_of_memory, summary
 from convtune.ranking import rank
 from convtune.settings import settings
 from convtune.verify import check, reference_case, tolerance
-from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, InputWriter, Memoising, NaNResult, NoWrite,
+from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, HiddenAllocation, InputWriter, Memoising, NaNResult,
+                   NoWrite, OneWrongElement,
                    OutOfMemory, PoisonSniffer, Raising, UnknownDeterminism, WrongResult)
 
 P = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
@@ -442,6 +443,35 @@ def test_a_candidate_that_is_right_only_when_checked_is_never_selected(cheat, te
     results = by_name(find(P, timer=FakeTimer(), candidates=[bad, good]))
     assert results[bad.name].status is Status.WRONG_RESULT and text in results[bad.name].message
     assert find(P, timer=FakeTimer(), candidates=[cheat(), good])[0].algorithm == "fake:good"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_one_wrong_element_fails_in_every_dtype(dtype):
+    # 524,288 outputs: one zeroed element of typical size moves the relative L2 error by 1.4e-3
+    problem = ConvProblem("fwd", n=8, c=8, k=64, input_size=(32, 32), kernel_size=3, padding=1, dtype=dtype)
+    inputs, ref = reference_case(problem)
+    out = problem.empty(problem.operand_shapes[2])
+    err, ok, message = check(OneWrongElement(), problem, inputs, ref, out, None)
+    if dtype != "float32":  # the norm alone misses it; the element bound does not
+        assert err < tolerance(problem, OneWrongElement().notes(problem))
+        assert not ok and "elements are wrong" in message
+    assert not ok
+    results = by_name(find(problem, timer=FakeTimer(), candidates=[OneWrongElement(time_ms=0.1), Fake("fake:good", time_ms=100.0)]))
+    assert results["fake:one_wrong"].status is Status.WRONG_RESULT
+    _, ok, _ = check(get_algorithm("torch:native"), problem, inputs, ref, out, None)
+    assert ok  # and the element bound passes PyTorch's own convolution
+
+
+def test_a_candidate_that_allocates_beyond_its_declared_workspace_fails_and_is_never_selected():
+    hidden, good = HiddenAllocation(time_ms=0.1), Fake("fake:good", time_ms=5.0, workspace_bytes=4096)
+    results = by_name(find(P, timer=FakeTimer(), candidates=[hidden, good]))
+    r = results["fake:hidden"]
+    assert r.status is Status.FAILED and "allocated 64.0 MiB" in r.message and "declared workspace of 0 B" in r.message
+    assert find(P, Policy(workspace_limit=0), timer=FakeTimer(), candidates=[HiddenAllocation(time_ms=0.1), good,
+                                                                              Fake("fake:lean", time_ms=9.0)]
+                )[0].algorithm == "fake:lean"
+    small = HiddenAllocation("fake:small_hidden", hidden_bytes=64 << 10, time_ms=0.1)  # within the slack
+    assert by_name(find(P, timer=FakeTimer(), candidates=[small]))["fake:small_hidden"].ok
 
 
 def test_a_find_where_everything_failed_keeps_the_good_results_stored_before(tmp_path):

@@ -321,6 +321,10 @@ def test_the_dry_example_run_sees_what_the_real_one_sees():
                     real = _observe_run(model, x, training, dry=False)
                 assert {k: calls for k, (_, calls) in dry.items()} == {k: calls for k, (_, calls) in real.items()}
     assert {sig.layout for _, calls in real.values() for sig in calls} == {"channels_first"}
+    inplace = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(inplace=True), torch.nn.Conv2d(4, 2, 1))
+    x = torch.randn(2, 3, 8, 8)
+    assert {k: c for k, (_, c) in _observe_run(inplace, x, True, dry=True).items()} == \
+        {k: c for k, (_, c) in _observe_run(inplace, x, True, dry=False).items()}
     unbatched = torch.nn.Sequential(torch.nn.Conv1d(2, 3, 3), torch.nn.Conv1d(3, 2, 1))
     x = torch.randn(2, 9)
     assert {k: c for k, (_, c) in _observe_run(unbatched, x, True, dry=True).items()} == \

@@ -14,6 +14,13 @@ from the same (already rounded) inputs, so only the algorithm's own arithmetic c
 - Algorithms whose numeric notes say reduced-precision accumulation get 4 times the above.
 
 NaN or Inf in a result never passes.
+
+A norm cannot see one wrong element among many, so every element is bounded too:
+|result_i - ref_i| <= ELEMENT_FACTOR · tolerance · (|ref_i| + rms(ref)). A correct algorithm's errors
+are spread over the output (rounding), so its worst element stays within a few times its RMS error,
+itself under the tolerance; a wrong or missing element is off by about |ref_i|, which breaks the
+bound unless the element is near zero (within ELEMENT_FACTOR · tolerance of the RMS: in float16 about
+2% of it).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from .settings import settings
 
 TOLERANCES = {"float32": 1e-4, "tf32": 5e-3, "float16": 2e-3, "bfloat16": 1.6e-2}
 REDUCED_PRECISION_FACTOR = 4.0
+ELEMENT_FACTOR = 10.0  # the worst element's bound, in units of the tolerance (see the module's docstring)
 
 
 # Bytes of float64 columns the lowered reference unfolds at once (a sub-batch at a time).
@@ -113,6 +121,40 @@ def rel_error(result: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def errors(result: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative L2 error, worst element error) of ``result`` against ``ref``, both ``inf`` when ``result``
+    holds NaN or Inf. The worst element error is max |result_i - ref_i| / (|ref_i| + rms(ref)). Two
+    float64 tensors of the result's size at a time, as ``rel_error`` takes.
+
+        >>> ref = torch.tensor([1.0, -2.0, 3.0, 4.0], dtype=torch.float64)
+        >>> rel, worst = errors(torch.tensor([1.0, -2.0, 3.0, 0.0]), ref)
+        >>> round(rel, 3), round(worst, 3)  # the last element lost: 73% of the norm, 59% of |4| + rms
+        (0.73, 0.594)
+    """
+    diff = result.detach().to(device=ref.device, dtype=torch.float64)
+    if not bool(torch.isfinite(diff).all()):
+        return math.inf, math.inf
+    norm = float(torch.linalg.vector_norm(ref))
+    diff.sub_(ref)
+    rel = float(torch.linalg.vector_norm(diff)) / norm if norm > 0 else float(torch.linalg.vector_norm(diff))
+    rms = norm / math.sqrt(max(1, ref.numel()))
+    scale = ref.abs().add_(rms) if rms > 0 else torch.ones_like(ref)
+    worst = float(diff.abs_().div_(scale).max()) if diff.numel() else 0.0
+    return rel, worst
+
+
+def judge(rel: float, worst: float, bound: float) -> tuple[bool, str]:
+    """Whether errors (``errors``) pass the relative bound ``bound`` and its element bound, and the message."""
+    if not math.isfinite(rel):
+        return False, "result holds NaN or Inf (or elements left unwritten)"
+    if rel > bound:
+        return False, f"relative error {rel:.2e} exceeds the tolerance {bound:.1e}"
+    if worst > ELEMENT_FACTOR * bound:
+        return False, (f"one or more elements are wrong: the worst is off by {worst:.2e} of |ref| + rms(ref), over "
+                       f"{ELEMENT_FACTOR:g} x the tolerance {bound:.1e} (relative error {rel:.2e} within it)")
+    return True, f"relative error {rel:.2e} within {bound:.1e}"
+
+
 def tolerance(problem: ConvProblem, notes: NumericNotes) -> float:
     """The largest relative L2 error a correct algorithm with ``notes`` may show on ``problem``."""
     key = "tf32" if problem.dtype == "float32" and notes.tf32 else problem.dtype
@@ -173,7 +215,8 @@ def check(algorithm: Algorithm, problem: ConvProblem, inputs: tuple[torch.Tensor
     inputs: the operands (a, b) of ``reference_case``; ref: their float64 result; workspace: as
     for ``Algorithm.run``. The bound is ``max_rel_error`` when given (a policy's), else
     ``tolerance(problem, algorithm.notes(problem))``. Returns (rel_error, ok, message); NaN or
-    Inf anywhere in the result never passes, nor does an element left unwritten. Exceptions of
+    Inf anywhere in the result never passes, nor does an element left unwritten, nor one wrong element
+    (the element bound of the module's docstring). Exceptions of
     the algorithm propagate (the tuner turns them into statuses).
 
         >>> from convtune.algorithms.registry import get_algorithm
@@ -186,10 +229,7 @@ def check(algorithm: Algorithm, problem: ConvProblem, inputs: tuple[torch.Tensor
     # Poisoned, so an element the algorithm forgets to write shows up as NaN.
     out.fill_(poison)
     algorithm.run(problem, *inputs, workspace=workspace, out=out)
-    err = rel_error(out, ref)
+    err, worst = errors(out, ref)
     bound = max_rel_error if max_rel_error is not None else tolerance(problem, algorithm.notes(problem))
-    if not math.isfinite(err):
-        return err, False, "result holds NaN or Inf (or elements left unwritten)"
-    if err > bound:
-        return err, False, f"relative error {err:.2e} exceeds the tolerance {bound:.1e}"
-    return err, True, f"relative error {err:.2e} within {bound:.1e}"
+    ok, message = judge(err, worst, bound)
+    return err, ok, message

@@ -9,7 +9,7 @@ from gpu_cases import case_id, cases
 
 import convtune as ct
 from convtune.algorithms.base import allocate_workspace
-from convtune.verify import reference, rel_error, tolerance
+from convtune.verify import ELEMENT_FACTOR, errors, reference, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -50,11 +50,13 @@ def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
         algo.run(p, a, b, workspace=ws, out=out)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base
-        err = rel_error(out, ref)
+        err, worst = errors(out, ref)
         tol = tolerance(p, algo.notes(p))
         slack = max(1 << 20, out.numel() * out.element_size() // 50)
         if not err <= tol:
             failures.append(f"{algo.name}: rel error {err:.2e} > {tol:.1e}")
+        if not worst <= ELEMENT_FACTOR * tol:  # the element bound of verify.check: a correct plan keeps to it
+            failures.append(f"{algo.name}: worst element {worst:.2e} of |ref| + rms > {ELEMENT_FACTOR * tol:.1e}")
         if algo.name != "torch:native" and extra > algo.library_bytes(p) + slack:
             failures.append(f"{algo.name}: allocated {extra} bytes beyond its {need}-byte workspace")
     assert not failures, "\n".join(failures)
@@ -143,3 +145,13 @@ def test_find_builds_no_cudnn_plan_that_it_skips_once_a_measured_candidate_needs
     # get's answers still learn every workspace: each plan is built for them.
     choices = ct.get(p)
     assert all(plans[c.name].known_workspace_bytes(p) == c.workspace_bytes for c in choices if c.name in plans)
+
+
+def test_find_fails_a_candidate_that_allocates_beyond_its_declared_workspace():
+    from fakes import Fake, FakeTimer, HiddenAllocation
+
+    p = ct.ConvProblem("fwd", n=2, c=8, k=8, input_size=(16, 16), kernel_size=3, padding=1, device="cuda")
+    results = {r.algorithm: r for r in ct.find(p, timer=FakeTimer(), candidates=[HiddenAllocation(time_ms=0.1),
+                                                                                   Fake("fake:good", time_ms=5.0)])}
+    assert results["fake:hidden"].status is ct.Status.FAILED and "allocated 64.0 MiB" in results["fake:hidden"].message
+    assert results["fake:good"].ok

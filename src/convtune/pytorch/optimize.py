@@ -107,7 +107,7 @@ def _dry_forward(module: _ConvNd, base: Any, training: bool, input: torch.Tensor
     y = empty_in_layout(problem.y_shape, "channels_last" if channels_last else "channels_first", sig.dtype,
                         x.device).zero_()
     if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
-        y.requires_grad_()
+        y = y.requires_grad_().clone()  # not a leaf: an in-place op after the layer (ReLU(inplace=True)) may follow
     return y if batched else y.squeeze(0)
 
 
