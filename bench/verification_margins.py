@@ -3,7 +3,7 @@
 For every registered algorithm that supports each problem of a small set (plain, depthwise,
 grouped, 1x1, strided, 5x5) in every direction, dtype and layout on the device: one run checked
 against the float64 reference (``verify.errors``), the relative error over the tolerance and the
-worst element over the element bound (``verify.ELEMENT_FACTOR`` x the tolerance; 1.0 is where
+worst element over the element bound (``settings.element_factor`` x the tolerance; 1.0 is where
 ``find`` refuses it), and the bytes a further run allocates beyond the algorithm's declared
 workspace (``verify.peak_allocated_bytes``) against what ``find`` allows there. On CUDA every cuDNN
 plan is one of the algorithms: this is the calibration of both checks on a GPU.
@@ -32,7 +32,8 @@ from convtune.algorithms.registry import algorithms  # noqa: E402
 from convtune.find import ALLOCATION_SLACK_BYTES  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 from convtune.units import format_bytes  # noqa: E402
-from convtune.verify import ELEMENT_FACTOR, errors, peak_allocated_bytes, reference_case, tolerance  # noqa: E402
+from convtune.settings import settings  # noqa: E402
+from convtune.verify import errors, peak_allocated_bytes, reference_case, tolerance  # noqa: E402
 
 # (c, k, size, kernel, stride, groups, n): a 3x3, a depthwise 3x3, a 1x1, a grouped strided 5x5, a strided 1x1,
 # and a 3x3 with many input channels (the longest sums).
@@ -65,7 +66,8 @@ def measure(device: str, dtypes: list[str]) -> list[dict]:
                     continue
                 tol = tolerance(p, algo.notes(p))
                 rows.append(dict(problem=p.key, algorithm=algo.name, rel_over_tolerance=rel / tol,
-                                 worst_over_bound=worst / (ELEMENT_FACTOR * tol), allocated=extra, declared=declared,
+                                 worst_over_bound=worst / (settings.element_factor * tol) if settings.element_factor else 0.0,
+                                 allocated=extra, declared=declared,
                                  allocated_over_allowed=(None if algo.name == NATIVE else
                                                          (extra - declared) / (operands + ALLOCATION_SLACK_BYTES))))
     return rows

@@ -460,6 +460,9 @@ def test_one_wrong_element_fails_in_every_dtype(dtype):
     assert results["fake:one_wrong"].status is Status.WRONG_RESULT
     _, ok, _ = check(get_algorithm("torch:native"), problem, inputs, ref, out, None)
     assert ok  # and the element bound passes PyTorch's own convolution
+    if dtype != "float32":
+        with settings.override(element_factor=0):  # the bound off: the norm alone, which misses it
+            assert check(OneWrongElement(), problem, inputs, ref, out, None)[1]
 
 
 def test_a_candidate_that_allocates_beyond_its_declared_workspace_fails_and_is_never_selected():

@@ -77,6 +77,8 @@ _SETTINGS = (
     _Setting("cache_dir", str, _cache_dir_default, "folder of tuning.sqlite"),
     # seed of the random inputs that verification uses
     _Setting("verify_seed", int, 0, "seed of verification inputs"),
+    # every element of a result within this many tolerances of the reference, scaled by |ref| + rms (0: no bound)
+    _Setting("element_factor", _at_least(0), 10.0, "the element bound, in tolerances (0: the norm alone)"),
     # wall-clock budget of one find() in seconds (0: no limit)
     _Setting("find_budget_s", _at_least(0), 0.0, "seconds one find may spend"),
     # most candidates one find() times (0: no limit)

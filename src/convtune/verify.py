@@ -16,10 +16,11 @@ from the same (already rounded) inputs, so only the algorithm's own arithmetic c
 NaN or Inf in a result never passes.
 
 A norm cannot see one wrong element among many, so every element is bounded too:
-|result_i - ref_i| <= ELEMENT_FACTOR · tolerance · (|ref_i| + rms(ref)). A correct algorithm's errors
+|result_i - ref_i| <= element_factor · tolerance · (|ref_i| + rms(ref)), element_factor a setting (10;
+``CONVTUNE_ELEMENT_FACTOR``, 0 turns the bound off). A correct algorithm's errors
 are spread over the output (rounding), so its worst element stays within a few times its RMS error,
 itself under the tolerance; a wrong or missing element is off by about |ref_i|, which breaks the
-bound unless the element is near zero (within ELEMENT_FACTOR · tolerance of the RMS: in float16 about
+bound unless the element is near zero (within element_factor · tolerance of the RMS: in float16 about
 2% of it).
 """
 
@@ -38,7 +39,6 @@ from .settings import settings
 
 TOLERANCES = {"float32": 1e-4, "tf32": 5e-3, "float16": 2e-3, "bfloat16": 1.6e-2}
 REDUCED_PRECISION_FACTOR = 4.0
-ELEMENT_FACTOR = 10.0  # the worst element's bound, in units of the tolerance (see the module's docstring)
 
 
 # Bytes of float64 columns the lowered reference unfolds at once (a sub-batch at a time).
@@ -149,9 +149,10 @@ def judge(rel: float, worst: float, bound: float) -> tuple[bool, str]:
         return False, "result holds NaN or Inf (or elements left unwritten)"
     if rel > bound:
         return False, f"relative error {rel:.2e} exceeds the tolerance {bound:.1e}"
-    if worst > ELEMENT_FACTOR * bound:
+    factor = settings.element_factor
+    if factor and worst > factor * bound:
         return False, (f"one or more elements are wrong: the worst is off by {worst:.2e} of |ref| + rms(ref), over "
-                       f"{ELEMENT_FACTOR:g} x the tolerance {bound:.1e} (relative error {rel:.2e} within it)")
+                       f"{factor:g} x the tolerance {bound:.1e} (relative error {rel:.2e} within it)")
     return True, f"relative error {rel:.2e} within {bound:.1e}"
 
 
