@@ -321,6 +321,16 @@ def test_the_dry_example_run_sees_what_the_real_one_sees():
                     real = _observe_run(model, x, training, dry=False)
                 assert {k: calls for k, (_, calls) in dry.items()} == {k: calls for k, (_, calls) in real.items()}
     assert {sig.layout for _, calls in real.values() for sig in calls} == {"channels_first"}
+    class Scaled(torch.nn.Conv2d):  # a subclass whose forward differs: it runs its own even in the dry run
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)[:, :, ::2]
+
+    padded = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding="same", padding_mode="reflect"),
+                                 torch.nn.Conv2d(4, 4, 4, padding="same", padding_mode="circular"), Scaled(4, 2, 1),
+                                 torch.nn.Conv2d(2, 2, 3, stride=2, dilation=2, padding=1))
+    x = torch.randn(2, 3, 9, 8).to(memory_format=torch.channels_last)
+    dry, real = (_observe_run(padded, x, True, dry=d) for d in (True, False))
+    assert {k: c for k, (_, c) in dry.items()} == {k: c for k, (_, c) in real.items()} and len(real) == 4
     inplace = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(inplace=True), torch.nn.Conv2d(4, 2, 1))
     x = torch.randn(2, 3, 8, 8)
     assert {k: c for k, (_, c) in _observe_run(inplace, x, True, dry=True).items()} == \

@@ -31,13 +31,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.nn.functional as F
 
 from convtune.algorithms.registry import get_algorithm
 from convtune.errors import NoAlgorithmError
 from convtune.network import LayerRow, Tuning, plan_layers, planned_rows, select_layers
 from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
-from convtune.problem import empty_in_layout
+from convtune.problem import empty_in_layout, explicit_padding
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
 from convtune.pytorch.tuning import LayerSelection, Signature, describe, directions_needed, layout_of, select_for_layer
 from convtune.results import PerfResult
@@ -94,7 +95,7 @@ def _leave_no_trace(model: torch.nn.Module, example_inputs: Any) -> Iterator[Non
 
 def _dry_forward(module: _ConvNd, base: Any, training: bool, input: torch.Tensor) -> torch.Tensor:
     """What a conv layer returns in the dry run: zeros of its output's shape, dtype and layout (PyTorch lays
-    a 2-D or 3-D convolution's result out channels_last where the input or the weight is), requiring grad
+    a 2-D or 3-D convolution's result out channels_last where the input it convolves or the weight is), requiring grad
     where the real result would. ``base``: the layer's own forward, for a layer convtune cannot describe."""
     batched = input.dim() == len(module.kernel_size) + 2
     x = input if batched else input.unsqueeze(0)
@@ -103,7 +104,10 @@ def _dry_forward(module: _ConvNd, base: Any, training: bool, input: torch.Tensor
         problem = describe(module, sig)
     except (TypeError, ValueError):  # stays on torch's path: its result as torch computes it
         return base(input)
-    channels_last = problem.ndim > 1 and "channels_last" in (sig.layout, layout_of(module.weight))
+    # PyTorch convolves what it padded (padding modes other than zeros): that tensor's layout is the input's.
+    padded = x if module.padding_mode == "zeros" else F.pad(
+        x, [v for lo, hi in reversed(explicit_padding(module)) for v in (lo, hi)], mode=module.padding_mode)
+    channels_last = problem.ndim > 1 and "channels_last" in (layout_of(padded), layout_of(module.weight))
     y = empty_in_layout(problem.y_shape, "channels_last" if channels_last else "channels_first", sig.dtype,
                         x.device).zero_()
     if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
@@ -173,7 +177,8 @@ def _observe_run(model: torch.nn.Module, example_inputs: Any, training: bool,
                 # Already converted (optimize called again): observe on torch's path, tune nothing yet.
                 base = next(c for c in type(module).__mro__ if c in TUNED)
                 forward = functools.partial(base.forward, module)
-            if dry:
+            if dry and (isinstance(module, TunedConv) or type(module) in TUNED):
+                # (a subclass of a conv module, whose forward may differ, runs its own: it is not tuned)
                 forward = functools.partial(_dry_forward, module, forward, training)
             if forward is not module.forward:
                 # An instance attribute that shadows the class's forward until the run ends, on purpose:
