@@ -45,10 +45,12 @@ def measure(device: str, dtypes: list[str]) -> list[dict]:
     rows = []
     for dtype, layout, direction in itertools.product(dtypes, ("channels_first", "channels_last"),
                                                       ("fwd", "bwd_data", "bwd_filter")):
-        for c, k, size, kernel, stride, groups, n in SHAPES:
+        # float32 on CUDA with and without TF32 (its default on, and where elements err the most)
+        tf32 = (False, True) if dtype == "float32" and device == "cuda" else (False,)
+        for (c, k, size, kernel, stride, groups, n), allow_tf32 in itertools.product(SHAPES, tf32):
             p = ConvProblem(direction, n=n, c=c, k=k, input_size=(size, size), kernel_size=kernel, stride=stride,
                             padding=kernel // 2, groups=groups, dtype=dtype, layout=layout, device=device,
-                            allow_tf32=False)
+                            allow_tf32=allow_tf32)
             (a, b), ref = reference_case(p)
             operands = sum(math.prod(s) for s in p.operand_shapes) * p.element_bytes
             for algo in algorithms(p):

@@ -9,6 +9,8 @@ import ctypes
 import os
 import time
 
+import torch
+
 from convtune.algorithms.base import Algorithm
 from convtune.algorithms.native import native_conv
 
@@ -20,6 +22,21 @@ class Correct(Algorithm):
 
     def _run(self, problem, a, b, out, ws) -> None:
         out.copy_(native_conv(problem, a, b))
+
+
+class HiddenAllocation(Correct):
+    """Right, declaring no workspace, but allocating ``hidden_bytes`` beside it on every run."""
+
+    name = "plugin:hidden_allocation"
+
+    def __init__(self, hidden_bytes: int = 64 << 20) -> None:
+        super().__init__()
+        self.hidden_bytes = hidden_bytes
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        hidden = torch.ones(self.hidden_bytes, dtype=torch.uint8, device=out.device)
+        super()._run(problem, a, b, out, ws)
+        out.add_(hidden[:1].to(out.dtype).sub_(1))  # uses it, so nothing can drop it
 
 
 class Exits(Correct):

@@ -175,19 +175,6 @@ class InputWriter(Fake):
         a.mul_(2)
 
 
-class HiddenAllocation(Fake):
-    """Declares no workspace but allocates ``hidden_bytes`` beside its buffer on every run."""
-
-    def __init__(self, name: str = "fake:hidden", hidden_bytes: int = 64 << 20, **kw: Any) -> None:
-        super().__init__(name, **kw)
-        self.hidden_bytes = hidden_bytes
-
-    def compute(self, problem, a, b, out) -> None:
-        hidden = torch.empty(self.hidden_bytes, dtype=torch.uint8, device=out.device).fill_(1)
-        super().compute(problem, a, b, out)
-        out.add_(hidden[:1].to(out.dtype).sub_(1))  # uses it, so nothing can drop it
-
-
 class UnknownDeterminism(Fake):
     """Does not know whether it is deterministic (like a cuDNN plan); ``noisy`` makes runs differ slightly."""
 

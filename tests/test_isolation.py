@@ -47,6 +47,21 @@ def test_crashes_hangs_and_exits_cost_the_candidate_only(workers):
     assert torch.isfinite(torch.nn.functional.conv2d(x, w, padding=1)).all()
 
 
+def test_a_plugin_that_allocates_beyond_its_declared_workspace_fails_in_its_worker(workers):
+    hidden, small = adversaries.HiddenAllocation(), adversaries.HiddenAllocation(64 << 10)
+    small.name = "plugin:small_hidden"  # within the slack
+    with settings.override(isolate="plugins"):
+        results = by_name(ct.find(P, candidates=[hidden, small, adversaries.Correct()]))
+        r = results["plugin:hidden_allocation"]
+        assert r.status is Status.FAILED and "allocated 64.0 MiB" in r.message and "workspace of 0 B" in r.message
+        assert results["plugin:small_hidden"].ok and results["plugin:correct"].ok
+        lean = ct.find(P, ct.Policy(workspace_limit=0), candidates=[adversaries.HiddenAllocation(),
+                                                                     adversaries.Correct()])
+        assert lean[0].algorithm == "plugin:correct"
+    with settings.override(isolate="off"):  # measured here, where the check would disturb the process: not made
+        assert by_name(ct.find(P, candidates=[adversaries.HiddenAllocation()]))["plugin:hidden_allocation"].ok
+
+
 def test_one_worker_serves_every_find_until_a_candidate_ends_it(workers):
     with settings.override(isolate="all"):
         ct.find(P, candidates=[adversaries.Correct()])

@@ -331,6 +331,19 @@ def test_the_dry_example_run_sees_what_the_real_one_sees():
     x = torch.randn(2, 3, 9, 8).to(memory_format=torch.channels_last)
     dry, real = (_observe_run(padded, x, True, dry=d) for d in (True, False))
     assert {k: c for k, (_, c) in dry.items()} == {k: c for k, (_, c) in real.items()} and len(real) == 4
+    def same(model: torch.nn.Module, x: torch.Tensor, training: bool = True) -> None:
+        dry, real = (_observe_run(model, x, training, dry=d) for d in (True, False))
+        assert {k: c for k, (_, c) in dry.items()} == {k: c for k, (_, c) in real.items()}
+
+    grey = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.Conv2d(8, 8, 3, groups=8), torch.nn.Conv2d(8, 4, 1))
+    same(grey.to(memory_format=torch.channels_last), torch.randn(2, 1, 9, 9).to(memory_format=torch.channels_last))
+    same(grey, torch.randn(2, 1, 9, 9).to(memory_format=torch.channels_last))  # one channel: both layouts at once
+    same(torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(8, 8, 1)),
+         torch.randn(9, 9, 4).permute(2, 0, 1))  # unbatched, channels innermost
+    bias_only = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3))
+    for p in bias_only.parameters():
+        p.requires_grad_(p.dim() == 1)  # frozen weights, trained biases: the second layer's input needs a gradient
+    same(bias_only, torch.randn(2, 3, 9, 9))
     inplace = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(inplace=True), torch.nn.Conv2d(4, 2, 1))
     x = torch.randn(2, 3, 8, 8)
     assert {k: c for k, (_, c) in _observe_run(inplace, x, True, dry=True).items()} == \
@@ -339,6 +352,23 @@ def test_the_dry_example_run_sees_what_the_real_one_sees():
     x = torch.randn(2, 9)
     assert {k: c for k, (_, c) in _observe_run(unbatched, x, True, dry=True).items()} == \
         {k: c for k, (_, c) in _observe_run(unbatched, x, True, dry=False).items()}
+
+
+def test_the_example_runs_put_back_a_forward_a_layer_already_had():
+    from convtune.pytorch.optimize import _observe_run
+
+    conv, calls = torch.nn.Conv2d(3, 4, 3), []
+    plain = conv.forward
+
+    def wrapped(x: torch.Tensor) -> torch.Tensor:  # as a library's hook wraps a module's forward
+        calls.append(x.shape)
+        return plain(x)
+
+    conv.forward = wrapped
+    for dry in (True, False):
+        _observe_run(torch.nn.Sequential(conv), torch.randn(1, 3, 6, 6), False, dry=dry)
+        assert conv.__dict__["forward"] is wrapped
+    assert len(calls) == 1  # the real run called it; the dry one computes nothing
 
 
 class ValueDependent(torch.nn.Module):

@@ -335,6 +335,8 @@ class TuningDB:
         """
         memo = (key, *row, text)
         if memo not in self._decoded:
+            if len(self._decoded) >= DECODED_ROWS:  # a long-lived process: start again rather than grow
+                self._decoded.clear()
             self._decoded[memo] = self._decode_row(text, key, row)
         return self._decoded[memo]
 
@@ -433,6 +435,9 @@ def _identity(path: Path) -> tuple[int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino
+
+
+DECODED_ROWS = 100_000  # rows a TuningDB keeps decoded (a few hundred bytes each)
 
 
 def _checksum(fingerprint: str, software: str, problem: str, algorithm: str, text: str) -> str:

@@ -252,6 +252,9 @@ class _Search:
         spare = problem.empty(problem.operand_shapes[2])  # allocated before the measured run, not in it
         overdrawn = _allocates_beyond(algorithm, problem, lambda: algorithm.run(problem, *inputs2, workspace=workspace,
                                                                                   out=spare))
+        if self.restore_inputs():
+            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
+                              message="wrote into its input operands (they must stay read-only)")
         if overdrawn:
             return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props, message=overdrawn)
         if probe_determinism:
@@ -288,16 +291,18 @@ class _Search:
 def _allocates_beyond(algorithm: Algorithm, problem: ConvProblem, run: Any) -> str:
     """Why ``run`` (a run of ``algorithm``, after two) allocates more than ``algorithm`` declares, or ''.
 
-    Measured (``verify.peak_allocated_bytes``) for the candidates convtune does not vouch for (plug-ins);
-    convtune's own algorithms are held to it by its tests (``tests/gpu/test_gpu_algorithms.py``,
-    ``bench/verification_margins.py``). On CUDA the caching allocator's peak counter measures it, which
-    this resets; on the CPU the profiler's allocation record (about 13 ms a run). Allowed: the declared
+    Measured (``verify.peak_allocated_bytes``) for the candidates convtune does not vouch for (plug-ins)
+    where they are measured in a worker process (``settings.isolate``; the default for plug-ins): there
+    the measurement disturbs nothing of the user's (it resets CUDA's peak-memory counter; on the CPU it
+    runs the profiler, about 13 ms, which would end a profiler of the user's) and no other thread
+    allocates meanwhile. convtune's own algorithms are held to their declarations by its tests
+    (``tests/gpu/test_gpu_algorithms.py``, ``bench/verification_margins.py``). Allowed: the declared
     workspace (``Algorithm.workspace_bytes``), plus one temporary the size of each operand and of the
     result (PyTorch's own convolutions on the CPU reorder their input and allocate their result: a
     plug-in computing through them is not hiding anything), plus ALLOCATION_SLACK_BYTES. A hidden
     buffer larger than all the operands fails.
     """
-    if algorithm.origin.split(".")[0] == "convtune":
+    if not isolation.in_worker() or algorithm.origin.split(".")[0] == "convtune":
         return ""
     used = peak_allocated_bytes(run, problem.device)
     operands = sum(math.prod(shape) for shape in problem.operand_shapes) * problem.element_bytes

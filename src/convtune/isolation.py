@@ -381,7 +381,17 @@ def _serve(recv: Connection, send: Connection) -> None:
         reply(task_id, "result", result.to_dict())
 
 
+_in_worker = False  # this interpreter is a worker (``_main``)
+
+
+def in_worker() -> bool:
+    """Whether this process is a worker measuring isolated candidates (it serves nothing else)."""
+    return _in_worker
+
+
 def _main(argv: list[str]) -> None:
+    global _in_worker
+    _in_worker = True
     recv_fd, send_fd, parent_pid = (int(a) for a in argv)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     _serve(Connection(recv_fd, writable=False), Connection(send_fd, readable=False))

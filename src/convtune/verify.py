@@ -131,7 +131,7 @@ def errors(result: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
         >>> round(rel, 3), round(worst, 3)  # the last element lost: 73% of the norm, 59% of |4| + rms
         (0.73, 0.594)
     """
-    diff = result.detach().to(device=ref.device, dtype=torch.float64)
+    diff = result.detach().to(device=ref.device, dtype=torch.float64, copy=True)  # computed in place below
     if not bool(torch.isfinite(diff).all()):
         return math.inf, math.inf
     norm = float(torch.linalg.vector_norm(ref))

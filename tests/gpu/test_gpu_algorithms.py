@@ -148,11 +148,19 @@ def test_find_builds_no_cudnn_plan_that_it_skips_once_a_measured_candidate_needs
     assert all(plans[c.name].known_workspace_bytes(p) == c.workspace_bytes for c in choices if c.name in plans)
 
 
-def test_find_fails_a_candidate_that_allocates_beyond_its_declared_workspace():
-    from fakes import Fake, FakeTimer, HiddenAllocation
+def test_find_fails_a_plugin_that_allocates_beyond_its_declared_workspace():
+    import adversaries
+
+    from convtune import isolation
+    from convtune.settings import settings
 
     p = ct.ConvProblem("fwd", n=2, c=8, k=8, input_size=(16, 16), kernel_size=3, padding=1, device="cuda")
-    results = {r.algorithm: r for r in ct.find(p, timer=FakeTimer(), candidates=[HiddenAllocation(time_ms=0.1),
-                                                                                   Fake("fake:good", time_ms=5.0)])}
-    assert results["fake:hidden"].status is ct.Status.FAILED and "allocated 64.0 MiB" in results["fake:hidden"].message
-    assert results["fake:good"].ok
+    try:
+        with settings.override(isolate="plugins"):  # measured in its worker, where the check is made
+            results = {r.algorithm: r for r in ct.find(p, candidates=[adversaries.HiddenAllocation(),
+                                                                      adversaries.Correct()])}
+    finally:
+        isolation._worker.close()
+    hidden = results["plugin:hidden_allocation"]
+    assert hidden.status is ct.Status.FAILED and "allocated 64.0 MiB" in hidden.message
+    assert results["plugin:correct"].ok

@@ -10,7 +10,9 @@ without computing anything, so none of PyTorch's first-call costs are paid (cuDN
 its compiling kernels at run time for depthwise layers: seconds on MobileNetV2). Where the database
 already answers every (layer, input) that run met, it is all a warm start needs; otherwise (a cold
 database, or a model whose code fails on zeros) the model runs again with its real convolutions, and
-what that run meets is tuned.
+what that run meets is tuned. A model whose path depends on its activations' values (a branch on
+them, a number of detections) may meet other layers or shapes on zeros than on real data: those are
+tuned on their first call, as inputs first met later always are.
 
     >>> import torch, convtune
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
@@ -107,12 +109,31 @@ def _dry_forward(module: _ConvNd, base: Any, training: bool, input: torch.Tensor
     # PyTorch convolves what it padded (padding modes other than zeros): that tensor's layout is the input's.
     padded = x if module.padding_mode == "zeros" else F.pad(
         x, [v for lo, hi in reversed(explicit_padding(module)) for v in (lo, hi)], mode=module.padding_mode)
-    channels_last = problem.ndim > 1 and "channels_last" in (layout_of(padded), layout_of(module.weight))
+    channels_last = problem.ndim > 1 and (_strides_like_channels_last(padded) or
+                                          _strides_like_channels_last(module.weight))
     y = empty_in_layout(problem.y_shape, "channels_last" if channels_last else "channels_first", sig.dtype,
                         x.device).zero_()
-    if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
+    bias = module.bias is not None and module.bias.requires_grad
+    if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad or bias):
         y = y.requires_grad_().clone()  # not a leaf: an in-place op after the layer (ReLU(inplace=True)) may follow
     return y if batched else y.squeeze(0)
+
+
+def _strides_like_channels_last(t: torch.Tensor) -> bool:
+    """Whether PyTorch takes ``t`` (4-D or 5-D) for channels_last when it lays out a convolution's result: its
+    rule on strides (``is_channels_last_strides_2d``/``_3d`` in c10), which, unlike ``layout_of``, counts a
+    tensor dense in both orders (one channel, say) as channels_last when its channel stride is the smallest."""
+    if t.dim() not in (4, 5):
+        return False
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0) if t.dim() == 4 else (1, 4, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
 
 
 def _observe(model: torch.nn.Module, example_inputs: Any, training: bool,
@@ -172,26 +193,33 @@ def _observe_run(model: torch.nn.Module, example_inputs: Any, training: bool,
     try:
         for module in names:
             handles.append(module.register_forward_pre_hook(hook))
-            forward = module.forward
+            forward, changed = module.forward, False
             if isinstance(module, TunedConv):
                 # Already converted (optimize called again): observe on torch's path, tune nothing yet.
                 base = next(c for c in type(module).__mro__ if c in TUNED)
-                forward = functools.partial(base.forward, module)
+                forward, changed = functools.partial(base.forward, module), True
             if dry and (isinstance(module, TunedConv) or type(module) in TUNED):
                 # (a subclass of a conv module, whose forward may differ, runs its own: it is not tuned)
-                forward = functools.partial(_dry_forward, module, forward, training)
-            if forward is not module.forward:
-                # An instance attribute that shadows the class's forward until the run ends, on purpose:
+                forward, changed = functools.partial(_dry_forward, module, forward, training), True
+            if changed:
+                # An instance attribute that shadows the forward until the run ends, on purpose; one the
+                # module had already (a library's wrapper, say) is put back afterwards.
+                shadowed.append((module, module.__dict__.get("forward", _NONE)))
                 module.forward = forward  # type: ignore[method-assign]
-                shadowed.append(module)
         with _leave_no_trace(model, example_inputs), torch.set_grad_enabled(training):
             _call(model, example_inputs)
     finally:
         for handle in handles:
             handle.remove()
-        for module in shadowed:
-            del module.forward
+        for module, own in shadowed:
+            if own is _NONE:
+                del module.forward
+            else:
+                module.forward = own  # type: ignore[method-assign]
     return seen
+
+
+_NONE = object()  # a module without a forward of its own (an instance attribute)
 
 
 def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None = None, training: bool = False,
