@@ -52,10 +52,15 @@ class TritonDepthwise(TritonAlgorithm):
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # Multiply-adds on the CUDA cores in float32, each tap's operand loaded again from cache: measured on
-        # the H200 at 3-9x the floor (bench/results/depthwise.md), so a tenth of the float32 peak and three
-        # times the compulsory traffic; get then leaves cuDNN first where neither was measured.
-        return Cost(problem.flops, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
-                    float32_inside=True, composed=False)
+        # the H200 (bench/results/depthwise.md) at 2-9x the floor forward and for the data gradient, so a tenth
+        # of the float32 peak and three times the compulsory traffic; the weight gradient, which reads both
+        # operands again for every tap, at 7-77x (13x on 3x3 kernels, where traffic sets the floor, 26-77x on
+        # larger ones, where arithmetic does), so a fortieth of the peak and twelve times the traffic. With the
+        # H200's peaks these predict every measured shape there within a factor of two (they predicted the
+        # weight gradient 3-10x too fast before). get then leaves cuDNN first where neither was measured.
+        efficiency, traffic = (0.025, 12) if problem.direction == "bwd_filter" else (0.1, 3)
+        return Cost(problem.flops, efficiency, traffic * problem.min_bytes + 2 * workspace_bytes,
+                    1 + bool(workspace_bytes), float32_inside=True, composed=False)
 
 
 register_family(TritonDepthwise, {"fwd": FORWARD_TILES, "bwd_data": BACKWARD_DATA_TILES,
