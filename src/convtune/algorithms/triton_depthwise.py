@@ -56,8 +56,9 @@ class TritonDepthwise(TritonAlgorithm):
         # of the float32 peak and three times the compulsory traffic; the weight gradient, which reads both
         # operands again for every tap, at 7-77x (13x on 3x3 kernels, where traffic sets the floor, 26-77x on
         # larger ones, where arithmetic does), so a fortieth of the peak and twelve times the traffic. With the
-        # H200's peaks these predict every measured shape there within a factor of two (they predicted the
-        # weight gradient 3-10x too fast before). get then leaves cuDNN first where neither was measured.
+        # H200's peaks (hardware.py) these predict 0.43-2.3x the measured time of every shape there (the weight
+        # gradient's was 0.16-0.57x when priced as the forward). get then leaves cuDNN first where neither was
+        # measured.
         efficiency, traffic = (0.025, 12) if problem.direction == "bwd_filter" else (0.1, 3)
         return Cost(problem.flops, efficiency, traffic * problem.min_bytes + 2 * workspace_bytes,
                     1 + bool(workspace_bytes), float32_inside=True, composed=False)
