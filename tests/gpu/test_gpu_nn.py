@@ -218,3 +218,28 @@ def test_torch_compile_of_the_optimized_model_matches_eager(db, device="cuda"):
         exact = exact_step(twin, x, dy)
         assert_as_accurate(got, training_step(model, x, dy, dtype), exact, dtype)
         assert_as_accurate(got, training_step(twin, x, dy, dtype), exact, dtype)
+
+
+def test_the_dry_example_run_sees_what_the_real_one_sees_on_cuda():
+    # cuDNN's own rule lays results out channels_last where the input or the weight is: the dry run's
+    # zeros must follow it under every layout, autocast dtype and mode, as on the CPU (tests/test_nn.py).
+    from convtune.pytorch.optimize import _observe_run
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU6(inplace=True),
+        torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), torch.nn.BatchNorm2d(16), torch.nn.ReLU6(inplace=True),
+        torch.nn.Conv2d(16, 8, 1), torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2)).cuda()
+    grey = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.Conv2d(8, 8, 3, groups=8)).cuda()
+    cases = [(block, torch.randn(SHAPE, device="cuda")), (grey, torch.randn(4, 1, 16, 16, device="cuda"))]
+    for model, x in cases:
+        for weights_last, input_last in ((False, False), (True, True), (True, False), (False, True)):
+            m = copy.deepcopy(model).to(memory_format=torch.channels_last if weights_last else torch.contiguous_format)
+            xi = x.to(memory_format=torch.channels_last) if input_last else x
+            for dtype in (None, *DTYPES):
+                for training in (False, True):
+                    m.train(training)
+                    with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None):
+                        dry, real = (_observe_run(m, xi, training, dry=d) for d in (True, False))
+                    assert {k: c for k, (_, c) in dry.items()} == {k: c for k, (_, c) in real.items()}, \
+                        (weights_last, input_last, dtype, training)
