@@ -515,7 +515,9 @@ def test_the_host_cost_rule_judges_every_tuned_direction_whatever_the_order(nati
             if step == "inference":
                 with torch.no_grad():
                     module(x)
-                assert next(iter(module.selections.values())).runtime == "torch"  # 3 us gained, 5 us paid
+                judged = next(iter(module.selections.values()))
+                assert judged.runtime == "torch" and judged.host_rule  # 3 us gained, 5 us paid
+                assert pickle.loads(pickle.dumps(judged)).host_rule  # a copy is judged again too
             else:
                 module(x.clone().requires_grad_()).sum().backward()
         plans.append(next(iter(module.selections.values())))

@@ -56,6 +56,8 @@ class LayerSelection:
     problem: the forward problem's key ('' when none could be built, e.g. float64 input).
     fwd, bwd_data, bwd_filter: algorithm names ('' for a direction not tuned: not needed so far).
     results: (direction, PerfResult) of each tuned direction. reason: why torch's path, if it is.
+    host_rule: PyTorch's own call was chosen by the host-cost rule (``where_the_host_pays``) over
+    the tuned choices, so adding a direction judges them again.
     """
 
     problem: str
@@ -64,6 +66,7 @@ class LayerSelection:
     bwd_filter: str = ""
     results: tuple[tuple[str, PerfResult], ...] = ()
     reason: str = ""
+    host_rule: bool = False
     call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
     native: tuple[int, int, int] | None = dataclasses.field(init=False, compare=False, repr=False)
     python_reason: str = dataclasses.field(init=False, compare=False, repr=False)
@@ -95,7 +98,8 @@ class LayerSelection:
 
     def __reduce__(self):
         # Copies and pickles are made anew, so their executables exist in the process that runs them.
-        return LayerSelection, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason)
+        return LayerSelection, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason,
+                                self.host_rule)
 
     @property
     def runtime(self) -> str:
@@ -176,7 +180,7 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
         return _torch_path(described, str(exc), name)
     names = {d: getattr(known, d) for d in DIRECTIONS} if known else dict.fromkeys(DIRECTIONS, "")
     results = dict(known.results) if known else {}
-    if known is not None and known.reason.startswith(HOST_RULE):  # judged again with the new directions
+    if known is not None and known.host_rule:  # judged again with the new directions
         for direction in results:
             results[direction] = tuning.select(problem.with_direction(direction))
             names[direction] = results[direction].algorithm
@@ -210,7 +214,6 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
     return selection
 
 
-HOST_RULE = "PyTorch's own call:"  # how the reason of a selection the host-cost rule sent to PyTorch begins
 
 
 def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
@@ -242,7 +245,8 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
              selection.problem, gain_us, cost_us)
     return LayerSelection(selection.problem, **dict.fromkeys(natives, NATIVE), results=tuple(natives.items()),
-                     reason=f"{HOST_RULE} the tuned choices would gain {gain_us:.1f} us of GPU time a step "
+                     host_rule=True,
+                     reason=f"PyTorch's own call: the tuned choices would gain {gain_us:.1f} us of GPU time a step "
                             f"but cost {cost_us:.1f} us more host time "
                             f"({', '.join(r.algorithm for _, r in selection.results)})")
 
