@@ -118,7 +118,7 @@ def summarize(profiler: cProfile.Profile, top: int = 25) -> dict:
     phases = {}
     for name, needles in PHASES:
         for needle in needles:
-            hits = [r for r in rows if r[0].startswith(needle) or (needle.endswith(":") and r[0].startswith(needle))]
+            hits = [r for r in rows if r[0].startswith(needle)]
             if hits:
                 phases[name] = max(h[3] for h in hits)
                 break
