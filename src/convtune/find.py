@@ -233,8 +233,7 @@ class _Search:
                               message=f"its first run took {took_s:.1f} s, over the deadline of {deadline_s:g} s "
                                       f"(Policy.deadline_s, CONVTUNE_CANDIDATE_DEADLINE_S); not timed")
         if wrote:
-            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
-                              message="wrote into its input operands (they must stay read-only)")
+            return _failed(algorithm, props, err, WROTE_INPUTS)
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err, message=message, **props)
         # A second input set it has not seen, its output poisoned with a finite value this time: a
@@ -244,8 +243,7 @@ class _Search:
                                   workspace, max_rel_error=self.policy.max_rel_error, poison=_finite_poison(problem))
         wrote = self.restore_inputs()
         if wrote:
-            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
-                              message="wrote into its input operands (they must stay read-only)")
+            return _failed(algorithm, props, err, WROTE_INPUTS)
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err2, **props,
                               message=f"on a second input set: {message}")
@@ -253,10 +251,9 @@ class _Search:
         overdrawn = _allocates_beyond(algorithm, problem, lambda: algorithm.run(problem, *inputs2, workspace=workspace,
                                                                                   out=spare))
         if self.restore_inputs():
-            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
-                              message="wrote into its input operands (they must stay read-only)")
+            return _failed(algorithm, props, err, WROTE_INPUTS)
         if overdrawn:
-            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props, message=overdrawn)
+            return _failed(algorithm, props, err, overdrawn)
         if probe_determinism:
             again = algorithm.run(problem, *inputs, workspace=workspace, out=problem.empty(problem.operand_shapes[2]))
             props["deterministic"] = bool(torch.equal(out, again))
@@ -269,8 +266,7 @@ class _Search:
                             device=problem.device, budget_s=timer_budget_s, stop_above_ms=stop_above)
         wrote = self.restore_inputs()
         if wrote:
-            return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props,
-                              message="wrote into its input operands (they must stay read-only)")
+            return _failed(algorithm, props, err, WROTE_INPUTS)
         timed_err, timed_worst = errors(out, ref)  # what the timed calls left in the output: the same answer
         bound = self.policy.max_rel_error or tolerance(problem, algorithm.notes(problem))
         ok, message = judge(timed_err, timed_worst, bound)
@@ -286,6 +282,14 @@ class _Search:
         self.leanest_bytes = min(self.leanest_bytes, props["workspace_bytes"])
         return PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
                           rel_error=err, message=message, **props)
+
+
+WROTE_INPUTS = "wrote into its input operands (they must stay read-only)"
+
+
+def _failed(algorithm: Algorithm, props: _Props, err: float, message: str) -> PerfResult:
+    """``algorithm``'s result that failed a check of its own doing (not of the result's accuracy)."""
+    return PerfResult(algorithm.name, Status.FAILED, rel_error=err, **props, message=message)
 
 
 def _allocates_beyond(algorithm: Algorithm, problem: ConvProblem, run: Any) -> str:
