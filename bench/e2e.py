@@ -108,6 +108,11 @@ def build_model(name: str, tiny: bool) -> tuple[torch.nn.Module, int, int]:
     return getattr(torchvision.models, name)(weights=None), 224, 1000
 
 
+def logits(output):
+    """A classifier's main output: GoogLeNet in training mode returns its auxiliary heads' logits too."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 class Timer:
     """Median over ``repeats`` of the time of ``steps`` calls, per call, in ms (CUDA events, or the host clock)."""
 
@@ -232,7 +237,7 @@ def workloads(runner, optimizer, x: torch.Tensor, labels: torch.Tensor, autocast
     def train_step():
         optimizer.zero_grad(set_to_none=True)
         with autocast():
-            loss = torch.nn.functional.cross_entropy(runner(x), labels)
+            loss = torch.nn.functional.cross_entropy(logits(runner(x)), labels)
         loss.backward()
         optimizer.step()
 

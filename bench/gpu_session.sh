@@ -38,8 +38,7 @@ for step in "$@"; do
           python3 bench/ab.py ${args//+/ } --out "$OUT" --name ab 2>&1 | quiet | tail -30 ;;
     triton) tests "$OUT/triton_tests.txt" tests/test_triton_depthwise.py tests/test_triton_grouped.py ;;
     warm:*) IFS=: read -r _ network batch dtype <<< "$step"
-            python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" \
-              --name "warm_start_${network}_b${batch}" 2>&1 | sed -n '8,14p' ;;
+            python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" 2>&1 | sed -n '8,14p' ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;

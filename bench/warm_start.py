@@ -11,7 +11,7 @@ channels_last, as bench/e2e.py does). Then, each in a fresh process on that data
 
     python bench/warm_start.py --network mobilenet_v2 --batch 32
 
-writes bench/results/warm_start.json and .md (--out, --name); --tiny runs a small stand-in network.
+writes bench/results/warm_start_<network>_b<batch>.json and .md (--out, --name); --tiny runs a small stand-in network.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def child(stage: str, args: argparse.Namespace, db_path: str) -> dict:
     import torch
 
     import convtune
-    from e2e import build_model
+    from e2e import build_model, logits
 
     out: dict = {"import_s": time.perf_counter() - _STARTED}
     device, dtype = args.device, getattr(torch, args.dtype)
@@ -57,7 +57,7 @@ def child(stage: str, args: argparse.Namespace, db_path: str) -> dict:
 
     def step() -> None:
         with torch.autocast(device, dtype=dtype):
-            loss = torch.nn.functional.cross_entropy(model(x), labels)
+            loss = torch.nn.functional.cross_entropy(logits(model(x)), labels)
         loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -131,8 +131,9 @@ def run_stage(stage: str, args: argparse.Namespace, db_path: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         proc = subprocess.run(cmd + ["--child-out", f.name], capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
-            last = proc.stderr.strip().splitlines()[-1:] or [""]
-            return {"status": f"failed ({proc.returncode}): {last[0][:300]}", "stderr": proc.stderr[-4000:]}
+            # the cuDNN frontend's bindings list the objects alive at exit after the error: not the cause
+            lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith(("nanobind", " - "))]
+            return {"status": f"failed ({proc.returncode}): {(lines or [''])[-1][:300]}", "stderr": "\n".join(lines)[-4000:]}
         return {"status": "ok", **json.loads(Path(f.name).read_text())}
 
 
@@ -177,8 +178,10 @@ def main() -> None:
     parser.add_argument("--db", help="the tuning database (default: a new one in a temporary folder)")
     parser.add_argument("--child", choices=STAGES, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
-    common.result_arguments(parser, "warm_start")
+    common.result_arguments(parser, "warm_start_<network>_b<batch>")
     args = parser.parse_args()
+    if args.name == "warm_start_<network>_b<batch>":
+        args.name = f"warm_start_{'tiny' if args.tiny else args.network}_b{args.batch}"
     if args.child:
         Path(args.child_out).write_text(json.dumps(child(args.child, args, args.db)))
         return

@@ -54,6 +54,21 @@ def _run(script: str, tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
+def test_warm_start_times_each_stage_in_its_own_process_and_names_its_files_by_network(tmp_path):
+    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
+    out = subprocess.run([sys.executable, str(BENCH / "warm_start.py"), "--device", "cpu", "--tiny", "--batch", "2",
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "warm_start_tiny_b2.json").read_text())
+    stages = payload["stages"]
+    assert [stages[s]["status"] for s in ("cold", "warm", "profiled", "torch")] == ["ok"] * 4
+    assert stages["warm"]["db_entries"] > 0 and stages["warm"]["optimize_s"] > 0  # the cold stage filled the database
+    assert sum(stages["warm"]["runtimes"].values()) == stages["warm"]["layers"] > 0
+    assert stages["profiled"]["profile"]["phases"]
+    assert "| warm |" in (tmp_path / "warm_start_tiny_b2.md").read_text()
+
+
+@pytest.mark.slow
 def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp_path):
     rows = _run("e2e.py", tmp_path, "--styles", "eager", "--modes", "convtune,torch_bm1", "--repeats", "1",
                 "--dtypes", "bfloat16", "--batches", "4", "--processes", "2")["configs"]
