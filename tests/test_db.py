@@ -640,3 +640,24 @@ def test_a_damaged_file_never_crashes_never_serves_what_was_not_stored_and_stays
     cuts = [n for (kind, _), n in lost.items() if kind == "truncate"]
     assert cuts[-1] <= 2 and cuts == sorted(cuts, reverse=True) and cuts[-8] < 30
     assert all(n <= 3 for (kind, at), n in lost.items() if kind == "garbage" and at >= 4096)
+
+
+def test_a_read_only_database_serves_what_it_holds_and_warns_once(db, tmp_path, caplog):
+    # Every store raised OperationalError, and find warned at each one.
+    from convtune import find, get_algorithm
+
+    db.store(problem(), FIND)
+    db.export(tmp_path / "all.jsonl")
+    db._run(lambda conn: conn.execute("PRAGMA query_only=ON"))  # as a file that may not be written refuses writes
+    with caplog.at_level(logging.WARNING):
+        db.store(problem(2), FIND)
+        db.store(problem(3), FIND)
+        results = find(problem(4), db=db, candidates=[get_algorithm("torch:native")])
+    assert results[0].ok  # the answer stands
+    assert [r.algorithm for r in db.results(problem())] == [r.algorithm for r in FIND]  # served
+    assert db.results(problem(2)) == db.results(problem(4)) == []  # used, not remembered
+    assert caplog.text.count("is read-only") == 1 and "could not store" not in caplog.text
+    for asked in (lambda: db.import_(tmp_path / "all.jsonl"), db.clear):  # what the user asks for by name: an error
+        with pytest.raises(ValueError, match="read-only"):
+            asked()
+    assert len(db.results(problem())) == len(FIND)

@@ -14,7 +14,7 @@ from convtune.settings import settings
 from convtune.verify import check, reference_case, tolerance
 from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, InputWriter, Memoising, NaNResult, NoWrite,
                    OneWrongElement,
-                   OutOfMemory, PoisonSniffer, Raising, UnknownDeterminism, WrongResult)
+                   OutOfMemory, PoisonSniffer, Raising, UniformSniffer, UnknownDeterminism, WrongResult)
 
 P = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
 
@@ -398,21 +398,40 @@ def test_under_a_workspace_limit_every_skipped_candidate_is_built():
     assert results["fake:p7"].status is Status.OVER_WORKSPACE_LIMIT
 
 
-class _SupportsRaises(Fake):
-    def _supports(self, problem):
-        raise RuntimeError("broken plug-in")
+def _raising_from(method: str, exc: BaseException) -> Fake:
+    """A plug-in whose ``method`` raises ``exc`` (``supports`` through the hook plug-ins override)."""
+    def broken(self, *args, **kwargs):
+        raise exc
+    cls = type("Broken", (Fake,), {"_supports" if method == "supports" else method: broken})
+    return cls("fake:broken")
 
 
-def test_a_plug_in_whose_supports_raises_is_left_out_of_every_question(caplog):
-    broken, good = _SupportsRaises("fake:broken"), Fake("fake:good")
+@pytest.mark.parametrize("exc", [RuntimeError("broken plug-in"), SystemExit(3)], ids=["RuntimeError", "SystemExit"])
+@pytest.mark.parametrize("method", ["supports", "buffers", "notes", "cost", "is_deterministic"])
+def test_a_plug_in_that_raises_from_any_method_costs_itself_only(method, exc, caplog):
+    from convtune import get, optimize, select, unsupported_reasons
+
+    broken, good = _raising_from(method, exc), Fake("fake:good", time_ms=0.5)
     with isolated(broken, good, builtins=False):
-        assert [a.name for a in algorithms(P)] == ["fake:good"]
-        from convtune import get, select, unsupported_reasons
-
-        assert "supports() raised RuntimeError: broken plug-in" in unsupported_reasons(P)["fake:broken"]
-        assert [c.name for c in get(P)] == ["fake:good"]
-        assert select(P, mode="find").algorithm == "fake:good"
-    assert "fake:broken.supports() raised" in caplog.text
+        if method == "supports":
+            assert [a.name for a in algorithms(P)] == ["fake:good"]
+            assert f"supports() raised {type(exc).__name__}" in unsupported_reasons(P)["fake:broken"]
+            assert f"fake:broken.supports() raised {type(exc).__name__}" in caplog.text
+        else:
+            assert unsupported_reasons(P) == {}
+        assert get(P)[0].name == "fake:good"
+        results = by_name(find(P, timer=FakeTimer()))
+        assert results["fake:good"].ok
+        if method != "cost":  # a cost model only orders the search: that candidate is measured all the same
+            assert not results.get("fake:broken", PerfResult("", "failed")).ok
+        assert select(P, mode="get").algorithm == "fake:good"
+        # timed for real here, where the two compute alike: a broken cost model may tie
+        assert select(P, mode="find").algorithm in ({"fake:good", "fake:broken"} if method == "cost" else {"fake:good"})
+        model = torch.nn.Sequential(torch.nn.Conv2d(P.c, P.k, 3, padding=1))
+        x = torch.randn(P.n, P.c, *P.input_size)
+        expected = model(x)
+        tuned = optimize(model, x, mode="find")
+        torch.testing.assert_close(tuned(x), expected)
 
 
 def test_a_database_that_cannot_be_written_loses_the_memory_not_the_answer(tmp_path, caplog):
@@ -436,6 +455,7 @@ def test_a_database_that_cannot_be_written_loses_the_memory_not_the_answer(tmp_p
     (lambda: FirstCallOnly(after=3), "timed calls"),  # correct in both checks (and the determinism probe), then not
     (lambda: PoisonSniffer(), "second input set"),
     (lambda: Memoising(), "second input set"),
+    (lambda: UniformSniffer(), "timed calls"),  # right in both checks (NaN, then one finite value), idle when timed
 ])
 def test_a_candidate_that_is_right_only_when_checked_is_never_selected(cheat, text):
     bad, good = cheat(), Fake("fake:good", time_ms=5.0)

@@ -148,3 +148,10 @@ def test_sizes_and_devices_that_name_no_convolution_are_refused(field, value, er
     fields = dict(direction="fwd", n=1, c=2, k=2, input_size=(8, 8), kernel_size=3) | {field: value}
     with pytest.raises(error, match=field if field != "device" else "device"):
         ct.ConvProblem(**fields)
+
+
+def test_a_problem_whose_operands_no_tensor_can_hold_is_refused_naming_the_operand():
+    big = 2**31 - 1  # each size is allowed alone; together the input takes about 1.7e38 bytes
+    with pytest.raises(ValueError, match=r"input \(2147483647, 2147483647, 2147483647, 2147483647\).*8 EiB"):
+        ct.ConvProblem("fwd", n=big, c=big, k=1, input_size=(big, big), kernel_size=1)
+    ct.ConvProblem("fwd", n=big, c=1, k=1, input_size=(1, 1), kernel_size=1)  # large, but a tensor can hold it

@@ -23,3 +23,30 @@ def test_settings_in_range_are_read():
 def test_the_fft_length_of_a_huge_problem_comes_at_once():
     # It searched one number at a time: 38 s at 10^10, no end at 10^30.
     assert smooth_size(10**10 + 1) == 10_066_329_600 and smooth_size(10**30) == 10**30
+
+
+@pytest.mark.parametrize("env", [
+    {"CONVTUNE_TIMING_MIN_REPEATS": "0"}, {"CONVTUNE_ELEMENT_FACTOR": "nan"}, {"CONVTUNE_CANDIDATE_DEADLINE_S": "-5"},
+    {"CONVTUNE_TIMING_MAX_REPEATS": "1"},  # in range alone, below the fewest repeats (3)
+])
+def test_every_entry_point_refuses_a_bad_setting_before_it_measures_anything(monkeypatch, capsys, env):
+    # It made every candidate fail instead: each candidate's measurement read the setting.
+    import torch
+
+    from convtune import ConvProblem, find, get, optimize, select
+    from convtune.cli import main
+
+    problem = ConvProblem("fwd", n=1, c=3, k=4, input_size=(9, 7), kernel_size=3)  # a size no other test asks get
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    variable = next(iter(env))
+    for call in (lambda: find(problem), lambda: get(problem), lambda: select(problem, mode="find"),
+                 lambda: optimize(torch.nn.Conv2d(3, 4, 3), torch.randn(1, 3, 9, 7), mode="find")):
+        with pytest.raises(ValueError, match=variable):
+            call()
+    assert main(["get", "--c", "3", "--k", "4", "--size", "9x7", "--device", "cpu"]) == 2
+    assert variable in capsys.readouterr().err
+
+
+def test_the_defaults_pass_the_settings_check():
+    settings.check()

@@ -475,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(levelname)s %(name)s: %(message)s")
+        settings.check()
         if args.command in ("tune", "report"):
             return (cmd_tune if args.command == "tune" else cmd_report)(args, out, err)
         handler = {"get": cmd_get, "find": cmd_find, "algorithms": cmd_algorithms, "cache": cmd_cache,

@@ -247,7 +247,7 @@ class TuningDB:
                  for fp, sw, p, at, r in parsed for text in (json.dumps(r.to_dict()),)],
             )
 
-        self._write(replace)
+        self._write(replace, asked=f"import {path}")
         log.info("imported %d result(s) of %d problem(s) from %s", len(parsed), len(groups), path)
         return len(parsed)
 
@@ -258,7 +258,7 @@ class TuningDB:
             conn.execute("DELETE FROM executables")
             conn.execute("DELETE FROM host_costs")
             return conn.execute("DELETE FROM results").rowcount
-        return self._write(remove)
+        return self._write(remove, asked="clear it")
 
     def store_executable(self, problem: ConvProblem, algorithm: str, recipe: dict[str, Any], serialized: bytes) -> None:
         """Keep what rebuilds the native executable of ``algorithm`` on ``problem`` here without searching:
@@ -405,12 +405,35 @@ class TuningDB:
     def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
         return self._run(lambda conn: conn.execute(sql, params).fetchall())
 
-    def _write(self, fn: Any) -> Any:
-        """``fn(connection)`` in one BEGIN IMMEDIATE transaction."""
+    def _write(self, fn: Any, asked: str = "") -> Any:
+        """``fn(connection)`` in one BEGIN IMMEDIATE transaction.
+
+        Where the file is read-only: a write the user ``asked`` for by name (an import, a clear) raises
+        ValueError saying so; the stores that tuning makes on its own return None, warned once, not at
+        every store. A read-only database still serves what it holds; new measurements are used and
+        not remembered.
+        """
         def in_transaction(conn: sqlite3.Connection) -> Any:
             with _transaction(conn):
                 return fn(conn)
-        return self._run(in_transaction)
+        try:
+            return self._run(in_transaction)
+        except sqlite3.OperationalError as exc:
+            if not _read_only(exc):
+                raise
+            if asked:
+                raise ValueError(f"cannot {asked}: the tuning database {self.path} is read-only ({exc}); make the "
+                                 f"file writable or give another path") from None
+            self._warn_once("read-only", "the tuning database %s is read-only (%s): it serves what it holds, and "
+                            "new measurements are used but not remembered. Make the file writable or give another "
+                            "path (TuningDB(path), CONVTUNE_CACHE_DIR)", self.path, exc)
+            return None
+
+
+def _read_only(exc: sqlite3.OperationalError) -> bool:
+    """Whether SQLite refused a write because the file (or its folder) may not be written."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    return (code is not None and code & 0xFF == sqlite3.SQLITE_READONLY) or "readonly" in str(exc)
 
 
 _default_failed: list[str] = []  # why the default database could not be opened (warned once)

@@ -22,10 +22,12 @@ import torch
 from . import costmodel, learned
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, backends, registered
+from .errors import CANDIDATE_FAULTS
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import rank
 from .results import Choice, PerfResult, Status
+from .settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
             seen[algorithm.backend] += 1
         try:
             guess = predict(problem, algorithm, db, factor, learn_workspace=learn_workspace)
-        except Exception as exc:  # noqa: BLE001 - a broken plug-in must not break the ranking
+        except CANDIDATE_FAULTS as exc:  # a broken plug-in must not break the ranking
             log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key,
                         type(exc).__name__, exc)
             broken.append(algorithm)
@@ -137,6 +139,7 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
            learned.version(problem.device), torch.backends.cudnn.deterministic)
     choices = _memo.get(key)
     if choices is None:
+        settings.check()
         ranked = ranked_predictions(problem, algorithms(problem), policy, db)
         choices = [Choice(g.algorithm, cast(float, g.time_ms), g.workspace_bytes)  # rank keeps timed ones
                    for _, g in ranked]

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from .units import MAX_BYTES
+
 DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -173,6 +175,11 @@ class ConvProblem:
                     f"{d * (r - 1) + 1} in dimension {i}, more than the padded input_size "
                     f"{h} + 2*{p} = {h + 2 * p}; use a smaller kernel or dilation, or more padding"
                 )
+        for operand, shape in (("input", self.x_shape), ("weight", self.w_shape), ("output", self.y_shape)):
+            nbytes = math.prod(shape) * self.element_bytes
+            if nbytes > MAX_BYTES:  # no device allocates it, and byte offsets into it overflow int64
+                raise ValueError(f"ConvProblem's {operand} {shape} in {self.dtype} takes {nbytes} bytes, more than "
+                                 f"any tensor can ({MAX_BYTES}, 8 EiB); use smaller sizes")
 
     # -- shapes -------------------------------------------------------------------------
     @property

@@ -154,6 +154,20 @@ class Settings:
         finally:
             self._overrides = saved
 
+    def check(self) -> None:
+        """Read every setting now and check those that bound each other; raises ValueError naming the setting.
+
+        The entry points (``get``, ``find``, ``select``, ``optimize``, the command line) call this first:
+        a setting read while a candidate is measured must not fail there, where it would be that
+        candidate's failure (and every other's) instead of the clear error it is.
+        """
+        for setting in _SETTINGS:
+            getattr(self, setting.name)
+        low, high = self.timing_min_repeats, self.timing_max_repeats
+        if high < low:
+            raise ValueError(f"timing_max_repeats ({high}, CONVTUNE_TIMING_MAX_REPEATS) is below timing_min_repeats "
+                             f"({low}, CONVTUNE_TIMING_MIN_REPEATS): make the most repeats at least the fewest")
+
     def overrides(self) -> dict[str, Any]:
         """The values ``override`` has set now (a worker process takes them along; the environment it inherits)."""
         return dict(self._overrides)

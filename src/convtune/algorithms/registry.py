@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from .. import costmodel
 from ..costmodel import Cost
+from ..errors import CANDIDATE_FAULTS
 from ..problem import ConvProblem
 from .base import Algorithm, Backend, Support
 
@@ -143,7 +144,7 @@ def algorithms(problem: ConvProblem) -> list[Algorithm]:
     for backend in backends():
         try:
             found += backend.algorithms(problem)
-        except Exception as exc:  # noqa: BLE001 - a broken plug-in backend leaves itself out, not the search
+        except CANDIDATE_FAULTS as exc:  # a broken plug-in backend leaves itself out, not the search
             log.warning("backend %s offers nothing for %s: algorithms() raised %s: %s", backend.prefix, problem.key,
                         type(exc).__name__, exc)
     return found
@@ -153,7 +154,7 @@ def _support(algorithm: Algorithm, problem: ConvProblem) -> Support:
     """``algorithm.supports(problem)``; an exception there (a broken plug-in) makes it unsupported, with the reason."""
     try:
         return algorithm.supports(problem)
-    except Exception as exc:  # noqa: BLE001 - one broken candidate must not break every question
+    except CANDIDATE_FAULTS as exc:  # one broken candidate must not break every question
         log.warning("%s.supports() raised %s: %s; it is left out", algorithm.name, type(exc).__name__, exc)
         return Support(False, f"supports() raised {type(exc).__name__}: {exc}")
 
@@ -168,7 +169,7 @@ def unsupported_reasons(problem: ConvProblem) -> dict[str, str]:
     for backend in backends():
         try:
             why = backend.unavailable(problem)
-        except Exception as exc:  # noqa: BLE001 - as in algorithms()
+        except CANDIDATE_FAULTS as exc:  # as in algorithms()
             why = f"unavailable() raised {type(exc).__name__}: {exc}"
         if why:
             reasons[backend.prefix + ":*"] = why
