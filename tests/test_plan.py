@@ -22,11 +22,11 @@ from convtune import ConvProblem, PerfResult, Policy, TuningDB
 from convtune.algorithms.base import SUPPORTED, unsupported
 from convtune.algorithms.registry import get_algorithm, isolated
 from convtune.errors import NoAlgorithmError
+from convtune.plan import BUDGET_MODES as MODES
 from convtune.plan import InfeasibleBudgetError, Plan, budget_curve, pareto_front, plan
 from convtune.pytorch import tuning as tuning_module
 from convtune.ranking import usable
 
-MODES = ("shared", "divided")
 
 
 @pytest.fixture(autouse=True)

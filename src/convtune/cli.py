@@ -22,10 +22,11 @@ from rich.table import Table
 from . import zoo
 from .errors import ConvtuneError, NoAlgorithmError
 from .network import LayerRow, Tuning, plan_layers, planned_rows, run_names, select_layers
-from .policy import Policy
+from .plan import BUDGET_MODES
+from .policy import PREFERENCES, Policy
 from .problem import DIRECTIONS, ConvProblem
 from .report import choices_table, perf_table, tune_table
-from .select import MODES
+from .select import SELECTION_MODES
 from .settings import settings
 from .units import format_bytes, parse_bytes
 
@@ -78,13 +79,13 @@ def _add_type_args(g) -> None:
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the policy")
-    g.add_argument("--workspace-limit", default=None, help="most scratch memory per algorithm, e.g. 64MiB")
+    g.add_argument("--workspace-limit", default=None, help="most workspace memory per algorithm, e.g. 64MiB")
     g.add_argument("--deterministic", action="store_true", help="only run-to-run deterministic algorithms")
     g.add_argument("--no-tf32", action="store_true", help="forbid TF32 math for float32")
     g.add_argument("--no-reduced-precision", action="store_true", help="forbid half-precision accumulation")
     g.add_argument("--micro-batching", action="store_true",
                    help="with --workspace-limit, also offer sub-batches run one after another (mu-cuDNN)")
-    g.add_argument("--prefer", default="fastest", choices=("fastest", "least_memory"))
+    g.add_argument("--prefer", default="fastest", choices=PREFERENCES)
     g.add_argument("--tolerance", type=float, default=0.02, help="times within this fraction tie (default 0.02)")
     g.add_argument("--max-candidates", type=int, default=None, help="time at most this many candidates")
     g.add_argument("--budget-s", type=float, default=None, help="seconds one search may spend")
@@ -93,8 +94,8 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
 def _add_budget_args(p: argparse.ArgumentParser, required: bool) -> None:
     g = p.add_argument_group("the network's workspace budget (convtune.plan)")
     g.add_argument("--workspace-budget", required=required, default=None,
-                   help="scratch memory for the whole network, e.g. 64MiB: one choice per layer so that it fits")
-    g.add_argument("--budget-mode", default="shared", choices=("shared", "divided"),
+                   help="workspace memory for the whole network, e.g. 64MiB: one choice per layer so that it fits")
+    g.add_argument("--budget-mode", default="shared", choices=BUDGET_MODES,
                    help="shared: layers run one after another and share one buffer, the largest must fit "
                         "(default); divided: layers run concurrently, the sum must fit")
 
@@ -172,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="tune every layer of a built-in network or a layer file")
     _add_network_args(p)
-    p.add_argument("--mode", default="hybrid", choices=MODES, help="how each layer is chosen (default hybrid)")
+    p.add_argument("--mode", default="hybrid", choices=SELECTION_MODES,
+                   help="how each layer is chosen (default hybrid)")
     p.add_argument("--layers", type=_positive, default=None, help="tune only the first N layers")
     _add_budget_args(p, required=False)
     _add_policy_args(p)

@@ -437,19 +437,36 @@ def _read_only(exc: sqlite3.OperationalError) -> bool:
 
 
 _default_failed: list[str] = []  # why the default database could not be opened (warned once)
+_fallback: list[TuningDB] = []  # the process's database where the default one cannot be opened
 
 
 def default_db() -> TuningDB | None:
-    """``TuningDB()`` at the default path, or None (warned once) when it cannot be opened there (a read-only
-    or missing cache folder): selections then go on without remembering, rather than failing."""
+    """``TuningDB()`` at the default path; where it cannot be opened there (a read-only or missing cache
+    folder), a database in a temporary folder that lives as long as the process (warned once): the
+    process's choices are remembered for its lifetime, not beyond, rather than failing. None only
+    where not even that can be made."""
     try:
         return TuningDB()
     except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
         if not _default_failed:
-            log.warning("the tuning database at %s cannot be opened (%s: %s); choices are made but not remembered. "
-                        "Set CONVTUNE_CACHE_DIR to a writable folder", settings.db_path, type(exc).__name__, exc)
+            log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its choices "
+                        "in a temporary database, removed when it ends. Set CONVTUNE_CACHE_DIR to a writable "
+                        "folder", settings.db_path, type(exc).__name__, exc)
         _default_failed.append(str(exc))
-        return None
+    if not _fallback:
+        import atexit
+        import shutil
+        import tempfile
+
+        try:
+            folder = tempfile.mkdtemp(prefix="convtune-db-")
+            _fallback.append(TuningDB(Path(folder) / "tuning.sqlite"))
+        except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
+            log.warning("no temporary tuning database either (%s: %s); choices are made but not remembered",
+                        type(exc).__name__, exc)
+            return None
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return _fallback[0]
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -98,7 +98,7 @@ class _Search:
         self.problem, self.policy, self.timer, self.seed = problem, policy, timer, seed
         self.budget = _Budget(policy)
         self.best_ms = math.inf
-        self.leanest_bytes = math.inf  # the smallest scratch of a measured ok candidate
+        self.leanest_bytes = math.inf  # the smallest workspace of a measured ok candidate
         # Two input sets and their references, shared by all candidates, each with pristine copies.
         self._cases: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]] = []
         self._pristine: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -130,7 +130,7 @@ class _Search:
 
         predicted_ms: get's guess; far above the best measured, the candidate is not run.
         converged: the search has stopped finding faster candidates. Either way, a candidate that
-        needs less scratch than every one measured so far still runs: it is a new point of the
+        needs less workspace than every one measured so far still runs: it is a new point of the
         time/workspace trade-off that a workspace budget (``plan``) may need.
 
         A workspace that is costly to learn (``known_workspace_bytes`` is None: an unbuilt cuDNN
@@ -214,7 +214,7 @@ class _Search:
         if self.policy.workspace_limit is not None or skip is None:
             return True  # held against the limit, or it runs
         _, leaner_runs = skip
-        return leaner_runs and self.leanest_bytes > 0  # nothing is leaner than no scratch
+        return leaner_runs and self.leanest_bytes > 0  # nothing is leaner than no workspace
 
     def _measure(self, algorithm: Algorithm, props: _Props, probe_determinism: bool,
                  timer_budget_s: float | None) -> PerfResult:
@@ -400,7 +400,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     order; once ``settings.find_patience`` candidates after those were no faster than the best
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
-    is skipped without running. Neither rule skips a candidate needing less scratch than every
+    is skipped without running. Neither rule skips a candidate needing less workspace than every
     one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. A
     workspace costly to learn (a cuDNN plan's, by building it) is learned for the candidates
     that run, for all of them under a ``workspace_limit``, and for a skipped one only while a

@@ -21,7 +21,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullForma
 from .hardware import fingerprint, roofline_ms, software_versions
 from .plan import Plan, budget_curve
 from .policy import Policy
-from .report import layer_groups, problem_title
+from .report import format_ms, layer_groups, percent_of_floor, problem_title
 from .results import PerfResult
 from .units import format_bytes, parse_bytes
 
@@ -234,14 +234,6 @@ def _smallest_feasible(plan: Plan) -> int:
 
 # -- HTML ----------------------------------------------------------------------------------------
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}" if abs(value) < 1 else f"{value:.3f}"
-
-
-def _pct(floor_ms: float, time_ms: float | None) -> str:
-    return "-" if not time_ms else f"{100 * floor_ms / time_ms:.1f}%"
-
-
 def _cells(values: Sequence[tuple[str, str]], tag: str = "td") -> str:
     """(text, css class) pairs as escaped cells."""
     return "".join(f'<{tag} class="{cls}">{html.escape(text)}</{tag}>' for text, cls in values)
@@ -250,12 +242,12 @@ def _cells(values: Sequence[tuple[str, str]], tag: str = "td") -> str:
 def _row(name: str, problem, count: int, choice: PerfResult, entry: dict, fastest: PerfResult) -> str:
     changed = choice.algorithm != fastest.algorithm
     cells = [(name, "l"), (problem_title(problem), "l wrap"), (str(count), ""), (choice.algorithm, "l algo"),
-             (_ms(choice.time_ms), ""), (format_bytes(choice.workspace_bytes), ""),
+             (format_ms(choice.time_ms), ""), (format_bytes(choice.workspace_bytes), ""),
              ("same" if not changed else
-              f"{fastest.algorithm} ({_ms(fastest.time_ms)} ms, {format_bytes(fastest.workspace_bytes)})",
+              f"{fastest.algorithm} ({format_ms(fastest.time_ms)} ms, {format_bytes(fastest.workspace_bytes)})",
               "l algo" + ("" if changed else " same")),
-             (_ms(entry["time_lost_ms"]), ""), (format_bytes(entry["memory_saved_bytes"]), ""),
-             (_pct(roofline_ms(problem), choice.time_ms), "")]
+             (format_ms(entry["time_lost_ms"]), ""), (format_bytes(entry["memory_saved_bytes"]), ""),
+             (percent_of_floor(roofline_ms(problem), choice.time_ms), "")]
     return f'<tr class="{"changed" if changed else ""}">{_cells(cells)}</tr>'
 
 
@@ -269,18 +261,19 @@ def _html(plan: Plan, title: str, names: Sequence[str], figures: Sequence[tuple[
     floor_ms = sum(roofline_ms(p) for p in plan.problems)
     lost_ms = plan.total_time_ms - unconstrained_ms
     footer = _cells([("total", "l"), ("", "l"), (str(len(plan.problems)), ""), ("", "l"),
-                     (_ms(plan.total_time_ms), ""), (format_bytes(plan.workspace_bytes), ""),
-                     (f"{_ms(unconstrained_ms)} ms, {format_bytes(unconstrained_bytes)}", "l"),
-                     (_ms(lost_ms), ""), (format_bytes(unconstrained_bytes - plan.workspace_bytes), ""),
-                     (_pct(floor_ms, plan.total_time_ms), "")])
+                     (format_ms(plan.total_time_ms), ""), (format_bytes(plan.workspace_bytes), ""),
+                     (f"{format_ms(unconstrained_ms)} ms, {format_bytes(unconstrained_bytes)}", "l"),
+                     (format_ms(lost_ms), ""), (format_bytes(unconstrained_bytes - plan.workspace_bytes), ""),
+                     (percent_of_floor(floor_ms, plan.total_time_ms), "")])
     header = _cells([(h, "l" if h in ("layer", "problem", "choice", "unconstrained choice") else "") for h in (
         "layer", "problem", "count", "choice", "time ms", "workspace", "unconstrained choice", "time lost ms",
         "memory saved", "% of floor")], tag="th")
     budget = "none" if plan.workspace_budget is None else format_bytes(plan.workspace_budget)
     slower = f"+{100 * lost_ms / unconstrained_ms:.1f}%" if unconstrained_ms else "-"
-    cards = [(budget, f"workspace budget ({plan.mode})"), (f"{_ms(plan.total_time_ms)} ms", "planned network time"),
+    cards = [(budget, f"workspace budget ({plan.mode})"),
+             (f"{format_ms(plan.total_time_ms)} ms", "planned network time"),
              (format_bytes(plan.workspace_bytes), "planned workspace"),
-             (f"{_ms(unconstrained_ms)} ms", f"no budget (workspace {format_bytes(unconstrained_bytes)})"),
+             (f"{format_ms(unconstrained_ms)} ms", f"no budget (workspace {format_bytes(unconstrained_bytes)})"),
              (slower, "time the budget costs"),
              (format_bytes(unconstrained_bytes - plan.workspace_bytes), "memory the budget saves")]
     device = plan.problems[0].device if plan.problems else "cpu"

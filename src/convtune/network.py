@@ -29,7 +29,7 @@ from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .progress import tuning_bar
 from .results import PerfResult
-from .select import MODES, select, stored
+from .select import SELECTION_MODES, select, stored
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -44,8 +44,8 @@ class Tuning:
     """
 
     def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not a selection mode; use one of {list(MODES)}")
+        if mode not in SELECTION_MODES:
+            raise ValueError(f"mode={mode!r} is not a selection mode; use one of {list(SELECTION_MODES)}")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a convtune.Policy or None, got {type(policy).__name__}")
         self.policy = DEFAULT_POLICY if policy is None else policy

@@ -41,7 +41,7 @@ from .units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
 
-MODES = ("shared", "divided")
+BUDGET_MODES = ("shared", "divided")
 
 
 class InfeasibleBudgetError(ValueError):
@@ -207,8 +207,8 @@ def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any) -> tupl
     for p in problems:
         if not isinstance(p, ConvProblem):
             raise TypeError(f"plan() takes ConvProblems, got a {type(p).__name__} in problems")
-    if mode not in MODES:
-        raise ValueError(f"plan(mode={mode!r}) is not a mode; use one of {list(MODES)}")
+    if mode not in BUDGET_MODES:
+        raise ValueError(f"plan(mode={mode!r}) is not a mode; use one of {list(BUDGET_MODES)}")
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"plan(policy=...) takes a convtune.Policy or None, got {type(policy).__name__}")
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "plan(workspace_budget=...)")

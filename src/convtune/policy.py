@@ -19,7 +19,7 @@ PREFERENCES = ("fastest", "least_memory")
 class Policy:
     """What a selection must respect and what it prefers.
 
-    workspace_limit: bytes (or a size like '64MiB') an algorithm may use as scratch; None for no limit.
+    workspace_limit: bytes (or a size like '64MiB') an algorithm may use as workspace; None for no limit.
     deterministic: only algorithms that give bit-identical results run to run.
     allow_tf32: TF32 tensor-core math allowed for float32 problems.
     allow_reduced_precision: float16/bfloat16 accumulation (not float32) allowed.

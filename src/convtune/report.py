@@ -13,11 +13,13 @@ from .results import Choice, PerfResult
 from .units import format_bytes
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}" if value < 1 else f"{value:.3f}"
+def format_ms(value: float | None) -> str:
+    """A time in ms for a table: four decimals below 1 ms, three above; '-' for none."""
+    return "-" if value is None else f"{value:.4f}" if abs(value) < 1 else f"{value:.3f}"
 
 
-def _pct_of_floor(floor_ms: float, time_ms: float | None) -> str:
+def percent_of_floor(floor_ms: float, time_ms: float | None) -> str:
+    """The hardware floor's time as a percentage of ``time_ms`` (how near the roofline it runs)."""
     return "-" if not time_ms else f"{100 * floor_ms / time_ms:.1f}%"
 
 
@@ -33,24 +35,25 @@ def problem_title(problem: ConvProblem) -> str:
 def perf_table(problem: ConvProblem, results: Sequence[PerfResult]) -> Table:
     """One row per candidate: status, median time, spread, workspace, % of the roofline floor, error."""
     floor = roofline_ms(problem)
-    table = Table(title=f"{problem_title(problem)}  (roofline floor {_ms(floor)} ms)")
+    table = Table(title=f"{problem_title(problem)}  (roofline floor {format_ms(floor)} ms)")
     for column in ("algorithm", "status", "time ms", "spread ms", "workspace", "% of floor", "rel. error", "note"):
         table.add_column(column, justify="right" if column not in ("algorithm", "status", "note") else "left")
     for r in results:
-        table.add_row(r.algorithm, r.status.value, _ms(r.time_ms), _ms(r.spread_ms), format_bytes(r.workspace_bytes),
-                      _pct_of_floor(floor, r.time_ms), "-" if r.rel_error is None else f"{r.rel_error:.1e}",
+        table.add_row(r.algorithm, r.status.value, format_ms(r.time_ms), format_ms(r.spread_ms),
+                      format_bytes(r.workspace_bytes),
+                      percent_of_floor(floor, r.time_ms), "-" if r.rel_error is None else f"{r.rel_error:.1e}",
                       r.message[:60])
     return table
 
 
 def choices_table(problem: ConvProblem, choices: Sequence[Choice]) -> Table:
     floor = roofline_ms(problem)
-    table = Table(title=f"{problem_title(problem)}  (predicted; roofline floor {_ms(floor)} ms)")
+    table = Table(title=f"{problem_title(problem)}  (predicted; roofline floor {format_ms(floor)} ms)")
     for column in ("rank", "algorithm", "predicted ms", "workspace", "% of floor"):
         table.add_column(column, justify="left" if column == "algorithm" else "right")
     for i, c in enumerate(choices, 1):
-        table.add_row(str(i), c.name, _ms(c.predicted_ms), format_bytes(c.workspace_bytes),
-                      _pct_of_floor(floor, c.predicted_ms))
+        table.add_row(str(i), c.name, format_ms(c.predicted_ms), format_bytes(c.workspace_bytes),
+                      percent_of_floor(floor, c.predicted_ms))
     return table
 
 
@@ -84,16 +87,16 @@ def tune_table(title: str, rows: Sequence[LayerRow], total_workspace_bytes: int 
     total_floor = sum(r.floor_ms * r.count for r in rows)
     timed = all(r.result and r.result.time_ms is not None for r in rows)
     columns = [("layer", "total"), ("problem", ""), ("count", str(sum(r.count for r in rows))), ("choice", ""),
-               ("time ms", _ms(total_ms) if timed else "-"),
+               ("time ms", format_ms(total_ms) if timed else "-"),
                ("workspace", format_bytes(total_workspace_bytes if total_workspace_bytes is not None else
                                           max((r.result.workspace_bytes for r in rows if r.result), default=0))),
-               ("% of floor", _pct_of_floor(total_floor, total_ms) if timed else "-")]
+               ("% of floor", percent_of_floor(total_floor, total_ms) if timed else "-")]
     for name, footer in columns:
         table.add_column(name, footer=footer, justify="left" if name in ("layer", "problem", "choice") else "right")
     for r in rows:
         res = r.result
         choice = res.algorithm if res else f"none ({r.error[:40]})"
-        table.add_row(r.name, problem_title(r.problem), str(r.count), choice, _ms(res.time_ms if res else None),
+        table.add_row(r.name, problem_title(r.problem), str(r.count), choice, format_ms(res.time_ms if res else None),
                       format_bytes(res.workspace_bytes) if res else "-",
-                      _pct_of_floor(r.floor_ms, res.time_ms if res else None))
+                      percent_of_floor(r.floor_ms, res.time_ms if res else None))
     return table

@@ -24,7 +24,7 @@ class Status(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class PerfResult:
-    """One candidate of one problem: how it fared, how fast, how much scratch, how exact.
+    """One candidate of one problem: how it fared, how fast, how much workspace, how exact.
 
     time_ms is the median (None when it was not timed); spread_ms the interquartile range;
     rel_error the relative L2 error against the float64 reference (None when not checked).

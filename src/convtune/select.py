@@ -20,7 +20,7 @@ from .problem import ConvProblem
 from .ranking import rank, usable
 from .results import PerfResult
 
-MODES = ("get", "find", "hybrid", "db_then_get")
+SELECTION_MODES = ("get", "find", "hybrid", "db_then_get")
 
 
 def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> PerfResult:
@@ -39,8 +39,8 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
         >>> select(p, Policy(deterministic=True), mode="find").status.value
         'ok'
     """
-    if mode not in MODES:
-        raise ValueError(f"select(mode={mode!r}) is not a mode; use one of {list(MODES)}")
+    if mode not in SELECTION_MODES:
+        raise ValueError(f"select(mode={mode!r}) is not a mode; use one of {list(SELECTION_MODES)}")
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"select() takes a ConvProblem, got {type(problem).__name__}")
     policy = DEFAULT_POLICY if policy is None else policy
