@@ -35,6 +35,7 @@ from typing import Any, cast
 
 from . import hardware, learned
 from .problem import ConvProblem
+from .results import backend_of
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class Corrections:
         exact = self.by_algorithm.get((name, problem.direction, problem.dtype))
         if exact is not None:
             return exact
-        return self.by_backend.get(name.split(":", 1)[0], 1.0)
+        return self.by_backend.get(backend_of(name), 1.0)
 
 
 NO_CORRECTIONS = Corrections()
@@ -212,7 +213,7 @@ class _Table:
         for problem, ratios in self.ratios.items():
             for algorithm, ratio in ratios:
                 logs[(algorithm, problem.direction, problem.dtype)].append(ratio)
-                backend_logs[algorithm.split(":", 1)[0]].append(ratio)
+                backend_logs[backend_of(algorithm)].append(ratio)
 
         def geomean(values: list[float]) -> float:
             return math.exp(sum(values) / len(values))

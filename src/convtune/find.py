@@ -362,14 +362,14 @@ def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
     family, so each family gets one early try; the rest follow in ``get``'s order.
 
         >>> class A:
-        ...     def __init__(self, name): self.name = name
+        ...     def __init__(self, name): self.name, self.backend = name, name.split(":")[0]
         >>> order, head = search_order([A("cudnn:1"), A("cudnn:2"), A("gemm:1x1"), A("cudnn:3")])
         >>> [a.name for a in order], head
         (['cudnn:1', 'gemm:1x1', 'cudnn:2', 'cudnn:3'], 2)
     """
     firsts: dict[str, Algorithm] = {}
     for algorithm in ranked:
-        firsts.setdefault(algorithm.name.split(":", 1)[0], algorithm)
+        firsts.setdefault(algorithm.backend, algorithm)
     head = list(firsts.values())
     return head + [a for a in ranked if a not in head], len(head)
 

@@ -6,9 +6,8 @@ from collections.abc import Iterable
 from typing import cast
 
 from .policy import Policy
-from .results import PerfResult, Status
+from .results import MICRO_BATCH_BACKEND, PerfResult, Status, backend_of
 
-MICRO_BATCH_PREFIX = "mb:"
 NATIVE = "torch:native"  # PyTorch's own path: no workspace of convtune's and the least host time per call
 
 
@@ -16,7 +15,7 @@ def usable(result: PerfResult, policy: Policy) -> bool:
     """An ``ok`` result that the policy allows."""
     if result.status is not Status.OK or result.time_ms is None:
         return False
-    if not policy.micro_batching and result.algorithm.startswith(MICRO_BATCH_PREFIX):
+    if not policy.micro_batching and backend_of(result.algorithm) == MICRO_BATCH_BACKEND:
         return False  # a stored split answers only a policy that allows splitting the batch
     if policy.max_rel_error is not None and (result.rel_error is None or result.rel_error > policy.max_rel_error):
         return False

@@ -7,6 +7,18 @@ import enum
 import math
 from typing import TYPE_CHECKING, Any
 
+MICRO_BATCH_BACKEND = "mb"  # the backend of micro-batched algorithms: 'mb:<inner backend>.<variant>_s<split>'
+
+
+def backend_of(name: str) -> str:
+    """The backend an algorithm's name says it belongs to: names are 'backend:variant' (``Algorithm``
+    refuses any other), so a stored result's name alone tells its family. The one place that reads it.
+
+        >>> backend_of("cudnn:eng58_k25=0"), backend_of("mb:gemm.im2col_s4x2")
+        ('cudnn', 'mb')
+    """
+    return name.split(":", 1)[0]
+
 
 class Status(str, enum.Enum):
     OK = "ok"

@@ -26,6 +26,7 @@ import torch
 from .. import costmodel
 from ..costmodel import Cost
 from ..problem import DIRECTIONS, ConvProblem, is_in_layout
+from ..results import backend_of
 
 OPERAND_NAMES = {"fwd": ("x", "w", "y"), "bwd_data": ("dy", "w", "dx"), "bwd_filter": ("x", "dy", "dw")}
 ALIGN_BYTES = 256
@@ -162,7 +163,7 @@ class Algorithm(abc.ABC):
 
     @property
     def backend(self) -> str:
-        return self.name.split(":", 1)[0]
+        return backend_of(self.name)
 
     def __repr__(self) -> str:
         return f"<Algorithm {self.name}>"

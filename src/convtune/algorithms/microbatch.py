@@ -32,6 +32,7 @@ import torch
 
 from ..costmodel import Cost
 from ..problem import ConvProblem, layout_order
+from ..results import MICRO_BATCH_BACKEND, backend_of
 from .base import (
     SUPPORTED,
     Algorithm,
@@ -44,7 +45,7 @@ from .base import (
 )
 from .registry import declared_cost, get_algorithm, register
 
-PREFIX = "mb"
+PREFIX = MICRO_BATCH_BACKEND
 _MB_NAME = re.compile(r"^mb:(?P<backend>[a-z0-9_]+)\.(?P<variant>[A-Za-z0-9_.=\-]+)_s(?P<split>\d+x\d+(?:_\d+x\d+)*)$")
 
 
@@ -115,7 +116,7 @@ class MicroBatch(Algorithm):
         self.inner_name = inner.name if isinstance(inner, Algorithm) else inner
         if not isinstance(self.inner_name, str) or ":" not in self.inner_name:
             raise ValueError(f"MicroBatch inner={inner!r} must be an Algorithm or a 'backend:variant' name")
-        if self.inner_name.startswith(PREFIX + ":"):
+        if backend_of(self.inner_name) == PREFIX:
             raise ValueError(f"MicroBatch inner={self.inner_name!r} is micro-batched already; split its inner once")
         pairs = tuple(tuple(pair) for pair in split)
         if not pairs or any(len(p) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in p)

@@ -17,6 +17,7 @@ from .. import costmodel
 from ..costmodel import Cost
 from ..errors import CANDIDATE_FAULTS
 from ..problem import ConvProblem
+from ..results import backend_of
 from .base import Algorithm, Backend, Support
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def get_algorithm(name: str, problem: ConvProblem | None = None) -> Algorithm:
     _ensure_builtins()
     if name in _registry:
         return _registry[name]
-    prefix = name.split(":", 1)[0]
+    prefix = backend_of(name)
     if prefix in _backends:
         if problem is None:
             raise KeyError(f"{name!r} belongs to the {prefix} backend: pass the problem to get_algorithm")
@@ -130,7 +131,7 @@ def declared_cost(name: str) -> Callable[[ConvProblem, int], Cost]:
     _ensure_builtins()
     if name in _registry:
         return _registry[name].cost
-    prefix = name.split(":", 1)[0]
+    prefix = backend_of(name)
     if prefix in _backends:
         return _backends[prefix].declared_cost(name)
     return costmodel.generic_cost
