@@ -92,7 +92,7 @@ def markdown(env: dict, results: dict) -> str:
             lines.append([*key.split(":"), *cell.split(":"), f"{row['torch_ms']:.3f}", f"{row['convtune_ms']:.3f}",
                           f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}", f"{res['date']} {res['revision']}"])
     return ("# PyTorch and convtune in one process, timed in alternation\n\n"
-            f"{env.get('date')}, {env.get('gpu', 'CPU')}, torch {env.get('torch')}, cuDNN {env.get('cudnn')}. "
+            f"{common.env_line(env)}. "
             "Autocast, channels_last, `cudnn.benchmark=True`; per round one timing of each (CUDA events, the "
             "order swapped every round); ms: medians over the rounds; ratio: median of the rounds' PyTorch / "
             "convtune (above 1: convtune faster), and its range. `bench/ab.py`.\n\n"

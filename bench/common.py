@@ -40,6 +40,16 @@ def environment() -> dict:
     return env
 
 
+def env_line(env: dict) -> str:
+    """A result file's provenance in one line: when, where, which software and which revision measured it."""
+    where = env.get("gpu") or env.get("cpu") or "CPU"
+    software = [f"torch {env.get('torch')}"]
+    software += [f"CUDA {env['cuda']}"] if env.get("cuda") else []
+    software += [f"cuDNN {env['cudnn']}"] if env.get("cudnn") else []
+    software += [f"convtune {env['convtune']}"] if env.get("convtune") else []
+    return f"{env.get('date')}, {where}, {', '.join(software)}, revision {env.get('revision', 'not recorded')}"
+
+
 def revision() -> str:
     """The commit the code under measurement is: BENCH_REVISION (a copy of the tree without its .git
     sets it), else git's short hash ('+' when the tree has changes), else 'unknown'."""

@@ -27,8 +27,7 @@ def _load(name: str) -> dict:
 
 
 def _env(env: dict) -> str:
-    revision = env.get("revision", "revision not recorded")
-    return f"{env.get('date')}, {env.get('gpu', 'CPU')}, torch {env.get('torch')}, cuDNN {env.get('cudnn')}, {revision}"
+    return common.env_line(env)
 
 
 def _ratio(torch_row: dict | None, ct_row: dict | None, workload: str) -> str:

@@ -167,8 +167,7 @@ def summarize(cfg_text: str, rows: list[dict]) -> dict:
 
 
 def markdown(env: dict, summaries: list[dict]) -> str:
-    head = (f"# Layer benchmark\n\n{env['date']}, {env.get('gpu', env.get('cpu'))}, torch {env['torch']}, "
-            f"cuDNN {env.get('cudnn')}, convtune {env['convtune']}. Times: CUDA-graph replay, L2 flushed, median.\n"
+    head = (f"# Layer benchmark\n\n{common.env_line(env)}. Times: CUDA-graph replay, L2 flushed, median.\n"
             "Ratios: geometric mean over layers of time / exhaustive cuDNN best (1.00 = the best cuDNN plan). "
             "Sums weight each layer by how often the network runs it.\n\n")
     rows = []

@@ -94,8 +94,7 @@ def main() -> None:
         [[r["budget"], ms(r["shared_ms"]), ms(r["divided_ms"]), ms(r["even_cap_ms"]),
           format_bytes(r["divided_workspace_bytes"]),
           "-" if not math.isfinite(r["divided_ms"]) else f"{r['divided_ms'] / unconstrained:.3f}x"] for r in rows])
-    text = (f"# Network workspace budgets\n\n{env['date']}, {env.get('gpu', env.get('cpu'))}, torch {env['torch']}, "
-            f"convtune {env['convtune']}. {config}: {len(layers)} layers, {len(problems)} runs; unconstrained "
+    text = (f"# Network workspace budgets\n\n{common.env_line(env)}. {config}: {len(layers)} layers, {len(problems)} runs; unconstrained "
             f"{unconstrained:.3f} ms (sum of measured layer times).\n\n" + table)
     common.write(args.name, payload, text, args.out)
     print(text)

@@ -32,8 +32,9 @@ def main() -> None:
             f"{t['find_pick_ms']:.3f}", f"{t['exhaustive_best_ms']:.3f}", f"{t['floor_ms']:.3f}",
             f"{w['find']:.1f}", f"{w['exhaustive']:.1f}"])
     env = next(iter(envs.values()))
+    runs = sorted({f"{e['date']} (revision {e.get('revision', 'not recorded')})" for e in envs.values()})
     text = (f"# Layer benchmark: every configuration\n\n{env.get('gpu')}, torch {env['torch']}, cuDNN {env.get('cudnn')}; "
-            f"runs of {', '.join(sorted({e['date'] for e in envs.values()}))}.\n"
+            f"runs of {', '.join(runs)}.\n"
             "Ratios: geometric mean over layers of time / exhaustive cuDNN best. Sums in ms, each layer weighted by "
             "how often the network runs it. Tuning times in seconds.\n\n")
     text += common.md_table(["config", "file", "get", "find", "heur A", "heur B", "torch bm=0", "torch bm=1",

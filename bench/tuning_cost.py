@@ -315,8 +315,7 @@ def markdown(payload: dict) -> str:
     env, args = payload["environment"], argparse.Namespace(**payload["config"])
     rows, host, whole = payload["tuning"], payload["host_us"], payload["whole"]
     per_plan = {int(t): s for t, s in payload["build_s_per_plan"].items()}  # JSON keys are strings
-    text = (f"# Where tuning and running go\n\n{env['date']}, {env.get('gpu')}, torch {env['torch']}, cuDNN "
-            f"{env.get('cudnn')}, convtune {env['convtune']}. {args.network} b{args.batch} {args.dtype} "
+    text = (f"# Where tuning and running go\n\n{common.env_line(env)}. {args.network} b{args.batch} {args.dtype} "
             f"{args.layout}, the first {args.layers} layers in three directions.\n\n## Cold find, per problem (s)\n\n")
     text += common.md_table(
         ["problem", "graph", "plans built", "build (threads)", "sum of builds", "slowest plan", "reference", "find",

@@ -78,8 +78,7 @@ def measure(device: str, dtypes: list[str]) -> list[dict]:
 def report(payload: dict) -> str:
     rows = [r for r in payload["rows"] if "error" not in r]
     env = payload["environment"]
-    md = [f"# Verification margins\n\n{env['date']}, {env.get('gpu', env.get('cpu', '?'))}, torch {env['torch']}, "
-          f"revision {env['revision']}. {len(rows)} runs of {len({r['algorithm'] for r in rows})} algorithms "
+    md = [f"# Verification margins\n\n{common.env_line(env)}. {len(rows)} runs of {len({r['algorithm'] for r in rows})} algorithms "
           f"({len(payload['rows']) - len(rows)} plans not built); 1.00 is where `find` refuses a candidate.\n"]
     by_algo: dict[str, list[dict]] = {}
     for r in rows:

@@ -139,8 +139,7 @@ def run_stage(stage: str, args: argparse.Namespace, db_path: str) -> dict:
 
 def report(payload: dict) -> str:
     env, a = payload["environment"], payload["args"]
-    where = env.get("gpu", env.get("cpu", "?"))
-    md = [f"# Warm start\n\n{env['date']}, {where}, torch {env['torch']}, revision {env['revision']}. "
+    md = [f"# Warm start\n\n{common.env_line(env)}. "
           f"{a['network']} b{a['batch']} {a['dtype']} channels_last, optimize(training=True) under autocast; "
           "each stage a fresh process on the database the cold stage filled.\n"]
     rows = []
