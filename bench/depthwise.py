@@ -1,9 +1,9 @@
-"""Depthwise benchmark: convtune's Triton kernels against every cuDNN plan, PyTorch and the floor.
+"""Depthwise benchmark: convtune's Triton kernels against every cuDNN execution plan, PyTorch and the floor.
 
 For each shape and direction, with one timer (convtune.timing.benchmark) for everything and every
 result checked against float64 first:
 - ours: every triton:depthwise configuration of the direction, the fastest reported;
-- the best cuDNN plan: every plan of heuristics A + FALLBACK, built, checked and timed;
+- the best cuDNN execution plan: every plan of heuristics A + FALLBACK, built, checked and timed;
 - PyTorch's own call with cudnn.benchmark False and True, each in its own process;
 - the floor (hardware.roofline_ms: multiply-adds at the CUDA cores' float32 rate, compulsory bytes).
 

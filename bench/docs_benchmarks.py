@@ -103,7 +103,7 @@ def layers() -> str:
                      *(f"{g[k]:.3f}" for k in ("get_pick_ms", "find_pick_ms", "heurA_ms", "torch_bench1_ms")),
                      f"{t['find_pick_ms']:.3f} / {t['exhaustive_best_ms']:.3f}"])
     return ("## Layers (`bench/layers.py`)\n\nGeometric mean over a network's layers of time / the exhaustive "
-            "best cuDNN plan (1.000: as fast as trying every plan).\n\n"
+            "best cuDNN execution plan (1.000: as fast as trying every plan).\n\n"
             + common.md_table(["config", "file", "get", "find", "cuDNN heuristics A", "torch benchmark=True",
                                "find / exhaustive sum (ms)"], rows))
 

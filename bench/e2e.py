@@ -59,7 +59,7 @@ import convtune  # noqa: E402
 from convtune.problem import ConvProblem  # noqa: E402
 from convtune.pytorch import ops  # noqa: E402
 
-# ConvNeXt-T: a 7x7 depthwise convolution in every block, the layers where cuDNN's plans are farthest from the
+# ConvNeXt-T: a 7x7 depthwise convolution in every block, the layers where cuDNN's execution plans are farthest from the
 # floor and convtune's own depthwise kernels are meant to pay (MobileNetV2's are 3x3).
 MODELS = ("resnet50", "mobilenet_v2", "resnext50_32x4d", "convnext_tiny")
 BATCHES, DTYPES = (32, 128), ("float16", "bfloat16")

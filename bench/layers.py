@@ -168,7 +168,7 @@ def summarize(cfg_text: str, rows: list[dict]) -> dict:
 
 def markdown(env: dict, summaries: list[dict]) -> str:
     head = (f"# Layer benchmark\n\n{common.env_line(env)}. Times: CUDA-graph replay, L2 flushed, median.\n"
-            "Ratios: geometric mean over layers of time / exhaustive cuDNN best (1.00 = the best cuDNN plan). "
+            "Ratios: geometric mean over layers of time / exhaustive cuDNN best (1.00 = the best cuDNN execution plan). "
             "Sums weight each layer by how often the network runs it.\n\n")
     rows = []
     for s in summaries:

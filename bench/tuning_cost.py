@@ -14,13 +14,13 @@ database, as ``optimize(training=True)`` does, under cProfile: the wall time and
 seconds of each phase (cuDNN graphs, plan builds, references, verification, timing, the database).
 
 Then the same problems warm, in a fresh process on the database the cold run filled: each one
-selected from it and its algorithm's workspace learned (a cuDNN plan built), as a warm ``optimize``
+selected from it and its algorithm's workspace learned (a cuDNN execution plan built), as a warm ``optimize``
 does, under cProfile (database lookups, cuDNN graphs, plan builds).
 
 Part 3, host cost: microseconds per call, on a layer small enough that the GPU waits on the host,
 of ``F.conv2d`` and of convtune's op path (``ops.compute``, ``torch.ops.convtune.run``, and
 ``torch.ops.convtune.conv`` with autograd) for each algorithm kind, and of an ``nn.Conv2d`` before and
-after ``optimize`` (forward; forward and backward); on CUDA also a cuDNN plan's execute alone,
+after ``optimize`` (forward; forward and backward); on CUDA also a cuDNN execution plan's execute alone,
 through the C++ launch and through the frontend's public call (setting ``cudnn_direct``).
 
     python bench/tuning_cost.py --network resnet50 --batch 128 --dtype float16 --layers 6 --whole
@@ -120,7 +120,7 @@ def tuning_rows(problems, threads: int) -> list[dict]:
 # The phases of a cold find, by the functions that do them: (label, module file suffix, function name).
 PHASES = (
     ("cuDNN graphs (heuristics query)", "algorithms/cudnn.py", "__init__"),
-    ("cuDNN plan builds", "algorithms/cudnn.py", "build"),
+    ("cuDNN execution plan builds", "algorithms/cudnn.py", "build"),
     ("cost-model ranking (get)", "convtune/get.py", "ranked_predictions"),
     ("float64 references", "convtune/verify.py", "reference_case"),
     ("verification runs", "convtune/verify.py", "check"),
@@ -179,13 +179,13 @@ def whole_network(network: str, batch: int, dtype: str, layout: str, device: str
 WARM_PHASES = (
     ("database lookups", "convtune/db.py", "lookup"),
     ("cuDNN graphs (heuristics query)", "algorithms/cudnn.py", "__init__"),
-    ("cuDNN plan builds", "algorithms/cudnn.py", "build"),
+    ("cuDNN execution plan builds", "algorithms/cudnn.py", "build"),
 )
 
 
 def warm_child(args) -> None:
     """What a warm ``optimize`` does per problem, in this fresh process: select from the database, then
-    learn the chosen algorithm's workspace (a cuDNN plan is built), under cProfile."""
+    learn the chosen algorithm's workspace (a cuDNN execution plan is built), under cProfile."""
     problems = _training_problems(args.network, args.batch, args.dtype, args.layout, args.device)
 
     def tune() -> None:
@@ -210,7 +210,7 @@ def _per_call_us(fn, calls: int = 2000) -> float:
 
 
 def cudnn_launch_rows(p, x, w, name: str) -> list[tuple[str, float]]:
-    """A cuDNN plan's execute alone (no Runner around it), through the C++ launch and the public call."""
+    """A cuDNN execution plan's execute alone (no Runner around it), through the C++ launch and the public call."""
     from convtune.settings import settings
 
     plan = ct.get_algorithm(name, p)

@@ -5,9 +5,9 @@ channels_last, as bench/e2e.py does). Then, each in a fresh process on that data
 
 - ``warm``: the same ``optimize``, timed (what a user waits for), then its first training step;
 - ``profiled``: the same under cProfile: the wall time of each phase (observing the model, the
-  database, making the native executables, cuDNN plan deserialization) and the costliest functions;
+  database, making the native executables, cuDNN execution plan deserialization) and the costliest functions;
 - ``torch``: PyTorch alone (``cudnn.benchmark=False``): its first training step, which loads the same
-  libraries and builds cuDNN's plans its own way, the cost any process pays before its first step.
+  libraries and builds cuDNN's execution plans its own way, the cost any process pays before its first step.
 
     python bench/warm_start.py --network mobilenet_v2 --batch 32
 

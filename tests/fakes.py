@@ -4,7 +4,7 @@ A fake algorithm computes the true result (through PyTorch) unless it is meant t
 advances the shared fake ``CLOCK`` by its ``time_ms`` each run; ``FakeTimer`` times by that
 clock, so a test decides candidates' times exactly without sleeping. ``Fake(..., sleep=True)``
 also sleeps for real, for the wall-clock budget and the real timer. ``CostlyWorkspace`` counts
-how often its workspace had to be learned (a cuDNN plan's build).
+how often its workspace had to be learned (a cuDNN execution plan's build).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class InputWriter(Fake):
 
 
 class UnknownDeterminism(Fake):
-    """Does not know whether it is deterministic (like a cuDNN plan); ``noisy`` makes runs differ slightly."""
+    """Does not know whether it is deterministic (like a cuDNN execution plan); ``noisy`` makes runs differ slightly."""
 
     def __init__(self, name: str = "fake:unknown", noisy: bool = False, **kw: Any) -> None:
         super().__init__(name, **kw)
@@ -192,7 +192,7 @@ class UnknownDeterminism(Fake):
 
 
 class CostlyWorkspace(Fake):
-    """A workspace learned only by costly work, like a cuDNN plan's by its build.
+    """A workspace learned only by costly work, like a cuDNN execution plan's by its build.
 
     ``known_workspace_bytes`` is None for a problem until ``workspace_bytes``, ``workspace_bytes`` or a
     run learned it; ``builds`` counts the learnings (once per problem, as a plan is built once).

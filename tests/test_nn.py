@@ -526,7 +526,7 @@ def test_optimized_models_copy_and_pickle(db):
 
 
 def test_a_model_that_ran_copies_and_pickles_though_its_algorithms_do_not():
-    class Locked(Fake):  # like a cuDNN plan, which holds its graph and a lock
+    class Locked(Fake):  # like a cuDNN execution plan, which holds its graph and a lock
         def __init__(self):
             super().__init__("fake:locked")
             self.lock = threading.Lock()

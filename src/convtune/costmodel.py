@@ -3,7 +3,7 @@
 Each algorithm declares its own cost next to its code (``Algorithm.cost(problem, workspace_bytes)``,
 a ``Cost`` of roofline terms: the FLOPs it really performs at a fraction of the device's peak, the
 bytes it moves, the operations it launches); a backend whose algorithms depend on the problem
-(cuDNN's plans) declares one for them all (``Backend.cost``). This module keeps what is common:
+(cuDNN's execution plans) declares one for them all (``Backend.cost``). This module keeps what is common:
 
 - the roofline arithmetic: the longer of compute (``hardware.peaks``) and traffic, plus fixed
   per-call costs that decide small problems (``roofline_ms``);

@@ -5,7 +5,7 @@ processes can tune into one file at once and lose nothing. A row is keyed by the
 fingerprint, the software versions and the problem key, and holds one ``PerfResult``: every
 result of a find is kept, so a later policy (another workspace limit, determinism) is answered
 from the same measurements without running anything. Beside the results it keeps what rebuilds a
-chosen native executable in a fresh process without searching again (a cuDNN plan's serialized
+chosen native executable in a fresh process without searching again (a cuDNN execution plan's serialized
 form: ``store_executable``), so a warm start runs neither cuDNN's heuristics nor its compiler.
 
     >>> import tempfile, os
@@ -262,7 +262,7 @@ class TuningDB:
 
     def store_executable(self, problem: ConvProblem, algorithm: str, recipe: dict[str, Any], serialized: bytes) -> None:
         """Keep what rebuilds the native executable of ``algorithm`` on ``problem`` here without searching:
-        its recipe (a JSON-able dict) and serialized form (a cuDNN plan's), for this machine and software."""
+        its recipe (a JSON-able dict) and serialized form (a cuDNN execution plan's), for this machine and software."""
         here = _here(problem.device)
         if here is None:
             raise ValueError(f"cannot store an executable of {problem.key}: no {problem.device} device on this machine")

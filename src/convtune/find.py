@@ -5,7 +5,7 @@ The candidates are tried in ``get``'s order. Each one is, in turn: held against 
 random inputs with its output poisoned and compared with the float64 reference (a wrong
 result is recorded, not timed), then timed. Whatever goes wrong becomes a status on its
 result; the search goes on. Neither the ordering nor a skip learns a workspace that costs work
-to learn (an unbuilt cuDNN plan's) unless the decision depends on it (``find``).
+to learn (an unbuilt cuDNN execution plan's) unless the decision depends on it (``find``).
 
     >>> from convtune import ConvProblem, get_algorithm
     >>> p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(8, 8), kernel_size=3, padding=1)
@@ -150,7 +150,7 @@ class _Search:
         except CANDIDATE_FAULTS as exc:  # a failing candidate is data
             return PerfResult(algorithm.name, Status.FAILED, message=_describe(exc))
         learned = workspace_bytes is not None
-        # None: the algorithm does not know (cuDNN plans); two runs compared bit for bit decide.
+        # None: the algorithm does not know (cuDNN execution plans); two runs compared bit for bit decide.
         props: _Props = dict(workspace_bytes=cast(int, workspace_bytes) if learned else 0,
                              deterministic=declared is None or bool(declared),
                              uses_tf32=notes.tf32, reduced_precision=notes.reduced_precision)
@@ -402,7 +402,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
     is skipped without running. Neither rule skips a candidate needing less workspace than every
     one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. A
-    workspace costly to learn (a cuDNN plan's, by building it) is learned for the candidates
+    workspace costly to learn (a cuDNN execution plan's, by building it) is learned for the candidates
     that run, for all of them under a ``workspace_limit``, and for a skipped one only while a
     candidate can still be leaner than the leanest measured; a skipped candidate whose workspace
     was not learned shows 0 bytes and says so in its message. With ``policy.micro_batching`` and

@@ -46,7 +46,7 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: 
     time_ms is the predicted time (times ``factor``, corrected by ``db``'s measurements on this
     device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
     precision) are the algorithm's own. learn_workspace=False takes the workspace only if it is
-    known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt cuDNN plan's is not)
+    known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt cuDNN execution plan's is not)
     and counts an unknown one as 0, in the cost model and in the result. Exceptions of the
     algorithm's description methods propagate.
     """
@@ -80,7 +80,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     the policy's preferred order (find times them in this order and gives violations a status).
     A candidate whose description raises is logged and ranked last (get leaves it out).
 
-    Workspaces are learned (cuDNN plans built) where they decide: the filters, a workspace limit
+    Workspaces are learned (cuDNN execution plans built) where they decide: the filters, a workspace limit
     (find holds every candidate against it anyway) and prefer='least_memory'. Otherwise only the
     tie rule reads them, and a workspace not known without costly work counts as 0 (``predict``),
     so find's ordering builds no plan; where every workspace is known, the order is the same.

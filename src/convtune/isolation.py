@@ -16,11 +16,11 @@ Which candidates are isolated (``settings.isolate``, ``CONVTUNE_ISOLATE``):
 
 - ``plugins`` (the default): algorithms defined outside convtune (registered plug-ins and
   candidates passed to ``find``), whose behaviour convtune cannot vouch for; convtune's own
-  algorithms and cuDNN's plans run in the process, at no extra cost;
+  algorithms and cuDNN's execution plans run in the process, at no extra cost;
 - ``all``: every candidate that can be sent to a worker (``bench/sweep.py`` uses it);
 - ``off``: none.
 
-A candidate stays in the process when it, or the timer, cannot be sent: a cuDNN plan (it holds a
+A candidate stays in the process when it, or the timer, cannot be sent: a cuDNN execution plan (it holds a
 built graph), a class defined in ``__main__`` (a script or a notebook; the worker cannot import it),
 a timer that does not pickle. A timer that is sent runs as a copy in the worker.
 

@@ -4,7 +4,7 @@ The analytic model (``costmodel``) prices a candidate from its family's roofline
 model predicts, for a (problem, candidate) pair, how far the measured time lies from that price:
 log2(measured / analytic), from features of the problem (sizes, strides, groups, direction, dtype,
 layout, FLOPs and bytes, all as logarithms or switches), of the candidate (its name's parts, hashed:
-a cuDNN plan's engine and knobs, a tile configuration, a family) and the analytic price itself. It
+a cuDNN execution plan's engine and knobs, a tile configuration, a family) and the analytic price itself. It
 is a small multilayer perceptron in PyTorch (no other dependency), a few thousand weights, queried
 in tens of microseconds. ``get`` multiplies the analytic price by its correction where a model
 trained on this device (its fingerprint) is installed, and the database's measurement corrections

@@ -76,7 +76,7 @@ def _from_model(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
             refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
         raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
     _, best = ranked[0]
-    # Unknown determinism (None, a cuDNN plan never run) is no promise of determinism.
+    # Unknown determinism (None, a cuDNN execution plan never run) is no promise of determinism.
     return dataclasses.replace(best, time_ms=None, deterministic=bool(best.deterministic),
                                message=f"not measured: the cost model predicts {best.time_ms:.4g} ms")
 

@@ -3,7 +3,7 @@
 The tuner takes the timer as a parameter (any callable of the ``Timer`` shape), so tests pass a
 fake and every candidate of one comparison is timed by the same method:
 
-- a warm-up call (first-call costs: allocator, oneDNN primitive creation, cuDNN plan builds);
+- a warm-up call (first-call costs: allocator, oneDNN primitive creation, cuDNN execution plan builds);
 - samples of ``inner`` back-to-back calls, ``inner`` chosen so one sample lasts about
   ``SAMPLE_TARGET_MS``: timer resolution and per-sample overhead then cannot decide the
   15-100 us kernels of a real network;
@@ -43,7 +43,7 @@ MAX_INNER = 1000
 # A warm-up call longer than this skips the sizing call (slow candidates run once per sample).
 SIZING_LIMIT_MS = 50.0
 # A warm-up call this many times over stop_above_ms, and at least HOPELESS_WARMUP_MS long, ends
-# the timing at once. First calls run cold (plan builds, lazy initialisation: a 25 us cuDNN plan's
+# the timing at once. First calls run cold (plan builds, lazy initialisation: a 25 us cuDNN execution plan's
 # first call takes 0.3 ms), so only a slow first call by a wide margin says a candidate is hopeless.
 WARMUP_STOP_FACTOR = 3.0
 HOPELESS_WARMUP_MS = 10.0
@@ -201,7 +201,7 @@ class _CudaSampler:
         l2_bytes = getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES
         self.flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
-        # Warm-up (cuDNN plan builds, Triton compilation, allocator growth), timed on the device.
+        # Warm-up (cuDNN execution plan builds, Triton compilation, allocator growth), timed on the device.
         self.warmup_ms = self._eager_ms(1)
         self.inner, self.graph = 1, None
 

@@ -39,7 +39,7 @@ def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
     for algo in algos:
         try:
             need = algo.buffer_bytes(p)
-        except RuntimeError:  # a cuDNN plan that cannot be built is reported, not run
+        except RuntimeError:  # a cuDNN execution plan that cannot be built is reported, not run
             continue
         ws = allocate_workspace(need, "cuda")
         out = p.empty(p.operand_shapes[2]).fill_(float("nan"))

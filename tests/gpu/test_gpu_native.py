@@ -1,4 +1,4 @@
-"""The native runtime on the GPU: every native executable (cuDNN plans, GEMM, torch:native) in every
+"""The native runtime on the GPU: every native executable (cuDNN execution plans, GEMM, torch:native) in every
 direction and dtype against float64, bit for bit against its Python algorithm, CUDA-graph capture and
 torch.compile of a tuned model. Skipped without CUDA.
 """

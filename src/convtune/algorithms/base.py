@@ -69,7 +69,7 @@ class NativeRecipe:
 
     kind: the native executable that computes what the algorithm computes ('native', 'gemm_1x1',
     'gemm_1x1_strided', 'cudnn'); options: what that executable is made from besides the problem
-    and the algorithm's declared buffers (a cuDNN plan's engine and knobs), as (name, value) pairs.
+    and the algorithm's declared buffers (a cuDNN execution plan's engine and knobs), as (name, value) pairs.
     """
 
     kind: str
@@ -232,7 +232,7 @@ class Algorithm(abc.ABC):
     def known_workspace_bytes(self, problem: ConvProblem) -> int | None:
         """``workspace_bytes(problem)`` if it is known without costly work, else None.
 
-        An algorithm whose size is learned only by real work (a cuDNN plan is built to learn its
+        An algorithm whose size is learned only by real work (a cuDNN execution plan is built to learn its
         workspace, up to a second) returns None until that work was done. The tuner asks this
         where the size only orders or skips candidates, and ``workspace_bytes`` where a decision
         depends on it. By default the size is always known.
@@ -310,7 +310,7 @@ def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, .
 
 
 class Backend(abc.ABC):
-    """A family whose algorithms depend on the problem (cuDNN's plans, say): it lists them per problem.
+    """A family whose algorithms depend on the problem (cuDNN's execution plans, say): it lists them per problem.
 
     ``prefix`` is the backend part of every name it hands out ('cudnn' for 'cudnn:eng0').
     """

@@ -191,7 +191,7 @@ def _follow_stream(handle, device_index: int) -> None:
         _handle_streams[id(handle)] = stream
 
 
-class CudnnPlan(Algorithm):
+class CudnnExecutionPlan(Algorithm):
     """One cuDNN engine configuration for one problem."""
 
     devices = ("cuda",)
@@ -204,7 +204,7 @@ class CudnnPlan(Algorithm):
 
     def _supports(self, problem: ConvProblem) -> Support:
         if problem != self.graph.problem:
-            return unsupported("a cuDNN plan belongs to the problem it was built for")
+            return unsupported("a cuDNN execution plan belongs to the problem it was built for")
         if self.index in self.graph.failed:
             return unsupported(self.graph.failed[self.index])
         return Support(True)
@@ -256,7 +256,7 @@ class CudnnBackend(Backend):
 
     def __init__(self) -> None:
         self._graphs: dict[ConvProblem, ProblemGraph | None] = {}
-        self._plans: dict[ConvProblem, list[CudnnPlan]] = {}
+        self._plans: dict[ConvProblem, list[CudnnExecutionPlan]] = {}
         self._lock = threading.Lock()
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
@@ -295,7 +295,7 @@ class CudnnBackend(Backend):
             for i, name in enumerate(graph.names if graph else []):
                 full = f"cudnn:{name}" if name not in seen else f"cudnn:{name}_i{i}"
                 seen.add(name)
-                plans.append(CudnnPlan(cast(ProblemGraph, graph), i, full))  # names come from a graph
+                plans.append(CudnnExecutionPlan(cast(ProblemGraph, graph), i, full))  # names come from a graph
             self._plans[problem] = plans
         return [p for p in self._plans[problem] if p.index not in p.graph.failed]
 

@@ -195,7 +195,7 @@ class MicroBatch(Algorithm):
         return max(inner.library_bytes(sub) for sub, inner in self._subs(problem))
 
     def known_workspace_bytes(self, problem: ConvProblem) -> int | None:
-        # Known once every sub-batch's inner knows its own: asking builds no cuDNN plan of a split.
+        # Known once every sub-batch's inner knows its own: asking builds no cuDNN execution plan of a split.
         if any(inner.known_workspace_bytes(sub) is None for sub, inner in self._subs(problem)):
             return None
         return self.workspace_bytes(problem)

@@ -169,7 +169,7 @@ class Call:
         return f"Call({self.key!r}, fwd={self.fwd!r}, bwd_data={self.bwd_data!r}, bwd_filter={self.bwd_filter!r})"
 
     def __reduce__(self):
-        # Copies and pickles carry the names, not the runners: those hold algorithms (a cuDNN plan
+        # Copies and pickles carry the names, not the runners: those hold algorithms (a cuDNN execution plan
         # holds its graph and a lock) and are looked up again where the copy runs.
         return Call, self.names()
 

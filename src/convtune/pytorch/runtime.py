@@ -80,7 +80,7 @@ def _extension() -> Any:
 
 
 def _device_index(problem: ConvProblem, device: torch.device | None) -> int:
-    """The CUDA device a cuDNN plan is built for (-1 on the CPU)."""
+    """The CUDA device a cuDNN execution plan is built for (-1 on the CPU)."""
     if problem.device != "cuda":
         return -1
     return device.index if device is not None and device.index is not None else torch.cuda.current_device()
@@ -114,9 +114,9 @@ def _add(module: Any, problem: ConvProblem, name: str, kind: str, options: dict[
 def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device | None = None) -> int:
     """The handle of the native executable of ``algorithm`` on ``problem`` (made on first call).
 
-    device: for a cuDNN plan, the CUDA device it is built for (None: the current one).
+    device: for a cuDNN execution plan, the CUDA device it is built for (None: the current one).
     Raises ``NotNative`` when the extension is not loaded, the algorithm has no recipe, or this
-    build cannot make it (a cuDNN plan in a build without cuDNN); ``RuntimeError`` when cuDNN
+    build cannot make it (a cuDNN execution plan in a build without cuDNN); ``RuntimeError`` when cuDNN
     refuses to build the tuned plan.
     """
     module = _extension()
@@ -139,7 +139,7 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
 
     Made once per process: from the form ``db`` stored for it on this machine and software (a warm
     start: neither the algorithm nor cuDNN's heuristics are consulted), else from the algorithm's
-    recipe, and then stored in ``db`` where a serialized form saves work (a cuDNN plan). Raises
+    recipe, and then stored in ``db`` where a serialized form saves work (a cuDNN execution plan). Raises
     ``NotNative``, ``KeyError`` (``name`` is not registered here) or ``RuntimeError`` (cuDNN refused).
     """
     module = _extension()
