@@ -55,3 +55,67 @@ def test_the_command_line_never_reports_an_internal_error(capsys, argv):
     code = main(["get", *argv])
     err = capsys.readouterr().err
     assert code in (0, 2) and "internal error" not in err, (argv, err)
+
+
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=8)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12)
+LAYER_KEYS = ("c", "k", "spatial", "kernel", "stride", "padding", "dilation", "groups", "count", "transposed", "name")
+LAYER_VALUES = st.one_of(st.integers(-2, 2**40), st.lists(st.integers(-2, 2**33), max_size=4), JSON_VALUES)
+LAYER = st.fixed_dictionaries({"c": st.integers(1, 8), "k": st.integers(1, 8), "spatial": st.integers(1, 9),
+                               "kernel": st.integers(1, 3)},
+                              optional={key: LAYER_VALUES for key in LAYER_KEYS[4:]})  # valid where left alone
+
+
+@hsettings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(st.one_of(JSON_VALUES, st.lists(LAYER, min_size=1, max_size=3),
+                st.lists(st.dictionaries(st.sampled_from(LAYER_KEYS), LAYER_VALUES, max_size=6), min_size=1, max_size=2),
+                st.lists(LAYER, max_size=3).map(lambda layers: {"layers": layers})))
+def test_a_layer_file_of_anything_is_tuned_or_refused_in_one_line(tmp_path_factory, capsys, content):
+    import json
+
+    folder = tmp_path_factory.mktemp("layers")
+    path = folder / "layers.json"
+    path.write_text(json.dumps(content))
+    code = main(["tune", str(path), "--mode", "get", "--device", "cpu", "--db", str(folder / "t.sqlite")])
+    err = capsys.readouterr().err
+    assert code in (0, 1, 2) and "internal error" not in err and "Traceback" not in err, (content, err)
+
+
+@hsettings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["ls", "export", "import", "clear"]),
+       st.one_of(st.none(), st.sampled_from(["", ".", "/", "/dev/null", "missing/file", "x" * 300])),
+       st.binary(max_size=64))
+def test_the_cache_command_on_any_path_and_file_never_reports_an_internal_error(tmp_path_factory, capsys, action,
+                                                                                 path, content):
+    folder = tmp_path_factory.mktemp("cache")
+    given_file = folder / "given.jsonl"
+    given_file.write_bytes(content)
+    target = str(given_file) if path is None else path
+    code = main(["cache", "--db", str(folder / "t.sqlite"), action, *([target] if action in ("export", "import") else [])])
+    err = capsys.readouterr().err
+    assert code in (0, 1, 2) and "internal error" not in err, (action, target, err)
+
+
+SETTING_VALUES = st.one_of(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=10), st.sampled_from(["0", "-1", "1e999", "nan", "inf", "-0", "1.5", "3",
+                                                                   "true", "off", "all", "plugins", " 2 ", "0x10"]))
+
+
+@hsettings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([name for name, *_ in __import__("convtune.settings", fromlist=["settings"]).settings.describe()
+                        if name not in ("cache_dir", "extension_dir", "learned_model")]), SETTING_VALUES)
+def test_a_setting_from_the_environment_is_read_or_refused_naming_its_variable(name, value):
+    import pytest
+
+    from convtune.settings import settings
+
+    variable = f"CONVTUNE_{name.upper()}"
+    with pytest.MonkeyPatch.context() as env:  # one example's variable, gone before the next
+        env.setenv(variable, value)
+        try:
+            settings.check()
+        except ValueError as exc:
+            assert variable in str(exc)
