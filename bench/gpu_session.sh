@@ -6,6 +6,8 @@
 # on the GPU), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
 # written as warm_start_<network>_b<batch>), margins (bench/verification_margins.py on CUDA: every cuDNN plan against
 # find's element bound and allocation check), probe (the host's CPUs and topology).
+# sweep:<minutes> (bench/sweep.py for that long, going on from bench/data/sweep.jsonl where it exists: the
+# measurements get's learned model is trained on; the whole dataset comes back as $OUT/sweep.jsonl).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
 # on the device may carry an older .git, and the result files name the revision they measured.
@@ -41,6 +43,9 @@ for step in "$@"; do
             python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" 2>&1 | sed -n '8,14p' ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
+    sweep:*) db=/tmp/sweep.sqlite; rm -f "$db"
+             if [ -e bench/data/sweep.jsonl ]; then python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl; fi
+             python3 bench/sweep.py --minutes "${step#sweep:}" --db "$db" --export "$OUT/sweep.jsonl" 2>&1 | quiet | tail -8 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done
