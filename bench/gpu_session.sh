@@ -4,7 +4,7 @@
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json; several
 # e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
 # on the GPU), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
-# written as warm_start_<network>_b<batch>), margins (bench/verification_margins.py on CUDA: every cuDNN plan against
+# written as warm_start_<network>_b<batch>), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
 # find's element bound and allocation check), probe (the host's CPUs and topology).
 # sweep:<minutes> (bench/sweep.py for that long, going on from bench/data/sweep.jsonl where it exists: the
 # measurements get's learned model is trained on; the whole dataset comes back as $OUT/sweep.jsonl).

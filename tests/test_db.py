@@ -661,3 +661,26 @@ def test_a_read_only_database_serves_what_it_holds_and_warns_once(db, tmp_path, 
         with pytest.raises(ValueError, match="read-only"):
             asked()
     assert len(db.results(problem())) == len(FIND)
+
+
+def test_an_export_writes_into_a_pipe_or_through_a_link_and_never_replaces_what_is_not_a_regular_file(db, tmp_path):
+    # It wrote a temporary file and renamed it over the path: `cache export /dev/null`, run as root,
+    # replaced the device with a regular file.
+    db.store(problem(), FIND)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    assert db.export(fifo) == len(FIND)
+    reader.join(timeout=30)
+    assert fifo.is_fifo() and received and received[0].count(b"\n") == len(FIND)
+    target = tmp_path / "real.jsonl"
+    target.write_text("old")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    db.export(link)
+    assert link.is_symlink() and target.read_text().count("\n") == len(FIND)
+    with pytest.raises(ValueError, match="is a folder"):
+        db.export(tmp_path)
+    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind

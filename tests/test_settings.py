@@ -40,12 +40,17 @@ def test_every_entry_point_refuses_a_bad_setting_before_it_measures_anything(mon
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     variable = next(iter(env))
-    for call in (lambda: find(problem), lambda: get(problem), lambda: select(problem, mode="find"),
+    for call in (lambda: find(problem), lambda: get(problem), *(lambda mode=mode: select(problem, mode=mode)
+                                                                 for mode in ("get", "find", "hybrid", "db_then_get")),
                  lambda: optimize(torch.nn.Conv2d(3, 4, 3), torch.randn(1, 3, 9, 7), mode="find")):
         with pytest.raises(ValueError, match=variable):
             call()
     assert main(["get", "--c", "3", "--k", "4", "--size", "9x7", "--device", "cpu"]) == 2
     assert variable in capsys.readouterr().err
+    assert main(["settings"]) == 2  # the table still shows, the bad value among the rest, then the error
+    shown = capsys.readouterr()
+    assert variable in shown.out and variable in shown.err
+    assert main(["algorithms", "--c", "3", "--k", "4", "--size", "9x7", "--device", "cpu"]) == 0  # measures nothing
 
 
 def test_the_defaults_pass_the_settings_check():

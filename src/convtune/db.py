@@ -42,6 +42,7 @@ from typing import Any, cast
 import torch
 
 from . import hardware
+from .files import write_whole
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
 from .ranking import rank
@@ -216,10 +217,8 @@ class TuningDB:
             if result is not None:
                 line = dict(zip(_LINE_FIELDS, (SCHEMA_VERSION, fp, sw, key, stored_at, result.to_dict())))
                 lines.append(json.dumps(line) + "\n")
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text("".join(lines), encoding="utf-8")
-        os.replace(tmp, path)  # a reader never sees half a file
+        text = "".join(lines)
+        write_whole(path, lambda target: target.write_text(text, encoding="utf-8"))
         return len(lines)
 
     def import_(self, path: str | os.PathLike) -> int:
@@ -438,35 +437,45 @@ def _read_only(exc: sqlite3.OperationalError) -> bool:
 
 _default_failed: list[str] = []  # why the default database could not be opened (warned once)
 _fallback: list[TuningDB] = []  # the process's database where the default one cannot be opened
+_fallback_lock = threading.Lock()
 
 
 def default_db() -> TuningDB | None:
     """``TuningDB()`` at the default path; where it cannot be opened there (a read-only or missing cache
     folder), a database in a temporary folder that lives as long as the process (warned once): the
     process's choices are remembered for its lifetime, not beyond, rather than failing. None only
-    where not even that can be made."""
-    try:
-        return TuningDB()
-    except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
-        if not _default_failed:
-            log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its choices "
-                        "in a temporary database, removed when it ends. Set CONVTUNE_CACHE_DIR to a writable "
-                        "folder", settings.db_path, type(exc).__name__, exc)
-        _default_failed.append(str(exc))
-    if not _fallback:
-        import atexit
-        import shutil
-        import tempfile
-
+    where not even that can be made. Once the default path failed for a cache folder, it is not tried
+    again for it in this process (the temporary database answers at once)."""
+    with _fallback_lock:
+        if _fallback and _default_failed and _default_failed[-1] == str(settings.db_path):
+            return _fallback[0]
         try:
-            folder = tempfile.mkdtemp(prefix="convtune-db-")
-            _fallback.append(TuningDB(Path(folder) / "tuning.sqlite"))
+            return TuningDB()
         except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
-            log.warning("no temporary tuning database either (%s: %s); choices are made but not remembered",
-                        type(exc).__name__, exc)
-            return None
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return _fallback[0]
+            if not _default_failed:
+                log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its "
+                            "choices in a temporary database, removed when it ends. Set CONVTUNE_CACHE_DIR to a "
+                            "writable folder", settings.db_path, type(exc).__name__, exc)
+            _default_failed.append(str(settings.db_path))
+        if not _fallback:
+            import atexit
+            import shutil
+            import tempfile
+
+            try:
+                folder = tempfile.mkdtemp(prefix="convtune-db-")
+                _fallback.append(TuningDB(Path(folder) / "tuning.sqlite"))
+            except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
+                log.warning("no temporary tuning database either (%s: %s); choices are made but not remembered",
+                            type(exc).__name__, exc)
+                return None
+            creator = os.getpid()
+
+            def remove() -> None:
+                if os.getpid() == creator:  # a forked child that exits must not remove its parent's database
+                    shutil.rmtree(folder, ignore_errors=True)
+            atexit.register(remove)
+        return _fallback[0]
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from .files import write_whole
 from .problem import DIRECTIONS, ConvProblem
 from .settings import settings
 
@@ -118,14 +119,13 @@ class LearnedModel:
         """Write the model to ``path`` (written to a temporary name, then renamed)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         from .hardware import software_versions
 
-        torch.save({"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN,
-                    "fingerprint": self.fingerprint, "software": self.software or software_versions(),
-                    "samples": self.samples, "saved_at": time.time(),
-                    "mean": self.mean, "std": self.std, "state": self.network.state_dict()}, tmp)
-        os.replace(tmp, path)
+        payload = {"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN,
+                   "fingerprint": self.fingerprint, "software": self.software or software_versions(),
+                   "samples": self.samples, "saved_at": time.time(),
+                   "mean": self.mean, "std": self.std, "state": self.network.state_dict()}
+        write_whole(path, lambda target: torch.save(payload, target))
         forget()  # this process sees the new file at once
         return path
 

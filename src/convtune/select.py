@@ -19,6 +19,7 @@ from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import rank, usable
 from .results import PerfResult
+from .settings import settings
 
 SELECTION_MODES = ("get", "find", "hybrid", "db_then_get")
 
@@ -41,6 +42,7 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     """
     if mode not in SELECTION_MODES:
         raise ValueError(f"select(mode={mode!r}) is not a mode; use one of {list(SELECTION_MODES)}")
+    settings.check()
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"select() takes a ConvProblem, got {type(problem).__name__}")
     policy = DEFAULT_POLICY if policy is None else policy

@@ -157,7 +157,7 @@ class Settings:
     def check(self) -> None:
         """Read every setting now and check those that bound each other; raises ValueError naming the setting.
 
-        The entry points (``get``, ``find``, ``select``, ``optimize``, the command line) call this first:
+        The entry points (``get``, ``find``, ``select``, ``optimize``, the commands that measure) call this first:
         a setting read while a candidate is measured must not fail there, where it would be that
         candidate's failure (and every other's) instead of the clear error it is.
         """
@@ -173,8 +173,15 @@ class Settings:
         return dict(self._overrides)
 
     def describe(self) -> list[tuple[str, str, Any, str]]:
-        """(name, environment variable, current value, meaning) for every setting."""
-        return [(s.name, s.env, getattr(self, s.name), s.doc) for s in _SETTINGS]
+        """(name, environment variable, current value, meaning) for every setting; an environment value that
+        does not parse shows as that value and why (``check`` raises for it)."""
+        return [(s.name, s.env, self._shown(s), s.doc) for s in _SETTINGS]
+
+    def _shown(self, setting: _Setting) -> Any:
+        try:
+            return getattr(self, setting.name)
+        except ValueError as exc:
+            return f"{os.environ.get(setting.env)!r}: {exc}"
 
     @property
     def db_path(self) -> Path:

@@ -68,7 +68,11 @@ class Timing:
 
 
 class Timer(Protocol):
-    """The shape of ``benchmark``: what the tuner calls to time one candidate."""
+    """The shape of ``benchmark``: what the tuner calls to time one candidate.
+
+    A timer must call ``fn`` (at least once): ``find`` checks the output those calls leave, which
+    starts as a wrong answer, so a timer that never runs the candidate makes it a wrong result.
+    """
 
     def __call__(self, fn: Callable[[], object], *, device: str, budget_s: float | None = None,
                  min_repeats: int | None = None, max_repeats: int | None = None,

@@ -1,0 +1,40 @@
+"""Writing a file whole: a reader never sees half of it, and nothing but a regular file is ever replaced.
+
+``write_whole(path, write)`` calls ``write(target)`` on a temporary file beside ``path`` and renames it
+over ``path``. A path that is not a regular file is never renamed over: a device or a pipe
+(``/dev/stdout``, a FIFO) is written into directly, a symbolic link's target is what gets replaced
+(the link stays), and a folder is refused with ``ValueError``.
+
+    >>> import tempfile, pathlib
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> write_whole(folder / "a.txt", lambda target: target.write_text("hello")).read_text()
+    'hello'
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_whole(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Have ``write`` fill ``path`` (see the module docstring); returns the path written."""
+    path = Path(os.path.realpath(path))  # through symbolic links: a link given stays a link
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise ValueError(f"{path} is a folder; give a file's path")
+    if mode is not None and not stat.S_ISREG(mode):  # a device, a pipe, a socket: written into, never replaced
+        write(path)
+        return path
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
