@@ -353,3 +353,18 @@ def test_a_stored_split_answers_only_a_policy_that_allows_splitting():
     whole = PerfResult("gemm:im2col", "ok", time_ms=2.0, workspace_bytes=20)
     assert [r.algorithm for r in rank([split, whole], Policy())] == ["gemm:im2col"]
     assert rank([split, whole], Policy(micro_batching=True))[0].algorithm == "mb:gemm.im2col_s2x2"
+
+
+def test_a_micro_batched_candidate_given_to_find_always_comes_back_with_a_status():
+    # It vanished from the results under a policy without micro-batching (the ranking of predictions
+    # left it out), and nothing said why.
+    import convtune as ct
+    from convtune.algorithms.microbatch import MicroBatch
+
+    problem = ct.ConvProblem("fwd", n=4, c=4, k=4, input_size=(8, 8), kernel_size=3, padding=1)
+    split = MicroBatch("torch:native", [(2, 2)])
+    plain = {r.algorithm: r for r in ct.find(problem, candidates=[split, get_algorithm("torch:native")])}
+    assert plain[split.name].status is Status.SKIPPED and "micro_batching=True" in plain[split.name].message
+    allowed = {r.algorithm: r for r in ct.find(problem, ct.Policy(micro_batching=True, workspace_limit="1MiB"),
+                                               candidates=[split, get_algorithm("torch:native")])}
+    assert allowed[split.name].status in (Status.OK, Status.SKIPPED) and allowed[split.name].time_ms is not None

@@ -442,10 +442,14 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
             except CANDIDATE_FAULTS as exc:  # a failing candidate is data
                 results.append(PerfResult(algorithm.name, Status.FAILED, message=_describe(exc)))
                 continue
-            if support:
-                supported.append(algorithm)
-            else:
+            if not support:
                 results.append(PerfResult(algorithm.name, Status.UNSUPPORTED, message=support.reason))
+            elif algorithm.splits_batch and not policy.micro_batching:
+                results.append(PerfResult(algorithm.name, Status.SKIPPED, message=(
+                    "micro-batched: only a policy that allows splitting the batch uses it "
+                    "(Policy(micro_batching=True, workspace_limit=...))")))
+            else:
+                supported.append(algorithm)
         candidates = supported
     names = [a.name for a in candidates]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -108,7 +108,12 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     ranked = [(by_name[g.algorithm], g) for g in rank(guesses, _ranking_policy(policy, keep_filters))]
     if keep_filters:
         return ranked
-    return ranked + [(a, PerfResult(a.name, Status.OK, time_ms=math.inf)) for a in broken]
+    # Every candidate comes back for find to try: what the ranking leaves out even without the policy's
+    # filters (a micro-batched candidate, which only a micro-batching policy ranks) follows in name order.
+    placed = {g.algorithm for _, g in ranked}
+    unranked = sorted((g for g in guesses if g.algorithm not in placed), key=lambda g: g.algorithm)
+    return (ranked + [(by_name[g.algorithm], g) for g in unranked]
+            + [(a, PerfResult(a.name, Status.OK, time_ms=math.inf)) for a in broken])
 
 
 def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> list[Choice]:

@@ -149,13 +149,15 @@ class Algorithm(abc.ABC):
     """Base of every algorithm. Subclasses set the class attributes and implement ``_run``.
 
     name: stable 'backend:variant'. devices/directions: what it can ever run on.
-    deterministic: bit-identical results from run to run.
+    deterministic: bit-identical results from run to run. splits_batch: it runs the batch in parts
+    (micro-batching), which only a policy with ``micro_batching`` allows.
     """
 
     name: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
     directions: tuple[str, ...] = DIRECTIONS
     deterministic: bool = True
+    splits_batch: bool = False
 
     def __init__(self) -> None:
         if not _NAME.match(self.name):

@@ -112,6 +112,8 @@ class MicroBatch(Algorithm):
     one problem each). A bad split or a micro-batched inner raises ``ValueError``.
     """
 
+    splits_batch = True
+
     def __init__(self, inner: Algorithm | str, split: Sequence[tuple[int, int]]) -> None:
         self.inner_name = inner.name if isinstance(inner, Algorithm) else inner
         if not isinstance(self.inner_name, str) or ":" not in self.inner_name:
