@@ -32,12 +32,11 @@ from convtune import hardware  # noqa: E402
 from convtune.algorithms.native import native_conv  # noqa: E402
 from convtune.algorithms.registry import registered  # noqa: E402
 from convtune.algorithms.triton_depthwise import TritonDepthwise  # noqa: E402
-from convtune.problem import ConvProblem  # noqa: E402
+from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 from convtune.timing import benchmark  # noqa: E402
 from convtune.verify import reference  # noqa: E402
 from layers import time_algorithm  # noqa: E402
 
-DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
 # channels:spatial:kernel:stride. The issue's four layers first, then a spread of networks' depthwise layers.
 DEFAULT_SHAPES = ("96:56:7:1", "384:14:7:1", "672:14:5:1", "1152:7:5:1",
                   "32:112:3:1", "144:56:3:2", "960:7:3:1", "128:56:9:1", "256:28:13:1", "512:14:31:1")

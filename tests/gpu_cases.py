@@ -1,8 +1,9 @@
 """The GPU tests' grid: each layer in every direction, dtype and layout, with readable test ids."""
 
-DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
-DTYPES = ("float32", "float16", "bfloat16")
-LAYOUTS = ("channels_first", "channels_last")
+from convtune import problem
+from convtune.problem import DIRECTIONS, LAYOUTS
+
+DTYPES = tuple(problem.DTYPES)  # float32, float16, bfloat16
 
 
 def cases(layers: list[dict]) -> list[tuple[dict, str, str, str]]:

@@ -18,11 +18,9 @@ from convtune.algorithms.base import allocate_workspace
 from convtune.algorithms.fft import smooth_size, tap_dft, transform_sizes
 from convtune.algorithms.registry import get_algorithm
 from convtune.algorithms.winograd import kron_transforms, transforms
-from convtune.problem import ConvProblem
+from convtune.problem import DIRECTIONS, LAYOUTS, ConvProblem
 from convtune.verify import peak_allocated_bytes, reference, rel_error, tolerance
 
-DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
-LAYOUTS = ("channels_first", "channels_last")
 DTYPES = ("float32", "float16", "bfloat16")
 
 # Shapes both methods support: kernel 3, stride 1; odd sizes leave the last Winograd tile partial.

@@ -19,11 +19,9 @@ from convtune import verify
 from convtune.algorithms.base import ALIGN_BYTES, allocate_workspace
 from convtune.algorithms.gemm import CHUNKS
 from convtune.algorithms.registry import get_algorithm
-from convtune.problem import ConvProblem
+from convtune.problem import DIRECTIONS, LAYOUTS, ConvProblem
 
 ALGORITHMS = ("gemm:1x1", "gemm:1x1_strided", "gemm:im2col", "gemm:im2col_chunk2", "direct:taps")
-DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
-LAYOUTS = ("channels_first", "channels_last")
 DTYPES = ("float32", "float16", "bfloat16")
 
 SHAPES = {

@@ -14,20 +14,20 @@ import zlib
 import pytest
 import torch
 
+from convtune import problem as problems
 from convtune import verify
 from convtune.algorithms.base import allocate_workspace
 from convtune.algorithms.registry import get_algorithm
 from convtune.algorithms.triton_family import interpreting
-from convtune.problem import ConvProblem
+from convtune.problem import DIRECTIONS, ConvProblem
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RUNS_KERNELS = HAS_TRITON and (DEVICE == "cuda" or interpreting())
 kernels = pytest.mark.skipif(not RUNS_KERNELS, reason="needs a GPU or Triton's interpreter (TRITON_INTERPRET=1)")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
-DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
-DTYPES = ("float32", "float16", "bfloat16")
-LAYOUTS = ("channels_last", "channels_first")
+DTYPES = tuple(problems.DTYPES)  # float32, float16, bfloat16
+LAYOUTS = tuple(reversed(problems.LAYOUTS))  # channels_last first: the layout the kernels are written for
 
 
 def every_case(shapes: dict) -> pytest.MarkDecorator:
