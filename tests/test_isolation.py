@@ -47,7 +47,7 @@ def test_crashes_hangs_and_exits_cost_the_candidate_only(workers):
     assert torch.isfinite(torch.nn.functional.conv2d(x, w, padding=1)).all()
 
 
-def test_a_plugin_that_allocates_beyond_its_declared_workspace_fails_in_its_worker(workers):
+def test_a_plugin_that_allocates_beyond_its_declared_workspace_fails_in_its_worker(workers, caplog):
     hidden, small = adversaries.HiddenAllocation(), adversaries.HiddenAllocation(64 << 10)
     small.name = "plugin:small_hidden"  # within the slack
     with settings.override(isolate="plugins"):
@@ -58,8 +58,9 @@ def test_a_plugin_that_allocates_beyond_its_declared_workspace_fails_in_its_work
         lean = ct.find(P, ct.Policy(workspace_limit=0), candidates=[adversaries.HiddenAllocation(),
                                                                      adversaries.Correct()])
         assert lean[0].algorithm == "plugin:correct"
-    with settings.override(isolate="off"):  # measured here, where the check would disturb the process: not made
+    with settings.override(isolate="off"):  # measured here, where the check would disturb the process: not made,
         assert by_name(ct.find(P, candidates=[adversaries.HiddenAllocation()]))["plugin:hidden_allocation"].ok
+    assert "plugin:hidden_allocation is a plug-in measured in this process" in caplog.text  # and it says so
 
 
 def test_one_worker_serves_every_find_until_a_candidate_ends_it(workers):

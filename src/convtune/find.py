@@ -177,6 +177,8 @@ class _Search:
                     self.best_ms = min(self.best_ms, cast(float, result.time_ms))
                     self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
                 return result
+        if not isolation.in_worker() and algorithm.origin.split(".")[0] != "convtune":
+            _warn_unchecked(algorithm)
         return self.measure_here(algorithm, props, declared is None, self.budget.timer_budget_s())
 
     def measure_here(self, algorithm: Algorithm, props: _Props, probe_determinism: bool,
@@ -290,6 +292,17 @@ class _Search:
 
 
 WROTE_INPUTS = "wrote into its input operands (they must stay read-only)"
+_UNCHECKED: set[str] = set()  # plug-ins already warned of being measured in the process
+
+
+def _warn_unchecked(algorithm: Algorithm) -> None:
+    """Say once per plug-in that, measured in this process, what it allocates is not checked (``_allocates_beyond``)."""
+    if algorithm.name not in _UNCHECKED:
+        _UNCHECKED.add(algorithm.name)
+        log.warning("%s is a plug-in measured in this process (settings.isolate=%s, or it cannot be sent to a worker: "
+                    "a class defined in __main__, say): what it allocates beyond its declared workspace is not "
+                    "checked here. Define it in an importable module and leave CONVTUNE_ISOLATE at 'plugins' so "
+                    "that a worker process measures it", algorithm.name, settings.isolate)
 
 
 def _failed(algorithm: Algorithm, props: _Props, err: float, message: str) -> PerfResult:
