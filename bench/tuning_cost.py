@@ -332,7 +332,8 @@ def markdown(payload: dict) -> str:
                  f"(cProfile; phases nest: measuring holds verification and timing, find holds them all):\n\n")
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
         text += _top_functions(whole)
-        warm = whole["warm"]
+    warm = whole.get("warm") if whole else None  # files written before the warm stage existed have none
+    if warm:
         text += (f"\n\nThe same problems warm, in a fresh process on the database the cold run filled (select, then "
                  f"the chosen algorithm's workspace, as optimize does): {warm['wall_s']:.2f} s.\n\n")
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in warm["phases_s"].items()])
