@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import sys
 from pathlib import Path
 
@@ -32,8 +31,7 @@ from convtune.algorithms.registry import algorithms  # noqa: E402
 from convtune.find import ALLOCATION_SLACK_BYTES  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 from convtune.units import format_bytes  # noqa: E402
-from convtune.settings import settings  # noqa: E402
-from convtune.verify import errors, peak_allocated_bytes, reference_case, tolerance  # noqa: E402
+from convtune.verify import element_bound, errors, peak_allocated_bytes, reference_case, tolerance  # noqa: E402
 
 # (c, k, size, kernel, stride, groups, n): a 3x3, a depthwise 3x3, a 1x1, a grouped strided 5x5, a strided 1x1,
 # and a 3x3 with many input channels (the longest sums).
@@ -52,7 +50,7 @@ def measure(device: str, dtypes: list[str]) -> list[dict]:
                             padding=kernel // 2, groups=groups, dtype=dtype, layout=layout, device=device,
                             allow_tf32=allow_tf32)
             (a, b), ref = reference_case(p)
-            operands = sum(math.prod(s) for s in p.operand_shapes) * p.element_bytes
+            operands = p.min_bytes
             for algo in algorithms(p):
                 try:
                     if not algo.supports(p):
@@ -68,7 +66,7 @@ def measure(device: str, dtypes: list[str]) -> list[dict]:
                     continue
                 tol = tolerance(p, algo.notes(p))
                 rows.append(dict(problem=p.key, algorithm=algo.name, rel_over_tolerance=rel / tol,
-                                 worst_over_bound=worst / (settings.element_factor * tol) if settings.element_factor else 0.0,
+                                 worst_over_bound=worst / element_bound(tol),
                                  allocated=extra, declared=declared,
                                  allocated_over_allowed=(None if algo.name == NATIVE else
                                                          (extra - declared) / (operands + ALLOCATION_SLACK_BYTES))))

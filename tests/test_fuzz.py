@@ -114,14 +114,15 @@ def test_a_setting_from_the_environment_is_read_or_refused_naming_its_variable(n
     from convtune.settings import settings
 
     variable = f"CONVTUNE_{name.upper()}"
+    kind = type(getattr(settings, name))  # the default's
     with pytest.MonkeyPatch.context() as env:  # one example's variable, gone before the next
         env.setenv(variable, value)
         try:
             settings.check()
         except ValueError as exc:
             assert variable in str(exc)
-        else:  # accepted: then it is read as a value of the setting's kind, the one every search will see
+        else:  # accepted: then it is read as a value of the setting's own kind, finite where a number
             read = getattr(settings, name)
-            assert isinstance(read, (bool, int, float, str)) and read == getattr(settings, name)
+            assert type(read) is kind, (value, read)
             if isinstance(read, float):
                 assert math.isfinite(read)

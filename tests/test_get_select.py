@@ -317,8 +317,8 @@ def test_without_a_usable_default_database_select_still_answers(tmp_path, monkey
 
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
-    monkeypatch.setattr(db_module, "_default_failed", [])
-    monkeypatch.setattr(db_module, "_fallback", [])
+    monkeypatch.setattr(db_module, "_failed_paths", set())
+    monkeypatch.setattr(db_module, "_fallback", None)
     problem = ConvProblem("fwd", n=1, c=2, k=2, input_size=(6, 6), kernel_size=3)
     with settings.override(cache_dir=str(blocked / "cache")):  # its parent is a file: the folder cannot exist
         result = select(problem, mode="hybrid")

@@ -34,11 +34,6 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 
-# The commands that read the settings measuring and choosing use: they check them all first (settings.check),
-# while `settings`, `cache`, `algorithms` and `native` still work, so that a bad setting can be found and fixed.
-MEASURING_COMMANDS = frozenset({"get", "find", "tune", "report", "train-get"})
-
-
 class UsageError(Exception):
     """A bad command-line argument: reported in one line, exit status 2."""
 
@@ -483,8 +478,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(levelname)s %(name)s: %(message)s")
-        if args.command in MEASURING_COMMANDS:
-            settings.check()
         if args.command in ("tune", "report"):
             return (cmd_tune if args.command == "tune" else cmd_report)(args, out, err)
         handler = {"get": cmd_get, "find": cmd_find, "algorithms": cmd_algorithms, "cache": cmd_cache,

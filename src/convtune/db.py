@@ -435,8 +435,8 @@ def _read_only(exc: sqlite3.OperationalError) -> bool:
     return (code is not None and code & 0xFF == sqlite3.SQLITE_READONLY) or "readonly" in str(exc)
 
 
-_default_failed: list[str] = []  # why the default database could not be opened (warned once)
-_fallback: list[TuningDB] = []  # the process's database where the default one cannot be opened
+_failed_paths: set[str] = set()  # default paths that could not be opened (each warned once)
+_fallback: TuningDB | None = None  # the process's database where the default one cannot be opened
 _fallback_lock = threading.Lock()
 
 
@@ -444,27 +444,26 @@ def default_db() -> TuningDB | None:
     """``TuningDB()`` at the default path; where it cannot be opened there (a read-only or missing cache
     folder), a database in a temporary folder that lives as long as the process (warned once): the
     process's choices are remembered for its lifetime, not beyond, rather than failing. None only
-    where not even that can be made. Once the default path failed for a cache folder, it is not tried
-    again for it in this process (the temporary database answers at once)."""
+    where not even that can be made. A default path that failed is not tried again in this process."""
+    global _fallback
     with _fallback_lock:
-        if _fallback and _default_failed and _default_failed[-1] == str(settings.db_path):
-            return _fallback[0]
-        try:
-            return TuningDB()
-        except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
-            if not _default_failed:
+        path = str(settings.db_path)
+        if path not in _failed_paths:
+            try:
+                return TuningDB()
+            except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
                 log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its "
                             "choices in a temporary database, removed when it ends. Set CONVTUNE_CACHE_DIR to a "
-                            "writable folder", settings.db_path, type(exc).__name__, exc)
-            _default_failed.append(str(settings.db_path))
-        if not _fallback:
+                            "writable folder", path, type(exc).__name__, exc)
+                _failed_paths.add(path)
+        if _fallback is None:
             import atexit
             import shutil
             import tempfile
 
             try:
                 folder = tempfile.mkdtemp(prefix="convtune-db-")
-                _fallback.append(TuningDB(Path(folder) / "tuning.sqlite"))
+                _fallback = TuningDB(Path(folder) / "tuning.sqlite")
             except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
                 log.warning("no temporary tuning database either (%s: %s); choices are made but not remembered",
                             type(exc).__name__, exc)
@@ -475,7 +474,7 @@ def default_db() -> TuningDB | None:
                 if os.getpid() == creator:  # a forked child that exits must not remove its parent's database
                     shutil.rmtree(folder, ignore_errors=True)
             atexit.register(remove)
-        return _fallback[0]
+        return _fallback
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

@@ -177,7 +177,7 @@ class _Search:
                     self.best_ms = min(self.best_ms, cast(float, result.time_ms))
                     self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
                 return result
-        if not isolation.in_worker() and algorithm.origin.split(".")[0] != "convtune":
+        if not isolation.in_worker() and not isolation.vouched_for(algorithm):
             _warn_unchecked(algorithm)
         return self.measure_here(algorithm, props, declared is None, self.budget.timer_budget_s())
 
@@ -250,13 +250,14 @@ class _Search:
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err2, **props,
                               message=f"on a second input set: {message}")
-        spare = problem.empty(problem.operand_shapes[2])  # allocated before the measured run, not in it
-        overdrawn = _allocates_beyond(algorithm, problem, lambda: algorithm.run(problem, *inputs2, workspace=workspace,
-                                                                                  out=spare))
-        if self.restore_inputs():
-            return _failed(algorithm, props, err, WROTE_INPUTS)
-        if overdrawn:
-            return _failed(algorithm, props, err, overdrawn)
+        if isolation.in_worker() and not isolation.vouched_for(algorithm):  # see _allocates_beyond
+            spare = problem.empty(problem.operand_shapes[2])  # allocated before the measured run, not in it
+            overdrawn = _allocates_beyond(algorithm, problem,
+                                          lambda: algorithm.run(problem, *inputs2, workspace=workspace, out=spare))
+            if self.restore_inputs():
+                return _failed(algorithm, props, err, WROTE_INPUTS)
+            if overdrawn:
+                return _failed(algorithm, props, err, overdrawn)
         if probe_determinism:
             again = algorithm.run(problem, *inputs, workspace=workspace, out=problem.empty(problem.operand_shapes[2]))
             props["deterministic"] = bool(torch.equal(out, again))
@@ -313,7 +314,7 @@ def _failed(algorithm: Algorithm, props: _Props, err: float, message: str) -> Pe
 def _allocates_beyond(algorithm: Algorithm, problem: ConvProblem, run: Any) -> str:
     """Why ``run`` (a run of ``algorithm``, after two) allocates more than ``algorithm`` declares, or ''.
 
-    Measured (``verify.peak_allocated_bytes``) for the candidates convtune does not vouch for (plug-ins)
+    Called (and ``verify.peak_allocated_bytes`` run) only for the candidates convtune does not vouch for (plug-ins)
     where they are measured in a worker process (``settings.isolate``; the default for plug-ins): there
     the measurement disturbs nothing of the user's (it resets CUDA's peak-memory counter; on the CPU it
     runs the profiler, about 13 ms, which would end a profiler of the user's) and no other thread
@@ -324,11 +325,8 @@ def _allocates_beyond(algorithm: Algorithm, problem: ConvProblem, run: Any) -> s
     plug-in computing through them is not hiding anything), plus ALLOCATION_SLACK_BYTES. A hidden
     buffer larger than all the operands fails.
     """
-    if not isolation.in_worker() or algorithm.origin.split(".")[0] == "convtune":
-        return ""
     used = peak_allocated_bytes(run, problem.device)
-    operands = sum(math.prod(shape) for shape in problem.operand_shapes) * problem.element_bytes
-    allowed = algorithm.workspace_bytes(problem) + operands + ALLOCATION_SLACK_BYTES
+    allowed = algorithm.workspace_bytes(problem) + problem.min_bytes + ALLOCATION_SLACK_BYTES
     if used <= allowed:
         return ""
     return (f"allocated {format_bytes(used)} while running, beyond its declared workspace of "

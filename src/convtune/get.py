@@ -66,10 +66,11 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: 
 @functools.lru_cache(maxsize=64)
 def _ranking_policy(policy: Policy, keep_filters: bool) -> Policy:
     # Predictions carry no error estimate, so max_rel_error cannot judge them; without filters,
-    # only the preference and the tie rule remain (find's timing order).
+    # only the preference, the tie rule and whether split batches are candidates at all remain (find's
+    # timing order; find gives a split candidate under a policy without micro-batching its own status).
     if keep_filters:
         return dataclasses.replace(policy, max_rel_error=None)
-    return Policy(prefer=policy.prefer, tolerance=policy.tolerance)
+    return Policy(prefer=policy.prefer, tolerance=policy.tolerance, micro_batching=policy.micro_batching)
 
 
 def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], policy: Policy,
@@ -108,12 +109,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     ranked = [(by_name[g.algorithm], g) for g in rank(guesses, _ranking_policy(policy, keep_filters))]
     if keep_filters:
         return ranked
-    # Every candidate comes back for find to try: what the ranking leaves out even without the policy's
-    # filters (a micro-batched candidate, which only a micro-batching policy ranks) follows in name order.
-    placed = {g.algorithm for _, g in ranked}
-    unranked = sorted((g for g in guesses if g.algorithm not in placed), key=lambda g: g.algorithm)
-    return (ranked + [(by_name[g.algorithm], g) for g in unranked]
-            + [(a, PerfResult(a.name, Status.OK, time_ms=math.inf)) for a in broken])
+    return ranked + [(a, PerfResult(a.name, Status.OK, time_ms=math.inf)) for a in broken]
 
 
 def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> list[Choice]:

@@ -72,12 +72,17 @@ def _sendable(obj: Any) -> bool:
     return "__main__" not in {getattr(type(obj), "__module__", ""), getattr(obj, "__module__", "")}
 
 
+def vouched_for(algorithm: Algorithm) -> bool:
+    """Whether ``algorithm`` is one of convtune's own (held to its declarations by convtune's tests), not a plug-in."""
+    return algorithm.origin.split(".")[0] == "convtune"
+
+
 def wanted(algorithm: Algorithm, timer: Any = None) -> bool:
     """Whether ``algorithm`` (timed by ``timer``) is measured in a worker under ``settings.isolate``."""
     mode = settings.isolate
     if mode == "off":
         return False
-    if mode == "plugins" and algorithm.origin.split(".")[0] == "convtune":
+    if mode == "plugins" and vouched_for(algorithm):
         return False
     if not _sendable(algorithm) or (timer is not None and not _sendable(timer)):
         log.debug("%s (or its timer) cannot be sent to a worker; measured in the process", algorithm.name)

@@ -42,7 +42,6 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     """
     if mode not in SELECTION_MODES:
         raise ValueError(f"select(mode={mode!r}) is not a mode; use one of {list(SELECTION_MODES)}")
-    settings.check()
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"select() takes a ConvProblem, got {type(problem).__name__}")
     policy = DEFAULT_POLICY if policy is None else policy
@@ -69,6 +68,7 @@ def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
 
 
 def _from_model(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
+    settings.check()  # before algorithms() asks each candidate, where a bad setting would be its fault
     ranked = ranked_predictions(problem, algorithms(problem), policy, db)
     if not ranked:
         refused = unsupported_reasons(problem)

@@ -157,9 +157,10 @@ class Settings:
     def check(self) -> None:
         """Read every setting now and check those that bound each other; raises ValueError naming the setting.
 
-        The entry points (``get``, ``find``, ``select``, ``optimize``, the commands that measure) call this first:
-        a setting read while a candidate is measured must not fail there, where it would be that
-        candidate's failure (and every other's) instead of the clear error it is.
+        ``get``, ``find`` and ``select``'s model answer call this before they ask any candidate anything (so
+        ``optimize`` and the command line do too): a setting read while a candidate is described or measured
+        must not fail there, where it would be that candidate's failure (and every other's) instead of the
+        clear error it is. An answer from the database reads none of them and checks nothing.
         """
         for setting in _SETTINGS:
             getattr(self, setting.name)

@@ -138,16 +138,22 @@ def errors(result: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return rel, worst
 
 
+def element_bound(bound: float) -> float:
+    """The worst element error (``errors``' second figure) allowed under the relative bound ``bound``: the setting
+    ``element_factor`` times it, ``inf`` where the setting is 0 (the norm alone)."""
+    factor = settings.element_factor
+    return factor * bound if factor else math.inf
+
+
 def judge(rel: float, worst: float, bound: float) -> tuple[bool, str]:
     """Whether errors (``errors``) pass the relative bound ``bound`` and its element bound, and the message."""
     if not math.isfinite(rel):
         return False, "result holds NaN or Inf (or elements left unwritten)"
     if rel > bound:
         return False, f"relative error {rel:.2e} exceeds the tolerance {bound:.1e}"
-    factor = settings.element_factor
-    if factor and worst > factor * bound:
+    if worst > element_bound(bound):
         return False, (f"one or more elements are wrong: the worst is off by {worst:.2e} of |ref| + rms(ref), over "
-                       f"{factor:g} x the tolerance {bound:.1e} (relative error {rel:.2e} within it)")
+                       f"{settings.element_factor:g} x the tolerance {bound:.1e} (relative error {rel:.2e} within it)")
     return True, f"relative error {rel:.2e} within {bound:.1e}"
 
 

@@ -9,8 +9,7 @@ from gpu_cases import case_id, cases
 
 import convtune as ct
 from convtune.algorithms.base import allocate_workspace
-from convtune.settings import settings
-from convtune.verify import errors, reference, tolerance
+from convtune.verify import element_bound, errors, reference, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -56,8 +55,8 @@ def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
         slack = max(1 << 20, out.numel() * out.element_size() // 50)
         if not err <= tol:
             failures.append(f"{algo.name}: rel error {err:.2e} > {tol:.1e}")
-        if not worst <= settings.element_factor * tol:  # the element bound of verify.check: a correct plan keeps to it
-            failures.append(f"{algo.name}: worst element {worst:.2e} of |ref| + rms > {settings.element_factor * tol:.1e}")
+        if not worst <= element_bound(tol):  # the element bound of verify.check: a correct plan keeps to it
+            failures.append(f"{algo.name}: worst element {worst:.2e} of |ref| + rms > {element_bound(tol):.1e}")
         if algo.name != "torch:native" and extra > algo.library_bytes(p) + slack:
             failures.append(f"{algo.name}: allocated {extra} bytes beyond its {need}-byte workspace")
     assert not failures, "\n".join(failures)

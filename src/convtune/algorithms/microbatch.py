@@ -45,8 +45,8 @@ from .base import (
 )
 from .registry import declared_cost, get_algorithm, register
 
-PREFIX = MICRO_BATCH_BACKEND
-_MB_NAME = re.compile(r"^mb:(?P<backend>[a-z0-9_]+)\.(?P<variant>[A-Za-z0-9_.=\-]+)_s(?P<split>\d+x\d+(?:_\d+x\d+)*)$")
+_MB_NAME = re.compile(rf"^{MICRO_BATCH_BACKEND}:(?P<backend>[a-z0-9_]+)\.(?P<variant>[A-Za-z0-9_.=\-]+)"
+                      r"_s(?P<split>\d+x\d+(?:_\d+x\d+)*)$")
 
 
 def micro_batch_name(inner_name: str, split: Sequence[tuple[int, int]]) -> str:
@@ -56,7 +56,7 @@ def micro_batch_name(inner_name: str, split: Sequence[tuple[int, int]]) -> str:
         'mb:gemm.im2col_s4x2_1x1'
     """
     backend, variant = inner_name.split(":", 1)
-    return f"{PREFIX}:{backend}.{variant}_s" + "_".join(f"{b}x{c}" for b, c in split)
+    return f"{MICRO_BATCH_BACKEND}:{backend}.{variant}_s" + "_".join(f"{b}x{c}" for b, c in split)
 
 
 def parse_micro_batch_name(name: str) -> tuple[str, tuple[tuple[int, int], ...]]:
@@ -118,7 +118,7 @@ class MicroBatch(Algorithm):
         self.inner_name = inner.name if isinstance(inner, Algorithm) else inner
         if not isinstance(self.inner_name, str) or ":" not in self.inner_name:
             raise ValueError(f"MicroBatch inner={inner!r} must be an Algorithm or a 'backend:variant' name")
-        if backend_of(self.inner_name) == PREFIX:
+        if backend_of(self.inner_name) == MICRO_BATCH_BACKEND:
             raise ValueError(f"MicroBatch inner={self.inner_name!r} is micro-batched already; split its inner once")
         pairs = tuple(tuple(pair) for pair in split)
         if not pairs or any(len(p) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in p)
@@ -248,7 +248,7 @@ def accumulator_bytes(problem: ConvProblem) -> int:
 class MicroBatchBackend(Backend):
     """Resolves ``mb:...`` names for a problem. It lists nothing: ``find`` offers the splits."""
 
-    prefix = PREFIX
+    prefix = MICRO_BATCH_BACKEND
 
     def algorithms(self, problem: ConvProblem) -> list[Algorithm]:
         return []

@@ -44,7 +44,6 @@ from convtune.problem import empty_in_layout, explicit_padding
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
 from convtune.pytorch.tuning import LayerSelection, Signature, describe, directions_needed, layout_of, select_for_layer
 from convtune.results import PerfResult
-from convtune.settings import settings
 from convtune.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -259,7 +258,6 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
-    settings.check()
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "optimize(workspace_budget=...)")
     tuning = Tuning(_within(policy, budget), mode, db)  # validates policy and mode before anything runs
     seen = _observe(model, example_inputs, bool(training), tuning)
