@@ -192,6 +192,33 @@ def test_a_module_on_the_native_path_trains_like_torch_and_takes_the_hot_path(na
     assert y.shape == (1, 4, 3, 3) and len(module.selections) == 2
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_layer_on_the_python_path_runs_its_other_directions_by_their_executables(native, compiled):
+    from convtune.pytorch import ops
+
+    x = torch.randn(2, 6, 5, 5)
+    module = _forced(x, "torch:native", in_channels=6, out_channels=4, kernel_size=3, padding=1)
+    sig, selection = next(iter(module.selections.items()))
+    mixed = LayerSelection(selection.problem, "direct:taps", "torch:native", "gemm:im2col")
+    module._convtune_selections[sig] = mixed
+    assert mixed.runtime == "python" and "direct:taps runs in Python only" in mixed.python_reason
+    calls = ops.Call(*mixed.call.names())
+    assert [type(calls.runner(d)).__name__ for d in ("fwd", "bwd_data", "bwd_filter")] == [
+        "Runner", "NativeRunner", "Runner"]
+    twin = torch.nn.Conv2d(6, 4, 3, padding=1)
+    twin.load_state_dict(module.state_dict())
+    run = torch.compile(module, backend="aot_eager", fullgraph=True) if compiled else module
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = run(xa), twin(xb)
+    torch.testing.assert_close(ya, yb, atol=1e-5, rtol=1e-4)
+    (ya * ya).sum().backward()
+    (yb * yb).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad, atol=1e-4, rtol=1e-4)
+    with settings.override(native=False):  # switched off: every direction by its Python algorithm
+        assert type(ops.Call(*mixed.call.names()).runner("bwd_data")).__name__ == "Runner"
+
+
 def test_autocast_casts_in_the_native_op_as_torch_does(native):
     x = torch.randn(2, 6, 5, 5)
     module = _forced(x.bfloat16(), "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)

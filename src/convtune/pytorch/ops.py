@@ -31,7 +31,8 @@ import torch
 from convtune.algorithms.base import OPERAND_NAMES, buffers_bytes, check_tensor
 from convtune.algorithms.registry import generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout, to_layout
-from convtune.pytorch import workspace
+from convtune.pytorch import runtime, workspace
+from convtune.settings import settings
 
 LABEL_PREFIX, LABEL_SEP = "convtune:", " by "  # profiler ranges: 'convtune:<problem key> by <algorithm>'
 
@@ -138,14 +139,51 @@ class Runner:
             torch.set_autocast_enabled(kind, True)
 
 
+class NativeRunner:
+    """What a ``Runner`` computes, by the algorithm's native executable (``runtime``): a layer on the Python
+    path (one of its directions runs a Python algorithm) runs its other directions at the C++ op's host
+    cost, from the executable a warm start loaded, with no workspace of the Python path's.
+
+    The executable is made for each CUDA device the operands come on (the first for the current one).
+    """
+
+    __slots__ = ("problem", "name", "generation", "_handles")
+
+    def __init__(self, key: str, algorithm: str, handle: int) -> None:
+        self.generation = generation()
+        self.problem, self.name = problem_of(key), algorithm
+        self._handles = {torch.cuda.current_device() if self.problem.device == "cuda" else -1: handle}
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        index = a.get_device()  # -1 on the CPU
+        handle = self._handles.get(index)
+        if handle is None:
+            handle = self._handles[index] = runtime.prepare(self.problem, self.name, device=a.device)[0]
+        return torch.ops.convtune.tuned_run.default(a, b, handle)
+
+
+def native_handle(key: str, algorithm: str) -> int:
+    """The handle of ``algorithm``'s native executable on the problem ``key`` (made now, on the current
+    device, if a warm start did not load it), or 0 where the Python path runs it: the native runtime is
+    off or not built, the algorithm is one of convtune's Python ones, or cuDNN refuses the plan here."""
+    if not settings.native:
+        return 0
+    try:
+        return runtime.prepare(problem_of(key), algorithm)[0]
+    except (runtime.NotNative, KeyError, RuntimeError, ValueError):
+        return 0
+
+
 @functools.lru_cache(maxsize=4096)
-def _runner(key: str, algorithm: str, generation: int) -> Runner:
-    return Runner(key, algorithm)
+def _runner(key: str, algorithm: str, generation: int, native: bool) -> Runner | NativeRunner:
+    handle = native_handle(key, algorithm) if native else 0
+    return NativeRunner(key, algorithm, handle) if handle else Runner(key, algorithm)
 
 
-def runner(key: str, algorithm: str) -> Runner:
-    """The ``Runner`` of ``algorithm`` on the problem ``key`` (one per registry generation)."""
-    return _runner(key, algorithm, generation())
+def runner(key: str, algorithm: str) -> Runner | NativeRunner:
+    """What runs ``algorithm`` on the problem ``key`` for a layer (one per registry generation): its native
+    executable where it has one (``native_handle``), else the ``Runner`` of the Python algorithm."""
+    return _runner(key, algorithm, generation(), settings.native)
 
 
 def compute(a: torch.Tensor, b: torch.Tensor, key: str, algorithm: str) -> torch.Tensor:
@@ -163,7 +201,7 @@ class Call:
 
     def __init__(self, key: str, fwd: str, bwd_data: str = "", bwd_filter: str = "") -> None:
         self.key, self.fwd, self.bwd_data, self.bwd_filter = key, fwd, bwd_data, bwd_filter
-        self._runners: dict[str, Runner] = {}
+        self._runners: dict[str, Runner | NativeRunner] = {}
 
     def __repr__(self) -> str:
         return f"Call({self.key!r}, fwd={self.fwd!r}, bwd_data={self.bwd_data!r}, bwd_filter={self.bwd_filter!r})"
@@ -173,7 +211,7 @@ class Call:
         # holds its graph and a lock) and are looked up again where the copy runs.
         return Call, self.names()
 
-    def runner(self, direction: str) -> Runner:
+    def runner(self, direction: str) -> Runner | NativeRunner:
         r = self._runners.get(direction)
         if r is None or r.generation != generation():
             key = self.key if direction == "fwd" else key_for(self.key, direction)

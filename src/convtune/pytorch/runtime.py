@@ -236,7 +236,8 @@ def _measure_host_overheads(device: str) -> dict[str, float]:
     x, w = p.random_inputs()
     with torch.no_grad(), torch.autocast(device, enabled=False):  # the caller may be in an autocast region
         base = _per_call_us(lambda: torch.nn.functional.conv2d(x, w), device)
-        overheads = {"python": _per_call_us(lambda: ops.compute(x, w, p.key, "torch:native"), device) - base}
+        python = ops.Runner(p.key, "torch:native")  # the Python path's, not the executable ops.runner would pick
+        overheads = {"python": _per_call_us(lambda: python(x, w), device) - base}
         if available():
             for algo in algorithms(p):
                 recipe = algo.native_recipe(p)

@@ -252,12 +252,15 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
 
 
 def reserve_workspace(selection: LayerSelection, device: torch.device) -> None:
-    """Reserve the Python path's run-time workspace for ``selection`` (native executables take theirs from
-    PyTorch's caching allocator on each run, as PyTorch's own convolutions do)."""
+    """Reserve the Python path's run-time workspace for ``selection``'s Python algorithms (native executables,
+    which run the layer's other directions, take theirs from PyTorch's caching allocator on each run, as
+    PyTorch's own convolutions do)."""
     if selection.call is None:
         return
     base = ConvProblem.from_key(selection.problem)
     for direction, _ in selection.results:
         problem = base.with_direction(direction)
-        workspace.reserve(get_algorithm(getattr(selection, direction), problem).buffer_bytes(problem), device)
+        name = getattr(selection, direction)
+        if not ops.native_handle(problem.key, name):  # an executable takes its own
+            workspace.reserve(get_algorithm(name, problem).buffer_bytes(problem), device)
 
