@@ -168,3 +168,32 @@ def test_a_cudnn_plan_is_rebuilt_from_its_serialized_form_and_computes_the_same(
     assert kind == "cudnn" and db.executable(p, name) is not None
     runtime._prepared.clear()
     assert runtime.prepare(p, name, db) == (handle, kind)
+
+
+def test_a_layer_on_the_python_path_runs_its_cudnn_direction_by_its_executable():
+    from convtune.pytorch import ops
+    from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
+
+    torch.manual_seed(0)
+    module = ct.nn.Conv2d(32, 32, 3, padding=1, groups=32, mode="get").cuda().half().to(
+        memory_format=torch.channels_last)
+    x = torch.randn(4, 32, 14, 14, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    p = ct.ConvProblem.from_module(module, sig.shape, dtype=sig.dtype, layout=sig.layout, device="cuda")
+    dx = p.with_direction("bwd_data")
+    plans = [a.name for a in ct.algorithms(dx) if (a.native_recipe(dx) or ()) and a.native_recipe(dx).kind == "cudnn"]
+    assert plans, f"no cuDNN execution plan for {dx.key}"
+    selection = LayerSelection(p.key, "direct:taps", plans[0], "torch:native")
+    module._convtune_selections[sig] = selection
+    assert selection.runtime == "python"
+    assert type(ops.Call(*selection.call.names()).runner("bwd_data")).__name__ == "NativeRunner"
+    twin = torch.nn.Conv2d(32, 32, 3, padding=1, groups=32).cuda().half().to(memory_format=torch.channels_last)
+    twin.load_state_dict(module.state_dict())
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = module(xa), twin(xb)
+    torch.testing.assert_close(ya, yb, atol=2e-2, rtol=2e-2)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    torch.testing.assert_close(xa.grad, xb.grad, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad, atol=5e-1, rtol=2e-2)
