@@ -61,6 +61,8 @@ def test_store_results_lookup_round_trip(db, tmp_path):
     db.store(p, FIND)
     assert db.results(p) == FIND
     assert db.lookup(p).algorithm == "cpu:fast"
+    assert [db.result(p, r.algorithm) for r in FIND] == FIND  # one row by its algorithm
+    assert db.result(p, "cpu:none") is None and db.result(problem(n=2), "cpu:fast") is None
     assert db.results(problem(n=2)) == [] and db.lookup(problem(n=2)) is None
     db.close()
     with TuningDB(tmp_path / "tuning.sqlite") as again:  # another connection reads the same
@@ -386,6 +388,7 @@ def test_a_row_changed_on_disk_is_never_served_even_when_it_still_reads_as_valid
     conn.close()
     with caplog.at_level(logging.WARNING, logger="convtune.db"):
         assert all(r.time_ms != 0.001 for r in db.results(p))
+        assert db.result(p, "cpu:fast") is None and db.result(other, "cpu:fast") is None
         assert [r.algorithm for r in db.results(other)] == ["cpu:lean"]
     assert "damaged row" in caplog.text
 
@@ -400,6 +403,7 @@ def test_rows_of_another_machine_or_software_are_listed_never_used(db, monkeypat
         assert db.lookup(p).algorithm == "cpu:fast"  # usable there
     with caplog.at_level(logging.WARNING, logger="convtune.db"):
         assert db.lookup(p) is None and db.results(p) == [] and db.measurements("cpu") == []
+        assert db.result(p, "cpu:fast") is None
         assert db.lookup(p, Policy(prefer="least_memory")) is None
     stale = [r for r in caplog.records if "another machine or software" in r.getMessage()]
     assert len(stale) == 1  # warned once, not on every lookup

@@ -164,6 +164,16 @@ class TuningDB:
         decoded = (self._decode(text, key, (fp, sw, name, checksum)) for fp, sw, name, text, checksum in mine)
         return [r for r in decoded if r is not None]
 
+    def result(self, problem: ConvProblem, algorithm: str) -> PerfResult | None:
+        """The stored result of ``algorithm`` on ``problem`` measured on this machine and software, or None
+        (one row read by its key: what a warm start asks of every layer direction)."""
+        here = _here(problem.device)
+        if here is None:
+            return None
+        rows = self._read("SELECT result, checksum FROM results WHERE fingerprint=? AND software=? AND problem=? "
+                          "AND algorithm=?", (*here, problem.key, algorithm))
+        return self._decode(rows[0][0], problem.key, (*here, algorithm, rows[0][1])) if rows else None
+
     def lookup(self, problem: ConvProblem, policy: Policy | None = None) -> PerfResult | None:
         """The best stored result of ``problem`` under ``policy`` (default Policy()), or None."""
         ranked = rank(self.results(problem), policy or Policy())

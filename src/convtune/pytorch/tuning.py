@@ -233,8 +233,8 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     natives = {}
     for direction, chosen in selection.results:
         problem = base.with_direction(direction)
-        native = next((r for r in tuning.db.results(problem) if r.algorithm == NATIVE and r.ok and r.time_ms), None)
-        if native is None or chosen.time_ms is None:
+        native = tuning.db.result(problem, NATIVE)
+        if native is None or not (native.ok and native.time_ms) or chosen.time_ms is None:
             return selection
         natives[direction] = native
         gain_us += 1e3 * (native.time_ms - chosen.time_ms)
