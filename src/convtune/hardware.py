@@ -22,14 +22,7 @@ _GPU_PEAKS = {
 
 
 def current_stream_handle(device_index: int) -> int:
-    """The raw handle (cudaStream_t) of PyTorch's current stream on a CUDA device.
-
-    Runs look it up on every call; PyTorch's private accessor (the one its compiled code uses)
-    skips making a Stream object, and the public path is the fallback.
-    """
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_index)
+    """The raw handle (cudaStream_t) of PyTorch's current stream on a CUDA device."""
     return torch.cuda.current_stream(device_index).cuda_stream
 
 

@@ -181,11 +181,10 @@ def peak_allocated_bytes(fn: Callable[[], object], device: str) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    # Every allocation and free in time order: an op's net self-memory would hide a temporary
-    # that the op allocates and frees inside itself.
-    cpu = torch._C._autograd.DeviceType.CPU
+    # Every allocation and free in time order (the profiler's results, as its own memory timeline reads
+    # them): an op's net self-memory would hide a temporary that the op allocates and frees inside itself.
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == cpu)
+                    if e.name() == "[memory]" and e.device_type().name == "CPU")
     current = peak = 0
     for _, delta in events:
         current += delta
