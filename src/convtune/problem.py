@@ -11,6 +11,7 @@ A problem is its own cache key: ``ConvProblem.from_key(p.key) == p``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -256,7 +257,17 @@ class ConvProblem:
 
     @classmethod
     def from_key(cls, key: str) -> ConvProblem:
-        """Rebuild a problem from its ``key``; a malformed key raises ``ValueError``."""
+        """Rebuild a problem from its ``key``; a malformed key raises ``ValueError``.
+
+        Parsed once per key (a warm start asks for the same keys many times); problems are immutable,
+        so every caller may share the one made.
+        """
+        if cls is ConvProblem and isinstance(key, str):
+            return _from_key(key)
+        return cls._parse_key(key)
+
+    @classmethod
+    def _parse_key(cls, key: str) -> ConvProblem:
         match = cls._KEY.match(key) if isinstance(key, str) else None
         if match is None:
             raise ValueError(f"{key!r} is not a ConvProblem key (expected the form of ConvProblem.key)")
@@ -277,7 +288,15 @@ class ConvProblem:
         return dataclasses.replace(self, **changes)
 
     def with_direction(self, direction: str) -> ConvProblem:
-        return self.replace(direction=direction)
+        """The same convolution in another direction (nothing else changes, so nothing else is checked again)."""
+        if direction == self.direction:
+            return self
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction={direction!r} is not supported; use one of {list(DIRECTIONS)}")
+        other = copy.copy(self)
+        other.__dict__.pop("key", None)  # the cached key names the direction
+        object.__setattr__(other, "direction", direction)
+        return other
 
     def __str__(self) -> str:
         return self.key
@@ -413,3 +432,8 @@ def to_layout(tensor: torch.Tensor, layout: str) -> torch.Tensor:
         return tensor
     out = empty_in_layout(tuple(tensor.shape), layout, tensor.dtype, tensor.device)
     return out.copy_(tensor)
+
+
+@functools.lru_cache(maxsize=8192)
+def _from_key(key: str) -> ConvProblem:
+    return ConvProblem._parse_key(key)
