@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -75,6 +76,19 @@ def write(name: str, payload: dict, markdown: str, out_dir: Path | None = None) 
     md_path.write_text(markdown)
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     return json_path, md_path
+
+
+def run_child(cmd: list[str], timeout: float) -> dict:
+    """Run a benchmark's child process, ``cmd`` with ``--child-out FILE`` added, where it writes its JSON:
+    {"status": "ok", **what it wrote}, or {"status": "failed (rc): its last error line", "stderr": ...}."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        proc = subprocess.run(cmd + ["--child-out", f.name], capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            # the cuDNN frontend's bindings list the objects alive at exit after the error: not the cause
+            lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith(("nanobind", " - "))]
+            return {"status": f"failed ({proc.returncode}): {(lines or [''])[-1][:300]}",
+                    "stderr": "\n".join(lines)[-4000:]}
+        return {"status": "ok", **json.loads(Path(f.name).read_text())}
 
 
 def result_arguments(parser, name: str) -> None:

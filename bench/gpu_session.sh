@@ -4,7 +4,8 @@
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json; several
 # e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
 # on the GPU; triton:depthwise or triton:grouped one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
-# written as warm_start_<network>_b<batch>), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
+# written as warm_start_<network>_b<batch>), dynamic:<dynamic_shapes.py arguments joined by +> (new input shapes
+# during training), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
 # find's element bound and allocation check), probe (the host's CPUs and topology).
 # sweep:<minutes> (bench/sweep.py for that long, going on from bench/data/sweep.jsonl where it exists: the
 # measurements get's learned model is trained on; the whole dataset comes back as $OUT/sweep.jsonl).
@@ -42,6 +43,7 @@ for step in "$@"; do
     triton:*) tests "$OUT/triton_tests_${step#triton:}.txt" "tests/test_triton_${step#triton:}.py" ;;
     warm:*) IFS=: read -r _ network batch dtype <<< "$step"
             python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" 2>&1 | sed -n '8,14p' ;;
+    dynamic:*) args=${step#dynamic:}; python3 bench/dynamic_shapes.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -12 ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
     sweep:*) db=/tmp/sweep.sqlite; rm -f "$db"

@@ -25,7 +25,6 @@ import cProfile
 import json  # noqa: E402
 import os  # noqa: E402
 import pstats  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -128,13 +127,7 @@ def summarize(profiler: cProfile.Profile, top: int = 25) -> dict:
 def run_stage(stage: str, args: argparse.Namespace, db_path: str) -> dict:
     cmd = [sys.executable, __file__, "--child", stage, "--db", db_path, "--network", args.network,
            "--batch", str(args.batch), "--dtype", args.dtype, "--device", args.device] + (["--tiny"] if args.tiny else [])
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        proc = subprocess.run(cmd + ["--child-out", f.name], capture_output=True, text=True, timeout=args.timeout)
-        if proc.returncode != 0:
-            # the cuDNN frontend's bindings list the objects alive at exit after the error: not the cause
-            lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith(("nanobind", " - "))]
-            return {"status": f"failed ({proc.returncode}): {(lines or [''])[-1][:300]}", "stderr": "\n".join(lines)[-4000:]}
-        return {"status": "ok", **json.loads(Path(f.name).read_text())}
+    return common.run_child(cmd, args.timeout)
 
 
 def report(payload: dict) -> str:

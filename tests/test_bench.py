@@ -54,6 +54,21 @@ def _run(script: str, tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
+def test_dynamic_shapes_times_every_step_of_each_configuration_in_its_own_process(tmp_path):
+    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
+    out = subprocess.run([sys.executable, str(BENCH / "dynamic_shapes.py"), "--device", "cpu", "--tiny", "--batch", "2",
+                          "--sizes", "16,24", "--repeat", "2", "--cycles", "2", "--out", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    configs = json.loads((tmp_path / "dynamic_shapes_tiny_b2.json").read_text())["configs"]
+    assert [configs[c]["status"] for c in ("torch_bm1", "convtune_background", "convtune_hybrid")] == ["ok"] * 3
+    for r in configs.values():
+        assert [size for size, _ in r["steps"]] == [16, 16, 24, 24, 16, 24, 16, 24]
+        assert set(r["summary"]["steady_ms"]) == {"16", "24"} and r["summary"]["worst_ratio"] > 0
+    assert "| convtune_background |" in (tmp_path / "dynamic_shapes_tiny_b2.md").read_text()
+
+
+@pytest.mark.slow
 def test_warm_start_times_each_stage_in_its_own_process_and_names_its_files_by_network(tmp_path):
     env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
     out = subprocess.run([sys.executable, str(BENCH / "warm_start.py"), "--device", "cpu", "--tiny", "--batch", "2",

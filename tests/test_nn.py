@@ -307,6 +307,29 @@ def test_a_warm_optimize_computes_no_convolution_in_its_example_run(db, monkeypa
     assert_same_training_step(warm, twin, x)
 
 
+def test_the_dry_runs_layout_rule_agrees_with_pytorchs_convolution_on_random_strides():
+    # The dry run lays a result out channels_last where PyTorch would; PyTorch's convolution says what that is.
+    from convtune.pytorch.optimize import _strides_like_channels_last
+
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for _ in range(500):
+        shape = [int(v) for v in torch.randint(1, 5, (4,), generator=g)]
+        order = torch.randperm(4, generator=g).tolist()  # the order the dimensions are laid out in memory
+        stored = [shape[d] for d in order]
+        if torch.rand(1, generator=g) < 0.3:  # every other element: not dense
+            t = torch.randn([2 * s for s in stored])[::2, ::2, ::2, ::2].permute([order.index(d) for d in range(4)])
+        else:
+            t = torch.randn(stored).permute([order.index(d) for d in range(4)])
+        y = F.conv2d(t, torch.randn(3, t.shape[1], 1, 1))
+        if y.shape[2] * y.shape[3] == 1:  # dense in both orders: no layout to tell
+            continue
+        checked += 1
+        pytorch = y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+        assert _strides_like_channels_last(t) == pytorch, (tuple(t.shape), t.stride())
+    assert checked > 300
+
+
 def test_the_dry_example_run_sees_what_the_real_one_sees():
     from convtune.pytorch.optimize import _observe_run
 

@@ -1,6 +1,6 @@
 """convtune: picks the best convolution algorithm for the hardware at hand, under your constraints."""
 
-from . import nn, zoo
+from . import background, nn, zoo
 from .algorithms import Algorithm, NumericNotes, Support, allocate_workspace, register
 from .algorithms.registry import algorithms, get_algorithm, registered, unsupported_reasons
 from .db import TuningDB
@@ -22,4 +22,5 @@ __all__ = [
     "Policy", "Status", "Support", "TuningDB", "algorithms", "allocate_workspace", "get_algorithm", "register",
     "registered", "to_layout", "unsupported_reasons",
     "find", "get", "select", "optimize", "explain", "Plan", "plan", "InfeasibleBudgetError", "nn", "zoo",
+    "background",
 ]

@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="tune every layer of a built-in network or a layer file")
     _add_network_args(p)
-    p.add_argument("--mode", default="hybrid", choices=SELECTION_MODES,
-                   help="how each layer is chosen (default hybrid)")
+    p.add_argument("--mode", default="hybrid", choices=[m for m in SELECTION_MODES if m != "background"],
+                   help="how each layer is chosen (default hybrid; 'background' needs a process that goes on)")
     p.add_argument("--layers", type=_positive, default=None, help="tune only the first N layers")
     _add_budget_args(p, required=False)
     _add_policy_args(p)

@@ -17,7 +17,8 @@ refuses it, ``optimize`` keeps each layer's own choice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+import functools
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .progress import tuning_bar
 from .results import PerfResult
-from .select import SELECTION_MODES, select, stored
+from .select import READS_DB, SELECTION_MODES, select, stored
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -52,6 +53,7 @@ class Tuning:
         self.mode = mode
         self._db = db
         self._memo: dict[str, PerfResult] = {}
+        self._listeners: dict[str, list[Callable[[], None]]] = {}  # key -> who waits for its measurement
 
     def __repr__(self) -> str:
         return f"Tuning(policy={self.policy}, mode={self.mode!r})"
@@ -62,7 +64,7 @@ class Tuning:
             from convtune.db import TuningDB
 
             self._db = TuningDB(self._db)
-        elif self._db is None and self.mode in ("hybrid", "db_then_get"):
+        elif self._db is None and self.mode in READS_DB:
             from convtune.db import default_db
 
             self._db = default_db()
@@ -74,16 +76,46 @@ class Tuning:
         return self.mode in ("hybrid", "find")
 
     def select(self, problem: ConvProblem) -> PerfResult:
-        """The choice for ``problem`` (asked once per Tuning). Raises ``NoAlgorithmError``."""
-        if problem.key not in self._memo:
-            self._memo[problem.key] = select(problem, self.policy, self.mode, self.db)
-        return self._memo[problem.key]
+        """The choice for ``problem`` (asked once per Tuning, until a background measurement of it is
+        stored: ``when_measured``). Raises ``NoAlgorithmError``."""
+        key = problem.key
+        if key not in self._memo:
+            then = functools.partial(self._measured, key) if self.mode == "background" else None
+            if then is not None:
+                self._listeners.setdefault(key, [])  # before the worker can finish: see _measured
+            chosen = select(problem, self.policy, self.mode, self.db, then)
+            if then is None:
+                self._memo[key] = chosen
+            elif chosen.time_ms is not None:  # the database answered: nothing is measured
+                self._listeners.pop(key, None)
+                self._memo[key] = chosen
+            elif key in self._listeners:  # still being measured: the model's choice until then
+                self._memo[key] = chosen
+            else:  # measured and stored already: the next select reads it
+                return chosen
+        return self._memo[key]
+
+    def when_measured(self, keys: Iterable[str], call: Callable[[], None]) -> bool:
+        """Have ``call()`` called (once, on the background worker's thread) when the first of ``keys``
+        that is still being measured in the background is stored; whether any was."""
+        for key in keys:
+            listeners = self._listeners.get(key)
+            if listeners is not None:
+                listeners.append(call)
+                return True
+        return False
+
+    def _measured(self, key: str) -> None:
+        # The background measurement of ``key`` is stored: the next select reads it from the database.
+        self._memo.pop(key, None)
+        for call in self._listeners.pop(key, ()):
+            call()
 
     def stored(self, problem: ConvProblem) -> PerfResult | None:
         """The database's answer for ``problem`` (what 'hybrid' selects without measuring), or None; an
         answer is remembered as the choice, so selecting it later reads nothing again."""
         if problem.key not in self._memo:
-            hit = stored(problem, self.policy, self.db) if self.mode in ("hybrid", "db_then_get") else None
+            hit = stored(problem, self.policy, self.db) if self.mode in READS_DB else None
             if hit is None:
                 return None
             self._memo[problem.key] = hit
@@ -97,6 +129,7 @@ class Tuning:
         path = getattr(self._db, "path", None)
         state["_db"] = str(path) if path is not None else (self._db if isinstance(self._db, (str, Path)) else None)
         state["_memo"] = {}
+        state["_listeners"] = {}
         return state
 
 

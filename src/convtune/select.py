@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+from . import background
 from .algorithms.registry import algorithms, unsupported_reasons
 from .errors import NoAlgorithmError
 from .find import find
@@ -21,17 +23,21 @@ from .ranking import rank, usable
 from .results import PerfResult
 from .settings import settings
 
-SELECTION_MODES = ("get", "find", "hybrid", "db_then_get")
+SELECTION_MODES = ("get", "find", "hybrid", "db_then_get", "background")
+READS_DB = ("hybrid", "db_then_get", "background")  # the modes that answer from the database first
 
 
-def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> PerfResult:
+def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None,
+           then: Callable[[], None] | None = None) -> PerfResult:
     """The best algorithm for ``problem`` under ``policy``, as a ``PerfResult``.
 
     mode: 'get' (the cost model's first choice, nothing run: time_ms is None and the message
     gives the predicted time), 'find' (always measure; stored when ``db`` is given), 'hybrid'
     (a database hit, else find and store), 'db_then_get' (a database hit, else get's choice;
-    never measures). db: a ``TuningDB``; None means the default ``TuningDB()`` for 'hybrid' and
-    'db_then_get', and no database for the others.
+    never measures), 'background' (a database hit, else get's choice at once, while a worker
+    thread measures the problem with find and stores it: ``convtune.background``; ``then()`` is
+    called there once it is stored, so the caller can select again). db: a ``TuningDB``; None
+    means the default ``TuningDB()`` for the modes that read one, and no database for the others.
     Raises ``ValueError`` for an unknown mode, ``NoAlgorithmError`` (naming the problem and why
     each candidate was refused) when no algorithm can serve the problem under the policy.
 
@@ -47,7 +53,7 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     policy = DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, Policy):
         raise TypeError(f"select(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
-    if mode in ("hybrid", "db_then_get"):
+    if mode in READS_DB:
         if db is None:
             from .db import default_db
 
@@ -57,6 +63,11 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
             return hit
     if mode in ("get", "db_then_get"):
         return _from_model(problem, policy, db)
+    if mode == "background":
+        chosen = _from_model(problem, policy, db)
+        if db is not None:  # where nothing would keep the measurement, nothing measures
+            background.measure(problem, policy, db, then)
+        return chosen
     return _from_measurements(problem, policy, db)
 
 

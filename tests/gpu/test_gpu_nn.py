@@ -243,3 +243,25 @@ def test_the_dry_example_run_sees_what_the_real_one_sees_on_cuda():
                         dry, real = (_observe_run(m, xi, training, dry=d) for d in (True, False))
                     assert {k: c for k, (_, c) in dry.items()} == {k: c for k, (_, c) in real.items()}, \
                         (weights_last, input_last, dtype, training)
+
+
+def test_background_mode_runs_a_new_shape_at_once_and_switches_to_the_measured_choice(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 3, padding=1, groups=8)).cuda().to(
+        memory_format=torch.channels_last)
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 16, 20, 20, device="cuda").to(memory_format=torch.channels_last)
+    with TuningDB(tmp_path / "t.sqlite") as db, torch.autocast("cuda", dtype=torch.float16):
+        convtune.optimize(model, x, training=True, mode="background", db=db)
+        new = torch.randn(8, 16, 28, 24, device="cuda").to(memory_format=torch.channels_last)
+        for phase in ("provisional", "measured"):
+            y = model(new)
+            y.float().sum().backward()
+            ref = plain(new)
+            assert rel_error(y.float(), ref.float()) < 1e-2, phase
+            rows = [r for r in convtune.explain(model) if "in28x24" in r["problem"] and r["status"] != "torch"]
+            # (a layer whose measurement is already stored has forgotten its provisional rows)
+            assert rows or phase == "provisional"
+            assert all((r["time_ms"] is None) == (phase == "provisional") for r in rows), (phase, rows)
+            assert convtune.background.wait(300)

@@ -26,8 +26,10 @@ convtune cannot describe (float64, say) and layers no algorithm serves run torch
 
 from __future__ import annotations
 
+import functools
 import typing
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -181,7 +183,20 @@ class TunedConv(_ConvBase):
         directions = directions_needed(need_dx, need_dw)
         selection = select_for_layer(self, sig, self._convtune_tuning, directions, self._convtune_selections.get(sig))
         self._convtune_selections[sig] = selection
+        # A direction answered by the cost model while it is measured in the background (mode 'background'):
+        # once stored, the layer forgets this selection, and its next call selects again, from the database.
+        keys = [ops.key_for(selection.problem, direction) for direction, _ in selection.results]
+        self._convtune_tuning.when_measured(keys, functools.partial(_forget, weakref.ref(self), sig))
         return selection
+
+
+def _forget(ref: weakref.ref, sig: Signature) -> None:
+    """Drop a layer's selection for ``sig`` (called from the background worker's thread: each step is one
+    dict operation, which the layer's own thread may interleave with safely)."""
+    module = ref()
+    if module is not None:
+        module._convtune_selections.pop(sig, None)
+        module._convtune_fast.clear()
 
 
 _GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode", "kernel_size", "in_channels",

@@ -260,6 +260,8 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "optimize(workspace_budget=...)")
     tuning = Tuning(_within(policy, budget), mode, db)  # validates policy and mode before anything runs
+    if mode == "background":  # the example's inputs as 'hybrid' (optimize is the tuning step); later shapes
+        tuning.mode = "hybrid"  # in the background, from the end of this call
     seen = _observe(model, example_inputs, bool(training), tuning)
     for name, module in model.named_modules():
         if isinstance(module, _CONV_TYPES) and not isinstance(module, TunedConv) and type(module) not in TUNED:
@@ -299,6 +301,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
             selections[index] = _select(jobs[index], tuning, chosen[index])
     for index, (_, module, sig, _) in enumerate(jobs):
         cast(TunedConv, module)._convtune_selections[sig] = selections[index]  # converted above
+    tuning.mode = mode
     return model
 
 

@@ -1,0 +1,121 @@
+"""The 'background' selection mode: get's choice at once, find in a worker thread, the measured choice after."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import convtune as ct
+from convtune import background
+from convtune.cli import main
+from convtune.network import Tuning
+
+
+def problem(n: int = 1, size: int = 6) -> ct.ConvProblem:
+    return ct.ConvProblem("fwd", n=n, c=3, k=4, input_size=(size, size), kernel_size=3, padding=1)
+
+
+@pytest.fixture
+def db(tmp_path):
+    with ct.TuningDB(tmp_path / "tuning.sqlite") as tdb:
+        yield tdb
+    assert background.wait(120)  # nothing left running into the next test
+
+
+def test_select_answers_from_the_model_at_once_and_the_database_once_measured(db):
+    p = problem()
+    first = ct.select(p, mode="background", db=db)
+    assert first.time_ms is None and "not measured" in first.message  # get's choice
+    assert background.wait(120) and background.pending() == 0
+    stored = db.lookup(p)
+    assert stored is not None and stored.time_ms is not None
+    again = ct.select(p, mode="background", db=db)
+    assert again == stored  # measured, nothing queued again
+    assert background.pending() == 0
+
+
+def test_a_problem_is_queued_once_and_each_listener_hears_once(db, monkeypatch):
+    find_module = sys.modules["convtune.find"]  # the module (convtune.find is also the function)
+    measured = []
+
+    def counting(problem, policy, db):
+        measured.append(problem.key)
+        return find_module.find(problem, policy, db)
+
+    monkeypatch.setattr(background, "_find", lambda p, policy, db, stream: bool(counting(p, policy, db)))
+    heard = []
+    p = problem(n=2)
+    assert background.measure(p, ct.Policy(), db, then=lambda: heard.append("a"))
+    assert background.measure(p, ct.Policy(), db, then=lambda: heard.append("b"))
+    assert background.wait(120)
+    assert measured == [p.key] and sorted(heard) == ["a", "b"]
+
+
+def test_a_failed_measurement_keeps_the_models_choice_and_is_not_asked_again(db, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(sys.modules["convtune.find"], "find", broken)
+    heard = []
+    p = problem(n=3)
+    with caplog.at_level(logging.WARNING, logger="convtune.background"):
+        assert background.measure(p, ct.Policy(), db, then=lambda: heard.append(p.key))
+        assert background.wait(120)
+    assert "the device went away" in caplog.text and heard == []
+    assert not background.measure(p, ct.Policy(), db)  # not queued again in this process
+    assert db.lookup(p) is None
+
+
+def test_tuning_forgets_its_memo_when_the_measurement_is_stored(db):
+    tuning = Tuning(mode="background", db=db)
+    p = problem(n=4)
+    heard = []
+    first = tuning.select(p)
+    assert first.time_ms is None
+    tuning.when_measured([p.key], lambda: heard.append(True))
+    assert background.wait(120) and heard == [True]
+    measured = tuning.select(p)
+    assert measured.time_ms is not None and measured == db.lookup(p)
+    assert not tuning.when_measured([p.key], lambda: heard.append(False))  # nothing measured any more
+
+
+def test_a_model_meets_a_new_shape_runs_at_once_and_takes_the_measured_choice_later(db, monkeypatch):
+    gate, measure = threading.Event(), background._find
+    monkeypatch.setattr(background, "_find", lambda *args: gate.wait(120) and measure(*args))  # held until checked
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1))
+    twin = torch.nn.Sequential(*(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)))
+    twin.load_state_dict(model.state_dict())
+    ct.optimize(model, torch.randn(2, 3, 8, 8), mode="background", db=db)
+    rows = [r for r in ct.explain(model) if r["status"] != "torch"]
+    assert rows and all(r["time_ms"] is not None for r in rows)  # the example's inputs: measured inline
+    x = torch.randn(2, 3, 12, 10)  # a shape met later: the model's choice now, measured behind
+    torch.testing.assert_close(model(x), twin(x), atol=1e-5, rtol=1e-4)
+    provisional = [r for r in ct.explain(model) if "12x10" in r["problem"]]
+    assert provisional and all(r["time_ms"] is None for r in provisional)
+    assert background.pending() == len(provisional)  # one queued measurement per provisional direction
+    gate.set()
+    assert background.wait(120)
+    conv = model[0]
+    assert not any(sig.shape == (2, 3, 12, 10) for sig in conv.selections)  # forgotten once stored
+    torch.testing.assert_close(model(x), twin(x), atol=1e-5, rtol=1e-4)
+    measured = [r for r in ct.explain(model) if "12x10" in r["problem"]]
+    assert measured and all(r["time_ms"] is not None for r in measured)
+
+
+def test_the_command_line_does_not_offer_background_tuning(capsys):
+    assert main(["tune", "resnet18", "--mode", "background"]) != 0
+    assert "invalid choice: 'background'" in capsys.readouterr().err
+
+
+def test_the_model_stays_correct_while_layers_forget_their_choices(db):
+    x = torch.randn(1, 3, 9, 9)
+    conv = ct.nn.Conv2d(3, 4, 3, padding=1, mode="background", db=db)
+    for _ in range(20):  # the worker may drop the selection between any two calls
+        torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1), atol=1e-5, rtol=1e-4)
+    assert background.wait(120)
