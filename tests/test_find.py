@@ -9,7 +9,7 @@ import torch
 from convtune import ConvProblem, PerfResult, Policy, Status, find
 from convtune.algorithms.registry import algorithms, get_algorithm, isolated
 from convtune.find import is_out_of_memory, summary
-from convtune.ranking import rank
+from convtune.ranking import best, rank
 from convtune.settings import settings
 from convtune.verify import check, reference_case, tolerance
 from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, InputWriter, Memoising, NaNResult, NoWrite,
@@ -97,6 +97,24 @@ def test_unknown_determinism_is_decided_by_two_runs():
     results = by_name(find(P, Policy(deterministic=True), timer=FakeTimer(), candidates=[steady, noisy]))
     assert results["fake:steady"].status is Status.OK
     assert results["fake:noisy"].status is Status.SKIPPED and "bit for bit" in results["fake:noisy"].message
+
+
+@pytest.mark.parametrize("prefer", ["fastest", "least_memory"])
+def test_the_best_result_is_the_first_of_the_ranking_without_ranking_the_rest(prefer):
+    g = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        results = []
+        for i in range(int(torch.randint(0, 12, (1,), generator=g))):
+            status = Status.OK if torch.rand(1, generator=g) < 0.8 else Status.FAILED
+            time_ms = round(float(torch.rand(1, generator=g)) * 2, 2)  # coarse: ties and near ties
+            ws = int(torch.randint(0, 3, (1,), generator=g)) << 20
+            name = "torch:native" if i == 0 and trial % 2 else f"fake:a{i}"
+            results.append(PerfResult(name, status, time_ms=time_ms, workspace_bytes=ws,
+                                      deterministic=bool(torch.rand(1, generator=g) < 0.5)))
+        for policy in (Policy(prefer=prefer), Policy(prefer=prefer, tolerance=0.3, workspace_limit="1MiB"),
+                       Policy(prefer=prefer, deterministic=True, tolerance=0.0)):
+            ranked = rank(results, policy)
+            assert best(results, policy) == (ranked[0] if ranked else None), (results, policy)
 
 
 def test_huge_workspace_without_a_limit_is_out_of_memory():

@@ -45,7 +45,7 @@ from . import hardware
 from .files import write_whole
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
-from .ranking import rank
+from .ranking import best
 from .results import PerfResult
 from .settings import settings
 
@@ -176,8 +176,7 @@ class TuningDB:
 
     def lookup(self, problem: ConvProblem, policy: Policy | None = None) -> PerfResult | None:
         """The best stored result of ``problem`` under ``policy`` (default Policy()), or None."""
-        ranked = rank(self.results(problem), policy or Policy())
-        return ranked[0] if ranked else None
+        return best(self.results(problem), policy or Policy())
 
     def measurements(self, device: str) -> list[tuple[ConvProblem, PerfResult]]:
         """Every ``ok`` result stored for this machine and software on ``device`` ('cpu' or 'cuda')."""
@@ -209,10 +208,10 @@ class TuningDB:
         for (key, fp, sw), items in groups.items():
             decoded = (self._decode(text, key, (fp, sw, name, checksum)) for _, _, text, name, checksum in items)
             results = [r for r in decoded if r is not None]
-            best = rank(results, Policy())
+            first = best(results, Policy())
             entries.append(Entry(
                 problem=key, fingerprint=fp, software=sw, num_results=len(results),
-                best_algorithm=best[0].algorithm if best else None, best_ms=best[0].time_ms if best else None,
+                best_algorithm=first.algorithm if first else None, best_ms=first.time_ms if first else None,
                 stored_at=max(item[1] for item in items), usable=here[items[0][0]] == (fp, sw),
             ))
         return entries

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
 
 from .policy import Policy
 from .results import MICRO_BATCH_BACKEND, PerfResult, Status, backend_of
@@ -31,17 +30,41 @@ def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
     least host time per call, which decides host-bound eager code; a model whose layers chose it
     calls torch directly). prefer='least_memory': by workspace, then by time.
     """
-    pool = sorted((r for r in results if usable(r, policy)), key=lambda r: (r.time_ms, r.workspace_bytes, r.algorithm))
+    pool = _pool(results, policy)
     if policy.prefer == "least_memory":
         return sorted(pool, key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
     ranked = []
     while pool:
-        fastest = cast(float, pool[0].time_ms)  # usable() keeps only timed results
-        window = [r for r in pool if cast(float, r.time_ms) <= fastest * (1 + policy.tolerance)]
-        best = min(window, key=lambda r: (r.workspace_bytes, r.algorithm != NATIVE, r.time_ms, r.algorithm))
+        best = _first(pool, policy.tolerance)
         ranked.append(best)
         pool.remove(best)
     return ranked
+
+
+def best(results: Iterable[PerfResult], policy: Policy) -> PerfResult | None:
+    """``rank(results, policy)[0]``, or None when nothing is usable, without ranking the rest (a database
+    lookup asks this of every stored problem)."""
+    pool = _pool(results, policy)
+    if not pool:
+        return None
+    if policy.prefer == "least_memory":
+        return min(pool, key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
+    return _first(pool, policy.tolerance)
+
+
+def _pool(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
+    """The usable results by time (usable() keeps only timed ones)."""
+    return sorted((r for r in results if usable(r, policy)), key=lambda r: (r.time_ms, r.workspace_bytes, r.algorithm))
+
+
+def _first(pool: list[PerfResult], tolerance: float) -> PerfResult:
+    """The best of ``pool`` (sorted by time): within ``tolerance`` of the fastest, the least workspace, then
+    torch:native. The window is a prefix of the pool."""
+    limit = pool[0].time_ms * (1 + tolerance)  # type: ignore[operator]  # timed: see _pool
+    end = 1
+    while end < len(pool) and pool[end].time_ms <= limit:  # type: ignore[operator]
+        end += 1
+    return min(pool[:end], key=lambda r: (r.workspace_bytes, r.algorithm != NATIVE, r.time_ms, r.algorithm))
 
 
 def order(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:

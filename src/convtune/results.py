@@ -79,8 +79,7 @@ class PerfResult:
         """Validate and rebuild from ``to_dict`` output; anything malformed raises ``ValueError``."""
         if not isinstance(data, dict):
             raise ValueError(f"a PerfResult must be a JSON object, got {type(data).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = set(data) - set(fields)
+        unknown = data.keys() - _FIELDS
         if unknown:
             raise ValueError(f"unknown PerfResult field(s) {sorted(unknown)}")
         if not isinstance(data.get("algorithm"), str) or not data["algorithm"]:
@@ -92,11 +91,12 @@ class PerfResult:
             raise ValueError(f"PerfResult status {data.get('status')!r} is not one of {allowed}") from None
         for name in ("time_ms", "spread_ms", "rel_error"):
             v = data.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:  # NaN is not >= 0 either
                 raise ValueError(f"PerfResult {name}={v!r} must be a number >= 0 or null")
-        if status is Status.OK and any(data.get(n) is not None and not math.isfinite(data[n])
-                                       for n in ("time_ms", "spread_ms", "rel_error")):
-            raise ValueError("an ok PerfResult needs finite time_ms, spread_ms and rel_error")
+            if status is Status.OK and v == math.inf:
+                raise ValueError("an ok PerfResult needs finite time_ms, spread_ms and rel_error")
         ws = data.get("workspace_bytes", 0)
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 0:
             raise ValueError(f"PerfResult workspace_bytes={ws!r} must be an int >= 0")
@@ -115,3 +115,6 @@ class Choice:
     name: str
     predicted_ms: float
     workspace_bytes: int
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(PerfResult))  # what from_dict accepts
