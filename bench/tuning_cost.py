@@ -52,6 +52,7 @@ import convtune as ct  # noqa: E402
 from convtune import zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.pytorch import ops  # noqa: E402
+from convtune.settings import settings  # noqa: E402
 from convtune.verify import reference_case  # noqa: E402
 
 
@@ -211,7 +212,6 @@ def _per_call_us(fn, calls: int = 2000) -> float:
 
 def cudnn_launch_rows(p, x, w, name: str) -> list[tuple[str, float]]:
     """A cuDNN execution plan's execute alone (no Runner around it), through the C++ launch and the public call."""
-    from convtune.settings import settings
 
     plan = ct.get_algorithm(name, p)
     graph, index = plan.graph, plan.index
@@ -233,11 +233,13 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     xg = x.clone().requires_grad_()
     rows = [("F.conv2d", _per_call_us(lambda: torch.nn.functional.conv2d(x, w)))]
     cudnn_names = [a.name for a in ct.algorithms(p) if a.name.startswith("cudnn:")]
-    for name in ["gemm:1x1", "torch:native"] + cudnn_names[:1]:
-        rows += [(f"ops.compute {name}", _per_call_us(lambda: ops.compute(x, w, p.key, name))),
-                 (f"torch.ops.convtune.run {name}", _per_call_us(lambda: torch.ops.convtune.run(x, w, p.key, name))),
-                 (f"torch.ops.convtune.conv {name}, x needs grad",
-                  _per_call_us(lambda: torch.ops.convtune.conv(xg, w, p.key, name, "", "")))]
+    with settings.override(native=False):  # the Python path's ops run the Python algorithms (ops.runner)
+        for name in ["gemm:1x1", "torch:native"] + cudnn_names[:1]:
+            rows += [(f"ops.compute {name}", _per_call_us(lambda: ops.compute(x, w, p.key, name))),
+                     (f"torch.ops.convtune.run {name}",
+                      _per_call_us(lambda: torch.ops.convtune.run(x, w, p.key, name))),
+                     (f"torch.ops.convtune.conv {name}, x needs grad",
+                      _per_call_us(lambda: torch.ops.convtune.conv(xg, w, p.key, name, "", "")))]
     if cudnn_names:
         rows += cudnn_launch_rows(p, x, w, cudnn_names[0])
     conv = torch.nn.Conv2d(8, 8, 1, bias=False).to(device, p.torch_dtype).to(memory_format=torch.channels_last)

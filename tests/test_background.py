@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -39,28 +41,36 @@ def test_select_answers_from_the_model_at_once_and_the_database_once_measured(db
     assert background.pending() == 0
 
 
-def test_a_problem_is_queued_once_and_each_listener_hears_once(db, monkeypatch):
-    find_module = sys.modules["convtune.find"]  # the module (convtune.find is also the function)
-    measured = []
+@pytest.fixture
+def held(monkeypatch):
+    """The worker holds each measurement until the test sets this event (so no check races it)."""
+    gate, measure = threading.Event(), background._find
+    monkeypatch.setattr(background, "_find", lambda *args: gate.wait(120) and measure(*args))
+    yield gate
+    gate.set()
 
-    def counting(problem, policy, db):
-        measured.append(problem.key)
-        return find_module.find(problem, policy, db)
 
-    monkeypatch.setattr(background, "_find", lambda p, policy, db, stream: bool(counting(p, policy, db)))
+def test_a_problem_is_queued_once_and_each_listener_hears_once_before_wait_returns(db, held):
     heard = []
+
+    def slow(name):
+        time.sleep(0.2)  # wait() must not return before the listeners have run
+        heard.append(name)
+
     p = problem(n=2)
-    assert background.measure(p, ct.Policy(), db, then=lambda: heard.append("a"))
-    assert background.measure(p, ct.Policy(), db, then=lambda: heard.append("b"))
+    assert background.measure(p, ct.Policy(), db, then=lambda: slow("a"))
+    assert background.measure(p, ct.Policy(), db, then=lambda: slow("b"))
+    assert background.pending() == 1  # one problem, queued once
+    held.set()
     assert background.wait(120)
-    assert measured == [p.key] and sorted(heard) == ["a", "b"]
+    assert sorted(heard) == ["a", "b"]
 
 
 def test_a_failed_measurement_keeps_the_models_choice_and_is_not_asked_again(db, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("the device went away")
 
-    monkeypatch.setattr(sys.modules["convtune.find"], "find", broken)
+    monkeypatch.setattr(sys.modules["convtune.find"], "find", broken)  # the module (convtune.find: the function)
     heard = []
     p = problem(n=3)
     with caplog.at_level(logging.WARNING, logger="convtune.background"):
@@ -69,24 +79,28 @@ def test_a_failed_measurement_keeps_the_models_choice_and_is_not_asked_again(db,
     assert "the device went away" in caplog.text and heard == []
     assert not background.measure(p, ct.Policy(), db)  # not queued again in this process
     assert db.lookup(p) is None
+    tuning = Tuning(mode="background", db=db)
+    assert tuning.select(p).time_ms is None and not tuning.when_measured([p.key], lambda: heard.append(1))
 
 
-def test_tuning_forgets_its_memo_when_the_measurement_is_stored(db):
+def test_tuning_forgets_its_memo_when_the_measurement_is_stored(db, held):
     tuning = Tuning(mode="background", db=db)
     p = problem(n=4)
     heard = []
+    mark = tuning.mark()
     first = tuning.select(p)
-    assert first.time_ms is None
-    tuning.when_measured([p.key], lambda: heard.append(True))
-    assert background.wait(120) and heard == [True]
+    assert first.time_ms is None and tuning.select(p) is first  # remembered until measured
+    assert tuning.when_measured([p.key], lambda: heard.append("listening"), since=mark)
+    held.set()
+    assert background.wait(120) and heard == ["listening"]
     measured = tuning.select(p)
     assert measured.time_ms is not None and measured == db.lookup(p)
-    assert not tuning.when_measured([p.key], lambda: heard.append(False))  # nothing measured any more
+    # A selection made while the measurement was stored hears of it at once; one made after it, never.
+    assert tuning.when_measured([p.key], lambda: heard.append("late"), since=mark) and heard[-1] == "late"
+    assert not tuning.when_measured([p.key], lambda: heard.append("after"), since=tuning.mark())
 
 
-def test_a_model_meets_a_new_shape_runs_at_once_and_takes_the_measured_choice_later(db, monkeypatch):
-    gate, measure = threading.Event(), background._find
-    monkeypatch.setattr(background, "_find", lambda *args: gate.wait(120) and measure(*args))  # held until checked
+def test_a_model_meets_a_new_shape_runs_at_once_and_takes_the_measured_choice_later(db, held):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1))
     twin = torch.nn.Sequential(*(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)))
@@ -99,7 +113,7 @@ def test_a_model_meets_a_new_shape_runs_at_once_and_takes_the_measured_choice_la
     provisional = [r for r in ct.explain(model) if "12x10" in r["problem"]]
     assert provisional and all(r["time_ms"] is None for r in provisional)
     assert background.pending() == len(provisional)  # one queued measurement per provisional direction
-    gate.set()
+    held.set()
     assert background.wait(120)
     conv = model[0]
     assert not any(sig.shape == (2, 3, 12, 10) for sig in conv.selections)  # forgotten once stored
@@ -119,3 +133,30 @@ def test_the_model_stays_correct_while_layers_forget_their_choices(db):
     for _ in range(20):  # the worker may drop the selection between any two calls
         torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias, padding=1), atol=1e-5, rtol=1e-4)
     assert background.wait(120)
+
+
+def test_a_layer_forgotten_while_it_runs_keeps_no_hot_path_to_the_old_choice(db, held):
+    x = torch.randn(1, 3, 7, 7)
+    conv = ct.nn.Conv2d(3, 4, 3, padding=1, mode="background", db=db)
+    real = conv._convtune_hot
+
+    def forgotten_meanwhile(shape, entry, sig, selection):  # the worker forgets the selection as it is kept
+        conv._convtune_selections.pop(sig, None)
+        real(shape, entry, sig, selection)
+
+    conv._convtune_hot = forgotten_meanwhile
+    conv(x)
+    assert conv._convtune_fast == {}  # the next call selects again instead of taking the old choice
+
+
+def test_a_process_that_ends_with_measurements_queued_exits_cleanly(tmp_path):
+    code = f"""
+import convtune as ct
+db = ct.TuningDB({str(tmp_path / "t.sqlite")!r})
+for n in range(1, 7):
+    ct.select(ct.ConvProblem("fwd", n=n, c=16, k=16, input_size=(40, 40), kernel_size=3, padding=1),
+              mode="background", db=db)
+print("queued", ct.background.pending())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "queued" in out.stdout, out.stderr[-2000:]

@@ -6,9 +6,11 @@ asked, and stores what it measures in the database. Whoever answered from the co
 to hear when the measurement is stored (``measure(..., then=...)``): a tuned layer then forgets
 its provisional choice, and its next call selects again, from the database.
 
-The worker runs its CUDA work on a stream of its own, so it never waits on the training step's
-stream nor makes it wait; it does share the GPU and the interpreter with the step, which makes
-its timings noisier than a quiet ``find`` (see docs/runtime.md, "New input shapes").
+The worker runs its CUDA work on the device current where the problem was queued, on a stream of
+its own: the caller's stream never waits for it. It does share the GPU and the interpreter with
+the caller, which slows the caller somewhat while it measures and makes its timings noisier than
+a quiet ``find`` (docs/runtime.md, "New input shapes"). At exit the queue is dropped and the
+measurement under way, if any, is waited for (up to ``EXIT_WAIT_S``).
 
     >>> import tempfile, convtune as ct
     >>> p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(5, 5), kernel_size=3)
@@ -24,7 +26,9 @@ its timings noisier than a quiet ``find`` (see docs/runtime.md, "New input shape
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -36,29 +40,33 @@ from .problem import ConvProblem
 
 log = logging.getLogger(__name__)
 
+EXIT_WAIT_S = 60.0  # how long an ending process waits for the measurement under way
+
 _lock = threading.Condition()
-_queue: list[tuple[str, ConvProblem, Policy, Any]] = []  # (token, problem, policy, db), in the order asked
-_waiting: dict[str, list[Callable[[], None]]] = {}  # token -> what to call once it is stored
-_failed: set[str] = set()  # tokens whose measurement failed: not asked again in this process
+_queue: list[tuple[tuple, ConvProblem, Policy, Any, int]] = []  # (token, problem, policy, db, device), in order
+_waiting: dict[tuple, list[Callable[[], None]]] = {}  # token -> what to call once it is stored (queued or under way)
+_failed: set[tuple] = set()  # tokens whose measurement failed: not asked again in this process
 _worker: threading.Thread | None = None
+_stopping = False
 
 
-def _token(problem: ConvProblem, policy: Policy, db: Any) -> str:
-    return f"{problem.key}|{policy}|{id(db)}"
+def _token(problem: ConvProblem, policy: Policy, db: Any, device: int) -> tuple:
+    return problem.key, policy, str(getattr(db, "path", id(db))), device
 
 
 def measure(problem: ConvProblem, policy: Policy, db: Any, then: Callable[[], None] | None = None) -> bool:
     """Queue ``problem`` for ``find`` under ``policy``, storing in ``db``; ``then()`` is called (on the
     worker's thread) once its results are stored. A problem already queued or being measured is not
     queued twice (``then`` joins it). Returns False, queuing nothing, for a problem whose measurement
-    failed before in this process (``get``'s choice stands)."""
-    token = _token(problem, policy, db)
+    failed before in this process (``get``'s choice stands) and in a process that is ending."""
+    device = torch.cuda.current_device() if problem.device == "cuda" else -1  # the caller's, not the worker's
+    token = _token(problem, policy, db, device)
     with _lock:
-        if token in _failed:
+        if token in _failed or _stopping:
             return False
         if token not in _waiting:
             _waiting[token] = []
-            _queue.append((token, problem, policy, db))
+            _queue.append((token, problem, policy, db, device))
         if then is not None:
             _waiting[token].append(then)
         _start()
@@ -73,7 +81,8 @@ def pending() -> int:
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Wait until nothing is queued or being measured (at most ``timeout`` seconds); whether that happened."""
+    """Wait until nothing is queued or being measured, and every listener of what was has been called
+    (at most ``timeout`` seconds); whether that happened."""
     with _lock:
         return _lock.wait_for(lambda: not _waiting, timeout)
 
@@ -81,44 +90,56 @@ def wait(timeout: float | None = None) -> bool:
 def _start() -> None:
     global _worker
     if _worker is None or not _worker.is_alive():
-        # A daemon: a process that ends drops what is still queued (the database is written whole or not at all).
         _worker = threading.Thread(target=_work, name="convtune-background", daemon=True)
         _worker.start()
 
 
 def _work() -> None:
-    stream = None
+    streams: dict[int, Any] = {}
     while True:
         with _lock:
-            _lock.wait_for(lambda: bool(_queue))
-            token, problem, policy, db = _queue.pop(0)
+            _lock.wait_for(lambda: bool(_queue) or _stopping)
+            if _stopping:
+                return
+            token, problem, policy, db, device = _queue.pop(0)
         ok = False
         try:
-            if problem.device == "cuda" and stream is None:
-                stream = torch.cuda.Stream()
-            ok = _find(problem, policy, db, stream)
+            ok = _find(problem, policy, db, device, streams)
         except Exception:  # the worker goes on with the next problem whatever this one did
             log.exception("measuring %s in the background failed", problem.key)
-        finally:
-            with _lock:
-                calls = _waiting.pop(token, [])
+        _finish(token, ok, problem)
+
+
+def _finish(token: tuple, ok: bool, problem: ConvProblem) -> None:
+    """Call the listeners of ``token`` (those that join while they run too), then mark it done."""
+    while True:
+        with _lock:
+            calls = _waiting.get(token, [])
+            if not calls or not ok:
+                _waiting.pop(token, None)
                 if not ok:
                     _failed.add(token)
                 _lock.notify_all()
-        for call in calls if ok else ():
+                return
+            _waiting[token] = []
+        for call in calls:
             try:
                 call()
             except Exception:  # a listener's fault is its own: the worker goes on
                 log.exception("a listener of the background measurement of %s failed", problem.key)
 
 
-def _find(problem: ConvProblem, policy: Policy, db: Any, stream: Any) -> bool:
+def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: dict[int, Any]) -> bool:
     from .find import find  # find imports the algorithms: only when something is measured
 
     try:
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                results = find(problem, policy, db)
+        if device >= 0:
+            with torch.cuda.device(device):
+                stream = streams.get(device)
+                if stream is None:
+                    stream = streams[device] = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    results = find(problem, policy, db)
         else:
             results = find(problem, policy, db)
     except Exception as exc:  # the model's choice stands; the user's step goes on
@@ -129,3 +150,29 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, stream: Any) -> bool:
                     problem.key)
         return False
     return True
+
+
+def _stop() -> None:
+    """At exit: drop the queue, let the measurement under way finish (a thread still running torch while the
+    interpreter shuts down can abort the process), then return."""
+    global _stopping
+    with _lock:
+        _stopping = True
+        _queue.clear()
+        _lock.notify_all()
+    worker = _worker
+    if worker is not None and worker.is_alive() and worker is not threading.current_thread():
+        worker.join(EXIT_WAIT_S)
+
+
+def _after_fork() -> None:
+    # A forked child (a DataLoader worker, say) has none of the parent's threads: it starts empty.
+    global _lock, _worker, _stopping
+    _lock = threading.Condition()
+    _queue.clear()
+    _waiting.clear()
+    _worker, _stopping = None, False
+
+
+atexit.register(_stop)
+os.register_at_fork(after_in_child=_after_fork)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from . import background
 from .errors import NoAlgorithmError
 from .hardware import roofline_ms
 from .policy import DEFAULT_POLICY, Policy
@@ -53,7 +55,14 @@ class Tuning:
         self.mode = mode
         self._db = db
         self._memo: dict[str, PerfResult] = {}
-        self._listeners: dict[str, list[Callable[[], None]]] = {}  # key -> who waits for its measurement
+        self._init_background()
+
+    def _init_background(self) -> None:
+        # What mode 'background' keeps: who waits for each key being measured, and when each was stored.
+        self._lock = threading.Lock()
+        self._listeners: dict[str, list[Callable[[], None]]] = {}
+        self._measured_at: dict[str, int] = {}
+        self._measurements = 0
 
     def __repr__(self) -> str:
         return f"Tuning(policy={self.policy}, mode={self.mode!r})"
@@ -76,39 +85,59 @@ class Tuning:
         return self.mode in ("hybrid", "find")
 
     def select(self, problem: ConvProblem) -> PerfResult:
-        """The choice for ``problem`` (asked once per Tuning, until a background measurement of it is
+        """The choice for ``problem`` (asked once per Tuning; in mode 'background', until its measurement is
         stored: ``when_measured``). Raises ``NoAlgorithmError``."""
         key = problem.key
-        if key not in self._memo:
-            then = functools.partial(self._measured, key) if self.mode == "background" else None
-            if then is not None:
-                self._listeners.setdefault(key, [])  # before the worker can finish: see _measured
-            chosen = select(problem, self.policy, self.mode, self.db, then)
-            if then is None:
+        with self._lock:
+            known = self._memo.get(key)
+        if known is not None:
+            return known
+        if self.mode != "background":
+            chosen = select(problem, self.policy, self.mode, self.db)
+            with self._lock:
                 self._memo[key] = chosen
-            elif chosen.time_ms is not None:  # the database answered: nothing is measured
-                self._listeners.pop(key, None)
-                self._memo[key] = chosen
-            elif key in self._listeners:  # still being measured: the model's choice until then
-                self._memo[key] = chosen
-            else:  # measured and stored already: the next select reads it
+            return chosen
+        chosen = select(problem, self.policy, "db_then_get", self.db)  # the database, else the cost model
+        with self._lock:
+            self._memo[key] = chosen
+            # Measured already (a database answer), measured before without an answer for this policy, or
+            # nowhere to keep a measurement: nothing to measure.
+            if chosen.time_ms is not None or key in self._measured_at or self.db is None:
                 return chosen
-        return self._memo[key]
+            self._listeners[key] = []
+        if not background.measure(problem, self.policy, self.db, then=functools.partial(self._measured, key)):
+            with self._lock:  # its measurement failed before in this process: the model's choice stays
+                self._listeners.pop(key, None)
+        return chosen
 
-    def when_measured(self, keys: Iterable[str], call: Callable[[], None]) -> bool:
-        """Have ``call()`` called (once, on the background worker's thread) when the first of ``keys``
-        that is still being measured in the background is stored; whether any was."""
-        for key in keys:
-            listeners = self._listeners.get(key)
-            if listeners is not None:
-                listeners.append(call)
-                return True
-        return False
+    def mark(self) -> int:
+        """A point in this Tuning's history of background measurements, for ``when_measured``."""
+        with self._lock:
+            return self._measurements
+
+    def when_measured(self, keys: Iterable[str], call: Callable[[], None], since: int = 0) -> bool:
+        """Have ``call()`` called once the first of ``keys`` being measured in the background is stored (on
+        the worker's thread), or now if one was stored after ``since`` (a ``mark``); whether it will be."""
+        keys = list(keys)
+        with self._lock:
+            done = any(self._measured_at.get(key, -1) >= since for key in keys)
+            if not done:
+                for key in keys:
+                    if key in self._listeners:
+                        self._listeners[key].append(call)
+                        return True
+                return False
+        call()
+        return True
 
     def _measured(self, key: str) -> None:
         # The background measurement of ``key`` is stored: the next select reads it from the database.
-        self._memo.pop(key, None)
-        for call in self._listeners.pop(key, ()):
+        with self._lock:
+            self._memo.pop(key, None)
+            calls = self._listeners.pop(key, [])
+            self._measured_at[key] = self._measurements
+            self._measurements += 1
+        for call in calls:
             call()
 
     def stored(self, problem: ConvProblem) -> PerfResult | None:
@@ -129,8 +158,13 @@ class Tuning:
         path = getattr(self._db, "path", None)
         state["_db"] = str(path) if path is not None else (self._db if isinstance(self._db, (str, Path)) else None)
         state["_memo"] = {}
-        state["_listeners"] = {}
+        for name in ("_lock", "_listeners", "_measured_at", "_measurements"):
+            state.pop(name, None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_background()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from . import background
@@ -27,16 +26,15 @@ SELECTION_MODES = ("get", "find", "hybrid", "db_then_get", "background")
 READS_DB = ("hybrid", "db_then_get", "background")  # the modes that answer from the database first
 
 
-def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None,
-           then: Callable[[], None] | None = None) -> PerfResult:
+def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> PerfResult:
     """The best algorithm for ``problem`` under ``policy``, as a ``PerfResult``.
 
     mode: 'get' (the cost model's first choice, nothing run: time_ms is None and the message
     gives the predicted time), 'find' (always measure; stored when ``db`` is given), 'hybrid'
     (a database hit, else find and store), 'db_then_get' (a database hit, else get's choice;
     never measures), 'background' (a database hit, else get's choice at once, while a worker
-    thread measures the problem with find and stores it: ``convtune.background``; ``then()`` is
-    called there once it is stored, so the caller can select again). db: a ``TuningDB``; None
+    thread measures the problem with find and stores it, so that a later select reads it:
+    ``convtune.background``). db: a ``TuningDB``; None
     means the default ``TuningDB()`` for the modes that read one, and no database for the others.
     Raises ``ValueError`` for an unknown mode, ``NoAlgorithmError`` (naming the problem and why
     each candidate was refused) when no algorithm can serve the problem under the policy.
@@ -66,7 +64,7 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     if mode == "background":
         chosen = _from_model(problem, policy, db)
         if db is not None:  # where nothing would keep the measurement, nothing measures
-            background.measure(problem, policy, db, then)
+            background.measure(problem, policy, db)
         return chosen
     return _from_measurements(problem, policy, db)
 

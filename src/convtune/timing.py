@@ -239,7 +239,9 @@ class _CudaSampler:
             with torch.cuda.stream(side):
                 self.fn()
             torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
+            # thread_local: a capture must not make another thread's CUDA calls fail (the training step's, while
+            # the background worker measures: convtune.background)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 for _ in range(self.inner):
                     self.fn()
             torch.cuda.synchronize()

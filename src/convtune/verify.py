@@ -57,6 +57,8 @@ def reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.T
     a, b = a.detach().double(), b.detach().double()
     if a.is_cuda and problem.ndim <= 2:
         return lowered_reference(problem, a, b)
+    if not a.is_cuda:  # cuDNN's flags are the process's: leave them alone where cuDNN is not used
+        return native_conv(problem, a, b)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False, benchmark=False, deterministic=True):
         return native_conv(problem, a, b)
 

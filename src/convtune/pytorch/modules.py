@@ -116,13 +116,16 @@ class TunedConv(_ConvBase):
                 return super().forward(input)
         return self._convtune_forward(input)
 
-    def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchCall) -> None:
-        """Inputs of ``shape`` take the hot path to ``entry`` from now on (eager code only)."""
+    def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchCall, sig: Signature,
+                      selection: LayerSelection) -> None:
+        """Inputs of ``shape`` take the hot path to ``entry`` (of ``selection``) from now on (eager code only)."""
         if torch.compiler.is_compiling():
             return
         if len(self._convtune_fast) >= _HOT_SHAPES:
             self._convtune_fast.clear()
         self._convtune_fast[shape] = entry
+        if self._convtune_selections.get(sig) is not selection:  # forgotten meanwhile (_forget, another thread)
+            self._convtune_fast.pop(shape, None)
 
     def _convtune_forward(self, input: torch.Tensor) -> torch.Tensor:
         nd = len(self.kernel_size)
@@ -144,14 +147,14 @@ class TunedConv(_ConvBase):
                 selection = self._convtune_tune(sig, need_dx, need_dw)
         call = selection.call
         if call is None and selection.native is None:  # torch's path, or torch:native in every direction
-            self._convtune_hot(input.shape, TorchCall.of(input, sig, selection))
+            self._convtune_hot(input.shape, TorchCall.of(input, sig, selection), sig, selection)
             return super().forward(input)
         padded = self._convtune_pad(x)
         if selection.native is not None:
             # The op casts under autocast itself, as the hot path relies on (the weight once per autocast
             # region, through autocast's cache), and lays the weight out as the problem needs.
             if padded is x and batched:  # the op on the input as it comes, nothing done to it first
-                self._convtune_hot(input.shape, selection.native)
+                self._convtune_hot(input.shape, selection.native, sig, selection)
             y = _tuned_conv(to_layout(padded, sig.layout), weight, bias, *selection.native)
             return y if batched else y.squeeze(0)
         if cast is not None:
@@ -181,12 +184,16 @@ class TunedConv(_ConvBase):
         # _eager_tuning. Never wrapped before: torch.compiler.disable imports Dynamo (a second on a warm start).
         self._convtune_fast.clear()
         directions = directions_needed(need_dx, need_dw)
-        selection = select_for_layer(self, sig, self._convtune_tuning, directions, self._convtune_selections.get(sig))
+        tuning = self._convtune_tuning
+        mark = tuning.mark()
+        selection = select_for_layer(self, sig, tuning, directions, self._convtune_selections.get(sig))
         self._convtune_selections[sig] = selection
-        # A direction answered by the cost model while it is measured in the background (mode 'background'):
-        # once stored, the layer forgets this selection, and its next call selects again, from the database.
-        keys = [ops.key_for(selection.problem, direction) for direction, _ in selection.results]
-        self._convtune_tuning.when_measured(keys, functools.partial(_forget, weakref.ref(self), sig))
+        # Directions answered by the cost model while they are measured in the background (mode 'background'):
+        # once one is stored (while this selection was made, too), the layer forgets the selection, and its
+        # next call selects again, from the database.
+        keys = [ops.key_for(selection.problem, d) for d, result in selection.results if result.time_ms is None]
+        if keys:
+            tuning.when_measured(keys, functools.partial(_forget, weakref.ref(self), sig), since=mark)
         return selection
 
 

@@ -238,7 +238,9 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
             return selection
         natives[direction] = native
         gain_us += 1e3 * (native.time_ms - chosen.time_ms)
-        kind = runtime.prepare(problem, chosen.algorithm)[1] if selection.native is not None else "python"
+        # A direction with an executable costs the C++ op's host time, on a Python-path layer too (ops.NativeRunner).
+        kind = runtime.prepare(problem, chosen.algorithm)[1] if ops.native_handle(problem.key, chosen.algorithm) \
+            else "python"
         cost_us += runtime.extra_host_us(problem, kind, tuning.db)
     if gain_us >= cost_us:
         return selection
