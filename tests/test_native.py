@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import os
 import pickle
 import subprocess
 import sys
@@ -479,11 +480,39 @@ def test_an_executable_is_prepared_once_per_process(native, tmp_path):
     with ct.TuningDB(tmp_path / "t.sqlite") as db:
         handle, kind = runtime.prepare(p, "gemm:1x1", db)
         assert kind == "gemm_1x1" and runtime.prepare(p, "gemm:1x1") == (handle, kind)
-        assert db.executable(p, "gemm:1x1") is None  # a GEMM is remade from its description: nothing to keep
+        recipe, serialized = db.executable(p, "gemm:1x1")  # kept: a warm start makes it without the algorithm
+        assert recipe["kind"] == "gemm_1x1" and serialized == b""
     with pytest.raises(KeyError):
         runtime.prepare(p, "nonesuch:algo")
     with pytest.raises(runtime.NotNative, match="runs in Python only"):
         runtime.prepare(p, "direct:taps")
+
+
+def test_a_warm_start_makes_each_executable_from_the_database_without_the_algorithm(native, tmp_path):
+    cases = [("gemm:1x1", "channels_first"), ("gemm:1x1", "channels_last"), ("torch:native", "channels_last")]
+    problems = [ConvProblem("bwd_filter", n=2, c=5, k=7, input_size=(3, 4), kernel_size=1, layout=layout)
+                for _, layout in cases]  # made nowhere else in this process (prepare makes each once)
+    with ct.TuningDB(tmp_path / "t.sqlite") as db:
+        handles = [runtime.prepare(p, name, db)[0] for p, (name, _) in zip(problems, cases)]
+    # A fresh process, whose registry would fail any lookup: the executables come from their stored recipes.
+    code = f"""
+import torch, convtune as ct
+from convtune.pytorch import runtime
+from convtune.verify import reference, rel_error
+def no_registry(*args):
+    raise AssertionError("a warm start looked the algorithm up")
+runtime.get_algorithm = no_registry
+with ct.TuningDB({str(tmp_path / "t.sqlite")!r}) as db:
+    for key, name, cold in {[(p.key, name, h) for p, (name, _), h in zip(problems, cases, handles)]!r}:
+        p = ct.ConvProblem.from_key(key)
+        handle, kind = runtime.prepare(p, name, db)
+        a, b = p.random_inputs(seed=2)
+        assert handle == cold and rel_error(torch.ops.convtune.tuned_run(a, b, handle), reference(p, a, b)) < 1e-5
+print("ok")
+"""
+    env = dict(os.environ, CONVTUNE_PROGRESS="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def test_the_host_cost_calibration_runs_inside_an_autocast_region_and_is_kept(native, tmp_path):

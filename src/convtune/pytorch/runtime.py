@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch
 
 from convtune import extension
-from convtune.algorithms.base import Algorithm, NativeRecipe
+from convtune.algorithms.base import Algorithm
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
 
@@ -119,15 +119,21 @@ def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device 
     build cannot make it (a cuDNN execution plan in a build without cuDNN); ``RuntimeError`` when cuDNN
     refuses to build the tuned plan.
     """
-    module = _extension()
+    kind, options = _recipe(problem, algorithm)
+    return _add(_extension(), problem, algorithm.name, kind, options, _device_index(problem, device))
+
+
+def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, Any]]:
+    """(kind, options): everything ``_add`` needs to make ``algorithm``'s executable on ``problem``, in JSON
+    types (the database keeps it, so a warm start makes the executable without the algorithm)."""
     recipe = algorithm.native_recipe(problem)
     if recipe is None:
         raise NotNative(f"{algorithm.name} runs in Python only (it has no native executable)")
     options = dict(recipe.options)
     if recipe.kind in ("gemm_1x1", "gemm_1x1_strided"):
-        options["buffers"] = [(b.name, list(b.shape), str(b.dtype).removeprefix("torch."))
+        options["buffers"] = [[b.name, list(b.shape), str(b.dtype).removeprefix("torch.")]
                               for b in algorithm.buffers(problem)]
-    return _add(module, problem, algorithm.name, recipe.kind, options, _device_index(problem, device))
+    return recipe.kind, options
 
 
 _prepared: dict[tuple, tuple[int, str]] = {}  # (problem key, algorithm, device, registry generation) -> (handle, kind)
@@ -138,8 +144,9 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     """(handle, kind) of the native executable of algorithm ``name`` on ``problem``.
 
     Made once per process: from the form ``db`` stored for it on this machine and software (a warm
-    start: neither the algorithm nor cuDNN's heuristics are consulted), else from the algorithm's
-    recipe, and then stored in ``db`` where a serialized form saves work (a cuDNN execution plan). Raises
+    start: neither the algorithm, nor the registry that holds it, nor cuDNN's heuristics are
+    consulted), else from the algorithm's recipe, which is then stored in ``db`` with the serialized
+    form where there is one (a cuDNN execution plan). Raises
     ``NotNative``, ``KeyError`` (``name`` is not registered here) or ``RuntimeError`` (cuDNN refused).
     """
     module = _extension()
@@ -158,13 +165,11 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another cuDNN or GPU: rebuild below
             log.info("the stored executable of %s by %s does not load here (%s); rebuilding it", problem.key, name, exc)
     if handle is None:
-        algorithm = get_algorithm(name, problem)
-        handle = executable(problem, algorithm, device)
-        serialized = module.serialized(handle)
-        if db is not None and serialized:
-            recipe = cast(NativeRecipe, algorithm.native_recipe(problem))  # executable() raised if None
+        kind, options = _recipe(problem, get_algorithm(name, problem))
+        handle = _add(module, problem, name, kind, options, index)
+        if db is not None:  # with the serialized form where there is one (a cuDNN execution plan)
             try:
-                db.store_executable(problem, name, {"kind": recipe.kind, "options": dict(recipe.options)}, serialized)
+                db.store_executable(problem, name, {"kind": kind, "options": options}, module.serialized(handle))
             except (sqlite3.Error, OSError, ValueError) as exc:  # unremembered: the next process builds it again
                 log.warning("could not keep the executable of %s by %s in the tuning database: %s", problem.key,
                             name, exc)
