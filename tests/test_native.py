@@ -486,6 +486,16 @@ def test_an_executable_is_prepared_once_per_process(native, tmp_path):
         runtime.prepare(p, "nonesuch:algo")
     with pytest.raises(runtime.NotNative, match="runs in Python only"):
         runtime.prepare(p, "direct:taps")
+    tries = []
+    real = runtime._make
+    runtime._make = lambda *args: tries.append(1) or real(*args)
+    try:
+        for _ in range(3):  # refused once: the same answer after, without trying again
+            with pytest.raises(runtime.NotNative, match="runs in Python only"):
+                runtime.prepare(p.with_direction("fwd"), "direct:taps")
+    finally:
+        runtime._make = real
+    assert tries == [1]
 
 
 def test_a_warm_start_makes_each_executable_from_the_database_without_the_algorithm(native, tmp_path):

@@ -137,6 +137,7 @@ def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, 
 
 
 _prepared: dict[tuple, tuple[int, str]] = {}  # (problem key, algorithm, device, registry generation) -> (handle, kind)
+_refused: dict[tuple, Exception] = {}  # the same key -> why it could not be made (asked again, it is not retried)
 _prepared_lock = threading.Lock()
 
 
@@ -153,9 +154,24 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     index = _device_index(problem, device)
     key = (problem.key, name, index, generation())  # a name registered again is made again
     with _prepared_lock:
-        known = _prepared.get(key)
+        known, refused = _prepared.get(key), _refused.get(key)
     if known is not None:
         return known
+    if refused is not None:
+        raise type(refused)(*refused.args)
+    try:
+        known = _make(module, problem, name, db, device, index)
+    except (NotNative, KeyError, RuntimeError, ValueError) as exc:
+        with _prepared_lock:
+            _refused[key] = exc
+        raise
+    with _prepared_lock:
+        _prepared[key] = known
+    return known
+
+
+def _make(module: Any, problem: ConvProblem, name: str, db: Any, device: torch.device | None,
+          index: int) -> tuple[int, str]:
     stored = db.executable(problem, name) if db is not None else None
     handle = None
     if stored is not None:
@@ -173,10 +189,7 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
             except (sqlite3.Error, OSError, ValueError) as exc:  # unremembered: the next process builds it again
                 log.warning("could not keep the executable of %s by %s in the tuning database: %s", problem.key,
                             name, exc)
-    known = (handle, module.kind(handle))
-    with _prepared_lock:
-        _prepared[key] = known
-    return known
+    return handle, module.kind(handle)
 
 
 def tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
