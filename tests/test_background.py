@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -50,20 +50,15 @@ def held(monkeypatch):
     gate.set()
 
 
-def test_a_problem_is_queued_once_and_each_listener_hears_once_before_wait_returns(db, held):
-    heard = []
-
-    def slow(name):
-        time.sleep(0.2)  # wait() must not return before the listeners have run
-        heard.append(name)
-
+def test_a_problem_is_queued_once_and_each_finished_measurement_advances_the_generation(db, held):
     p = problem(n=2)
-    assert background.measure(p, ct.Policy(), db, then=lambda: slow("a"))
-    assert background.measure(p, ct.Policy(), db, then=lambda: slow("b"))
-    assert background.pending() == 1  # one problem, queued once
+    before = background.generation()
+    assert background.measure(p, ct.Policy(), db) and background.measure(p, ct.Policy(), db)
+    assert background.pending() == 1 and background.queued(p, ct.Policy(), db)  # one problem, queued once
+    assert not background.queued(p, ct.Policy(deterministic=True), db)  # another policy is another question
     held.set()
     assert background.wait(120)
-    assert sorted(heard) == ["a", "b"]
+    assert background.generation() == before + 1 and not background.queued(p, ct.Policy(), db)
 
 
 def test_a_failed_measurement_keeps_the_models_choice_and_is_not_asked_again(db, monkeypatch, caplog):
@@ -71,33 +66,45 @@ def test_a_failed_measurement_keeps_the_models_choice_and_is_not_asked_again(db,
         raise RuntimeError("the device went away")
 
     monkeypatch.setattr(sys.modules["convtune.find"], "find", broken)  # the module (convtune.find: the function)
-    heard = []
     p = problem(n=3)
+    tuning = Tuning(mode="background", db=db)
     with caplog.at_level(logging.WARNING, logger="convtune.background"):
-        assert background.measure(p, ct.Policy(), db, then=lambda: heard.append(p.key))
+        first = tuning.select(p)
+        assert first.time_ms is None and tuning.waiting_since(p.key) is not None
         assert background.wait(120)
-    assert "the device went away" in caplog.text and heard == []
+    assert "the device went away" in caplog.text
     assert not background.measure(p, ct.Policy(), db)  # not queued again in this process
-    assert db.lookup(p) is None
-    tuning = Tuning(mode="background", db=db)
-    assert tuning.select(p).time_ms is None and not tuning.when_measured([p.key], lambda: heard.append(1))
+    again = tuning.select(p)  # asked again (its measurement finished), and final now
+    assert again.time_ms is None and tuning.waiting_since(p.key) is None and db.lookup(p) is None
 
 
-def test_tuning_forgets_its_memo_when_the_measurement_is_stored(db, held):
+def test_tuning_selects_again_once_the_measurement_is_stored(db, held):
     tuning = Tuning(mode="background", db=db)
-    p = problem(n=4)
-    heard = []
-    mark = tuning.mark()
+    p, other = problem(n=4), problem(n=5)
     first = tuning.select(p)
-    assert first.time_ms is None and tuning.select(p) is first  # remembered until measured
-    assert tuning.when_measured([p.key], lambda: heard.append("listening"), since=mark)
+    assert first.time_ms is None and tuning.select(p) is first  # remembered while it waits
+    since = tuning.waiting_since(p.key)
+    assert since is not None and tuning.select(other).time_ms is None
     held.set()
-    assert background.wait(120) and heard == ["listening"]
+    assert background.wait(120)
     measured = tuning.select(p)
-    assert measured.time_ms is not None and measured == db.lookup(p)
-    # A selection made while the measurement was stored hears of it at once; one made after it, never.
-    assert tuning.when_measured([p.key], lambda: heard.append("late"), since=mark) and heard[-1] == "late"
-    assert not tuning.when_measured([p.key], lambda: heard.append("after"), since=tuning.mark())
+    assert measured.time_ms is not None and measured == db.lookup(p) and tuning.waiting_since(p.key) is None
+    assert tuning.select(p) is measured  # asked once from then on
+
+
+def test_a_measurement_that_finishes_before_the_choice_is_remembered_is_still_taken(db, monkeypatch):
+    tuning = Tuning(mode="background", db=db)
+    p = problem(n=6)
+    real = background.measure
+
+    def at_once(*args):  # the worker finishes before measure() returns to the caller
+        assert real(*args)
+        assert background.wait(120)
+        return True
+
+    monkeypatch.setattr(background, "measure", at_once)
+    assert tuning.select(p).time_ms is None
+    assert tuning.select(p).time_ms is not None
 
 
 def test_a_model_meets_a_new_shape_runs_at_once_and_takes_the_measured_choice_later(db, held):
@@ -116,8 +123,9 @@ def test_a_model_meets_a_new_shape_runs_at_once_and_takes_the_measured_choice_la
     held.set()
     assert background.wait(120)
     conv = model[0]
-    assert not any(sig.shape == (2, 3, 12, 10) for sig in conv.selections)  # forgotten once stored
+    assert conv._convtune_provisional  # its next call selects again
     torch.testing.assert_close(model(x), twin(x), atol=1e-5, rtol=1e-4)
+    assert not conv._convtune_provisional
     measured = [r for r in ct.explain(model) if "12x10" in r["problem"]]
     assert measured and all(r["time_ms"] is not None for r in measured)
 
@@ -135,18 +143,20 @@ def test_the_model_stays_correct_while_layers_forget_their_choices(db):
     assert background.wait(120)
 
 
-def test_a_layer_forgotten_while_it_runs_keeps_no_hot_path_to_the_old_choice(db, held):
+def test_a_layer_waiting_for_a_measurement_keeps_no_hot_path_and_copies_select_again(db, held):
     x = torch.randn(1, 3, 7, 7)
     conv = ct.nn.Conv2d(3, 4, 3, padding=1, mode="background", db=db)
-    real = conv._convtune_hot
-
-    def forgotten_meanwhile(shape, entry, sig, selection):  # the worker forgets the selection as it is kept
-        conv._convtune_selections.pop(sig, None)
-        real(shape, entry, sig, selection)
-
-    conv._convtune_hot = forgotten_meanwhile
-    conv(x)
-    assert conv._convtune_fast == {}  # the next call selects again instead of taking the old choice
+    y = conv(x)
+    assert conv._convtune_fast == {} and conv._convtune_provisional  # every call looks for the measurement
+    twin = copy.deepcopy(conv)
+    assert twin.selections == {}  # a copy selects again on its first call, in its own right
+    held.set()
+    assert background.wait(120)
+    torch.testing.assert_close(conv(x), y)
+    assert conv._convtune_provisional == {} and conv._convtune_fast  # measured: the hot path again
+    assert all(r["time_ms"] is not None for r in ct.explain(conv))
+    torch.testing.assert_close(twin(x), y)
+    assert all(r["time_ms"] is not None for r in ct.explain(twin))
 
 
 def test_a_process_that_ends_with_measurements_queued_exits_cleanly(tmp_path):

@@ -2,26 +2,25 @@
 
 A problem the database does not know is answered at once by ``get``'s choice, and ``measure``
 queues it for ``find``; one worker thread measures the queued problems one at a time, in the order
-asked, and stores what it measures in the database. Whoever answered from the cost model asks
-to hear when the measurement is stored (``measure(..., then=...)``): a tuned layer then forgets
-its provisional choice, and its next call selects again, from the database.
+asked, and stores what it measures in the database. Each finished measurement (stored, or failed)
+advances ``generation()``: whoever answered from the cost model compares it with the one it chose
+at and, once it has moved, selects again (a tuned layer does so on its next call, from the database).
+Nothing of the caller's is touched from the worker's thread.
 
 The worker runs its CUDA work on the device current where the problem was queued, on a stream of
-its own: the caller's stream never waits for it. It does share the GPU and the interpreter with
-the caller, which slows the caller somewhat while it measures and makes its timings noisier than
-a quiet ``find`` (docs/runtime.md, "New input shapes"). At exit the queue is dropped and the
-measurement under way, if any, is waited for (up to ``EXIT_WAIT_S``).
+its own, and captures its CUDA graphs in thread-local mode. It shares the GPU, the interpreter and
+PyTorch's process-wide flags with the caller (docs/runtime.md, "New input shapes"). At exit the
+queue is dropped and the measurement under way, if any, is waited for (up to ``EXIT_WAIT_S``); a
+forked child starts with nothing queued and a new generation.
 
     >>> import tempfile, convtune as ct
     >>> p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(5, 5), kernel_size=3)
     >>> db = ct.TuningDB(tempfile.mkdtemp() + "/tuning.sqlite")
-    >>> done = []
-    >>> measure(p, ct.Policy(), db, then=lambda: done.append(p.key))
-    True
-    >>> wait(60)
-    True
-    >>> done == [p.key], db.lookup(p) is not None
+    >>> before = generation()
+    >>> measure(p, ct.Policy(), db), queued(p, ct.Policy(), db) or wait(60)
     (True, True)
+    >>> generation() > before, queued(p, ct.Policy(), db), db.lookup(p) is not None
+    (True, False, True)
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import atexit
 import logging
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,34 +42,44 @@ EXIT_WAIT_S = 60.0  # how long an ending process waits for the measurement under
 
 _lock = threading.Condition()
 _queue: list[tuple[tuple, ConvProblem, Policy, Any, int]] = []  # (token, problem, policy, db, device), in order
-_waiting: dict[tuple, list[Callable[[], None]]] = {}  # token -> what to call once it is stored (queued or under way)
+_waiting: set[tuple] = set()  # tokens queued or being measured
 _failed: set[tuple] = set()  # tokens whose measurement failed: not asked again in this process
 _worker: threading.Thread | None = None
 _stopping = False
+_generation = 0  # finished measurements (and forks): see generation()
 
 
-def _token(problem: ConvProblem, policy: Policy, db: Any, device: int) -> tuple:
+def _token(problem: ConvProblem, policy: Policy, db: Any) -> tuple:
+    device = torch.cuda.current_device() if problem.device == "cuda" else -1  # the caller's, not the worker's
     return problem.key, policy, str(getattr(db, "path", id(db))), device
 
 
-def measure(problem: ConvProblem, policy: Policy, db: Any, then: Callable[[], None] | None = None) -> bool:
-    """Queue ``problem`` for ``find`` under ``policy``, storing in ``db``; ``then()`` is called (on the
-    worker's thread) once its results are stored. A problem already queued or being measured is not
-    queued twice (``then`` joins it). Returns False, queuing nothing, for a problem whose measurement
-    failed before in this process (``get``'s choice stands) and in a process that is ending."""
-    device = torch.cuda.current_device() if problem.device == "cuda" else -1  # the caller's, not the worker's
-    token = _token(problem, policy, db, device)
+def measure(problem: ConvProblem, policy: Policy, db: Any) -> bool:
+    """Queue ``problem`` for ``find`` under ``policy``, storing in ``db`` (on the current CUDA device). A
+    problem already queued or being measured is not queued twice. Returns False, queuing nothing, for a
+    problem whose measurement failed before in this process (``get``'s choice stands) and in a process
+    that is ending."""
+    token = _token(problem, policy, db)
     with _lock:
         if token in _failed or _stopping:
             return False
         if token not in _waiting:
-            _waiting[token] = []
-            _queue.append((token, problem, policy, db, device))
-        if then is not None:
-            _waiting[token].append(then)
-        _start()
-        _lock.notify_all()
+            _waiting.add(token)
+            _queue.append((token, problem, policy, db, token[-1]))
+            _start()
+            _lock.notify_all()
     return True
+
+
+def queued(problem: ConvProblem, policy: Policy, db: Any) -> bool:
+    """Whether ``problem`` is queued or being measured (for ``policy`` and ``db``, on the current device)."""
+    return _token(problem, policy, db) in _waiting
+
+
+def generation() -> int:
+    """How many measurements have finished in this process (stored or failed), plus one per fork: a choice
+    made at an older generation may have a measurement to take now."""
+    return _generation
 
 
 def pending() -> int:
@@ -81,8 +89,7 @@ def pending() -> int:
 
 
 def wait(timeout: float | None = None) -> bool:
-    """Wait until nothing is queued or being measured, and every listener of what was has been called
-    (at most ``timeout`` seconds); whether that happened."""
+    """Wait until nothing is queued or being measured (at most ``timeout`` seconds); whether that happened."""
     with _lock:
         return _lock.wait_for(lambda: not _waiting, timeout)
 
@@ -95,6 +102,7 @@ def _start() -> None:
 
 
 def _work() -> None:
+    global _generation
     streams: dict[int, Any] = {}
     while True:
         with _lock:
@@ -107,26 +115,12 @@ def _work() -> None:
             ok = _find(problem, policy, db, device, streams)
         except Exception:  # the worker goes on with the next problem whatever this one did
             log.exception("measuring %s in the background failed", problem.key)
-        _finish(token, ok, problem)
-
-
-def _finish(token: tuple, ok: bool, problem: ConvProblem) -> None:
-    """Call the listeners of ``token`` (those that join while they run too), then mark it done."""
-    while True:
         with _lock:
-            calls = _waiting.get(token, [])
-            if not calls or not ok:
-                _waiting.pop(token, None)
-                if not ok:
-                    _failed.add(token)
-                _lock.notify_all()
-                return
-            _waiting[token] = []
-        for call in calls:
-            try:
-                call()
-            except Exception:  # a listener's fault is its own: the worker goes on
-                log.exception("a listener of the background measurement of %s failed", problem.key)
+            _waiting.discard(token)
+            if not ok:
+                _failed.add(token)
+            _generation += 1
+            _lock.notify_all()
 
 
 def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: dict[int, Any]) -> bool:
@@ -158,6 +152,7 @@ def _stop() -> None:
     global _stopping
     with _lock:
         _stopping = True
+        _waiting.difference_update(token for token, *_ in _queue)
         _queue.clear()
         _lock.notify_all()
     worker = _worker
@@ -167,11 +162,12 @@ def _stop() -> None:
 
 def _after_fork() -> None:
     # A forked child (a DataLoader worker, say) has none of the parent's threads: it starts empty.
-    global _lock, _worker, _stopping
+    global _lock, _worker, _stopping, _generation
     _lock = threading.Condition()
     _queue.clear()
     _waiting.clear()
     _worker, _stopping = None, False
+    _generation += 1  # what the parent was measuring is measured again here if still wanted
 
 
 atexit.register(_stop)

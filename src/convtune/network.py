@@ -17,9 +17,7 @@ refuses it, ``optimize`` keeps each layer's own choice.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import threading
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,14 +53,7 @@ class Tuning:
         self.mode = mode
         self._db = db
         self._memo: dict[str, PerfResult] = {}
-        self._init_background()
-
-    def _init_background(self) -> None:
-        # What mode 'background' keeps: who waits for each key being measured, and when each was stored.
-        self._lock = threading.Lock()
-        self._listeners: dict[str, list[Callable[[], None]]] = {}
-        self._measured_at: dict[str, int] = {}
-        self._measurements = 0
+        self._waiting: dict[str, int] = {}  # mode 'background': key -> generation its model choice was made at
 
     def __repr__(self) -> str:
         return f"Tuning(policy={self.policy}, mode={self.mode!r})"
@@ -85,60 +76,32 @@ class Tuning:
         return self.mode in ("hybrid", "find")
 
     def select(self, problem: ConvProblem) -> PerfResult:
-        """The choice for ``problem`` (asked once per Tuning; in mode 'background', until its measurement is
-        stored: ``when_measured``). Raises ``NoAlgorithmError``."""
+        """The choice for ``problem``, asked once per Tuning; in mode 'background' a choice of the cost model is
+        asked again once its measurement has finished (``waiting_since``). Raises ``NoAlgorithmError``."""
         key = problem.key
-        with self._lock:
-            known = self._memo.get(key)
+        known = self._memo.get(key)
         if known is not None:
-            return known
+            since = self._waiting.get(key)
+            if since is None or since == background.generation():
+                return known
+            if background.queued(problem, self.policy, self.db):  # others finished: still waiting
+                self._waiting[key] = background.generation()
+                return known
+            del self._memo[key]  # measured (or failed) since: the database, else the model, again
+            self._waiting.pop(key, None)
         if self.mode != "background":
-            chosen = select(problem, self.policy, self.mode, self.db)
-            with self._lock:
-                self._memo[key] = chosen
-            return chosen
-        chosen = select(problem, self.policy, "db_then_get", self.db)  # the database, else the cost model
-        with self._lock:
-            self._memo[key] = chosen
-            # Measured already (a database answer), measured before without an answer for this policy, or
-            # nowhere to keep a measurement: nothing to measure.
-            if chosen.time_ms is not None or key in self._measured_at or self.db is None:
-                return chosen
-            self._listeners[key] = []
-        if not background.measure(problem, self.policy, self.db, then=functools.partial(self._measured, key)):
-            with self._lock:  # its measurement failed before in this process: the model's choice stays
-                self._listeners.pop(key, None)
+            self._memo[key] = select(problem, self.policy, self.mode, self.db)
+            return self._memo[key]
+        at = background.generation()  # before queuing: a measurement that finishes at once still shows
+        chosen = self._memo[key] = select(problem, self.policy, "db_then_get", self.db)  # the database, else get
+        if chosen.time_ms is None and self.db is not None and background.measure(problem, self.policy, self.db):
+            self._waiting[key] = at
         return chosen
 
-    def mark(self) -> int:
-        """A point in this Tuning's history of background measurements, for ``when_measured``."""
-        with self._lock:
-            return self._measurements
-
-    def when_measured(self, keys: Iterable[str], call: Callable[[], None], since: int = 0) -> bool:
-        """Have ``call()`` called once the first of ``keys`` being measured in the background is stored (on
-        the worker's thread), or now if one was stored after ``since`` (a ``mark``); whether it will be."""
-        keys = list(keys)
-        with self._lock:
-            done = any(self._measured_at.get(key, -1) >= since for key in keys)
-            if not done:
-                for key in keys:
-                    if key in self._listeners:
-                        self._listeners[key].append(call)
-                        return True
-                return False
-        call()
-        return True
-
-    def _measured(self, key: str) -> None:
-        # The background measurement of ``key`` is stored: the next select reads it from the database.
-        with self._lock:
-            self._memo.pop(key, None)
-            calls = self._listeners.pop(key, [])
-            self._measured_at[key] = self._measurements
-            self._measurements += 1
-        for call in calls:
-            call()
+    def waiting_since(self, key: str) -> int | None:
+        """The ``background.generation()`` at which the choice for ``key`` was last made while its measurement
+        was queued, or None when it is not waiting for one."""
+        return self._waiting.get(key)
 
     def stored(self, problem: ConvProblem) -> PerfResult | None:
         """The database's answer for ``problem`` (what 'hybrid' selects without measuring), or None; an
@@ -158,13 +121,11 @@ class Tuning:
         path = getattr(self._db, "path", None)
         state["_db"] = str(path) if path is not None else (self._db if isinstance(self._db, (str, Path)) else None)
         state["_memo"] = {}
-        for name in ("_lock", "_listeners", "_measured_at", "_measurements"):
-            state.pop(name, None)
+        state["_waiting"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._init_background()
+        self.__dict__.update({"_waiting": {}, **state})  # pickled before mode 'background' existed: none
 
 
 @dataclasses.dataclass(frozen=True)

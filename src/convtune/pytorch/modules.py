@@ -26,15 +26,14 @@ convtune cannot describe (float64, say) and layers no algorithm serves run torch
 
 from __future__ import annotations
 
-import functools
 import typing
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from convtune import background
 from convtune.policy import Policy
 from convtune.problem import explicit_padding, to_layout
 from convtune.pytorch import ops
@@ -70,6 +69,8 @@ class TunedConv(_ConvBase):
         self._convtune_tuning = tuning
         self._convtune_selections = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
+        # mode 'background': signature -> background.generation() its selection waits on a measurement since
+        self._convtune_provisional: dict[Signature, int] = {}
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A tuned choice belongs to the convolution the layer was: changing what it computes (stride,
@@ -84,6 +85,9 @@ class TunedConv(_ConvBase):
             state["_convtune_selections"] = state.pop("_convtune_plans")
         super().__setstate__(state)
         self._convtune_fast = {}  # a copy's selections make their executables anew: the next call finds them
+        for sig in state.get("_convtune_provisional", ()):  # a copy selects those again, in its own process
+            self._convtune_selections.pop(sig, None)
+        self._convtune_provisional = {}
 
     @property
     def selections(self) -> dict[Signature, LayerSelection]:
@@ -121,11 +125,11 @@ class TunedConv(_ConvBase):
         """Inputs of ``shape`` take the hot path to ``entry`` (of ``selection``) from now on (eager code only)."""
         if torch.compiler.is_compiling():
             return
+        if sig in self._convtune_provisional:  # waiting for a measurement: the full path looks for it
+            return
         if len(self._convtune_fast) >= _HOT_SHAPES:
             self._convtune_fast.clear()
         self._convtune_fast[shape] = entry
-        if self._convtune_selections.get(sig) is not selection:  # forgotten meanwhile (_forget, another thread)
-            self._convtune_fast.pop(shape, None)
 
     def _convtune_forward(self, input: torch.Tensor) -> torch.Tensor:
         nd = len(self.kernel_size)
@@ -140,6 +144,11 @@ class TunedConv(_ConvBase):
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
         selection = self._convtune_selections.get(sig)
+        provisional = self._convtune_provisional
+        if provisional and sig in provisional and provisional[sig] != background.generation():
+            del provisional[sig]  # a background measurement has finished since: select again
+            self._convtune_selections.pop(sig, None)
+            selection = None
         if selection is None or not selection.covers(need_dx, need_dw):
             if torch.compiler.is_compiling():
                 selection = _eager_tuning(type(self))(self, sig, need_dx, need_dw)
@@ -185,25 +194,18 @@ class TunedConv(_ConvBase):
         self._convtune_fast.clear()
         directions = directions_needed(need_dx, need_dw)
         tuning = self._convtune_tuning
-        mark = tuning.mark()
         selection = select_for_layer(self, sig, tuning, directions, self._convtune_selections.get(sig))
         self._convtune_selections[sig] = selection
         # Directions answered by the cost model while they are measured in the background (mode 'background'):
-        # once one is stored (while this selection was made, too), the layer forgets the selection, and its
-        # next call selects again, from the database.
-        keys = [ops.key_for(selection.problem, d) for d, result in selection.results if result.time_ms is None]
-        if keys:
-            tuning.when_measured(keys, functools.partial(_forget, weakref.ref(self), sig), since=mark)
+        # the layer takes the full path, which selects again once a measurement has finished since.
+        since = [tuning.waiting_since(ops.key_for(selection.problem, d)) for d, r in selection.results
+                 if r.time_ms is None]
+        waiting = [g for g in since if g is not None]
+        if waiting:
+            self._convtune_provisional[sig] = min(waiting)
+        else:
+            self._convtune_provisional.pop(sig, None)
         return selection
-
-
-def _forget(ref: weakref.ref, sig: Signature) -> None:
-    """Drop a layer's selection for ``sig`` (called from the background worker's thread: each step is one
-    dict operation, which the layer's own thread may interleave with safely)."""
-    module = ref()
-    if module is not None:
-        module._convtune_selections.pop(sig, None)
-        module._convtune_fast.clear()
 
 
 _GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode", "kernel_size", "in_channels",

@@ -137,7 +137,8 @@ def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, 
 
 
 _prepared: dict[tuple, tuple[int, str]] = {}  # (problem key, algorithm, device, registry generation) -> (handle, kind)
-_refused: dict[tuple, Exception] = {}  # the same key -> why it could not be made (asked again, it is not retried)
+_refused: dict[tuple, Exception] = {}  # the same key -> why it has no executable (not tried again; cuDNN's
+# refusals, which may be passing, such as a plan built out of memory, are tried again)
 _prepared_lock = threading.Lock()
 
 
@@ -158,10 +159,10 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     if known is not None:
         return known
     if refused is not None:
-        raise type(refused)(*refused.args)
+        raise refused.with_traceback(None)
     try:
         known = _make(module, problem, name, db, device, index)
-    except (NotNative, KeyError, RuntimeError, ValueError) as exc:
+    except (NotNative, KeyError) as exc:  # no executable in this build, or no such algorithm: so it stays
         with _prepared_lock:
             _refused[key] = exc
         raise
