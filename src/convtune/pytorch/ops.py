@@ -164,14 +164,20 @@ class NativeRunner:
 
 def native_handle(key: str, algorithm: str) -> int:
     """The handle of ``algorithm``'s native executable on the problem ``key`` (made now, on the current
-    device, if a warm start did not load it), or 0 where the Python path runs it: the native runtime is
-    off or not built, the algorithm is one of convtune's Python ones, or cuDNN refuses the plan here."""
+    device, if a warm start did not load it), or 0 where the Python path runs it (``native_or_why``)."""
+    return native_or_why(problem_of(key), algorithm)[0]
+
+
+def native_or_why(problem: ConvProblem, algorithm: str) -> tuple[int, str]:
+    """(handle, '') of ``algorithm``'s native executable on ``problem``, or (0, why the Python path runs it):
+    the native runtime is off or not built, the algorithm is one of convtune's Python ones, or cuDNN
+    refuses the plan here."""
     if not settings.native:
-        return 0
+        return 0, "the native runtime is off (CONVTUNE_NATIVE=0)"
     try:
-        return runtime.prepare(problem_of(key), algorithm)[0]
-    except (runtime.NotNative, KeyError, RuntimeError, ValueError):
-        return 0
+        return runtime.prepare(problem, algorithm)[0], ""
+    except (runtime.NotNative, KeyError, RuntimeError, ValueError) as exc:
+        return 0, str(exc)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -116,20 +116,15 @@ LayerPlan = LayerSelection  # the name before; models pickled then still load
 
 def _native_handles(selection: LayerSelection) -> tuple[tuple[int, int, int] | None, str]:
     """The handles of ``selection``'s executables, or (None, why the layer runs on the Python path)."""
-    if not settings.native:
-        return None, "the native runtime is off (CONVTUNE_NATIVE=0)"
     base = ConvProblem.from_key(selection.problem)
     handles = []
     for direction in DIRECTIONS:
         name = getattr(selection, direction)
-        if not name:
-            handles.append(0)
-            continue
-        try:
-            handles.append(runtime.prepare(base.with_direction(direction), name)[0])
-        except (runtime.NotNative, KeyError, RuntimeError, ValueError) as exc:  # cuDNN refused the plan here
-            log.info("%s runs on the Python path: %s: %s", selection.problem, direction, exc)
-            return None, f"{direction}: {exc}"
+        handle, why = ops.native_or_why(base.with_direction(direction), name) if name else (0, "")
+        if name and not handle:
+            log.info("%s runs on the Python path: %s: %s", selection.problem, direction, why)
+            return None, f"{direction}: {why}"
+        handles.append(handle)
     return (handles[0], handles[1], handles[2]), ""
 
 
