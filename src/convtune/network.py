@@ -89,12 +89,12 @@ class Tuning:
                 return known
             del self._memo[key]  # measured (or failed) since: the database, else the model, again
             self._waiting.pop(key, None)
-        if self.mode != "background":
-            self._memo[key] = select(problem, self.policy, self.mode, self.db)
-            return self._memo[key]
         at = background.generation()  # before queuing: a measurement that finishes at once still shows
-        chosen = self._memo[key] = select(problem, self.policy, "db_then_get", self.db)  # the database, else get
-        if chosen.time_ms is None and self.db is not None and background.measure(problem, self.policy, self.db):
+        chosen = self._memo[key] = select(problem, self.policy, self.mode, self.db)
+        # In mode 'background' the cost model's choice waits on its measurement while queued, or while a
+        # generation has passed (it may have finished already; one that failed before is not queued again).
+        if self.mode == "background" and chosen.time_ms is None and (
+                background.queued(problem, self.policy, self.db) or background.generation() != at):
             self._waiting[key] = at
         return chosen
 

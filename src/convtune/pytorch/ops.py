@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 import torch
 
@@ -168,14 +169,14 @@ def native_handle(key: str, algorithm: str) -> int:
     return native_or_why(problem_of(key), algorithm)[0]
 
 
-def native_or_why(problem: ConvProblem, algorithm: str) -> tuple[int, str]:
-    """(handle, '') of ``algorithm``'s native executable on ``problem``, or (0, why the Python path runs it):
-    the native runtime is off or not built, the algorithm is one of convtune's Python ones, or cuDNN
-    refuses the plan here."""
+def native_or_why(problem: ConvProblem, algorithm: str, db: Any = None) -> tuple[int, str]:
+    """(handle, '') of ``algorithm``'s native executable on ``problem`` (made from ``db``'s stored form where
+    there is one: ``runtime.prepare``), or (0, why the Python path runs it): the native runtime is off or
+    not built, the algorithm is one of convtune's Python ones, or cuDNN refuses the plan here."""
     if not settings.native:
         return 0, "the native runtime is off (CONVTUNE_NATIVE=0)"
     try:
-        return runtime.prepare(problem, algorithm)[0], ""
+        return runtime.prepare(problem, algorithm, db)[0], ""
     except (runtime.NotNative, KeyError, RuntimeError, ValueError) as exc:
         return 0, str(exc)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -128,17 +128,6 @@ def _native_handles(selection: LayerSelection) -> tuple[tuple[int, int, int] | N
     return (handles[0], handles[1], handles[2]), ""
 
 
-def _native_kind(problem: ConvProblem, name: str, db: Any) -> str | None:
-    """The kind of the native executable of ``name`` on ``problem`` (made now, from ``db``'s stored form where
-    there is one), or None when the layer would run it on the Python path."""
-    if not settings.native:
-        return None
-    try:
-        return runtime.prepare(problem, name, db)[1]
-    except (runtime.NotNative, KeyError, RuntimeError, ValueError):
-        return None
-
-
 def _torch_path(problem: str, reason: str, module_name: str) -> LayerSelection:
     log.info("%s stays on torch's path for %s: %s", module_name or "conv", problem, reason)
     return LayerSelection(problem, reason=reason)
@@ -190,7 +179,7 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
             result = given if given is not None else tuning.select(p)
         except NoAlgorithmError as exc:
             return _torch_path(problem.key, f"{direction}: {exc}", name)
-        if _native_kind(p, result.algorithm, tuning.db) is None:  # a warm start needs no more than that
+        if not ops.native_or_why(p, result.algorithm, tuning.db)[0]:  # a warm start needs no more than that
             try:
                 algorithm = get_algorithm(result.algorithm, p)
             except KeyError as exc:
