@@ -86,6 +86,10 @@ def child(config: str, args: argparse.Namespace, db_path: str) -> dict:
     out["background_left_s"] = time.perf_counter() - t0
     steps += [(size, step(size)) for _ in range(args.cycles) for size in sizes]
     out["steps"] = steps
+    if config != "torch_bm1":  # each layer direction's final choice and the path it runs on
+        rows = convtune.explain(model)
+        out["choices"] = {f"{r['module']} {r['problem']}": r["algorithm"] for r in rows}
+        out["runtimes"] = {k: sum(r["runtime"] == k for r in rows) for k in sorted({r["runtime"] for r in rows})}
     return out
 
 
@@ -129,6 +133,14 @@ def report(payload: dict) -> str:
                     + [f"{s['steady_ms'][str(z)]:.2f}" for z in sizes])
     md.append(common.md_table(["configuration", "setup s", "worst step / steady", "steps over 2x", "all steps s"]
                               + [f"steady ms {z}" for z in sizes], rows))
+    tuned = {c: r for c, r in payload["configs"].items() if "choices" in r}
+    if tuned:
+        md.append("\nThe layer directions' final choices (after every measurement) and the paths they run on; "
+                  "choices differing from convtune_hybrid's, whose candidates are timed alone on the device:\n")
+        hybrid = tuned.get("convtune_hybrid", {}).get("choices", {})
+        md.append(common.md_table(["configuration", "layer directions by runtime", "choices unlike hybrid's"], [
+            [c, ", ".join(f"{k} {v}" for k, v in r["runtimes"].items()),
+             sum(a != hybrid.get(key, a) for key, a in r["choices"].items())] for c, r in tuned.items()]))
     return "\n".join(md)
 
 

@@ -4,6 +4,8 @@ The other test files go deep into one family each; this one sweeps the whole reg
 user meets it: whatever ``algorithms(problem)`` offers must be right and honest about workspace.
 """
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings as hsettings, strategies as st
@@ -12,7 +14,8 @@ import convtune as ct
 from convtune.algorithms import registry
 from convtune.algorithms.base import Algorithm, allocate_workspace
 from convtune.algorithms.native import native_conv
-from convtune.verify import lowered_reference, peak_allocated_bytes, reference, rel_error, tolerance
+from convtune.verify import (lowered_reference, peak_allocated_bytes, reference, rel_error, tapwise_reference,
+                             tolerance)
 
 
 def slack_bytes(problem, workspace_bytes=0):
@@ -216,3 +219,24 @@ def test_the_lowered_reference_refuses_3d_problems():
     p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(3, 3, 3), kernel_size=1)
     with pytest.raises(ValueError, match="1-D and 2-D"):
         lowered_reference(p, *p.random_inputs())
+
+
+@given(small_problems(), st.integers(0, 2**16))
+@hsettings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_the_tapwise_reference_equals_pytorchs_float64_convolution(problem, seed):
+    # CUDA's 3-D reference path (it never touches cuDNN's flags), checked on the CPU in every dimension.
+    a, b = (t.double() for t in problem.random_inputs(seed))
+    want = native_conv(problem, a, b)
+    got = tapwise_reference(problem, a, b)
+    assert got.shape == want.shape and got.dtype == torch.float64
+    assert rel_error(got, want) < 1e-12, problem.key
+
+
+def test_the_reference_leaves_cudnns_flags_alone(monkeypatch):
+    # The background worker computes references beside the user's convolutions: the process's flags stay.
+    p = ct.ConvProblem("bwd_data", n=1, c=2, k=2, input_size=(3, 4, 3), kernel_size=3, padding=1,
+                       allow_tf32=not torch.backends.cudnn.allow_tf32)
+    seen = []
+    monkeypatch.setattr(torch.backends.cudnn, "flags", lambda *a, **k: seen.append(k) or contextlib.nullcontext())
+    reference(p, *p.random_inputs())
+    assert seen == []

@@ -170,3 +170,13 @@ print("queued", ct.background.pending())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "queued" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_worker_times_on_a_device_it_shares(db, monkeypatch):
+    # A CUDA graph captured by the worker would make the caller's torch.cuda.synchronize() fail.
+    from convtune import timing
+
+    seen, real = [], timing.benchmark
+    monkeypatch.setattr(timing, "benchmark", lambda fn, **kwargs: seen.append(kwargs) or real(fn, **kwargs))
+    assert background.measure(problem(n=5), ct.Policy(), db) and background.wait(120)
+    assert seen and all(kwargs.get("shared_device") is True for kwargs in seen)

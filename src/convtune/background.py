@@ -8,8 +8,10 @@ at and, once it has moved, selects again (a tuned layer does so on its next call
 Nothing of the caller's is touched from the worker's thread.
 
 The worker runs its CUDA work on the device current where the problem was queued, on a stream of
-its own, and captures its CUDA graphs in thread-local mode. It shares the GPU, the interpreter and
-PyTorch's process-wide flags with the caller (docs/runtime.md, "New input shapes"). At exit the
+its own, timing its candidates as eager loops that wait for that stream only (``benchmark``'s
+shared_device: a CUDA graph capture under way would make the caller's ``torch.cuda.synchronize()``
+fail). It shares the GPU, the interpreter and PyTorch's process-wide flags with the caller
+(docs/runtime.md, "New input shapes"). At exit the
 queue is dropped and the measurement under way, if any, is waited for (up to ``EXIT_WAIT_S``); a
 forked child starts with nothing queued and a new generation.
 
@@ -29,12 +31,16 @@ import atexit
 import logging
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .policy import Policy
 from .problem import ConvProblem
+
+if TYPE_CHECKING:
+    from .timing import Timing
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +139,9 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: d
                 if stream is None:
                     stream = streams[device] = torch.cuda.Stream()
                 with torch.cuda.stream(stream):
-                    results = find(problem, policy, db)
+                    results = find(problem, policy, db, timer=_timer)
         else:
-            results = find(problem, policy, db)
+            results = find(problem, policy, db, timer=_timer)
     except Exception as exc:  # the model's choice stands; the user's step goes on
         log.warning("measuring %s in the background failed, so the cost model's choice stays: %s", problem.key, exc)
         return False
@@ -144,6 +150,13 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: d
                     problem.key)
         return False
     return True
+
+
+def _timer(fn: Callable[[], object], **kwargs: Any) -> Timing:
+    """The worker's timer: ``benchmark`` on a device it shares with the caller's work."""
+    from .timing import benchmark
+
+    return benchmark(fn, shared_device=True, **kwargs)
 
 
 def _stop() -> None:

@@ -103,7 +103,7 @@ def summarize(samples_ms: Sequence[float], *, stopped_early: bool = False, calls
 
 def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None = None,
               min_repeats: int | None = None, max_repeats: int | None = None,
-              stop_above_ms: float | None = None) -> Timing:
+              stop_above_ms: float | None = None, shared_device: bool = False) -> Timing:
     """Time ``fn()`` (no arguments) on ``device`` ('cpu' or 'cuda'): the median time per call.
 
     budget_s: seconds of sampling after which repeats end (at least ``min_repeats`` are taken);
@@ -111,8 +111,11 @@ def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None =
     are done and the median exceeds it, stop and set ``stopped_early`` (the tuner passes a
     multiple of the best time so far). Defaults come from ``settings`` (timing_budget_s,
     timing_min_repeats, timing_max_repeats); repeats also end once (p75 - p25) / median is
-    below ``settings.timing_rel_spread``. Exceptions of ``fn`` propagate unchanged.
-    Bad arguments raise ``ValueError``.
+    below ``settings.timing_rel_spread``. shared_device: another thread's work runs on the device
+    meanwhile (the background worker's measurements beside a training step): on CUDA the calls are
+    timed as an eager loop, never captured in a graph (while a capture is under way, another
+    thread's ``torch.cuda.synchronize()`` fails), and only the current stream is waited for. Exceptions
+    of ``fn`` propagate unchanged. Bad arguments raise ``ValueError``.
 
         >>> t = benchmark(lambda: sum(range(1000)), device="cpu", budget_s=0.01)
         >>> t.median_ms > 0 and t.spread_ms >= 0 and not t.stopped_early
@@ -131,7 +134,7 @@ def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None =
                          f"max_repeats={max_repeats}")
     if budget_s < 0:
         raise ValueError(f"benchmark(budget_s={budget_s}) must be >= 0 seconds")
-    sampler = _CudaSampler(fn) if device == "cuda" else _CpuSampler(fn)
+    sampler = _CudaSampler(fn, shared_device) if device == "cuda" else _CpuSampler(fn)
     if (stop_above_ms is not None and sampler.warmup_ms >= HOPELESS_WARMUP_MS
             and sampler.warmup_ms > WARMUP_STOP_FACTOR * stop_above_ms):
         # Even the cold first call says it: not worth a single sample more.
@@ -195,16 +198,19 @@ class _CudaSampler:
 
     Every sample runs on the current stream: flush, start event, the calls, end event, then a
     synchronisation to read the events. ``fn`` must enqueue its work on the current stream.
+    shared: the device is shared with another thread's work (``benchmark``'s shared_device): no graph,
+    and waits for the current stream only.
     """
 
     graph: torch.cuda.CUDAGraph | None  # None until prepare() captures one (or when fn cannot be captured)
 
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[], object], shared: bool = False) -> None:
+        self.fn, self.shared = fn, shared
+        self.synchronize = torch.cuda.current_stream().synchronize if shared else torch.cuda.synchronize
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         l2_bytes = getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES
         self.flush = torch.empty(2 * l2_bytes, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
+        self.synchronize()
         # Warm-up (cuDNN execution plan builds, Triton compilation, allocator growth), timed on the device.
         self.warmup_ms = self._eager_ms(1)
         self.inner, self.graph = 1, None
@@ -214,7 +220,7 @@ class _CudaSampler:
         if self.warmup_ms < SIZING_LIMIT_MS:
             # Eager calls overstate the time of host-bound kernels, so inner errs on the small side.
             self.inner = _inner_for(self._eager_ms(3) / 3)
-        self.graph = self._capture()
+        self.graph = None if self.shared else self._capture()
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -239,8 +245,8 @@ class _CudaSampler:
             with torch.cuda.stream(side):
                 self.fn()
             torch.cuda.current_stream().wait_stream(side)
-            # thread_local: a capture must not make another thread's CUDA calls fail (the training step's, while
-            # the background worker measures: convtune.background)
+            # thread_local: this capture does not forbid other threads' CUDA calls (the worker of
+            # convtune.background, or a user's threads)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 for _ in range(self.inner):
                     self.fn()

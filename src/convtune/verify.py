@@ -26,8 +26,9 @@ bound unless the element is near zero (within element_factor · tolerance of the
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -51,16 +52,15 @@ def reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.T
     1-D and 2-D problems on CUDA: ``lowered_reference``, PyTorch's unfold/fold and float64 matrix
     products, a few milliseconds per batch-128 ResNet-50 layer on an H200 (cuDNN's float64 path
     took up to 0.4 s longer on the first layer's data gradient: bench/results/tuning_cost_v1.md
-    against tuning_cost_v2.md, in git history). Otherwise PyTorch's own float64 convolution (no TF32, no reduced
-    precision).
+    against tuning_cost_v2.md, in git history). 3-D problems on CUDA: ``tapwise_reference``. On the
+    CPU, PyTorch's own float64 convolution (no TF32, no reduced precision). No path touches cuDNN's
+    flags, which are the process's: a reference computed by the background worker must not change
+    them under the user's own convolutions.
     """
     a, b = a.detach().double(), b.detach().double()
-    if a.is_cuda and problem.ndim <= 2:
-        return lowered_reference(problem, a, b)
-    if not a.is_cuda:  # cuDNN's flags are the process's: leave them alone where cuDNN is not used
+    if not a.is_cuda:
         return native_conv(problem, a, b)
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False, benchmark=False, deterministic=True):
-        return native_conv(problem, a, b)
+    return lowered_reference(problem, a, b) if problem.ndim <= 2 else tapwise_reference(problem, a, b)
 
 
 def lowered_reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
@@ -111,6 +111,58 @@ def lowered_reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
     # batches is never empty (n >= 1), so the sum is a tensor, not its start value 0.
     dw = cast(torch.Tensor, sum(torch.einsum("ngkl,ngcl->gkc", rows(b[s]), columns(a[s])) for s in batches))
     return dw.reshape(problem.w_shape)
+
+
+def tapwise_reference(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``problem`` (any number of spatial dimensions) on (a, b) as one batched matrix product per kernel tap.
+
+    For each tap, the padded input's strided window that the tap meets is a (n, C, *output) view;
+    the forward sums weight-tap times window, the data gradient adds into the window, the weight
+    gradient contracts the window with the output gradient. Computes in the operands' dtype,
+    without cuDNN (whose flags are the process's), for the 3-D problems ``lowered_reference`` does not take.
+
+        >>> p = ConvProblem("bwd_filter", n=2, c=4, k=6, input_size=(5, 4, 3), kernel_size=(3, 2, 1), padding=1,
+        ...                 stride=(2, 1, 1), dilation=(1, 2, 1), groups=2)
+        >>> x, dy = p.random_inputs()
+        >>> rel_error(tapwise_reference(p, x.double(), dy.double()), native_conv(p, x.double(), dy.double())) < 1e-12
+        True
+    """
+    g, n, k, c = problem.groups, problem.n, problem.k, problem.c
+    positions = math.prod(problem.output_size)
+    padded = tuple(size + 2 * p for size, p in zip(problem.input_size, problem.padding))
+
+    def spatial(index: Iterable[int | slice]) -> tuple[int | slice, ...]:  # every sample and channel, these positions
+        return (slice(None), slice(None), *index)
+
+    def window(t: torch.Tensor, tap: tuple[int, ...]) -> torch.Tensor:  # the tap's strided (n, C, *out) view
+        return t[spatial(slice(i * d, i * d + (o - 1) * s + 1, s)
+                         for i, d, o, s in zip(tap, problem.dilation, problem.output_size, problem.stride))]
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # (n, C', *out) as (n, g, C'/g, P·Q)
+        return t.reshape(n, g, t.shape[1] // g, positions)
+
+    def weight(tap: tuple[int, ...]) -> torch.Tensor:  # (g, K/g, C/g)
+        return b[spatial(tap)].reshape(g, k // g, c // g)
+
+    def padded_input(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(x, [side for p in reversed(problem.padding) for side in (p, p)])
+
+    taps = list(itertools.product(*(range(r) for r in problem.kernel_size)))
+    if problem.direction == "fwd":
+        xp = padded_input(a)
+        y = sum(torch.matmul(weight(tap), grouped(window(xp, tap))) for tap in taps)
+        return cast(torch.Tensor, y).reshape(problem.y_shape)
+    if problem.direction == "bwd_data":
+        dxp = a.new_zeros((n, c, *padded))
+        dy = grouped(a)
+        for tap in taps:
+            window(dxp, tap).add_(torch.matmul(weight(tap).transpose(1, 2), dy).reshape(n, c, *problem.output_size))
+        return dxp[spatial(slice(p, p + size) for p, size in zip(problem.padding, problem.input_size))].contiguous()
+    xp, dy = padded_input(a), grouped(b)
+    dw = a.new_empty(problem.w_shape)
+    for tap in taps:
+        dw[spatial(tap)] = torch.einsum("ngkl,ngcl->gkc", dy, grouped(window(xp, tap))).reshape(k, c // g)
+    return dw
 
 
 def rel_error(result: torch.Tensor, ref: torch.Tensor) -> float:

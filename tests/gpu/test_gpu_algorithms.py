@@ -163,3 +163,18 @@ def test_find_fails_a_plugin_that_allocates_beyond_its_declared_workspace():
     hidden = results["plugin:hidden_allocation"]
     assert hidden.status is ct.Status.FAILED and "allocated 64.0 MiB" in hidden.message
     assert results["plugin:correct"].ok
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_filter"])
+@pytest.mark.parametrize("layer", [LAYERS[3], LAYERS[5], LAYERS[6]], ids=["2d-depthwise", "1d", "3d"])
+def test_the_cuda_references_equal_the_cpus_float64_convolution_and_leave_cudnns_flags(layer, direction):
+    p = ct.ConvProblem(direction=direction, device="cuda", **layer)
+    a, b = (t.double() for t in p.random_inputs(seed=5))
+    flags = torch.backends.cudnn.flags
+    try:  # the reference (lowered or tapwise) never switches the process's cuDNN flags
+        torch.backends.cudnn.flags = None
+        got = reference(p, a, b)
+    finally:
+        torch.backends.cudnn.flags = flags
+    want = reference(p.replace(device="cpu"), a.cpu(), b.cpu())
+    assert errors(got.cpu(), want)[0] < 1e-12

@@ -265,3 +265,18 @@ def test_background_mode_runs_a_new_shape_at_once_and_switches_to_the_measured_c
             assert rows or phase == "provisional"
             assert all((r["time_ms"] is None) == (phase == "provisional") for r in rows), (phase, rows)
             assert convtune.background.wait(300)
+
+
+def test_the_caller_synchronizes_the_device_while_the_background_worker_measures(tmp_path):
+    # The worker captures no CUDA graph: during a capture, torch.cuda.synchronize() elsewhere fails.
+    problems = [convtune.ConvProblem("fwd", n=16, c=64, k=64, input_size=(28 + i, 28), kernel_size=3, padding=1,
+                                     device="cuda", dtype="float16", layout="channels_last") for i in range(4)]
+    x = torch.randn(1 << 22, device="cuda")
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        for p in problems:
+            convtune.background.measure(p, convtune.Policy(), db)
+        while convtune.background.pending():
+            x.mul_(1.0)
+            torch.cuda.synchronize()
+        assert convtune.background.wait(300)
+        assert all(db.lookup(p) is not None for p in problems)

@@ -25,7 +25,8 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
     args = dict(stride=list(problem.stride), padding=list(problem.padding), dilation=list(problem.dilation),
                 transposed=False, output_padding=[0] * nd, groups=problem.groups)
     cudnn = torch.backends.cudnn
-    as_set = cudnn.enabled and cudnn.allow_tf32 == problem.allow_tf32  # the usual case: no switching per call
+    # The usual case: no switching per call. cuDNN's flags are the process's: never switched where it is not used.
+    as_set = not a.is_cuda or (cudnn.enabled and cudnn.allow_tf32 == problem.allow_tf32)
     flags = contextlib.nullcontext() if as_set else cudnn.flags(
         enabled=True, allow_tf32=problem.allow_tf32, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic)
     with flags:
