@@ -326,3 +326,21 @@ def test_without_a_usable_default_database_select_still_answers(tmp_path, monkey
         fallback = db_module.default_db()
     assert result.ok and caplog.text.count("cannot be opened") == 1
     assert fallback.results(problem) and not fallback.path.is_relative_to(tmp_path)
+
+
+@pytest.mark.parametrize("policy, builds", [
+    (Policy(), [0, 0]),  # the workspaces would only break the tie: nothing is built, the pick comes at once
+    (Policy(workspace_limit="1MiB"), [1, 1]),  # they decide what is allowed: learned
+    (Policy(prefer="least_memory"), [1, 1]),
+])
+def test_backgrounds_provisional_pick_builds_only_what_the_policy_needs(policy, builds, monkeypatch):
+    from convtune import background
+
+    queued = []
+    monkeypatch.setattr(background, "measure", lambda *args: queued.append(args) or True)
+    costly = plans()
+    with isolated(*costly, builtins=False):
+        chosen = select(P3, policy, mode="background", db=FakeDB())
+    assert [c.builds for c in costly] == builds and len(queued) == 1
+    assert chosen.time_ms is None and chosen.algorithm in {"cudnn:a_big", "cudnn:b_small"}
+    assert ("learned when it is built" in chosen.message) == (builds == [0, 0])

@@ -74,7 +74,8 @@ def _ranking_policy(policy: Policy, keep_filters: bool) -> Policy:
 
 
 def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], policy: Policy,
-                       db: Any = None, *, keep_filters: bool = True) -> list[tuple[Algorithm, PerfResult]]:
+                       db: Any = None, *, keep_filters: bool = True,
+                       learn_workspaces: bool | None = None) -> list[tuple[Algorithm, PerfResult]]:
     """``candidates`` with their predictions, ranked like ``ranking.rank`` ranks measurements.
 
     keep_filters=True leaves out what the policy forbids (get); False keeps every candidate in
@@ -85,8 +86,12 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     (find holds every candidate against it anyway) and prefer='least_memory'. Otherwise only the
     tie rule reads them, and a workspace not known without costly work counts as 0 (``predict``),
     so find's ordering builds no plan; where every workspace is known, the order is the same.
+    learn_workspaces=False learns them only where the policy makes them decide (a workspace limit,
+    prefer='least_memory'), with the filters kept: a pick wanted at once, whose workspace is learned
+    when it is built (select's 'background' mode).
     """
-    learn_workspace = keep_filters or policy.workspace_limit is not None or policy.prefer == "least_memory"
+    decides = policy.workspace_limit is not None or policy.prefer == "least_memory"
+    learn_workspace = decides or (keep_filters if learn_workspaces is None else learn_workspaces)
     by_name: dict[str, Algorithm] = {}
     guesses = []
     broken = []

@@ -62,7 +62,9 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     if mode in ("get", "db_then_get"):
         return _from_model(problem, policy, db)
     if mode == "background":
-        chosen = _from_model(problem, policy, db)
+        # At once: the cuDNN execution plans are not built to learn workspaces that only break ties here
+        # (the pick's is learned when its executable is built); the measurement settles the choice.
+        chosen = _from_model(problem, policy, db, learn_workspaces=False)
         if db is not None:  # where nothing would keep the measurement, nothing measures
             background.measure(problem, policy, db)
         return chosen
@@ -76,9 +78,9 @@ def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
     return hit if hit is not None and usable(hit, policy) else None
 
 
-def _from_model(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
+def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool = True) -> PerfResult:
     settings.check()  # before algorithms() asks each candidate, where a bad setting would be its fault
-    ranked = ranked_predictions(problem, algorithms(problem), policy, db)
+    ranked = ranked_predictions(problem, algorithms(problem), policy, db, learn_workspaces=learn_workspaces)
     if not ranked:
         refused = unsupported_reasons(problem)
         for _, guess in ranked_predictions(problem, algorithms(problem), policy, db, keep_filters=False):
@@ -86,10 +88,12 @@ def _from_model(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
                                          uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
             refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
         raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
-    _, best = ranked[0]
+    algorithm, best = ranked[0]
+    unbuilt = not learn_workspaces and algorithm.known_workspace_bytes(problem) is None
     # Unknown determinism (None, a cuDNN execution plan never run) is no promise of determinism.
     return dataclasses.replace(best, time_ms=None, deterministic=bool(best.deterministic),
-                               message=f"not measured: the cost model predicts {best.time_ms:.4g} ms")
+                               message=f"not measured: the cost model predicts {best.time_ms:.4g} ms"
+                                       + ("; its workspace is learned when it is built" if unbuilt else ""))
 
 
 def _from_measurements(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
