@@ -232,8 +232,9 @@ def test_the_tapwise_reference_equals_pytorchs_float64_convolution(problem, seed
     assert rel_error(got, want) < 1e-12, problem.key
 
 
-def test_the_reference_leaves_cudnns_flags_alone(monkeypatch):
-    # The background worker computes references beside the user's convolutions: the process's flags stay.
+def test_the_cpu_reference_leaves_cudnns_flags_alone(monkeypatch):
+    # PyTorch's own call on the CPU (the CPU reference, torch:native) switches no process-wide cuDNN flag,
+    # even for a problem whose TF32 setting is not the process's; CUDA's: tests/gpu/test_gpu_algorithms.py.
     p = ct.ConvProblem("bwd_data", n=1, c=2, k=2, input_size=(3, 4, 3), kernel_size=3, padding=1,
                        allow_tf32=not torch.backends.cudnn.allow_tf32)
     seen = []

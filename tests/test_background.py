@@ -180,3 +180,13 @@ def test_the_worker_times_on_a_device_it_shares(db, monkeypatch):
     monkeypatch.setattr(timing, "benchmark", lambda fn, **kwargs: seen.append(kwargs) or real(fn, **kwargs))
     assert background.measure(problem(n=5), ct.Policy(), db) and background.wait(120)
     assert seen and all(kwargs.get("shared_device") is True for kwargs in seen)
+
+
+def test_the_worker_knows_it_is_the_worker(db, monkeypatch):
+    # find leaves the process's cached CUDA memory alone there (no empty_cache under the caller's step).
+    seen, real = [], sys.modules["convtune.find"].find
+    monkeypatch.setattr(sys.modules["convtune.find"], "find",
+                        lambda *args, **kwargs: seen.append(background.in_worker()) or real(*args, **kwargs))
+    assert not background.in_worker()
+    assert background.measure(problem(n=6), ct.Policy(), db) and background.wait(120)
+    assert seen == [True]

@@ -329,7 +329,7 @@ def test_without_a_usable_default_database_select_still_answers(tmp_path, monkey
 
 
 @pytest.mark.parametrize("policy, builds", [
-    (Policy(), [0, 0]),  # the workspaces would only break the tie: nothing is built, the pick comes at once
+    (Policy(), [1, 0]),  # the workspaces would only break the tie: only the pick is built (it runs next)
     (Policy(workspace_limit="1MiB"), [1, 1]),  # they decide what is allowed: learned
     (Policy(prefer="least_memory"), [1, 1]),
 ])
@@ -343,4 +343,25 @@ def test_backgrounds_provisional_pick_builds_only_what_the_policy_needs(policy, 
         chosen = select(P3, policy, mode="background", db=FakeDB())
     assert [c.builds for c in costly] == builds and len(queued) == 1
     assert chosen.time_ms is None and chosen.algorithm in {"cudnn:a_big", "cudnn:b_small"}
-    assert ("learned when it is built" in chosen.message) == (builds == [0, 0])
+    assert chosen.workspace_bytes == {"cudnn:a_big": 2**20, "cudnn:b_small": 0}[chosen.algorithm]
+
+
+class Unbuildable(CostlyWorkspace):
+    """A plan cuDNN refuses to build: learning its workspace raises, as ProblemGraph.build does."""
+
+    def buffers(self, problem):
+        super().buffers(problem)
+        raise RuntimeError("cuDNN could not build plan")
+
+
+def test_backgrounds_provisional_pick_passes_over_a_plan_that_cannot_be_built(monkeypatch):
+    from convtune import background
+
+    monkeypatch.setattr(background, "measure", lambda *args: True)
+    refused, fine = Unbuildable("cudnn:a_refused"), CostlyWorkspace("cudnn:b_fine", workspace_bytes=4096)
+    with isolated(refused, fine, builtins=False):
+        assert select(P3, mode="background", db=FakeDB()).algorithm == "cudnn:b_fine"
+        assert refused.builds == 1 and fine.builds == 1
+    with isolated(Unbuildable("cudnn:a_refused"), builtins=False):
+        with pytest.raises(NoAlgorithmError, match="cannot be built"):
+            select(P3, mode="background", db=FakeDB())

@@ -159,6 +159,11 @@ def _timer(fn: Callable[[], object], **kwargs: Any) -> Timing:
     return benchmark(fn, shared_device=True, **kwargs)
 
 
+def in_worker() -> bool:
+    """Whether this code runs on the worker's thread (it leaves the process's cached CUDA memory alone)."""
+    return _worker is not None and threading.current_thread() is _worker
+
+
 def _stop() -> None:
     """At exit: drop the queue, let the measurement under way finish (a thread still running torch while the
     interpreter shuts down can abort the process), then return."""

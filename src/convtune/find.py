@@ -27,7 +27,7 @@ from typing import Any, TypedDict, cast
 
 import torch
 
-from . import costmodel, hardware, isolation
+from . import background, costmodel, hardware, isolation
 from .algorithms.base import Algorithm, allocate_workspace
 from .algorithms.registry import algorithms
 from .errors import CANDIDATE_FAULTS
@@ -191,8 +191,8 @@ class _Search:
         except CANDIDATE_FAULTS as exc:  # a failing candidate is data
             log.debug("%s failed on %s", algorithm.name, problem.key, exc_info=exc)
             status = Status.OUT_OF_MEMORY if is_out_of_memory(exc) else Status.FAILED
-            if status is Status.OUT_OF_MEMORY and problem.device == "cuda":
-                torch.cuda.empty_cache()
+            if status is Status.OUT_OF_MEMORY and problem.device == "cuda" and not background.in_worker():
+                torch.cuda.empty_cache()  # (not under the caller's running step: the background worker)
             with contextlib.suppress(Exception):  # it may have scribbled on the inputs before failing
                 self.restore_inputs()
             return PerfResult(algorithm.name, status, message=_describe(exc), **props)

@@ -12,8 +12,9 @@ import dataclasses
 from typing import Any
 
 from . import background
+from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, unsupported_reasons
-from .errors import NoAlgorithmError
+from .errors import CANDIDATE_FAULTS, NoAlgorithmError
 from .find import find
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
@@ -88,12 +89,25 @@ def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces:
                                          uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
             refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
         raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
-    algorithm, best = ranked[0]
-    unbuilt = not learn_workspaces and algorithm.known_workspace_bytes(problem) is None
+    best = ranked[0][1] if learn_workspaces else _first_buildable(problem, policy, ranked)
     # Unknown determinism (None, a cuDNN execution plan never run) is no promise of determinism.
     return dataclasses.replace(best, time_ms=None, deterministic=bool(best.deterministic),
-                               message=f"not measured: the cost model predicts {best.time_ms:.4g} ms"
-                                       + ("; its workspace is learned when it is built" if unbuilt else ""))
+                               message=f"not measured: the cost model predicts {best.time_ms:.4g} ms")
+
+
+def _first_buildable(problem: ConvProblem, policy: Policy, ranked: list[tuple[Algorithm, PerfResult]]) -> PerfResult:
+    """The first of ``ranked`` (predictions made without learning workspaces) whose workspace can be
+    learned, with it: the pick is built to run anyway, and one that cannot be built (a cuDNN execution
+    plan cuDNN refuses) is passed over rather than handed to the layer. ``NoAlgorithmError`` when none can."""
+    refused = {}
+    for algorithm, guess in ranked:
+        if algorithm.known_workspace_bytes(problem) is not None:
+            return guess
+        try:
+            return dataclasses.replace(guess, workspace_bytes=algorithm.workspace_bytes(problem))
+        except CANDIDATE_FAULTS as exc:
+            refused[algorithm.name] = f"cannot be built ({type(exc).__name__}: {exc})"
+    raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
 
 
 def _from_measurements(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:

@@ -280,3 +280,20 @@ def test_the_caller_synchronizes_the_device_while_the_background_worker_measures
             torch.cuda.synchronize()
         assert convtune.background.wait(300)
         assert all(db.lookup(p) is not None for p in problems)
+
+
+def test_the_shared_device_timer_captures_no_graph_and_waits_for_its_stream_only(monkeypatch):
+    from convtune import timing
+
+    x = torch.randn(1 << 16, device="cuda")
+    sampler = timing._CudaSampler(lambda: x.mul_(1.0), shared=True)  # built before the patches below
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a device-wide synchronization or a graph capture from the shared timer")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr(torch.cuda, "graph", forbidden)
+    sampler.prepare()
+    assert sampler.graph is None and sampler.sample_ms() > 0
+    t = timing.benchmark(lambda: x.mul_(1.0), device="cuda", shared_device=True, budget_s=0.05)
+    assert t.median_ms > 0

@@ -16,7 +16,6 @@ down-conversion numerical notes, as PyTorch does; their build then fails and the
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -48,10 +47,19 @@ except ImportError:  # an older frontend: it has only backend engines
     _FRONTEND_ENGINE_IDS = 1 << 62
 
 
-@functools.cache
+_handles = threading.local()  # per thread, {device index: handle}
+
+
 def _handle(device_index: int):
-    with torch.cuda.device(device_index):
-        return cudnn.create_handle()
+    """This thread's cuDNN handle on the device: a handle follows one stream at a time (``_follow_stream``),
+    and the background worker launches on a stream of its own while the caller's thread launches on
+    PyTorch's current one."""
+    handles = _handles.__dict__.setdefault("by_device", {})
+    handle = handles.get(device_index)
+    if handle is None:
+        with torch.cuda.device(device_index):
+            handle = handles[device_index] = cudnn.create_handle()
+    return handle
 
 
 def _as_2d(problem: ConvProblem) -> dict:
