@@ -7,8 +7,10 @@
 # written as warm_start_<network>_b<batch>), dynamic:<dynamic_shapes.py arguments joined by +> (new input shapes
 # during training), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
 # find's element bound and allocation check), probe (the host's CPUs and topology).
-# sweep:<minutes> (bench/sweep.py for that long, going on from bench/data/sweep.jsonl where it exists: the
-# measurements get's learned model is trained on; the whole dataset comes back as $OUT/sweep.jsonl).
+# sweep:<minutes>[:<sweep.py arguments joined by +>] (bench/sweep.py for that long, going on from
+# bench/data/sweep.jsonl where it exists: the measurements get's learned model is trained on; e.g.
+# sweep:8:--networks+all measures the built-in networks' layers, which bench/learned_get.py holds out one at a
+# time; the whole dataset comes back as $OUT/sweep.jsonl).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
 # on the device may carry an older .git, and the result files name the revision they measured.
@@ -49,7 +51,8 @@ for step in "$@"; do
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
     sweep:*) db=/tmp/sweep.sqlite; rm -f "$db"
              if [ -e bench/data/sweep.jsonl ]; then python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl; fi
-             python3 bench/sweep.py --minutes "${step#sweep:}" --db "$db" --export "$OUT/sweep.jsonl" 2>&1 | quiet | tail -8 ;;
+             IFS=: read -r _ minutes args <<< "$step"
+             python3 bench/sweep.py --minutes "$minutes" ${args//+/ } --db "$db" --export "$OUT/sweep.jsonl" 2>&1 | quiet | tail -8 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done
