@@ -177,3 +177,21 @@ def test_peak_measure_sees_a_temporary_freed_inside_an_op():
     # mm copies an operand with no unit stride into a temporary and frees it before returning.
     a, w, out = torch.randn(300, 128)[:, ::2], torch.randn(64, 64), torch.empty(300, 64)
     assert peak_cpu_bytes(lambda: torch.mm(a, w, out=out)) >= a.numel() * 4
+
+
+@pytest.mark.parametrize("dtype, inside", [("float32", True), ("float16", False), ("bfloat16", False)])
+def test_gemms_switch_tf32_for_float32_problems_only(dtype, inside):
+    # PyTorch's TF32 switch is process-wide: a half-dtype problem's GEMMs (where TF32 does not apply) leave it.
+    from convtune.algorithms.gemm import tf32_as_allowed
+
+    p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(4, 4), kernel_size=1, dtype=dtype, device="cuda",
+                    allow_tf32=True)
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False
+        with tf32_as_allowed(p):
+            assert matmul.allow_tf32 is inside
+        assert matmul.allow_tf32 is False
+    finally:
+        matmul.allow_tf32 = saved

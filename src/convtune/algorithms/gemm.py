@@ -28,6 +28,7 @@ overlapping taps) the sum is kept in a declared float32 buffer, never in the hal
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import cast
 
 import torch
@@ -77,8 +78,9 @@ def gemm_notes(problem: ConvProblem, sums_in_dtype: bool = False) -> NumericNote
 
 
 def tf32_as_allowed(problem: ConvProblem):
-    """On CUDA, float32 GEMMs use TF32 exactly when ``problem.allow_tf32``."""
-    return matmul_tf32(problem.device, problem.allow_tf32)
+    """On CUDA, float32 GEMMs use TF32 exactly when ``problem.allow_tf32``. A float16/bfloat16 problem's
+    GEMMs are in its dtype, where TF32 does not apply: PyTorch's process-wide switch is left alone."""
+    return matmul_tf32(problem.device, problem.allow_tf32) if problem.dtype == "float32" else nullcontext()
 
 
 def gemm_sum_buffers(problem: ConvProblem, shape: tuple[int, ...], terms: int) -> list[Buffer]:

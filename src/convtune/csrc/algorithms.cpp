@@ -181,7 +181,8 @@ class Gemm1x1 final : public Executable {
     at::Tensor out = empty_result(a);
     std::map<std::string, at::Tensor> ws;
     if (workspace_bytes_) ws = carve(at::empty({workspace_bytes_}, a.options().dtype(at::kByte)), buffers_);
-    MatmulTf32 tf32(a.is_cuda(), g.allow_tf32);
+    // TF32 applies to float32 products only: a half-dtype problem leaves the process-wide switch alone.
+    MatmulTf32 tf32(a.is_cuda() && g.dtype == at::kFloat, g.allow_tf32);
     if (!strided_) {
       compute(g.direction, a, b, out, ws);
       return out;

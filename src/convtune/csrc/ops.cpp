@@ -18,6 +18,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <optional>
+
 namespace convtune {
 
 namespace {
@@ -74,6 +76,8 @@ struct TunedConv : public torch::autograd::Function<TunedConv> {
     ctx->saved_data["bwd_data"] = bwd_data;
     ctx->saved_data["bwd_filter"] = bwd_filter;
     ctx->saved_data["bias"] = bias.has_value() && bias->defined();  // an absent bias has no input edge
+    // apply() runs this with gradients off: tuned_run's autograd kernel would only pass the call on.
+    at::AutoDispatchBelowADInplaceOrView below;
     return conv_forward(x, w, bias, fwd);
   }
 
@@ -83,6 +87,10 @@ struct TunedConv : public torch::autograd::Function<TunedConv> {
     const at::Tensor& w = saved[1];
     at::Tensor dy = grads[0];
     at::Tensor dx, dw, db;
+    // With gradients off (no create_graph), tuned_run's autograd kernel would only pass the calls on; with
+    // them on, it is called, and raises: a tuned layer has no double backward.
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;
+    if (!at::GradMode::is_enabled()) below.emplace();
     if (ctx->needs_input_grad(0)) {
       const int64_t handle = ctx->saved_data["bwd_data"].toInt();
       ExecutablePtr exe = find_executable(handle);
