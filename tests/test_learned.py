@@ -153,3 +153,15 @@ def test_a_correction_is_bounded_and_the_corrections_follow_the_model(tmp_path):
         assert costmodel.corrections(db, "cpu") is before
         model.save(tmp_path / "get_cpu.pt")
         assert costmodel.corrections(db, "cpu") is not before
+
+
+def test_tied_prices_are_picked_by_name_not_by_the_rows_order():
+    # A database lists a problem's results fastest first: a tie broken by that order would pick the measured best.
+    class NoCorrection:
+        def log2_factor(self, rows):
+            return [0.0] * len(rows)
+
+    p = problems(1)[0]
+    rows = [learned.Sample(p, "z:fast", 1.0, 1.0), learned.Sample(p, "a:slow", 1.0, 4.0)]
+    picks = learned.first_picks(NoCorrection(), rows)
+    assert picks["analytic"].name == picks["learned"].name == "a:slow"

@@ -314,10 +314,12 @@ def holdout_report(samples: Sequence[Sample], fingerprint: str, *, fraction: flo
 
 def first_picks(model: LearnedModel, rows: Sequence[Sample]) -> dict[str, Sample]:
     """The measurement of one problem's candidate that each ranking puts first: 'learned' (the analytic
-    price corrected by ``model``) and 'analytic'."""
+    price corrected by ``model``) and 'analytic'. Equal prices (the analytic model prices every cuDNN
+    execution plan of a problem alike) go by name, never by the order of ``rows``: a database lists a
+    problem's results fastest first, which would hand a tied ranking the measured best."""
     corrections = model.log2_factor([features(s.problem, s.name, s.analytic_ms) for s in rows])
-    learned_pick = min(zip(rows, corrections), key=lambda rc: math.log2(rc[0].analytic_ms) + rc[1])[0]
-    return {"learned": learned_pick, "analytic": min(rows, key=lambda s: s.analytic_ms)}
+    learned_pick = min(zip(rows, corrections), key=lambda rc: (math.log2(rc[0].analytic_ms) + rc[1], rc[0].name))[0]
+    return {"learned": learned_pick, "analytic": min(rows, key=lambda s: (s.analytic_ms, s.name))}
 
 
 def summarize(ratios: Sequence[float]) -> dict[str, float]:
