@@ -89,6 +89,26 @@ def warm_start() -> str:
                                "PyTorch's first step", "file"], rows))
 
 
+def new_shapes() -> str:
+    rows = []
+    for path in sorted(common.RESULTS.glob("dynamic_shapes*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        a = data["args"]
+        for config, r in data["configs"].items():
+            if r.get("status") != "ok":
+                continue
+            s = r["summary"]
+            steady = ", ".join(f"{z}: {ms:.2f}" for z, ms in s["steady_ms"].items())
+            rows.append([f"{'a small stand-in' if a['tiny'] else a['network']} b{a['batch']} {a['dtype']}", config,
+                         f"{s['total_s']:.2f}", f"{s['worst_ratio']:.1f}", s["steps_over_2x"], steady,
+                         f"[{path.stem}.md]({LINK}{path.stem}.md) {_env(data['environment'])}"])
+    return ("## New input shapes (`bench/dynamic_shapes.py`)\n\nTraining steps over image sizes met in turn, then "
+            "cycled; each configuration a fresh process, convtune's on an empty database. Seconds of all steps, the "
+            "worst step over its size's steady time, the steps over 2x, and each size's steady ms.\n\n"
+            + common.md_table(["network", "configuration", "all steps s", "worst step / steady", "steps over 2x",
+                               "steady ms by size", "file"], rows))
+
+
 def layers() -> str:
     files = sorted(common.RESULTS.glob("layers*.json"), key=lambda p: (p.name != "layers.json", p.name))
     latest = {}
@@ -121,7 +141,7 @@ def budgets() -> str:
 def render() -> str:
     return ("# Benchmarks\n\nWritten by `bench/docs_benchmarks.py` from the result files in `bench/results/`; "
             "what the figures mean and what is still open: [`performance.md`](performance.md).\n\n"
-            + "\n\n".join(part() for part in (end_to_end, host_cost, warm_start, layers, budgets)) + "\n")
+            + "\n\n".join(part() for part in (end_to_end, host_cost, warm_start, new_shapes, layers, budgets)) + "\n")
 
 
 def main() -> None:
