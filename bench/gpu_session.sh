@@ -8,9 +8,9 @@
 # during training), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
 # find's element bound and allocation check), probe (the host's CPUs and topology).
 # sweep:<minutes>[:<sweep.py arguments joined by +>] (bench/sweep.py for that long, going on from
-# bench/data/sweep.jsonl where it exists: the measurements get's learned model is trained on; e.g.
+# bench/data/sweep.jsonl.gz where it exists: the measurements get's learned model is trained on; e.g.
 # sweep:8:--networks+all measures the built-in networks' layers, which bench/learned_get.py holds out one at a
-# time; the whole dataset comes back as $OUT/sweep.jsonl).
+# time; the whole dataset comes back as $OUT/sweep.jsonl.gz).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
 # on the device may carry an older .git, and the result files name the revision they measured.
@@ -50,9 +50,9 @@ for step in "$@"; do
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
     sweep:*) db=/tmp/sweep.sqlite; rm -f "$db"
-             if [ -e bench/data/sweep.jsonl ]; then python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl; fi
+             if [ -e bench/data/sweep.jsonl.gz ]; then python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl.gz; fi
              IFS=: read -r _ minutes args <<< "$step"
-             python3 bench/sweep.py --minutes "$minutes" ${args//+/ } --db "$db" --export "$OUT/sweep.jsonl" 2>&1 | quiet | tail -8 ;;
+             python3 bench/sweep.py --minutes "$minutes" ${args//+/ } --db "$db" --export "$OUT/sweep.jsonl.gz" 2>&1 | quiet | tail -8 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done

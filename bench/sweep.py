@@ -10,7 +10,7 @@ results go to a tuning database, which is what makes a cut run resumable (a prob
 has is not measured again) and what the dataset is exported from, in the database's export
 format (JSON lines keyed by the machine's fingerprint and software).
 
-    python bench/sweep.py --minutes 9 --db bench/data/sweep.sqlite --export bench/data/sweep.jsonl
+    python bench/sweep.py --minutes 9 --db bench/data/sweep.sqlite --export bench/data/sweep.jsonl.gz
     python bench/sweep.py --device cpu --tiny --count 4      # a small run, as the tests do
     python bench/sweep.py --networks all --batch 32 --dtypes float16   # the built-in networks' layers too,
                                                      # which bench/learned_get.py holds out one at a time

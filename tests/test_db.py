@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import doctest
+import gzip
 import json
 import logging
 import multiprocessing
@@ -481,6 +482,28 @@ def test_import_skips_blank_lines(db, tmp_path):
     path.write_text("\n" + _line() + "\n\n" + _line(problem=problem(2).key) + "\n")
     assert db.import_(path) == 2
     assert len(db.entries()) == 2 and not any(e.usable for e in db.entries())
+
+
+def test_a_gzip_export_round_trips_and_a_damaged_or_oversized_one_is_refused_whole(db, tmp_path, monkeypatch):
+    db.store(problem(1), FIND)
+    plain, packed = tmp_path / "export.jsonl", tmp_path / "export.jsonl.gz"
+    assert db.export(plain) == db.export(packed) == len(FIND)
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    first = packed.read_bytes()
+    db.export(packed)
+    assert packed.read_bytes() == first  # the same results, the same bytes (no timestamp inside)
+    renamed = tmp_path / "export.data"  # recognised by its first bytes, not its name
+    renamed.write_bytes(first)
+    with TuningDB(tmp_path / "other.sqlite") as fresh:
+        assert fresh.import_(renamed) == len(FIND) and fresh.results(problem(1)) == FIND
+        cut = tmp_path / "cut.jsonl.gz"
+        cut.write_bytes(first[: len(first) // 2])
+        with pytest.raises(ValueError, match="damaged gzip file.*nothing was imported"):
+            fresh.import_(cut)
+        monkeypatch.setattr(db_module, "IMPORT_LIMIT_BYTES", 100)
+        with pytest.raises(ValueError, match="once decompressed.*nothing was imported"):
+            fresh.import_(packed)
+        assert rows(fresh.path) == len(FIND)
 
 
 # -- where the file lives -------------------------------------------------------------------------
