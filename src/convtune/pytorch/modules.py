@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import typing
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -164,7 +165,7 @@ class TunedConv(_ConvBase):
             # region, through autocast's cache), and lays the weight out as the problem needs.
             if padded is x and batched:  # the op on the input as it comes, nothing done to it first
                 self._convtune_hot(input.shape, selection.native, sig, selection)
-            y = _tuned_conv(to_layout(padded, sig.layout), weight, bias, *selection.native)
+            y = torch.ops.convtune.tuned_conv.default(to_layout(padded, sig.layout), weight, bias, *selection.native)
             return y if batched else y.squeeze(0)
         if cast is not None:
             padded = padded if padded.dtype == cast else padded.to(cast)
@@ -256,9 +257,18 @@ def _eager_tuning(cls: type[TunedConv]) -> Any:
     return _EAGER_TUNING[cls]
 
 
-def _tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,
-                bwd_filter: int) -> torch.Tensor:
-    return torch.ops.convtune.tuned_conv.default(x, w, bias, fwd, bwd_data, bwd_filter)
+def _resolve_tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,
+                        bwd_filter: int) -> torch.Tensor:
+    """The hot path's first call: bind ``_tuned_conv`` to the op itself (the C++ extension registers it when it
+    loads, which a layer's executables imply), so later calls skip ``torch.ops``' lookups (about 0.3 us a call).
+    Never traced: under torch.compile a layer takes its full path, which names the op."""
+    global _tuned_conv
+    _tuned_conv = torch.ops.convtune.tuned_conv.default
+    return _tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter)
+
+
+# convtune::tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter): the forward through the layer's executables.
+_tuned_conv: Callable[..., torch.Tensor] = _resolve_tuned_conv
 
 
 class Conv1d(TunedConv, torch.nn.Conv1d):
