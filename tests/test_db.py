@@ -501,9 +501,18 @@ def test_a_gzip_export_round_trips_and_a_damaged_or_oversized_one_is_refused_who
         with pytest.raises(ValueError, match="damaged gzip file.*nothing was imported"):
             fresh.import_(cut)
         monkeypatch.setattr(db_module, "IMPORT_LIMIT_BYTES", 100)
-        with pytest.raises(ValueError, match="once decompressed.*nothing was imported"):
+        with pytest.raises(ValueError, match="over 100 B of results once decompressed.*nothing was imported"):
             fresh.import_(packed)
+        with pytest.raises(ValueError, match="over 100 B of results; split"):  # plain files are bounded too
+            fresh.import_(plain)
+        one_line = tmp_path / "one_line.jsonl"  # even one line longer than the limit is not read whole
+        one_line.write_bytes(b"x" * 10_000)
+        with pytest.raises(ValueError, match="over 100 B"):
+            fresh.import_(one_line)
         assert rows(fresh.path) == len(FIND)
+        empty = tmp_path / "empty.jsonl.gz"
+        empty.write_bytes(gzip.compress(b""))
+        assert fresh.import_(empty) == 0
 
 
 # -- where the file lives -------------------------------------------------------------------------

@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="the tuning database: ls, export, import, clear")
     p.add_argument("action", choices=("ls", "export", "import", "clear"))
-    p.add_argument("path", nargs="?", help="the JSON-lines file for export and import")
+    p.add_argument("path", nargs="?",
+                   help="the JSON-lines file for export and import (gzip-compressed where its name ends in .gz)")
     _add_db_args(p)
     p.add_argument("--json", action="store_true")
 

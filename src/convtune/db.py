@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import gzip
 import hashlib
-import io
 import json
 import logging
 import math
@@ -233,7 +232,7 @@ class TuningDB:
                 line = dict(zip(_LINE_FIELDS, (SCHEMA_VERSION, fp, sw, key, stored_at, result.to_dict())))
                 lines.append(json.dumps(line) + "\n")
         data = "".join(lines).encode("utf-8")
-        if str(path).endswith(".gz"):
+        if str(path).lower().endswith(".gz"):
             data = gzip.compress(data, mtime=0)  # the same results, the same bytes
         write_whole(path, lambda target: target.write_bytes(data))
         return len(lines)
@@ -247,7 +246,7 @@ class TuningDB:
         """
         path = Path(path)
         parsed = []
-        for number, raw in enumerate(_export_bytes(path).split(b"\n"), start=1):
+        for number, raw in enumerate(_export_lines(path), start=1):
             if raw.strip():
                 try:
                     parsed.append(_parse_line(raw))
@@ -565,21 +564,26 @@ def _parse_line(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
 
 
 # -- the file --------------------------------------------------------------------------------
-def _export_bytes(path: Path) -> bytes:
-    """An export file's lines: as stored, or decompressed where it is gzip's (by its first bytes, whatever its
-    name), at most IMPORT_LIMIT_BYTES; ``ValueError`` naming the file for a damaged or oversized one."""
-    data = path.read_bytes()
-    if not data.startswith(b"\x1f\x8b"):
-        return data
+def _export_lines(path: Path) -> Iterator[bytes]:
+    """An export file's lines, one at a time: as stored, or decompressed where it is gzip's (by its first
+    bytes, whatever its name); ``ValueError`` naming the file for a damaged one or one over
+    IMPORT_LIMIT_BYTES of lines (an import keeps every parsed line until it stores them together)."""
+    with open(path, "rb") as raw:
+        packed = raw.read(2) == b"\x1f\x8b"
+    read = 0
     try:
-        with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
-            data = f.read(IMPORT_LIMIT_BYTES + 1)
+        with (gzip.open(path, "rb") if packed else open(path, "rb")) as f:
+            while line := f.readline(IMPORT_LIMIT_BYTES + 1 - read):  # one line longer than the limit: bounded too
+                read += len(line)
+                if read > IMPORT_LIMIT_BYTES:
+                    raise ValueError(f"{path} holds over {format_bytes(IMPORT_LIMIT_BYTES)} of results"
+                                     f"{' once decompressed' if packed else ''}; split it into smaller exports; "
+                                     f"nothing was imported")
+                yield line.rstrip(b"\n")
     except (OSError, EOFError, zlib.error) as exc:
+        if not packed:
+            raise
         raise ValueError(f"{path} is a damaged gzip file ({type(exc).__name__}: {exc}); nothing was imported") from None
-    if len(data) > IMPORT_LIMIT_BYTES:
-        raise ValueError(f"{path} holds over {format_bytes(IMPORT_LIMIT_BYTES)} of results once decompressed; split "
-                         f"it into smaller exports; nothing was imported")
-    return data
 
 
 def _open(path: Path) -> sqlite3.Connection:

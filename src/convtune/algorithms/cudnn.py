@@ -16,6 +16,7 @@ down-conversion numerical notes, as PyTorch does; their build then fails and the
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -47,19 +48,16 @@ except ImportError:  # an older frontend: it has only backend engines
     _FRONTEND_ENGINE_IDS = 1 << 62
 
 
-_handles = threading.local()  # per thread, {device index: handle}
-
-
+@functools.cache
 def _handle(device_index: int):
-    """This thread's cuDNN handle on the device: a handle follows one stream at a time (``_follow_stream``),
-    and the background worker launches on a stream of its own while the caller's thread launches on
-    PyTorch's current one."""
-    handles = _handles.__dict__.setdefault("by_device", {})
-    handle = handles.get(device_index)
-    if handle is None:
-        with torch.cuda.device(device_index):
-            handle = handles[device_index] = cudnn.create_handle()
-    return handle
+    """The device's cuDNN handle, for every thread: a plan runs on the handle it was built with."""
+    with torch.cuda.device(device_index):
+        return cudnn.create_handle()
+
+
+# Setting the handle's stream and launching on it, as one step: the background worker launches on a
+# stream of its own while the caller's threads launch on PyTorch's current one (the autograd engine's too).
+_LAUNCH_LOCK = threading.Lock()
 
 
 def _as_2d(problem: ConvProblem) -> dict:
@@ -140,10 +138,11 @@ class ProblemGraph:
             launch = self._launchers[index] = self._launcher(index)
         device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
         handle = _handle(device_index)
-        # The handle follows PyTorch's current stream, so CUDA-graph capture records this launch.
-        _follow_stream(handle, device_index)
-        # A 1-D problem's tensors are 2-D ones of height 1 to cuDNN: the same memory, the same pointers.
-        launch(handle, a.data_ptr(), b.data_ptr(), out.data_ptr(), workspace.data_ptr() if workspace.numel() else 0)
+        with _LAUNCH_LOCK:
+            # The handle follows PyTorch's current stream, so CUDA-graph capture records this launch.
+            _follow_stream(handle, device_index)
+            # A 1-D problem's tensors are 2-D ones of height 1 to cuDNN: the same memory, the same pointers.
+            launch(handle, a.data_ptr(), b.data_ptr(), out.data_ptr(), workspace.data_ptr() if workspace.numel() else 0)
 
     def _launcher(self, index: int):
         """``launch(handle, a_ptr, b_ptr, out_ptr, workspace_ptr)`` of built plan ``index``.
