@@ -26,7 +26,7 @@ from torch.autograd.gradcheck import GradcheckError
 from twins import torch_twin
 import convtune
 import convtune.nn
-from convtune import ConvProblem, Policy, TuningDB, algorithms
+from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, algorithms
 from convtune.algorithms.base import SUPPORTED, Buffer, buffers_bytes, unsupported
 from convtune.algorithms.registry import isolated
 from convtune.settings import settings
@@ -761,3 +761,21 @@ def test_the_old_names_of_a_layers_selections_still_work():
     assert old.selections == conv.selections
     from convtune.pytorch.tuning import LayerPlan, LayerSelection
     assert LayerPlan is LayerSelection
+
+
+def test_a_chosen_algorithm_that_cannot_be_built_leaves_the_layer_on_torchs_path(tmp_path):
+    # A stored choice this machine can no longer build (a cuDNN plan a new cuDNN refuses): PyTorch's call, the reason
+    # in explain, never an error in the user's forward.
+    class Unbuildable(Fake):
+        def buffers(self, problem):
+            raise RuntimeError("cuDNN could not build plan")
+
+    x = torch.randn(1, 2, 5, 5)
+    problem = ConvProblem.from_module(torch.nn.Conv2d(2, 3, 3), tuple(x.shape))
+    with TuningDB(tmp_path / "t.sqlite") as db, isolated(Unbuildable("fake:unbuildable"), builtins=False):
+        db.store(problem, [PerfResult("fake:unbuildable", Status.OK, time_ms=0.01, deterministic=True)])
+        conv = convtune.nn.Conv2d(2, 3, 3, mode="db_then_get", db=db)
+        with torch.no_grad():  # the forward alone: the stored choice is the layer's
+            torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias))
+        (row,) = convtune.explain(conv)
+        assert row["algorithm"] is None and "cannot run here" in row["note"] and "could not build" in row["note"]

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from convtune.algorithms.registry import get_algorithm
-from convtune.errors import NoAlgorithmError
+from convtune.errors import CANDIDATE_FAULTS, NoAlgorithmError
 from convtune.network import Tuning
 from convtune.problem import DIRECTIONS, ConvProblem, is_in_layout
 from convtune.pytorch import ops, runtime, workspace
@@ -190,6 +190,11 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
             if not support:
                 return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm} does not support "
                                                 f"the problem ({support.reason})", name)
+            try:  # its workspace, reserved below (a cuDNN execution plan is built here)
+                algorithm.buffer_bytes(p)
+            except CANDIDATE_FAULTS as exc:  # a stored plan this cuDNN no longer builds, say
+                return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm} cannot run here "
+                                                f"({type(exc).__name__}: {exc})", name)
         names[direction] = result.algorithm
         results[direction] = result
     ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
