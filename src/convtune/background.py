@@ -11,9 +11,9 @@ The worker runs its CUDA work on the device current where the problem was queued
 its own, timing its candidates as eager loops that wait for that stream only (``benchmark``'s
 shared_device: a CUDA graph capture under way would make the caller's ``torch.cuda.synchronize()``
 fail). It shares the GPU, the interpreter and PyTorch's process-wide flags with the caller
-(docs/runtime.md, "New input shapes"). At exit the
-queue is dropped and the measurement under way, if any, is waited for (up to ``EXIT_WAIT_S``); a
-forked child starts with nothing queued and a new generation.
+(docs/runtime.md, "New input shapes"). At exit the queue is dropped and the measurement under way,
+if any, is waited for (up to ``EXIT_WAIT_S``); a forked child starts with nothing queued and a new
+generation.
 
     >>> import tempfile, convtune as ct
     >>> p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(5, 5), kernel_size=3)

@@ -121,9 +121,8 @@ class TunedConv(_ConvBase):
                 return super().forward(input)
         return self._convtune_forward(input)
 
-    def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchCall, sig: Signature,
-                      selection: LayerSelection) -> None:
-        """Inputs of ``shape`` take the hot path to ``entry`` (of ``selection``) from now on (eager code only)."""
+    def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchCall, sig: Signature) -> None:
+        """Inputs of ``shape`` (of signature ``sig``) take the hot path to ``entry`` from now on (eager code only)."""
         if torch.compiler.is_compiling():
             return
         if sig in self._convtune_provisional:  # waiting for a measurement: the full path looks for it
@@ -157,14 +156,14 @@ class TunedConv(_ConvBase):
                 selection = self._convtune_tune(sig, need_dx, need_dw)
         call = selection.call
         if call is None and selection.native is None:  # torch's path, or torch:native in every direction
-            self._convtune_hot(input.shape, TorchCall.of(input, sig, selection), sig, selection)
+            self._convtune_hot(input.shape, TorchCall.of(input, sig, selection), sig)
             return super().forward(input)
         padded = self._convtune_pad(x)
         if selection.native is not None:
             # The op casts under autocast itself, as the hot path relies on (the weight once per autocast
             # region, through autocast's cache), and lays the weight out as the problem needs.
             if padded is x and batched:  # the op on the input as it comes, nothing done to it first
-                self._convtune_hot(input.shape, selection.native, sig, selection)
+                self._convtune_hot(input.shape, selection.native, sig)
             y = torch.ops.convtune.tuned_conv.default(to_layout(padded, sig.layout), weight, bias, *selection.native)
             return y if batched else y.squeeze(0)
         if cast is not None:
