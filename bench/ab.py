@@ -17,7 +17,10 @@ first differing module type.
     python bench/ab.py --device cpu --tiny --out /tmp/ab       # a small stand-in network: checks the pipeline
 
 Results: bench/results/ab.json and ab.md (or --out, --name); results of earlier runs in the file are kept
-(one row per model, batch, dtype, style, workload).
+(one row per model, batch, dtype, style, workload). Each row also counts the calls that took a tuned layer's
+full path while it was timed (in a steady state there should be none). ``--profile`` adds, per network,
+batch and dtype, ``torch.profiler``'s host-side table of ``--steps`` eager training steps of each model
+(<name>_profile_<model>_b<batch>_<dtype>.txt): where the host time of a step goes.
 """
 
 from __future__ import annotations
@@ -37,11 +40,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
+from convtune.pytorch.modules import TunedConv  # noqa: E402
+
+
+class FullPathCalls:
+    """Counts the calls that take a tuned layer's full path (selection, checks) instead of its hot path."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = TunedConv._convtune_forward
+
+    def __enter__(self) -> FullPathCalls:
+        original = self._original
+
+        def counted(module, input):
+            self.calls += 1
+            return original(module, input)
+
+        TunedConv._convtune_forward = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        TunedConv._convtune_forward = self._original
+
+
+def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
+    """torch.profiler's host-side table (self CPU time) of ``steps`` training steps of each model."""
+    from torch.profiler import ProfilerActivity, profile
+
+    parts = []
+    for who, model in models.items():
+        model.train()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step_of[who]()
+            if device == "cuda":
+                torch.cuda.synchronize()
+        parts.append(f"## {who}: host-side profile of {steps} eager training steps\n\n"
+                     + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+    return "\n\n".join(parts)
 
 
 def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device: str, tiny: bool, steps: int,
-        rounds: int) -> dict:
-    """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process."""
+        rounds: int, profile: bool = False) -> dict:
+    """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process (and, with
+    ``profile``, the host-side profile tables under "profile")."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     dtype = getattr(torch, dtype_name)
@@ -70,18 +113,30 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
             a, b = steps_of["torch"][workload], steps_of["convtune"][workload]
             first = {who: e2e._first_call_s(steps_of[who][workload], timer) for who in steps_of}
             pairs = []
-            for r in range(rounds):
-                order = ((a, b) if r % 2 == 0 else (b, a))
-                times = [timer(step)["ms"] for step in order]
-                pairs.append(times if r % 2 == 0 else times[::-1])
+            with FullPathCalls() as full:
+                for r in range(rounds):
+                    order = ((a, b) if r % 2 == 0 else (b, a))
+                    times = [timer(step)["ms"] for step in order]
+                    pairs.append(times if r % 2 == 0 else times[::-1])
             row = rows[f"{style}:{workload}"] = dict(
                 torch_ms=statistics.median(p[0] for p in pairs), convtune_ms=statistics.median(p[1] for p in pairs),
                 ratio=statistics.median(p[0] / p[1] for p in pairs),
                 ratio_range=[min(p[0] / p[1] for p in pairs), max(p[0] / p[1] for p in pairs)],
-                first_call_s=first, rounds=rounds, steps=steps)
+                first_call_s=first, rounds=rounds, steps=steps, full_path_calls=full.calls)
             print(f"  {style} {workload}: torch {row['torch_ms']:.3f} ms, convtune {row['convtune_ms']:.3f} ms, "
                   f"ratio {row['ratio']:.3f}", file=sys.stderr, flush=True)
-    return dict(rows=rows, tune_s=tune_s)
+    runtimes: dict[str, int] = {}
+    for r in convtune.explain(ours):
+        runtimes[r["runtime"]] = runtimes.get(r["runtime"], 0) + 1
+    result = dict(rows=rows, tune_s=tune_s, runtimes=runtimes)
+    if profile:
+        optimizers = {who: torch.optim.SGD(m.parameters(), lr=1e-3) for who, m in (("torch", torch_model),
+                                                                                   ("convtune", ours))}
+        models = {"torch": torch_model, "convtune": ours}
+        step_of = {who: e2e.workloads(m, optimizers[who], x, labels, lambda: torch.autocast(device, dtype=dtype))[1]
+                   for who, m in models.items()}
+        result["profile"] = profile_tables(models, step_of, steps, device)
+    return result
 
 
 def markdown(env: dict, results: dict) -> str:
@@ -90,14 +145,15 @@ def markdown(env: dict, results: dict) -> str:
         for cell, row in sorted(res["rows"].items()):
             lo, hi = row["ratio_range"]
             lines.append([*key.split(":"), *cell.split(":"), f"{row['torch_ms']:.3f}", f"{row['convtune_ms']:.3f}",
-                          f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}", f"{res['date']} {res['revision']}"])
+                          f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}", row.get("full_path_calls", ""),
+                          f"{res['date']} {res['revision']}"])
     return ("# PyTorch and convtune in one process, timed in alternation\n\n"
             f"{common.env_line(env)}. "
             "Autocast, channels_last, `cudnn.benchmark=True`; per round one timing of each (CUDA events, the "
             "order swapped every round); ms: medians over the rounds; ratio: median of the rounds' PyTorch / "
             "convtune (above 1: convtune faster), and its range. `bench/ab.py`.\n\n"
             + common.md_table(["model", "batch", "dtype", "style", "workload", "PyTorch ms", "convtune ms", "ratio",
-                               "range", "measured"], lines))
+                               "range", "full-path calls", "measured"], lines))
 
 
 def main() -> None:
@@ -111,6 +167,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small stand-in network (no torchvision needed)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--profile", action="store_true", help="also write the host-side profile of eager steps")
     common.result_arguments(parser, "ab")
     args = parser.parse_args()
     for option, values, allowed in (("--styles", args.styles, ("eager", "compile")), ("--dtypes", args.dtypes,
@@ -128,7 +185,13 @@ def main() -> None:
             for dtype in args.dtypes:
                 key = f"{model}:b{batch}:{dtype}"
                 print(key, file=sys.stderr, flush=True)
-                res = run(model, batch, dtype, args.styles, args.device, args.tiny, args.steps, args.rounds)
+                res = run(model, batch, dtype, args.styles, args.device, args.tiny, args.steps, args.rounds,
+                          args.profile)
+                if "profile" in res:
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    profile_path = out_dir / f"{args.name}_profile_{model}_b{batch}_{dtype}.txt"
+                    profile_path.write_text(f"# {key}: {common.env_line(env)}; layer directions by runtime "
+                                            f"{res['runtimes']}\n\n{res.pop('profile')}\n")
                 old = results.get(key, {}).get("rows", {})
                 res["rows"] = {**old, **res["rows"]}
                 res["date"], res["revision"] = env["date"], env["revision"]

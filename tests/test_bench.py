@@ -103,12 +103,18 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     assert (tmp_path / "e2e.md").read_text() == report  # the markdown comes from the JSON alone
 
     results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
-                   "--batches", "4")["results"]
+                   "--batches", "4", "--profile")["results"]
     cells = results["tiny:b4:bfloat16"]["rows"]
     assert set(cells) == {"eager:inference", "eager:training"}
+    runtimes = results["tiny:b4:bfloat16"]["runtimes"]
+    assert sum(runtimes.values()) > 0
     for row in cells.values():
         assert row["torch_ms"] > 0 and row["convtune_ms"] > 0 and row["rounds"] == 2
         assert row["ratio_range"][0] <= row["ratio"] <= row["ratio_range"][1]
+        if "python" not in runtimes:  # native and PyTorch calls take the hot path once tuned
+            assert row["full_path_calls"] == 0
+    profile = (tmp_path / "ab_profile_tiny_b4_bfloat16.txt").read_text()
+    assert "## torch: host-side profile" in profile and "## convtune: host-side profile" in profile
 
 
 def test_the_sweep_draws_the_same_problems_and_covers_what_networks_contain(sweep):
