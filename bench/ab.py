@@ -76,8 +76,18 @@ def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
                 step_of[who]()
             if device == "cuda":
                 torch.cuda.synchronize()
+        averages = prof.key_averages()
         parts.append(f"## {who}: host-side profile of {steps} eager training steps\n\n"
-                     + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+                     + averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+        # Each tuned executable's run is recorded under its label ('convtune:<problem> by <algorithm>'): which
+        # executables cost the host most per call (a plan that launches several kernels, say).
+        runs = sorted((e for e in averages if e.key.startswith("convtune:") and not e.key.startswith("convtune::")),
+                      key=lambda e: -e.self_cpu_time_total)
+        if runs:
+            parts.append(f"### {who}: host time of each tuned executable's run, per call\n\n" + common.md_table(
+                ["executable", "calls", "self us per call", "total us per call"],
+                [[e.key, e.count, f"{e.self_cpu_time_total / e.count:.1f}", f"{e.cpu_time_total / e.count:.1f}"]
+                 for e in runs]))
     return "\n\n".join(parts)
 
 

@@ -11,11 +11,16 @@ and B (their first plan, where it was measured). Reported per network, direction
 geometric mean, the worst case and how often the pick is the best (top-1).
 
     python bench/learned_get.py --db bench/data/sweep.sqlite --batch 32 --dtypes float16
+
+``--measured-on FINGERPRINT`` judges another machine's measurements (the shipped dataset's, say) on
+any machine, the CPU included: its rows, priced for the GPU it names (``hardware.measured_on``);
+``--measured-on auto`` takes the database's one CUDA fingerprint. cuDNN's heuristics need the GPU itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -26,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune as ct  # noqa: E402
 from convtune import learned, zoo  # noqa: E402
+from convtune import hardware  # noqa: E402
 from convtune.hardware import fingerprint  # noqa: E402
 from sweep import network_problems  # noqa: E402
 
@@ -90,14 +96,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="channels_last")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=400)
+    parser.add_argument("--measured-on", default=None, metavar="FINGERPRINT",
+                        help="judge the measurements of the machine this database fingerprint names ('auto': the "
+                             "database's one CUDA fingerprint), priced for its GPU")
     common.result_arguments(parser, "learned_get")
     args = parser.parse_args(argv)
-    names = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
     with ct.TuningDB(args.db) as db:
-        samples = learned.samples_from(db, args.device)
+        measured_on = args.measured_on
+        if measured_on == "auto":
+            gpus = sorted({e.fingerprint for e in db.entries() if e.fingerprint.startswith("cuda|")})
+            if len(gpus) != 1:
+                parser.error(f"--measured-on auto: {args.db} holds {len(gpus)} CUDA fingerprints "
+                             f"({'; '.join(gpus) or 'none'}); name one")
+            measured_on, args.device = gpus[0], "cuda"
+        with hardware.measured_on(measured_on) if measured_on else contextlib.nullcontext():
+            return judge_all(parser, args, db, measured_on)
+
+
+def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.TuningDB,
+              measured_on: str | None) -> int:
+    names = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
+    samples = learned.samples_from(db, args.device, measured_on)
     if not samples:
-        parser.error(f"{args.db} holds no measurements of this machine's {args.device}: run bench/sweep.py first")
-    here = fingerprint(args.device)
+        parser.error(f"{args.db} holds no measurements of {measured_on or 'this machine'}'s {args.device}: "
+                     f"run bench/sweep.py first")
+    here = measured_on or fingerprint(args.device)
     members = network_problems(names, args.batch, args.dtypes.split(","), args.layouts.split(","), args.device,
                                args.layers)
     measured = {s.problem for s in samples}
@@ -116,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"environment": env, "samples": len(samples), "problems": len(measured), "random_split": report,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
+    where = f"measured on {measured_on}, judged on " if measured_on else ""
     markdown = (f"# get's learned cost model on networks it never saw\n\n{env['date']}, "
-                f"{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}; "
+                f"{where}{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}; "
                 f"{len(samples)} measurements of {len(measured)} problems ({args.db}).\n\n"
                 f"Each row: a model trained without that network's layers, judged on them; per ranking the "
                 f"measured time of its first pick over the best measured: geometric mean / worst / how often "

@@ -191,3 +191,36 @@ def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, 
     split = payload["random_split"]
     assert split["analytic_geomean"] > 1.1 and split["learned_geomean"] < split["analytic_geomean"], split
     assert "geomean / worst / top-1" in (out / "learned_get.md").read_text()
+
+
+def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, learned_get, sweep):
+    # The shipped dataset's situation: rows of a GPU machine, judged here (no GPU needed), priced for that GPU.
+    import convtune as ct
+    from convtune import costmodel, hardware
+    from convtune.db import SCHEMA_VERSION
+    from convtune.results import PerfResult
+
+    h200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"
+    problems = [p for _, p in sweep.network_problems(["resnet18"], 32, ["float16"], ["channels_last"], "cuda", 4)]
+    problems += [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(30)]
+    lines = []
+    with hardware.measured_on(h200):
+        for p in problems:
+            base = costmodel.analytic_ms("torch:native", p)
+            for name, factor in (("torch:native", 1.0), ("gemm:im2col", 3.0 if p.kernel_size[0] == 1 else 0.5)):
+                result = PerfResult(name, "ok", time_ms=base * factor)
+                lines.append(json.dumps({"schema": SCHEMA_VERSION, "fingerprint": h200, "software": "torch2.11",
+                                         "problem": p.key, "stored_at": 1.7e9, "result": result.to_dict()}) + "\n")
+    (tmp_path / "h200.jsonl").write_text("".join(lines))
+    db_path = tmp_path / "h200.sqlite"
+    with ct.TuningDB(db_path) as db:
+        assert db.import_(tmp_path / "h200.jsonl") == len(lines)
+    out = tmp_path / "out"
+    assert learned_get.main(["--db", str(db_path), "--measured-on", "auto", "--networks", "resnet18", "--layers", "4",
+                             "--epochs", "20", "--out", str(out)]) == 0
+    payload = json.loads((out / "learned_get.json").read_text())
+    assert payload["samples"] == len(lines) and {k.split("/")[0] for k in payload["by_network"]} == {"resnet18"}
+    assert f"measured on {h200}" in (out / "learned_get.md").read_text()
+    assert hardware._assumed_gpu is None
+    with pytest.raises(SystemExit):  # a CPU-only database has no CUDA fingerprint to take
+        learned_get.main(["--db", str(tmp_path / "empty.sqlite"), "--measured-on", "auto", "--out", str(out)])

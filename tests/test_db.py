@@ -720,3 +720,39 @@ def test_an_export_writes_into_a_pipe_or_through_a_link_and_never_replaces_what_
     with pytest.raises(ValueError, match="is a folder"):
         db.export(tmp_path)
     assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
+
+
+# -- another machine's measurements ---------------------------------------------------------------
+H200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"
+
+
+def test_another_machines_measurements_are_read_by_its_fingerprint_and_priced_for_its_gpu(db, tmp_path):
+    from convtune import costmodel, learned
+
+    gpu_problem = problem(1, device="cuda")
+    lines = tmp_path / "h200.jsonl"
+    lines.write_text("".join(_line(fingerprint=H200, software="torch2.11", problem=gpu_problem.key,
+                                   result=r.to_dict()) + "\n" for r in FIND))
+    assert db.import_(lines) == len(FIND)
+    if not torch.cuda.is_available():
+        assert db.measurements("cuda") == []  # this machine has no such device
+    read = db.measurements("cuda", H200)
+    assert {r.algorithm for _, r in read} == {r.algorithm for r in FIND if r.ok} and {p for p, _ in read} == {gpu_problem}
+    assert db.measurements("cuda", "cuda|another GPU|sm80|driver1|cuda12") == []
+    flops, bandwidth = hardware._GPU_PEAKS["H200"][0]["float32"], hardware._GPU_PEAKS["H200"][1]
+    floor = 1e3 * max(gpu_problem.flops / flops, gpu_problem.min_bytes / bandwidth)
+    with hardware.measured_on(H200):
+        assert hardware.roofline_ms(gpu_problem) == pytest.approx(floor)
+        priced = learned.samples_from(db, "cuda", H200)
+        assert len(priced) == len(read) and all(s.analytic_ms > 0 for s in priced)
+        inside = costmodel.analytic_ms("torch:native", gpu_problem)
+    assert hardware._assumed_gpu is None  # restored, and the cached prices with it
+    if not torch.cuda.is_available():
+        assert costmodel.analytic_ms("torch:native", gpu_problem) != inside  # nominal figures again
+
+
+@pytest.mark.parametrize("fingerprint", ["cpu|AMD EPYC|threads2", "cuda|a GPU of no table|sm70|driver1|cuda11", ""])
+def test_pricing_for_a_machine_outside_the_peaks_table_is_refused_with_the_reason(fingerprint):
+    with pytest.raises(ValueError, match="peaks table"), hardware.measured_on(fingerprint):
+        pass
+    assert hardware._assumed_gpu is None

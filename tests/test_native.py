@@ -193,6 +193,47 @@ def test_a_module_on_the_native_path_trains_like_torch_and_takes_the_hot_path(na
     assert y.shape == (1, 4, 3, 3) and len(module.selections) == 2
 
 
+class _Logged(torch.Tensor):
+    """A tensor subclass that records the functions __torch_function__ sees."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _LoggingMode(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_hot_path_calls_the_op_directly_yet_honours_torch_function(native):
+    # Plain tensors go straight to the C++ op (no torch.ops on the way); a subclass with __torch_function__,
+    # or a TorchFunctionMode, sees the op called as Python calls it, with the same result.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    expected = F.conv2d(x, module.weight, module.bias)
+    module(x)
+    assert module._convtune_fast[x.shape] == next(iter(module.selections.values())).native
+    with _LoggingMode() as mode:
+        torch.testing.assert_close(module(x), expected)
+    assert torch.ops.convtune.tuned_conv.default in mode.seen
+    _Logged.seen = []
+    y = module(x.as_subclass(_Logged))
+    assert type(y) is _Logged and torch.ops.convtune.tuned_conv.default in _Logged.seen
+    torch.testing.assert_close(y.as_subclass(torch.Tensor), expected)
+    with _LoggingMode() as mode:
+        torch.testing.assert_close(module(x.contiguous()), expected)  # other strides: the full path, then the op
+    torch.testing.assert_close(module(x), expected)  # plain again: direct
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_layer_on_the_python_path_runs_its_other_directions_by_their_executables(native, compiled):
     from convtune.pytorch import ops

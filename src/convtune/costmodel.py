@@ -151,7 +151,8 @@ def _predict_ms(name: str, problem: ConvProblem, workspace_bytes: int, tf32: boo
 
 
 def clear_cache() -> None:
-    """Forget cached predictions (tests that change the machine's peaks)."""
+    """Forget cached peaks and predictions (tests that change the machine's peaks, ``hardware.measured_on``)."""
+    _peaks.cache_clear()
     _predict_ms.cache_clear()
     _analytic_ms.cache_clear()
 

@@ -182,19 +182,24 @@ class TuningDB:
         """The best stored result of ``problem`` under ``policy`` (default Policy()), or None."""
         return best(self.results(problem), policy or Policy())
 
-    def measurements(self, device: str) -> list[tuple[ConvProblem, PerfResult]]:
-        """Every ``ok`` result stored for this machine and software on ``device`` ('cpu' or 'cuda')."""
+    def measurements(self, device: str, fingerprint: str | None = None) -> list[tuple[ConvProblem, PerfResult]]:
+        """Every ``ok`` result stored for this machine and software on ``device`` ('cpu' or 'cuda'); with
+        ``fingerprint``, those of the machine it names instead, with any software."""
         device = normalize_device(device)
-        here = _here(device)
-        if here is None:
-            return []
-        rows = self._read(
-            "SELECT problem, algorithm, result, checksum FROM results WHERE fingerprint=? AND software=? AND device=? "
-            "ORDER BY rowid", (*here, device),
-        )
+        if fingerprint is None:
+            here = _here(device)
+            if here is None:
+                return []
+            rows = self._read(
+                "SELECT problem, algorithm, result, checksum, fingerprint, software FROM results "
+                "WHERE fingerprint=? AND software=? AND device=? ORDER BY rowid", (*here, device))
+        else:
+            rows = self._read(
+                "SELECT problem, algorithm, result, checksum, fingerprint, software FROM results "
+                "WHERE fingerprint=? AND device=? ORDER BY rowid", (fingerprint, device))
         out = []
-        for key, name, text, checksum in rows:
-            result = self._decode(text, key, (*here, name, checksum))
+        for key, name, text, checksum, fp, software in rows:
+            result = self._decode(text, key, (fp, software, name, checksum))
             problem = self._problem(key)
             if result is not None and problem is not None and result.ok:
                 out.append((problem, result))

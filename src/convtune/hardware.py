@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import platform
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -115,10 +117,37 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+_assumed_gpu: str | None = None  # see measured_on
+
+
+@contextlib.contextmanager
+def measured_on(fingerprint: str) -> Iterator[None]:
+    """Price CUDA problems for the GPU that ``fingerprint`` (a database row's, see ``fingerprint``) names
+    rather than this machine's: to judge or train on another machine's measurements, on any machine.
+
+    Raises ValueError for a fingerprint that names no GPU of the peaks table.
+    """
+    from . import costmodel
+
+    global _assumed_gpu
+    kind, _, rest = fingerprint.partition("|")
+    name = rest.partition("|")[0]
+    if kind != "cuda" or not any(fragment in name for fragment in _GPU_PEAKS):
+        raise ValueError(f"fingerprint {fingerprint!r}: not a GPU of convtune's peaks table "
+                         f"({', '.join(_GPU_PEAKS)}); pass one of a CUDA row of the database")
+    previous, _assumed_gpu = _assumed_gpu, name
+    costmodel.clear_cache()
+    try:
+        yield
+    finally:
+        _assumed_gpu = previous
+        costmodel.clear_cache()
+
+
 def peaks(device: str, dtype: str, tf32: bool = False) -> tuple[float, float]:
     """(FLOP/s, bytes/s) ceilings of ``device`` for ``dtype``: a table for known GPUs, measured on CPUs."""
     if device == "cuda":
-        name = torch.cuda.get_device_name()
+        name = _assumed_gpu or torch.cuda.get_device_name()
         for fragment, (flops, bandwidth) in _GPU_PEAKS.items():
             if fragment in name:
                 return flops["tf32" if dtype == "float32" and tf32 else dtype], bandwidth

@@ -186,12 +186,13 @@ def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, see
     return LearnedModel(network, mean, std, fingerprint, len(usable))
 
 
-def samples_from(db: Any, device: str) -> list[Sample]:
-    """Every timed result ``db`` holds for this machine's ``device``, with the analytic model's price."""
+def samples_from(db: Any, device: str, fingerprint: str | None = None) -> list[Sample]:
+    """Every timed result ``db`` holds for this machine's ``device`` (or for the machine ``fingerprint``
+    names: price them within ``hardware.measured_on``), with the analytic model's price."""
     from .costmodel import analytic_ms
 
     out = []
-    for problem, result in db.measurements(device):
+    for problem, result in db.measurements(device, fingerprint):
         if result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms):
             out.append(Sample(problem, result.algorithm,
                               analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32),

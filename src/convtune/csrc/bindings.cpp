@@ -89,6 +89,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "serialized", [](int64_t handle) { return py::bytes(find_executable(handle)->serialized()); },
       "What rebuilds the executable without searching (a cuDNN plan's serialized form; empty for the others).");
+  m.def(
+      "tuned_conv",
+      [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd, int64_t bwd_data,
+         int64_t bwd_filter) {
+        static auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("convtune::tuned_conv", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               int64_t, int64_t, int64_t)>();
+        py::gil_scoped_release no_gil;
+        return op.call(x, w, bias, fwd, bwd_data, bwd_filter);
+      },
+      py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("bwd_data"), py::arg("bwd_filter"),
+      "torch.ops.convtune.tuned_conv called directly (unboxed): eager code's hot path, for plain tensors only "
+      "(no __torch_function__ is consulted).");
   m.def("with_cudnn", &with_cudnn, "Whether this build has cuDNN plans.");
   m.def("set_poison", &set_poison, "Tests: results start as NaN (True) or uninitialised (False, the default).");
 }

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from convtune import background
+from convtune import background, extension
 from convtune.policy import Policy
 from convtune.problem import explicit_padding, to_layout
 from convtune.pytorch import ops
@@ -112,8 +112,11 @@ class TunedConv(_ConvBase):
         if fast:
             entry = fast.get(input.shape)
             if entry.__class__ is tuple:
+                weight, bias = self.weight, self.bias
                 try:
-                    return _tuned_conv(input, self.weight, self.bias, *entry)
+                    if _has_torch_function((input, weight, bias)):  # a subclass or mode: the op as Python calls it
+                        return torch.ops.convtune.tuned_conv.default(input, weight, bias, *entry)
+                    return _tuned_conv(input, weight, bias, *entry)
                 except ValueError:
                     pass
             # a tuple took the branch above (tested by class, the fastest test, which mypy cannot narrow by)
@@ -258,16 +261,20 @@ def _eager_tuning(cls: type[TunedConv]) -> Any:
 
 def _resolve_tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, bwd_data: int,
                         bwd_filter: int) -> torch.Tensor:
-    """The hot path's first call: bind ``_tuned_conv`` to the op itself (the C++ extension registers it when it
-    loads, which a layer's executables imply), so later calls skip ``torch.ops``' lookups (about 0.3 us a call).
-    Never traced: under torch.compile a layer takes its full path, which names the op."""
+    """The hot path's first call: bind ``_tuned_conv`` to the C++ extension's direct call of the op (loaded by
+    then: a layer's executables imply it), which skips ``torch.ops``' Python-side argument handling (about
+    1 us a call). It consults no ``__torch_function__``: the hot path takes it for plain tensors only. Never
+    traced: under torch.compile a layer takes its full path, which names the op."""
     global _tuned_conv
-    _tuned_conv = torch.ops.convtune.tuned_conv.default
+    module = extension.load()
+    _tuned_conv = module.tuned_conv if module is not None else torch.ops.convtune.tuned_conv.default
     return _tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter)
 
 
-# convtune::tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter): the forward through the layer's executables.
+# convtune::tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter): the forward through the layer's executables,
+# for tensors without __torch_function__ (nor a mode of it: _has_torch_function).
 _tuned_conv: Callable[..., torch.Tensor] = _resolve_tuned_conv
+_has_torch_function = torch.overrides.has_torch_function
 
 
 class Conv1d(TunedConv, torch.nn.Conv1d):
