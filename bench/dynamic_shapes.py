@@ -6,6 +6,8 @@ so that each size is new once; then the sizes cycled (``--cycles``), which gives
 step time. Every step is timed on its own (synchronized). The configurations:
 
 - ``torch_bm1``: PyTorch with ``cudnn.benchmark=True``, which measures every new shape on the step that meets it;
+- ``torch_bm0``: PyTorch with ``cudnn.benchmark=False``, which measures nothing: what a step that meets a new
+  shape costs when nothing is measured (cuDNN's heuristics and plan builds alone), the floor of any cuDNN path;
 - ``convtune_background``: ``optimize(training=True, mode="background")`` on the first size (measured
   then, on an empty database); later sizes start on the cost model's choice while a worker thread
   measures them (``convtune.background``), and the layers switch when the measurements are stored;
@@ -34,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-CONFIGS = ("torch_bm1", "convtune_background", "convtune_hybrid")
+CONFIGS = ("torch_bm1", "torch_bm0", "convtune_background", "convtune_hybrid")
 
 
 def child(config: str, args: argparse.Namespace, db_path: str) -> dict:
@@ -73,8 +75,8 @@ def child(config: str, args: argparse.Namespace, db_path: str) -> dict:
 
     out: dict = {}
     t0 = time.perf_counter()
-    if config == "torch_bm1":
-        torch.backends.cudnn.benchmark = True
+    if config.startswith("torch_"):
+        torch.backends.cudnn.benchmark = config == "torch_bm1"
     else:
         mode = config.removeprefix("convtune_")
         with torch.autocast(device, dtype=dtype):
@@ -86,7 +88,7 @@ def child(config: str, args: argparse.Namespace, db_path: str) -> dict:
     out["background_left_s"] = time.perf_counter() - t0
     steps += [(size, step(size)) for _ in range(args.cycles) for size in sizes]
     out["steps"] = steps
-    if config != "torch_bm1":  # each layer direction's final choice and the path it runs on
+    if not config.startswith("torch_"):  # each layer direction's final choice and the path it runs on
         rows = convtune.explain(model)
         out["choices"] = {f"{r['module']} {r['problem']}": r["algorithm"] for r in rows}
         out["runtimes"] = {k: sum(r["runtime"] == k for r in rows) for k in sorted({r["runtime"] for r in rows})}
