@@ -138,10 +138,44 @@ def budgets() -> str:
             + common.md_table(["budget", "shared plan", "divided plan", "even per-layer cap"], rows))
 
 
+def learned_get() -> str:
+    path = common.RESULTS / "learned_get.json"
+    if not path.exists():
+        return ""
+    data = _load("learned_get.json")
+    by_network: dict[str, list[dict]] = {}
+    for key, row in data["rows"].items():
+        by_network.setdefault(key.split("/", 1)[0], []).append(row)
+    rankings = ("learned", "analytic", "torch_bm0", "cudnn_A")
+
+    def cell(rows: list[dict], ranking: str) -> str:
+        ratios = [r[ranking] for r in rows if r.get(ranking)]
+        if not ratios:
+            return "-"
+        geomean = common.geomean(ratios)
+        return f"{geomean:.3f} / {max(ratios):.2f}"
+
+    everything = [r for rows in by_network.values() for r in rows]
+    table = [[network, len(rows), *(cell(rows, k) for k in rankings)] for network, rows in sorted(by_network.items())]
+    table.append(["all held out", len(everything), *(cell(everything, k) for k in rankings)])
+    split = data["random_split"]
+    return (f"## get's learned cost model ([`learned_get.md`]({LINK}learned_get.md), `bench/learned_get.py`)\n\n"
+            f"{_env(data['environment'])}; {data['samples']} measurements of {data['problems']} problems. Each "
+            f"network's layers (every direction) judged by a model trained without them: the measured time of "
+            f"each ranking's first pick over the best measured, geometric mean / worst (targets: 1.05 / 1.5). "
+            f"torch_bm0: PyTorch's own call without benchmark mode; cudnn_A: cuDNN's heuristics (judged on "
+            f"the GPU only).\n\n"
+            + common.md_table(["held out", "problems", *(f"{k}: geomean / worst" for k in rankings)], table)
+            + f"\n\nA random split of whole problems: learned {split['learned_geomean']:.3f} / "
+              f"{split['learned_worst']:.2f}, analytic {split['analytic_geomean']:.3f} / "
+              f"{split['analytic_worst']:.2f}.")
+
+
 def render() -> str:
     return ("# Benchmarks\n\nWritten by `bench/docs_benchmarks.py` from the result files in `bench/results/`; "
             "what the figures mean and what is still open: [`performance.md`](performance.md).\n\n"
-            + "\n\n".join(part() for part in (end_to_end, host_cost, warm_start, new_shapes, layers, budgets)) + "\n")
+            + "\n\n".join(text for part in (end_to_end, host_cost, warm_start, new_shapes, learned_get, layers, budgets)
+                            if (text := part())) + "\n")
 
 
 def main() -> None:

@@ -221,6 +221,6 @@ def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, 
     payload = json.loads((out / "learned_get.json").read_text())
     assert payload["samples"] == len(lines) and {k.split("/")[0] for k in payload["by_network"]} == {"resnet18"}
     assert f"measured on {h200}" in (out / "learned_get.md").read_text()
-    assert hardware._assumed_gpu is None
+    assert hardware.assumed_gpu() is None
     with pytest.raises(SystemExit):  # a CPU-only database has no CUDA fingerprint to take
         learned_get.main(["--db", str(tmp_path / "empty.sqlite"), "--measured-on", "auto", "--out", str(out)])

@@ -746,7 +746,7 @@ def test_another_machines_measurements_are_read_by_its_fingerprint_and_priced_fo
         priced = learned.samples_from(db, "cuda", H200)
         assert len(priced) == len(read) and all(s.analytic_ms > 0 for s in priced)
         inside = costmodel.analytic_ms("torch:native", gpu_problem)
-    assert hardware._assumed_gpu is None  # restored, and the cached prices with it
+    assert hardware.assumed_gpu() is None  # restored, and the cached prices with it
     if not torch.cuda.is_available():
         assert costmodel.analytic_ms("torch:native", gpu_problem) != inside  # nominal figures again
 
@@ -755,4 +755,4 @@ def test_another_machines_measurements_are_read_by_its_fingerprint_and_priced_fo
 def test_pricing_for_a_machine_outside_the_peaks_table_is_refused_with_the_reason(fingerprint):
     with pytest.raises(ValueError, match="peaks table"), hardware.measured_on(fingerprint):
         pass
-    assert hardware._assumed_gpu is None
+    assert hardware.assumed_gpu() is None

@@ -198,7 +198,11 @@ def test_module_measures_in_hybrid_mode_and_stores_in_the_database(db):
     assert (plan.bwd_data, plan.bwd_filter) == ("", "")  # no gradient was needed
     (direction, result), = plan.results
     assert direction == "fwd" and result.time_ms is not None
-    assert db.lookup(ConvProblem.from_key(plan.problem)).algorithm == plan.fwd
+    problem = ConvProblem.from_key(plan.problem)
+    assert plan.fwd in {r.algorithm for r in db.results(problem) if r.ok}  # every candidate measured and stored
+    # the best stored one, unless the host-cost rule sent the layer (whose gain is smaller than its extra host
+    # cost) to PyTorch's call
+    assert plan.fwd == ("torch:native" if plan.host_rule else db.lookup(problem).algorithm)
 
 
 def test_unbatched_and_channels_last_inputs():

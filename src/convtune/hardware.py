@@ -120,6 +120,11 @@ def _seconds(fn) -> float:
 _assumed_gpu: str | None = None  # see measured_on
 
 
+def assumed_gpu() -> str | None:
+    """The GPU name ``measured_on`` prices CUDA problems for, None outside it (this machine's GPU)."""
+    return _assumed_gpu
+
+
 @contextlib.contextmanager
 def measured_on(fingerprint: str) -> Iterator[None]:
     """Price CUDA problems for the GPU that ``fingerprint`` (a database row's, see ``fingerprint``) names
