@@ -145,7 +145,8 @@ def test_a_correction_is_bounded_and_the_corrections_follow_the_model(tmp_path):
     p = problems(1, seed=9)[0]
     model = learned.train(samples(30), fingerprint("cpu"), epochs=20)
     with torch.no_grad():  # a model that would say something absurd
-        model.network[-1].bias.fill_(1000.0)
+        for member in model.network.members:
+            member[-1].bias.fill_(1000.0)
     assert model.factor(p, "plugin:dw", 1.0) == 2.0 ** learned.MAX_LOG2_FACTOR
     # the database's corrections are ratios to the prediction of the model in use: a new model, a new table
     with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), ct.TuningDB(tmp_path / "t.sqlite") as db:

@@ -5,8 +5,9 @@ model predicts, for a (problem, candidate) pair, how far the measured time lies 
 log2(measured / analytic), from features of the problem (sizes, strides, groups, direction, dtype,
 layout, FLOPs and bytes, all as logarithms or switches), of the candidate (its name's parts, hashed:
 a cuDNN execution plan's engine and knobs, a tile configuration, a family) and the analytic price itself. It
-is a small multilayer perceptron in PyTorch (no other dependency), a few thousand weights, queried
-in tens of microseconds. ``get`` multiplies the analytic price by its correction where a model
+is three small multilayer perceptrons in PyTorch (no other dependency; about 30 thousand weights in all),
+trained from different seeds and their predictions averaged, which makes the picks steadier than one
+network's; queried in tens of microseconds. ``get`` multiplies the analytic price by its correction where a model
 trained on this device (its fingerprint) is installed, and the database's measurement corrections
 apply on top, as before; everywhere else the analytic model serves alone.
 
@@ -38,9 +39,10 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 1
+FEATURE_VERSION = 2  # 2: an ensemble of MEMBERS networks
 NAME_BUCKETS = 64
 HIDDEN = 64
+MEMBERS = 3  # networks trained from different seeds, their predictions averaged: steadier picks than one
 MAX_LOG2_FACTOR = 6.0  # a correction of at most 64x either way
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -79,9 +81,24 @@ def features(problem: ConvProblem, name: str, analytic_ms: float) -> list[float]
 FEATURES = len(features(ConvProblem("fwd", n=1, c=1, k=1, input_size=(1,), kernel_size=1), "x:y", 1.0))
 
 
-def _network() -> torch.nn.Module:
+def _member() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
                                torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
+
+
+class _Ensemble(torch.nn.Module):
+    """The mean prediction of several networks of the same shape."""
+
+    def __init__(self, members: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.members = torch.nn.ModuleList(members)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([member(x) for member in self.members]).mean(0)
+
+
+def _network() -> torch.nn.Module:
+    return _Ensemble([_member() for _ in range(MEMBERS)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +138,7 @@ class LearnedModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         from .hardware import software_versions
 
-        payload = {"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN,
+        payload = {"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN, "members": MEMBERS,
                    "fingerprint": self.fingerprint, "software": self.software or software_versions(),
                    "samples": self.samples, "saved_at": time.time(),
                    "mean": self.mean, "std": self.std, "state": self.network.state_dict()}
@@ -137,7 +154,7 @@ def load(path: str | os.PathLike) -> LearnedModel:
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same fault for the caller
         raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or data.get("feature_version") != FEATURE_VERSION or \
-            data.get("features") != FEATURES or data.get("hidden") != HIDDEN:
+            data.get("features") != FEATURES or data.get("hidden") != HIDDEN or data.get("members") != MEMBERS:
         raise ValueError(f"{path} holds a model of other features (version {data.get('feature_version')!r}, "
                          f"this convtune reads {FEATURE_VERSION}); train it again with convtune train-get"
                          if isinstance(data, dict) else f"{path} is not a learned cost model")
@@ -158,21 +175,28 @@ def load(path: str | os.PathLike) -> LearnedModel:
 
 def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, seed: int = 0) -> LearnedModel:
     """A model fitted to ``samples`` (measurements of one device, ``fingerprint``): log2(measured / analytic)
-    by mean squared error, Adam, full batches; deterministic for a seed. ``ValueError`` without samples."""
+    by mean squared error, Adam, batches of 1024, each of the ``MEMBERS`` networks from its own seed (seed,
+    seed + 1, ...); deterministic for a seed. ``ValueError`` without samples."""
     usable = [s for s in samples if s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms)]
     if not usable:
         raise ValueError("no usable measurements to train on: tune some problems first (convtune tune, find)")
-    generator = torch.Generator().manual_seed(seed)
-    torch_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        network = _network()
-    finally:
-        torch.random.set_rng_state(torch_state)
     x = torch.tensor([features(s.problem, s.name, s.analytic_ms) for s in usable], dtype=torch.float32)
     y = torch.tensor([math.log2(s.measured_ms / s.analytic_ms) for s in usable], dtype=torch.float32)
     mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-3)
     x = (x - mean) / std
+    members = [_fit(x, y, epochs, seed + i) for i in range(MEMBERS)]
+    return LearnedModel(_Ensemble(members), mean, std, fingerprint, len(usable))
+
+
+def _fit(x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int) -> torch.nn.Module:
+    """One member network fitted to the normalized features ``x`` and targets ``y``."""
+    generator = torch.Generator().manual_seed(seed)
+    torch_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        network = _member()
+    finally:
+        torch.random.set_rng_state(torch_state)
     optimizer = torch.optim.Adam(network.parameters(), lr=3e-3, weight_decay=1e-5)
     batch = 1024
     for _ in range(epochs):
@@ -183,7 +207,7 @@ def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, see
             loss = torch.nn.functional.mse_loss(network(x[rows]).squeeze(1), y[rows])
             loss.backward()
             optimizer.step()
-    return LearnedModel(network, mean, std, fingerprint, len(usable))
+    return network
 
 
 def samples_from(db: Any, device: str, fingerprint: str | None = None) -> list[Sample]:
