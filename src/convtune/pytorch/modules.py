@@ -29,7 +29,7 @@ from __future__ import annotations
 import typing
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -216,31 +216,37 @@ _GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode"
 _HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)
 
 
-class TorchCall(NamedTuple):
-    """The hot path of a layer that calls PyTorch's own convolution: what its input must be to take it."""
+class TorchCall:
+    """The hot path of a layer that calls PyTorch's own convolution: what an input of the shape it is kept
+    for (the hot path's key) must be to take it. A class with slots: its fields read faster than a tuple's."""
 
-    shape: torch.Size
-    strides: tuple[int, ...]  # the same layout (exactly: other strides take the full path, which decides)
-    dtype: torch.dtype  # the input's, or the autocast dtype
-    autocast: bool
-    device_type: str
-    cuda: bool  # on a CUDA device (any), else on the CPU
-    covers_dx: bool  # a gradient of the input was tuned (PyTorch's too), or none is needed
-    covers_dw: bool
+    __slots__ = ("strides", "dtype", "autocast", "device_type", "cuda", "covers_dx", "covers_dw")
+
+    def __init__(self, strides: tuple[int, ...], dtype: torch.dtype, autocast: bool, device_type: str, cuda: bool,
+                 covers_dx: bool, covers_dw: bool) -> None:
+        self.strides = strides  # the same layout (exactly: other strides take the full path, which decides)
+        self.dtype = dtype  # the input's, or the autocast dtype
+        self.autocast = autocast
+        self.device_type = device_type
+        self.cuda = cuda  # on a CUDA device (any), else on the CPU
+        self.covers_dx = covers_dx  # a gradient of the input was tuned (PyTorch's too), or none is needed
+        self.covers_dw = covers_dw
 
     @classmethod
     def of(cls, input: torch.Tensor, sig: Signature, selection: LayerSelection) -> TorchCall:
         device = input.device.type
-        return cls(input.shape, input.stride(), sig.dtype, torch.is_autocast_enabled(device), device, input.is_cuda,
+        return cls(input.stride(), sig.dtype, torch.is_autocast_enabled(device), device, input.is_cuda,
                    selection.covers(True, False), selection.covers(False, True))
 
     def admits(self, x: torch.Tensor) -> bool:
-        if x.shape != self.shape or x.stride() != self.strides or not (x.is_cuda if self.cuda else x.is_cpu):
+        """Whether ``x`` (of the shape this entry is kept for) takes PyTorch's call with no more checks."""
+        if x.stride() != self.strides or not (x.is_cuda if self.cuda else x.is_cpu):
             return False
-        autocast = self.autocast
-        if torch.is_autocast_enabled(self.device_type) is not autocast:
-            return False
-        if (torch.get_autocast_dtype(self.device_type) if autocast else x.dtype) is not self.dtype:
+        if self.autocast:
+            if not torch.is_autocast_enabled(self.device_type) or \
+                    torch.get_autocast_dtype(self.device_type) is not self.dtype:
+                return False
+        elif torch.is_autocast_enabled(self.device_type) or x.dtype is not self.dtype:
             return False
         return (self.covers_dx or not x.requires_grad) and (self.covers_dw or not torch.is_grad_enabled())
 
