@@ -132,7 +132,8 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
                 torch_ms=statistics.median(p[0] for p in pairs), convtune_ms=statistics.median(p[1] for p in pairs),
                 ratio=statistics.median(p[0] / p[1] for p in pairs),
                 ratio_range=[min(p[0] / p[1] for p in pairs), max(p[0] / p[1] for p in pairs)],
-                first_call_s=first, rounds=rounds, steps=steps, full_path_calls=full.calls)
+                first_call_s=first, rounds=rounds, steps=steps,
+                full_path_calls=full.calls if style == "eager" else None)  # compiled code never calls forward
             print(f"  {style} {workload}: torch {row['torch_ms']:.3f} ms, convtune {row['convtune_ms']:.3f} ms, "
                   f"ratio {row['ratio']:.3f}", file=sys.stderr, flush=True)
     runtimes: dict[str, int] = {}
@@ -155,7 +156,8 @@ def markdown(env: dict, results: dict) -> str:
         for cell, row in sorted(res["rows"].items()):
             lo, hi = row["ratio_range"]
             lines.append([*key.split(":"), *cell.split(":"), f"{row['torch_ms']:.3f}", f"{row['convtune_ms']:.3f}",
-                          f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}", row.get("full_path_calls", ""),
+                          f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}",
+                          "-" if row.get("full_path_calls") is None else row["full_path_calls"],
                           f"{res['date']} {res['revision']}"])
     return ("# PyTorch and convtune in one process, timed in alternation\n\n"
             f"{common.env_line(env)}. "

@@ -160,6 +160,7 @@ def learned_get() -> str:
     table.append(["all held out", len(everything), *(cell(everything, k) for k in rankings)])
     split = data["random_split"]
     return (f"## get's learned cost model ([`learned_get.md`]({LINK}learned_get.md), `bench/learned_get.py`)\n\n"
+            f"{'measured on ' + data['measured_on'] + ', judged on ' if data.get('measured_on') else ''}"
             f"{_env(data['environment'])}; {data['samples']} measurements of {data['problems']} problems. Each "
             f"network's layers (every direction) judged by a model trained without them: the measured time of "
             f"each ranking's first pick over the best measured, geometric mean / worst (targets: 1.05 / 1.5). "

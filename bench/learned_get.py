@@ -108,8 +108,14 @@ def main(argv: list[str] | None = None) -> int:
             if len(gpus) != 1:
                 parser.error(f"--measured-on auto: {args.db} holds {len(gpus)} CUDA fingerprints "
                              f"({'; '.join(gpus) or 'none'}); name one")
-            measured_on, args.device = gpus[0], "cuda"
-        with hardware.measured_on(measured_on) if measured_on else contextlib.nullcontext():
+            measured_on = gpus[0]
+        with contextlib.ExitStack() as stack:
+            if measured_on:
+                args.device = "cuda"  # the machine's GPU measurements
+                try:
+                    stack.enter_context(hardware.measured_on(measured_on))
+                except ValueError as exc:
+                    parser.error(f"--measured-on: {exc}")
             return judge_all(parser, args, db, measured_on)
 
 
@@ -136,7 +142,8 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     report = learned.holdout_report(samples, here, epochs=args.epochs)
     summary, text = table(groups)
     env = common.environment()
-    payload = {"environment": env, "samples": len(samples), "problems": len(measured), "random_split": report,
+    payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
+               "random_split": report,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
     where = f"measured on {measured_on}, judged on " if measured_on else ""

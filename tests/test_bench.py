@@ -222,5 +222,10 @@ def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, 
     assert payload["samples"] == len(lines) and {k.split("/")[0] for k in payload["by_network"]} == {"resnet18"}
     assert f"measured on {h200}" in (out / "learned_get.md").read_text()
     assert hardware.assumed_gpu() is None
-    with pytest.raises(SystemExit):  # a CPU-only database has no CUDA fingerprint to take
-        learned_get.main(["--db", str(tmp_path / "empty.sqlite"), "--measured-on", "auto", "--out", str(out)])
+    named = tmp_path / "named"  # the fingerprint named, on any machine (this one's --device default included)
+    assert learned_get.main(["--db", str(db_path), "--measured-on", h200, "--networks", "resnet18", "--layers", "4",
+                             "--epochs", "5", "--out", str(named)]) == 0
+    assert json.loads((named / "learned_get.json").read_text())["measured_on"] == h200
+    for bad in ("auto", "cpu|AMD EPYC|threads2"):  # no CUDA fingerprint to take; a machine outside the peaks table
+        with pytest.raises(SystemExit):
+            learned_get.main(["--db", str(tmp_path / "empty.sqlite"), "--measured-on", bad, "--out", str(out)])

@@ -749,6 +749,20 @@ def test_another_machines_measurements_are_read_by_its_fingerprint_and_priced_fo
     assert hardware.assumed_gpu() is None  # restored, and the cached prices with it
     if not torch.cuda.is_available():
         assert costmodel.analytic_ms("torch:native", gpu_problem) != inside  # nominal figures again
+        # get's answers and the database's corrections are kept per priced GPU: none leaks in or out
+        from convtune import get
+        outside = get(gpu_problem, db=db)[0].predicted_ms
+        with hardware.measured_on(H200):
+            priced = get(gpu_problem, db=db)[0].predicted_ms
+        assert get(gpu_problem, db=db)[0].predicted_ms == outside != priced
+    # a candidate measured with two versions of the software: its latest result, once
+    newer = [PerfResult(r.algorithm, r.status, time_ms=r.time_ms and r.time_ms * 2, workspace_bytes=r.workspace_bytes)
+             for r in FIND]
+    lines.write_text("".join(_line(fingerprint=H200, software="torch2.12", problem=gpu_problem.key, stored_at=1.6e9,
+                                   result=r.to_dict()) + "\n" for r in newer))
+    db.import_(lines)
+    again = db.measurements("cuda", H200)
+    assert sorted((r.algorithm, r.time_ms) for _, r in again) == sorted((r.algorithm, r.time_ms) for r in newer if r.ok)
 
 
 @pytest.mark.parametrize("fingerprint", ["cpu|AMD EPYC|threads2", "cuda|a GPU of no table|sm70|driver1|cuda11", ""])

@@ -66,8 +66,8 @@ def test_a_saved_model_loads_and_answers_the_same(tmp_path):
     assert math.isclose(again.factor(p, "plugin:dw", 1.0), model.factor(p, "plugin:dw", 1.0), rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_weights", "not_a_dict",
-                                    "samples_none", "float64_mean"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "other_members", "nan_weights",
+                                    "not_a_dict", "samples_none", "float64_mean"])
 def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
     path = learned.train(samples(10), "test-machine", epochs=5).save(tmp_path / "m.pt")
     data = torch.load(path, weights_only=True)
@@ -77,6 +77,10 @@ def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
         path.write_bytes(path.read_bytes()[:200])
     elif damage == "other_version":
         torch.save(dict(data, feature_version=learned.FEATURE_VERSION + 1), path)
+    elif damage == "other_members":  # the message names what differs
+        torch.save(dict(data, members=learned.MEMBERS + 1), path)
+        with pytest.raises(ValueError, match=f"members {learned.MEMBERS + 1}.*reads members {learned.MEMBERS}"):
+            learned.load(path)
     elif damage == "nan_weights":
         state = {k: v.clone() for k, v in data["state"].items()}
         next(iter(state.values())).fill_(float("nan"))

@@ -479,6 +479,9 @@ def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
         torch.testing.assert_close(module(x), F.conv2d(x, module.weight, module.bias, padding=1))
     fast = module._convtune_fast[x.shape]
     assert isinstance(fast, TorchCall) and fast.admits(x)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):  # a module holding one pickles at every protocol
+        torch.testing.assert_close(pickle.loads(pickle.dumps(module, protocol=protocol))(x), module(x))
+    assert copy.deepcopy(fast).admits(x) and not copy.deepcopy(fast).admits(x.to(torch.float16))
     plan = next(iter(module.selections.values()))
     assert plan.runtime == "torch" and plan.bwd_data == ""
     xg = x.clone().requires_grad_()

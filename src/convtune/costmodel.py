@@ -68,7 +68,12 @@ class Cost:
 
 
 def _peaks(device: str, dtype: str, tf32: bool) -> tuple[float, float]:
-    return _device_peaks(device, dtype, tf32, hardware.assumed_gpu())
+    return _device_peaks(device, dtype, tf32, _priced_gpu(device))
+
+
+def _priced_gpu(device: str) -> str | None:
+    """The GPU ``hardware.measured_on`` prices ``device``'s problems for (None: this machine's own device)."""
+    return hardware.assumed_gpu() if device == "cuda" else None
 
 
 @functools.cache
@@ -156,7 +161,8 @@ def _predict_ms(name: str, problem: ConvProblem, workspace_bytes: int, tf32: boo
 
 
 def clear_cache() -> None:
-    """Forget cached predictions (tests that change the machine's peaks, ``hardware.measured_on``)."""
+    """Forget cached predictions (tests that change the machine's peaks; ``hardware.measured_on`` on entry and exit:
+    the caches that outlive it, ``get``'s answers and the correction tables, are keyed by the priced GPU)."""
     _predict_ms.cache_clear()
     _analytic_ms.cache_clear()
 
@@ -231,17 +237,19 @@ def _table(db: Any, device: str, *, build: bool) -> _Table | None:
         per_device = _tables.setdefault(db, {})
     except TypeError:  # an object that cannot be weakly referenced: no caching
         per_device = {}
-    if device in per_device and per_device[device].model != learned.version(device):
-        del per_device[device]  # measured / predicted ratios taken against another model
-    if device not in per_device:
+    # Ratios measured / predicted hold for the prices they were taken against: one table per priced GPU.
+    slot = device if _priced_gpu(device) is None else f"{device}@{_priced_gpu(device)}"
+    if slot in per_device and per_device[slot].model != learned.version(device):
+        del per_device[slot]  # measured / predicted ratios taken against another model
+    if slot not in per_device:
         if not build:
             return None
         try:
-            per_device[device] = _Table(list(db.measurements(device)), learned.version(device))
+            per_device[slot] = _Table(list(db.measurements(device)), learned.version(device))
         except Exception as exc:  # noqa: BLE001 - a broken database must not stop a heuristic answer
             log.warning("cost model: no corrections from the tuning database (%s: %s)", type(exc).__name__, exc)
-            per_device[device] = _Table([], learned.version(device))
-    return per_device[device]
+            per_device[slot] = _Table([], learned.version(device))
+    return per_device[slot]
 
 
 def corrections(db: Any, device: str) -> Corrections:

@@ -184,7 +184,8 @@ class TuningDB:
 
     def measurements(self, device: str, fingerprint: str | None = None) -> list[tuple[ConvProblem, PerfResult]]:
         """Every ``ok`` result stored for this machine and software on ``device`` ('cpu' or 'cuda'); with
-        ``fingerprint``, those of the machine it names instead, with any software."""
+        ``fingerprint``, those of the machine it names instead, with any software (a candidate measured
+        with several: its latest result)."""
         device = normalize_device(device)
         if fingerprint is None:
             here = _here(device)
@@ -197,13 +198,13 @@ class TuningDB:
             rows = self._read(
                 "SELECT problem, algorithm, result, checksum, fingerprint, software FROM results "
                 "WHERE fingerprint=? AND device=? ORDER BY rowid", (fingerprint, device))
-        out = []
+        latest: dict[tuple[str, str], tuple[ConvProblem, PerfResult]] = {}  # the last stored wins (rowid order)
         for key, name, text, checksum, fp, software in rows:
             result = self._decode(text, key, (fp, software, name, checksum))
             problem = self._problem(key)
             if result is not None and problem is not None and result.ok:
-                out.append((problem, result))
-        return out
+                latest[key, name] = (problem, result)  # one per candidate: another machine's older software's too
+        return list(latest.values())
 
     def entries(self) -> list[Entry]:
         """One Entry per stored (problem, fingerprint, software), sorted by problem key."""

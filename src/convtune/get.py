@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import torch
 
-from . import costmodel, learned
+from . import costmodel, hardware, learned
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, backends, registered
 from .errors import CANDIDATE_FAULTS
@@ -140,9 +140,10 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
         raise TypeError(f"get() takes a ConvProblem, got {type(problem).__name__}")
     # Everything the answer depends on: a repeated question costs a dictionary lookup. The
     # registry's content, the correction table (a new object once the db gets measurements) and the
-    # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares.
+    # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares; so
+    # does the GPU that hardware.measured_on prices for.
     key = (problem, policy, tuple(registered()), tuple(backends()), costmodel.corrections(db, problem.device),
-           learned.version(problem.device), torch.backends.cudnn.deterministic)
+           learned.version(problem.device), torch.backends.cudnn.deterministic, hardware.assumed_gpu())
     choices = _memo.get(key)
     if choices is None:
         settings.check()

@@ -130,7 +130,9 @@ def measured_on(fingerprint: str) -> Iterator[None]:
     """Price CUDA problems for the GPU that ``fingerprint`` (a database row's, see ``fingerprint``) names
     rather than this machine's: to judge or train on another machine's measurements, on any machine.
 
-    Raises ValueError for a fingerprint that names no GPU of the peaks table.
+    Process-wide: while it is active every thread prices CUDA problems for that GPU (it is meant for
+    judging and training offline, not while a model tunes). Raises ValueError for a fingerprint that
+    names no GPU of the peaks table.
     """
     from . import costmodel
 

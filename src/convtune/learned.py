@@ -153,11 +153,14 @@ def load(path: str | os.PathLike) -> LearnedModel:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same fault for the caller
         raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict) or data.get("feature_version") != FEATURE_VERSION or \
-            data.get("features") != FEATURES or data.get("hidden") != HIDDEN or data.get("members") != MEMBERS:
-        raise ValueError(f"{path} holds a model of other features (version {data.get('feature_version')!r}, "
-                         f"this convtune reads {FEATURE_VERSION}); train it again with convtune train-get"
-                         if isinstance(data, dict) else f"{path} is not a learned cost model")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a learned cost model")
+    shape = {"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN, "members": MEMBERS}
+    other = {k: data.get(k) for k, v in shape.items() if data.get(k) != v}
+    if other:
+        raise ValueError(f"{path} holds a model of other features or shape "
+                         f"({', '.join(f'{k} {v!r}' for k, v in other.items())}; this convtune reads "
+                         f"{', '.join(f'{k} {shape[k]}' for k in other)}); train it again with convtune train-get")
     network = _network()
     try:
         network.load_state_dict(data["state"])

@@ -232,6 +232,10 @@ class TorchCall:
         self.covers_dx = covers_dx  # a gradient of the input was tuned (PyTorch's too), or none is needed
         self.covers_dw = covers_dw
 
+    def __reduce__(self) -> tuple:  # pickle's protocols 0 and 1 as well (slots have no __dict__)
+        return (TorchCall, (self.strides, self.dtype, self.autocast, self.device_type, self.cuda, self.covers_dx,
+                            self.covers_dw))
+
     @classmethod
     def of(cls, input: torch.Tensor, sig: Signature, selection: LayerSelection) -> TorchCall:
         device = input.device.type
