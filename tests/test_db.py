@@ -770,3 +770,22 @@ def test_pricing_for_a_machine_outside_the_peaks_table_is_refused_with_the_reaso
     with pytest.raises(ValueError, match="peaks table"), hardware.measured_on(fingerprint):
         pass
     assert hardware.assumed_gpu() is None
+
+
+def test_a_result_measured_under_a_looser_error_bound_is_not_served_without_one(db):
+    # find under Policy(max_rel_error=0.1) stores a sloppy candidate as ok, with its error: a policy that sets no
+    # bound gets only results within their dtype's default tolerance (float32: 1e-4; with TF32 products, 5e-3).
+    from convtune import select
+
+    p = problem(1)
+    loose = PerfResult("cpu:loose", Status.OK, time_ms=0.5, workspace_bytes=0, rel_error=1e-2)
+    tf32 = PerfResult("cpu:tf32", Status.OK, time_ms=0.7, workspace_bytes=0, uses_tf32=True, rel_error=4e-3)
+    db.store(p, [loose, tf32, *FIND])
+    assert db.lookup(p).algorithm == "cpu:tf32"  # within TF32's tolerance, and faster than cpu:fast
+    assert db.lookup(p, Policy(allow_tf32=False)).algorithm == "cpu:fast"
+    assert db.lookup(p, Policy(max_rel_error=0.1)).algorithm == "cpu:loose"  # the policy that allows it
+    assert select(p, db=db, mode="db_then_get").algorithm == "cpu:tf32"
+    assert "cpu:loose" not in [e.best_algorithm for e in db.entries()]
+    bf16 = problem(2, dtype="bfloat16")  # 1e-2 is within bfloat16's tolerance
+    db.store(bf16, [loose])
+    assert db.lookup(bf16).algorithm == "cpu:loose"

@@ -180,7 +180,7 @@ class TuningDB:
 
     def lookup(self, problem: ConvProblem, policy: Policy | None = None) -> PerfResult | None:
         """The best stored result of ``problem`` under ``policy`` (default Policy()), or None."""
-        return best(self.results(problem), policy or Policy())
+        return best(self.results(problem), policy or Policy(), problem.dtype)
 
     def measurements(self, device: str, fingerprint: str | None = None) -> list[tuple[ConvProblem, PerfResult]]:
         """Every ``ok`` result stored for this machine and software on ``device`` ('cpu' or 'cuda'); with
@@ -218,7 +218,8 @@ class TuningDB:
         for (key, fp, sw), items in groups.items():
             decoded = (self._decode(text, key, (fp, sw, name, checksum)) for _, _, text, name, checksum in items)
             results = [r for r in decoded if r is not None]
-            first = best(results, Policy())
+            problem = self._problem(key)
+            first = best(results, Policy(), problem.dtype if problem is not None else None)
             entries.append(Entry(
                 problem=key, fingerprint=fp, software=sw, num_results=len(results),
                 best_algorithm=first.algorithm if first else None, best_ms=first.time_ms if first else None,

@@ -490,7 +490,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
                         "but not remembered", problem.key, type(exc).__name__, exc)
         else:
             costmodel.stored(db, problem, kept)
-    return order(results, policy)
+    return order(results, policy, problem.dtype)
 
 
 def _search(search: _Search, ranked: list[Algorithm], head_size: int, predicted_ms: dict[str, float],

@@ -127,14 +127,14 @@ def micro_batch_offers(problem: ConvProblem, policy: Policy, results: Sequence[P
     options: dict[str, dict[int, Option]] = {}
     for b in sub_batch_sizes(problem.n):
         for r in find_sub(sub_problem(problem, b), sub_policy):
-            if usable(r, sub_policy):
+            if usable(r, sub_policy, problem.dtype):
                 # usable: time_ms is not None
                 options.setdefault(r.algorithm, {})[b] = (cast(float, r.time_ms), r.workspace_bytes, r.algorithm)
     whole = {r.algorithm: r for r in results}
     for r in results:
-        if usable(r, policy):
+        if usable(r, policy, problem.dtype):
             options.setdefault(r.algorithm, {})[problem.n] = (cast(float, r.time_ms), r.workspace_bytes, r.algorithm)
-    best_whole_ms = min((cast(float, r.time_ms) for r in results if usable(r, policy)), default=math.inf)
+    best_whole_ms = min((cast(float, r.time_ms) for r in results if usable(r, policy, problem.dtype)), default=math.inf)
     # Policy parses a workspace_limit given as a size string to its int bytes.
     limit = cast(int, policy.workspace_limit) - accumulator_bytes(problem)
     by_name = {a.name: a for a in candidates or ()}

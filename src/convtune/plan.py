@@ -101,11 +101,13 @@ class Plan:
         return list(self.fronts[i])
 
 
-def pareto_front(results: Iterable[PerfResult], policy: Policy | None = None) -> list[PerfResult]:
+def pareto_front(results: Iterable[PerfResult], policy: Policy | None = None,
+                 dtype: str | None = None) -> list[PerfResult]:
     """The usable ``ok`` results that no other beats in both time_ms and workspace_bytes, by workspace.
 
-    policy (default ``Policy()``) filters what is usable, except its workspace_limit. Of results
-    equal in both, the first by algorithm name stands for them.
+    policy (default ``Policy()``) filters what is usable, except its workspace_limit; dtype, the problem's,
+    holds results to its default tolerance where the policy sets no error bound. Of results equal in both,
+    the first by algorithm name stands for them.
 
         >>> front = pareto_front([PerfResult("a:big", "ok", time_ms=1.0, workspace_bytes=100),
         ...                       PerfResult("a:bad", "ok", time_ms=2.0, workspace_bytes=100),
@@ -114,7 +116,8 @@ def pareto_front(results: Iterable[PerfResult], policy: Policy | None = None) ->
         ['a:none', 'a:big']
     """
     policy = _without_limit(policy)
-    pool = sorted((r for r in results if usable(r, policy)), key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
+    pool = sorted((r for r in results if usable(r, policy, dtype)),
+                  key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
     front: list[PerfResult] = []
     for r in pool:
         if not front or cast(float, r.time_ms) < cast(float, front[-1].time_ms):  # usable: timed
@@ -224,13 +227,13 @@ def _fronts(problems: Sequence[ConvProblem], db: Any, policy: Policy,
         db = TuningDB()
     fronts = {}
     for p in dict.fromkeys(problems):
-        front = pareto_front(db.results(p), policy)
+        front = pareto_front(db.results(p), policy, p.dtype)
         if not front and not find_missing:
             raise NoAlgorithmError(f"the tuning database holds no usable measurement of {p.key} under {policy}; "
                                    f"tune it first (convtune.find(problem, db=db)) or plan with find_missing=True")
         if not front:
             log.info("plan: measuring %s, which the tuning database does not know", p.key)
-            front = pareto_front(find(p, policy, db=db), policy)
+            front = pareto_front(find(p, policy, db=db), policy, p.dtype)
         if not front:
             raise NoAlgorithmError(f"no algorithm could be measured for {p.key} under {policy}; relax the policy "
                                    f"(see convtune.find's results for each candidate's reason)")

@@ -10,19 +10,33 @@ from .results import MICRO_BATCH_BACKEND, PerfResult, Status, backend_of
 NATIVE = "torch:native"  # PyTorch's own path: no workspace of convtune's and the least host time per call
 
 
-def usable(result: PerfResult, policy: Policy) -> bool:
-    """An ``ok`` result that the policy allows."""
+def usable(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool:
+    """An ``ok`` result that the policy allows.
+
+    dtype: the problem's, where the caller knows it. A result measured under a looser
+    ``Policy.max_rel_error`` is stored ``ok`` with its error; under a policy without one it is usable
+    only within the dtype's default tolerance (``verify.default_tolerance``).
+    """
     if result.status is not Status.OK or result.time_ms is None:
         return False
     if not policy.micro_batching and backend_of(result.algorithm) == MICRO_BATCH_BACKEND:
         return False  # a stored split answers only a policy that allows splitting the batch
-    if policy.max_rel_error is not None and (result.rel_error is None or result.rel_error > policy.max_rel_error):
+    if policy.max_rel_error is not None:
+        if result.rel_error is None or result.rel_error > policy.max_rel_error:
+            return False
+    elif dtype is not None and result.rel_error is not None and result.rel_error > _default_bound(dtype, result):
         return False
     return policy.violation(workspace_bytes=result.workspace_bytes, deterministic=result.deterministic,
                             uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision) is None
 
 
-def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
+def _default_bound(dtype: str, result: PerfResult) -> float:
+    from .verify import default_tolerance  # verify needs the algorithms, which need this module
+
+    return default_tolerance(dtype, result.uses_tf32, result.reduced_precision)
+
+
+def rank(results: Iterable[PerfResult], policy: Policy, dtype: str | None = None) -> list[PerfResult]:
     """The usable results, best first.
 
     prefer='fastest': by time; results within ``policy.tolerance`` of the fastest remaining tie,
@@ -30,7 +44,7 @@ def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
     least host time per call, which decides host-bound eager code; a model whose layers chose it
     calls torch directly). prefer='least_memory': by workspace, then by time.
     """
-    pool = _pool(results, policy)
+    pool = _pool(results, policy, dtype)
     if policy.prefer == "least_memory":
         return sorted(pool, key=lambda r: (r.workspace_bytes, r.time_ms, r.algorithm))
     ranked = []
@@ -41,10 +55,10 @@ def rank(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
     return ranked
 
 
-def best(results: Iterable[PerfResult], policy: Policy) -> PerfResult | None:
-    """``rank(results, policy)[0]``, or None when nothing is usable, without ranking the rest (a database
+def best(results: Iterable[PerfResult], policy: Policy, dtype: str | None = None) -> PerfResult | None:
+    """``rank(results, policy, dtype)[0]``, or None when nothing is usable, without ranking the rest (a database
     lookup asks this of every stored problem)."""
-    pool = _pool(results, policy)
+    pool = _pool(results, policy, dtype)
     if not pool:
         return None
     if policy.prefer == "least_memory":
@@ -52,9 +66,10 @@ def best(results: Iterable[PerfResult], policy: Policy) -> PerfResult | None:
     return _first(pool, policy.tolerance)
 
 
-def _pool(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
+def _pool(results: Iterable[PerfResult], policy: Policy, dtype: str | None = None) -> list[PerfResult]:
     """The usable results by time (usable() keeps only timed ones)."""
-    return sorted((r for r in results if usable(r, policy)), key=lambda r: (r.time_ms, r.workspace_bytes, r.algorithm))
+    return sorted((r for r in results if usable(r, policy, dtype)),
+                  key=lambda r: (r.time_ms, r.workspace_bytes, r.algorithm))
 
 
 def _first(pool: list[PerfResult], tolerance: float) -> PerfResult:
@@ -67,10 +82,10 @@ def _first(pool: list[PerfResult], tolerance: float) -> PerfResult:
     return min(pool[:end], key=lambda r: (r.workspace_bytes, r.algorithm != NATIVE, r.time_ms, r.algorithm))
 
 
-def order(results: Iterable[PerfResult], policy: Policy) -> list[PerfResult]:
+def order(results: Iterable[PerfResult], policy: Policy, dtype: str | None = None) -> list[PerfResult]:
     """All results: the usable ones ranked, then the rest (failures, policy violations) by name."""
     results = list(results)
-    ranked = rank(results, policy)
+    ranked = rank(results, policy, dtype)
     chosen = {id(r) for r in ranked}
     rest = sorted((r for r in results if id(r) not in chosen), key=lambda r: (r.status.value, r.algorithm))
     return ranked + rest

@@ -76,7 +76,7 @@ def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
     """What the modes that read ``db`` select for ``problem`` from it alone: its best stored result that
     ``policy`` can use, or None (then they measure or predict)."""
     hit = db.lookup(problem, policy) if db is not None else None
-    return hit if hit is not None and usable(hit, policy) else None
+    return hit if hit is not None and usable(hit, policy, problem.dtype) else None
 
 
 def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool = True) -> PerfResult:
@@ -112,7 +112,7 @@ def _first_buildable(problem: ConvProblem, policy: Policy, ranked: list[tuple[Al
 
 def _from_measurements(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
     results = find(problem, policy, db)
-    ranked = rank(results, policy)
+    ranked = rank(results, policy, problem.dtype)
     if ranked:
         return ranked[0]
     refused = unsupported_reasons(problem)

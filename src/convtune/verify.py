@@ -213,9 +213,14 @@ def judge(rel: float, worst: float, bound: float) -> tuple[bool, str]:
 
 def tolerance(problem: ConvProblem, notes: NumericNotes) -> float:
     """The largest relative L2 error a correct algorithm with ``notes`` may show on ``problem``."""
-    key = "tf32" if problem.dtype == "float32" and notes.tf32 else problem.dtype
-    tol = TOLERANCES[key]
-    return tol * REDUCED_PRECISION_FACTOR if notes.reduced_precision else tol
+    return default_tolerance(problem.dtype, notes.tf32, notes.reduced_precision)
+
+
+def default_tolerance(dtype: str, tf32: bool, reduced_precision: bool) -> float:
+    """The largest relative L2 error a correct result in ``dtype`` may show (TF32 products in float32, or a
+    reduced-precision accumulation, loosen it): what ``Policy(max_rel_error=None)`` allows."""
+    tol = TOLERANCES["tf32" if dtype == "float32" and tf32 else dtype]
+    return tol * REDUCED_PRECISION_FACTOR if reduced_precision else tol
 
 
 def peak_allocated_bytes(fn: Callable[[], object], device: str) -> int:
