@@ -789,3 +789,9 @@ def test_a_result_measured_under_a_looser_error_bound_is_not_served_without_one(
     bf16 = problem(2, dtype="bfloat16")  # 1e-2 is within bfloat16's tolerance
     db.store(bf16, [loose])
     assert db.lookup(bf16).algorithm == "cpu:loose"
+
+
+@pytest.mark.parametrize("path", [True, 3, 1.5, b"tuning.sqlite", ["tuning.sqlite"]])
+def test_a_path_of_the_wrong_type_is_refused_naming_the_argument(path):
+    with pytest.raises(TypeError, match=r"TuningDB\(path=.*must be a str or os.PathLike"):
+        TuningDB(path)

@@ -108,6 +108,9 @@ class TuningDB:
     """
 
     def __init__(self, path: str | os.PathLike | None = None) -> None:
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"TuningDB(path={path!r}): the path must be a str or os.PathLike (a file's path), "
+                            f"not {type(path).__name__}; None takes the default database")
         self.path = Path(path) if path is not None else settings.db_path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
