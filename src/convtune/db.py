@@ -194,13 +194,12 @@ class TuningDB:
             here = _here(device)
             if here is None:
                 return []
-            rows = self._read(
-                "SELECT problem, algorithm, result, checksum, fingerprint, software FROM results "
-                "WHERE fingerprint=? AND software=? AND device=? ORDER BY rowid", (*here, device))
+            where = "fingerprint=? AND software=? AND device=?"
+            params: tuple[str, ...] = (*here, device)
         else:
-            rows = self._read(
-                "SELECT problem, algorithm, result, checksum, fingerprint, software FROM results "
-                "WHERE fingerprint=? AND device=? ORDER BY rowid", (fingerprint, device))
+            where, params = "fingerprint=? AND device=?", (fingerprint, device)
+        rows = self._read(f"SELECT problem, algorithm, result, checksum, fingerprint, software FROM results "
+                          f"WHERE {where} ORDER BY rowid", params)
         latest: dict[tuple[str, str], tuple[ConvProblem, PerfResult]] = {}  # the last stored wins (rowid order)
         for key, name, text, checksum, fp, software in rows:
             result = self._decode(text, key, (fp, software, name, checksum))
