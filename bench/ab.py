@@ -158,7 +158,7 @@ def markdown(env: dict, results: dict) -> str:
             lines.append([*key.split(":"), *cell.split(":"), f"{row['torch_ms']:.3f}", f"{row['convtune_ms']:.3f}",
                           f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}",
                           "-" if row.get("full_path_calls") is None else row["full_path_calls"],
-                          f"{res['date']} {res['revision']}"])
+                          f"{row.get('date', res.get('date'))} {row.get('revision', res.get('revision'))}"])
     return ("# PyTorch and convtune in one process, timed in alternation\n\n"
             f"{common.env_line(env)}. "
             "Autocast, channels_last, `cudnn.benchmark=True`; per round one timing of each (CUDA events, the "
@@ -204,9 +204,9 @@ def main() -> None:
                     profile_path = out_dir / f"{args.name}_profile_{model}_b{batch}_{dtype}.txt"
                     profile_path.write_text(f"# {key}: {common.env_line(env)}; layer directions by runtime "
                                             f"{res['runtimes']}\n\n{res.pop('profile')}\n")
-                old = results.get(key, {}).get("rows", {})
-                res["rows"] = {**old, **res["rows"]}
-                res["date"], res["revision"] = env["date"], env["revision"]
+                for row in res["rows"].values():  # each row its own stamp: rows kept from earlier runs keep theirs
+                    row["date"], row["revision"] = env["date"], env["revision"]
+                res["rows"] = {**results.get(key, {}).get("rows", {}), **res["rows"]}
                 results[key] = res
                 common.write(args.name, payload, markdown(env, results), out_dir)
     print(markdown(env, results))

@@ -11,6 +11,8 @@
 # bench/data/sweep.jsonl.gz where it exists: the measurements get's learned model is trained on; e.g.
 # sweep:8:--networks+all measures the built-in networks' layers, which bench/learned_get.py holds out one at a
 # time; the whole dataset comes back as $OUT/sweep.jsonl.gz).
+# order (bench/cudnn_order.py: cuDNN's own order of its plans for every problem of the dataset, as
+# $OUT/cudnn_order.json.gz, which bench/learned_get.py reads beside the dataset off the GPU).
 # learned (bench/learned_get.py on bench/data/sweep.jsonl.gz, on the GPU: cuDNN's heuristics A and B judged too).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
@@ -56,6 +58,8 @@ for step in "$@"; do
              python3 bench/sweep.py --minutes "$minutes" ${args//+/ } --db "$db" --export "$OUT/sweep.jsonl.gz" 2>&1 | quiet | tail -8 ;;
     learned) db=/tmp/learned.sqlite; rm -f "$db"; python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl.gz
              python3 bench/learned_get.py --db "$db" --measured-on auto --out "$OUT" 2>&1 | quiet | tail -30 ;;
+    order) db=/tmp/order.sqlite; rm -f "$db"; python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl.gz
+           python3 bench/cudnn_order.py --db "$db" --out "$OUT" 2>&1 | quiet | tail -5 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done
