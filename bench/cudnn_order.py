@@ -1,7 +1,7 @@
 """cuDNN's own order of its plans, for every CUDA problem of a tuning database.
 
 ``get`` ranks the plans of a problem in the order cuDNN's heuristics list them (each later one a
-little slower, ``get.BACKEND_ORDER_STEP``), and so must anything that judges ``get`` away from the GPU
+little higher, ``costmodel.order_factor``), and so must anything that judges ``get`` away from the GPU
 (``bench/learned_get.py`` on the shipped dataset). Per problem: the names of the cuDNN backend's plans
 in the backend's order (heuristics A, then FALLBACK), and cuDNN's first plan under heuristics A and B.
 Needs the GPU the database measured (its heuristics are this cuDNN's on this GPU).

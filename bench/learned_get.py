@@ -14,13 +14,18 @@ geometric mean, the worst case and how often the pick is the best (top-1).
 
 ``--measured-on FINGERPRINT`` judges another machine's measurements (the shipped dataset's, say) on
 any machine, the CPU included: its rows, priced for the GPU it names (``hardware.measured_on``);
-``--measured-on auto`` takes the database's one CUDA fingerprint. cuDNN's heuristics need the GPU itself.
+``--measured-on auto`` takes the database's one CUDA fingerprint. cuDNN's heuristics, their order of the
+plans (which ``get`` ranks by and the learned model reads) and their first choices, come from
+``--orders`` (``bench/data/cudnn_order.json.gz``, recorded on the GPU that measured by
+``bench/cudnn_order.py``; ``live``: asked of this machine's cuDNN, on that GPU only).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
+import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -47,8 +52,21 @@ def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: d
     return {ranking: (by_name[name] / best if name in by_name else None) for ranking, name in chosen.items()}
 
 
-def heuristic_names(problem: ct.ConvProblem) -> dict[str, str | None]:
-    """cuDNN's own first plans under heuristics A and B (a GPU with the cuDNN frontend only)."""
+ORDERS = Path(__file__).resolve().parent / "data" / "cudnn_order.json.gz"
+
+
+def recorded_orders(path: Path) -> dict[str, dict]:
+    """Problem key: {'plans': cuDNN's plans in its order, 'A'/'B': its heuristics' first plan} (bench/cudnn_order.py)."""
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["problems"]
+
+
+def heuristic_names(problem: ct.ConvProblem, recorded: dict[str, dict] | None) -> dict[str, str | None]:
+    """cuDNN's own first plans under heuristics A and B: as recorded, else asked of this machine's cuDNN (a GPU
+    with the cuDNN frontend only)."""
+    if recorded is not None:
+        entry = recorded.get(problem.key, {})
+        return {mode: entry.get(mode) for mode in ("A", "B")}
     if problem.device != "cuda":
         return {}
     try:
@@ -58,7 +76,8 @@ def heuristic_names(problem: ct.ConvProblem) -> dict[str, str | None]:
     return {mode: BACKEND.heuristic_choice(problem, mode) for mode in ("A", "B")}
 
 
-def judge(samples: list[learned.Sample], held: set, here: str, epochs: int) -> list[dict]:
+def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
+          recorded: dict[str, dict] | None) -> list[dict]:
     """Train without the ``held`` problems; one row of ratios per held-out problem."""
     model = learned.train([s for s in samples if s.problem not in held], here, epochs=epochs)
     by_problem: dict = defaultdict(list)
@@ -69,7 +88,7 @@ def judge(samples: list[learned.Sample], held: set, here: str, epochs: int) -> l
     for problem, rows in by_problem.items():
         if len(rows) >= 2:
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
-                            **picks(model, rows, heuristic_names(problem))))
+                            **picks(model, rows, heuristic_names(problem, recorded))))
     return out
 
 
@@ -96,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="channels_last")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=400)
+    parser.add_argument("--orders", default=str(ORDERS) if ORDERS.exists() else "live", metavar="PATH|live",
+                        help="cuDNN's plan orders and first choices per problem, as bench/cudnn_order.py recorded "
+                             "them (default: bench/data/cudnn_order.json.gz); 'live': this machine's cuDNN")
     parser.add_argument("--measured-on", default=None, metavar="FINGERPRINT",
                         help="judge the measurements of the machine this database fingerprint names ('auto': the "
                              "database's one CUDA fingerprint), priced for its GPU")
@@ -122,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.TuningDB,
               measured_on: str | None) -> int:
     names = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
-    samples = learned.samples_from(db, args.device, measured_on)
+    recorded = None if args.orders == "live" else recorded_orders(Path(args.orders))
+    orders = None if recorded is None else {key: entry["plans"] for key, entry in recorded.items()}
+    samples = learned.samples_from(db, args.device, measured_on, orders)
     if not samples:
         parser.error(f"{args.db} holds no measurements of {measured_on or 'this machine'}'s {args.device}: "
                      f"run bench/sweep.py first")
@@ -137,13 +161,16 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
             print(f"{network}: none of its layers is in {args.db}; run bench/sweep.py --networks {network}",
                   file=sys.stderr)
             continue
-        for row in judge(samples, held, here, args.epochs):
+        for row in judge(samples, held, here, args.epochs, recorded):
             groups[(network, row["direction"], row["dtype"])].append(row)
     report = learned.holdout_report(samples, here, epochs=args.epochs)
     summary, text = table(groups)
+    overall_summary, overall = table({("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
+                                      for d, t in sorted({k[1:] for k in groups})})
     env = common.environment()
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
-               "random_split": report,
+               "orders": args.orders if recorded is None else str(Path(args.orders).name),
+               "random_split": report, "overall": overall_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
     where = f"measured on {measured_on}, judged on " if measured_on else ""
@@ -153,7 +180,8 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"Each row: a model trained without that network's layers, judged on them; per ranking the "
                 f"measured time of its first pick over the best measured: geometric mean / worst / how often "
                 f"it is the best. torch_bm0: PyTorch's own call (cudnn.benchmark=False); cudnn_A/B: cuDNN's "
-                f"heuristics' first plan.\n\n{text}\nA random split (whole problems held out): {split}.\n")
+                f"heuristics' first plan (cuDNN's order: {payload['orders']}).\n\n{text}\nAll held-out networks "
+                f"together:\n\n{overall}\nA random split (whole problems held out): {split}.\n")
     common.write(args.name, payload, markdown, args.out)
     print(markdown)
     return 0

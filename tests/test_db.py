@@ -795,3 +795,31 @@ def test_a_result_measured_under_a_looser_error_bound_is_not_served_without_one(
 def test_a_path_of_the_wrong_type_is_refused_naming_the_argument(path):
     with pytest.raises(TypeError, match=r"TuningDB\(path=.*must be a str or os.PathLike"):
         TuningDB(path)
+
+
+def test_an_index_that_lost_its_entries_is_found_and_nothing_is_lost(tmp_path):
+    # A flipped bit inside an index's entries (here: one problem's key in every index page that holds it)
+    # leaves every page well formed: quick_check passes, and lookups through the index would miss that
+    # problem's stored rows. The check on open finds it; the rows are salvaged from the table.
+    path = tmp_path / "tuning.sqlite"
+    allowed = _stored_file(path, 30)
+    data = bytearray(path.read_bytes())
+    page_size = int.from_bytes(data[16:18], "big")
+    key = problem(16).key.encode()
+    flipped = 0
+    for start in range(page_size, len(data), page_size):
+        if data[start] != 0x0A:  # an index's leaf page (SQLite's page type byte)
+            continue
+        at = data.find(key, start, start + page_size)
+        while at >= 0:
+            data[at + key.index(b"float32")] ^= 1  # 'f' -> 'g': a key of no stored problem
+            flipped += 1
+            at = data.find(key, at + 1, start + page_size)
+    assert flipped >= 1
+    path.write_bytes(bytes(data))
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA quick_check").fetchall() == [("ok",)]  # what a lighter check would miss
+    with TuningDB(path) as tdb:
+        served = {key: tdb.lookup(ConvProblem.from_key(key)) for key in allowed}
+    assert all(r is not None and (r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) in allowed[key]
+               for key, r in served.items())

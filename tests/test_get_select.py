@@ -8,6 +8,7 @@ import pytest
 from convtune import ConvProblem, NoAlgorithmError, PerfResult, Policy, Status, get, select
 from convtune import costmodel
 from convtune.algorithms.base import Backend
+from convtune.algorithms import registry
 from convtune.algorithms.registry import algorithms, isolated
 from convtune.get import ranked_predictions
 from convtune.settings import settings
@@ -167,9 +168,11 @@ def test_get_prefer_least_memory():
         assert get(P1, Policy(prefer="least_memory"))[0].name == "direct:taps"
 
 
-def test_get_keeps_a_backends_own_order_among_equal_plans():
+@pytest.mark.parametrize("ranks", [True, False])
+def test_get_keeps_a_ranking_backends_own_order_among_equal_plans(ranks):
     class FakeBackend(Backend):
         prefix = "fakeb"
+        ranks_plans = ranks
 
         def __init__(self):
             self.plans = [Fake("fakeb:z_listed_first"), Fake("fakeb:a_listed_second")]
@@ -179,8 +182,13 @@ def test_get_keeps_a_backends_own_order_among_equal_plans():
 
     with isolated(FakeBackend(), builtins=False):
         choices = get(P3, Policy(tolerance=0.0))
-    assert [c.name for c in choices] == ["fakeb:z_listed_first", "fakeb:a_listed_second"]
-    assert choices[1].predicted_ms > choices[0].predicted_ms
+        assert registry.ranked_plans(P3) == (["fakeb:z_listed_first", "fakeb:a_listed_second"] if ranks else [])
+    if ranks:  # its heuristics' order: each later plan priced a little higher
+        assert [c.name for c in choices] == ["fakeb:z_listed_first", "fakeb:a_listed_second"]
+        assert choices[1].predicted_ms == pytest.approx(choices[0].predicted_ms * costmodel.order_factor(1))
+    else:  # no order of its own: equal prices, which the ranking's tie rule settles by name
+        assert choices[0].predicted_ms == choices[1].predicted_ms
+        assert [c.name for c in choices] == ["fakeb:a_listed_second", "fakeb:z_listed_first"]
 
 
 def test_get_leaves_out_an_algorithm_that_cannot_describe_itself(caplog):
@@ -366,3 +374,10 @@ def test_backgrounds_provisional_pick_passes_over_a_plan_that_cannot_be_built(mo
     with isolated(Unbuildable("cudnn:a_refused"), builtins=False):
         with pytest.raises(NoAlgorithmError, match="cannot be built"):
             select(P3, mode="background", db=FakeDB())
+
+
+def test_a_backend_not_loaded_here_prices_its_names_as_where_it_loads():
+    # Another machine's measurements (cuDNN's plans, judged or learned from on a machine without cuDNN) are
+    # priced as that machine priced them; an unknown backend's by the generic cost.
+    assert registry.declared_cost("cudnn:eng0")(P1, 0) == costmodel.vendor_plan_cost(P1, 0)
+    assert registry.declared_cost("nosuch:eng0")(P1, 0) == costmodel.generic_cost(P1, 0)

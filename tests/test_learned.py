@@ -3,6 +3,7 @@ and a damaged or foreign model file is ignored with a warning."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -170,3 +171,49 @@ def test_tied_prices_are_picked_by_name_not_by_the_rows_order():
     rows = [learned.Sample(p, "z:fast", 1.0, 1.0), learned.Sample(p, "a:slow", 1.0, 4.0)]
     picks = learned.first_picks(NoCorrection(), rows)
     assert picks["analytic"].name == picks["learned"].name == "a:slow"
+
+
+def test_places_in_a_backends_order_rank_tied_prices_as_get_does():
+    class NoCorrection:
+        def log2_factor(self, rows):
+            return [0.0] * len(rows)
+
+    p = problems(1)[0]
+    rows = [learned.Sample(p, "b:listed_second", 1.0, 4.0, order=1), learned.Sample(p, "b:listed_first", 1.0, 1.0, 0)]
+    picks = learned.first_picks(NoCorrection(), rows)
+    assert picks["analytic"].name == picks["learned"].name == "b:listed_first"
+    # each name's place among its own backend's names
+    assert learned.positions(["b:x", "c:y", "b:z", "c:w"]) == {"b:x": 0, "c:y": 0, "b:z": 1, "c:w": 1}
+
+
+def test_it_learns_from_a_backends_order_what_the_names_do_not_say():
+    # A backend whose heuristics put its fastest plan first: the plans' names (hashed) tell nothing, their
+    # place does. Trained with the places, the model picks the first-listed plan on problems it never saw.
+    def ranked_samples(count: int, seed: int) -> list[learned.Sample]:
+        rng = random.Random(seed)
+        out = []
+        for p in problems(count, seed):
+            names = [f"plugin:eng{engine}" for engine in rng.sample(range(200), 4)]  # nothing of the place
+            for place, name in enumerate(names):
+                analytic = costmodel.analytic_ms(name, p)
+                out.append(learned.Sample(p, name, analytic, analytic * (0.5 if place == 0 else 2.0), place))
+        return out
+
+    report = learned.holdout_report(ranked_samples(120, 1), "test-machine", fraction=0.25, epochs=150)
+    assert report["learned_top1"] >= 0.9, report
+    # without the places (the order unknown to the model), ties fall by name: the first-listed is the best 1 in 4
+    unplaced = [dataclasses.replace(s, order=None) for s in ranked_samples(120, 1)]
+    report = learned.holdout_report(unplaced, "test-machine", fraction=0.25, epochs=150)
+    assert report["learned_top1"] < 0.6, report
+
+
+def test_samples_take_their_places_from_the_recorded_orders(tmp_path):
+    p = problems(1, seed=4)[0]
+    results = [ct.PerfResult(name, ct.Status.OK, time_ms=t) for name, t in
+               (("plugin:b", 1.0), ("plugin:a", 2.0), ("gemm:1x1", 3.0))]
+    with ct.TuningDB(tmp_path / "t.sqlite") as db:
+        db.store(p, results)
+        places = {s.name: s.order for s in learned.samples_from(db, "cpu", orders={p.key: ["plugin:a", "plugin:b"]})}
+        assert places == {"plugin:a": 0, "plugin:b": 1, "gemm:1x1": None}
+        # not recorded: asked of this machine's backends, none of which ranks its plans here
+        assert {s.order for s in learned.samples_from(db, "cpu")} == {None}

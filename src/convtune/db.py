@@ -17,7 +17,7 @@ form: ``store_executable``), so a warm start runs neither cuDNN's heuristics nor
     ...     db.lookup(p).algorithm, db.lookup(p, Policy(workspace_limit=0)).algorithm
     ('fast', 'lean')
 
-A file that is not a database, fails ``PRAGMA quick_check`` or has another schema version is
+A file that is not a database, fails ``PRAGMA integrity_check`` or has another schema version is
 moved aside (renamed with a suffix) with a warning and a fresh one is started: schemas are
 bumped, never migrated. Rows of other machines or software are kept (``entries`` lists them,
 ``export`` ships them) but never served.
@@ -629,7 +629,9 @@ def _connect(path: Path) -> sqlite3.Connection:
 def _check(conn: sqlite3.Connection) -> tuple[str, str] | None:
     """None if ``conn`` holds a healthy database of this schema (created if empty), else (kind, reason)."""
     try:
-        verdict = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+        # integrity_check, not quick_check: only it finds an index that lost or changed a row's entry (a
+        # flipped bit), through which lookups would miss stored rows (68 ms against 25 for 38,599 results)
+        verdict = [row[0] for row in conn.execute("PRAGMA integrity_check").fetchall()]
         if verdict != ["ok"]:
             return "corrupt", "; ".join(verdict[:3])
         _retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))

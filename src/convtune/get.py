@@ -31,20 +31,18 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-# A backend (cuDNN) lists its plans best first by its own heuristics, which know more than a
-# roofline: among plans the model cannot tell apart, each later one is predicted this much slower.
-BACKEND_ORDER_STEP = 0.03
 # Answers of get() kept for repeated questions (a whole network asks the same ones per step).
 MEMO_SIZE = 4096
 _memo: dict[tuple, list[Choice]] = {}
 
 
-def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: float = 1.0, *,
+def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, order: int | None = None, *,
             learn_workspace: bool = True) -> PerfResult:
     """The cost model's guess for ``algorithm`` on ``problem`` as an unmeasured ``PerfResult``.
 
-    time_ms is the predicted time (times ``factor``, corrected by ``db``'s measurements on this
-    device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
+    time_ms is the predicted time (for ``order``, the algorithm's place in its backend's heuristic order
+    where it has one: times ``costmodel.order_factor`` and read by the learned model; corrected by ``db``'s
+    measurements on this device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
     precision) are the algorithm's own. learn_workspace=False takes the workspace only if it is
     known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt cuDNN execution plan's is not)
     and counts an unknown one as 0, in the cost model and in the result. Exceptions of the
@@ -55,7 +53,7 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, factor: 
     workspace = workspace or 0
     notes = algorithm.notes(problem)
     base_ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32)
-    ms = base_ms * learned.correction(problem, algorithm.name, base_ms) * factor
+    ms = base_ms * learned.correction(problem, algorithm.name, base_ms, order) * costmodel.order_factor(order)
     ms *= costmodel.corrections(db, problem.device).factor(algorithm.name, problem)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
@@ -95,15 +93,15 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     by_name: dict[str, Algorithm] = {}
     guesses = []
     broken = []
-    prefixes = {b.prefix for b in backends()}
+    ranking_backends = {b.prefix for b in backends() if b.ranks_plans}
     seen: dict[str, int] = defaultdict(int)
     for algorithm in candidates:
-        factor = 1.0
-        if algorithm.backend in prefixes:
-            factor += BACKEND_ORDER_STEP * seen[algorithm.backend]
+        order = None
+        if algorithm.backend in ranking_backends:
+            order = seen[algorithm.backend]
             seen[algorithm.backend] += 1
         try:
-            guess = predict(problem, algorithm, db, factor, learn_workspace=learn_workspace)
+            guess = predict(problem, algorithm, db, order, learn_workspace=learn_workspace)
         except CANDIDATE_FAULTS as exc:  # a broken plug-in must not break the ranking
             log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key,
                         type(exc).__name__, exc)

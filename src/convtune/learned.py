@@ -4,7 +4,8 @@ The analytic model (``costmodel``) prices a candidate from its family's roofline
 model predicts, for a (problem, candidate) pair, how far the measured time lies from that price:
 log2(measured / analytic), from features of the problem (sizes, strides, groups, direction, dtype,
 layout, FLOPs and bytes, all as logarithms or switches), of the candidate (its name's parts, hashed:
-a cuDNN execution plan's engine and knobs, a tile configuration, a family) and the analytic price itself. It
+a cuDNN execution plan's engine and knobs, a tile configuration, a family; for a backend that lists its
+plans best first by its own heuristics, cuDNN's, the plan's place in that list) and the analytic price itself. It
 is three small multilayer perceptrons in PyTorch (no other dependency; about 30 thousand weights in all),
 trained from different seeds and their predictions averaged, which makes the picks steadier than one
 network's; queried in tens of microseconds. ``get`` multiplies the analytic price by its correction where a model
@@ -27,7 +28,7 @@ import os
 import random
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,12 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 2  # 2: an ensemble of MEMBERS networks
+FEATURE_VERSION = 3  # 2: an ensemble of MEMBERS networks; 3: a plan's place in its backend's heuristic order
 NAME_BUCKETS = 64
 HIDDEN = 64
 MEMBERS = 3  # networks trained from different seeds, their predictions averaged: steadier picks than one
+ORDER_DROPOUT = 0.2  # of the samples with a known place, trained as if it were not known (the database's
+# corrections price measurements without it), so the model answers both ways
 MAX_LOG2_FACTOR = 6.0  # a correction of at most 64x either way
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -74,8 +77,17 @@ def name_features(name: str) -> list[float]:
     return vector
 
 
-def features(problem: ConvProblem, name: str, analytic_ms: float) -> list[float]:
-    return [*problem_features(problem), *name_features(name), math.log2(max(analytic_ms, 1e-9))]
+def order_features(order: int | None) -> list[float]:
+    """The candidate's place in its backend's heuristic order (0: the backend's first choice; None: not known,
+    or a candidate of no ranking backend)."""
+    if order is None:
+        return [0.0, 0.0, 0.0]
+    return [1.0, math.log2(1 + order), float(order == 0)]
+
+
+def features(problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> list[float]:
+    return [*problem_features(problem), *name_features(name), *order_features(order),
+            math.log2(max(analytic_ms, 1e-9))]
 
 
 FEATURES = len(features(ConvProblem("fwd", n=1, c=1, k=1, input_size=(1,), kernel_size=1), "x:y", 1.0))
@@ -104,12 +116,13 @@ def _network() -> torch.nn.Module:
 @dataclasses.dataclass(frozen=True)
 class Sample:
     """One measurement: the candidate ``name`` took ``measured_ms`` on ``problem``; the analytic model said
-    ``analytic_ms``."""
+    ``analytic_ms``; ``order``: its place in its backend's heuristic order (None: not known or none)."""
 
     problem: ConvProblem
     name: str
     analytic_ms: float
     measured_ms: float
+    order: int | None = None
 
 
 class LearnedModel:
@@ -128,9 +141,10 @@ class LearnedModel:
             y = self.network(x).squeeze(1).nan_to_num(0.0).clamp(-MAX_LOG2_FACTOR, MAX_LOG2_FACTOR)
             return y.tolist()
 
-    def factor(self, problem: ConvProblem, name: str, analytic_ms: float) -> float:
-        """measured / analytic, as predicted for ``name`` on ``problem``."""
-        return 2.0 ** self.log2_factor([features(problem, name, analytic_ms)])[0]
+    def factor(self, problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float:
+        """measured / analytic, as predicted for ``name`` on ``problem`` (``order``: its place in its backend's
+        heuristic order, where known)."""
+        return 2.0 ** self.log2_factor([features(problem, name, analytic_ms, order)])[0]
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the model to ``path`` (written to a temporary name, then renamed)."""
@@ -183,7 +197,10 @@ def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, see
     usable = [s for s in samples if s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms)]
     if not usable:
         raise ValueError("no usable measurements to train on: tune some problems first (convtune tune, find)")
-    x = torch.tensor([features(s.problem, s.name, s.analytic_ms) for s in usable], dtype=torch.float32)
+    dropped = random.Random(seed)
+    known = [s.order if s.order is None or dropped.random() >= ORDER_DROPOUT else None for s in usable]
+    x = torch.tensor([features(s.problem, s.name, s.analytic_ms, order) for s, order in zip(usable, known)],
+                     dtype=torch.float32)
     y = torch.tensor([math.log2(s.measured_ms / s.analytic_ms) for s in usable], dtype=torch.float32)
     mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-3)
     x = (x - mean) / std
@@ -213,17 +230,43 @@ def _fit(x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int) -> torch.nn.M
     return network
 
 
-def samples_from(db: Any, device: str, fingerprint: str | None = None) -> list[Sample]:
+def samples_from(db: Any, device: str, fingerprint: str | None = None,
+                 orders: Mapping[str, Sequence[str]] | None = None) -> list[Sample]:
     """Every timed result ``db`` holds for this machine's ``device`` (or for the machine ``fingerprint``
-    names: price them within ``hardware.measured_on``), with the analytic model's price."""
+    names: price them within ``hardware.measured_on``), with the analytic model's price and its place in
+    its backend's heuristic order: from ``orders`` (problem key: ``registry.ranked_plans``' list, as
+    recorded on the machine that measured; a problem not in it has no places), else asked of this
+    machine's backends (only the machine that measured knows its heuristics' order)."""
+    from .algorithms.registry import ranked_plans
     from .costmodel import analytic_ms
+
+    places: dict[str, dict[str, int]] = {}
+
+    def place(problem: ConvProblem, name: str) -> int | None:
+        if problem.key not in places:
+            listed = orders.get(problem.key, ()) if orders is not None else ranked_plans(problem)
+            places[problem.key] = positions(listed)
+        return places[problem.key].get(name)
 
     out = []
     for problem, result in db.measurements(device, fingerprint):
         if result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms):
             out.append(Sample(problem, result.algorithm,
                               analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32),
-                              result.time_ms))
+                              result.time_ms, place(problem, result.algorithm)))
+    return out
+
+
+def positions(names: Sequence[str]) -> dict[str, int]:
+    """Each name's place among the names of its own backend ('cudnn:eng3' second of 'cudnn:...' names: 1)."""
+    from .results import backend_of
+
+    seen: dict[str, int] = {}
+    out = {}
+    for name in names:
+        backend = backend_of(name)
+        out[name] = seen.get(backend, 0)
+        seen[backend] = out[name] + 1
     return out
 
 
@@ -292,14 +335,15 @@ def active(device: str) -> LearnedModel | None:
     return _current(device)[0]
 
 
-def correction(problem: ConvProblem, name: str, analytic_ms: float) -> float:
-    """measured / analytic for ``name`` on ``problem`` as this device's model predicts it; 1 without one (or
-    where the model cannot answer, with a warning)."""
+def correction(problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float:
+    """measured / analytic for ``name`` on ``problem`` as this device's model predicts it (``order``: its place
+    in its backend's heuristic order, where known); 1 without a model (or where the model cannot answer,
+    with a warning)."""
     model = active(problem.device)
     if model is None:
         return 1.0
     try:
-        return model.factor(problem, name, analytic_ms)
+        return model.factor(problem, name, analytic_ms, order)
     except Exception as exc:  # noqa: BLE001 - a model that cannot answer leaves the analytic price
         _warn(f"the learned cost model could not price {name} ({type(exc).__name__}: {exc}); the analytic "
               f"price serves")
@@ -342,12 +386,17 @@ def holdout_report(samples: Sequence[Sample], fingerprint: str, *, fraction: flo
 
 def first_picks(model: LearnedModel, rows: Sequence[Sample]) -> dict[str, Sample]:
     """The measurement of one problem's candidate that each ranking puts first: 'learned' (the analytic
-    price corrected by ``model``) and 'analytic'. Equal prices (the analytic model prices every cuDNN
-    execution plan of a problem alike) go by name, never by the order of ``rows``: a database lists a
+    price corrected by ``model``) and 'analytic', each price times ``costmodel.order_factor`` of the sample's
+    place in its backend's heuristic order, as ``get`` ranks. Equal prices (a problem's cuDNN execution plans
+    where their places are not known) go by name, never by the order of ``rows``: a database lists a
     problem's results fastest first, which would hand a tied ranking the measured best."""
-    corrections = model.log2_factor([features(s.problem, s.name, s.analytic_ms) for s in rows])
-    learned_pick = min(zip(rows, corrections), key=lambda rc: (math.log2(rc[0].analytic_ms) + rc[1], rc[0].name))[0]
-    return {"learned": learned_pick, "analytic": min(rows, key=lambda s: (s.analytic_ms, s.name))}
+    from .costmodel import order_factor
+
+    corrections = model.log2_factor([features(s.problem, s.name, s.analytic_ms, s.order) for s in rows])
+    priced = [math.log2(s.analytic_ms * order_factor(s.order)) for s in rows]
+    learned_pick = min(zip(rows, priced, corrections), key=lambda r: (r[1] + r[2], r[0].name))[0]
+    analytic_pick = min(zip(rows, priced), key=lambda r: (r[1], r[0].name))[0]
+    return {"learned": learned_pick, "analytic": analytic_pick}
 
 
 def summarize(ratios: Sequence[float]) -> dict[str, float]:

@@ -318,6 +318,9 @@ class Backend(abc.ABC):
     """
 
     prefix: str = ""
+    # True where ``algorithms`` lists the plans best first by the backend's own heuristics (cuDNN's): get
+    # prices later ones a little higher (``costmodel.order_factor``) and the learned model reads the place.
+    ranks_plans: bool = False
 
     @abc.abstractmethod
     def algorithms(self, problem: ConvProblem) -> list[Algorithm]:

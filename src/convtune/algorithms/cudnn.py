@@ -27,7 +27,7 @@ from typing import Any, cast
 import cudnn  # type: ignore[import-not-found]  # noqa: I001
 import torch
 
-from ..costmodel import Cost, vendor_cost
+from ..costmodel import Cost, vendor_plan_cost
 from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
 from ..settings import settings
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 _IO_TYPES = {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}
 HEURISTICS = {"A": cudnn.heur_mode.A, "B": cudnn.heur_mode.B, "FALLBACK": cudnn.heur_mode.FALLBACK}
 _MAX_GRAPHS = 512  # problems whose built plans are kept in the process
-VENDOR_EFFICIENCY = 0.7  # of the roofline, for the cost model (the database corrects it per plan)
 try:  # engine ids from here on are the frontend's own engines, not cuDNN backend engines
     from cudnn.engines.engine_ids import (  # type: ignore[import-not-found]  # optional frontend, not installed here
         CPP_OSS_ENGINE_ID_BASE as _FRONTEND_ENGINE_IDS,
@@ -257,9 +256,10 @@ class CudnnExecutionPlan(Algorithm):
 
 
 class CudnnBackend(Backend):
-    """Lists, per problem, the plans of cuDNN's heuristics modes A and FALLBACK."""
+    """Lists, per problem, the plans of cuDNN's heuristics modes A and FALLBACK, in their order."""
 
     prefix = "cudnn"
+    ranks_plans = True
 
     def __init__(self) -> None:
         self._graphs: dict[ConvProblem, ProblemGraph | None] = {}
@@ -267,7 +267,7 @@ class CudnnBackend(Backend):
         self._lock = threading.Lock()
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        return vendor_cost(VENDOR_EFFICIENCY, problem)
+        return vendor_plan_cost(problem, workspace_bytes)
 
     def unavailable(self, problem: ConvProblem) -> str | None:
         if problem.device != "cuda":

@@ -33,8 +33,10 @@ BUILTIN_MODULES = (
     "convtune.algorithms.triton_depthwise",
     "convtune.algorithms.triton_grouped",
 )
-# Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged.
-OPTIONAL_MODULES = ("convtune.algorithms.cudnn",)
+# Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged. Each with
+# its names' prefix and the cost its plans declare: where the module does not load, that still prices its
+# names (another machine's measurements, judged or learned from here), as it would where it loads.
+OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", costmodel.vendor_plan_cost)}
 
 _registry: dict[str, Algorithm] = {}
 _backends: dict[str, Backend] = {}
@@ -112,6 +114,20 @@ def backends() -> list[Backend]:
     return list(_backends.values())
 
 
+def ranked_plans(problem: ConvProblem) -> list[str]:
+    """The names of ``problem``'s plans of each backend that ranks its plans (``Backend.ranks_plans``), in that
+    backend's order, best first (empty where none is available here)."""
+    names = []
+    for backend in backends():
+        if backend.ranks_plans:
+            try:
+                names += [a.name for a in backend.algorithms(problem)]
+            except CANDIDATE_FAULTS as exc:
+                log.warning("backend %s lists no plans for %s: %s: %s", backend.prefix, problem.key,
+                            type(exc).__name__, exc)
+    return names
+
+
 def get_algorithm(name: str, problem: ConvProblem | None = None) -> Algorithm:
     """The algorithm called ``name`` (a backend's plan needs its ``problem``); ``KeyError`` otherwise."""
     _ensure_builtins()
@@ -134,7 +150,8 @@ def declared_cost(name: str) -> Callable[[ConvProblem, int], Cost]:
     prefix = backend_of(name)
     if prefix in _backends:
         return _backends[prefix].declared_cost(name)
-    return costmodel.generic_cost
+    absent = {prefix: cost for prefix, cost in OPTIONAL_MODULES.values()}
+    return absent.get(prefix, costmodel.generic_cost)
 
 
 def algorithms(problem: ConvProblem) -> list[Algorithm]:
