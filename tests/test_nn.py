@@ -783,3 +783,22 @@ def test_a_chosen_algorithm_that_cannot_be_built_leaves_the_layer_on_torchs_path
             torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias))
         (row,) = convtune.explain(conv)
         assert row["algorithm"] is None and "cannot run here" in row["note"] and "could not build" in row["note"]
+
+
+@pytest.mark.parametrize("where", ["folder", "under_a_file"])
+def test_optimize_given_a_database_path_it_cannot_open_tunes_on_with_a_warning(tmp_path, caplog, where):
+    # A folder, or a path under a file: TuningDB(path) raises (ValueError, naming the path); optimize warns,
+    # names the path and the fault, and remembers its choices in the process's temporary database.
+    (tmp_path / "a_file").write_text("not a folder")
+    path = tmp_path if where == "folder" else tmp_path / "a_file" / "tuning.sqlite"
+    with pytest.raises(ValueError, match=str(path)):
+        TuningDB(path)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1))
+    x = torch.randn(1, 3, 6, 6)
+    expected = model(x)
+    with caplog.at_level("WARNING", logger="convtune.db"):
+        convtune.optimize(model, x, mode="hybrid", db=str(path))
+    assert str(path) in caplog.text and "temporary database" in caplog.text
+    torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-5)
+    assert convtune.explain(model)[0]["algorithm"]  # selected, and (in the temporary database) remembered

@@ -112,7 +112,11 @@ class TuningDB:
             raise TypeError(f"TuningDB(path={path!r}): the path must be a str or os.PathLike (a file's path), "
                             f"not {type(path).__name__}; None takes the default database")
         self.path = Path(path) if path is not None else settings.db_path
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot make the folder of the tuning database {self.path} ({exc.strerror or exc}); "
+                             f"give a path in a writable folder or set CONVTUNE_CACHE_DIR") from None
         self._lock = threading.RLock()
         self._conn: sqlite3.Connection | None = None
         self._pid = os.getpid()
@@ -470,17 +474,26 @@ def default_db() -> TuningDB | None:
     folder), a database in a temporary folder that lives as long as the process (warned once): the
     process's choices are remembered for its lifetime, not beyond, rather than failing. None only
     where not even that can be made. A default path that failed is not tried again in this process."""
+    return open_db(None)
+
+
+def open_db(path: str | os.PathLike | None) -> TuningDB | None:
+    """``TuningDB(path)`` (None: the default path) for select and optimize; where it cannot be opened there
+    (a folder, a device, a read-only or missing folder), the process's temporary database as for the
+    default path (``default_db``), with a warning that names the path and the fault: tuning goes on and is
+    remembered for the process's lifetime. ``TuningDB(path)`` itself raises instead."""
     global _fallback
     with _fallback_lock:
-        path = str(settings.db_path)
-        if path not in _failed_paths:
+        where = str(settings.db_path if path is None else path)
+        if where not in _failed_paths:
             try:
-                return TuningDB()
+                return TuningDB(path)
             except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
                 log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its "
-                            "choices in a temporary database, removed when it ends. Set CONVTUNE_CACHE_DIR to a "
-                            "writable folder", path, type(exc).__name__, exc)
-                _failed_paths.add(path)
+                            "choices in a temporary database, removed when it ends. %s", where,
+                            type(exc).__name__, exc, "Set CONVTUNE_CACHE_DIR to a writable folder" if path is None
+                            else "Give a file's path in a writable folder")
+                _failed_paths.add(where)
         if _fallback is None:
             import atexit
             import shutil

@@ -61,9 +61,9 @@ class Tuning:
     @property
     def db(self) -> Any:
         if isinstance(self._db, (str, Path)):
-            from convtune.db import TuningDB
+            from convtune.db import open_db
 
-            self._db = TuningDB(self._db)
+            self._db = open_db(self._db)  # where it cannot be opened: a temporary one, warned
         elif self._db is None and self.mode in READS_DB:
             from convtune.db import default_db
 
