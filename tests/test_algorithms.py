@@ -10,23 +10,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings as hsettings, strategies as st
 
+from fakes import slack_bytes
+
 import convtune as ct
 from convtune.algorithms import registry
 from convtune.algorithms.base import Algorithm, allocate_workspace
 from convtune.algorithms.native import native_conv
 from convtune.verify import (lowered_reference, peak_allocated_bytes, reference, rel_error, tapwise_reference,
                              tolerance)
-
-
-def slack_bytes(problem, workspace_bytes=0):
-    out_shape = problem.operand_shapes[2]
-    slack = max(64 * 1024, int(0.02 * problem.element_bytes * torch.Size(out_shape).numel()))
-    if problem.dtype == "bfloat16" and problem.device == "cpu":
-        # The CPU's bfloat16 matrix products reorder their operands into float32 blocks of their own:
-        # 50-200 KB for small ones (torch.bmm (2, 3, 375) @ (2, 375, 2) takes 100016 bytes), and up to
-        # ~5x an im2col column matrix (55808 bytes of columns, 268356 of scratch). float16 and float32: none.
-        slack += 256 * 1024 + 6 * workspace_bytes
-    return slack
 
 
 @st.composite

@@ -15,6 +15,8 @@ import zlib
 import pytest
 import torch
 
+from fakes import slack_bytes
+
 from convtune import verify
 from convtune.algorithms.base import ALIGN_BYTES, allocate_workspace
 from convtune.algorithms.gemm import CHUNKS
@@ -63,10 +65,6 @@ def peak_cpu_bytes(fn) -> int:
     return verify.peak_allocated_bytes(fn, "cpu")
 
 
-def slack_bytes(out: torch.Tensor) -> int:
-    return max(64 * 1024, out.numel() * out.element_size() // 50)
-
-
 @functools.lru_cache(maxsize=None)
 def case(p: ConvProblem) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Random operands (never zeros) and the float64 reference, once per problem for all algorithms."""
@@ -82,7 +80,7 @@ def run_checked(name: str, p: ConvProblem, measure_memory: bool) -> None:
     workspace = allocate_workspace(algo.buffer_bytes(p), p.device)
     if measure_memory:
         peak = peak_cpu_bytes(lambda: algo.run(p, a, b, workspace=workspace, out=out))
-        assert peak <= slack_bytes(out), (
+        assert peak <= slack_bytes(p, workspace.numel()), (
             f"{name} allocated {peak} bytes beyond its declared {workspace.numel()} on {p.key}")
     else:
         algo.run(p, a, b, workspace=workspace, out=out)

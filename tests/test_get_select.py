@@ -6,7 +6,8 @@ import math
 import pytest
 
 from convtune import ConvProblem, NoAlgorithmError, PerfResult, Policy, Status, get, select
-from convtune import costmodel
+import convtune as ct
+from convtune import costmodel, learned
 from convtune.algorithms.base import Backend
 from convtune.algorithms import registry
 from convtune.algorithms.registry import algorithms, isolated
@@ -172,23 +173,49 @@ def test_get_prefer_least_memory():
 def test_get_keeps_a_ranking_backends_own_order_among_equal_plans(ranks):
     class FakeBackend(Backend):
         prefix = "fakeb"
-        ranks_plans = ranks
 
         def __init__(self):
             self.plans = [Fake("fakeb:z_listed_first"), Fake("fakeb:a_listed_second")]
+            for place, plan in enumerate(self.plans):
+                plan.place = place if ranks else None
 
         def algorithms(self, problem):
             return self.plans
 
     with isolated(FakeBackend(), builtins=False):
         choices = get(P3, Policy(tolerance=0.0))
-        assert registry.ranked_plans(P3) == (["fakeb:z_listed_first", "fakeb:a_listed_second"] if ranks else [])
+        assert registry.ranked_plans(P3) == ({"fakeb:z_listed_first": 0, "fakeb:a_listed_second": 1} if ranks else {})
     if ranks:  # its heuristics' order: each later plan priced a little higher
         assert [c.name for c in choices] == ["fakeb:z_listed_first", "fakeb:a_listed_second"]
         assert choices[1].predicted_ms == pytest.approx(choices[0].predicted_ms * costmodel.order_factor(1))
     else:  # no order of its own: equal prices, which the ranking's tie rule settles by name
         assert choices[0].predicted_ms == choices[1].predicted_ms
         assert [c.name for c in choices] == ["fakeb:a_listed_second", "fakeb:z_listed_first"]
+
+
+def test_a_measured_plan_is_priced_by_its_measurement_with_its_place_counted_once(tmp_path, monkeypatch):
+    # The database's ratio for an algorithm is to the prediction without a place (the learned model's answer
+    # for an unknown place); where the model says the first place is worth 2x, a measured plan in that place
+    # must not be credited with it a second time: its prediction is its measurement.
+    plan = Fake("fakeb:first")
+    plan.place = 0
+
+    class FakeBackend(Backend):
+        prefix = "fakeb"
+
+        def algorithms(self, problem):
+            return [plan]
+
+    def by_place(problem, name, analytic_ms, order=None):
+        return 0.5 if order == 0 else 1.0
+
+    monkeypatch.setattr(learned, "correction", by_place)
+    with isolated(FakeBackend(), builtins=False), ct.TuningDB(tmp_path / "t.sqlite") as db:
+        unmeasured = get(P3, Policy(tolerance=0.0))[0].predicted_ms
+        db.store(P3, [PerfResult("fakeb:first", Status.OK, time_ms=2.0)])
+        measured = get(P3, Policy(tolerance=0.0), db=db)[0].predicted_ms
+    assert measured == pytest.approx(2.0)
+    assert unmeasured == pytest.approx(0.5 * costmodel.analytic_ms("fakeb:first", P3))  # the place counts there
 
 
 def test_get_leaves_out_an_algorithm_that_cannot_describe_itself(caplog):

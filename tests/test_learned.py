@@ -217,3 +217,11 @@ def test_samples_take_their_places_from_the_recorded_orders(tmp_path):
         assert places == {"plugin:a": 0, "plugin:b": 1, "gemm:1x1": None}
         # not recorded: asked of this machine's backends, none of which ranks its plans here
         assert {s.order for s in learned.samples_from(db, "cpu")} == {None}
+
+
+def test_a_column_constant_in_training_stays_bounded_when_it_varies_later():
+    # Trained where no place is known (every order column 0), then asked about a plan in place 30: the
+    # normalization must not blow the column up (a std clamped to 1e-3 would feed it in at ~5000).
+    model = learned.train(samples(30), "test-machine", epochs=20)
+    p = problems(1, seed=2)[0]
+    assert abs(math.log2(model.factor(p, "plugin:dw", 1.0, order=30)) - math.log2(model.factor(p, "plugin:dw", 1.0))) < 3

@@ -198,8 +198,12 @@ class Corrections:
     by_algorithm: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
     by_backend: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    def measured(self, name: str, problem: ConvProblem) -> float | None:
+        """The factor of ``name``'s own measurements in this direction and dtype (None: none measured)."""
+        return self.by_algorithm.get((name, problem.direction, problem.dtype))
+
     def factor(self, name: str, problem: ConvProblem) -> float:
-        exact = self.by_algorithm.get((name, problem.direction, problem.dtype))
+        exact = self.measured(name, problem)
         if exact is not None:
             return exact
         return self.by_backend.get(backend_of(name), 1.0)

@@ -465,54 +465,73 @@ def _read_only(exc: sqlite3.OperationalError) -> bool:
 
 
 _failed_paths: set[str] = set()  # default paths that could not be opened (each warned once)
+_warned_paths: set[str] = set()  # paths given to optimize that could not be opened (each warned once)
+_defaults: dict[str, TuningDB] = {}  # the default database of each default path, opened once
 _fallback: TuningDB | None = None  # the process's database where the default one cannot be opened
 _fallback_lock = threading.Lock()
 
 
 def default_db() -> TuningDB | None:
-    """``TuningDB()`` at the default path; where it cannot be opened there (a read-only or missing cache
-    folder), a database in a temporary folder that lives as long as the process (warned once): the
-    process's choices are remembered for its lifetime, not beyond, rather than failing. None only
-    where not even that can be made. A default path that failed is not tried again in this process."""
-    return open_db(None)
-
-
-def open_db(path: str | os.PathLike | None) -> TuningDB | None:
-    """``TuningDB(path)`` (None: the default path) for select and optimize; where it cannot be opened there
-    (a folder, a device, a read-only or missing folder), the process's temporary database as for the
-    default path (``default_db``), with a warning that names the path and the fault: tuning goes on and is
-    remembered for the process's lifetime. ``TuningDB(path)`` itself raises instead."""
-    global _fallback
+    """``TuningDB()`` at the default path, opened once per path and process (its integrity is checked on
+    open); where it cannot be opened there (a read-only or missing cache folder), a database in a temporary
+    folder that lives as long as the process (warned once): the process's choices are remembered for its
+    lifetime, not beyond, rather than failing. None only where not even that can be made. A default path
+    that failed is not tried again in this process."""
     with _fallback_lock:
-        where = str(settings.db_path if path is None else path)
+        where = str(settings.db_path)
+        if where in _defaults:
+            return _defaults[where]
         if where not in _failed_paths:
             try:
-                return TuningDB(path)
+                _defaults[where] = TuningDB()
+                return _defaults[where]
             except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
                 log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its "
-                            "choices in a temporary database, removed when it ends. %s", where,
-                            type(exc).__name__, exc, "Set CONVTUNE_CACHE_DIR to a writable folder" if path is None
-                            else "Give a file's path in a writable folder")
+                            "choices in a temporary database, removed when it ends. Set CONVTUNE_CACHE_DIR to a "
+                            "writable folder", where, type(exc).__name__, exc)
                 _failed_paths.add(where)
-        if _fallback is None:
-            import atexit
-            import shutil
-            import tempfile
+        return _temporary()
 
-            try:
-                folder = tempfile.mkdtemp(prefix="convtune-db-")
-                _fallback = TuningDB(Path(folder) / "tuning.sqlite")
-            except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
-                log.warning("no temporary tuning database either (%s: %s); choices are made but not remembered",
-                            type(exc).__name__, exc)
-                return None
-            creator = os.getpid()
 
-            def remove() -> None:
-                if os.getpid() == creator:  # a forked child that exits must not remove its parent's database
-                    shutil.rmtree(folder, ignore_errors=True)
-            atexit.register(remove)
-        return _fallback
+def open_db(path: str | os.PathLike) -> TuningDB | None:
+    """``TuningDB(path)`` for optimize given a path; where it cannot be opened there (a folder, a device, a
+    read-only or missing folder, a lock held too long), the process's temporary database (``default_db``'s),
+    with a warning that names the path and the fault (once per path; the path is tried again at every
+    call): tuning goes on and is remembered for the process's lifetime. ``TuningDB(path)`` itself raises."""
+    try:
+        return TuningDB(path)
+    except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
+        with _fallback_lock:
+            if str(path) not in _warned_paths:
+                _warned_paths.add(str(path))
+                log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its "
+                            "choices in a temporary database, removed when it ends. Give a file's path in a "
+                            "writable folder", path, type(exc).__name__, exc)
+            return _temporary()
+
+
+def _temporary() -> TuningDB | None:
+    """The process's temporary database, made on first need (call under ``_fallback_lock``)."""
+    global _fallback
+    if _fallback is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        try:
+            folder = tempfile.mkdtemp(prefix="convtune-db-")
+            _fallback = TuningDB(Path(folder) / "tuning.sqlite")
+        except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
+            log.warning("no temporary tuning database either (%s: %s); choices are made but not remembered",
+                        type(exc).__name__, exc)
+            return None
+        creator = os.getpid()
+
+        def remove() -> None:
+            if os.getpid() == creator:  # a forked child that exits must not remove its parent's database
+                shutil.rmtree(folder, ignore_errors=True)
+        atexit.register(remove)
+    return _fallback
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

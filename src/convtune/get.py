@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import logging
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -36,25 +35,34 @@ MEMO_SIZE = 4096
 _memo: dict[tuple, list[Choice]] = {}
 
 
-def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, order: int | None = None, *,
+def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
             learn_workspace: bool = True) -> PerfResult:
     """The cost model's guess for ``algorithm`` on ``problem`` as an unmeasured ``PerfResult``.
 
-    time_ms is the predicted time (for ``order``, the algorithm's place in its backend's heuristic order
-    where it has one: times ``costmodel.order_factor`` and read by the learned model; corrected by ``db``'s
-    measurements on this device when given); the properties the policy looks at (workspace, determinism, TF32, reduced
-    precision) are the algorithm's own. learn_workspace=False takes the workspace only if it is
-    known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt cuDNN execution plan's is not)
-    and counts an unknown one as 0, in the cost model and in the result. Exceptions of the
-    algorithm's description methods propagate.
+    time_ms is the predicted time (for a plan with a place in its backend's heuristic order,
+    ``Algorithm.place``: times ``costmodel.order_factor`` and read by the learned model; corrected by
+    ``db``'s measurements on this device when given); the properties the policy looks at (workspace,
+    determinism, TF32, reduced precision) are the algorithm's own. learn_workspace=False takes the
+    workspace only if it is known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt
+    cuDNN execution plan's is not) and counts an unknown one as 0, in the cost model and in the result.
+    Exceptions of the algorithm's description methods propagate.
     """
     workspace = algorithm.workspace_bytes(problem) if learn_workspace else algorithm.known_workspace_bytes(problem)
     unknown = workspace is None
     workspace = workspace or 0
     notes = algorithm.notes(problem)
     base_ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32)
-    ms = base_ms * learned.correction(problem, algorithm.name, base_ms, order) * costmodel.order_factor(order)
-    ms *= costmodel.corrections(db, problem.device).factor(algorithm.name, problem)
+    table = costmodel.corrections(db, problem.device)
+    measured = table.measured(algorithm.name, problem)
+    place = algorithm.place
+    if measured is not None:
+        # The database's ratio for this algorithm is to the prediction without a place (costmodel prices
+        # stored results so): it already holds what the place would add; counted once, not twice.
+        ms = base_ms * learned.correction(problem, algorithm.name, base_ms) * measured
+    else:
+        ms = base_ms * learned.correction(problem, algorithm.name, base_ms, place)
+        ms *= table.factor(algorithm.name, problem)
+    ms *= costmodel.order_factor(place)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
                       reduced_precision=notes.reduced_precision,
@@ -93,15 +101,9 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     by_name: dict[str, Algorithm] = {}
     guesses = []
     broken = []
-    ranking_backends = {b.prefix for b in backends() if b.ranks_plans}
-    seen: dict[str, int] = defaultdict(int)
     for algorithm in candidates:
-        order = None
-        if algorithm.backend in ranking_backends:
-            order = seen[algorithm.backend]
-            seen[algorithm.backend] += 1
         try:
-            guess = predict(problem, algorithm, db, order, learn_workspace=learn_workspace)
+            guess = predict(problem, algorithm, db, learn_workspace=learn_workspace)
         except CANDIDATE_FAULTS as exc:  # a broken plug-in must not break the ranking
             log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key,
                         type(exc).__name__, exc)

@@ -202,7 +202,9 @@ def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, see
     x = torch.tensor([features(s.problem, s.name, s.analytic_ms, order) for s, order in zip(usable, known)],
                      dtype=torch.float32)
     y = torch.tensor([math.log2(s.measured_ms / s.analytic_ms) for s in usable], dtype=torch.float32)
-    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-3)
+    mean, std = x.mean(0), x.std(0, unbiased=False)
+    std = torch.where(std < 1e-3, torch.ones_like(std), std)  # a column constant here (no places known, say)
+    # stays near 0 when it varies at serving time, instead of growing a thousandfold
     x = (x - mean) / std
     members = [_fit(x, y, epochs, seed + i) for i in range(MEMBERS)]
     return LearnedModel(_Ensemble(members), mean, std, fingerprint, len(usable))
@@ -234,9 +236,10 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
                  orders: Mapping[str, Sequence[str]] | None = None) -> list[Sample]:
     """Every timed result ``db`` holds for this machine's ``device`` (or for the machine ``fingerprint``
     names: price them within ``hardware.measured_on``), with the analytic model's price and its place in
-    its backend's heuristic order: from ``orders`` (problem key: ``registry.ranked_plans``' list, as
-    recorded on the machine that measured; a problem not in it has no places), else asked of this
-    machine's backends (only the machine that measured knows its heuristics' order)."""
+    its backend's heuristic order: from ``orders`` (problem key: the backend's plans in its order, as
+    recorded on the machine that measured, ``bench/cudnn_order.py``; a problem not in it has no places),
+    else asked of this machine's backends for its own measurements (``registry.ranked_plans``) and none
+    for another machine's (only the machine that measured knows its heuristics' order)."""
     from .algorithms.registry import ranked_plans
     from .costmodel import analytic_ms
 
@@ -244,8 +247,12 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
 
     def place(problem: ConvProblem, name: str) -> int | None:
         if problem.key not in places:
-            listed = orders.get(problem.key, ()) if orders is not None else ranked_plans(problem)
-            places[problem.key] = positions(listed)
+            if orders is not None:
+                places[problem.key] = positions(orders.get(problem.key, ()))
+            elif fingerprint is None:
+                places[problem.key] = ranked_plans(problem)
+            else:  # another machine's order is not this one's to tell
+                places[problem.key] = {}
         return places[problem.key].get(name)
 
     out = []

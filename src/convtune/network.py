@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 class Tuning:
     """How layers choose: ``select(problem, policy, mode, db)``, with a memo of the answers.
 
-    db: a ``TuningDB`` (or its path); None takes the default ``TuningDB()`` for the modes that read
-    one ('hybrid', 'db_then_get'), opened on first need. Copies of a model share their Tuning;
-    pickling keeps a database's path, not its connection.
+    db: a ``TuningDB`` (or its path: where it cannot be opened, the process's temporary database, warned;
+    ``db.open_db``); None takes the default ``TuningDB()`` for the modes that read one ('hybrid',
+    'db_then_get'), opened on first need. Copies of a model share their Tuning; pickling keeps the
+    database's path as given (or the opened database's), not its connection.
     """
 
     def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
@@ -52,6 +53,8 @@ class Tuning:
         self.policy = DEFAULT_POLICY if policy is None else policy
         self.mode = mode
         self._db = db
+        self._given = db  # what pickling keeps (a temporary database standing in for a path is this process's)
+        self._opened = False  # _db is what to use from now on (a path is opened once; None may be the answer)
         self._memo: dict[str, PerfResult] = {}
         self._waiting: dict[str, int] = {}  # mode 'background': key -> generation its model choice was made at
 
@@ -60,6 +63,8 @@ class Tuning:
 
     @property
     def db(self) -> Any:
+        if self._opened:
+            return self._db
         if isinstance(self._db, (str, Path)):
             from convtune.db import open_db
 
@@ -68,6 +73,9 @@ class Tuning:
             from convtune.db import default_db
 
             self._db = default_db()
+        else:
+            return self._db  # None in a mode that reads no database: decided again if the mode changes
+        self._opened = True
         return self._db
 
     @property
@@ -118,14 +126,18 @@ class Tuning:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        path = getattr(self._db, "path", None)
-        state["_db"] = str(path) if path is not None else (self._db if isinstance(self._db, (str, Path)) else None)
+        given = self._given
+        if not isinstance(given, (str, Path)):  # a database object: its path; None: the default, found again
+            given = getattr(given, "path", None)
+        state["_db"] = state["_given"] = None if given is None else str(given)
+        state["_opened"] = False
         state["_memo"] = {}
         state["_waiting"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"_waiting": {}, **state})  # pickled before mode 'background' existed: none
+        # pickled before mode 'background' existed: no _waiting; before _given and _opened: neither
+        self.__dict__.update({"_waiting": {}, "_opened": False, "_given": state.get("_db"), **state})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -150,7 +150,10 @@ class Algorithm(abc.ABC):
 
     name: stable 'backend:variant'. devices/directions: what it can ever run on.
     deterministic: bit-identical results from run to run. splits_batch: it runs the batch in parts
-    (micro-batching), which only a policy with ``micro_batching`` allows.
+    (micro-batching), which only a policy with ``micro_batching`` allows. place: for a plan of a backend
+    that ranks its plans by its own heuristics (cuDNN's), its fixed place in that order for its problem
+    (0: the heuristics' first choice), which get prices (``costmodel.order_factor``) and its learned
+    model reads; None for everything else.
     """
 
     name: str = ""
@@ -158,6 +161,7 @@ class Algorithm(abc.ABC):
     directions: tuple[str, ...] = DIRECTIONS
     deterministic: bool = True
     splits_batch: bool = False
+    place: int | None = None
 
     def __init__(self) -> None:
         if not _NAME.match(self.name):
@@ -318,9 +322,6 @@ class Backend(abc.ABC):
     """
 
     prefix: str = ""
-    # True where ``algorithms`` lists the plans best first by the backend's own heuristics (cuDNN's): get
-    # prices later ones a little higher (``costmodel.order_factor``) and the learned model reads the place.
-    ranks_plans: bool = False
 
     @abc.abstractmethod
     def algorithms(self, problem: ConvProblem) -> list[Algorithm]:

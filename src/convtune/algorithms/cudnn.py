@@ -207,6 +207,7 @@ class CudnnExecutionPlan(Algorithm):
         self.name = name
         super().__init__()
         self.graph, self.index = graph, index
+        self.place = index  # the heuristics' order (modes A, then FALLBACK), whichever plans fail to build
 
     def _supports(self, problem: ConvProblem) -> Support:
         if problem != self.graph.problem:
@@ -259,7 +260,6 @@ class CudnnBackend(Backend):
     """Lists, per problem, the plans of cuDNN's heuristics modes A and FALLBACK, in their order."""
 
     prefix = "cudnn"
-    ranks_plans = True
 
     def __init__(self) -> None:
         self._graphs: dict[ConvProblem, ProblemGraph | None] = {}

@@ -29,37 +29,32 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
     as_set = not a.is_cuda or (cudnn.enabled and cudnn.allow_tf32 == problem.allow_tf32)
     flags = contextlib.nullcontext() if as_set else cudnn.flags(
         enabled=True, allow_tf32=problem.allow_tf32, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic)
+    if _bfloat16_on_cpu(a):
+        return native_conv(problem, a.float(), b.float()).to(torch.bfloat16)  # rounded once, at the end
     with flags:
         if problem.direction == "fwd":
-            if _wrong_in_channels_last(problem, a):
-                a, b = (t.clone(memory_format=torch.contiguous_format) for t in (a, b))
             return torch.ops.aten.convolution(a, b, None, **args)
         if problem.direction == "bwd_data":
             x = empty_in_layout(problem.x_shape, problem.layout, a.dtype, a.device)
             dx, _, _ = torch.ops.aten.convolution_backward(a, x, b, None, **args, output_mask=[True, False, False])
             return dx
-        layout = problem.layout
-        if _wrong_in_channels_last(problem, a):
-            # clone, not contiguous(): a tensor dense in both orders (size-1 spatial dimensions) must
-            # also have channels_first's strides, which are what PyTorch picks its kernels by.
-            a, b = (t.clone(memory_format=torch.contiguous_format) for t in (a, b))
-            layout = "channels_first"
-        w = empty_in_layout(problem.w_shape, layout, a.dtype, a.device)
+        w = empty_in_layout(problem.w_shape, problem.layout, a.dtype, a.device)
         _, dw, _ = torch.ops.aten.convolution_backward(b, a, w, None, **args, output_mask=[False, True, False])
         return dw
 
 
-def _wrong_in_channels_last(problem: ConvProblem, x: torch.Tensor) -> bool:
-    """Whether PyTorch's CPU kernels may compute these operands wrongly in channels_last.
+def _bfloat16_on_cpu(x: torch.Tensor) -> bool:
+    """Whether PyTorch's CPU kernels may compute these operands wrongly: bfloat16 on the CPU.
 
-    In bfloat16 with channels_last operands, on the CPU (PyTorch 2.13 at least),
-    ``aten.convolution_backward`` leaves garbage in weight taps that a stride lets touch only
-    padding (input 1 wide, kernel 3, stride 2, padding 1, say), and ``aten.convolution`` of a
-    grouped 3-D problem whose input is 1x1x1 under a 3x3x3 kernel is off by 5-50 %; channels_first
-    operands give the right answers, so the forward and the weight gradient are computed from
-    channels_first copies.
+    There (PyTorch 2.13 at least) ``aten.convolution_backward`` leaves garbage in weight taps that a
+    stride lets touch only padding (input 1 wide, kernel 3, stride 2, padding 1, say), in channels_last
+    and, on some CPUs, in channels_first too (a tensor dense in both orders, size-1 spatial dimensions,
+    takes the channels_last kernels); and ``aten.convolution`` of a grouped 3-D problem whose input is
+    1x1x1 under a 3x3x3 kernel is off by 5-50 % in channels_last. The float32 kernels are right, and
+    convtune's CPU algorithms compute half precision in float32 anyway (``NumericNotes.float32_inside``):
+    so does torch:native, rounding once at the end.
     """
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and problem.layout == "channels_last"
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16
 
 
 class Native(Algorithm):

@@ -114,18 +114,17 @@ def backends() -> list[Backend]:
     return list(_backends.values())
 
 
-def ranked_plans(problem: ConvProblem) -> list[str]:
-    """The names of ``problem``'s plans of each backend that ranks its plans (``Backend.ranks_plans``), in that
-    backend's order, best first (empty where none is available here)."""
-    names = []
+def ranked_plans(problem: ConvProblem) -> dict[str, int]:
+    """Each of ``problem``'s plans that has a place in its backend's heuristic order (``Algorithm.place``):
+    name -> place (empty where no such backend is available here)."""
+    places = {}
     for backend in backends():
-        if backend.ranks_plans:
-            try:
-                names += [a.name for a in backend.algorithms(problem)]
-            except CANDIDATE_FAULTS as exc:
-                log.warning("backend %s lists no plans for %s: %s: %s", backend.prefix, problem.key,
-                            type(exc).__name__, exc)
-    return names
+        try:
+            places.update({a.name: a.place for a in backend.algorithms(problem) if a.place is not None})
+        except CANDIDATE_FAULTS as exc:
+            log.warning("backend %s lists no plans for %s: %s: %s", backend.prefix, problem.key,
+                        type(exc).__name__, exc)
+    return places
 
 
 def get_algorithm(name: str, problem: ConvProblem | None = None) -> Algorithm:

@@ -58,34 +58,28 @@ class Native final : public Executable {
   using Executable::Executable;
   const char* kind() const override { return "native"; }
 
-  at::Tensor run(const at::Tensor& a, const at::Tensor& b) const override {
+  at::Tensor run(const at::Tensor& a_in, const at::Tensor& b_in) const override {
     const Geometry& g = geometry;
-    CudnnFlags flags(a.is_cuda(), g.allow_tf32);
+    CudnnFlags flags(a_in.is_cuda(), g.allow_tf32);
     std::vector<int64_t> output_padding(g.stride.size(), 0);
     at::Tensor result;
-    // PyTorch's CPU bfloat16 channels_last kernels are wrong in some cases (algorithms/native.py,
-    // _wrong_in_channels_last): the forward and the weight gradient run on channels_first copies.
-    const bool channels_first_copies = a.device().is_cpu() && g.dtype == at::kBFloat16 && g.channels_last;
+    // PyTorch's CPU bfloat16 kernels are wrong in some cases (algorithms/native.py, _bfloat16_on_cpu):
+    // computed in float32 (the operands' layouts kept), rounded once at the end.
+    const bool upcast = a_in.device().is_cpu() && g.dtype == at::kBFloat16;
+    const at::Tensor a = upcast ? a_in.to(at::kFloat) : a_in;
+    const at::Tensor b = upcast ? b_in.to(at::kFloat) : b_in;
     if (g.direction == Direction::Fwd) {
-      const at::Tensor x = channels_first_copies ? a.clone(at::MemoryFormat::Contiguous) : a;
-      const at::Tensor w = channels_first_copies ? b.clone(at::MemoryFormat::Contiguous) : b;
-      result = at::convolution(x, w, std::nullopt, g.stride, g.padding, g.dilation, false, output_padding, g.groups);
+      result = at::convolution(a, b, std::nullopt, g.stride, g.padding, g.dilation, false, output_padding, g.groups);
     } else if (g.direction == Direction::BwdData) {
       at::Tensor x = at::empty_strided(g.out.shape, g.out.strides, a.options());
       result = std::get<0>(at::convolution_backward(a, x, b, std::nullopt, g.stride, g.padding, g.dilation, false,
                                                     output_padding, g.groups, {true, false, false}));
     } else {
-      at::Tensor x = a, dy = b;
-      Spec w_spec = g.out;
-      if (channels_first_copies) {
-        x = a.clone(at::MemoryFormat::Contiguous);
-        dy = b.clone(at::MemoryFormat::Contiguous);
-        w_spec.strides = dense_strides(w_spec.shape, false);
-      }
-      at::Tensor w = at::empty_strided(w_spec.shape, w_spec.strides, a.options());
-      result = std::get<1>(at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
+      at::Tensor w = at::empty_strided(g.out.shape, g.out.strides, a.options());
+      result = std::get<1>(at::convolution_backward(b, a, w, std::nullopt, g.stride, g.padding, g.dilation, false,
                                                     output_padding, g.groups, {false, true, false}));
     }
+    if (upcast) result = result.to(at::kBFloat16);
     return laid_out(result, g.out);
   }
 };
