@@ -146,7 +146,7 @@ def learned_get() -> str:
     by_network: dict[str, list[dict]] = {}
     for key, row in data["rows"].items():
         by_network.setdefault(key.split("/", 1)[0], []).append(row)
-    rankings = ("learned", "analytic", "torch_bm0", "cudnn_A")
+    rankings = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
 
     def cell(rows: list[dict], ranking: str) -> str:
         ratios = [r[ranking] for r in rows if r.get(ranking)]
@@ -164,8 +164,9 @@ def learned_get() -> str:
             f"{_env(data['environment'])}; {data['samples']} measurements of {data['problems']} problems. Each "
             f"network's layers (every direction) judged by a model trained without them: the measured time of "
             f"each ranking's first pick over the best measured, geometric mean / worst (targets: 1.05 / 1.5). "
-            f"torch_bm0: PyTorch's own call without benchmark mode; cudnn_A: cuDNN's heuristics (judged on "
-            f"the GPU only).\n\n"
+            f"analytic: the analytic model with cuDNN's order of its plans, as `get` ranks without a learned "
+            f"model; torch_bm0: PyTorch's own call without benchmark mode; cudnn_A, cudnn_B: the first plan of "
+            f"cuDNN's heuristics A and B (recorded on the GPU that measured, `bench/cudnn_order.py`).\n\n"
             + common.md_table(["held out", "problems", *(f"{k}: geomean / worst" for k in rankings)], table)
             + f"\n\nA random split of whole problems: learned {split['learned_geomean']:.3f} / "
               f"{split['learned_worst']:.2f}, analytic {split['analytic_geomean']:.3f} / "
