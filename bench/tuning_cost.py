@@ -31,6 +31,7 @@ writes bench/results/tuning_cost.json and .md.
 from __future__ import annotations
 
 import argparse
+import copy
 import concurrent.futures
 import cProfile
 import json
@@ -253,6 +254,7 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
              ("optimized forward+backward", _per_call_us(lambda: conv(xg).sum().backward())),
              ("optimized backward alone", _backward_us(conv, xg))]
     rows += native_rows(p, conv, x, xg)
+    rows += compiled_rows(p, x)
     call = next(iter(conv.selections.values())).call
     if call is not None:  # the backward's two runs without autograd around them
         dy = conv(x).detach()
@@ -302,6 +304,29 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
                  (f"{label}: forward / nn.Conv2d's", fwd_ratio),
                  (f"{label}: forward+backward; nn.Conv2d {torch_both:.1f}", both),
                  (f"{label}: forward+backward / nn.Conv2d's", both_ratio)]
+    return rows
+
+
+def compiled_rows(p, x) -> list[tuple[str, float]]:
+    """Ten such layers in a row under torch.compile (Inductor, inference), an optimized copy against the
+    PyTorch one, timed in alternation: per layer, and the same two networks in eager code beside them. Under
+    Inductor a tuned layer is a call of the op from the generated Python (boxed, through ``torch.ops``) and
+    a check of its result's strides; PyTorch's is ``extern_kernels.convolution``."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 1, bias=False) for _ in range(10)]).eval()
+    base = base.to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(base)
+    with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "compiled.sqlite")) as db:
+        ct.optimize(ours, x, db=db)
+    chosen = sorted({r["algorithm"] for r in ct.explain(ours)})
+    rows = []
+    with torch.no_grad():
+        for style, (b, o) in (("eager", (base, ours)), ("compiled", (torch.compile(base), torch.compile(ours)))):
+            b(x), o(x)  # compiled here, not timed
+            torch_us, ours_us, ratio = _interleaved(lambda: b(x), lambda: o(x), calls=200)
+            rows += [(f"10 layers {style}, per layer: optimized ({', '.join(chosen)}); nn.Conv2d {torch_us / 10:.1f}",
+                      ours_us / 10),
+                     (f"10 layers {style}: optimized / nn.Conv2d's", ratio)]
     return rows
 
 
