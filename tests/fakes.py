@@ -312,10 +312,11 @@ def slack_bytes(problem, workspace_bytes: int = 0) -> int:
     GPU without that being hidden workspace: 64 KiB or 2% of the result, and on the CPU in half precision
     what its matrix products take of their own."""
     slack = max(64 * 1024, int(0.02 * problem.element_bytes * torch.Size(problem.operand_shapes[2]).numel()))
-    if problem.dtype != "float32" and problem.device == "cpu":
+    if problem.device == "cpu" and problem.dtype != "float32":
         # The CPU's half-precision matrix products reorder their operands into float32 blocks of their own:
         # 50-200 KB for small ones (torch.bmm (2, 3, 375) @ (2, 375, 2) takes 100016 bytes in bfloat16), and up
         # to ~5x an im2col column matrix (55808 bytes of columns, 268356 of scratch). bfloat16 everywhere;
-        # float16 on CPUs whose kernels do the same (76712 bytes for a 3x3 im2col weight gradient).
+        # float16 on some CPUs (213120 bytes for 51968 of columns). Hidden workspace in half precision on the
+        # CPU is therefore caught only beyond that; float32's slack is the test's bound.
         slack += 256 * 1024 + 6 * workspace_bytes
     return slack

@@ -78,7 +78,7 @@ def test_native_bfloat16_channels_last_weight_gradient_writes_every_tap(nd, inpu
 @pytest.mark.parametrize("groups", [1, 2])
 def test_native_bfloat16_channels_last_grouped_3d_forward_matches_float64(groups, native_module):
     # PyTorch's own CPU kernel is 5-50 % off here (a 1x1x1 input under a 3x3x3 kernel, groups 2);
-    # torch:native and its native executable compute it from channels_first copies.
+    # torch:native and its native executable compute it in float32.
     problem = ct.ConvProblem("fwd", n=1, c=2, k=4, input_size=(1, 1, 1), kernel_size=3, padding=1, groups=groups,
                              dtype="bfloat16", layout="channels_last")
     algo = registry.get_algorithm("torch:native", problem)

@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import shutil
 import sqlite3
 import threading
 from pathlib import Path
@@ -823,3 +824,15 @@ def test_an_index_that_lost_its_entries_is_found_and_nothing_is_lost(tmp_path):
         served = {key: tdb.lookup(ConvProblem.from_key(key)) for key in allowed}
     assert all(r is not None and (r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) in allowed[key]
                for key, r in served.items())
+
+
+def test_a_database_whose_folder_was_removed_starts_again_there(tmp_path):
+    # The default database is kept open for the process; a user who removes the cache folder meanwhile
+    # gets a fresh, empty database at the same path, not an error from every later select or optimize.
+    path = tmp_path / "cache" / "tuning.sqlite"
+    with TuningDB(path) as db:
+        db.store(problem(1), FIND)
+        shutil.rmtree(tmp_path / "cache")
+        assert db.lookup(problem(1)) is None
+        db.store(problem(1), FIND)
+        assert db.lookup(problem(1)) is not None and path.exists()

@@ -199,12 +199,14 @@ def test_a_measured_plan_is_priced_by_its_measurement_with_its_place_counted_onc
     # must not be credited with it a second time: its prediction is its measurement.
     plan = Fake("fakeb:first")
     plan.place = 0
+    later = Fake("fakeb:fifth")
+    later.place = 5
 
     class FakeBackend(Backend):
         prefix = "fakeb"
 
         def algorithms(self, problem):
-            return [plan]
+            return [plan, later]
 
     def by_place(problem, name, analytic_ms, order=None):
         return 0.5 if order == 0 else 1.0
@@ -212,9 +214,10 @@ def test_a_measured_plan_is_priced_by_its_measurement_with_its_place_counted_onc
     monkeypatch.setattr(learned, "correction", by_place)
     with isolated(FakeBackend(), builtins=False), ct.TuningDB(tmp_path / "t.sqlite") as db:
         unmeasured = get(P3, Policy(tolerance=0.0))[0].predicted_ms
-        db.store(P3, [PerfResult("fakeb:first", Status.OK, time_ms=2.0)])
-        measured = get(P3, Policy(tolerance=0.0), db=db)[0].predicted_ms
-    assert measured == pytest.approx(2.0)
+        db.store(P3, [PerfResult("fakeb:first", Status.OK, time_ms=2.0), PerfResult("fakeb:fifth", Status.OK,
+                                                                                      time_ms=3.0)])
+        measured = {c.name: c.predicted_ms for c in get(P3, Policy(tolerance=0.0), db=db)}
+    assert measured == pytest.approx({"fakeb:first": 2.0, "fakeb:fifth": 3.0})
     assert unmeasured == pytest.approx(0.5 * costmodel.analytic_ms("fakeb:first", P3))  # the place counts there
 
 

@@ -805,3 +805,25 @@ def test_optimize_given_a_database_path_it_cannot_open_tunes_on_with_a_warning(t
     assert str(path) in caplog.text and "temporary database" in caplog.text
     torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-5)
     assert convtune.explain(model)[0]["algorithm"]  # selected, and (in the temporary database) remembered
+
+
+def test_a_layer_on_torch_native_in_cpu_bfloat16_runs_it_through_the_op_and_gets_every_tap(db):
+    # PyTorch's own CPU bfloat16 weight gradient leaves taps that touch only padding unwritten (some CPUs, either
+    # layout); torch:native computes it in float32. A layer that chose torch:native in every direction runs
+    # PyTorch's own call elsewhere, but not here: it goes through convtune's op, and its gradient is right.
+    from convtune.algorithms.registry import get_algorithm
+    from convtune.pytorch.tuning import LayerSelection
+
+    bf16 = ConvProblem("fwd", n=2, c=2, k=2, input_size=(1,), kernel_size=3, stride=2, padding=1, dtype="bfloat16")
+    assert LayerSelection(bf16.key, fwd="torch:native", bwd_data="torch:native").runtime != "torch"
+    assert LayerSelection(bf16.replace(dtype="float32").key, fwd="torch:native").runtime == "torch"
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(2, 2, 3, stride=2, padding=1, bias=False).to(torch.bfloat16)
+    reference = copy.deepcopy(conv).double()
+    x = torch.randn(2, 2, 1, dtype=torch.bfloat16)
+    with isolated(get_algorithm("torch:native"), builtins=False):
+        convtune.optimize(conv, x, training=True, db=db)
+        assert {r["algorithm"] for r in convtune.explain(conv)} == {"torch:native"}
+        conv(x).double().sum().backward()
+    reference(x.double()).sum().backward()
+    torch.testing.assert_close(conv.weight.grad.double(), reference.weight.grad, rtol=2e-2, atol=2e-2)

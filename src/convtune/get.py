@@ -60,9 +60,8 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
         # stored results so): it already holds what the place would add; counted once, not twice.
         ms = base_ms * learned.correction(problem, algorithm.name, base_ms) * measured
     else:
-        ms = base_ms * learned.correction(problem, algorithm.name, base_ms, place)
+        ms = base_ms * learned.correction(problem, algorithm.name, base_ms, place) * costmodel.order_factor(place)
         ms *= table.factor(algorithm.name, problem)
-    ms *= costmodel.order_factor(place)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
                       reduced_precision=notes.reduced_precision,

@@ -43,6 +43,13 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
         return dw
 
 
+def wrong_in_pytorch(problem: ConvProblem) -> bool:
+    """Whether PyTorch's own kernels may compute ``problem`` wrongly (``_bfloat16_on_cpu``): a layer that chose
+    torch:native in every direction then runs it through convtune's op, which computes it right, rather
+    than through PyTorch's call."""
+    return problem.device == "cpu" and problem.dtype == "bfloat16"
+
+
 def _bfloat16_on_cpu(x: torch.Tensor) -> bool:
     """Whether PyTorch's CPU kernels may compute these operands wrongly: bfloat16 on the CPU.
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from convtune.algorithms.native import wrong_in_pytorch
 from convtune.algorithms.registry import get_algorithm
 from convtune.errors import CANDIDATE_FAULTS, NoAlgorithmError
 from convtune.network import Tuning
@@ -78,9 +79,11 @@ class LayerSelection:
 
     @property
     def native_only(self) -> bool:
-        """Every tuned direction chose torch:native: the module calls torch directly, with no op's host cost."""
+        """Every tuned direction chose torch:native: the module calls torch directly, with no op's host cost
+        (except where PyTorch's own call computes the problem wrongly and torch:native does not)."""
         names = [name for name in (self.fwd, self.bwd_data, self.bwd_filter) if name]
-        return bool(names) and all(name == NATIVE for name in names)
+        return bool(names) and all(name == NATIVE for name in names) and not wrong_in_pytorch(
+            ops.problem_of(self.problem))
 
     def __post_init__(self) -> None:
         # What the module runs, set once here (the forward reads it every call, and torch.compile

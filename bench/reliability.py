@@ -1,0 +1,159 @@
+"""How find treats misbehaving candidates: counts of tried / clean / unclean / crashes.
+
+Each adversarial plug-in is offered to ``find`` beside a correct, slower one, on small CPU problems
+of every direction and dtype. It is fast (or claims to be), so a search that does not catch it selects
+it. Per adversary and problem:
+
+- clean: find went on, and what it would select is the correct candidate;
+- unclean: find selected the adversary, or stored it as ``ok``;
+- crash: find raised, or the process running it died;
+- untested: find did not run it (none here: every candidate is run, ``find_patience=0`` and
+  ``find_prune_factor=0``).
+
+The numerical adversaries (tests/fakes.py: wrong, NaN, unwritten, input-writing, first-call-only,
+poison-sniffing, memoising, one wrong element; raising from a run or from its description) run in
+this process (``isolate='off'``: they need no worker, and verification alone must catch them). The
+process-level ones (tests/adversaries.py: exits, segfaults, hangs, calls ``sys.exit``, writes its
+inputs later, right under one seed only, hides 64 MiB of workspace) run as plug-ins under the default
+isolation, in a worker process.
+
+    python bench/reliability.py                    # writes bench/results/reliability.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # the adversaries live beside the tests that use them
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent / "tests"), os.environ.get("PYTHONPATH")]))
+
+import adversaries  # noqa: E402
+import common  # noqa: E402
+import fakes  # noqa: E402
+
+import convtune as ct  # noqa: E402
+from convtune.algorithms.base import Algorithm  # noqa: E402
+from convtune.ranking import best  # noqa: E402
+from convtune.settings import settings  # noqa: E402
+
+KINDS = ("tried", "clean", "unclean", "crash", "untested")
+FAST = 1e-3  # ms a numerical adversary claims per run: faster than the correct candidate's 1 ms
+
+
+class RaisesIn(fakes.Fake):
+    """Right when it runs, but one of its description methods raises."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__(f"fake:raises_in_{method}", time_ms=FAST)
+        self.method = method
+
+    def supports(self, problem):
+        if self.method == "supports":
+            raise RuntimeError("supports() broke")
+        return super().supports(problem)
+
+    def buffers(self, problem):
+        if self.method == "buffers":
+            raise RuntimeError("buffers() broke")
+        return super().buffers(problem)
+
+    def notes(self, problem):
+        if self.method == "notes":
+            raise RuntimeError("notes() broke")
+        return super().notes(problem)
+
+
+def numerical() -> list[Algorithm]:
+    made = [cls(time_ms=FAST) for cls in (fakes.Raising, fakes.OutOfMemory, fakes.NaNResult, fakes.NoWrite,
+                                          fakes.InputWriter, fakes.FirstCallOnly, fakes.PoisonSniffer,
+                                          fakes.UniformSniffer, fakes.OneWrongElement, fakes.Memoising)]
+    # 5% off: wrong in every dtype (1% is within bfloat16's tolerance, 1.6%: a right answer there)
+    made.append(fakes.WrongResult(scale=1.05, time_ms=FAST))
+    return made + [RaisesIn(method) for method in ("supports", "buffers", "notes")]
+
+
+def process_level() -> list[tuple[Algorithm, ct.Policy]]:
+    quick = ct.Policy(deadline_s=1.0)
+    return [(adversaries.Exits(), quick), (adversaries.Segfaults(), quick), (adversaries.Hangs(), quick),
+            (adversaries.CallsExit(), quick), (adversaries.WritesItsInputsLater(), quick),
+            (adversaries.RightOnlyUnderSeed7(), quick),
+            (adversaries.HiddenAllocation(), ct.Policy(deadline_s=1.0, workspace_limit=0))]
+
+
+def problems() -> list[ct.ConvProblem]:
+    return [ct.ConvProblem(direction, n=4, c=16, k=16, input_size=(16, 16), kernel_size=3, padding=1, dtype=dtype)
+            for dtype in ("float32", "float16", "bfloat16") for direction in ("fwd", "bwd_data", "bwd_filter")]
+
+
+def judge(adversary: Algorithm, problem: ct.ConvProblem, policy: ct.Policy) -> tuple[str, str]:
+    """('clean' | 'unclean' | 'crash', what happened)."""
+    correct = fakes.Fake("fake:correct", time_ms=1.0)
+    try:
+        results = ct.find(problem, policy, candidates=[adversary, correct])
+    except BaseException as exc:  # noqa: BLE001 - whatever escapes find is a crash, counted
+        return "crash", f"find raised {type(exc).__name__}: {exc}"
+    mine = next((r for r in results if r.algorithm == adversary.name), None)
+    pick = best(results, policy, problem.dtype)
+    status = "not offered" if mine is None else mine.status.value
+    if mine is not None and mine.status == ct.Status.SKIPPED:
+        return "untested", f"find did not run it ({mine.message})"
+    if (pick is not None and pick.algorithm == adversary.name) or (mine is not None and mine.ok):
+        return "unclean", f"{status}; selected {pick.algorithm if pick else None}"
+    if pick is None or pick.algorithm != correct.name:
+        return "unclean", f"{status}; the correct candidate was not selected ({pick.algorithm if pick else None})"
+    return "clean", status
+
+
+def markdown(payload: dict) -> str:
+    rows = [[name, *(payload["by_adversary"][name].get(k, 0) for k in KINDS),
+             "; ".join(sorted(set(payload["how"][name])))] for name in payload["by_adversary"]]
+    totals = payload["totals"]
+    return (f"# Misbehaving candidates offered to find\n\n{common.env_line(payload['environment'])}. "
+            f"{payload['elapsed_s']:.0f} s. Each adversary beside a correct, slower candidate (`bench/reliability.py`); "
+            f"clean: find ran it, went on and selects the correct one; unclean: it selected the adversary or kept "
+            f"it as ok; crash: find raised; untested: find did not run it.\n\n"
+            f"Totals: {totals['tried']} tried, {totals['clean']} clean, {totals['unclean']} unclean, "
+            f"{totals['crash']} crashes, {totals['untested']} untested.\n\n"
+            + common.md_table(["adversary", *KINDS, "find's verdict on it"], rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.result_arguments(parser, "reliability")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    by_adversary: dict[str, dict[str, int]] = {}
+    how: dict[str, list[str]] = {}
+
+    def count(adversary: Algorithm, problem: ct.ConvProblem, policy: ct.Policy) -> None:
+        verdict, what = judge(adversary, problem, policy)
+        tally = by_adversary.setdefault(adversary.name, {})
+        for key in ("tried", verdict):
+            tally[key] = tally.get(key, 0) + 1
+        how.setdefault(adversary.name, []).append(what if verdict == "clean" else f"{verdict}: {what}")
+        print(f"{adversary.name:32s} {problem.key[:60]:60s} {verdict}: {what[:80]}", flush=True)
+
+    with settings.override(find_patience=0, find_prune_factor=0):  # every candidate run
+        with settings.override(isolate="off"):
+            for problem in problems():
+                for adversary in numerical():
+                    count(adversary, problem, ct.Policy())
+        for adversary, policy in process_level():  # plug-ins: in a worker process, as by default
+            count(adversary, problems()[0], policy)
+    totals = {k: sum(t.get(k, 0) for t in by_adversary.values()) for k in KINDS}
+    payload = {"environment": common.environment(), "elapsed_s": time.perf_counter() - start,
+               "by_adversary": by_adversary, "how": how, "totals": totals}
+    text = markdown(payload)
+    common.write(args.name, payload, text, args.out)
+    print(text)
+    return 0 if totals["unclean"] == totals["crash"] == totals["untested"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
