@@ -682,3 +682,21 @@ def test_a_cuda_build_of_torch_without_a_device_or_toolkit_builds_for_the_cpu(mo
     else:
         (home / "include" / "cuda_runtime_api.h").unlink()
     assert extension.cudnn_dirs() is None
+
+
+def test_the_host_cost_rule_leaves_a_cpu_bfloat16_layer_on_its_choice(native, monkeypatch, tmp_path):
+    # On the CPU in bfloat16 PyTorch's own call is no option (it computes some problems wrongly): the rule,
+    # which would send a layer whose gain does not pay its host cost there, keeps its measured choice.
+    from convtune.results import PerfResult, Status
+
+    monkeypatch.setattr(runtime, "host_overheads_us",
+                        lambda device, db=None: {"python": 50.0, "gemm_1x1": 50.0, "native": 50.0})
+    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite")).to(torch.bfloat16)
+    x = torch.randn(2, 6, 5, 5, dtype=torch.bfloat16)
+    p = ConvProblem.from_module(module, tuple(x.shape), dtype="bfloat16")
+    module._convtune_tuning.db.store(p, [PerfResult("gemm:1x1", Status.OK, time_ms=0.02, rel_error=0.0),
+                                         PerfResult("torch:native", Status.OK, time_ms=0.021, rel_error=0.0)])
+    with torch.no_grad():
+        module(x)
+    judged = next(iter(module.selections.values()))
+    assert judged.fwd == "gemm:1x1" and not judged.host_rule and judged.runtime != "torch"

@@ -426,8 +426,10 @@ class TuningDB:
             self._conn.close()
             self._conn = None
         if self._conn is None:
-            # The folder too may have gone (a cache folder removed): made again, as at construction.
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # The folder too may have gone (a cache folder removed): made again, as at construction (where
+            # it cannot be, opening fails as it would have, with SQLite's error).
+            with contextlib.suppress(OSError):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = _open(self.path)
             self._identity = _identity(self.path)
         return self._conn

@@ -221,6 +221,8 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     if selection.runtime == "torch" or not settings.host_rule or tuning.db is None or not selection.results:
         return selection
     base = ConvProblem.from_key(selection.problem)
+    if wrong_in_pytorch(base):  # PyTorch's own call is no option there: torch:native would run through the op too
+        return selection
     gain_us = cost_us = 0.0
     natives = {}
     for direction, chosen in selection.results:
