@@ -825,6 +825,7 @@ def test_a_layer_on_torch_native_in_cpu_bfloat16_runs_it_through_the_op_and_gets
         convtune.optimize(conv, x, training=True, db=db)
         rows = convtune.explain(conv)
         assert {r["algorithm"] for r in rows} == {"torch:native"} and "torch" not in {r["runtime"] for r in rows}
+        assert all("computes this problem wrongly" in r["note"] for r in rows)  # explain says why
         conv(x).double().sum().backward()
     reference(x.double()).sum().backward()
     torch.testing.assert_close(conv.weight.grad.double(), reference.weight.grad, rtol=2e-2, atol=2e-2)

@@ -26,7 +26,8 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     Keys: module (its path in the model; '' for the model itself), problem (the key of the
     direction's ConvProblem, or a description of an input convtune cannot describe), direction,
     algorithm (None: torch's own path), runtime (what runs the layer: 'native', convtune's C++ ops;
-    'torch', PyTorch's own call, where every direction chose torch:native or none could be tuned;
+    'torch', PyTorch's own call, where every direction chose torch:native (but for CPU bfloat16, which
+    runs it through convtune's op) or none could be tuned;
     'python', convtune's Python path), status, time_ms (None when not measured), workspace_bytes
     and note (why torch's or the Python path, or the result's message). Raises ``TypeError`` for a
     non-Module.

@@ -31,7 +31,8 @@ from convtune.results import PerfResult
 from convtune.settings import settings
 
 log = logging.getLogger(__name__)
-
+ROUTED_THROUGH_THE_OP = ("torch:native through convtune's op: PyTorch's own call computes this problem wrongly in "
+                         "some cases (CPU bfloat16)")
 
 
 class Signature(NamedTuple):
@@ -70,7 +71,7 @@ class LayerSelection:
     host_rule: bool = False
     call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
     native: tuple[int, int, int] | None = dataclasses.field(init=False, compare=False, repr=False)
-    python_reason: str = dataclasses.field(init=False, compare=False, repr=False)
+    python_reason: str = dataclasses.field(init=False, compare=False, repr=False)  # explain's note on the path
 
     @property
     def on_torch(self) -> bool:
@@ -95,6 +96,8 @@ class LayerSelection:
             native, why = _native_handles(self)
             if native is None:
                 call = ops.Call(self.problem, self.fwd, self.bwd_data, self.bwd_filter)
+            if {self.fwd, self.bwd_data, self.bwd_filter} <= {NATIVE, ""}:  # torch:native, not PyTorch's call
+                why = "; ".join(filter(None, (ROUTED_THROUGH_THE_OP, why)))
         object.__setattr__(self, "native", native)
         object.__setattr__(self, "call", call)
         object.__setattr__(self, "python_reason", why)
