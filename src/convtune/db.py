@@ -469,6 +469,7 @@ def _read_only(exc: sqlite3.OperationalError) -> bool:
 
 
 _failed_paths: set[str] = set()  # default paths that could not be opened (each warned once)
+_OPEN_FAULTS = (OSError, sqlite3.Error, RuntimeError, ValueError)  # what opening a database path can raise
 _warned_paths: set[str] = set()  # paths given to optimize that could not be opened (each warned once)
 _defaults: dict[str, TuningDB] = {}  # the default database of each default path, opened once
 _fallback: TuningDB | None = None  # the process's database where the default one cannot be opened
@@ -489,10 +490,8 @@ def default_db() -> TuningDB | None:
             try:
                 _defaults[where] = TuningDB()
                 return _defaults[where]
-            except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
-                log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its "
-                            "choices in a temporary database, removed when it ends. Set CONVTUNE_CACHE_DIR to a "
-                            "writable folder", where, type(exc).__name__, exc)
+            except _OPEN_FAULTS as exc:
+                _warn_unopened(where, exc, "Set CONVTUNE_CACHE_DIR to a writable folder")
                 _failed_paths.add(where)
         return _temporary()
 
@@ -504,14 +503,17 @@ def open_db(path: str | os.PathLike) -> TuningDB | None:
     call): tuning goes on and is remembered for the process's lifetime. ``TuningDB(path)`` itself raises."""
     try:
         return TuningDB(path)
-    except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
+    except _OPEN_FAULTS as exc:
         with _fallback_lock:
             if str(path) not in _warned_paths:
                 _warned_paths.add(str(path))
-                log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its "
-                            "choices in a temporary database, removed when it ends. Give a file's path in a "
-                            "writable folder", path, type(exc).__name__, exc)
+                _warn_unopened(str(path), exc, "Give a file's path in a writable folder")
             return _temporary()
+
+
+def _warn_unopened(where: str, exc: BaseException, fix: str) -> None:
+    log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its choices in a "
+                "temporary database, removed when it ends. %s", where, type(exc).__name__, exc, fix)
 
 
 def _temporary() -> TuningDB | None:
@@ -525,7 +527,7 @@ def _temporary() -> TuningDB | None:
         try:
             folder = tempfile.mkdtemp(prefix="convtune-db-")
             _fallback = TuningDB(Path(folder) / "tuning.sqlite")
-        except (OSError, sqlite3.Error, RuntimeError, ValueError) as exc:
+        except _OPEN_FAULTS as exc:
             log.warning("no temporary tuning database either (%s: %s); choices are made but not remembered",
                         type(exc).__name__, exc)
             return None
