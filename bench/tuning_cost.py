@@ -255,6 +255,11 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
              ("optimized backward alone", _backward_us(conv, xg))]
     rows += native_rows(p, conv, x, xg)
     rows += compiled_rows(p, x)
+    if device == "cuda":  # Triton runs on the CPU only in its interpreter
+        rows += triton_rows(device, dtype)
+    from convtune.pytorch import runtime
+    runtime.forget_host_costs()  # measured here, not read from a database
+    rows += [(f"host-cost rule's measure: {kind}", us) for kind, us in runtime.host_overheads_us(device).items()]
     call = next(iter(conv.selections.values())).call
     if call is not None:  # the backward's two runs without autograd around them
         dy = conv(x).detach()
@@ -296,15 +301,21 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
         layer.weight.data.copy_(conv.weight.data)
         plan = layer._convtune_selections[sig] = LayerSelection(p.key, **names)
         label = f"{kind} executables, runtime {plan.runtime}"
-        layer(xg)
-        torch_fwd, fwd, fwd_ratio = _interleaved(lambda: base(x), lambda: layer(x))
-        torch_both, both, both_ratio = _interleaved(lambda: base(xg).sum().backward(),
-                                                    lambda: layer(xg).sum().backward(), calls=200)
-        rows += [(f"{label}: forward ({names['fwd']}); nn.Conv2d {torch_fwd:.1f}", fwd),
-                 (f"{label}: forward / nn.Conv2d's", fwd_ratio),
-                 (f"{label}: forward+backward; nn.Conv2d {torch_both:.1f}", both),
-                 (f"{label}: forward+backward / nn.Conv2d's", both_ratio)]
+        rows += _against_torch(label, f" ({names['fwd']})", base, layer, x, xg)
     return rows
+
+
+def _against_torch(label: str, detail: str, base, layer, x, xg) -> list[tuple[str, float]]:
+    """``layer``'s forward, and forward+backward, each timed in alternation with ``base`` (nn.Conv2d): its
+    microseconds and the median of the rounds' ratios."""
+    layer(xg)
+    torch_fwd, fwd, fwd_ratio = _interleaved(lambda: base(x), lambda: layer(x))
+    torch_both, both, both_ratio = _interleaved(lambda: base(xg).sum().backward(),
+                                                lambda: layer(xg).sum().backward(), calls=200)
+    return [(f"{label}: forward{detail}; nn.Conv2d {torch_fwd:.1f}", fwd),
+            (f"{label}: forward / nn.Conv2d's", fwd_ratio),
+            (f"{label}: forward+backward; nn.Conv2d {torch_both:.1f}", both),
+            (f"{label}: forward+backward / nn.Conv2d's", both_ratio)]
 
 
 def compiled_rows(p, x) -> list[tuple[str, float]]:
@@ -327,6 +338,50 @@ def compiled_rows(p, x) -> list[tuple[str, float]]:
             rows += [(f"10 layers {style}, per layer: optimized ({', '.join(chosen)}); nn.Conv2d {torch_us / 10:.1f}",
                       ours_us / 10),
                      (f"10 layers {style}: optimized / nn.Conv2d's", ratio)]
+    return rows
+
+
+def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
+    """A depthwise 3x3 layer (64 channels on 4x4) on convtune's Triton kernels, layer by layer of the Python path:
+    the kernel's launch with its arguments made beforehand (Triton's launcher alone), the kernels module's call,
+    the algorithm's ``execute``, the op path's ``ops.compute``, and the module forward (float16 weights, and float32
+    ones under autocast, as a network runs) and forward+backward against nn.Conv2d timed in alternation."""
+    from convtune.kernels import depthwise
+    from convtune.kernels.shared import geometry
+    from convtune.pytorch.modules import Conv2d
+    from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
+
+    p = ct.ConvProblem("fwd", n=1, c=64, k=64, input_size=(4, 4), kernel_size=3, padding=1, groups=64, dtype=dtype,
+                       layout="NHWC", device=device)
+    names = {d: next((a.name for a in ct.algorithms(p.with_direction(d)) if a.name.startswith("triton:")), "")
+             for d in ("fwd", "bwd_data", "bwd_filter")}
+    if not all(names.values()):
+        return []
+    x, w = p.random_inputs()
+    y = p.empty(p.operand_shapes[2])
+    algo = ct.get_algorithm(names["fwd"], p)
+    tile = algo.tile
+    r, s, *steps = geometry(p)
+    grid = (-(-16 // tile.positions), -(-64 // tile.channels))
+    launch_args = (x, w, y, 16, 4, 4, 4, 4, 64, *x.stride(), w.stride(0), w.stride(2), w.stride(3), *y.stride(), *steps)
+    launch = dict(M=1, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels, num_warps=tile.warps)
+    rows = [(f"Triton {names['fwd']}: the kernel's launch, arguments made beforehand",
+             _per_call_us(lambda: depthwise._forward[grid](*launch_args, **launch))),
+            ("Triton: convtune.kernels.depthwise.forward", _per_call_us(lambda: depthwise.forward(p, tile, x, w, y))),
+            ("Triton: Algorithm.execute", _per_call_us(lambda: algo.execute(p, x, w, y, {}))),
+            ("Triton: ops.compute (the op path's Runner)", _per_call_us(lambda: ops.compute(x, w, p.key, names["fwd"])))]
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    xg = x.clone().requires_grad_()
+    for label, torch_dtype, autocast in (("float16 weights", p.torch_dtype, False),
+                                        ("float32 weights under autocast", torch.float32, True)):
+        base = torch.nn.Conv2d(64, 64, 3, padding=1, groups=64, bias=False).to(device, torch_dtype)
+        base = base.to(memory_format=torch.channels_last)
+        layer = Conv2d(64, 64, 3, padding=1, groups=64, bias=False, mode="get").to(device, torch_dtype)
+        layer = layer.to(memory_format=torch.channels_last)
+        layer.weight.data.copy_(base.weight.data)
+        layer._convtune_selections[sig] = LayerSelection(p.key, **names)
+        with torch.autocast(device, dtype=p.torch_dtype, enabled=autocast):
+            rows += _against_torch(f"Triton module, {label}", "", base, layer, x, xg)
     return rows
 
 

@@ -442,6 +442,42 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
 
 # -- the host-cost rule ----------------------------------------------------------------------------
 
+def test_each_path_and_direction_pays_its_own_measured_host_cost(monkeypatch):
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 10.0, "python backward": 30.0, "triton": 40.0, "triton backward": 90.0, "native": 2.0})
+    p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
+    paid = {(kind, d): runtime.extra_host_us(p.with_direction(d), kind)
+            for kind in ("python", "triton", "native", "cudnn") for d in ("fwd", "bwd_data", "bwd_filter")}
+    assert paid == {("python", "fwd"): 10.0, ("python", "bwd_data"): 30.0, ("python", "bwd_filter"): 30.0,
+                    ("triton", "fwd"): 40.0, ("triton", "bwd_data"): 90.0, ("triton", "bwd_filter"): 90.0,
+                    ("native", "fwd"): 2.0, ("native", "bwd_data"): 2.0, ("native", "bwd_filter"): 2.0,
+                    # a kind not measured here (no cuDNN in this build) pays the Python path's
+                    ("cudnn", "fwd"): 10.0, ("cudnn", "bwd_data"): 30.0, ("cudnn", "bwd_filter"): 30.0}
+    assert ct.get_algorithm("triton:depthwise_fwd_p32c64w4").host_kind == "triton"
+    assert ct.get_algorithm("direct:taps").host_kind == "python"
+
+
+def test_the_host_cost_rule_charges_a_triton_choice_its_launcher(native, monkeypatch, tmp_path):
+    from convtune.results import PerfResult, Status
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that the Triton kernels support CPU problems
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 1.0, "python backward": 1.0, "triton": 50.0, "triton backward": 50.0})
+    x = torch.randn(1, 64, 4, 4).to(memory_format=torch.channels_last)
+    module = ct.nn.Conv2d(64, 64, 3, padding=1, groups=64, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
+    p = ConvProblem.from_module(module, tuple(x.shape), layout="channels_last")
+    names = {"fwd": "triton:depthwise_fwd_p32c64w4", "bwd_data": "triton:depthwise_bwd_data_p32c64w4",
+             "bwd_filter": "triton:depthwise_bwd_filter_p16c64w4s16"}
+    for d, name in names.items():  # ahead by 3 us each: more than the Python path's 1, less than Triton's 50
+        module._convtune_tuning.db.store(p.with_direction(d), [
+            PerfResult(name, Status.OK, time_ms=0.01, rel_error=0.0),
+            PerfResult("torch:native", Status.OK, time_ms=0.013, rel_error=0.0)])
+    module(x.requires_grad_()).sum().backward()
+    selection = next(iter(module.selections.values()))
+    assert selection.runtime == "torch" and selection.host_rule, selection
+    assert "would gain 9.0 us of GPU time a step but cost 150.0 us" in ct.explain(module)[0]["note"]
+
+
 @pytest.mark.parametrize("gain_ms,expected", [(0.003, "torch"), (1.0, "native")])
 def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkeypatch, tmp_path, gain_ms, expected):
     from convtune.results import PerfResult, Status
@@ -576,11 +612,16 @@ def test_the_host_cost_calibration_runs_inside_an_autocast_region_and_is_kept(na
             overheads = runtime.host_overheads_us("cpu", db)
             assert db.host_costs("cpu") == overheads  # a fresh process reads it from there
             runtime.forget_host_costs()
-            db.store_host_costs("cpu", {"python": 1.0, "native": 0.5})
-            assert runtime.host_overheads_us("cpu", db) == {"python": 1.0, "native": 0.5}  # read, not measured
+            kept = {"python": 1.0, "python backward": 2.0, "native": 0.5}
+            db.store_host_costs("cpu", kept)
+            assert runtime.host_overheads_us("cpu", db) == kept  # read, not measured
+            runtime.forget_host_costs()
+            db.store_host_costs("cpu", {"python": 1.0, "native": 0.5})  # as a version without the backward's kept it
+            assert "python backward" in runtime.host_overheads_us("cpu", db)  # measured again
+            assert "python backward" in db.host_costs("cpu")  # and kept
     finally:
         runtime.forget_host_costs()
-    assert {"python", "native", "gemm_1x1", "gemm_1x1_strided"} <= set(overheads)
+    assert {"python", "python backward", "native", "gemm_1x1", "gemm_1x1_strided"} <= set(overheads)
     assert all(us >= 0 for us in overheads.values())
 
 

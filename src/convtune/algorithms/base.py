@@ -153,7 +153,9 @@ class Algorithm(abc.ABC):
     (micro-batching), which only a policy with ``micro_batching`` allows. place: for a plan of a backend
     that ranks its plans by its own heuristics (cuDNN's), its fixed place in that order for its problem
     (0: the heuristics' first choice), which get prices (``costmodel.order_factor``) and its learned
-    model reads; None for everything else.
+    model reads; None for everything else. host_kind: which of the host costs the Python path's runs of it pay
+    (``convtune.pytorch.runtime.host_overheads_us``; where it has no native executable): 'python', or
+    'triton' for a Triton kernel, whose launcher costs more host time.
     """
 
     name: str = ""
@@ -162,6 +164,7 @@ class Algorithm(abc.ABC):
     deterministic: bool = True
     splits_batch: bool = False
     place: int | None = None
+    host_kind: str = "python"
 
     def __init__(self) -> None:
         if not _NAME.match(self.name):

@@ -40,6 +40,7 @@ class TritonAlgorithm(Algorithm):
     """
 
     devices = ("cuda", "cpu")
+    host_kind = "triton"
     family = ""
     kernels = ""
     tile_type = ""

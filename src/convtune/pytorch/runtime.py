@@ -36,6 +36,7 @@ from convtune import extension
 from convtune.algorithms.base import Algorithm
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
+from convtune.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -217,20 +218,25 @@ def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 100, repeats: 
 
 
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
+# Kinds every answer has: costs kept by a version that measured fewer are measured again.
+MEASURED_KINDS = ("python", "python backward")
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     """Host microseconds that running one direction of a convolution on each path adds over PyTorch's own call.
 
     Keys: executable kinds ('native', 'gemm_1x1', 'gemm_1x1_strided', 'cudnn'; those this build and
-    device have) and 'python' (convtune's Python path). Measured once per machine, software and device
-    type, on a convolution so small that the host sets the pace (the path's call against
-    ``torch.nn.functional.conv2d``), and kept in ``db`` when one is given: a warm start reads it.
+    device have: the op's forward against ``torch.nn.functional.conv2d``), and the Python path's, measured
+    as a layer pays them (a layer against ``torch.nn.Conv2d``): 'python' (its forward without autograd) and
+    'python backward' (each gradient's share of its forward and backward, less that forward), and on CUDA
+    'triton' and 'triton backward' (the same layer on convtune's Triton kernels, whose launcher costs more).
+    Measured once per machine, software and device type, on convolutions so small that the host sets the
+    pace, and kept in ``db`` when one is given: a warm start reads it.
     """
     known = _host_costs.get(device)
     if known is None:
         known = db.host_costs(device) if db is not None else None
-        if known is None:
+        if known is None or not all(kind in known for kind in MEASURED_KINDS):
             known = _measure_host_overheads(device)
             if db is not None:
                 try:
@@ -247,16 +253,13 @@ def forget_host_costs() -> None:
 
 
 def _measure_host_overheads(device: str) -> dict[str, float]:
-    from convtune.pytorch import ops  # the Python path's ops
-
     half = device == "cuda"
     p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype="float16" if half else "float32",
                     layout="channels_last", device=device)
     x, w = p.random_inputs()
+    overheads = {}
     with torch.no_grad(), torch.autocast(device, enabled=False):  # the caller may be in an autocast region
         base = _per_call_us(lambda: torch.nn.functional.conv2d(x, w), device)
-        python = ops.Runner(p.key, "torch:native")  # the Python path's, not the executable ops.runner would pick
-        overheads = {"python": _per_call_us(lambda: python(x, w), device) - base}
         if available():
             for algo in algorithms(p):
                 recipe = algo.native_recipe(p)
@@ -268,14 +271,62 @@ def _measure_host_overheads(device: str) -> dict[str, float]:
                     continue
                 run = functools.partial(tuned_conv, x, w, None, (handle, 0, 0))
                 overheads[recipe.kind] = _per_call_us(run, device) - base
+    with torch.autocast(device, enabled=False), settings.override(native=False):  # gemm:1x1 on the Python path
+        overheads["python"], overheads["python backward"] = _python_layer_us(p, dict.fromkeys(DIRECTION_INDEX,
+                                                                                              "gemm:1x1"))
+        if device == "cuda":  # on the CPU Triton runs only in its interpreter: the Python path's costs stand in
+            depthwise = p.replace(c=64, k=64, groups=64, kernel_size=3, padding=1)
+            names = {d: next((a.name for a in algorithms(depthwise.with_direction(d)) if a.host_kind == "triton"), "")
+                     for d in DIRECTION_INDEX}
+            if all(names.values()):
+                overheads["triton"], overheads["triton backward"] = _python_layer_us(depthwise, names)
     overheads = {kind: max(us, 0.0) for kind, us in overheads.items()}
     if "gemm_1x1" in overheads:
         overheads["gemm_1x1_strided"] = overheads["gemm_1x1"]  # the same calls and a slice copy
     return overheads
 
 
+def _python_layer_us(problem: ConvProblem, names: dict[str, str]) -> tuple[float, float]:
+    """(forward, each gradient): host microseconds that a layer on the Python path running ``names`` on
+    ``problem`` (2-D, channels_last) adds over ``torch.nn.Conv2d``'s: its forward without autograd, and its
+    forward and backward (autograd's call of the backward, the layout of the gradient, both gradients'
+    runs), less that forward, halved."""
+    from convtune.pytorch.modules import Conv2d
+    from convtune.pytorch.tuning import LayerSelection, Signature
+
+    def made(cls: Any, **extra: Any) -> torch.nn.Module:
+        layer = cls(problem.c, problem.k, problem.kernel_size, padding=problem.padding, groups=problem.groups,
+                    bias=False, **extra)
+        return layer.to(problem.device, problem.torch_dtype).to(memory_format=torch.channels_last)
+
+    base, layer = made(torch.nn.Conv2d), cast(Conv2d, made(Conv2d, mode="get"))
+    layer.load_state_dict(base.state_dict())
+    x = problem.random_inputs()[0]
+    layer._convtune_selections[Signature(tuple(x.shape), x.dtype, x.device, "channels_last")] = \
+        LayerSelection(problem.key, names["fwd"], names["bwd_data"], names["bwd_filter"])
+    xg = x.clone().requires_grad_()
+    dy = torch.ones_like(base(x))  # dense in the layout, as a network's gradients are
+
+    def forward(m: torch.nn.Module) -> Callable[[], Any]:
+        return lambda: m(x)
+
+    def step(m: torch.nn.Module) -> Callable[[], Any]:
+        return lambda: m(xg).backward(dy)
+
+    with torch.no_grad():
+        fwd = _per_call_us(forward(layer), problem.device) - _per_call_us(forward(base), problem.device)
+    both = _per_call_us(step(layer), problem.device, calls=50) - _per_call_us(step(base), problem.device, calls=50)
+    return fwd, (both - fwd) / 2
+
+
 def extra_host_us(problem: ConvProblem, kind: str, db: Any = None) -> float:
-    """Host microseconds one run on ``problem`` costs over PyTorch's own call on the path of ``kind``
-    (an executable kind, or 'python' for convtune's Python path)."""
+    """Host microseconds one run on ``problem`` costs over PyTorch's own call on the path of ``kind``: an
+    executable kind, or an algorithm's ``host_kind`` on the Python path ('python', 'triton'; a gradient's
+    direction its backward share). A kind not measured here costs the Python path's."""
     overheads = host_overheads_us(problem.device, db)
-    return overheads.get(kind, max(overheads.values()))
+    for candidate in (kind, "python"):
+        if problem.direction != "fwd" and f"{candidate} backward" in overheads:
+            return overheads[f"{candidate} backward"]
+        if candidate in overheads:
+            return overheads[candidate]
+    return max(overheads.values())

@@ -216,9 +216,9 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
 
     The rule: a layer gains, per step, the measured GPU time of torch:native minus that of its choice,
     summed over its tuned directions; it pays, per step, the host time its path adds over PyTorch's
-    call (``runtime.extra_host_us``, measured once per machine and kept in the database). Where the gain is
-    smaller than the
-    cost, the layer calls PyTorch. Only measured choices are judged (the database holds torch:native's
+    call (``runtime.extra_host_us``, measured once per machine and kept in the database: an executable's, or
+    the Python path's as a layer pays it, a Triton kernel's apart). Where the gain is smaller than the cost,
+    the layer calls PyTorch. Only measured choices are judged (the database holds torch:native's
     time for every tuned direction); settings.host_rule=False turns the rule off.
     """
     if selection.runtime == "torch" or not settings.host_rule or tuning.db is None or not selection.results:
@@ -237,7 +237,7 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
         gain_us += 1e3 * (native.time_ms - chosen.time_ms)
         # A direction with an executable costs the C++ op's host time, on a Python-path layer too (ops.NativeRunner).
         kind = runtime.prepare(problem, chosen.algorithm)[1] if ops.native_handle(problem.key, chosen.algorithm) \
-            else "python"
+            else get_algorithm(chosen.algorithm, problem).host_kind
         cost_us += runtime.extra_host_us(problem, kind, tuning.db)
     if gain_us >= cost_us:
         return selection
