@@ -36,7 +36,6 @@ from convtune import extension
 from convtune.algorithms.base import Algorithm
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
-from convtune.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +224,15 @@ MEASURED_KINDS = ("python", "python backward")
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     """Host microseconds that running one direction of a convolution on each path adds over PyTorch's own call.
 
-    Keys: executable kinds ('native', 'gemm_1x1', 'gemm_1x1_strided', 'cudnn'; those this build and
-    device have: the op's forward against ``torch.nn.functional.conv2d``), and the Python path's, measured
-    as a layer pays them (a layer against ``torch.nn.Conv2d``): 'python' (its forward without autograd) and
-    'python backward' (each gradient's share of its forward and backward, less that forward), and on CUDA
-    'triton' and 'triton backward' (the same layer on convtune's Triton kernels, whose launcher costs more).
-    Measured once per machine, software and device type, on convolutions so small that the host sets the
-    pace, and kept in ``db`` when one is given: a warm start reads it.
+    Each path is measured as a layer pays it, a layer against ``torch.nn.Conv2d``: its forward without
+    autograd, and, under '<kind> backward', each gradient's half of what its forward and backward add over
+    that forward. Keys: the executable kinds this build and device have ('gemm_1x1', 'gemm_1x1_strided',
+    'cudnn'; 'native', PyTorch's convolution through the op, which a layer only runs beside other kinds, by
+    the op's forward against ``torch.nn.functional.conv2d``), the Python path ('python': a layer on the first
+    of convtune's Python algorithms that computes the probe, with its own calls), and on CUDA the Python path
+    on convtune's Triton kernels ('triton'), whose launcher costs more. Measured once per
+    machine, software and device type, on convolutions so small that the host sets the pace, and kept in
+    ``db`` when one is given: a warm start reads it.
     """
     known = _host_costs.get(device)
     if known is None:
@@ -256,41 +257,50 @@ def _measure_host_overheads(device: str) -> dict[str, float]:
     half = device == "cuda"
     p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype="float16" if half else "float32",
                     layout="channels_last", device=device)
-    x, w = p.random_inputs()
-    overheads = {}
-    with torch.no_grad(), torch.autocast(device, enabled=False):  # the caller may be in an autocast region
-        base = _per_call_us(lambda: torch.nn.functional.conv2d(x, w), device)
+    overheads: dict[str, float] = {}
+    with torch.autocast(device, enabled=False):  # the caller may be in an autocast region
         if available():
-            for algo in algorithms(p):
-                recipe = algo.native_recipe(p)
-                if recipe is None or recipe.kind in overheads:
-                    continue
-                try:
-                    handle = executable(p, algo)
-                except (NotNative, RuntimeError):
-                    continue
-                run = functools.partial(tuned_conv, x, w, None, (handle, 0, 0))
-                overheads[recipe.kind] = _per_call_us(run, device) - base
-    with torch.autocast(device, enabled=False), settings.override(native=False):  # gemm:1x1 on the Python path
-        overheads["python"], overheads["python backward"] = _python_layer_us(p, dict.fromkeys(DIRECTION_INDEX,
-                                                                                              "gemm:1x1"))
-        if device == "cuda":  # on the CPU Triton runs only in its interpreter: the Python path's costs stand in
-            depthwise = p.replace(c=64, k=64, groups=64, kernel_size=3, padding=1)
-            names = {d: next((a.name for a in algorithms(depthwise.with_direction(d)) if a.host_kind == "triton"), "")
+            kinds: dict[str, dict[str, str]] = {}  # executable kind -> an algorithm of that kind per direction
+            for direction in DIRECTION_INDEX:
+                q = p.with_direction(direction)
+                for algo in algorithms(q):
+                    recipe = algo.native_recipe(q)
+                    if recipe is not None:
+                        kinds.setdefault(recipe.kind, {}).setdefault(direction, algo.name)
+            native = kinds.pop("native", {}).get("fwd")
+            if native:  # torch:native everywhere is PyTorch's own call, no executable: the op's forward alone
+                x, w = p.random_inputs()
+                run = functools.partial(tuned_conv, x, w, None, (executable(p, get_algorithm(native, p)), 0, 0))
+                with torch.no_grad():  # (an executable of torch:native is made wherever the extension is loaded)
+                    overheads["native"] = _per_call_us(run, device) - _per_call_us(
+                        lambda: torch.nn.functional.conv2d(x, w), device)
+            for kind, names in kinds.items():
+                if len(names) == len(DIRECTION_INDEX):
+                    measured = _layer_us(p, names, "native")
+                    if measured is not None:
+                        overheads[kind], overheads[f"{kind} backward"] = measured
+        for kind, problem in (("python", p), ("triton", p.replace(c=64, k=64, groups=64, kernel_size=3, padding=1))):
+            if kind == "triton" and device != "cuda":  # on the CPU Triton runs only in its interpreter
+                continue  # (the Python path's costs stand in)
+            names = {d: next((a.name for a in algorithms(problem.with_direction(d))
+                              if a.host_kind == kind and a.native_recipe(problem.with_direction(d)) is None), "")
                      for d in DIRECTION_INDEX}
-            if all(names.values()):
-                overheads["triton"], overheads["triton backward"] = _python_layer_us(depthwise, names)
+            measured = _layer_us(problem, names, "python") if all(names.values()) else None
+            if measured is not None:
+                overheads[kind], overheads[f"{kind} backward"] = measured
     overheads = {kind: max(us, 0.0) for kind, us in overheads.items()}
-    if "gemm_1x1" in overheads:
-        overheads["gemm_1x1_strided"] = overheads["gemm_1x1"]  # the same calls and a slice copy
+    for name in ("", " backward"):
+        if f"gemm_1x1{name}" in overheads:
+            overheads[f"gemm_1x1_strided{name}"] = overheads[f"gemm_1x1{name}"]  # the same calls and a slice copy
     return overheads
 
 
-def _python_layer_us(problem: ConvProblem, names: dict[str, str]) -> tuple[float, float]:
-    """(forward, each gradient): host microseconds that a layer on the Python path running ``names`` on
-    ``problem`` (2-D, channels_last) adds over ``torch.nn.Conv2d``'s: its forward without autograd, and its
-    forward and backward (autograd's call of the backward, the layout of the gradient, both gradients'
-    runs), less that forward, halved."""
+def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tuple[float, float] | None:
+    """(forward, each gradient): host microseconds that a layer running ``names`` on ``problem`` (2-D,
+    channels_last) adds over ``torch.nn.Conv2d``'s: its forward without autograd, and its forward and backward
+    (autograd's call of the backward, the layout of the gradient, both gradients' runs), less that forward,
+    halved. None where the layer would not run on ``runtime`` ('native' or 'python'; an executable cuDNN
+    would not build here, say)."""
     from convtune.pytorch.modules import Conv2d
     from convtune.pytorch.tuning import LayerSelection, Signature
 
@@ -299,11 +309,13 @@ def _python_layer_us(problem: ConvProblem, names: dict[str, str]) -> tuple[float
                     bias=False, **extra)
         return layer.to(problem.device, problem.torch_dtype).to(memory_format=torch.channels_last)
 
+    selection = LayerSelection(problem.key, names["fwd"], names["bwd_data"], names["bwd_filter"])
+    if selection.runtime != runtime:
+        return None
     base, layer = made(torch.nn.Conv2d), cast(Conv2d, made(Conv2d, mode="get"))
     layer.load_state_dict(base.state_dict())
     x = problem.random_inputs()[0]
-    layer._convtune_selections[Signature(tuple(x.shape), x.dtype, x.device, "channels_last")] = \
-        LayerSelection(problem.key, names["fwd"], names["bwd_data"], names["bwd_filter"])
+    layer._convtune_selections[Signature(tuple(x.shape), x.dtype, x.device, "channels_last")] = selection
     xg = x.clone().requires_grad_()
     dy = torch.ones_like(base(x))  # dense in the layout, as a network's gradients are
 
