@@ -29,10 +29,10 @@ import torch
 
 from . import background, costmodel, hardware, isolation
 from .algorithms.base import Algorithm, allocate_workspace
+from .algorithms.microbatch import micro_batch_offers
 from .algorithms.registry import algorithms
 from .errors import CANDIDATE_FAULTS
 from .get import ranked_predictions
-from .microbatch import micro_batch_offers
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import order
@@ -417,7 +417,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     that run, for all of them under a ``workspace_limit``, and for a skipped one only while a
     candidate can still be leaner than the leanest measured; a skipped candidate whose workspace
     was not learned shows 0 bytes and says so in its message. With ``policy.micro_batching`` and
-    a ``workspace_limit``, the batch splits that ``microbatch.micro_batch_offers`` proposes (from
+    a ``workspace_limit``, the batch splits that ``algorithms.microbatch.micro_batch_offers`` proposes (from
     finds on sub-batches) are tried last, verified and timed by ``timer`` like any candidate.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
@@ -512,7 +512,7 @@ def _search(search: _Search, ranked: list[Algorithm], head_size: int, predicted_
 
 def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResult], search: _Search,
                    **find_kw: Any) -> list[PerfResult]:
-    """The splits ``microbatch.micro_batch_offers`` proposes, each verified and timed like any candidate."""
+    """The splits ``algorithms.microbatch.micro_batch_offers`` proposes, each verified and timed like any candidate."""
     def find_sub(sub: ConvProblem, sub_policy: Policy) -> list[PerfResult]:
         return find(sub, sub_policy, **find_kw)
 
