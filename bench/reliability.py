@@ -17,6 +17,13 @@ problems of every direction and dtype. The process-level ones (tests/adversaries
 segfaults, hangs, calls ``sys.exit``, writes its inputs later, hides 64 MiB of workspace) run as
 plug-ins under the default isolation, in a worker process, on one problem (float32 forward).
 
+Then the inputs a user may pass (tests/test_fuzz.py's properties, with their hypothesis strategies and
+numbers of examples): ConvProblem's and Policy's fields, the command line's arguments, layer files, the
+cache command's paths and files, settings from the environment. Per input: clean when it is handled or
+refused with a clean error (TypeError or ValueError; exit status 2 and one line for the CLI),
+unclean when the check fails (an internal error, a problem that does not round-trip), crash when an
+exception escapes.
+
     python bench/reliability.py                    # writes bench/results/reliability.{json,md}
 """
 
@@ -111,17 +118,62 @@ def judge(adversary: Algorithm, problem: ct.ConvProblem, policy: ct.Policy) -> t
     return "clean", status
 
 
+def fuzz() -> dict[str, dict[str, int]]:
+    """tried / clean / unclean / crash per input property of tests/test_fuzz.py."""
+    from test_fuzz import PROPERTIES
+
+    counts: dict[str, dict[str, int]] = {}
+    for name, (strategy, examples, check) in PROPERTIES.items():
+        counts[name] = _counted(strategy, examples, check)
+        print(f"inputs: {name:32s} {counts[name]}", flush=True)
+    return counts
+
+
+def _counted(strategy, examples: int, check) -> dict[str, int]:
+    from hypothesis import HealthCheck, given
+    from hypothesis import settings as hsettings
+
+    tally = dict.fromkeys(("tried", "clean", "unclean", "crash"), 0)
+
+    @hsettings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def each(value):
+        try:
+            verdict = "clean" if check(value) else "unclean"
+        except Exception:  # noqa: BLE001  (what the count is for)
+            verdict = "crash"
+        tally["tried"] += 1
+        tally[verdict] += 1
+
+    each()
+    return tally
+
+
 def markdown(payload: dict) -> str:
     rows = [[name, *(payload["by_adversary"][name].get(k, 0) for k in KINDS),
              "; ".join(sorted(set(payload["how"][name])))] for name in payload["by_adversary"]]
     totals = payload["totals"]
-    return (f"# Misbehaving candidates offered to find\n\n{common.env_line(payload['environment'])}. "
+    return (f"# Reliability: misbehaving candidates offered to find, and inputs\n\n{common.env_line(payload['environment'])}. "
             f"{payload['elapsed_s']:.0f} s. Each adversary beside a correct, slower candidate (`bench/reliability.py`); "
             f"clean: find ran it, went on and selects the correct one; unclean: it selected the adversary or kept "
             f"it as ok; crash: find raised; untested: find did not run it.\n\n"
             f"Totals: {totals['tried']} tried, {totals['clean']} clean, {totals['unclean']} unclean, "
             f"{totals['crash']} crashes, {totals['untested']} untested.\n\n"
-            + common.md_table(["adversary", *KINDS, "find's verdict on it"], rows))
+            + common.md_table(["adversary", *KINDS, "find's verdict on it"], rows) + _inputs_markdown(payload))
+
+
+def _inputs_markdown(payload: dict) -> str:
+    inputs = payload.get("inputs")
+    if not inputs:  # written before the inputs were counted
+        return ""
+    kinds = ("tried", "clean", "unclean", "crash")
+    totals = {k: sum(t[k] for t in inputs.values()) for k in kinds}
+    return ("\n\n## Inputs a user may pass\n\nEach property of `tests/test_fuzz.py` on inputs its hypothesis strategy "
+            "makes; clean: handled, or refused with a TypeError or ValueError (the CLI: exit status 2, "
+            "one line); unclean: its check failed; crash: an exception escaped.\n\n"
+            f"Totals: {totals['tried']} tried, {totals['clean']} clean, {totals['unclean']} unclean, "
+            f"{totals['crash']} crashes.\n\n"
+            + common.md_table(["input", *kinds], [[name, *(t[k] for k in kinds)] for name, t in inputs.items()]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,12 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         for adversary, policy in process_level():  # plug-ins: in a worker process, as by default
             count(adversary, problems()[0], policy)
     totals = {k: sum(t.get(k, 0) for t in by_adversary.values()) for k in KINDS}
+    inputs = fuzz()
     payload = {"environment": common.environment(), "elapsed_s": time.perf_counter() - start,
-               "by_adversary": by_adversary, "how": how, "totals": totals}
+               "by_adversary": by_adversary, "how": how, "totals": totals, "inputs": inputs}
     text = markdown(payload)
     common.write(args.name, payload, text, args.out)
     print(text)
-    return 0 if totals["unclean"] == totals["crash"] == totals["untested"] == 0 else 1
+    bad_inputs = sum(t["unclean"] + t["crash"] for t in inputs.values())
+    return 0 if totals["unclean"] == totals["crash"] == totals["untested"] == 0 == bad_inputs else 1
 
 
 if __name__ == "__main__":
