@@ -605,25 +605,75 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-def test_the_host_cost_calibration_runs_inside_an_autocast_region_and_is_kept(native, tmp_path):
+@pytest.mark.parametrize("mode", ["autocast", "no_grad", "inference_mode"])
+def test_the_host_cost_calibration_runs_in_any_mode_the_caller_is_in_and_is_kept(native, tmp_path, monkeypatch, mode):
+    from convtune.pytorch.modules import TunedConv
+
+    def tuned(*args, **kwargs):
+        raise AssertionError("a probe layer tuned itself instead of running the selection it was given")
+
+    monkeypatch.setattr(TunedConv, "_convtune_tune", tuned)
     runtime.forget_host_costs()
+    region = {"autocast": torch.autocast("cpu", dtype=torch.bfloat16), "no_grad": torch.no_grad(),
+              "inference_mode": torch.inference_mode()}[mode]
+    torch.manual_seed(0)
+    drawn = torch.rand(3)
+    torch.manual_seed(0)
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16), ct.TuningDB(tmp_path / "t.sqlite") as db:
+        with region, ct.TuningDB(tmp_path / "t.sqlite") as db:
             overheads = runtime.host_overheads_us("cpu", db)
-            assert db.host_costs("cpu") == overheads  # a fresh process reads it from there
+            assert torch.equal(torch.rand(3), drawn)  # measuring drew nothing from the caller's generator
+            assert db.host_costs("cpu") == {**overheads, "method": runtime.HOST_COST_METHOD}  # kept for the next
             runtime.forget_host_costs()
             kept = {"python": 1.0, "python backward": 2.0, "native": 0.5}
-            db.store_host_costs("cpu", kept)
+            db.store_host_costs("cpu", {**kept, "method": runtime.HOST_COST_METHOD})
             assert runtime.host_overheads_us("cpu", db) == kept  # read, not measured
             runtime.forget_host_costs()
-            db.store_host_costs("cpu", {"python": 1.0, "native": 0.5})  # as a version without the backward's kept it
-            assert "python backward" in runtime.host_overheads_us("cpu", db)  # measured again
-            assert "python backward" in db.host_costs("cpu")  # and kept
+            db.store_host_costs("cpu", kept)  # as a version that measured otherwise kept it
+            assert "gemm_1x1 backward" in runtime.host_overheads_us("cpu", db)  # measured again
+            assert "gemm_1x1 backward" in db.host_costs("cpu")  # and kept
     finally:
         runtime.forget_host_costs()
     assert {"python", "python backward", "native", "gemm_1x1", "gemm_1x1 backward", "gemm_1x1_strided",
             "gemm_1x1_strided backward"} <= set(overheads)
     assert all(us >= 0 for us in overheads.values())
+
+
+def test_a_path_whose_host_cost_cannot_be_measured_is_left_out_not_the_tuning(native, monkeypatch, caplog):
+    from convtune.pytorch import ops
+
+    def broken(self, a, b):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(ops.Runner, "__call__", broken)  # every run on the Python path fails here
+    runtime.forget_host_costs()
+    try:
+        overheads = runtime.host_overheads_us("cpu")
+    finally:
+        runtime.forget_host_costs()
+    assert "python" not in overheads and "gemm_1x1 backward" in overheads  # the native paths are measured
+    assert "could not measure the host cost of the python path (RuntimeError: no kernel image" in caplog.text
+    p = ConvProblem("bwd_data", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: overheads)
+    assert runtime.extra_host_us(p, "python") == max(overheads.values())  # charged the most measured
+
+
+def test_a_python_path_layer_pays_that_path_in_its_native_directions_too(native, monkeypatch, tmp_path):
+    from convtune.results import PerfResult, Status
+
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 4.0, "python backward": 4.0, "gemm_1x1": 0.0, "gemm_1x1 backward": 0.0})
+    x = torch.randn(2, 6, 5, 5)
+    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
+    p = ConvProblem.from_module(module, tuple(x.shape))
+    for d, name in (("fwd", "gemm:1x1"), ("bwd_data", "gemm:im2col"), ("bwd_filter", "gemm:1x1")):
+        module._convtune_tuning.db.store(p.with_direction(d), [  # 3 us ahead: less than 4, more than 0
+            PerfResult(name, Status.OK, time_ms=0.01, rel_error=0.0),
+            PerfResult("torch:native", Status.OK, time_ms=0.013, rel_error=0.0)])
+    module(x.requires_grad_()).sum().backward()
+    selection = next(iter(module.selections.values()))
+    assert selection.runtime == "torch" and selection.host_rule  # gemm:im2col's Python path: 12 us for all three
+    assert "would gain 9.0 us of GPU time a step but cost 12.0 us" in ct.explain(module)[0]["note"]
 
 
 def test_a_layer_that_pads_its_input_first_never_takes_the_op_on_the_raw_input(native):

@@ -217,34 +217,44 @@ def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 100, repeats: 
 
 
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
-# Kinds every answer has: costs kept by a version that measured fewer are measured again.
-MEASURED_KINDS = ("python", "python backward")
+_host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
+# Kept with the costs in the database: costs measured by another method are measured again.
+HOST_COST_METHOD = 2
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     """Host microseconds that running one direction of a convolution on each path adds over PyTorch's own call.
 
     Each path is measured as a layer pays it, a layer against ``torch.nn.Conv2d``: its forward without
-    autograd, and, under '<kind> backward', each gradient's half of what its forward and backward add over
-    that forward. Keys: the executable kinds this build and device have ('gemm_1x1', 'gemm_1x1_strided',
-    'cudnn'; 'native', PyTorch's convolution through the op, which a layer only runs beside other kinds, by
-    the op's forward against ``torch.nn.functional.conv2d``), the Python path ('python': a layer on the first
-    of convtune's Python algorithms that computes the probe, with its own calls), and on CUDA the Python path
-    on convtune's Triton kernels ('triton'), whose launcher costs more. Measured once per
-    machine, software and device type, on convolutions so small that the host sets the pace, and kept in
-    ``db`` when one is given: a warm start reads it.
+    autograd, and, under '<kind> backward', each gradient's half of what its backward adds (a layer that
+    computes one gradient pays about that half). Keys: the executable kinds this build and device have
+    ('gemm_1x1', 'gemm_1x1_strided', 'cudnn'; 'native', PyTorch's convolution through the op, which a layer
+    only runs beside other kinds: the op's forward against ``torch.nn.functional.conv2d``); the Python path
+    ('python': its modules, autograd Function and runners, without what one algorithm adds: a Python
+    algorithm's own host time is in the time ``find`` measures on the CPU, and on a GPU the kernels' time
+    is); and on CUDA the Python path on convtune's Triton kernels ('triton', their launcher included: it
+    costs more than the kernels take on small problems). Measured once per machine, software and device
+    type, on convolutions so small that the host sets the pace, and kept in ``db`` when one is given: a
+    warm start reads it. A path whose measurement fails is left out (``extra_host_us`` then charges the
+    Python path's cost).
     """
     known = _host_costs.get(device)
-    if known is None:
-        known = db.host_costs(device) if db is not None else None
-        if known is None or not all(kind in known for kind in MEASURED_KINDS):
-            known = _measure_host_overheads(device)
-            if db is not None:
-                try:
-                    db.store_host_costs(device, known)
-                except (sqlite3.Error, OSError, ValueError) as exc:  # measured again by the next process
-                    log.warning("could not keep the host costs in the tuning database: %s", exc)
-        _host_costs[device] = known
+    if known is not None:
+        return known
+    with _host_costs_lock:
+        known = _host_costs.get(device)  # measured by another thread meanwhile
+        if known is None:
+            stored = db.host_costs(device) if db is not None else None
+            if stored is not None and stored.pop("method", None) == HOST_COST_METHOD:
+                known = stored
+            else:
+                known = _measure_host_overheads(device)
+                if db is not None:
+                    try:
+                        db.store_host_costs(device, {**known, "method": HOST_COST_METHOD})
+                    except (sqlite3.Error, OSError, ValueError) as exc:  # measured again by the next process
+                        log.warning("could not keep the host costs in the tuning database: %s", exc)
+            _host_costs[device] = known
     return known
 
 
@@ -254,45 +264,97 @@ def forget_host_costs() -> None:
 
 
 def _measure_host_overheads(device: str) -> dict[str, float]:
-    half = device == "cuda"
-    p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, dtype="float16" if half else "float32",
-                    layout="channels_last", device=device)
-    overheads: dict[str, float] = {}
-    with torch.autocast(device, enabled=False):  # the caller may be in an autocast region
-        if available():
-            kinds: dict[str, dict[str, str]] = {}  # executable kind -> an algorithm of that kind per direction
-            for direction in DIRECTION_INDEX:
-                q = p.with_direction(direction)
-                for algo in algorithms(q):
-                    recipe = algo.native_recipe(q)
-                    if recipe is not None:
-                        kinds.setdefault(recipe.kind, {}).setdefault(direction, algo.name)
-            native = kinds.pop("native", {}).get("fwd")
-            if native:  # torch:native everywhere is PyTorch's own call, no executable: the op's forward alone
-                x, w = p.random_inputs()
-                run = functools.partial(tuned_conv, x, w, None, (executable(p, get_algorithm(native, p)), 0, 0))
-                with torch.no_grad():  # (an executable of torch:native is made wherever the extension is loaded)
-                    overheads["native"] = _per_call_us(run, device) - _per_call_us(
-                        lambda: torch.nn.functional.conv2d(x, w), device)
-            for kind, names in kinds.items():
-                if len(names) == len(DIRECTION_INDEX):
-                    measured = _layer_us(p, names, "native")
-                    if measured is not None:
-                        overheads[kind], overheads[f"{kind} backward"] = measured
-        for kind, problem in (("python", p), ("triton", p.replace(c=64, k=64, groups=64, kernel_size=3, padding=1))):
-            if kind == "triton" and device != "cuda":  # on the CPU Triton runs only in its interpreter
-                continue  # (the Python path's costs stand in)
-            names = {d: next((a.name for a in algorithms(problem.with_direction(d))
-                              if a.host_kind == kind and a.native_recipe(problem.with_direction(d)) is None), "")
-                     for d in DIRECTION_INDEX}
-            measured = _layer_us(problem, names, "python") if all(names.values()) else None
-            if measured is not None:
-                overheads[kind], overheads[f"{kind} backward"] = measured
+    """``host_overheads_us``' measurement, whatever the caller's autocast, gradient mode and random state."""
+    with torch.autocast(device, enabled=False), torch.inference_mode(False), torch.enable_grad(), \
+            torch.random.fork_rng(devices=[]):  # (the layers' initialisation draws from the CPU's generator)
+        overheads = _measured(device)
     overheads = {kind: max(us, 0.0) for kind, us in overheads.items()}
     for name in ("", " backward"):
         if f"gemm_1x1{name}" in overheads:
             overheads[f"gemm_1x1_strided{name}"] = overheads[f"gemm_1x1{name}"]  # the same calls and a slice copy
     return overheads
+
+
+def _probe(kind: str, measure: Callable[[], tuple[float, ...] | None]) -> tuple[float, ...] | None:
+    """``measure()``, or None (logged) where it raises: a path that fails here is left out, not the tuning."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001  (any fault of a probe: an algorithm or a compiler failing here)
+        log.warning("could not measure the host cost of the %s path (%s: %s); it is charged the Python path's",
+                    kind, type(exc).__name__, exc)
+        return None
+
+
+def _measured(device: str) -> dict[str, float]:
+    p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1,
+                    dtype="float16" if device == "cuda" else "float32", layout="channels_last", device=device)
+    overheads: dict[str, float] = {}
+    if available():
+        kinds: dict[str, dict[str, str]] = {}  # executable kind -> an algorithm of that kind per direction
+        for direction in DIRECTION_INDEX:
+            q = p.with_direction(direction)
+            for algo in algorithms(q):
+                recipe = algo.native_recipe(q)
+                if recipe is None or direction in kinds.get(recipe.kind, {}):
+                    continue
+                try:
+                    executable(q, algo)  # one that builds here (a cuDNN plan may not)
+                except (NotNative, RuntimeError):
+                    continue
+                kinds.setdefault(recipe.kind, {})[direction] = algo.name
+        native = kinds.pop("native", {}).get("fwd")
+        if native:  # torch:native everywhere is PyTorch's own call, no executable: the op's forward alone
+            x, w = p.random_inputs()
+            run = functools.partial(tuned_conv, x, w, None, (executable(p, get_algorithm(native, p)), 0, 0))
+            with torch.no_grad():
+                forward = _probe("native", lambda: (_per_call_us(run, device)
+                                                    - _per_call_us(lambda: torch.nn.functional.conv2d(x, w), device),))
+            if forward is not None:
+                overheads["native"] = forward[0]
+        for kind, names in kinds.items():
+            if len(names) == len(DIRECTION_INDEX):
+                _add_layer_costs(overheads, kind, p, names, "native")
+    for kind, problem in (("python", p), ("triton", p.replace(c=64, k=64, groups=64, kernel_size=3, padding=1))):
+        if kind == "triton" and device != "cuda":  # on the CPU Triton runs only in its interpreter
+            continue  # (the Python path's costs stand in)
+        names = {d: next((a.name for a in algorithms(problem.with_direction(d))
+                          if a.host_kind == kind and a.native_recipe(problem.with_direction(d)) is None), "")
+                 for d in DIRECTION_INDEX}
+        if all(names.values()):
+            _add_layer_costs(overheads, kind, problem, names, "python")
+    return overheads
+
+
+def _add_layer_costs(overheads: dict[str, float], kind: str, problem: ConvProblem, names: dict[str, str],
+                     runtime: str) -> None:
+    """Measure a layer of ``kind`` (``_layer_us``) into ``overheads``; for the Python path, less what its probe
+    algorithm's runs cost the host over torch:native's on the Python path (``_algorithm_us``)."""
+    measured = _probe(kind, lambda: _layer_us(problem, names, runtime))
+    if measured is None:
+        return
+    forward, backward = measured
+    if kind == "python":
+        extra = _probe(kind, lambda: _algorithm_us(problem, names))
+        if extra is None:
+            return
+        forward, backward = forward - extra[0], backward - (extra[1] + extra[2]) / 2
+    overheads[kind], overheads[f"{kind} backward"] = forward, backward
+
+
+def _algorithm_us(problem: ConvProblem, names: dict[str, str]) -> tuple[float, float, float]:
+    """Per direction: host microseconds that the Python path's run of ``names`` takes over its run of
+    torch:native (the same runner, so what is left is the algorithm's own calls)."""
+    from convtune.pytorch import ops  # the Python path's runners
+
+    extra = []
+    with torch.no_grad():
+        for direction in DIRECTION_INDEX:
+            q = problem.with_direction(direction)
+            a, b = q.random_inputs()
+            mine, natives = ops.Runner(q.key, names[direction]), ops.Runner(q.key, "torch:native")
+            extra.append(_per_call_us(functools.partial(mine, a, b), problem.device)
+                         - _per_call_us(functools.partial(natives, a, b), problem.device))
+    return extra[0], extra[1], extra[2]
 
 
 def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tuple[float, float] | None:

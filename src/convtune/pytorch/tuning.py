@@ -235,9 +235,15 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
             return selection
         natives[direction] = native
         gain_us += 1e3 * (native.time_ms - chosen.time_ms)
-        # A direction with an executable costs the C++ op's host time, on a Python-path layer too (ops.NativeRunner).
-        kind = runtime.prepare(problem, chosen.algorithm)[1] if ops.native_handle(problem.key, chosen.algorithm) \
-            else get_algorithm(chosen.algorithm, problem).host_kind
+        # On the Python path (one of the layer's directions runs a Python algorithm) every direction pays that
+        # path's modules and autograd, its Python algorithms their kind's (Triton's launcher); on the native
+        # runtime each direction pays its executable's kind.
+        if selection.call is None:
+            kind = runtime.prepare(problem, chosen.algorithm)[1]
+        elif ops.native_handle(problem.key, chosen.algorithm):
+            kind = "python"
+        else:
+            kind = get_algorithm(chosen.algorithm, problem).host_kind
         cost_us += runtime.extra_host_us(problem, kind, tuning.db)
     if gain_us >= cost_us:
         return selection
