@@ -151,8 +151,11 @@ def test_bad_input_raises_a_value_error_that_names_the_layer_and_the_mismatch(na
         torch.ops.convtune.tuned_run(torch.randn(2, 4, 6, 5), w, h)
     with pytest.raises(ValueError, match="operand w has dtype BFloat16"):
         torch.ops.convtune.tuned_run(x, w.bfloat16(), h)
-    with pytest.raises(ValueError, match="not dense in the channels_first layout"):
-        torch.ops.convtune.tuned_run(x.to(memory_format=torch.channels_last), w, h)
+    with pytest.raises(ValueError, match="not dense in the channels_first layout"):  # a layer's input: another
+        torch.ops.convtune.tuned_conv(x.to(memory_format=torch.channels_last), w, None, h, 0, 0)  # signature
+    # One run takes any strides and lays them out, as torch's convolution does (Inductor may pick the layout).
+    torch.testing.assert_close(torch.ops.convtune.tuned_run(x.to(memory_format=torch.channels_last), w, h),
+                               torch.ops.convtune.tuned_run(x, w, h))
     with pytest.raises(ValueError, match="gradient of the input is needed but its direction was not tuned"):
         torch.ops.convtune.tuned_conv(x.requires_grad_(), w, None, h, 0, 0)
     with pytest.raises(ValueError, match="already taken"):
@@ -408,6 +411,34 @@ def _native_model(x: torch.Tensor) -> torch.nn.Module:
     mid = torch.randn(x.shape[0], 8, *x.shape[2:]).to(memory_format=torch.channels_last)
     second = _forced(mid, "gemm:1x1_strided", in_channels=8, out_channels=4, kernel_size=1, stride=2, bias=False)
     return torch.nn.Sequential(first, torch.nn.ReLU(), second, torch.nn.Tanh())
+
+
+@pytest.mark.slow
+def test_a_compiled_training_step_is_right_whatever_layouts_inductor_picks_between_the_layers(native):
+    # channels_first layers between PyTorch's convolutions: Inductor on the CPU lays the gradients out as
+    # channels_last there, and lowers the tuned runs (native and Python path) on those layouts.
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 12, 12)
+    first = torch.nn.Conv2d(3, 16, 3, padding=1)
+    mid = torch.randn(4, 16, 12, 12)
+    model = torch.nn.Sequential(first, torch.nn.ReLU(),
+                                _forced(mid, "gemm:1x1", in_channels=16, out_channels=32, kernel_size=1),
+                                torch.nn.ReLU(),
+                                _forced(torch.randn(4, 32, 12, 12), "gemm:im2col", in_channels=32, out_channels=16,
+                                        kernel_size=3, padding=1),
+                                torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 3, stride=2))
+    twin = copy.deepcopy(model)
+    assert [m.selections[next(iter(m.selections))].runtime for m in (model[2], model[4])] == ["native", "python"]
+    compiled = torch.compile(model)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = compiled(xa)
+    y.sum().backward()
+    yb = twin(xb)
+    yb.sum().backward()
+    torch.testing.assert_close(y, yb, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(xa.grad, xb.grad, atol=1e-4, rtol=1e-4)
+    for (name, pa), pb in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])

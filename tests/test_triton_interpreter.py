@@ -16,6 +16,7 @@ from triton_cases import HAS_TRITON, RUNS_KERNELS
 FILES = (test_triton_depthwise, test_triton_grouped)
 
 
+@pytest.mark.slow  # about 200 s on a 2-core CPU: both families in the interpreter
 @pytest.mark.skipif(RUNS_KERNELS or not HAS_TRITON, reason="the kernels run in this process")
 def test_the_kernel_tests_pass_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -65,9 +65,10 @@ class Executable {
   // serialized form); empty where the description alone is enough.
   virtual std::string serialized() const { return ""; }
 
-  // Raises ValueError naming the operand and the mismatch unless (a, b) fit the problem (on its
-  // device type, unless ``device`` is false: meta kernels see meta tensors).
-  void check(const at::Tensor& a, const at::Tensor& b, bool device = true) const;
+  // Raises ValueError naming the operand and the mismatch unless (a, b) fit the problem: its dtype,
+  // shapes, device type (unless ``device`` is false: meta kernels see meta tensors) and, where
+  // ``strides``, dense in its layout (else laid_out makes them so).
+  void check(const at::Tensor& a, const at::Tensor& b, bool device = true, bool strides = true) const;
   // A new, uninitialised result tensor on ``like``'s device.
   at::Tensor empty_result(const at::Tensor& like) const;
 

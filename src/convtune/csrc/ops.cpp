@@ -27,23 +27,28 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// tuned_run takes operands of any strides and lays them out as the problem needs (a copy where they are
+// not dense in its layout), as torch's own convolution does: in a compiled graph Inductor may hand over
+// another layout than the one traced. A layer's forward (tuned_conv) checks its input's strides first:
+// an input of another layout is another signature, which the module tunes for itself.
 at::Tensor run_executable(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
   ExecutablePtr exe = find_executable(handle);
-  exe->check(a, b);
+  exe->check(a, b, /*device=*/true, /*strides=*/false);
   // The executable computes in the problem's dtype: an autocast region around the model must not
   // recast the matrix products inside it.
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   RECORD_FUNCTION(exe->geometry.label.c_str(), std::vector<c10::IValue>());
+  const at::Tensor da = laid_out(a, exe->geometry.a), db = laid_out(b, exe->geometry.b);
   if (a.is_cuda()) {
     c10::OptionalDeviceGuard guard(a.device());
-    return exe->run(a, b);
+    return exe->run(da, db);
   }
-  return exe->run(a, b);
+  return exe->run(da, db);
 }
 
 at::Tensor run_meta(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
   ExecutablePtr exe = find_executable(handle);
-  exe->check(a, b, /*device=*/false);
+  exe->check(a, b, /*device=*/false, /*strides=*/false);
   return exe->empty_result(a);
 }
 
@@ -64,7 +69,9 @@ at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
 // convolution and the bias.
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
   ExecutablePtr exe = find_executable(fwd);
-  at::Tensor y = call_run(x, w.scalar_type() == exe->geometry.dtype ? laid_out(w, exe->geometry.b) : w, fwd);
+  const at::Tensor lw = w.scalar_type() == exe->geometry.dtype ? laid_out(w, exe->geometry.b) : w;
+  exe->check(x, lw, /*device=*/x.device().type() != c10::DeviceType::Meta);  // x's strides too (above)
+  at::Tensor y = call_run(x, lw, fwd);
   if (bias.has_value() && bias->defined()) y.add_(bias_view(*bias, y.dim()));
   return y;
 }
@@ -92,14 +99,10 @@ struct TunedConv : public torch::autograd::Function<TunedConv> {
     std::optional<at::AutoDispatchBelowADInplaceOrView> below;
     if (!at::GradMode::is_enabled()) below.emplace();
     if (ctx->needs_input_grad(0)) {
-      const int64_t handle = ctx->saved_data["bwd_data"].toInt();
-      ExecutablePtr exe = find_executable(handle);
-      dx = call_run(laid_out(dy, exe->geometry.a), laid_out(w, exe->geometry.b), handle);
+      dx = call_run(dy, w, ctx->saved_data["bwd_data"].toInt());  // laid out there
     }
     if (ctx->needs_input_grad(1)) {
-      const int64_t handle = ctx->saved_data["bwd_filter"].toInt();
-      ExecutablePtr exe = find_executable(handle);
-      dw = call_run(laid_out(x, exe->geometry.a), laid_out(dy, exe->geometry.b), handle);
+      dw = call_run(x, dy, ctx->saved_data["bwd_filter"].toInt());
     }
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
       std::vector<int64_t> dims{0};

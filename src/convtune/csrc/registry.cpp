@@ -139,7 +139,7 @@ std::map<std::string, at::Tensor> carve(const at::Tensor& workspace, const std::
   return views;
 }
 
-void Executable::check(const at::Tensor& a, const at::Tensor& b, bool device) const {
+void Executable::check(const at::Tensor& a, const at::Tensor& b, bool device, bool strides) const {
   const Geometry& g = geometry;
   const at::Tensor* operands[2] = {&a, &b};
   const Spec* specs[2] = {&g.a, &g.b};
@@ -150,7 +150,8 @@ void Executable::check(const at::Tensor& a, const at::Tensor& b, bool device) co
     TORCH_CHECK_VALUE(t.defined(), g.label, ": operand ", name, " is undefined");
     // Both operands on the problem's device type, and the second on the first's device (a GPU index too).
     const bool on_device = !device || (t.device().type() == g.device_type && (i == 0 || t.device() == a.device()));
-    if (t.scalar_type() == g.dtype && on_device && fits(t, spec)) continue;
+    if (t.scalar_type() == g.dtype && on_device && (strides ? fits(t, spec) : t.sizes() == at::IntArrayRef(spec.shape)))
+      continue;
     TORCH_CHECK_VALUE(t.scalar_type() == g.dtype, g.label, ": operand ", name, " has dtype ", t.scalar_type(),
                       ", the tuned problem needs ", g.dtype);
     TORCH_CHECK_VALUE(on_device, g.label, ": operand ", name, " is on ", t.device(), ", the tuned problem is on ",
