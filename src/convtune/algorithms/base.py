@@ -301,8 +301,9 @@ class Algorithm(abc.ABC):
         return out
 
 
-def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, ...]) -> None:
-    """Raise ``ValueError``/``TypeError`` naming ``name`` unless ``t`` fits the problem."""
+def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, ...], layout: bool = True) -> None:
+    """Raise ``ValueError``/``TypeError`` naming ``name`` unless ``t`` fits the problem (its strides too: dense in
+    the problem's layout, unless ``layout`` is False)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{problem.direction} operand {name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(shape):
@@ -311,7 +312,7 @@ def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, .
         raise ValueError(f"{problem.direction} operand {name} has dtype {t.dtype}, the problem needs {problem.dtype}")
     if t.device.type != problem.device:
         raise ValueError(f"{problem.direction} operand {name} is on {t.device}, the problem is on {problem.device}")
-    if not is_in_layout(t, problem.layout):
+    if layout and not is_in_layout(t, problem.layout):
         raise ValueError(
             f"{problem.direction} operand {name} is not dense in the {problem.layout} layout the problem "
             f"declares; convert it with convtune.to_layout(t, {problem.layout!r})"

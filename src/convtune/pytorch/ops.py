@@ -9,7 +9,8 @@ bwd_filter (when w does) with the algorithms named for them. ``convtune::run(a, 
 computes one direction of one problem, the direction the key names; it has no backward of its
 own, so double backward (``create_graph=True``) is not supported.
 
-Operands must be dense in the problem's layout (the modules convert them); the result is too.
+Operands of other strides are laid out first (a copy; the modules convert them beforehand, but in a
+compiled graph Inductor may choose another layout); the result is dense in the problem's layout.
 Each op has a fake implementation (shapes and strides from the key) for tracing, and takes its
 workspace from ``convtune.pytorch.workspace``, so a run allocates nothing but its output.
 
@@ -31,7 +32,7 @@ import torch
 
 from convtune.algorithms.base import OPERAND_NAMES, buffers_bytes, check_tensor
 from convtune.algorithms.registry import generation, get_algorithm
-from convtune.problem import ConvProblem, empty_in_layout, to_layout
+from convtune.problem import ConvProblem, empty_in_layout, is_in_layout, to_layout
 from convtune.pytorch import runtime, workspace
 from convtune.settings import settings
 
@@ -96,20 +97,27 @@ class Runner:
         # The cheapest attributes first: a run asks this of both operands every call.
         return (t.dtype, t.is_cuda) == self._kind and (t.shape, t.stride()) == self.operands[index]
 
-    def _check(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """The quick check of the operands (shape, dtype, device, strides); the full one, with its error, if it fails.
-
-        Strides that differ only where a dimension has size 1 (a 1x1 weight from ``to_layout``) pass
-        the full check; those operands are remembered, so they take the quick one next time.
-        """
-        if not (self._fits(a, 0) and self._fits(b, 1)):
-            problem = self.problem
-            for name, t, (shape, _) in zip(OPERAND_NAMES[problem.direction], (a, b), self.operands):
-                check_tensor(problem, name, t, shape)
-            self.operands = tuple((shape, t.stride()) for t, (shape, _) in zip((a, b), self.operands))
+    def _admit(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The operands, after the quick check (shape, dtype, device, strides), or the full one: an operand of
+        other strides is laid out (a copy, as the native ops and torch's convolution do; strides that differ
+        only where a dimension has size 1, a 1x1 weight from ``to_layout``, are remembered instead, so those
+        operands take the quick check next time); anything else raises naming the operand."""
+        if self._fits(a, 0) and self._fits(b, 1):
+            return a, b
+        problem = self.problem
+        admitted = []
+        for index, (name, t, (shape, _)) in enumerate(zip(OPERAND_NAMES[problem.direction], (a, b), self.operands)):
+            check_tensor(problem, name, t, shape, layout=False)
+            if is_in_layout(t, problem.layout):
+                self.operands = tuple((shape, t.stride()) if i == index else spec
+                                      for i, spec in enumerate(self.operands))
+            else:
+                t = to_layout(t, problem.layout)
+            admitted.append(t)
+        return admitted[0], admitted[1]
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        self._check(a, b)
+        a, b = self._admit(a, b)
         device = a.device
         out = torch.empty_strided(*self.result, dtype=a.dtype, device=device)
         ws = workspace.carved(self.buffers, self.buffer_bytes, device) if self.buffers else {}
