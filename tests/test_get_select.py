@@ -184,7 +184,7 @@ def test_get_keeps_a_ranking_backends_own_order_among_equal_plans(ranks):
 
     with isolated(FakeBackend(), builtins=False):
         choices = get(P3, Policy(tolerance=0.0))
-        assert registry.ranked_plans(P3) == ({"fakeb:z_listed_first": 0, "fakeb:a_listed_second": 1} if ranks else {})
+        assert registry.backend_places(P3) == ({"fakeb:z_listed_first": 0, "fakeb:a_listed_second": 1} if ranks else {})
     if ranks:  # its heuristics' order: each later plan priced a little higher
         assert [c.name for c in choices] == ["fakeb:z_listed_first", "fakeb:a_listed_second"]
         assert choices[1].predicted_ms == pytest.approx(choices[0].predicted_ms * costmodel.order_factor(1))
@@ -409,5 +409,5 @@ def test_backgrounds_provisional_pick_passes_over_a_plan_that_cannot_be_built(mo
 def test_a_backend_not_loaded_here_prices_its_names_as_where_it_loads():
     # Another machine's measurements (cuDNN's plans, judged or learned from on a machine without cuDNN) are
     # priced as that machine priced them; an unknown backend's by the generic cost.
-    assert registry.declared_cost("cudnn:eng0")(P1, 0) == costmodel.vendor_plan_cost(P1, 0)
+    assert registry.declared_cost("cudnn:eng0")(P1, 0) == costmodel.vendor_library_cost(P1, 0)
     assert registry.declared_cost("nosuch:eng0")(P1, 0) == costmodel.generic_cost(P1, 0)

@@ -112,20 +112,20 @@ def vendor_cost(efficiency: float, p: ConvProblem) -> Cost:
     return Cost(p.flops, efficiency * shape_factor(*gemm_dims(p)), p.min_bytes, 1, composed=False)
 
 
-# A backend that ranks its plans (cuDNN, by its own heuristics, which know more than a roofline) lists
-# them best first: among plans the model cannot tell apart, each later one is priced this much higher.
+# A backend that ranks its candidates (cuDNN, by its own heuristics, which know more than a roofline) lists
+# them best first: among candidates the model cannot tell apart, each later one is priced this much higher.
 BACKEND_ORDER_STEP = 0.03
 
 
 def order_factor(order: int | None) -> float:
-    """The price factor of a plan's place in its backend's heuristic order (1 where it has none)."""
+    """The price factor of a candidate's place in its backend's heuristic order (1 where it has none)."""
     return 1.0 if order is None else 1.0 + BACKEND_ORDER_STEP * order
 
 
-VENDOR_EFFICIENCY = 0.7  # of the roofline, for a vendor library's plan (the database corrects it per plan)
+VENDOR_EFFICIENCY = 0.7  # of the roofline, for a vendor library's execution plan (the database corrects each)
 
 
-def vendor_plan_cost(p: ConvProblem, workspace_bytes: int = 0) -> Cost:
+def vendor_library_cost(p: ConvProblem, workspace_bytes: int = 0) -> Cost:
     """What one of a vendor library's execution plans (cuDNN's) declares: ``vendor_cost`` at VENDOR_EFFICIENCY.
     The same wherever it is priced, the library loaded or not (another machine's measurements judged here)."""
     return vendor_cost(VENDOR_EFFICIENCY, p)

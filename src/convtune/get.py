@@ -39,7 +39,7 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
             learn_workspace: bool = True) -> PerfResult:
     """The cost model's guess for ``algorithm`` on ``problem`` as an unmeasured ``PerfResult``.
 
-    time_ms is the predicted time (for a plan with a place in its backend's heuristic order,
+    time_ms is the predicted time (for a candidate with a place in its backend's heuristic order,
     ``Algorithm.place``: times ``costmodel.order_factor`` and read by the learned model; corrected by
     ``db``'s measurements on this device when given); the properties the policy looks at (workspace,
     determinism, TF32, reduced precision) are the algorithm's own. learn_workspace=False takes the

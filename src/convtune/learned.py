@@ -5,9 +5,9 @@ model predicts, for a (problem, candidate) pair, how far the measured time lies 
 log2(measured / analytic), from features of the problem (sizes, strides, groups, direction, dtype,
 layout, FLOPs and bytes, all as logarithms or switches), of the candidate (its name's parts, hashed:
 a cuDNN execution plan's engine and knobs, a tile configuration, a family; for a backend that lists its
-plans best first by its own heuristics, cuDNN's, the plan's place in that list) and the analytic price itself. It
-is three small multilayer perceptrons in PyTorch (no other dependency; about 30 thousand weights in all),
-trained from different seeds and their predictions averaged, which makes the picks steadier than one
+candidates best first by its own heuristics, cuDNN's, the candidate's place in that list) and the analytic
+price itself. It is three small multilayer perceptrons in PyTorch (no other dependency; about 30 thousand
+weights in all), trained from different seeds and their predictions averaged, which makes the picks steadier than one
 network's; queried in tens of microseconds. ``get`` multiplies the analytic price by its correction where a model
 trained on this device (its fingerprint) is installed, and the database's measurement corrections
 apply on top, as before; everywhere else the analytic model serves alone.
@@ -40,7 +40,7 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 3  # 2: an ensemble of MEMBERS networks; 3: a plan's place in its backend's heuristic order
+FEATURE_VERSION = 3  # 2: an ensemble of MEMBERS networks; 3: a candidate's place in its backend's heuristic order
 NAME_BUCKETS = 64
 HIDDEN = 64
 MEMBERS = 3  # networks trained from different seeds, their predictions averaged: steadier picks than one
@@ -236,11 +236,11 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
                  orders: Mapping[str, Sequence[str]] | None = None) -> list[Sample]:
     """Every timed result ``db`` holds for this machine's ``device`` (or for the machine ``fingerprint``
     names: price them within ``hardware.measured_on``), with the analytic model's price and its place in
-    its backend's heuristic order: from ``orders`` (problem key: the backend's plans in its order, as
+    its backend's heuristic order: from ``orders`` (problem key: the backend's candidates in its order, as
     recorded on the machine that measured, ``bench/cudnn_order.py``; a problem not in it has no places),
-    else asked of this machine's backends for its own measurements (``registry.ranked_plans``) and none
+    else asked of this machine's backends for its own measurements (``registry.backend_places``) and none
     for another machine's (only the machine that measured knows its heuristics' order)."""
-    from .algorithms.registry import ranked_plans
+    from .algorithms.registry import backend_places
     from .costmodel import analytic_ms
 
     places: dict[str, dict[str, int]] = {}
@@ -250,7 +250,7 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
             if orders is not None:
                 places[problem.key] = positions(orders.get(problem.key, ()))
             elif fingerprint is None:
-                places[problem.key] = ranked_plans(problem)
+                places[problem.key] = backend_places(problem)
             else:  # another machine's order is not this one's to tell
                 places[problem.key] = {}
         return places[problem.key].get(name)

@@ -150,8 +150,8 @@ class Algorithm(abc.ABC):
 
     name: stable 'backend:variant'. devices/directions: what it can ever run on.
     deterministic: bit-identical results from run to run. splits_batch: it runs the batch in parts
-    (micro-batching), which only a policy with ``micro_batching`` allows. place: for a plan of a backend
-    that ranks its plans by its own heuristics (cuDNN's), its fixed place in that order for its problem
+    (micro-batching), which only a policy with ``micro_batching`` allows. place: for a candidate of a backend
+    that ranks its candidates by its own heuristics (cuDNN's), its fixed place in that order for its problem
     (0: the heuristics' first choice), which get prices (``costmodel.order_factor``) and its learned
     model reads; None for everything else. host_kind: which of the host costs the Python path's runs of it pay
     (``convtune.pytorch.runtime.host_overheads_us``; where it has no native executable): 'python', or

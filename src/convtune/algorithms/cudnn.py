@@ -27,7 +27,7 @@ from typing import Any, cast
 import cudnn  # type: ignore[import-not-found]  # noqa: I001
 import torch
 
-from ..costmodel import Cost, vendor_plan_cost
+from ..costmodel import Cost, vendor_library_cost
 from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
 from ..settings import settings
@@ -267,7 +267,7 @@ class CudnnBackend(Backend):
         self._lock = threading.Lock()
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        return vendor_plan_cost(problem, workspace_bytes)
+        return vendor_library_cost(problem, workspace_bytes)
 
     def unavailable(self, problem: ConvProblem) -> str | None:
         if problem.device != "cuda":

@@ -133,7 +133,7 @@ class MicroBatch(Algorithm):
     """``inner`` run over consecutive sub-batches: ``split`` is ((size, count), ...) in order.
 
     inner: an ``Algorithm`` used for every sub-batch (algorithms of fixed name), or an algorithm
-    name resolved per sub-batch problem through ``get_algorithm`` (a backend's plans belong to
+    name resolved per sub-batch problem through ``get_algorithm`` (a backend's candidates belong to
     one problem each). A bad split or a micro-batched inner raises ``ValueError``.
     """
 
@@ -165,7 +165,7 @@ class MicroBatch(Algorithm):
             return self._inner.origin
         try:
             return get_algorithm(self.inner_name).origin
-        except KeyError:  # a backend's plan (it needs its problem) or nothing registered: convtune's backends
+        except KeyError:  # a backend's candidate (it needs its problem) or nothing registered: convtune's backends
             return type(self).__module__
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:

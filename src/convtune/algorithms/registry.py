@@ -34,9 +34,9 @@ BUILTIN_MODULES = (
     "convtune.algorithms.triton_grouped",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged. Each with
-# its names' prefix and the cost its plans declare: where the module does not load, that still prices its
+# its names' prefix and the cost its candidates declare: where the module does not load, that still prices its
 # names (another machine's measurements, judged or learned from here), as it would where it loads.
-OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", costmodel.vendor_plan_cost)}
+OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", costmodel.vendor_library_cost)}
 
 _registry: dict[str, Algorithm] = {}
 _backends: dict[str, Backend] = {}
@@ -103,7 +103,7 @@ def _ensure_builtins() -> None:
 
 
 def registered() -> list[Algorithm]:
-    """Every registered algorithm of fixed name, in registration order (backends' plans not included)."""
+    """Every registered algorithm of fixed name, in registration order (backends' candidates not included)."""
     _ensure_builtins()
     return list(_registry.values())
 
@@ -114,21 +114,21 @@ def backends() -> list[Backend]:
     return list(_backends.values())
 
 
-def ranked_plans(problem: ConvProblem) -> dict[str, int]:
-    """Each of ``problem``'s plans that has a place in its backend's heuristic order (``Algorithm.place``):
-    name -> place (empty where no such backend is available here)."""
+def backend_places(problem: ConvProblem) -> dict[str, int]:
+    """Each of ``problem``'s backend candidates (cuDNN's execution plans) that has a place in its backend's
+    heuristic order (``Algorithm.place``): name -> place (empty where no such backend is available here)."""
     places = {}
     for backend in backends():
         try:
             places.update({a.name: a.place for a in backend.algorithms(problem) if a.place is not None})
         except CANDIDATE_FAULTS as exc:
-            log.warning("backend %s lists no plans for %s: %s: %s", backend.prefix, problem.key,
+            log.warning("backend %s lists no candidates for %s: %s: %s", backend.prefix, problem.key,
                         type(exc).__name__, exc)
     return places
 
 
 def get_algorithm(name: str, problem: ConvProblem | None = None) -> Algorithm:
-    """The algorithm called ``name`` (a backend's plan needs its ``problem``); ``KeyError`` otherwise."""
+    """The algorithm called ``name`` (a backend's candidate needs its ``problem``); ``KeyError`` otherwise."""
     _ensure_builtins()
     if name in _registry:
         return _registry[name]
@@ -154,7 +154,7 @@ def declared_cost(name: str) -> Callable[[ConvProblem, int], Cost]:
 
 
 def algorithms(problem: ConvProblem) -> list[Algorithm]:
-    """Every registered algorithm that supports ``problem`` on its device, backends' plans included."""
+    """Every registered algorithm that supports ``problem`` on its device, backends' candidates included."""
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"algorithms() takes a ConvProblem, got {type(problem).__name__}")
     found = [a for a in registered() if _support(a, problem)]

@@ -198,7 +198,7 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
                                                 f"the problem ({support.reason})", name)
             try:  # its workspace, reserved below (a cuDNN execution plan is built here)
                 algorithm.buffer_bytes(p)
-            except CANDIDATE_FAULTS as exc:  # a stored plan this cuDNN no longer builds, say
+            except CANDIDATE_FAULTS as exc:  # a stored cuDNN execution plan this cuDNN no longer builds, say
                 return _torch_path(problem.key, f"{direction}: the chosen {result.algorithm} cannot run here "
                                                 f"({type(exc).__name__}: {exc})", name)
         names[direction] = result.algorithm
