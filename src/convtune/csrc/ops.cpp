@@ -69,8 +69,10 @@ at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
 // convolution and the bias.
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
   ExecutablePtr exe = find_executable(fwd);
-  const at::Tensor lw = w.scalar_type() == exe->geometry.dtype ? laid_out(w, exe->geometry.b) : w;
-  exe->check(x, lw, /*device=*/x.device().type() != c10::DeviceType::Meta);  // x's strides too (above)
+  const bool device = x.device().type() != c10::DeviceType::Meta;
+  exe->check(x, w, device, /*strides=*/false);  // first: laid_out's copy would broadcast a weight of another shape
+  const at::Tensor lw = laid_out(w, exe->geometry.b);
+  exe->check(x, lw, device);  // x's strides too (above)
   at::Tensor y = call_run(x, lw, fwd);
   if (bias.has_value() && bias->defined()) y.add_(bias_view(*bias, y.dim()));
   return y;
