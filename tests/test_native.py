@@ -418,8 +418,8 @@ def _native_model(x: torch.Tensor) -> torch.nn.Module:
 
 @pytest.mark.slow
 def test_a_compiled_training_step_is_right_whatever_layouts_inductor_picks_between_the_layers(native):
-    # channels_first layers between PyTorch's convolutions: Inductor on the CPU lays the gradients out as
-    # channels_last there, and lowers the tuned runs (native and Python path) on those layouts.
+    # channels_first layers between PyTorch's convolutions: Inductor on the CPU propagates channels_last
+    # gradients there while lowering, and runs tuned_run's meta kernel on them.
     torch.manual_seed(0)
     x = torch.randn(4, 3, 12, 12)
     first = torch.nn.Conv2d(3, 16, 3, padding=1)
