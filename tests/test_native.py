@@ -156,6 +156,8 @@ def test_bad_input_raises_a_value_error_that_names_the_layer_and_the_mismatch(na
     # One run takes any strides and lays them out, as torch's convolution does (Inductor may pick the layout).
     torch.testing.assert_close(torch.ops.convtune.tuned_run(x.to(memory_format=torch.channels_last), w, h),
                                torch.ops.convtune.tuned_run(x, w, h))
+    meta = torch.ops.convtune.tuned_run(x.to(memory_format=torch.channels_last).to("meta"), w.to("meta"), h)
+    assert meta.shape == (2, 6, 5, 5) and meta.is_contiguous()  # its meta kernel too: the result in the layout
     for weight in (w[:1], torch.randn(3, 4, 1, 1)):  # a layer's weight of another shape: never broadcast into it
         with pytest.raises(ValueError, match="operand w has shape"):
             torch.ops.convtune.tuned_conv(x, weight, None, h, 0, 0)
