@@ -102,7 +102,7 @@ def _add_budget_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _add_network_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("network", help=f"one of {', '.join(zoo.NETWORKS)}, or a .json/.csv layer file")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 32; DeepBench keeps its own)")
+    p.add_argument("--batch", type=_positive, default=None, help="batch size (default 32; DeepBench keeps its own)")
     p.add_argument("--direction", default="fwd", choices=(*DIRECTIONS, "all"))
     _add_type_args(p)
 
@@ -324,8 +324,6 @@ def _plan_layers(args, rows: list[LayerRow], tuning: Tuning) -> Plan:
 
 
 def cmd_tune(args, out: Console, err: Console) -> int:
-    if args.batch is not None and args.batch < 1:
-        raise UsageError(f"--batch {args.batch} must be >= 1")
     layers = _tune_layers(args)
     policy = _policy(args)
     payload: dict = {"network": args.network}
@@ -358,8 +356,6 @@ def cmd_tune(args, out: Console, err: Console) -> int:
 def cmd_report(args, out: Console, err: Console) -> int:
     from .html_report import write_report
 
-    if args.batch is not None and args.batch < 1:
-        raise UsageError(f"--batch {args.batch} must be >= 1")
     budgets = None
     if args.budgets is not None:
         budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",") if b.strip()]
