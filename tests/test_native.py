@@ -151,12 +151,15 @@ def test_bad_input_raises_a_value_error_that_names_the_layer_and_the_mismatch(na
         torch.ops.convtune.tuned_run(torch.randn(2, 4, 6, 5), w, h)
     with pytest.raises(ValueError, match="operand w has dtype BFloat16"):
         torch.ops.convtune.tuned_run(x, w.bfloat16(), h)
-    with pytest.raises(ValueError, match="not dense in the channels_first layout"):  # a layer's input: another
-        torch.ops.convtune.tuned_conv(x.to(memory_format=torch.channels_last), w, None, h, 0, 0)  # signature
-    # One run takes any strides and lays them out, as torch's convolution does (Inductor may pick the layout).
-    torch.testing.assert_close(torch.ops.convtune.tuned_run(x.to(memory_format=torch.channels_last), w, h),
-                               torch.ops.convtune.tuned_run(x, w, h))
-    meta = torch.ops.convtune.tuned_run(x.to(memory_format=torch.channels_last).to("meta"), w.to("meta"), h)
+    x_cl = x.to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="not the tuned problem's .* dense in the channels_first layout"):
+        native.tuned_conv(x_cl, w, None, h, 0, 0)  # the hot path's input: another layout is another signature
+    # The ops take any strides and lay them out, as torch's convolution does (Inductor may pick the layout, an
+    # exported program may be called with another).
+    torch.testing.assert_close(torch.ops.convtune.tuned_run(x_cl, w, h), torch.ops.convtune.tuned_run(x, w, h))
+    torch.testing.assert_close(torch.ops.convtune.tuned_conv(x_cl, w, None, h, 0, 0),
+                               torch.ops.convtune.tuned_conv(x, w, None, h, 0, 0))
+    meta = torch.ops.convtune.tuned_run(x_cl.to("meta"), w.to("meta"), h)
     assert meta.shape == (2, 6, 5, 5) and meta.is_contiguous()  # its meta kernel too: the result in the layout
     for weight in (w[:1], torch.randn(3, 4, 1, 1)):  # a layer's weight of another shape: never broadcast into it
         with pytest.raises(ValueError, match="operand w has shape"):
@@ -724,6 +727,15 @@ def test_a_layer_that_pads_its_input_first_never_takes_the_op_on_the_raw_input(n
     for size in (8, 10, 8, 10):  # 10x10: the shape the op's problem has, but not padded yet
         x = torch.randn(2, 4, size, size)
         torch.testing.assert_close(module(x), twin(x), atol=1e-5, rtol=1e-4)
+
+
+def test_an_input_of_another_layout_on_the_hot_path_is_a_new_signature(native):
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    module(x)  # the hot path now holds x's shape
+    z = x.contiguous()  # the same shape, channels_first
+    torch.testing.assert_close(module(z), F.conv2d(z, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+    assert {sig.layout for sig in module.selections} == {"channels_last", "channels_first"}  # tuned for itself
 
 
 def test_a_layer_keeps_a_hot_path_per_input_shape(native):

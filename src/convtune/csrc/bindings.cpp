@@ -97,12 +97,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              .findSchemaOrThrow("convtune::tuned_conv", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                                int64_t, int64_t, int64_t)>();
+        find_executable(fwd)->check_input(x);  // the hot path's input: another layout is another signature
         py::gil_scoped_release no_gil;
         return op.call(x, w, bias, fwd, bwd_data, bwd_filter);
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("bwd_data"), py::arg("bwd_filter"),
       "torch.ops.convtune.tuned_conv called directly (unboxed): eager code's hot path, for plain tensors only "
-      "(no __torch_function__ is consulted).");
+      "(no __torch_function__ is consulted); unlike the op it raises ValueError for an input of other strides.");
   m.def("with_cudnn", &with_cudnn, "Whether this build has cuDNN plans.");
   m.def("set_poison", &set_poison, "Tests: results start as NaN (True) or uninitialised (False, the default).");
 }

@@ -69,6 +69,9 @@ class Executable {
   // shapes, device type (unless ``device`` is false: meta kernels see meta tensors) and, where
   // ``strides``, dense in its layout (else laid_out makes them so).
   void check(const at::Tensor& a, const at::Tensor& b, bool device = true, bool strides = true) const;
+  // A layer's input on the module's hot path: raises ValueError unless ``x`` has the problem's first operand's
+  // shape and is dense in its layout (another is another signature, which the module tunes for itself).
+  void check_input(const at::Tensor& x) const;
   // A new, uninitialised result tensor on ``like``'s device.
   at::Tensor empty_result(const at::Tensor& like) const;
 

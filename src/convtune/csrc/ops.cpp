@@ -27,10 +27,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// tuned_run takes operands of any strides and lays them out as the problem needs (a copy where they are
-// not dense in its layout), as torch's own convolution does: in a compiled graph Inductor may hand over
-// another layout than the one traced. A layer's forward (tuned_conv) checks its input's strides first:
-// an input of another layout is another signature, which the module tunes for itself.
+// The ops take operands of any strides and lay them out as the problem needs (a copy where they are not
+// dense in its layout), as torch's own convolution does: Inductor may lower them on other layouts than the
+// traced ones, and an exported program may be called with another layout. The module's hot path checks
+// its input's layout before the op (the direct binding's check_input): there, an input of another layout is
+// another signature, which the module tunes for itself.
 at::Tensor run_executable(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
   ExecutablePtr exe = find_executable(handle);
   exe->check(a, b, /*device=*/true, /*strides=*/false);
@@ -69,11 +70,9 @@ at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
 // convolution and the bias.
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
   ExecutablePtr exe = find_executable(fwd);
-  const bool device = x.device().type() != c10::DeviceType::Meta;
-  exe->check(x, w, device, /*strides=*/false);  // first: laid_out's copy would broadcast a weight of another shape
-  const at::Tensor lw = laid_out(w, exe->geometry.b);
-  exe->check(x, lw, device);  // x's strides too (above)
-  at::Tensor y = call_run(x, lw, fwd);
+  // First: laid_out's copy would broadcast a weight of another shape. Any strides, x's too, are laid out.
+  exe->check(x, w, /*device=*/x.device().type() != c10::DeviceType::Meta, /*strides=*/false);
+  at::Tensor y = call_run(x, laid_out(w, exe->geometry.b), fwd);
   if (bias.has_value() && bias->defined()) y.add_(bias_view(*bias, y.dim()));
   return y;
 }

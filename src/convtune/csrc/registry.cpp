@@ -165,6 +165,14 @@ void Executable::check(const at::Tensor& a, const at::Tensor& b, bool device, bo
   }
 }
 
+void Executable::check_input(const at::Tensor& x) const {
+  const Spec& spec = geometry.a;
+  TORCH_CHECK_VALUE(fits(x, spec), geometry.label, ": input x of shape ", x.sizes(), " and strides ", x.strides(),
+                    " is not the tuned problem's (shape ", shape_text(spec.shape), ", dense in the ",
+                    geometry.channels_last ? "channels_last" : "channels_first", " layout, strides ",
+                    shape_text(spec.strides), ")");
+}
+
 namespace {
 std::atomic<bool> poison_results{false};
 }

@@ -102,9 +102,10 @@ class TunedConv(_ConvBase):
         return self.selections
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # The hot path, for input shapes met before: either the native op on its executables (the op
-        # checks everything else the choice depends on: dtype, device, layout, the gradients needed;
-        # autocast casts in C++; anything else raises ValueError, which the full path below handles),
+        # The hot path, for input shapes met before: either the native op on its executables (the direct
+        # call checks everything else the choice depends on: dtype, device, layout, the gradients needed;
+        # autocast casts in C++; anything else raises ValueError, which the full path below handles; a
+        # tensor subclass goes through torch.ops, whose op lays out an input of other strides itself),
         # or, where PyTorch's own call was chosen, that call after a few cheap checks.
         if torch.compiler.is_compiling():  # traced: the hot path's dict would only add guards
             return self._convtune_forward(input)
