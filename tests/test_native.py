@@ -697,6 +697,8 @@ def test_a_path_whose_host_cost_cannot_be_measured_is_left_out_not_the_tuning(na
     p = ConvProblem("bwd_data", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
     monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: overheads)
     assert runtime.extra_host_us(p, "python") == max(overheads.values())  # charged the most measured
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {})
+    assert runtime.extra_host_us(p, "python") == 0.0  # nothing measurable: nothing charged, nothing raised
 
 
 def test_a_python_path_layer_pays_that_path_in_its_native_directions_too(native, monkeypatch, tmp_path):

@@ -396,11 +396,12 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
 def extra_host_us(problem: ConvProblem, kind: str, db: Any = None) -> float:
     """Host microseconds one run on ``problem`` costs over PyTorch's own call on the path of ``kind``: an
     executable kind, or an algorithm's ``host_kind`` on the Python path ('python', 'triton'; a gradient's
-    direction its backward share). A kind not measured here costs the Python path's."""
+    direction its backward share). A kind not measured here costs the Python path's (where that was not
+    measured either, the highest measured; nothing, where nothing could be)."""
     overheads = host_overheads_us(problem.device, db)
     for candidate in (kind, "python"):
         if problem.direction != "fwd" and f"{candidate} backward" in overheads:
             return overheads[f"{candidate} backward"]
         if candidate in overheads:
             return overheads[candidate]
-    return max(overheads.values())
+    return max(overheads.values(), default=0.0)
