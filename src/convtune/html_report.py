@@ -128,15 +128,6 @@ def _layers(names: Sequence[str], problems: Sequence) -> list[tuple[str, int, li
 
 # -- figures -------------------------------------------------------------------------------------
 
-def _short_bytes(value: float) -> str:
-    if value <= 0:
-        return "0"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size:
-            return f"{value / size:g} {unit}"
-    return f"{value:g} B"
-
-
 def _bytes_axis(ax: Any, largest: float) -> None:
     """x as bytes on a symmetric log scale, so 0 (no workspace) shows at the left edge."""
     top_exp = max(12, math.ceil(math.log2(max(largest, 1) * 1.5)))
@@ -146,7 +137,7 @@ def _bytes_axis(ax: Any, largest: float) -> None:
     ax.set_xlim(-300, 2**top_exp)  # room left of 0 for its marker
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _short_bytes(v)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(max(int(v), 0))))
     ax.tick_params(axis="x", labelsize=8)
 
 
@@ -192,7 +183,7 @@ def _pareto_figure(plan: Plan, first: int, runs: list[int], name: str, db: Any, 
     if plan.workspace_budget is not None:
         whose = "" if plan.mode == "shared" else " (all layers)"
         ax.axvline(plan.workspace_budget, color="#c62828", ls="--", lw=1,
-                   label=f"budget {_short_bytes(plan.workspace_budget)}{whose}")
+                   label=f"budget {format_bytes(plan.workspace_budget)}{whose}")
     _time_axis(ax, [r.time_ms for r in every])
     ax.set_xlabel("workspace", fontsize=9)
     ax.set_title(f"{name}  {problem_title(problem)}", fontsize=8)
@@ -217,7 +208,7 @@ def _budget_figure(plan: Plan, curve: Sequence[tuple[int, float]], png: Path) ->
     if plan.workspace_budget is not None:
         ax.axvline(plan.workspace_budget, color="#c62828", ls="--", lw=1)
         ax.scatter([plan.workspace_budget], [plan.total_time_ms], marker="*", s=180, color="#c62828", zorder=5,
-                   label=f"chosen: {_short_bytes(plan.workspace_budget)} -> {plan.total_time_ms:.4g} ms")
+                   label=f"chosen: {format_bytes(plan.workspace_budget)} -> {plan.total_time_ms:.4g} ms")
     ax.set_xlabel(f"workspace budget ({plan.mode})", fontsize=9)
     ax.set_ylabel("network time (ms)", fontsize=9)
     ax.tick_params(axis="y", labelsize=8)
