@@ -66,13 +66,10 @@ at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
   return bias.view(shape);
 }
 
-// The forward: the weight in the problem's layout (as torch's own convolution converts it), then the
-// convolution and the bias.
+// The forward: the convolution (tuned_run checks the operands, then lays them out as the problem needs,
+// the weight as torch's own convolution converts it), then the bias.
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
-  ExecutablePtr exe = find_executable(fwd);
-  // First: laid_out's copy would broadcast a weight of another shape. Any strides, x's too, are laid out.
-  exe->check(x, w, /*device=*/x.device().type() != c10::DeviceType::Meta, /*strides=*/false);
-  at::Tensor y = call_run(x, laid_out(w, exe->geometry.b), fwd);
+  at::Tensor y = call_run(x, w, fwd);
   if (bias.has_value() && bias->defined()) y.add_(bias_view(*bias, y.dim()));
   return y;
 }
