@@ -91,24 +91,32 @@ def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
     return "\n\n".join(parts)
 
 
-def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device: str, tiny: bool, steps: int,
-        rounds: int, profile: bool = False) -> dict:
-    """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process (and, with
-    ``profile``, the host-side profile tables under "profile")."""
+def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: bool) -> tuple:
+    """(PyTorch's model, convtune's copy of it, input, labels, seconds ``optimize`` took): the network built once
+    (seed 0, channels_last, ``cudnn.benchmark=True``) and copied, the copy optimized for training under autocast
+    on an empty tuning database."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
-    dtype = getattr(torch, dtype_name)
     torch_model, size, classes = e2e.build_model(model_name, tiny)
     torch_model = torch_model.to(device).to(memory_format=torch.channels_last)
     ours = copy.deepcopy(torch_model)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, classes, (batch,), device=device)
-    timer = e2e.Timer(device, steps, 1)
     with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "ab.sqlite")) as db:
         with torch.autocast(device, dtype=dtype):
             t0 = time.perf_counter()
             convtune.optimize(ours, x, training=True, db=db)
             tune_s = time.perf_counter() - t0
+    return torch_model, ours, x, labels, tune_s
+
+
+def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device: str, tiny: bool, steps: int,
+        rounds: int, profile: bool = False) -> dict:
+    """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process (and, with
+    ``profile``, the host-side profile tables under "profile")."""
+    dtype = getattr(torch, dtype_name)
+    torch_model, ours, x, labels, tune_s = pair(model_name, batch, dtype, device, tiny)
+    timer = e2e.Timer(device, steps, 1)
     rows = {}
     for style in styles:
         steps_of = {}

@@ -299,7 +299,8 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
             continue
         layer = Conv2d(8, 8, 1, bias=False, mode="get").to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
         layer.weight.data.copy_(conv.weight.data)
-        plan = layer._convtune_selections[sig] = LayerSelection(p.key, **names)
+        plan = LayerSelection(p.key, **names)
+        layer._convtune_select(sig, plan)
         label = f"{kind} executables, runtime {plan.runtime}"
         rows += _against_torch(label, f" ({names['fwd']})", base, layer, x, xg)
     return rows
@@ -379,7 +380,7 @@ def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
         layer = Conv2d(64, 64, 3, padding=1, groups=64, bias=False, mode="get").to(device, torch_dtype)
         layer = layer.to(memory_format=torch.channels_last)
         layer.weight.data.copy_(base.weight.data)
-        layer._convtune_selections[sig] = LayerSelection(p.key, **names)
+        layer._convtune_select(sig, LayerSelection(p.key, **names))
         with torch.autocast(device, dtype=p.torch_dtype, enabled=autocast):
             rows += _against_torch(f"Triton module, {label}", "", base, layer, x, xg)
     return rows

@@ -28,6 +28,7 @@ from convtune import extension
 from convtune.problem import ConvProblem, is_in_layout
 from convtune.settings import settings
 from convtune.pytorch import runtime
+from convtune.pytorch.modules import TunedConv
 from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
 from convtune.verify import reference, rel_error, tolerance
 
@@ -178,7 +179,7 @@ def _forced(x: torch.Tensor, algorithm: str, **kwargs) -> ct.nn.Conv2d:
     module = ct.nn.Conv2d(**kwargs, mode="get")
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     p = ConvProblem.from_module(module, sig.shape, dtype=sig.dtype, layout=sig.layout)
-    module._convtune_selections[sig] = LayerSelection(p.key, algorithm, algorithm, algorithm)
+    module._convtune_select(sig, LayerSelection(p.key, algorithm, algorithm, algorithm))
     return module
 
 
@@ -253,7 +254,7 @@ def test_a_layer_on_the_python_path_runs_its_other_directions_by_their_executabl
     module = _forced(x, "torch:native", in_channels=6, out_channels=4, kernel_size=3, padding=1)
     sig, selection = next(iter(module.selections.items()))
     mixed = LayerSelection(selection.problem, "direct:taps", "torch:native", "gemm:im2col")
-    module._convtune_selections[sig] = mixed
+    module._convtune_select(sig, mixed)
     assert mixed.runtime == "python" and "direct:taps runs in Python only" in mixed.python_reason
     calls = ops.Call(*mixed.call.names())
     assert [type(calls.runner(d)).__name__ for d in ("fwd", "bwd_data", "bwd_filter")] == [
@@ -481,6 +482,42 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
     _trains_like(model, y, xa, twin, xb, atol=1e-5)
 
 
+def test_compiled_code_reads_one_table_entry_per_tuned_layer_not_its_selections(native, monkeypatch):
+    # Dynamo guards what the traced forward reads: a tuned layer must read its table entry only (a string key),
+    # never the selections (whose keys and values would be guarded field by field on every call).
+    x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
+    model = _native_model(x)
+    torch_layer = ct.nn.Conv2d(4, 4, 3, padding=1)
+    torch_layer._convtune_select(Signature((2, 4, 3, 3), x.dtype, x.device, "channels_last"),
+                                 LayerSelection(ConvProblem.from_module(torch_layer, (2, 4, 3, 3),
+                                                                        layout="channels_last").key,
+                                                "torch:native", "torch:native", "torch:native"))
+    model.append(torch_layer)
+    twin = copy.deepcopy(model)
+    assert all(len(m._convtune_traced) == 4 for m in (model[0], model[2], model[4]))  # every gradient tuned
+    assert model[4]._convtune_traced[next(iter(model[4]._convtune_traced))] == ()  # PyTorch's own call
+
+    def full_path(module, input):
+        raise AssertionError("the traced forward took the full path")
+
+    monkeypatch.setattr(TunedConv, "_convtune_forward", full_path)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = compiled(xa)
+    y.sum().backward()
+    monkeypatch.undo()
+    _trains_like(model, y, xa, twin, xb, atol=1e-5)
+
+    # A layer that computes something else now (its stride) forgets its entries: the compiled code is traced
+    # again, and the layer tunes its new geometry on the full path.
+    model[4].stride = (2, 2)
+    assert model[4]._convtune_traced == {} and model[4].selections == {}
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)
+    assert expected.shape == (2, 4, 2, 2)
+
+
 # -- the host-cost rule ----------------------------------------------------------------------------
 
 def test_each_path_and_direction_pays_its_own_measured_host_cost(monkeypatch):
@@ -629,6 +666,7 @@ def test_a_warm_start_makes_each_executable_from_the_database_without_the_algori
     code = f"""
 import torch, convtune as ct
 from convtune.pytorch import runtime
+from convtune.pytorch.modules import TunedConv
 from convtune.verify import reference, rel_error
 def no_registry(*args):
     raise AssertionError("a warm start looked the algorithm up")
@@ -744,8 +782,8 @@ def test_a_layer_keeps_a_hot_path_per_input_shape(native):
     x, z = torch.randn(2, 6, 5, 5), torch.randn(1, 6, 3, 3)
     module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
     sig = Signature(tuple(z.shape), z.dtype, z.device, layout_of(z))
-    module._convtune_selections[sig] = LayerSelection(next(iter(module.selections.values())).problem.replace("n2", "n1").replace(
-        "in5x5", "in3x3"), "gemm:1x1", "gemm:1x1", "gemm:1x1")
+    module._convtune_select(sig, LayerSelection(next(iter(module.selections.values())).problem.replace("n2", "n1").replace(
+        "in5x5", "in3x3"), "gemm:1x1", "gemm:1x1", "gemm:1x1"))
     for t in (x, z, x, z):
         torch.testing.assert_close(module(t), F.conv2d(t, module.weight, module.bias), atol=1e-5, rtol=1e-4)
     assert set(module._convtune_fast) == {x.shape, z.shape}

@@ -184,7 +184,7 @@ def test_a_layer_on_the_python_path_runs_its_cudnn_direction_by_its_executable()
     plans = [a.name for a in ct.algorithms(dx) if (a.native_recipe(dx) or ()) and a.native_recipe(dx).kind == "cudnn"]
     assert plans, f"no cuDNN execution plan for {dx.key}"
     selection = LayerSelection(p.key, "direct:taps", plans[0], "torch:native")
-    module._convtune_selections[sig] = selection
+    module._convtune_select(sig, selection)
     assert selection.runtime == "python"
     assert type(ops.Call(*selection.call.names()).runner("bwd_data")).__name__ == "NativeRunner"
     twin = torch.nn.Conv2d(32, 32, 3, padding=1, groups=32).cuda().half().to(memory_format=torch.channels_last)

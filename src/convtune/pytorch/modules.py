@@ -70,6 +70,7 @@ class TunedConv(_ConvBase):
         self._convtune_tuning = tuning
         self._convtune_selections = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
+        self._convtune_traced: dict[str, tuple[int, ...]] = {}  # see _convtune_traced_forward
         # mode 'background': signature -> background.generation() its selection waits on a measurement since
         self._convtune_provisional: dict[Signature, int] = {}
 
@@ -80,6 +81,7 @@ class TunedConv(_ConvBase):
         if name in _GEOMETRY and "_convtune_selections" in self.__dict__:
             self._convtune_selections.clear()
             self._convtune_fast.clear()
+            self._convtune_traced.clear()
 
     def __setstate__(self, state: dict) -> None:
         if "_convtune_plans" in state:  # pickled by a version that called the selections plans
@@ -89,6 +91,9 @@ class TunedConv(_ConvBase):
         for sig in state.get("_convtune_provisional", ()):  # a copy selects those again, in its own process
             self._convtune_selections.pop(sig, None)
         self._convtune_provisional = {}
+        self._convtune_traced = {}
+        for sig, selection in self._convtune_selections.items():
+            self._convtune_select(sig, selection)
 
     @property
     def selections(self) -> dict[Signature, LayerSelection]:
@@ -101,6 +106,52 @@ class TunedConv(_ConvBase):
         warnings.warn("TunedConv.plans is now TunedConv.selections", DeprecationWarning, stacklevel=2)
         return self.selections
 
+    def _convtune_select(self, sig: Signature, selection: LayerSelection) -> None:
+        """Inputs of ``sig`` run ``selection`` from now on (every change of the selections goes through here or
+        ``_convtune_forget``: they keep the table compiled code reads, ``_convtune_traced``, in step)."""
+        self._convtune_selections[sig] = selection
+        pads = self.padding_mode != "zeros" or (isinstance(self.padding, str) and any(
+            lo != hi for lo, hi in explicit_padding(self)))
+        for need_dx, need_dw in _GRADIENTS_NEEDED:
+            key = _traced_key(sig.shape, sig.dtype, sig.device, sig.layout, need_dx, need_dw)
+            entry: tuple[int, ...] | None = None
+            if sig not in self._convtune_provisional and selection.covers(need_dx, need_dw):
+                if selection.call is None and selection.native is None:
+                    entry = ()  # PyTorch's own call
+                elif selection.native is not None and not pads:
+                    entry = selection.native
+            if entry is None:  # the Python path, a direction not tuned, a provisional choice: the full path
+                self._convtune_traced.pop(key, None)
+            else:
+                self._convtune_traced[key] = entry
+
+    def _convtune_forget(self, sig: Signature) -> None:
+        """Inputs of ``sig`` are selected for again on their next call."""
+        self._convtune_selections.pop(sig, None)
+        for need_dx, need_dw in _GRADIENTS_NEEDED:
+            self._convtune_traced.pop(_traced_key(sig.shape, sig.dtype, sig.device, sig.layout, need_dx, need_dw),
+                                      None)
+
+    def _convtune_traced_forward(self, input: torch.Tensor) -> torch.Tensor:
+        """The forward as torch.compile traces it: one entry of ``_convtune_traced``, found by a string that says
+        what the choice depends on (shape, dtype under autocast, device, layout, the gradients needed), all
+        known when tracing. Dynamo guards that entry with one lookup; reading the selections instead would guard
+        every field of their keys and values, which costs the compiled code's every call microseconds per
+        layer. No entry: the full path, which tunes (at a graph break) and explains."""
+        cast = _autocast_dtype(input)
+        weight = self.weight
+        if cast is None and weight.dtype != input.dtype:
+            return self._convtune_forward(input)
+        grad = torch.is_grad_enabled()
+        key = _traced_key(tuple(input.shape), cast or input.dtype, input.device, layout_of(input),
+                          grad and input.requires_grad, grad and weight.requires_grad)
+        entry = self._convtune_traced.get(key)
+        if entry is None:
+            return self._convtune_forward(input)
+        if not entry:
+            return super().forward(input)
+        return torch.ops.convtune.tuned_conv.default(input, weight, self.bias, *entry)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # The hot path, for input shapes met before: either the native op on its executables (the direct
         # call checks everything else the choice depends on: dtype, device, layout, the gradients needed;
@@ -108,7 +159,7 @@ class TunedConv(_ConvBase):
         # tensor subclass goes through torch.ops, whose op lays out an input of other strides itself),
         # or, where PyTorch's own call was chosen, that call after a few cheap checks.
         if torch.compiler.is_compiling():  # traced: the hot path's dict would only add guards
-            return self._convtune_forward(input)
+            return self._convtune_traced_forward(input)
         fast = self._convtune_fast
         if fast:
             entry = fast.get(input.shape)
@@ -151,7 +202,7 @@ class TunedConv(_ConvBase):
         provisional = self._convtune_provisional
         if provisional and sig in provisional and provisional[sig] != background.generation():
             del provisional[sig]  # a background measurement has finished since: select again
-            self._convtune_selections.pop(sig, None)
+            self._convtune_forget(sig)
             selection = None
         if selection is None or not selection.covers(need_dx, need_dw):
             if torch.compiler.is_compiling():
@@ -199,7 +250,6 @@ class TunedConv(_ConvBase):
         directions = directions_needed(need_dx, need_dw)
         tuning = self._convtune_tuning
         selection = select_for_layer(self, sig, tuning, directions, self._convtune_selections.get(sig))
-        self._convtune_selections[sig] = selection
         # Directions answered by the cost model while they are measured in the background (mode 'background'):
         # the layer takes the full path, which selects again once a measurement has finished since.
         since = [tuning.waiting_since(ops.key_for(selection.problem, d)) for d, r in selection.results
@@ -209,11 +259,21 @@ class TunedConv(_ConvBase):
             self._convtune_provisional[sig] = min(waiting)
         else:
             self._convtune_provisional.pop(sig, None)
+        self._convtune_select(sig, selection)
         return selection
 
 
 _GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode", "kernel_size", "in_channels",
                        "out_channels", "_reversed_padding_repeated_twice"})  # what a choice depends on
+_GRADIENTS_NEEDED = ((False, False), (True, False), (False, True), (True, True))  # (of the input, of the weight)
+
+
+def _traced_key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, layout: str, need_dx: bool,
+                need_dw: bool) -> str:
+    """The key of ``_convtune_traced``: a string, which Dynamo guards as one dictionary lookup."""
+    return f"{tuple(shape)}|{dtype}|{device}|{layout}|{int(need_dx)}{int(need_dw)}"
+
+
 _HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)
 
 

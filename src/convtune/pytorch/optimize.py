@@ -300,7 +300,7 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
         for index in replanned:
             selections[index] = _select(jobs[index], tuning, chosen[index])
     for index, (_, module, sig, _) in enumerate(jobs):
-        cast(TunedConv, module)._convtune_selections[sig] = selections[index]  # converted above
+        cast(TunedConv, module)._convtune_select(sig, selections[index])  # converted above
     tuning.mode = mode
     return model
 

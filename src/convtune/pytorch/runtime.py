@@ -377,7 +377,7 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
     base, layer = made(torch.nn.Conv2d), cast(Conv2d, made(Conv2d, mode="get"))
     layer.load_state_dict(base.state_dict())
     x = problem.random_inputs()[0]
-    layer._convtune_selections[Signature(tuple(x.shape), x.dtype, x.device, "channels_last")] = selection
+    layer._convtune_select(Signature(tuple(x.shape), x.dtype, x.device, "channels_last"), selection)
     xg = x.clone().requires_grad_()
     dy = torch.ones_like(base(x))  # dense in the layout, as a network's gradients are
 
