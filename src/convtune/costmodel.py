@@ -107,7 +107,7 @@ def generic_cost(p: ConvProblem, workspace_bytes: int) -> Cost:
 
 
 def vendor_cost(efficiency: float, p: ConvProblem) -> Cost:
-    """A vendor's fused kernel: its workspace is used inside the kernel (cuDNN's fp32 NCHW plans
+    """A vendor's fused kernel: its workspace is used inside the kernel (cuDNN's fp32 NCHW execution plans
     transpose through 50 MB and still lead), so it is no traffic term here."""
     return Cost(p.flops, efficiency * shape_factor(*gemm_dims(p)), p.min_bytes, 1, composed=False)
 

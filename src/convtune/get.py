@@ -90,7 +90,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     Workspaces are learned (cuDNN execution plans built) where they decide: the filters, a workspace limit
     (find holds every candidate against it anyway) and prefer='least_memory'. Otherwise only the
     tie rule reads them, and a workspace not known without costly work counts as 0 (``predict``),
-    so find's ordering builds no plan; where every workspace is known, the order is the same.
+    so find's ordering builds no cuDNN execution plan; where every workspace is known, the order is the same.
     learn_workspaces=False learns them only where the policy makes them decide (a workspace limit,
     prefer='least_memory'), with the filters kept: a pick wanted at once, whose workspace is learned
     when it is built (select's 'background' mode).

@@ -100,7 +100,7 @@ _SETTINGS = (
     # stop repeating once (p75 - p25) / median is below this
     _Setting("timing_rel_spread", _at_least(0, above=True), 0.05, "spread that ends repeats"),
     # built cuDNN execution plans launch through the frontend's C++ graph, skipping its per-call Python checks
-    # (read when a plan first runs in the process)
+    # (read when a cuDNN execution plan first runs in the process)
     _Setting("cudnn_direct", _bool, True, "cuDNN execution plans launch without the frontend's Python layer"),
     # tuned layers run through convtune's C++ extension (built on first use; 0: the Python path)
     _Setting("native", _bool, True, "tuned layers run through the C++ extension"),

@@ -180,7 +180,7 @@ def native_handle(key: str, algorithm: str) -> int:
 def native_or_why(problem: ConvProblem, algorithm: str, db: Any = None) -> tuple[int, str]:
     """(handle, '') of ``algorithm``'s native executable on ``problem`` (made from ``db``'s stored form where
     there is one: ``runtime.prepare``), or (0, why the Python path runs it): the native runtime is off or
-    not built, the algorithm is one of convtune's Python ones, or cuDNN refuses the plan here."""
+    not built, the algorithm is one of convtune's Python ones, or cuDNN refuses the execution plan here."""
     if not settings.native:
         return 0, "the native runtime is off (CONVTUNE_NATIVE=0)"
     try:

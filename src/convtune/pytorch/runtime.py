@@ -117,7 +117,7 @@ def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device 
     device: for a cuDNN execution plan, the CUDA device it is built for (None: the current one).
     Raises ``NotNative`` when the extension is not loaded, the algorithm has no recipe, or this
     build cannot make it (a cuDNN execution plan in a build without cuDNN); ``RuntimeError`` when cuDNN
-    refuses to build the tuned plan.
+    refuses to build the tuned execution plan.
     """
     kind, options = _recipe(problem, algorithm)
     return _add(_extension(), problem, algorithm.name, kind, options, _device_index(problem, device))
@@ -138,7 +138,7 @@ def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, 
 
 _prepared: dict[tuple, tuple[int, str]] = {}  # (problem key, algorithm, device, registry generation) -> (handle, kind)
 _refused: dict[tuple, Exception] = {}  # the same key -> why it has no executable (not tried again; cuDNN's
-# refusals, which may be passing, such as a plan built out of memory, are tried again)
+# refusals, which may be passing, such as an execution plan built out of memory, are tried again)
 _prepared_lock = threading.Lock()
 
 
@@ -298,7 +298,7 @@ def _measured(device: str) -> dict[str, float]:
                 if recipe is None or direction in kinds.get(recipe.kind, {}):
                     continue
                 try:
-                    executable(q, algo)  # one that builds here (a cuDNN plan may not)
+                    executable(q, algo)  # one that builds here (a cuDNN execution plan may not)
                 except (NotNative, RuntimeError):
                     continue
                 kinds.setdefault(recipe.kind, {})[direction] = algo.name
