@@ -2,8 +2,9 @@
 
 For a problem, the backend builds the cuDNN graph (conv_fprop, conv_dgrad or conv_wgrad; float32
 compute) and asks heuristics modes A and FALLBACK for every engine configuration they offer. Each
-execution plan ("plan" in this module: a network's workspace plan is ``convtune.plan``'s) becomes an algorithm named ``cudnn:<plan name>`` (``cudnn:eng62_k2=5_k13=1...``). Building a
-plan costs from 0.1 ms to about a second (runtime-compiled engines), so plans are built lazily, the
+execution plan ("plan" in this module; a network's workspace plan is ``convtune.plan``'s) becomes an
+algorithm named ``cudnn:<plan name>`` (``cudnn:eng62_k2=5_k13=1...``). Building a plan costs from 0.1 ms
+to about a second (runtime-compiled engines), so plans are built lazily, the
 first time their workspace is asked for (``workspace_bytes``) or they run, and kept per problem for
 the process. Until then ``known_workspace_bytes`` is None: ``find`` orders and skips candidates
 without building them, and builds only the plans whose workspace decides something (see ``find``).
