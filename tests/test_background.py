@@ -148,12 +148,14 @@ def test_a_layer_waiting_for_a_measurement_keeps_no_hot_path_and_copies_select_a
     conv = ct.nn.Conv2d(3, 4, 3, padding=1, mode="background", db=db)
     y = conv(x)
     assert conv._convtune_fast == {} and conv._convtune_provisional  # every call looks for the measurement
+    assert conv._convtune_traced == {}  # compiled code too: a provisional choice is never traced for good
     twin = copy.deepcopy(conv)
     assert twin.selections == {}  # a copy selects again on its first call, in its own right
     held.set()
     assert background.wait(120)
     torch.testing.assert_close(conv(x), y)
     assert conv._convtune_provisional == {} and conv._convtune_fast  # measured: the hot path again
+    assert conv._convtune_traced  # and compiled code traces the measured choice
     assert all(r["time_ms"] is not None for r in ct.explain(conv))
     torch.testing.assert_close(twin(x), y)
     assert all(r["time_ms"] is not None for r in ct.explain(twin))

@@ -497,10 +497,7 @@ def test_compiled_code_reads_one_table_entry_per_tuned_layer_not_its_selections(
     assert all(len(m._convtune_traced) == 4 for m in (model[0], model[2], model[4]))  # every gradient tuned
     assert model[4]._convtune_traced[next(iter(model[4]._convtune_traced))] == ()  # PyTorch's own call
 
-    def full_path(module, input):
-        raise AssertionError("the traced forward took the full path")
-
-    monkeypatch.setattr(TunedConv, "_convtune_forward", full_path)
+    _traced_only(monkeypatch)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     y = compiled(xa)
@@ -516,6 +513,78 @@ def test_compiled_code_reads_one_table_entry_per_tuned_layer_not_its_selections(
         expected = model(x)
         torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)
     assert expected.shape == (2, 4, 2, 2)
+
+
+def _traced_only(monkeypatch) -> None:
+    """Tracing a tuned layer's full path fails from now on (the test undoes it with monkeypatch.undo())."""
+    def full_path(module, input):
+        raise AssertionError("the traced forward took the full path")
+
+    monkeypatch.setattr(TunedConv, "_convtune_forward", full_path)
+
+
+def test_the_traced_table_keys_what_autocast_and_the_gradients_make_of_the_input(native, monkeypatch):
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module = _forced(x.bfloat16(), "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    module.weight.requires_grad_(False)  # frozen: only the input's gradient is needed
+    twin = copy.deepcopy(module)
+    _traced_only(monkeypatch)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = compiled(xa)  # float32 input, bfloat16 choice: the key names the dtype autocast computes in
+        with torch.no_grad():
+            compiled(x)
+    monkeypatch.undo()
+    y.float().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yb = twin(xb)
+    yb.float().sum().backward()
+    torch.testing.assert_close(y, yb)
+    torch.testing.assert_close(xa.grad, xb.grad)
+    assert module.weight.grad is None
+
+
+def test_a_layer_tuned_for_its_forward_only_tunes_its_gradients_when_compiled_code_needs_them(native):
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = ct.nn.Conv2d(6, 4, 1, mode="get")
+    twin = copy.deepcopy(module)
+    with torch.no_grad():
+        module(x)
+    assert set(k[-2:] for k in module._convtune_traced) == {"00"}  # no gradient tuned, none may be asked for
+    compiled = torch.compile(module, backend="aot_eager")
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = compiled(xa)
+    y.sum().backward()
+    assert set(k[-2:] for k in module._convtune_traced) == {"00", "10", "01", "11"}
+    _trains_like(module, y, xa, twin, xb, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding", [{"padding": 1, "padding_mode": "reflect"}, {"padding": "same"}])
+def test_a_layer_that_pads_first_keeps_no_traced_entry_and_compiles_right(native, padding):
+    x = torch.randn(2, 6, 5, 5)
+    module = ct.nn.Conv2d(6, 4, 3 if padding["padding"] == 1 else 2, mode="get", **padding)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():  # bfloat16 on the CPU: through the op
+        expected = module(x)
+        assert next(iter(module.selections.values())).native is not None
+        assert module._convtune_traced == {}  # the op on the padded input: only the full path pads
+        torch.testing.assert_close(torch.compile(module, backend="aot_eager", fullgraph=True)(x), expected)
+
+
+def test_a_copy_rebuilds_its_traced_table_from_its_selections(native, monkeypatch):
+    x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
+    model = _native_model(x)
+    tables = [dict(m._convtune_traced) for m in (model[0], model[2])]
+    model[0]._convtune_traced["(9, 9)|stale"] = (1, 2, 3)  # what a pickle may carry: never trusted
+    with torch.no_grad():
+        expected = model(x)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert [m._convtune_traced for m in (copied[0], copied[2])] == tables
+        _traced_only(monkeypatch)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(copied, backend="aot_eager", fullgraph=True)(x), expected)
+        monkeypatch.undo()
 
 
 # -- the host-cost rule ----------------------------------------------------------------------------
@@ -577,7 +646,7 @@ def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkey
         assert plan.fwd == plan.bwd_data == plan.bwd_filter == "torch:native"
         assert "would gain 9.0 us of GPU time a step but cost 15.0 us" in ct.explain(module)[0]["note"]
     with settings.override(host_rule=False):
-        module._convtune_selections.clear()
+        module._convtune_forget(next(iter(module.selections)))
         module._convtune_fast.clear()
         module(x)
         assert next(iter(module.selections.values())).fwd == "gemm:1x1"
@@ -666,7 +735,6 @@ def test_a_warm_start_makes_each_executable_from_the_database_without_the_algori
     code = f"""
 import torch, convtune as ct
 from convtune.pytorch import runtime
-from convtune.pytorch.modules import TunedConv
 from convtune.verify import reference, rel_error
 def no_registry(*args):
     raise AssertionError("a warm start looked the algorithm up")

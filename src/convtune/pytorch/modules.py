@@ -107,8 +107,10 @@ class TunedConv(_ConvBase):
         return self.selections
 
     def _convtune_select(self, sig: Signature, selection: LayerSelection) -> None:
-        """Inputs of ``sig`` run ``selection`` from now on (every change of the selections goes through here or
-        ``_convtune_forget``: they keep the table compiled code reads, ``_convtune_traced``, in step)."""
+        """Inputs of ``sig`` run ``selection`` from now on. Every choice made or dropped for one signature goes
+        through here or ``_convtune_forget``, which keep the table compiled code reads (``_convtune_traced``) in
+        step; the methods that drop them all (``_init_convtune``, a geometry change in ``__setattr__``) and a
+        copy's ``__setstate__`` empty or rebuild it themselves."""
         self._convtune_selections[sig] = selection
         pads = self.padding_mode != "zeros" or (isinstance(self.padding, str) and any(
             lo != hi for lo, hi in explicit_padding(self)))
@@ -137,11 +139,12 @@ class TunedConv(_ConvBase):
         what the choice depends on (shape, dtype under autocast, device, layout, the gradients needed), all
         known when tracing. Dynamo guards that entry with one lookup; reading the selections instead would guard
         every field of their keys and values, which costs the compiled code's every call microseconds per
-        layer. No entry: the full path, which tunes (at a graph break) and explains."""
+        layer. No entry: the full path, which tunes (at a graph break) and explains; an unbatched input, a layer
+        that pads explicitly first and a layer on the Python path always take it (and pay its guards)."""
         cast = _autocast_dtype(input)
         weight = self.weight
-        if cast is None and weight.dtype != input.dtype:
-            return self._convtune_forward(input)
+        if input.dim() != weight.dim() or (cast is None and weight.dtype != input.dtype):
+            return self._convtune_forward(input)  # unbatched (or torch's own error), or mixed dtypes: torch's error
         grad = torch.is_grad_enabled()
         key = _traced_key(tuple(input.shape), cast or input.dtype, input.device, layout_of(input),
                           grad and input.requires_grad, grad and weight.requires_grad)
@@ -335,7 +338,7 @@ def _resolve_tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     """The hot path's first call: bind ``_tuned_conv`` to the C++ extension's direct call of the op (loaded by
     then: a layer's executables imply it), which skips ``torch.ops``' Python-side argument handling (about
     1 us a call). It consults no ``__torch_function__``: the hot path takes it for plain tensors only. Never
-    traced: under torch.compile a layer takes its full path, which names the op."""
+    traced: under torch.compile a layer takes ``_convtune_traced_forward``, which names the op."""
     global _tuned_conv
     module = extension.load()
     _tuned_conv = module.tuned_conv if module is not None else torch.ops.convtune.tuned_conv.default

@@ -87,10 +87,11 @@ class LayerSelection:
             ops.problem_of(self.problem))
 
     def __post_init__(self) -> None:
-        # What the module runs, set once here (the forward reads it every call, and torch.compile
-        # traces plain attributes): ``native``, the executables' handles (fwd, bwd_data, bwd_filter;
-        # 0 for a direction not tuned) when the C++ runtime runs every tuned direction; else ``call``,
-        # the Python path, with ``python_reason`` saying why; neither when the layer calls torch.
+        # What the module runs, set once here (the eager forward reads it every call; compiled code reads
+        # the module's table made from it, ``TunedConv._convtune_select``): ``native``, the executables'
+        # handles (fwd, bwd_data, bwd_filter; 0 for a direction not tuned) when the C++ runtime runs every
+        # tuned direction; else ``call``, the Python path, with ``python_reason`` saying why; neither when
+        # the layer calls torch.
         native, call, why = None, None, ""
         if not (self.on_torch or self.native_only):
             native, why = _native_handles(self)
