@@ -139,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     env = common.environment()
     results = {}
-    for model in args.models:
+    for model in ["tiny"] if args.tiny else args.models:
         for batch in args.batches:
             for dtype in args.dtypes:
                 print(f"{model} b{batch} {dtype}", file=sys.stderr, flush=True)

@@ -117,6 +117,17 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     assert "## torch: host-side profile" in profile and "## convtune: host-side profile" in profile
 
 
+@pytest.mark.slow
+def test_compile_profile_counts_each_compiled_models_work_per_step(tmp_path):
+    results = _run("compile_profile.py", tmp_path, "--batches", "2", "--workloads", "inference")["results"]
+    row = results["tiny:b2:float16"]["inference"]
+    for who in ("torch", "convtune"):
+        assert row[who]["wall_ms"] > 0 and row[who]["kernels"] > 0 and row[who]["host_events"] > 0
+        assert abs(sum(k["count"] for k in row[who]["by_name"].values()) - row[who]["kernels"]) < 1e-9
+    text = (tmp_path / "compile_profile.md").read_text()
+    assert "| tiny | b2 | float16 | inference |" in text and "the host's events that differ most" in text
+
+
 def test_the_sweep_draws_the_same_problems_and_covers_what_networks_contain(sweep):
     layers = sweep.seeds()
     assert len(layers) > 100  # the built-in networks' unique layers and DeepBench's
