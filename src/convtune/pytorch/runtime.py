@@ -25,6 +25,7 @@ import functools
 import hashlib
 import logging
 import sqlite3
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -199,27 +200,37 @@ def tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.convtune.tuned_conv.default(x, w, bias, *handles)
 
 
-def _per_call_us(fn: Callable[[], Any], device: str, calls: int = 100, repeats: int = 3) -> float:
-    """Host microseconds per call of ``fn`` (the least of a few timings; on CUDA the GPU waits on the host)."""
-    def sync() -> None:
+def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls: int = 50, rounds: int = 5) -> float:
+    """Host microseconds per call that ``fn`` takes over ``base`` (on CUDA the GPU waits on the host): each called
+    once first, then ``rounds`` timings of ``calls`` calls of each, in alternation with the order swapped every
+    round; the median of the rounds' differences, so that host drift between the two timings, which moves both
+    alike within a round, does not enter it."""
+    def per_call(f: Callable[[], Any]) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
-
-    times = []
-    for _ in range(repeats):
-        sync()
         started = time.perf_counter()
         for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - started) / calls * 1e6)
-    return min(times)
+            f()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - started) / calls * 1e6
+
+    fn()
+    base()
+    differences = []
+    for r in range(rounds):
+        if r % 2:
+            b = per_call(base)
+            differences.append(per_call(fn) - b)
+        else:
+            differences.append(per_call(fn) - per_call(base))
+    return statistics.median(differences)
 
 
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
 _host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
 # Kept with the costs in the database: costs measured by another method are measured again.
-HOST_COST_METHOD = 2
+HOST_COST_METHOD = 3
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
@@ -307,8 +318,7 @@ def _measured(device: str) -> dict[str, float]:
             x, w = p.random_inputs()
             run = functools.partial(tuned_conv, x, w, None, (executable(p, get_algorithm(native, p)), 0, 0))
             with torch.no_grad():
-                forward = _probe("native", lambda: (_per_call_us(run, device)
-                                                    - _per_call_us(lambda: torch.nn.functional.conv2d(x, w), device),))
+                forward = _probe("native", lambda: (_extra_us(run, lambda: torch.nn.functional.conv2d(x, w), device),))
             if forward is not None:
                 overheads["native"] = forward[0]
         for kind, names in kinds.items():
@@ -352,8 +362,7 @@ def _algorithm_us(problem: ConvProblem, names: dict[str, str]) -> tuple[float, f
             q = problem.with_direction(direction)
             a, b = q.random_inputs()
             mine, natives = ops.Runner(q.key, names[direction]), ops.Runner(q.key, "torch:native")
-            extra.append(_per_call_us(functools.partial(mine, a, b), problem.device)
-                         - _per_call_us(functools.partial(natives, a, b), problem.device))
+            extra.append(_extra_us(functools.partial(mine, a, b), functools.partial(natives, a, b), problem.device))
     return extra[0], extra[1], extra[2]
 
 
@@ -388,8 +397,8 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
         return lambda: m(xg).backward(dy)
 
     with torch.no_grad():
-        fwd = _per_call_us(forward(layer), problem.device) - _per_call_us(forward(base), problem.device)
-    both = _per_call_us(step(layer), problem.device, calls=50) - _per_call_us(step(base), problem.device, calls=50)
+        fwd = _extra_us(forward(layer), forward(base), problem.device)
+    both = _extra_us(step(layer), step(base), problem.device, calls=20)
     return fwd, (both - fwd) / 2
 
 
