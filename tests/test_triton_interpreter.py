@@ -16,14 +16,17 @@ from triton_cases import HAS_TRITON, RUNS_KERNELS
 FILES = (test_triton_depthwise, test_triton_grouped)
 
 
-@pytest.mark.slow  # about 200 s on a 2-core CPU: both families in the interpreter
+@pytest.mark.slow  # about 7 min on a 2-core CPU: both families in the interpreter, one process each at once
 @pytest.mark.skipif(RUNS_KERNELS or not HAS_TRITON, reason="the kernels run in this process")
 def test_the_kernel_tests_pass_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                             *(module.__file__ for module in FILES)],
-                            env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    passed = int(summary.split(" passed")[0].split()[-1])
-    assert passed >= sum(module.KERNEL_TESTS for module in FILES), summary  # the kernel tests ran, none skipped
+    runs = [(module, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                                       module.__file__], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=Path(__file__).resolve().parent.parent))
+            for module in FILES]
+    for module, run in runs:
+        stdout, stderr = run.communicate()
+        assert run.returncode == 0, stdout[-4000:] + stderr[-2000:]
+        summary = stdout.strip().splitlines()[-1]
+        passed = int(summary.split(" passed")[0].split()[-1])
+        assert passed >= module.KERNEL_TESTS, summary  # the kernel tests ran, none skipped
