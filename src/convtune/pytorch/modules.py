@@ -112,10 +112,8 @@ class TunedConv(_ConvBase):
         step; the methods that drop them all (``_init_convtune``, a geometry change in ``__setattr__``) and a
         copy's ``__setstate__`` empty or rebuild it themselves."""
         self._convtune_selections[sig] = selection
-        pads = self.padding_mode != "zeros" or (isinstance(self.padding, str) and any(
-            lo != hi for lo, hi in explicit_padding(self)))
-        for need_dx, need_dw in _GRADIENTS_NEEDED:
-            key = _traced_key(sig.shape, sig.dtype, sig.device, sig.layout, need_dx, need_dw)
+        pads = self._convtune_pads_first()
+        for (need_dx, need_dw), key in _traced_keys(sig):
             entry: tuple[int, ...] | None = None
             if sig not in self._convtune_provisional and selection.covers(need_dx, need_dw):
                 if selection.call is None and selection.native is None:
@@ -130,9 +128,8 @@ class TunedConv(_ConvBase):
     def _convtune_forget(self, sig: Signature) -> None:
         """Inputs of ``sig`` are selected for again on their next call."""
         self._convtune_selections.pop(sig, None)
-        for need_dx, need_dw in _GRADIENTS_NEEDED:
-            self._convtune_traced.pop(_traced_key(sig.shape, sig.dtype, sig.device, sig.layout, need_dx, need_dw),
-                                      None)
+        for _, key in _traced_keys(sig):
+            self._convtune_traced.pop(key, None)
 
     def _convtune_traced_forward(self, input: torch.Tensor) -> torch.Tensor:
         """The forward as torch.compile traces it: one entry of ``_convtune_traced``, found by a string that says
@@ -235,16 +232,19 @@ class TunedConv(_ConvBase):
             y = y + bias.view(1, -1, *([1] * nd))
         return y if batched else y.squeeze(0)
 
+    def _convtune_pads_first(self) -> bool:
+        """Whether the layer pads its input explicitly before the convolution (``_convtune_pad``)."""
+        return self.padding_mode != "zeros" or (isinstance(self.padding, str) and any(
+            lo != hi for lo, hi in explicit_padding(self)))
+
     def _convtune_pad(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` padded explicitly where torch would (ConvProblem.from_module describes the same)."""
+        if not self._convtune_pads_first():
+            return x
         if self.padding_mode != "zeros":
             return F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-        if isinstance(self.padding, str):
-            # 'same' with an odd total: the extra row/column goes after, the rest is symmetric.
-            extra = [v for lo, hi in reversed(explicit_padding(self)) for v in (0, hi - lo)]
-            if any(extra):
-                return F.pad(x, extra)
-        return x
+        # 'same' with an odd total: the extra row/column goes after, the rest is symmetric.
+        return F.pad(x, [v for lo, hi in reversed(explicit_padding(self)) for v in (0, hi - lo)])
 
     def _convtune_tune(self, sig: Signature, need_dx: bool, need_dw: bool) -> LayerSelection:
         # Under torch.compile this runs eagerly, at a graph break (it measures, reads databases): see
@@ -275,6 +275,11 @@ def _traced_key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                 need_dw: bool) -> str:
     """The key of ``_convtune_traced``: a string, which Dynamo guards as one dictionary lookup."""
     return f"{tuple(shape)}|{dtype}|{device}|{layout}|{int(need_dx)}{int(need_dw)}"
+
+
+def _traced_keys(sig: Signature) -> list[tuple[tuple[bool, bool], str]]:
+    """((need_dx, need_dw), key) of each combination of gradients an input of ``sig`` may need."""
+    return [(needs, _traced_key(sig.shape, sig.dtype, sig.device, sig.layout, *needs)) for needs in _GRADIENTS_NEEDED]
 
 
 _HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)

@@ -220,10 +220,10 @@ def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls
     differences = []
     for r in range(rounds):
         if r % 2:
-            b = per_call(base)
-            differences.append(per_call(fn) - b)
+            b, a = per_call(base), per_call(fn)
         else:
-            differences.append(per_call(fn) - per_call(base))
+            a, b = per_call(fn), per_call(base)
+        differences.append(a - b)
     return statistics.median(differences)
 
 
