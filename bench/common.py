@@ -24,7 +24,7 @@ def environment() -> dict:
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(), "torch": torch.__version__, "convtune": convtune.__version__,
-        "software": hardware.software_versions(), "revision": revision(),
+        "software": hardware.software_versions(), "revision": revision(), "source": source_tree(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -65,6 +65,24 @@ def revision() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+" if dirty else "")
+
+
+def source_tree() -> str:
+    """What the library's code under measurement is, whatever commit carries it: BENCH_SOURCE (a copy of the
+    tree without its .git sets it), else git's short hash of the src/ tree ('+' when src/ has changes), else
+    'unknown'. Commits that change only benchmarks, tests or docs share it, so results measured at any of them
+    measured the same library."""
+    if os.environ.get("BENCH_SOURCE"):
+        return os.environ["BENCH_SOURCE"]
+    top = Path(__file__).resolve().parent.parent
+    try:
+        tree = subprocess.run(["git", "rev-parse", "--short", "HEAD:src"], cwd=top, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=top,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return tree + ("+" if dirty else "")
 
 
 def write(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:

@@ -29,7 +29,7 @@ or several 10-minute runs of parts, add up:
     python bench/e2e.py                                     # everything (hours: run it in parts)
     python bench/e2e.py --models resnet50 --batches 128 --dtypes float16 --styles eager,graph
     python bench/e2e.py --models mobilenet_v2 --batches 128 --styles eager --processes 3
-    python bench/e2e.py --missing                           # what the results file does not have yet
+    python bench/e2e.py --missing                           # what the results file lacks for the current src/
     python bench/e2e.py --device cpu --tiny --out /tmp/e2e  # a small stand-in network: checks the pipeline
 
 Results: bench/results/e2e.json and e2e.md (or --out, --name).
@@ -422,8 +422,9 @@ def markdown(env: dict, rows: dict) -> str:
             "run that measured them.\n\n" + ANCHORS + "\n")
     table = []
     for cid, row in rows.items():
+        source = f" (src {row['source']})" if cid.endswith(":convtune") and row.get("source") else ""
         table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"],
-                      f"{row.get('date', '-')} {row.get('revision', '')}".strip()])
+                      f"{row.get('date', '-')} {row.get('revision', '')}{source}".strip()])
     out = head + "## Every configuration\n\nTuning (s): convtune's `optimize` on a cold database (then again in " \
         "the same process) or, in a fresh process, on the warm one; torch: its first inference call plus its " \
         "first training step (benchmark mode tunes there; under compile they include compiling).\n\n"
@@ -440,10 +441,15 @@ def markdown(env: dict, rows: dict) -> str:
             for base in (bm0, bm1):
                 ok = ct_row and base and workload in ct_row and workload in base
                 cells.append(f"{base[workload]['ms'] / ct_row[workload]['ms']:.2f}x" if ok else "-")
-        ratios.append([*g.split(":"), *cells])
+        ratios.append([*g.split(":"), *cells, ct_row.get("source", "not recorded")])
+    sources = sorted({r[-1] for r in ratios})
     out += "\n## convtune's speed-up (torch time / convtune time; above 1: convtune faster)\n\n"
+    out += (f"convtune's rows ran the library's src/ tree {sources[0]} (`git rev-parse --short <commit>:src`: every "
+            "commit that leaves src/ as it is runs the same library).\n\n" if len(sources) == 1 else
+            f"convtune's rows ran {len(sources)} versions of the library's src/ tree (last column: "
+            "`git rev-parse --short <commit>:src`); `--missing` measures again those not of the current one.\n\n")
     out += common.md_table(["model", "batch", "dtype", "style", "inference vs bm0", "inference vs bm1",
-                            "training vs bm0", "training vs bm1"], ratios)
+                            "training vs bm0", "training vs bm1", "convtune's src/"], ratios)
     for g in groups:
         ct_row, bm1 = rows.get(f"{g}:convtune"), rows.get(f"{g}:torch_bm1")
         if not (ct_row and bm1):
@@ -459,6 +465,12 @@ def markdown(env: dict, rows: dict) -> str:
             if key in ct_row and key in bm1:
                 out += f"\n## Where {what} host time goes: {g}\n\n" + host_table(bm1[key], ct_row[key])
     return out
+
+
+def current(row: dict, mode: str, env: dict) -> bool:
+    """Whether ``row`` stands for this run: measured (status ok) and, for convtune's rows, with this src/ tree
+    (PyTorch's rows do not run the library's code)."""
+    return row.get("status") == "ok" and (mode != "convtune" or row.get("source") == env["source"])
 
 
 def tuning_cell(row: dict) -> str:
@@ -535,7 +547,8 @@ def main() -> None:
                         "the timings inside one)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps (eager and compile styles)")
     parser.add_argument("--missing", action="store_true", help="only the configurations the results file has no "
-                        "ok row for (a run in parts goes on where the last one stopped)")
+                        "ok row for, convtune's counting only where it ran the current src/ tree (a run in parts goes "
+                        "on where the last one stopped, over several sessions while src/ stays as it is)")
     parser.add_argument("--report", action="store_true", help="write the markdown again from the results file "
                         "(runs nothing)")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
@@ -571,7 +584,7 @@ def main() -> None:
             cfgs = [dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device,
                          tiny=args.tiny, steps=args.steps, repeats=args.repeats, profile=not args.no_profile,
                          db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite")) for mode in args.modes]
-            cfgs = [c for c in cfgs if not (args.missing and rows.get(config_id(c), {}).get("status") == "ok")]
+            cfgs = [c for c in cfgs if not (args.missing and current(rows.get(config_id(c), {}), c["mode"], env))]
             runs: dict[str, list[dict]] = {config_id(c): [] for c in cfgs}
             for turn in range(args.processes if cfgs else 0):  # the modes take turns, in a rotated order
                 for cfg in cfgs[turn % len(cfgs):] + cfgs[:turn % len(cfgs)]:
@@ -579,7 +592,7 @@ def main() -> None:
                     runs[config_id(cfg)].append(in_subprocess(dict(cfg, profile=cfg["profile"] and turn == 0),
                                                               args.config_timeout))
                     row = combine(runs[config_id(cfg)])
-                    row["date"], row["revision"] = env["date"], env["revision"]
+                    row["date"], row["revision"], row["source"] = env["date"], env["revision"], env["source"]
                     rows[config_id(cfg)] = row
                     common.write(args.name, payload, markdown(env, rows), out_dir)  # a cut run keeps what it did
     print(markdown(env, rows))

@@ -15,8 +15,9 @@
 # $OUT/cudnn_order.json.gz, which bench/learned_get.py reads beside the dataset off the GPU).
 # learned (bench/learned_get.py on bench/data/sweep.jsonl.gz, on the GPU: cuDNN's heuristics A and B judged too).
 # Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
-# Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) bash bench/gpu_session.sh ...`: the copy of the tree
-# on the device may carry an older .git, and the result files name the revision they measured.
+# Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) BENCH_SOURCE=$(git rev-parse --short HEAD:src) bash
+# bench/gpu_session.sh ...`: the copy of the tree on the device may carry an older .git, and the result files name
+# the revision (and src/ tree) they measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -45,8 +45,8 @@ def test_tuning_cost_profiles_a_whole_network_cold_and_warm_on_the_cpu(tmp_path,
     assert text.rstrip("\n") == tuning_cost.markdown(payload).rstrip("\n")
 
 
-def _run(script: str, tmp_path: Path, *args: str) -> dict:
-    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
+def _run(script: str, tmp_path: Path, *args: str, env: dict | None = None) -> dict:
+    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0", **(env or {}))
     out = subprocess.run([sys.executable, str(BENCH / script), "--device", "cpu", "--tiny", "--out", str(tmp_path),
                           "--steps", "1", *args], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -101,6 +101,14 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,
                    capture_output=True, timeout=120)
     assert (tmp_path / "e2e.md").read_text() == report  # the markdown comes from the JSON alone
+    # --missing measures only what the file lacks: convtune's row again once the library's src/ tree is another
+    grid = ("--styles", "eager", "--dtypes", "bfloat16", "--batches", "4", "--repeats", "1", "--no-profile",
+            "--missing", "--modes", "convtune,torch_bm1")
+    assert _run("e2e.py", tmp_path, *grid)["configs"] == rows
+    moved = _run("e2e.py", tmp_path, *grid, env={"BENCH_SOURCE": "another"})["configs"]
+    assert moved["tiny:b4:bfloat16:eager:torch_bm1"] == rows["tiny:b4:bfloat16:eager:torch_bm1"]
+    assert moved["tiny:b4:bfloat16:eager:convtune"]["source"] == "another" != ours["source"]
+    assert "convtune's src/" in (tmp_path / "e2e.md").read_text()
 
     results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
                    "--batches", "4", "--profile")["results"]

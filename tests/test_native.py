@@ -122,10 +122,13 @@ def test_the_native_op_matches_torch_forward_and_both_gradients(native, poisoned
     assert is_in_layout(y, layout)
     torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-4)
     g = torch.randn_like(yr)
-    got = torch.autograd.grad(y, (x, conv.weight, conv.bias), g)
-    want = torch.autograd.grad(yr, (x, conv.weight, conv.bias), g)
-    for a, b, what in zip(got, want, ("dx", "dw", "db")):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=what)
+    other = "channels_first" if layout == "channels_last" else "channels_last"
+    # dy as the backward gets it: dense in the layer's layout, in the other layout, or expanded (a loss's sum())
+    for form, dy in (("dense", g), ("other layout", ct.to_layout(g, other)), ("expanded", g[:1].expand_as(g))):
+        got = torch.autograd.grad(y, (x, conv.weight, conv.bias), dy, retain_graph=True)
+        want = torch.autograd.grad(yr, (x, conv.weight, conv.bias), dy, retain_graph=True)
+        for a, b, what in zip(got, want, ("dx", "dw", "db")):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"{what}, dy {form}")
 
 
 @pytest.mark.filterwarnings("ignore:Input #")

@@ -96,12 +96,16 @@ struct TunedConv : public torch::autograd::Function<TunedConv> {
     // them on, it is called, and raises: a tuned layer has no double backward.
     std::optional<at::AutoDispatchBelowADInplaceOrView> below;
     if (!at::GradMode::is_enabled()) below.emplace();
-    if (ctx->needs_input_grad(0)) {
-      dx = call_run(dy, w, ctx->saved_data["bwd_data"].toInt());  // laid out there
+    const int64_t bwd_data = ctx->saved_data["bwd_data"].toInt(), bwd_filter = ctx->saved_data["bwd_filter"].toInt();
+    const bool data_grad = ctx->needs_input_grad(0), weight_grad = ctx->needs_input_grad(1);
+    // tuned_run lays its operands out as the problem needs; where both gradients read dy, it is laid out
+    // once here (a loss's sum() gives an expanded dy, which would otherwise be copied twice).
+    if (data_grad && weight_grad) {
+      const Spec& spec = find_executable(bwd_data)->geometry.a;
+      if (dy.sizes().equals(spec.shape)) dy = laid_out(dy, spec);  // (a wrong shape: tuned_run's error names it)
     }
-    if (ctx->needs_input_grad(1)) {
-      dw = call_run(x, dy, ctx->saved_data["bwd_filter"].toInt());
-    }
+    if (data_grad) dx = call_run(dy, w, bwd_data);
+    if (weight_grad) dw = call_run(x, dy, bwd_filter);
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < dy.dim(); ++d) dims.push_back(d);
