@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .algorithms.registry import splits_batch_of
 from .policy import Policy
-from .results import MICRO_BATCH_BACKEND, PerfResult, Status, backend_of
+from .results import PerfResult, Status
 
 NATIVE = "torch:native"  # PyTorch's own path: no workspace of convtune's and the least host time per call
 
@@ -19,7 +20,7 @@ def usable(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool
     """
     if result.status is not Status.OK or result.time_ms is None:
         return False
-    if not policy.micro_batching and backend_of(result.algorithm) == MICRO_BATCH_BACKEND:
+    if not policy.micro_batching and splits_batch_of(result.algorithm):
         return False  # a stored split answers only a policy that allows splitting the batch
     if policy.max_rel_error is not None:
         if result.rel_error is None or result.rel_error > policy.max_rel_error:

@@ -326,6 +326,7 @@ class Backend(abc.ABC):
     """
 
     prefix: str = ""
+    splits_batch: bool = False  # its algorithms run the batch in parts (as Algorithm.splits_batch)
 
     @abc.abstractmethod
     def algorithms(self, problem: ConvProblem) -> list[Algorithm]:

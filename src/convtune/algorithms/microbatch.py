@@ -45,7 +45,7 @@ from ..costmodel import Cost
 from ..policy import Policy
 from ..problem import ConvProblem, layout_order
 from ..ranking import usable
-from ..results import MICRO_BATCH_BACKEND, PerfResult, Status, backend_of
+from ..results import MICRO_BATCH_BACKEND, PerfResult, Status
 from .base import (
     SUPPORTED,
     Algorithm,
@@ -56,7 +56,7 @@ from .base import (
     buffers_bytes,
     unsupported,
 )
-from .registry import declared_cost, get_algorithm, register
+from .registry import declared_cost, get_algorithm, register, splits_batch_of
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class MicroBatch(Algorithm):
         self.inner_name = inner.name if isinstance(inner, Algorithm) else inner
         if not isinstance(self.inner_name, str) or ":" not in self.inner_name:
             raise ValueError(f"MicroBatch inner={inner!r} must be an Algorithm or a 'backend:variant' name")
-        if backend_of(self.inner_name) == MICRO_BATCH_BACKEND:
+        if splits_batch_of(self.inner_name):
             raise ValueError(f"MicroBatch inner={self.inner_name!r} is micro-batched already; split its inner once")
         pairs = tuple(tuple(pair) for pair in split)
         if not pairs or any(len(p) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in p)
@@ -274,6 +274,7 @@ class MicroBatchBackend(Backend):
     """Resolves ``mb:...`` names for a problem. It lists nothing: ``find`` offers the splits."""
 
     prefix = MICRO_BATCH_BACKEND
+    splits_batch = True
 
     def algorithms(self, problem: ConvProblem) -> list[Algorithm]:
         return []

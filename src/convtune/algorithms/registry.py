@@ -153,6 +153,17 @@ def declared_cost(name: str) -> Callable[[ConvProblem, int], Cost]:
     return absent.get(prefix, costmodel.generic_cost)
 
 
+def splits_batch_of(name: str) -> bool:
+    """Whether the algorithm called ``name`` runs the batch in parts, which only ``Policy(micro_batching=True)``
+    allows: as a registered algorithm declares it, else its backend (a stored result names an algorithm that
+    this process need not make)."""
+    _ensure_builtins()
+    if name in _registry:
+        return _registry[name].splits_batch
+    backend = _backends.get(backend_of(name))
+    return backend is not None and backend.splits_batch
+
+
 def algorithms(problem: ConvProblem) -> list[Algorithm]:
     """Every registered algorithm that supports ``problem`` on its device, backends' candidates included."""
     if not isinstance(problem, ConvProblem):
