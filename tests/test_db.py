@@ -700,6 +700,45 @@ def test_a_read_only_database_serves_what_it_holds_and_warns_once(db, tmp_path, 
     assert len(db.results(problem())) == len(FIND)
 
 
+def _refuse_journal(monkeypatch):
+    """SQLite's answer in a folder it may not write: no journal can be made beside the file (as root, a real
+    read-only folder is written all the same)."""
+    def check(conn):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+    monkeypatch.setattr(db_module, "_check", check)
+
+
+def test_a_database_in_a_folder_that_may_not_be_written_serves_what_it_holds(tmp_path, monkeypatch, caplog):
+    # TuningDB raised "attempt to write a readonly database" there, and optimize fell back to an empty database.
+    from convtune import find, get_algorithm
+
+    path = tmp_path / "ro" / "tuning.sqlite"
+    with TuningDB(path) as db:
+        db.store(problem(), FIND)
+    _refuse_journal(monkeypatch)
+    with caplog.at_level(logging.WARNING), TuningDB(path) as db:
+        assert [r.algorithm for r in db.results(problem())] == [r.algorithm for r in FIND]  # served as it is
+        assert find(problem(4), db=db, candidates=[get_algorithm("torch:native")])[0].ok  # used, not remembered
+        assert db.results(problem(4)) == []
+    assert "may not be written" in caplog.text and caplog.text.count("is read-only") == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes a read-only folder")
+def test_a_database_in_a_read_only_folder_serves_what_it_holds(tmp_path):
+    path = tmp_path / "ro" / "tuning.sqlite"
+    with TuningDB(path) as db:
+        db.store(problem(), FIND)
+    path.chmod(0o444)
+    path.parent.chmod(0o555)
+    try:
+        with TuningDB(path) as db:
+            assert [r.algorithm for r in db.results(problem())] == [r.algorithm for r in FIND]
+            db.store(problem(2), FIND)  # refused, warned
+            assert db.results(problem(2)) == []
+    finally:
+        path.parent.chmod(0o755)
+
+
 def test_an_export_writes_into_a_pipe_or_through_a_link_and_never_replaces_what_is_not_a_regular_file(db, tmp_path):
     # It wrote a temporary file and renamed it over the path: `cache export /dev/null`, run as root,
     # replaced the device with a regular file.

@@ -2,6 +2,7 @@
 
 import logging
 import math
+import time
 
 import pytest
 import torch
@@ -519,8 +520,30 @@ def test_a_candidate_slower_than_its_deadline_is_a_timeout_and_the_search_goes_o
     sleeper, good = Fake("fake:sleeper", time_ms=300.0, sleep=True), Fake("fake:good", time_ms=5.0)
     results = by_name(find(P, Policy(deadline_s=0.1), timer=FakeTimer(), candidates=[sleeper, good]))
     assert results["fake:sleeper"].status is Status.TIMEOUT and "deadline" in results["fake:sleeper"].message
-    assert sleeper.runs == 1  # run once, then left: not checked again, not timed
+    assert sleeper.runs == 2  # checked on both input sets, then left: not timed
     assert results["fake:good"].status is Status.OK
+
+
+class SlowAfterItsFirstRun(Fake):
+    def compute(self, problem, a, b, out) -> None:
+        super().compute(problem, a, b, out)
+        if self.runs > 1:
+            time.sleep(0.3)
+
+
+def test_the_deadline_is_held_after_every_run_not_only_the_first():
+    late = SlowAfterItsFirstRun("fake:late")
+    results = by_name(find(P, Policy(deadline_s=0.1), timer=FakeTimer(), candidates=[late, Fake("fake:good")]))
+    assert results["fake:late"].status is Status.TIMEOUT and "0.3" in results["fake:late"].message
+    assert late.runs == 2 and results["fake:good"].ok  # not timed: the search went on
+
+
+def test_a_slow_candidate_that_memoises_is_wrong_not_the_slow_answer():
+    # Where nothing finishes within the deadline the fastest timeout answers; it must be right on a second input
+    # set too, as every answer is.
+    results = by_name(find(P, Policy(deadline_s=0.05), timer=FakeTimer(),
+                           candidates=[Memoising("fake:memo", time_ms=150.0, sleep=True)]))
+    assert results["fake:memo"].status is Status.WRONG_RESULT and "second input set" in results["fake:memo"].message
 
 
 def test_a_candidate_slower_than_its_deadline_that_writes_into_its_inputs_fails_and_runs_no_more():

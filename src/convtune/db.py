@@ -36,6 +36,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -634,10 +635,17 @@ def _export_lines(path: Path) -> Iterator[bytes]:
 
 
 def _open(path: Path) -> sqlite3.Connection:
-    """A connection to a checked database at ``path``; a bad file is moved aside and replaced."""
+    """A connection to a checked database at ``path``; a bad file is moved aside and replaced. In a folder that
+    may not be written (SQLite cannot make its journal there), the file is read as it is (``_open_as_it_is``)."""
     for _ in range(3):
         conn = _connect(path)
-        fault = _check(conn)
+        try:
+            fault = _check(conn)
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            if not (_read_only(exc) and path.is_file()):
+                raise
+            return _open_as_it_is(path)
         if fault is None:
             return conn
         conn.close()
@@ -654,9 +662,32 @@ def _open(path: Path) -> sqlite3.Connection:
     raise RuntimeError(f"could not open a fresh tuning database at {path}; remove the file or set CONVTUNE_CACHE_DIR")
 
 
-def _connect(path: Path) -> sqlite3.Connection:
+def _open_as_it_is(path: Path) -> sqlite3.Connection:
+    """A read-only connection to the database at ``path``, whose folder may not be written: SQLite's
+    ``immutable`` mode, which needs no journal beside the file (nothing else can write it there either).
+    It serves what the file holds; every store is refused as read-only (``TuningDB._write`` warns once).
+    A damaged file or another schema raises ValueError: it cannot be moved aside or salvaged there."""
+    conn = _connect(Path(f"file:{urllib.parse.quote(str(path.resolve()))}?immutable=1"), uri=True)
+    try:
+        verdict = [row[0] for row in conn.execute("PRAGMA integrity_check").fetchall()]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.DatabaseError as exc:
+        verdict, version = [str(exc)], None
+    if verdict != ["ok"] or version != SCHEMA_VERSION:
+        conn.close()
+        why = ("; ".join(verdict[:3]) if verdict != ["ok"] else
+               f"schema version {version}, this convtune uses {SCHEMA_VERSION}")
+        raise ValueError(f"the tuning database {path} cannot be used ({why}) and its folder may not be written, so it "
+                         f"cannot be replaced; give another path or set CONVTUNE_CACHE_DIR")
+    log.warning("the tuning database %s is in a folder that may not be written: it is read as it is, and new "
+                "measurements are used but not remembered", path)
+    return conn
+
+
+def _connect(path: Path, uri: bool = False) -> sqlite3.Connection:
     # isolation_level=None: transactions are begun explicitly (BEGIN IMMEDIATE for writes).
-    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False,
+                           uri=uri)
     # A damaged row whose text is not UTF-8 reads as text with the bad bytes replaced: its JSON then
     # fails to decode and that one row is ignored with a warning, instead of every read failing.
     conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")

@@ -29,10 +29,12 @@ class Policy:
     tolerance: times within this fraction of each other tie; ties go to the smaller workspace, then
         to torch:native (PyTorch's own path, the least host time per call).
     max_candidates, budget_s: the tuning budget of one find (None: the settings' defaults).
-    deadline_s: seconds a candidate's first run may take before it is a ``timeout`` and the search
-        goes on (None: the setting ``candidate_deadline_s``, 60 s; it cannot be stopped midway, so a
-        hung candidate still holds the search that long). Where no candidate finishes within it, the
-        fastest that ran right once is the answer, timed by that run.
+    deadline_s: seconds a candidate's measurement may take: past it after one of its checked runs, it is a
+        ``timeout`` and the search goes on, and the timing stops at it (None: the setting
+        ``candidate_deadline_s``, 60 s). In this process a call cannot be stopped midway, so a call that
+        never returns holds the search; in a worker process (``settings.isolate``) it is killed. Where
+        no candidate finishes within it, the fastest right on both input sets is the answer, timed by
+        its slower checked run.
     micro_batching: with a workspace_limit, find also offers algorithms run over sub-batches one
         after another (mu-cuDNN), so one whose workspace grows with the batch fits the limit.
     """

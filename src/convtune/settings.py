@@ -87,8 +87,8 @@ _SETTINGS = (
     _Setting("find_patience", _at_least(0, int), 8, "candidates in a row without a new best that end a find"),
     # a candidate predicted this many times slower than the best measured is not run (0: never)
     _Setting("find_prune_factor", _at_least(0), 10.0, "predicted slowdown that skips a candidate"),
-    # a candidate whose first (checked) run takes longer than this is a timeout, not timed (0: no deadline)
-    _Setting("candidate_deadline_s", _at_least(0), 60.0, "seconds a candidate's first run may take"),
+    # a candidate still running its checks past this is a timeout, not timed; the timing ends at it (0: none)
+    _Setting("candidate_deadline_s", _at_least(0), 60.0, "seconds a candidate's measurement may take"),
     # a candidate whose time exceeds the best so far by this factor stops being timed
     _Setting("early_stop_factor", _at_least(1), 1.5, "slowdown that ends a candidate's timing"),
     # target seconds of timing per candidate
