@@ -340,7 +340,8 @@ def _allocates_beyond(algorithm: Algorithm, problem: ConvProblem, run: Any) -> s
             f"library_bytes)")
 
 
-def _over_deadline(algorithm: Algorithm, props: _Props, err: float, runs_s: list[float], deadline_s: float) -> PerfResult:
+def _over_deadline(algorithm: Algorithm, props: _Props, err: float, runs_s: list[float],
+                   deadline_s: float) -> PerfResult:
     """``algorithm``'s ``timeout``: right on both input sets, but past the deadline before it could be timed; its
     slower checked run's time is kept, for when nothing else finishes (``_slow_but_right``)."""
     took = " and ".join(f"{t:.2f} s" for t in runs_s)
