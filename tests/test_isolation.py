@@ -163,7 +163,12 @@ def test_what_cannot_go_to_a_worker_is_measured_here(workers):
         assert not isolation.wanted(InMain())
         assert not isolation.wanted(adversaries.Correct(), timer=lambda fn, **kw: None)  # a timer that cannot go
         results = by_name(ct.find(P, candidates=[InMain()]))
+        # what it allocates cannot be checked here, so a workspace limit cannot hold it: it is not selected
+        limited = by_name(ct.find(P, ct.Policy(workspace_limit="1GiB"), candidates=[InMain()]))
     assert results["plugin:in_main"].ok
+    assert limited["plugin:in_main"].status is Status.SKIPPED and "cannot be checked" in limited["plugin:in_main"].message
+    with settings.override(isolate="off"):  # plug-ins trusted: measured here under a limit as well
+        assert by_name(ct.find(P, ct.Policy(workspace_limit="1GiB"), candidates=[InMain()]))["plugin:in_main"].ok
 
 
 def test_a_fork_while_another_thread_measures_does_not_deadlock_the_child():
