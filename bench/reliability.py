@@ -24,6 +24,13 @@ refused with a clean error (TypeError or ValueError; exit status 2 and one line 
 unclean when the check fails (an internal error, a problem that does not round-trip), crash when an
 exception escapes.
 
+Then the tuning database damaged (tests/damage.py, as tests/test_db.py runs it): a file of 30 stored
+finds truncated at 24 offsets, 48 random bit flips, flips that change a stored time and still read as
+valid JSON, 12 runs of garbage. Per damaged copy: clean when opening it, looking every problem up and
+storing a new find raised nothing, every answer was a stored successful row of its problem (or none),
+and the new find is served; unclean otherwise; crash when an exception escaped; lost: the lookups that
+found nothing (a lost row is measured again, never a wrong selection).
+
     python bench/reliability.py                    # writes bench/results/reliability.{json,md}
 """
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,9 +50,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent / "test
 
 import adversaries  # noqa: E402
 import common  # noqa: E402
-import fakes  # noqa: E402
-
 import convtune as ct  # noqa: E402
+import damage  # noqa: E402
+import fakes  # noqa: E402
 from convtune.algorithms.base import Algorithm  # noqa: E402
 from convtune.ranking import best  # noqa: E402
 from convtune.settings import settings  # noqa: E402
@@ -173,7 +181,36 @@ def _inputs_markdown(payload: dict) -> str:
             "one line); unclean: its check failed; crash: an exception escaped.\n\n"
             f"Totals: {totals['tried']} tried, {totals['clean']} clean, {totals['unclean']} unclean, "
             f"{totals['crash']} crashes.\n\n"
-            + common.md_table(["input", *kinds], [[name, *(t[k] for k in kinds)] for name, t in inputs.items()]))
+            + common.md_table(["input", *kinds], [[name, *(t[k] for k in kinds)] for name, t in inputs.items()])
+            + _database_markdown(payload))
+
+
+def database() -> dict:
+    """The corruption suite's counts (tests/damage.py), the lookups lost per kind of damage, and its faults."""
+    with tempfile.TemporaryDirectory() as tmp:
+        counts, lost, faults = damage.corruption_suite(Path(tmp))
+    by_kind: dict[str, dict[str, int]] = {}
+    for (kind, _), n in lost.items():
+        tally = by_kind.setdefault(kind, {"damages": 0, "lost": 0})
+        tally["damages"] += 1
+        tally["lost"] += n
+    return {"counts": counts, "lost_by_kind": by_kind, "faults": [list(f) for f in faults],
+            "problems": damage.PROBLEMS}
+
+
+def _database_markdown(payload: dict) -> str:
+    db = payload.get("database")
+    if not db:  # written before the database was counted
+        return ""
+    c = db["counts"]
+    rows = [[kind, t["damages"], t["lost"]] for kind, t in db["lost_by_kind"].items()]
+    return ("\n\n## The tuning database damaged\n\n`tests/damage.py`'s corruption suite: copies of a file of "
+            f"{db['problems']} stored finds, each damaged once, opened, every problem looked up and a new find "
+            "stored (clean: nothing raised, nothing served that was not stored for that problem, the new find served).\n\n"
+            f"Totals: {c['tried']} tried, {c['clean']} clean, {c['unclean']} unclean, {c['crashes']} crashes, "
+            f"{c['lost']} of {c['tried'] * db['problems']} lookups lost (measured again, never served wrong).\n\n"
+            + common.md_table(["damage", "copies", "lookups lost"], rows)
+            + ("".join(f"\n- {kind} at {at}: {what}" for kind, at, what in db["faults"]) if db["faults"] else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,13 +238,15 @@ def main(argv: list[str] | None = None) -> int:
             count(adversary, problems()[0], policy)
     totals = {k: sum(t.get(k, 0) for t in by_adversary.values()) for k in KINDS}
     inputs = fuzz()
+    stored = database()
     payload = {"environment": common.environment(), "elapsed_s": time.perf_counter() - start,
-               "by_adversary": by_adversary, "how": how, "totals": totals, "inputs": inputs}
+               "by_adversary": by_adversary, "how": how, "totals": totals, "inputs": inputs, "database": stored}
     text = markdown(payload)
     common.write(args.name, payload, text, args.out)
     print(text)
     bad_inputs = sum(t["unclean"] + t["crash"] for t in inputs.values())
-    return 0 if totals["unclean"] == totals["crash"] == totals["untested"] == 0 == bad_inputs else 1
+    bad_files = stored["counts"]["unclean"] + stored["counts"]["crashes"]
+    return 0 if totals["unclean"] == totals["crash"] == totals["untested"] == 0 == bad_inputs == bad_files else 1
 
 
 if __name__ == "__main__":

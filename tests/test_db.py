@@ -10,7 +10,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import re
 import shutil
 import sqlite3
 import threading
@@ -19,27 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB
+from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, hardware
 from convtune import db as db_module
-from convtune import hardware
 from convtune.settings import settings
-
-
-def problem(n: int = 1, **changes) -> ConvProblem:
-    fields = dict(direction="fwd", n=n, c=4, k=8, input_size=(8, 8), kernel_size=3, padding=1)
-    return ConvProblem(**{**fields, **changes})
-
-
-# One find's worth: a fast algorithm that needs workspace and is not deterministic, a slower lean
-# deterministic one, a TF32 one, and failures that must never be served.
-FIND = [
-    PerfResult("cpu:fast", Status.OK, time_ms=1.0, spread_ms=0.01, workspace_bytes=1 << 20, deterministic=False,
-               rel_error=1e-6),
-    PerfResult("cpu:lean", Status.OK, time_ms=3.0, spread_ms=0.02, workspace_bytes=0, rel_error=2e-6),
-    PerfResult("cpu:mid", Status.OK, time_ms=1.5, workspace_bytes=1 << 10, uses_tf32=True, rel_error=1e-3),
-    PerfResult("cpu:wrong", Status.WRONG_RESULT, time_ms=0.1, rel_error=1.0, message="max error 1.0"),
-    PerfResult("cpu:oom", Status.OUT_OF_MEMORY, message="needs 1 TiB"),
-]
+from damage import FIND, corruption_suite, problem, stored_file
 
 
 @pytest.fixture
@@ -598,72 +580,15 @@ def test_salvage_keeps_only_rows_whose_checksum_holds(tmp_path):
     assert len(rows) == len(FIND) and {row[2] for row in rows} == {problem(1).key}
 
 
-# -- the corruption suite -----------------------------------------------------------------------
-def _stored_file(path: Path, problems: int) -> dict[str, set[tuple]]:
-    """A closed database of ``problems`` finds, each told apart by its times; what each problem may serve."""
-    allowed: dict[str, set[tuple]] = {}
-    with TuningDB(path) as tdb:
-        for n in range(1, problems + 1):
-            find = [PerfResult(r.algorithm, r.status, time_ms=None if r.time_ms is None else r.time_ms * n,
-                               workspace_bytes=r.workspace_bytes, deterministic=r.deterministic,
-                               uses_tf32=r.uses_tf32, rel_error=r.rel_error, message=r.message) for r in FIND]
-            tdb.store(problem(n), find)
-            allowed[problem(n).key] = {(r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) for r in find if r.ok}
-    return allowed
-
-
-def _damages(data: bytes) -> list[tuple[str, int]]:
-    size = len(data)
-    generator = torch.Generator().manual_seed(7)
-    flips = torch.randint(0, size * 8, (48,), generator=generator).tolist()
-    # and flips that leave a row valid JSON with another time (a digit's low bit): only checksums catch them
-    times = [m.end() - 1 for m in re.finditer(rb'"time_ms": [0-9]', data)][::10]
-    return ([("truncate", size * i // 24) for i in range(24)] + [("flip", bit) for bit in flips]
-            + [("flip", 8 * at) for at in times] + [("garbage", size * i // 12) for i in range(12)])
-
-
-def _damage(path: Path, kind: str, at: int) -> None:
-    data = bytearray(path.read_bytes())
-    if kind == "truncate":
-        data = data[:at]
-    elif kind == "flip":
-        data[at // 8] ^= 1 << (at % 8)
-    else:
-        data[at:at + 512] = torch.randint(0, 256, (len(data[at:at + 512]),), dtype=torch.uint8,
-                                          generator=torch.Generator().manual_seed(at)).numpy().tobytes()
-    path.write_bytes(bytes(data))
-
-
+# -- the corruption suite (tests/damage.py) ------------------------------------------------------
 def test_a_damaged_file_never_crashes_never_serves_what_was_not_stored_and_stays_usable(tmp_path):
     # Truncations at 24 offsets, 48 random bit flips, 12 flips that change a stored time and still read
     # as valid JSON, and 12 runs of garbage, each over a closed database of 30 finds:
     # opening it, looking every problem up and storing again must raise nothing, and every answer
     # must be a stored successful row of that problem (or none: a lost row is a new measurement,
     # never a wrong selection). The counts are in the reliability report of the closing note.
-    pristine = tmp_path / "pristine.sqlite"
-    allowed = _stored_file(pristine, 30)
-    counts = {"tried": 0, "clean": 0, "unclean": 0, "crashes": 0, "lost": 0}
-    lost: dict[tuple[str, int], int] = {}
-    for i, (kind, at) in enumerate(_damages(pristine.read_bytes())):
-        path = tmp_path / f"damaged{i}" / "tuning.sqlite"
-        path.parent.mkdir()
-        path.write_bytes(pristine.read_bytes())
-        _damage(path, kind, at)
-        counts["tried"] += 1
-        try:
-            with TuningDB(path) as tdb:
-                served = {key: tdb.lookup(ConvProblem.from_key(key)) for key in allowed}
-                wrong = [key for key, r in served.items() if r is not None
-                         and (r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) not in allowed[key]]
-                lost[kind, at] = sum(r is None for r in served.values())
-                counts["lost"] += lost[kind, at]
-                tdb.store(problem(99), FIND)
-                usable = tdb.lookup(problem(99)).algorithm == "cpu:fast"
-        except Exception as exc:  # counted, and the assertion names it
-            counts["crashes"] += 1
-            raise AssertionError(f"{kind} at {at}: {type(exc).__name__}: {exc}") from exc
-        counts["clean" if not wrong and usable else "unclean"] += 1
-        assert not wrong and usable, (kind, at, wrong)
+    counts, lost, faults = corruption_suite(tmp_path)
+    assert not faults, faults[:3]
     assert counts["tried"] == counts["clean"] == 96 and counts["crashes"] == 0
     # Salvage reads every row it can still reach (through the table's indexes, and the table scanned and
     # sought past its damage): a bit flip loses no problem (its row fails its checksum, and the problem is
@@ -842,7 +767,7 @@ def test_an_index_that_lost_its_entries_is_found_and_nothing_is_lost(tmp_path):
     # leaves every page well formed: quick_check passes, and lookups through the index would miss that
     # problem's stored rows. The check on open finds it; the rows are salvaged from the table.
     path = tmp_path / "tuning.sqlite"
-    allowed = _stored_file(path, 30)
+    allowed = stored_file(path, 30)
     data = bytearray(path.read_bytes())
     page_size = int.from_bytes(data[16:18], "big")
     key = problem(16).key.encode()
