@@ -30,7 +30,7 @@ import torch
 from . import background, costmodel, hardware, isolation
 from .algorithms.base import Algorithm, allocate_workspace
 from .algorithms.microbatch import micro_batch_offers
-from .algorithms.registry import algorithms
+from .algorithms.registry import candidates as registered_candidates
 from .errors import CANDIDATE_FAULTS
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
@@ -464,7 +464,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     results: list[PerfResult] = []
     given = candidates
     if candidates is None:
-        candidates = algorithms(problem)
+        candidates, faulty = registered_candidates(problem)
+        results += [PerfResult(name, Status.FAILED, message=why) for name, why in faulty.items()]
     else:
         supported = []
         for algorithm in candidates:

@@ -166,16 +166,31 @@ def splits_batch_of(name: str) -> bool:
 
 def algorithms(problem: ConvProblem) -> list[Algorithm]:
     """Every registered algorithm that supports ``problem`` on its device, backends' candidates included."""
+    return candidates(problem)[0]
+
+
+def candidates(problem: ConvProblem) -> tuple[list[Algorithm], dict[str, str]]:
+    """(``algorithms(problem)``, the registered algorithms whose ``supports()`` raised on ``problem``: name -> what
+    it raised). ``find`` reports the second as ``failed``; every other question leaves them out, logged."""
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"algorithms() takes a ConvProblem, got {type(problem).__name__}")
-    found = [a for a in registered() if _support(a, problem)]
+    found, faulty = [], {}
+    for algorithm in registered():
+        try:
+            support = algorithm.supports(problem)
+        except CANDIDATE_FAULTS as exc:  # one broken candidate must not break every question
+            log.warning("%s.supports() raised %s: %s; it is left out", algorithm.name, type(exc).__name__, exc)
+            faulty[algorithm.name] = f"supports() raised {type(exc).__name__}: {exc}"
+            continue
+        if support:
+            found.append(algorithm)
     for backend in backends():
         try:
             found += backend.algorithms(problem)
         except CANDIDATE_FAULTS as exc:  # a broken plug-in backend leaves itself out, not the search
             log.warning("backend %s offers nothing for %s: algorithms() raised %s: %s", backend.prefix, problem.key,
                         type(exc).__name__, exc)
-    return found
+    return found, faulty
 
 
 def _support(algorithm: Algorithm, problem: ConvProblem) -> Support:
