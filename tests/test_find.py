@@ -538,6 +538,14 @@ def test_the_deadline_is_held_after_every_run_not_only_the_first():
     assert late.runs == 2 and results["fake:good"].ok  # not timed: the search went on
 
 
+def test_the_timing_ends_at_the_deadline():
+    timer = FakeTimer()
+    with settings.override(timing_budget_s=30.0):
+        assert find(P, Policy(deadline_s=2.0), timer=timer, candidates=[Fake("fake:ok")])[0].ok
+        assert find(P, timer=timer, candidates=[Fake("fake:ok")])[0].ok  # the default deadline: 60 s
+    assert 0 < timer.calls[0]["budget_s"] <= 2.0 and timer.calls[1]["budget_s"] == 30.0
+
+
 def test_a_slow_candidate_that_memoises_is_wrong_not_the_slow_answer():
     # Where nothing finishes within the deadline the fastest timeout answers; it must be right on a second input
     # set too, as every answer is.
