@@ -307,16 +307,21 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
 
 
 def _against_torch(label: str, detail: str, base, layer, x, xg) -> list[tuple[str, float]]:
-    """``layer``'s forward, and forward+backward, each timed in alternation with ``base`` (nn.Conv2d): its
-    microseconds and the median of the rounds' ratios."""
+    """``layer``'s forward, forward+backward of a loss's sum() (its dy expanded), and forward+backward of a dense dy
+    (as a layer inside a network gets it), each timed in alternation with ``base`` (nn.Conv2d): its microseconds
+    and the median of the rounds' ratios."""
     layer(xg)
-    torch_fwd, fwd, fwd_ratio = _interleaved(lambda: base(x), lambda: layer(x))
-    torch_both, both, both_ratio = _interleaved(lambda: base(xg).sum().backward(),
-                                                lambda: layer(xg).sum().backward(), calls=200)
-    return [(f"{label}: forward{detail}; nn.Conv2d {torch_fwd:.1f}", fwd),
-            (f"{label}: forward / nn.Conv2d's", fwd_ratio),
-            (f"{label}: forward+backward; nn.Conv2d {torch_both:.1f}", both),
-            (f"{label}: forward+backward / nn.Conv2d's", both_ratio)]
+    dy = torch.randn_like(base(x))
+    timed = {"forward": _interleaved(lambda: base(x), lambda: layer(x)),
+             "forward+backward": _interleaved(lambda: base(xg).sum().backward(), lambda: layer(xg).sum().backward(),
+                                              calls=200),
+             "forward+backward, dense dy": _interleaved(lambda: base(xg).backward(dy), lambda: layer(xg).backward(dy),
+                                                        calls=200)}
+    rows = []
+    for what, (torch_us, us, ratio) in timed.items():
+        rows += [(f"{label}: {what}{detail if what == 'forward' else ''}; nn.Conv2d {torch_us:.1f}", us),
+                 (f"{label}: {what} / nn.Conv2d's", ratio)]
+    return rows
 
 
 def compiled_rows(p, x) -> list[tuple[str, float]]:
