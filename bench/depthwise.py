@@ -37,7 +37,7 @@ from convtune.timing import benchmark  # noqa: E402
 from convtune.verify import reference  # noqa: E402
 from layers import time_algorithm  # noqa: E402
 
-# channels:spatial:kernel:stride. The issue's four layers first, then a spread of networks' depthwise layers.
+# channels:spatial:kernel:stride. The four layers furthest from the floor first, then a spread of networks' depthwise layers.
 DEFAULT_SHAPES = ("96:56:7:1", "384:14:7:1", "672:14:5:1", "1152:7:5:1",
                   "32:112:3:1", "144:56:3:2", "960:7:3:1", "128:56:9:1", "256:28:13:1", "512:14:31:1")
 FULL = dict(channels=(32, 96, 256, 512, 1536), spatial=(7, 14, 28, 56, 112), kernels=(3, 5, 7, 9, 13, 31),

@@ -13,7 +13,7 @@ step time. Every step is timed on its own (synchronized). The configurations:
   measures them (``convtune.background``), and the layers switch when the measurements are stored;
 - ``convtune_hybrid``: the same in the default mode, which measures a new shape on the step that meets it.
 
-The report gives, per configuration, the worst step over its size's steady time (the issue's target:
+The report gives, per configuration, the worst step over its size's steady time (the target:
 no step above 2x for ``convtune_background``), the steps above 2x, and each size's steady time.
 
     python bench/dynamic_shapes.py --network resnet18 --batch 32

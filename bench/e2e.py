@@ -1,4 +1,4 @@
-"""End-to-end benchmark (issue 5): whole networks with convtune.optimize against plain PyTorch.
+"""End-to-end benchmark: whole networks with convtune.optimize against plain PyTorch.
 
 For each network (torchvision ResNet-50, MobileNetV2, ResNeXt-50 32x4d and ConvNeXt-T, weights=None), batch, autocast dtype
 (channels_last model and inputs) and execution style (eager; eager captured in a CUDA graph;
@@ -469,8 +469,11 @@ def markdown(env: dict, rows: dict) -> str:
 
 def current(row: dict, mode: str, env: dict) -> bool:
     """Whether ``row`` stands for this run: measured (status ok) and, for convtune's rows, with this src/ tree
-    (PyTorch's rows do not run the library's code)."""
-    return row.get("status") == "ok" and (mode != "convtune" or row.get("source") == env["source"])
+    (PyTorch's rows do not run the library's code). A tree with uncommitted changes ('+') or none known is never
+    the same as another run's."""
+    source = env["source"]
+    same = row.get("source") == source and source != "unknown" and not source.endswith("+")
+    return row.get("status") == "ok" and (mode != "convtune" or same)
 
 
 def tuning_cell(row: dict) -> str:
@@ -548,7 +551,7 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps (eager and compile styles)")
     parser.add_argument("--missing", action="store_true", help="only the configurations the results file has no "
                         "ok row for, convtune's counting only where it ran the current src/ tree (a run in parts goes "
-                        "on where the last one stopped, over several sessions while src/ stays as it is)")
+                        "on where the last one stopped, over several runs while src/ stays as it is)")
     parser.add_argument("--report", action="store_true", help="write the markdown again from the results file "
                         "(runs nothing)")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "

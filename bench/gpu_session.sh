@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device session's checks, in order: build the C++ extension (timed), then each step named on the
+# A GPU machine's checks, in order: build the C++ extension (timed), then each step named on the
 # command line: native (the native runtime's GPU tests), gpu (every GPU test), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json; several
 # e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
@@ -14,7 +14,7 @@
 # order (bench/cudnn_order.py: cuDNN's own order of its plans for every problem of the dataset, as
 # $OUT/cudnn_order.json.gz, which bench/learned_get.py reads beside the dataset off the GPU).
 # learned (bench/learned_get.py on bench/data/sweep.jsonl.gz, on the GPU: cuDNN's heuristics A and B judged too).
-# Everything lands in $OUT (the device tool's folder), the last lines of each step on stdout.
+# Everything lands in $OUT (default /tmp/out), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) BENCH_SOURCE=$(git rev-parse --short HEAD:src) bash
 # bench/gpu_session.sh ...`: the copy of the tree on the device may carry an older .git, and the result files name
 # the revision (and src/ tree) they measured.
@@ -28,7 +28,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD/src
 fi
-# The extension's build status on stdout only: a device call returns at most 8 files, kept for results.
+# The extension's build status on stdout only: $OUT is kept for result files.
 python3 -m convtune.cli native --json 2>&1
 # The first line of a test log: when, where, what software and which revision it tested.
 header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c 'import platform, torch; g = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"; print(g + ", torch", torch.__version__ + ", cuDNN", str(torch.backends.cudnn.version()) + ", CUDA", str(torch.version.cuda) + ", Python", platform.python_version())'); revision ${BENCH_REVISION:-unknown} (bench/gpu_session.sh)"; }

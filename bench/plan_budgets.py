@@ -7,7 +7,7 @@ and for each budget B:
 - even per-layer cap: each of the L layer runs gets B / L, the naive way to divide B;
 - unconstrained: each layer's fastest result.
 Times are the sums of the measured times of the chosen results (weighted by how often each layer
-runs). The issue's device configuration:
+runs). The committed configuration:
 
     python bench/plan_budgets.py --network resnet50 --batch 128 --dtype float16 --layout NHWC --device cuda
 

@@ -281,7 +281,7 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
     """The same layer forced onto each native executable kind, against nn.Conv2d timed in alternation with it.
 
     Each kind's module forward and forward+backward, and their ratio to nn.Conv2d's (median of the
-    rounds' ratios; the issue's target: at most 1.1).
+    rounds' ratios; the target: at most 1.1).
     """
     from convtune.pytorch.modules import Conv2d
     from convtune.pytorch.tuning import LayerSelection, Signature, layout_of

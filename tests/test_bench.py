@@ -87,8 +87,9 @@ def test_warm_start_times_each_stage_in_its_own_process_and_names_its_files_by_n
 
 @pytest.mark.slow
 def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp_path):
+    tree = {"BENCH_SOURCE": "tree1"}  # the library's src/ tree, as a run names it (here: whatever the checkout's is)
     rows = _run("e2e.py", tmp_path, "--styles", "eager", "--modes", "convtune,torch_bm1", "--repeats", "1",
-                "--dtypes", "bfloat16", "--batches", "4", "--processes", "2")["configs"]
+                "--dtypes", "bfloat16", "--batches", "4", "--processes", "2", env=tree)["configs"]
     assert set(rows) == {"tiny:b4:bfloat16:eager:convtune", "tiny:b4:bfloat16:eager:torch_bm1"}
     ours = rows["tiny:b4:bfloat16:eager:convtune"]
     assert ours["status"] == "ok" and ours["db"] == "cold" and ours["training"]["ms"] > 0 and ours["algorithms"]
@@ -104,7 +105,8 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     # --missing measures only what the file lacks: convtune's row again once the library's src/ tree is another
     grid = ("--styles", "eager", "--dtypes", "bfloat16", "--batches", "4", "--repeats", "1", "--no-profile",
             "--missing", "--modes", "convtune,torch_bm1")
-    assert _run("e2e.py", tmp_path, *grid)["configs"] == rows
+    assert _run("e2e.py", tmp_path, *grid, env=tree)["configs"] == rows
+    assert _run("e2e.py", tmp_path, *grid, env={"BENCH_SOURCE": "tree1+"})["configs"] != rows  # changes: measured
     moved = _run("e2e.py", tmp_path, *grid, env={"BENCH_SOURCE": "another"})["configs"]
     assert moved["tiny:b4:bfloat16:eager:torch_bm1"] == rows["tiny:b4:bfloat16:eager:torch_bm1"]
     assert moved["tiny:b4:bfloat16:eager:convtune"]["source"] == "another" != ours["source"]

@@ -648,20 +648,36 @@ def test_a_database_in_a_folder_that_may_not_be_written_serves_what_it_holds(tmp
     assert "may not be written" in caplog.text and caplog.text.count("is read-only") == 1
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes a read-only folder")
+# Root writes a read-only folder all the same: as root, the check runs in a process without that power.
+_UNPRIVILEGED = ([] if not hasattr(os, "geteuid") or os.geteuid() != 0 else
+                 ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"] if shutil.which("setpriv")
+                 else None)
+
+
+@pytest.mark.skipif(_UNPRIVILEGED is None, reason="as root, needs setpriv to drop the power to write anywhere")
 def test_a_database_in_a_read_only_folder_serves_what_it_holds(tmp_path):
+    import subprocess
+    import sys
+
     path = tmp_path / "ro" / "tuning.sqlite"
     with TuningDB(path) as db:
         db.store(problem(), FIND)
     path.chmod(0o444)
     path.parent.chmod(0o555)
+    check = (f"import logging, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); logging.basicConfig()\n"
+             "from convtune import TuningDB\nfrom damage import FIND, problem\n"
+             f"with TuningDB({str(path)!r}) as db:\n"
+             "    assert [r.algorithm for r in db.results(problem())] == [r.algorithm for r in FIND]\n"
+             "    db.store(problem(2), FIND)\n"
+             "    assert db.results(problem(2)) == []\n"
+             "print('served')\n")
     try:
-        with TuningDB(path) as db:
-            assert [r.algorithm for r in db.results(problem())] == [r.algorithm for r in FIND]
-            db.store(problem(2), FIND)  # refused, warned
-            assert db.results(problem(2)) == []
+        out = subprocess.run([*_UNPRIVILEGED, sys.executable, "-c", check], capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache")))
     finally:
         path.parent.chmod(0o755)
+    assert out.returncode == 0 and "served" in out.stdout, out.stderr[-2000:]
+    assert "may not be written" in out.stderr and out.stderr.count("is read-only") == 1
 
 
 def test_an_export_writes_into_a_pipe_or_through_a_link_and_never_replaces_what_is_not_a_regular_file(db, tmp_path):

@@ -534,7 +534,7 @@ class SlowAfterItsFirstRun(Fake):
 def test_the_deadline_is_held_after_every_run_not_only_the_first():
     late = SlowAfterItsFirstRun("fake:late")
     results = by_name(find(P, Policy(deadline_s=0.1), timer=FakeTimer(), candidates=[late, Fake("fake:good")]))
-    assert results["fake:late"].status is Status.TIMEOUT and "0.3" in results["fake:late"].message
+    assert results["fake:late"].status is Status.TIMEOUT and "deadline" in results["fake:late"].message
     assert late.runs == 2 and results["fake:good"].ok  # not timed: the search went on
 
 

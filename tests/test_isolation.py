@@ -165,8 +165,11 @@ def test_what_cannot_go_to_a_worker_is_measured_here(workers):
         results = by_name(ct.find(P, candidates=[InMain()]))
         # what it allocates cannot be checked here, so a workspace limit cannot hold it: it is not selected
         limited = by_name(ct.find(P, ct.Policy(workspace_limit="1GiB"), candidates=[InMain()]))
+        timer_stays = ct.find(P, ct.Policy(workspace_limit="1GiB"), candidates=[adversaries.Correct()],
+                              timer=lambda fn, **kw: None)[0]  # the plug-in could go, its timer cannot
+    assert timer_stays.status is Status.SKIPPED and "timer" in timer_stays.message
     assert results["plugin:in_main"].ok
-    assert limited["plugin:in_main"].status is Status.SKIPPED and "cannot be checked" in limited["plugin:in_main"].message
+    assert limited["plugin:in_main"].status is Status.SKIPPED and "not checked" in limited["plugin:in_main"].message
     with settings.override(isolate="off"):  # plug-ins trusted: measured here under a limit as well
         assert by_name(ct.find(P, ct.Policy(workspace_limit="1GiB"), candidates=[InMain()]))["plugin:in_main"].ok
 

@@ -358,6 +358,8 @@ def test_a_stored_split_answers_only_a_policy_that_allows_splitting():
     whole = PerfResult("gemm:im2col", "ok", time_ms=2.0, workspace_bytes=20)
     assert [r.algorithm for r in rank([split, whole], Policy())] == ["gemm:im2col"]
     assert rank([split, whole], Policy(micro_batching=True))[0].algorithm == "mb:gemm.im2col_s2x2"
+    with isolated(builtins=False):  # a registry without the micro-batching backend still knows what it declared
+        assert [r.algorithm for r in rank([split, whole], Policy())] == ["gemm:im2col"]
     # what the algorithm declares decides, not its name: a plug-in that splits the batch under a name of its own
     plug = Fake("plug:halves")
     plug.splits_batch = True

@@ -415,9 +415,14 @@ class TuningDB:
                 # fn ran on the connection _connection() set (_open moves a corrupt file aside itself).
                 cast(sqlite3.Connection, self._conn).close()
                 self._conn = None
-                with _file_lock(self.path):
-                    if _identity(self.path) == failed:  # no other process has replaced it yet
-                        _move_aside(self.path, "corrupt", str(exc))
+                try:
+                    with _file_lock(self.path):
+                        if _identity(self.path) == failed:  # no other process has replaced it yet
+                            _move_aside(self.path, "corrupt", str(exc))
+                except OSError as os_exc:  # a folder that may not be written: the file can be neither moved nor fixed
+                    raise ValueError(f"the tuning database {self.path} is damaged ({exc}) and its folder may not be "
+                                     f"written ({os_exc.strerror or os_exc}); give another path or set "
+                                     f"CONVTUNE_CACHE_DIR") from None
             return fn(self._connection())
 
     def _connection(self) -> sqlite3.Connection:
@@ -664,8 +669,10 @@ def _open(path: Path) -> sqlite3.Connection:
 
 def _open_as_it_is(path: Path) -> sqlite3.Connection:
     """A read-only connection to the database at ``path``, whose folder may not be written: SQLite's
-    ``immutable`` mode, which needs no journal beside the file (nothing else can write it there either).
-    It serves what the file holds; every store is refused as read-only (``TuningDB._write`` warns once).
+    ``immutable`` mode, which needs no journal beside the file. It serves what the file holds as it was (a
+    process allowed to write there may still change it, which this connection need not see). Every store is
+    refused as read-only
+    (``TuningDB._write`` warns once).
     A damaged file or another schema raises ValueError: it cannot be moved aside or salvaged there."""
     conn = _connect(Path(f"file:{urllib.parse.quote(str(path.resolve()))}?immutable=1"), uri=True)
     try:

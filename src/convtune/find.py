@@ -179,12 +179,15 @@ class _Search:
                 return result
         if not isolation.in_worker() and not isolation.vouched_for(algorithm):
             if self.policy.workspace_limit is not None and settings.isolate != "off":
-                # It could not be sent to the worker (a class of __main__, say), and what it allocates beyond its
-                # declaration is not checked here: a workspace limit cannot hold it. (isolate='off' trusts plug-ins.)
+                # It could not go to the worker, and what it allocates beyond its declaration is not checked here:
+                # a workspace limit cannot hold it. (isolate='off' trusts plug-ins.)
+                cause = ("it cannot go to a worker process (a class defined in __main__, say: define it in an "
+                         "importable module)" if not isolation.sendable(algorithm) else
+                         "its timer cannot go to a worker process (give find a timer that pickles)")
                 return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
-                    "a plug-in that cannot be measured in a worker process (a class defined in __main__, say), so what "
-                    "it allocates beyond its declared workspace cannot be checked and a workspace limit cannot hold "
-                    "it; define it in an importable module, or set CONVTUNE_ISOLATE=off to trust it"))
+                    f"a plug-in measured in this process, where what it allocates beyond its declared workspace is "
+                    f"not checked, so a workspace limit cannot hold it: {cause}; or set CONVTUNE_ISOLATE=off to "
+                    f"trust plug-ins"))
             _warn_unchecked(algorithm)
         return self.measure_here(algorithm, props, declared is None, self.budget.timer_budget_s())
 

@@ -25,7 +25,7 @@ built graph), a class defined in ``__main__`` (a script or a notebook; the worke
 a timer that does not pickle. A timer that is sent runs as a copy in the worker.
 
 An isolated candidate must finish its measurement (two checked runs, a determinism probe and the
-timing) within ``hard_limit_s`` of the worker having its inputs and reference ready: three times the
+timing) within ``hard_limit_s`` of the worker having its inputs and reference ready: four times the
 per-candidate deadline plus ten timing budgets and five seconds (an hour where no deadline is set);
 past that its worker is killed and the candidate is a ``timeout``.
 """
@@ -63,7 +63,8 @@ class NotSendable(Exception):
     """The candidate or the timer cannot go to a worker: measure it in the process."""
 
 
-def _sendable(obj: Any) -> bool:
+def sendable(obj: Any) -> bool:
+    """Whether ``obj`` (an algorithm, a timer) can go to a worker process: it pickles, and not from ``__main__``."""
     try:
         buffer = io.BytesIO()
         pickle.Pickler(buffer).dump(obj)
@@ -84,7 +85,7 @@ def wanted(algorithm: Algorithm, timer: Any = None) -> bool:
         return False
     if mode == "plugins" and vouched_for(algorithm):
         return False
-    if not _sendable(algorithm) or (timer is not None and not _sendable(timer)):
+    if not sendable(algorithm) or (timer is not None and not sendable(timer)):
         log.debug("%s (or its timer) cannot be sent to a worker; measured in the process", algorithm.name)
         return False
     return True
@@ -94,7 +95,8 @@ def hard_limit_s(deadline_s: float, timer_budget_s: float | None) -> float:
     """Seconds an isolated candidate's measurement may take before its worker is killed."""
     if not math.isfinite(deadline_s) or deadline_s <= 0:
         return NO_DEADLINE_LIMIT_S
-    return 3 * deadline_s + 10 * (timer_budget_s or settings.timing_budget_s) + 5.0
+    # four deadlines: a candidate past the deadline still runs its second checked run (a timeout may answer)
+    return 4 * deadline_s + 10 * (timer_budget_s or settings.timing_budget_s) + 5.0
 
 
 def _state() -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
 from .. import costmodel
@@ -41,6 +42,11 @@ OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", costmodel.vendor_libr
 _registry: dict[str, Algorithm] = {}
 _backends: dict[str, Backend] = {}
 _builtins_loaded = False
+_builtins_lock = threading.RLock()  # other threads wait for the built-ins; the loading thread may re-enter
+_builtins_ready = threading.Event()
+# Prefixes of every backend registered in this process that declared splitting the batch: a stored result of
+# one still splits the batch where a registry of its own (``isolated``) does not hold that backend.
+_splitting_backends: set[str] = set()
 _generation = 0  # bumped by every change, so caches of looked-up algorithms know when they are stale
 
 
@@ -63,6 +69,8 @@ def register(item: Algorithm | Backend) -> Algorithm | Backend:
         if not item.prefix or item.prefix in _backends:
             raise ValueError(f"a backend with prefix {item.prefix!r} is already registered (or the prefix is empty)")
         _backends[item.prefix] = item
+        if item.splits_batch:
+            _splitting_backends.add(item.prefix)
         _changed()
         return item
     if not isinstance(item, Algorithm):
@@ -90,16 +98,22 @@ def unregister(name: str) -> None:
 
 def _ensure_builtins() -> None:
     global _builtins_loaded
-    if _builtins_loaded:
+    if _builtins_ready.is_set():
         return
-    _builtins_loaded = True
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
-    for module in OPTIONAL_MODULES:
+    with _builtins_lock:
+        if _builtins_loaded:  # loaded, or being loaded by this thread (a module's import asking the registry)
+            return
+        _builtins_loaded = True
         try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            log.info("optional backend %s not loaded: %s", module, exc)
+            for module in BUILTIN_MODULES:
+                importlib.import_module(module)
+            for module in OPTIONAL_MODULES:
+                try:
+                    importlib.import_module(module)
+                except ImportError as exc:
+                    log.info("optional backend %s not loaded: %s", module, exc)
+        finally:
+            _builtins_ready.set()
 
 
 def registered() -> list[Algorithm]:
@@ -160,8 +174,9 @@ def splits_batch_of(name: str) -> bool:
     _ensure_builtins()
     if name in _registry:
         return _registry[name].splits_batch
-    backend = _backends.get(backend_of(name))
-    return backend is not None and backend.splits_batch
+    prefix = backend_of(name)
+    backend = _backends.get(prefix)
+    return backend.splits_batch if backend is not None else prefix in _splitting_backends
 
 
 def algorithms(problem: ConvProblem) -> list[Algorithm]:
