@@ -12,7 +12,7 @@ import pytest
 
 from convtune.algorithms.registry import get_algorithm, registered
 from convtune.algorithms.triton_depthwise import TritonDepthwise
-from convtune.algorithms.triton_family import INDEX_LIMIT
+from convtune.algorithms.triton_family import INDEX_LIMIT, interpreting
 from convtune.problem import ConvProblem
 from triton_cases import (
     DEVICE,
@@ -35,7 +35,7 @@ SHAPES = {
     "1d_31_multiplier3": dict(n=1, c=2, k=6, input_size=(18,), kernel_size=31, padding=15),
     "1d_stride2_dilated": dict(n=3, c=4, k=4, input_size=(12,), kernel_size=3, stride=2, dilation=3, padding=2),
 }
-KERNEL_TESTS = kernel_tests(SHAPES)
+KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # float16 is not run in the interpreter
 
 
 def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
@@ -46,6 +46,10 @@ def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
 @kernels
 @every_case(SHAPES)
 def test_matches_reference(shape, direction, dtype, layout):
+    if dtype == "float16" and interpreting():
+        # float16 and bfloat16 take the same code (loads widened to float32, one rounding at the store): the
+        # interpreter, a third of CI's time, runs bfloat16's; the GPU runs both.
+        pytest.skip("float16 runs the same kernels as bfloat16: checked on the GPU")
     check_configurations(FAMILY, problem(shape, direction, dtype, layout), 4)
 
 
