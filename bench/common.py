@@ -54,17 +54,7 @@ def env_line(env: dict) -> str:
 def revision() -> str:
     """The commit the code under measurement is: BENCH_REVISION (a copy of the tree without its .git
     sets it), else git's short hash ('+' when the tree has changes), else 'unknown'."""
-    if os.environ.get("BENCH_REVISION"):
-        return os.environ["BENCH_REVISION"]
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+" if dirty else "")
+    return _git_version("BENCH_REVISION", "HEAD")
 
 
 def source_tree() -> str:
@@ -72,17 +62,22 @@ def source_tree() -> str:
     tree without its .git sets it), else git's short hash of the src/ tree ('+' when src/ has changes), else
     'unknown'. Commits that change only benchmarks, tests or docs share it, so results measured at any of them
     measured the same library."""
-    if os.environ.get("BENCH_SOURCE"):
-        return os.environ["BENCH_SOURCE"]
+    return _git_version("BENCH_SOURCE", "HEAD:src", "src")
+
+
+def _git_version(variable: str, obj: str, *paths: str) -> str:
+    """$variable, else git's short hash of ``obj`` with '+' where the tracked files (of ``paths``) have changes."""
+    if os.environ.get(variable):
+        return os.environ[variable]
     top = Path(__file__).resolve().parent.parent
     try:
-        tree = subprocess.run(["git", "rev-parse", "--short", "HEAD:src"], cwd=top, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=top,
+        short = subprocess.run(["git", "rev-parse", "--short", obj], cwd=top, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *paths], cwd=top,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return tree + ("+" if dirty else "")
+    return short + ("+" if dirty else "")
 
 
 def write(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> tuple[Path, Path]:
