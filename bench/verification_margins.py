@@ -9,8 +9,10 @@ workspace (``verify.peak_allocated_bytes``) against what ``find`` allows there. 
 plan is one of the algorithms: this is the calibration of both checks on a GPU.
 
     python bench/verification_margins.py --device cpu
+    python bench/verification_margins.py --device cuda --network resnet50 --batch 8 --dtypes float16,bfloat16
 
-writes bench/results/verification_margins_<device>.json and .md.
+writes bench/results/verification_margins_<device>[_<network>_b<batch>].json and .md. With ``--network``, the
+problems are a built-in network's, at real sizes: the worst element of far more elements.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from convtune import ConvProblem  # noqa: E402
+from convtune import ConvProblem, zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.algorithms.registry import algorithms  # noqa: E402
 from convtune.find import ALLOCATION_SLACK_BYTES  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
+from convtune.settings import settings  # noqa: E402
 from convtune.units import format_bytes  # noqa: E402
 from convtune.verify import element_bound, errors, peak_allocated_bytes, reference_case, tolerance  # noqa: E402
 
@@ -39,37 +42,54 @@ SHAPES = [(16, 32, 12, 3, 1, 1, 2), (32, 32, 9, 3, 1, 32, 2), (64, 64, 8, 1, 1, 
           (64, 64, 16, 1, 2, 1, 2), (256, 64, 6, 3, 1, 1, 2)]
 
 
-def measure(device: str, dtypes: list[str]) -> list[dict]:
-    rows = []
+def small_problems(device: str, dtypes: list[str]) -> list[ConvProblem]:
+    """SHAPES in every direction, dtype and layout (float32 on CUDA with and without TF32: its default is on, and
+    there elements err the most)."""
+    problems = []
     for dtype, layout, direction in itertools.product(dtypes, ("channels_first", "channels_last"),
                                                       ("fwd", "bwd_data", "bwd_filter")):
-        # float32 on CUDA with and without TF32 (its default on, and where elements err the most)
         tf32 = (False, True) if dtype == "float32" and device == "cuda" else (False,)
         for (c, k, size, kernel, stride, groups, n), allow_tf32 in itertools.product(SHAPES, tf32):
-            p = ConvProblem(direction, n=n, c=c, k=k, input_size=(size, size), kernel_size=kernel, stride=stride,
-                            padding=kernel // 2, groups=groups, dtype=dtype, layout=layout, device=device,
-                            allow_tf32=allow_tf32)
-            (a, b), ref = reference_case(p)
-            operands = p.min_bytes
-            for algo in algorithms(p):
-                try:
-                    if not algo.supports(p):
-                        continue
-                    ws = allocate_workspace(algo.buffer_bytes(p), device)
-                    out = p.empty(p.operand_shapes[2])
-                    algo.run(p, a, b, workspace=ws, out=out)
-                    rel, worst = errors(out, ref)
-                    extra = peak_allocated_bytes(lambda: algo.run(p, a, b, workspace=ws, out=out), device)
-                    declared = algo.workspace_bytes(p)
-                except Exception as exc:  # noqa: BLE001  # a plan that does not build here: reported, not measured
-                    rows.append(dict(problem=p.key, algorithm=algo.name, error=f"{type(exc).__name__}: {exc}"[:200]))
+            problems.append(ConvProblem(direction, n=n, c=c, k=k, input_size=(size, size), kernel_size=kernel,
+                                        stride=stride, padding=kernel // 2, groups=groups, dtype=dtype, layout=layout,
+                                        device=device, allow_tf32=allow_tf32))
+    return problems
+
+
+def network_problems(network: str, batch: int, device: str, dtypes: list[str]) -> list[ConvProblem]:
+    """Every distinct problem of ``network``'s training step at ``batch`` (channels_last): real sizes, whose outputs
+    are far larger than SHAPES' (the worst of more elements)."""
+    problems = []
+    for dtype in dtypes:
+        layers = zoo.network_layers(network, batch, dtype=dtype, layout="channels_last", device=device)
+        problems += [layer.problem.with_direction(d) for layer in layers for d in ("fwd", "bwd_data", "bwd_filter")]
+    return list(dict.fromkeys(problems))
+
+
+def measure(problems: list[ConvProblem]) -> list[dict]:
+    rows = []
+    for p in problems:
+        (a, b), ref = reference_case(p)
+        operands = p.min_bytes
+        for algo in algorithms(p):
+            try:
+                if not algo.supports(p):
                     continue
-                tol = tolerance(p, algo.notes(p))
-                rows.append(dict(problem=p.key, algorithm=algo.name, rel_over_tolerance=rel / tol,
-                                 worst_over_bound=worst / element_bound(tol),
-                                 allocated=extra, declared=declared,
-                                 allocated_over_allowed=(None if algo.name == NATIVE else
-                                                         (extra - declared) / (operands + ALLOCATION_SLACK_BYTES))))
+                ws = allocate_workspace(algo.buffer_bytes(p), p.device)
+                out = p.empty(p.operand_shapes[2])
+                algo.run(p, a, b, workspace=ws, out=out)
+                rel, worst = errors(out, ref)
+                extra = peak_allocated_bytes(lambda: algo.run(p, a, b, workspace=ws, out=out), p.device)
+                declared = algo.workspace_bytes(p)
+            except Exception as exc:  # noqa: BLE001  # a plan that does not build here: reported, not measured
+                rows.append(dict(problem=p.key, algorithm=algo.name, error=f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            tol = tolerance(p, algo.notes(p))
+            rows.append(dict(problem=p.key, algorithm=algo.name, rel_over_tolerance=rel / tol,
+                             worst_over_bound=worst / element_bound(tol), worst_over_tolerance=worst / tol,
+                             allocated=extra, declared=declared,
+                             allocated_over_allowed=(None if algo.name == NATIVE else
+                                                     (extra - declared) / (operands + ALLOCATION_SLACK_BYTES))))
     return rows
 
 
@@ -91,19 +111,48 @@ def report(payload: dict) -> str:
     md.append(common.md_table(["algorithm (cuDNN: by engine)", "runs", "relative error / tolerance (max)",
                                "worst element / element bound (max)", "allocated beyond declared / allowed (max)",
                                "allocated beyond declared (max)"], table))
+    md.append(f"\n## The element bound by dtype\n\nThe worst element error in tolerances (|result_i - ref_i| / "
+              f"(tolerance x (|ref_i| + rms(ref)))), against the bound's `element_factor` ({settings.element_factor:g}); "
+              "a zeroed element passes only where |ref_i| is under factor x tolerance / (1 - factor x tolerance) of "
+              "the reference's RMS.\n")
+    by_dtype: dict[str, list[dict]] = {}
+    for r in rows:
+        by_dtype.setdefault(_dtype_of(r["problem"]), []).append(r)
+    dtable = []
+    for dtype, rs in sorted(by_dtype.items()):
+        worst = max(rs, key=lambda r: r.get("worst_over_tolerance", r["worst_over_bound"] * settings.element_factor))
+        w = worst.get("worst_over_tolerance", worst["worst_over_bound"] * settings.element_factor)
+        dtable.append([dtype, len(rs), f"{w:.3f}", worst["algorithm"], worst["problem"],
+                       f"{settings.element_factor / w:.1f}x" if w > 0 else "-"])
+    md.append(common.md_table(["dtype", "runs", "worst element / tolerance (max)", "by", "on",
+                               "element_factor / that"], dtable))
     return "\n".join(md)
+
+
+def _dtype_of(key: str) -> str:
+    """'float16', 'float32 tf32', ... from a problem key."""
+    fields = key.split("|")
+    dtype = next(f for f in fields if f in ("float32", "float16", "bfloat16", "float64"))
+    return dtype + (" tf32" if dtype == "float32" and "tf32=1" in fields and "cuda" in fields else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtypes", default=None, help="comma-separated (default: float32,float16,bfloat16)")
+    parser.add_argument("--network", default=None, help="a built-in network's layers (its training step's problems, "
+                                                        "channels_last) instead of the small set")
+    parser.add_argument("--batch", type=int, default=8, help="the network's batch (default 8)")
     common.result_arguments(parser, "verification_margins")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",") if args.dtypes else ["float32", "float16", "bfloat16"]
-    payload = {"environment": common.environment(), "device": args.device, "rows": measure(args.device, dtypes)}
+    problems = (network_problems(args.network, args.batch, args.device, dtypes) if args.network else
+                small_problems(args.device, dtypes))
+    payload = {"environment": common.environment(), "device": args.device, "network": args.network,
+               "batch": args.batch if args.network else None, "rows": measure(problems)}
     md = report(payload)
-    common.write(f"{args.name}_{args.device}", payload, md, Path(args.out) if args.out else None)
+    name = f"{args.name}_{args.device}" + (f"_{args.network}_b{args.batch}" if args.network else "")
+    common.write(name, payload, md, Path(args.out) if args.out else None)
     print(md)
 
 

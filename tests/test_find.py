@@ -12,7 +12,7 @@ from convtune.algorithms.registry import algorithms, get_algorithm, isolated
 from convtune.find import is_out_of_memory, summary
 from convtune.ranking import best, rank
 from convtune.settings import settings
-from convtune.verify import check, reference_case, tolerance
+from convtune.verify import check, errors, judge, reference_case, tolerance
 from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, InputWriter, Memoising, NaNResult, NoWrite,
                    OneWrongElement,
                    OutOfMemory, PoisonSniffer, Raising, UniformSniffer, UnknownDeterminism, WrongResult)
@@ -455,6 +455,25 @@ def test_a_plug_in_that_raises_from_any_method_costs_itself_only(method, exc, ca
         torch.testing.assert_close(tuned(x), expected)
 
 
+@pytest.mark.parametrize("exc", [RuntimeError("broken backend"), SystemExit(3)], ids=["RuntimeError", "SystemExit"])
+def test_a_backend_whose_algorithms_raise_is_a_failed_row_of_find_not_its_end(exc, caplog):
+    from convtune.algorithms.base import Backend
+
+    class BrokenBackend(Backend):
+        prefix = "fakeb"
+
+        def algorithms(self, problem):
+            raise exc
+
+    with isolated(BrokenBackend(), Fake("fake:good", time_ms=0.5), builtins=False):
+        assert [a.name for a in algorithms(P)] == ["fake:good"]
+        results = by_name(find(P, timer=FakeTimer()))
+    assert results["fake:good"].ok
+    assert results["fakeb:*"].status is Status.FAILED
+    assert f"algorithms() raised {type(exc).__name__}" in results["fakeb:*"].message
+    assert "backend fakeb offers nothing" in caplog.text
+
+
 def test_a_database_that_cannot_be_written_loses_the_memory_not_the_answer(tmp_path, caplog):
     import sqlite3
 
@@ -504,6 +523,26 @@ def test_one_wrong_element_fails_in_every_dtype(dtype):
     if dtype != "float32":
         with settings.override(element_factor=0):  # the bound off: the norm alone, which misses it
             assert check(OneWrongElement(), problem, inputs, ref, out, None)[1]
+
+
+@pytest.mark.parametrize("dtype, most", [("float32", 0.002), ("float16", 0.02), ("bfloat16", 0.10)])
+def test_an_element_zeroed_anywhere_is_seen_but_where_the_reference_is_near_zero(dtype, most):
+    # The element bound (verify's docstring) lets a zeroed element through only where |ref_i| is within
+    # element_factor x tolerance / (1 - that) of the RMS: for a normal reference about 0.03%, 0.6% and 5% of the
+    # positions in float32, float16 and bfloat16 (at the old factor, 10, bfloat16's was 15%).
+    problem = ConvProblem("fwd", n=2, c=16, k=32, input_size=(12, 12), kernel_size=3, padding=1, dtype=dtype)
+    inputs, ref = reference_case(problem)
+    out = problem.empty(problem.operand_shapes[2])
+    get_algorithm("torch:native").run(problem, *inputs, workspace=None, out=out)
+    bound = tolerance(problem, get_algorithm("torch:native").notes(problem))
+    assert judge(*errors(out, ref), bound)[0]
+    positions = torch.randperm(out.numel(), generator=torch.Generator().manual_seed(0))[:1000]
+    passed = 0
+    for i in positions.tolist():
+        wrong = out.clone()
+        wrong.view(-1)[i] = 0
+        passed += judge(*errors(wrong, ref), bound)[0]
+    assert passed <= most * len(positions), passed
 
 
 def test_a_find_where_everything_failed_keeps_the_good_results_stored_before(tmp_path):

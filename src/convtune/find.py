@@ -40,7 +40,7 @@ from .results import PerfResult, Status
 from .settings import settings
 from .timing import Timer, benchmark
 from .units import format_bytes
-from .verify import check, errors, judge, peak_allocated_bytes, reference_case, tolerance
+from .verify import allocated_while, check, errors, judge, peak_allocated_bytes, reference_case, tolerance
 
 log = logging.getLogger(__name__)
 
@@ -178,18 +178,48 @@ class _Search:
                     self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
                 return result
         if not isolation.in_worker() and not isolation.vouched_for(algorithm):
-            if self.policy.workspace_limit is not None and settings.isolate != "off":
-                # It could not go to the worker, and what it allocates beyond its declaration is not checked here:
-                # a workspace limit cannot hold it. (isolate='off' trusts plug-ins.)
-                cause = ("it cannot go to a worker process (a class defined in __main__, say: define it in an "
-                         "importable module)" if not isolation.sendable(algorithm) else
-                         "its timer cannot go to a worker process (give find a timer that pickles)")
+            if self._must_fit() and problem.device != "cuda":
+                # It could not go to the worker, and on the CPU what it allocates beyond its declaration is not
+                # checked here: a workspace limit cannot hold it. (isolate='off' trusts plug-ins; on CUDA the
+                # allocator's statistics are read after its checks, _allocation_here.)
                 return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
                     f"a plug-in measured in this process, where what it allocates beyond its declared workspace is "
-                    f"not checked, so a workspace limit cannot hold it: {cause}; or set CONVTUNE_ISOLATE=off to "
-                    f"trust plug-ins"))
-            _warn_unchecked(algorithm)
+                    f"not checked on the CPU, so a workspace limit cannot hold it: {self._why_here(algorithm)}; or "
+                    f"set CONVTUNE_ISOLATE=off to trust plug-ins"))
+            if problem.device != "cuda":
+                _warn_unchecked(algorithm)
         return self.measure_here(algorithm, props, declared is None, self.budget.timer_budget_s())
+
+    def _must_fit(self) -> bool:
+        """Whether a plug-in measured in this process must be shown to keep to its declared workspace: under a
+        workspace limit, unless isolate='off' trusts plug-ins."""
+        return self.policy.workspace_limit is not None and settings.isolate != "off"
+
+    def _why_here(self, algorithm: Algorithm) -> str:
+        """Why a plug-in that must keep to its declaration (``_must_fit``) is measured in this process."""
+        return ("it cannot go to a worker process (a class defined in __main__, say: define it in an importable "
+                "module)" if not isolation.sendable(algorithm) else
+                "its timer cannot go to a worker process (give find a timer that pickles)")
+
+    def _allocation_here(self, algorithm: Algorithm, run: Any) -> tuple[Status | None, str]:
+        """In this process on CUDA, a plug-in's allocations by the caching allocator's statistics, left as they were
+        (``verify.allocated_while``): (None, '') where it keeps to its declaration, or that cannot be told and it
+        need not show it; (FAILED, why) where it allocates more; (SKIPPED, why) where it must show it and that
+        cannot be told."""
+        used, exact = allocated_while(run)
+        allowed = algorithm.workspace_bytes(self.problem) + self.problem.min_bytes + ALLOCATION_SLACK_BYTES
+        if used <= allowed:
+            return None, ""
+        if exact:
+            return Status.FAILED, _overdrawn(algorithm, self.problem, used)
+        why = (f"what it allocates beyond its declared workspace could not be told in this process (it stayed under "
+               f"the process's earlier peak of memory, which convtune does not reset: up to {format_bytes(used)}, "
+               f"allowed {format_bytes(allowed)})")
+        if self._must_fit():
+            return Status.SKIPPED, (f"a plug-in measured in this process under a workspace limit: {why}; "
+                                    f"{self._why_here(algorithm)}; or set CONVTUNE_ISOLATE=off to trust plug-ins")
+        log.info("%s: %s", algorithm.name, why)
+        return None, ""
 
     def measure_here(self, algorithm: Algorithm, props: _Props, probe_determinism: bool,
                      timer_budget_s: float | None) -> PerfResult:
@@ -260,14 +290,22 @@ class _Search:
                               message=f"on a second input set: {message}")
         if deadline_s and time.perf_counter() - started > deadline_s:
             return _over_deadline(algorithm, props, err, runs_s, deadline_s)
-        if isolation.in_worker() and not isolation.vouched_for(algorithm):  # see _allocates_beyond
+        in_worker = isolation.in_worker()
+        if not isolation.vouched_for(algorithm) and (in_worker or problem.device == "cuda"):  # see _allocates_beyond
             spare = problem.empty(problem.operand_shapes[2])  # allocated before the measured run, not in it
-            overdrawn = _allocates_beyond(algorithm, problem,
-                                          lambda: algorithm.run(problem, *inputs2, workspace=workspace, out=spare))
+
+            def run() -> None:
+                algorithm.run(problem, *inputs2, workspace=workspace, out=spare)
+
+            if in_worker:
+                overdrawn = _allocates_beyond(algorithm, problem, run)
+                status, why = (Status.FAILED if overdrawn else None), overdrawn
+            else:
+                status, why = self._allocation_here(algorithm, run)
             if self.restore_inputs():
                 return _failed(algorithm, props, err, WROTE_INPUTS)
-            if overdrawn:
-                return _failed(algorithm, props, err, overdrawn)
+            if status is not None:
+                return PerfResult(algorithm.name, status, rel_error=err, **props, message=why)
         if probe_determinism:
             again = algorithm.run(problem, *inputs, workspace=workspace, out=problem.empty(problem.operand_shapes[2]))
             props["deterministic"] = bool(torch.equal(out, again))
@@ -344,8 +382,11 @@ def _allocates_beyond(algorithm: Algorithm, problem: ConvProblem, run: Any) -> s
     """
     used = peak_allocated_bytes(run, problem.device)
     allowed = algorithm.workspace_bytes(problem) + problem.min_bytes + ALLOCATION_SLACK_BYTES
-    if used <= allowed:
-        return ""
+    return _overdrawn(algorithm, problem, used) if used > allowed else ""
+
+
+def _overdrawn(algorithm: Algorithm, problem: ConvProblem, used: int) -> str:
+    """The failure of a candidate that allocated ``used`` bytes while running, more than it may."""
     return (f"allocated {format_bytes(used)} while running, beyond its declared workspace of "
             f"{format_bytes(algorithm.workspace_bytes(problem))} (allowed: that, a temporary the size of each "
             f"operand and {format_bytes(ALLOCATION_SLACK_BYTES)}); declare what it uses (Algorithm.buffers or "

@@ -165,6 +165,42 @@ def test_find_fails_a_plugin_that_allocates_beyond_its_declared_workspace():
     assert results["plugin:correct"].ok
 
 
+def test_in_the_process_the_allocators_statistics_catch_a_hidden_allocation_and_are_left_as_they_were():
+    import adversaries
+
+    from convtune.settings import settings
+    from convtune.verify import allocated_while
+
+    p = ct.ConvProblem("fwd", n=2, c=8, k=8, input_size=(16, 16), kernel_size=3, padding=1, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    # Past the process's peak: the exact figure; under it: an upper bound (what was allocated in all)
+    used, exact = allocated_while(lambda: torch.empty(32 << 20, dtype=torch.uint8, device="cuda"))
+    assert exact and used == 32 << 20
+    peak = torch.cuda.max_memory_allocated()
+    used, exact = allocated_while(lambda: torch.empty(1 << 20, dtype=torch.uint8, device="cuda"))
+    assert not exact and used == 1 << 20
+    assert torch.cuda.max_memory_allocated() == peak  # the caller's peak figure, left as it was
+    with settings.override(isolate="off"):  # trusted, measured here: the allocator says what it hid
+        torch.cuda.empty_cache()
+        results = {r.algorithm: r for r in ct.find(p, candidates=[adversaries.HiddenAllocation(),
+                                                                  adversaries.Correct()])}
+        hidden = results["plugin:hidden_allocation"]
+        assert hidden.status is ct.Status.FAILED and "allocated 64.0 MiB" in hidden.message, hidden
+        assert results["plugin:correct"].ok
+    # A plug-in that cannot go to a worker, under a workspace limit: where its hidden allocation stays under the
+    # process's earlier peak, it cannot be told, and the limit cannot hold it: skipped
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    del big
+    with settings.override(isolate="plugins"):
+        unsendable = adversaries.HiddenAllocation()
+        unsendable.handle = lambda: None  # a lambda does not pickle: measured in this process
+        results = {r.algorithm: r for r in ct.find(p, ct.Policy(workspace_limit=0),
+                                                   candidates=[unsendable, adversaries.Correct()])}
+    assert results["plugin:hidden_allocation"].status is ct.Status.SKIPPED
+    assert "could not be told" in results["plugin:hidden_allocation"].message
+
+
 @pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_filter"])
 @pytest.mark.parametrize("layer", [LAYERS[3], LAYERS[5], LAYERS[6]], ids=["2d-depthwise", "1d", "3d"])
 def test_the_cuda_references_equal_the_cpus_float64_convolution_and_leave_cudnns_flags(layer, direction):

@@ -185,8 +185,9 @@ def algorithms(problem: ConvProblem) -> list[Algorithm]:
 
 
 def candidates(problem: ConvProblem) -> tuple[list[Algorithm], dict[str, str]]:
-    """(``algorithms(problem)``, the registered algorithms whose ``supports()`` raised on ``problem``: name -> what
-    it raised). ``find`` reports the second as ``failed``; every other question leaves them out, logged."""
+    """(``algorithms(problem)``, the registered algorithms whose ``supports()`` raised on ``problem`` and the backends
+    whose ``algorithms()`` did, as '<prefix>:*': name -> what it raised). ``find`` reports the second as ``failed``;
+    every other question leaves them out, logged."""
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"algorithms() takes a ConvProblem, got {type(problem).__name__}")
     found, faulty = [], {}
@@ -205,6 +206,7 @@ def candidates(problem: ConvProblem) -> tuple[list[Algorithm], dict[str, str]]:
         except CANDIDATE_FAULTS as exc:  # a broken plug-in backend leaves itself out, not the search
             log.warning("backend %s offers nothing for %s: algorithms() raised %s: %s", backend.prefix, problem.key,
                         type(exc).__name__, exc)
+            faulty[backend.prefix + ":*"] = f"the backend's algorithms() raised {type(exc).__name__}: {exc}"
     return found, faulty
 
 
