@@ -6,7 +6,8 @@
 # on the GPU; triton:depthwise or triton:grouped one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
 # written as warm_start_<network>_b<batch>), dynamic:<dynamic_shapes.py arguments joined by +> (new input shapes
 # during training), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
-# find's element bound and allocation check), probe (the host's CPUs and topology).
+# find's element bound and allocation check), margins:<network>:<batch>[:<dtypes>[:<minutes>]] (the same on a
+# built-in network's layers, for at most <minutes>, default 5), probe (the host's CPUs and topology).
 # sweep:<minutes>[:<sweep.py arguments joined by +>] (bench/sweep.py for that long, going on from
 # bench/data/sweep.jsonl.gz where it exists: the measurements get's learned model is trained on; e.g.
 # sweep:8:--networks+all measures the built-in networks' layers, which bench/learned_get.py holds out one at a
@@ -53,6 +54,9 @@ for step in "$@"; do
     dynamic:*) args=${step#dynamic:}; python3 bench/dynamic_shapes.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -12 ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
+    margins:*) IFS=: read -r _ network batch dtypes minutes <<< "$step"
+               python3 bench/verification_margins.py --device cuda --network "$network" --batch "$batch" \
+                 --dtypes "${dtypes:-float16,bfloat16}" --minutes "${minutes:-5}" --out "$OUT" 2>&1 | quiet | tail -12 ;;
     sweep:*) db=/tmp/sweep.sqlite; rm -f "$db"
              if [ -e bench/data/sweep.jsonl.gz ]; then python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl.gz; fi
              IFS=: read -r _ minutes args <<< "$step"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -66,9 +67,13 @@ def network_problems(network: str, batch: int, device: str, dtypes: list[str]) -
     return list(dict.fromkeys(problems))
 
 
-def measure(problems: list[ConvProblem]) -> list[dict]:
+def measure(problems: list[ConvProblem], minutes: float | None = None) -> list[dict]:
+    """Rows of every algorithm on ``problems``; with ``minutes``, no problem is started after that long."""
     rows = []
+    started = time.monotonic()
     for p in problems:
+        if minutes is not None and time.monotonic() - started > minutes * 60:
+            break
         (a, b), ref = reference_case(p)
         operands = p.min_bytes
         for algo in algorithms(p):
@@ -96,8 +101,13 @@ def measure(problems: list[ConvProblem]) -> list[dict]:
 def report(payload: dict) -> str:
     rows = [r for r in payload["rows"] if "error" not in r]
     env = payload["environment"]
-    md = [f"# Verification margins\n\n{common.env_line(env)}. {len(rows)} runs of {len({r['algorithm'] for r in rows})} algorithms "
-          f"({len(payload['rows']) - len(rows)} plans not built); 1.00 is where `find` refuses a candidate.\n"]
+    where = (f"the training-step problems of {payload['network']} at batch {payload['batch']}, channels_last"
+             if payload.get("network") else "a small set of problems in every direction and layout")
+    measured = (f" ({payload['problems_measured']} of {payload['problems']} problems measured in the time given)"
+                if payload.get("problems_measured", payload.get("problems")) != payload.get("problems") else "")
+    md = [f"# Verification margins\n\n{common.env_line(env)}; {where}{measured}: {len(rows)} runs of "
+          f"{len({r['algorithm'] for r in rows})} algorithms ({len(payload['rows']) - len(rows)} plans not built); "
+          "1.00 is where `find` refuses a candidate.\n"]
     by_algo: dict[str, list[dict]] = {}
     for r in rows:
         by_algo.setdefault(r["algorithm"].split("_k")[0] if r["algorithm"].startswith("cudnn:") else r["algorithm"],
@@ -143,13 +153,17 @@ def main() -> None:
     parser.add_argument("--network", default=None, help="a built-in network's layers (its training step's problems, "
                                                         "channels_last) instead of the small set")
     parser.add_argument("--batch", type=int, default=8, help="the network's batch (default 8)")
+    parser.add_argument("--minutes", type=float, default=None, help="start no problem after this long (the report "
+                                                                    "says how many were measured)")
     common.result_arguments(parser, "verification_margins")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",") if args.dtypes else ["float32", "float16", "bfloat16"]
     problems = (network_problems(args.network, args.batch, args.device, dtypes) if args.network else
                 small_problems(args.device, dtypes))
+    rows = measure(problems, args.minutes)
     payload = {"environment": common.environment(), "device": args.device, "network": args.network,
-               "batch": args.batch if args.network else None, "rows": measure(problems)}
+               "batch": args.batch if args.network else None, "problems": len(problems),
+               "problems_measured": len({r["problem"] for r in rows}), "rows": rows}
     md = report(payload)
     name = f"{args.name}_{args.device}" + (f"_{args.network}_b{args.batch}" if args.network else "")
     common.write(name, payload, md, Path(args.out) if args.out else None)
