@@ -59,7 +59,7 @@ def test_a_plugin_that_allocates_beyond_its_declared_workspace_fails_in_its_work
         lean = ct.find(P, ct.Policy(workspace_limit=0), candidates=[adversaries.HiddenAllocation(),
                                                                      adversaries.Correct()])
         assert lean[0].algorithm == "plugin:correct"
-    with settings.override(isolate="off"):  # measured here, where the check would disturb the process: not made,
+    with settings.override(isolate="off"):  # measured here on the CPU, where the check would disturb the process:
         assert by_name(ct.find(P, candidates=[adversaries.HiddenAllocation()]))["plugin:hidden_allocation"].ok
     assert "plugin:hidden_allocation is a plug-in measured in this process" in caplog.text  # and it says so
 

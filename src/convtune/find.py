@@ -267,6 +267,16 @@ class _Search:
         # The deadline is held after every stage that runs the candidate (the two checks, the determinism
         # probe; the timing's budget ends at it): in this process a call cannot be stopped, only a worker's can.
         deadline_s = self.policy.deadline_s or settings.candidate_deadline_s
+        if problem.device == "cuda" and not isolation.vouched_for(algorithm) and not isolation.in_worker():
+            # A plug-in in this process: what its first run allocates, before its own runs have raised the
+            # process's peak of memory (_allocation_here); its output a spare, allocated before the run.
+            spare = problem.empty(problem.operand_shapes[2])
+            status, why = self._allocation_here(
+                algorithm, lambda: algorithm.run(problem, *inputs, workspace=workspace, out=spare))
+            if self.restore_inputs():
+                status, why = Status.FAILED, WROTE_INPUTS
+            if status is not None:
+                return PerfResult(algorithm.name, status, **props, message=why)
         started = time.perf_counter()
         err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,
                                  max_rel_error=self.policy.max_rel_error)
@@ -290,22 +300,14 @@ class _Search:
                               message=f"on a second input set: {message}")
         if deadline_s and time.perf_counter() - started > deadline_s:
             return _over_deadline(algorithm, props, err, runs_s, deadline_s)
-        in_worker = isolation.in_worker()
-        if not isolation.vouched_for(algorithm) and (in_worker or problem.device == "cuda"):  # see _allocates_beyond
+        if isolation.in_worker() and not isolation.vouched_for(algorithm):  # see _allocates_beyond
             spare = problem.empty(problem.operand_shapes[2])  # allocated before the measured run, not in it
-
-            def run() -> None:
-                algorithm.run(problem, *inputs2, workspace=workspace, out=spare)
-
-            if in_worker:
-                overdrawn = _allocates_beyond(algorithm, problem, run)
-                status, why = (Status.FAILED if overdrawn else None), overdrawn
-            else:
-                status, why = self._allocation_here(algorithm, run)
+            overdrawn = _allocates_beyond(algorithm, problem,
+                                          lambda: algorithm.run(problem, *inputs2, workspace=workspace, out=spare))
             if self.restore_inputs():
                 return _failed(algorithm, props, err, WROTE_INPUTS)
-            if status is not None:
-                return PerfResult(algorithm.name, status, rel_error=err, **props, message=why)
+            if overdrawn:
+                return _failed(algorithm, props, err, overdrawn)
         if probe_determinism:
             again = algorithm.run(problem, *inputs, workspace=workspace, out=problem.empty(problem.operand_shapes[2]))
             props["deterministic"] = bool(torch.equal(out, again))
