@@ -250,3 +250,25 @@ def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, 
     for bad in ("auto", "cpu|AMD EPYC|threads2"):  # no CUDA fingerprint to take; a machine outside the peaks table
         with pytest.raises(SystemExit):
             learned_get.main(["--db", str(tmp_path / "empty.sqlite"), "--measured-on", bad, "--out", str(out)])
+
+
+verification_margins = _bench_script("verification_margins")
+
+
+def test_verification_margins_measures_a_networks_layers_in_its_time_and_reports_by_the_factor_in_force(
+        tmp_path, verification_margins):
+    from convtune.settings import settings
+
+    problems = verification_margins.network_problems("resnet18", 1, "cpu", ["float32"])
+    assert len(problems) == len(set(problems)) and {p.direction for p in problems} == {"fwd", "bwd_data", "bwd_filter"}
+    rows = verification_margins.measure(problems[:2])
+    assert {r["problem"] for r in rows} == {p.key for p in problems[:2]} and all("error" not in r for r in rows)
+    assert verification_margins.measure(problems, minutes=0) == []  # no problem started after the time given
+    payload = {"environment": {"date": "d", "python": "3"}, "device": "cpu", "network": "resnet18", "batch": 1,
+               "problems": len(problems), "problems_measured": 2, "rows": rows}
+    md = verification_margins.report(payload)
+    assert f"2 of {len(problems)} problems measured" in md and "| float32 |" in md
+    worst = max(r["worst_over_tolerance"] for r in rows)
+    with settings.override(element_factor=2 * settings.element_factor):  # the bound's share halves, the figure not
+        again = verification_margins.report(payload)
+    assert f"{worst:.3f}" in md and f"{worst:.3f}" in again and md != again

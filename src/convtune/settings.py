@@ -78,7 +78,7 @@ _SETTINGS = (
     # seed of the random inputs that verification uses
     _Setting("verify_seed", int, 0, "seed of verification inputs"),
     # every element of a result within this many tolerances of the reference, scaled by |ref| + rms (0: no bound)
-    _Setting("element_factor", _at_least(0), 4.0, "the element bound, in tolerances (0: the norm alone)"),
+    _Setting("element_factor", _at_least(0), 5.0, "the element bound, in tolerances (0: the norm alone)"),
     # wall-clock budget of one find() in seconds (0: no limit)
     _Setting("find_budget_s", _at_least(0), 0.0, "seconds one find may spend"),
     # most candidates one find() times (0: no limit)
