@@ -29,7 +29,8 @@ finds truncated at 24 offsets, 48 random bit flips, flips that change a stored t
 valid JSON, 12 runs of garbage. Per damaged copy: clean when opening it, looking every problem up and
 storing a new find raised nothing, every answer was a stored successful row of its problem (or none),
 and the new find is served; unclean otherwise; crash when an exception escaped; lost: the lookups that
-found nothing (a lost row is measured again, never a wrong selection).
+found nothing (a lost row is measured again, never a wrong selection); and of the rows on pages the damage
+left as they were, how many were lost (none should be).
 
     python bench/reliability.py                    # writes bench/results/reliability.{json,md}
 """
@@ -208,7 +209,9 @@ def _database_markdown(payload: dict) -> str:
             f"{db['problems']} stored finds, each damaged once, opened, every problem looked up and a new find "
             "stored (clean: nothing raised, nothing served that was not stored for that problem, the new find served).\n\n"
             f"Totals: {c['tried']} tried, {c['clean']} clean, {c['unclean']} unclean, {c['crashes']} crashes, "
-            f"{c['lost']} of {c['tried'] * db['problems']} lookups lost (measured again, never served wrong).\n\n"
+            f"{c['lost']} of {c['tried'] * db['problems']} lookups lost (measured again, never served wrong)"
+            + (f"; of the {c['intact_rows']} rows on pages the damage left as they were (summed over the copies), "
+               f"{c['intact_lost']} lost" if "intact_rows" in c else "") + ".\n\n"
             + common.md_table(["damage", "copies", "lookups lost"], rows)
             + ("".join(f"\n- {kind} at {at}: {what}" for kind, at, what in db["faults"]) if db["faults"] else ""))
 

@@ -4,12 +4,15 @@ of garbage), each copy opened, every problem looked up and a new find stored."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sqlite3
+import struct
 from pathlib import Path
 
 import torch
 
-from convtune import ConvProblem, PerfResult, Status, TuningDB
+from convtune import ConvProblem, PerfResult, Status, TuningDB, sqlite_pages
 
 PROBLEMS = 30  # finds in the file the suite damages
 
@@ -68,16 +71,44 @@ def damage(path: Path, kind: str, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _page_size(data: bytes) -> int:
+    """The page size an undamaged database file's header gives."""
+    size = struct.unpack(">H", data[16:18])[0]
+    return 65536 if size == 1 else size
+
+
+def rows_by_page(data: bytes) -> dict[int, set[str]]:
+    """The checksums of the results rows on each table leaf page of the database file ``data``."""
+    size = _page_size(data)
+    pages = {}
+    for number in range(1, len(data) // size + 1):
+        checksums = {row[7] for row in sqlite_pages.page_rows(data, size, size - data[20], number) if len(row) == 8}
+        if checksums:
+            pages[number] = checksums
+    return pages
+
+
+def unchanged_rows(pristine: bytes, damaged: bytes, by_page: dict[int, set[str]]) -> set[str]:
+    """The rows (checksums) of ``by_page`` whose page ``damaged`` holds unchanged and whole."""
+    size = _page_size(pristine)
+    return {checksum for number, checksums in by_page.items()
+            for start in ((number - 1) * size,) if damaged[start:start + size] == pristine[start:start + size]
+            for checksum in checksums}
+
+
 def corruption_suite(folder: Path,
                      problems: int = PROBLEMS) -> tuple[dict[str, int], dict[tuple[str, int], int], list]:
     """Every damage of ``damages`` to a copy of a database of ``problems`` finds: (counts, lost lookups per
     damage, faults). counts: tried; clean (opening, looking every problem up and storing again raised nothing,
     every answer was a stored successful row of its problem or none, and the new find is served); unclean
     (something else was served, or the new find was not); crashes (an exception escaped); lost (lookups that
-    found nothing: a lost row is a new measurement, never a wrong selection). faults: (kind, at, what)."""
+    found nothing: a lost row is a new measurement, never a wrong selection); intact_rows (rows on pages the
+    damage left as they were, summed over the copies) and intact_lost (those not in the database afterwards).
+    faults: (kind, at, what)."""
     pristine = folder / "pristine.sqlite"
     allowed = stored_file(pristine, problems)
-    counts = {"tried": 0, "clean": 0, "unclean": 0, "crashes": 0, "lost": 0}
+    counts = {"tried": 0, "clean": 0, "unclean": 0, "crashes": 0, "lost": 0, "intact_rows": 0, "intact_lost": 0}
+    by_page = rows_by_page(pristine.read_bytes())
     lost: dict[tuple[str, int], int] = {}
     faults = []
     for i, (kind, at) in enumerate(damages(pristine.read_bytes())):
@@ -85,6 +116,7 @@ def corruption_suite(folder: Path,
         path.parent.mkdir()
         path.write_bytes(pristine.read_bytes())
         damage(path, kind, at)
+        damaged = path.read_bytes()
         counts["tried"] += 1
         try:
             with TuningDB(path) as tdb:
@@ -99,6 +131,15 @@ def corruption_suite(folder: Path,
             counts["crashes"] += 1
             faults.append((kind, at, f"{type(exc).__name__}: {exc}"))
             continue
+        # Every row on a page the damage left as it was must still be there.
+        intact = unchanged_rows(pristine.read_bytes(), damaged, by_page)
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")  # a flip that passed the checks
+            present = {checksum for (checksum,) in conn.execute("SELECT checksum FROM results")}
+        counts["intact_rows"] += len(intact)
+        counts["intact_lost"] += len(intact - present)
+        if intact - present:
+            faults.append((kind, at, f"{len(intact - present)} rows on undamaged pages lost"))
         counts["clean" if not wrong and usable else "unclean"] += 1
         if wrong or not usable:
             faults.append((kind, at, f"served {wrong}" if wrong else "the new find was not served"))

@@ -44,7 +44,7 @@ from typing import Any, cast
 
 import torch
 
-from . import hardware
+from . import hardware, sqlite_pages
 from .files import write_whole
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
@@ -699,6 +699,9 @@ def _connect(path: Path, uri: bool = False) -> sqlite3.Connection:
     # fails to decode and that one row is ignored with a warning, instead of every read failing.
     conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
     conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    # What is deleted (a find stored again, a cleared cache) is overwritten with zeros: salvaging a damaged
+    # file reads its pages' rows straight (_salvage), and must not bring deleted rows back.
+    conn.execute("PRAGMA secure_delete=ON")
     return conn
 
 
@@ -792,7 +795,27 @@ _SALVAGED_TABLES = {"results": 8}
 
 def _salvage(path: Path) -> dict[str, list[tuple]]:
     """The rows of a damaged database that can still be read, table by table: every rowid that some path
-    still reaches (``_rowids``), each row then read on its own, so a damaged page loses its rows only."""
+    still reaches (``_rowids``), each row then read on its own, so a damaged page loses its rows only; and
+    every row of the file's leaf pages read straight from them (``sqlite_pages``), which finds the rows
+    below a damaged root or interior page too. Each row's checksum is checked (``_intact``); of two rows of
+    one key, the later stored."""
+    rows = _salvage_through_sqlite(path)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        data = b""
+    rows["results"] += [row for row in sqlite_pages.leaf_rows(data) if len(row) == 8 and _intact("results", row)]
+    latest: dict[tuple, tuple] = {}
+    for row in rows["results"]:
+        key = row[:4]  # (fingerprint, software, problem, algorithm): the table's primary key
+        if key not in latest or row[5] > latest[key][5]:
+            latest[key] = row
+    rows["results"] = list(latest.values())
+    return rows
+
+
+def _salvage_through_sqlite(path: Path) -> dict[str, list[tuple]]:
+    """``_salvage``'s rows that SQLite itself still reaches."""
     rows: dict[str, list[tuple]] = {table: [] for table in _SALVAGED_TABLES}
     try:
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000)

@@ -1,0 +1,151 @@
+"""Rows read straight from the pages of a SQLite file, without its b-trees: what salvaging a damaged tuning
+database falls back on where the pages above a table's rows (its root, interior pages) are damaged.
+
+SQLite keeps a table's rows in leaf pages (https://www.sqlite.org/fileformat2.html): a page of type 13 holds
+an array of cell pointers, each cell a row's length, its rowid and its record (a header of serial types,
+then the values). Every leaf page that is not on the free list is read here, cell by cell, every bound
+checked: a damaged page yields nothing or garbage, never an exception. Nothing here knows which table a
+row belongs to, nor whether its values are what was written: the caller checks each row (the tuning
+database's rows carry a checksum). Rows too long for their page (with overflow pages) are left out.
+
+    >>> import sqlite3, tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.sqlite"
+    >>> with sqlite3.connect(path) as conn:
+    ...     _ = conn.execute("CREATE TABLE t (a TEXT, b REAL, c INTEGER)")
+    ...     _ = conn.execute("INSERT INTO t VALUES ('x', 1.5, 7)")
+    >>> [row for row in leaf_rows(path.read_bytes()) if row[0] == "x"]
+    [('x', 1.5, 7)]
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+HEADER = b"SQLite format 3\x00"
+LEAF_TABLE_PAGE = 13
+# Page sizes tried where the file's header is damaged: SQLite's default first.
+PAGE_SIZES = (4096, 1024, 2048, 8192, 16384, 32768, 65536, 512)
+
+
+def leaf_rows(data: bytes) -> Iterator[tuple]:
+    """Every row of every table leaf page of the file ``data`` (the free list's pages left out), as a tuple
+    of its values (None, int, float, str or bytes); the header's page size, or where the header is damaged,
+    each of SQLite's page sizes in turn (so a row may come twice)."""
+    sizes: tuple[int, ...] = PAGE_SIZES
+    reserved, free = 0, set()
+    if data[:16] == HEADER and len(data) >= 100:
+        size = struct.unpack(">H", data[16:18])[0]
+        size = 65536 if size == 1 else size
+        if size in PAGE_SIZES:
+            sizes, reserved = (size,), data[20]
+            free = _free_pages(data, size, struct.unpack(">I", data[32:36])[0])
+    for size in sizes:
+        usable = size - reserved
+        for number in range(1, (len(data) + size - 1) // size + 1):
+            if number not in free:
+                yield from page_rows(data, size, usable, number)
+
+
+def _free_pages(data: bytes, size: int, trunk: int) -> set[int]:
+    """The pages on the free list, from its first trunk page (as far as the list can be read)."""
+    free: set[int] = set()
+    seen: set[int] = set()
+    while trunk and trunk not in seen:
+        seen.add(trunk)
+        start = (trunk - 1) * size
+        page = data[start:start + size]
+        if len(page) < 8:
+            break
+        following, count = struct.unpack(">II", page[:8])
+        free.add(trunk)
+        for i in range(min(count, (len(page) - 8) // 4)):
+            free.add(struct.unpack(">I", page[8 + 4 * i:12 + 4 * i])[0])
+        trunk = following
+    return free
+
+
+def page_rows(data: bytes, size: int, usable: int, number: int) -> Iterator[tuple]:
+    """The rows of page ``number`` (pages of ``size`` bytes, ``usable`` of them SQLite's) where it is a table
+    leaf page; nothing where it is not or is damaged."""
+    start = (number - 1) * size
+    page = data[start:start + size]
+    head = 100 if number == 1 else 0
+    if len(page) < head + 8 or page[head] != LEAF_TABLE_PAGE:
+        return
+    cells = struct.unpack(">H", page[head + 3:head + 5])[0]
+    local_most = usable - 35  # the largest payload kept whole on its page
+    for i in range(cells):
+        at = head + 8 + 2 * i
+        if at + 2 > len(page):
+            return
+        offset = struct.unpack(">H", page[at:at + 2])[0]
+        try:
+            length, offset = _varint(page, offset)
+            _, offset = _varint(page, offset)  # the rowid
+        except IndexError:
+            continue
+        if length > local_most or offset + length > len(page):
+            continue  # spills onto overflow pages, or runs past the page: not read
+        row = _record(page[offset:offset + length])
+        if row is not None:
+            yield row
+
+
+def _varint(buf: bytes, at: int) -> tuple[int, int]:
+    """SQLite's variable-length integer at ``at``: (value, the offset after it); IndexError past the end."""
+    value = 0
+    for i in range(8):
+        byte = buf[at + i]
+        value = (value << 7) | (byte & 0x7F)
+        if byte < 0x80:
+            return value, at + i + 1
+    return (value << 8) | buf[at + 8], at + 9
+
+
+def _record(payload: bytes) -> tuple | None:
+    """A record's values; None where it does not parse."""
+    try:
+        header_size, at = _varint(payload, 0)
+        types = []
+        while at < header_size:
+            serial, at = _varint(payload, at)
+            types.append(serial)
+    except IndexError:
+        return None
+    if at != header_size or header_size > len(payload):
+        return None
+    values: list = []
+    body = header_size
+    for serial in types:
+        width = _width(serial)
+        if width is None or body + width > len(payload):
+            return None
+        raw = payload[body:body + width]
+        body += width
+        if serial == 0:
+            values.append(None)
+        elif serial <= 6:
+            values.append(int.from_bytes(raw, "big", signed=True))
+        elif serial == 7:
+            values.append(struct.unpack(">d", raw)[0])
+        elif serial in (8, 9):
+            values.append(serial - 8)
+        elif serial % 2 == 0:
+            values.append(bytes(raw))
+        else:
+            values.append(raw.decode("utf-8", errors="replace"))
+    return tuple(values) if body == len(payload) else None
+
+
+def _width(serial: int) -> int | None:
+    """Bytes of a value of serial type ``serial`` in a record's body; None for the reserved types."""
+    if serial < 7:
+        return (0, 1, 2, 3, 4, 6, 8)[serial]
+    if serial == 7:
+        return 8
+    if serial in (8, 9):
+        return 0
+    if serial in (10, 11):
+        return None
+    return (serial - 12) // 2 if serial % 2 == 0 else (serial - 13) // 2
