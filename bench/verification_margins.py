@@ -59,8 +59,8 @@ def small_problems(device: str, dtypes: list[str]) -> list[ConvProblem]:
 
 
 def network_problems(network: str, batch: int, device: str, dtypes: list[str]) -> list[ConvProblem]:
-    """Every distinct problem of ``network``'s training step at ``batch`` (channels_last): real sizes, whose outputs
-    are far larger than SHAPES' (the worst of more elements)."""
+    """Every distinct problem of ``network``'s layers at ``batch`` in the three directions (channels_last): real
+    sizes, whose outputs are far larger than SHAPES' (the worst of more elements)."""
     problems = []
     for dtype in dtypes:
         layers = zoo.network_layers(network, batch, dtype=dtype, layout="channels_last", device=device)
@@ -68,13 +68,16 @@ def network_problems(network: str, batch: int, device: str, dtypes: list[str]) -
     return list(dict.fromkeys(problems))
 
 
-def measure(problems: list[ConvProblem], minutes: float | None = None) -> list[dict]:
-    """Rows of every algorithm on ``problems``; with ``minutes``, no problem is started after that long."""
+def measure(problems: list[ConvProblem], minutes: float | None = None) -> tuple[list[dict], int]:
+    """Rows of every algorithm on ``problems``, and how many problems were measured: with ``minutes``, none is
+    started after that long."""
     rows = []
     started = time.monotonic()
+    measured = 0
     for p in problems:
-        if minutes is not None and time.monotonic() - started > minutes * 60:
+        if minutes is not None and time.monotonic() - started >= minutes * 60:
             break
+        measured += 1
         (a, b), ref = reference_case(p)
         operands = p.min_bytes
         for algo in algorithms(p):
@@ -96,7 +99,7 @@ def measure(problems: list[ConvProblem], minutes: float | None = None) -> list[d
                              allocated=extra, declared=declared,
                              allocated_over_allowed=(None if algo.name == NATIVE else
                                                      (extra - declared) / (operands + ALLOCATION_SLACK_BYTES))))
-    return rows
+    return rows, measured
 
 
 def report(payload: dict) -> str:
@@ -174,10 +177,10 @@ def main() -> None:
     dtypes = args.dtypes.split(",") if args.dtypes else ["float32", "float16", "bfloat16"]
     problems = (network_problems(args.network, args.batch, args.device, dtypes) if args.network else
                 small_problems(args.device, dtypes))
-    rows = measure(problems, args.minutes)
+    rows, measured = measure(problems, args.minutes)
     payload = {"environment": common.environment(), "device": args.device, "network": args.network,
                "batch": args.batch if args.network else None, "problems": len(problems),
-               "problems_measured": len({r["problem"] for r in rows}), "rows": rows}
+               "problems_measured": measured, "rows": rows}
     md = report(payload)
     name = f"{args.name}_{args.device}" + (f"_{args.network}_b{args.batch}" if args.network else "")
     common.write(name, payload, md, Path(args.out) if args.out else None)

@@ -261,9 +261,10 @@ def test_verification_margins_measures_a_networks_layers_in_its_time_and_reports
 
     problems = verification_margins.network_problems("resnet18", 1, "cpu", ["float32"])
     assert len(problems) == len(set(problems)) and {p.direction for p in problems} == {"fwd", "bwd_data", "bwd_filter"}
-    rows = verification_margins.measure(problems[:2])
-    assert {r["problem"] for r in rows} == {p.key for p in problems[:2]} and all("error" not in r for r in rows)
-    assert verification_margins.measure(problems, minutes=0) == []  # no problem started after the time given
+    rows, measured = verification_margins.measure(problems[:2])
+    assert measured == 2 and {r["problem"] for r in rows} == {p.key for p in problems[:2]}
+    assert all("error" not in r for r in rows)
+    assert verification_margins.measure(problems, minutes=0) == ([], 0)  # none started after the time given
     payload = {"environment": {"date": "d", "python": "3"}, "device": "cpu", "network": "resnet18", "batch": 1,
                "problems": len(problems), "problems_measured": 2, "rows": rows}
     md = verification_margins.report(payload)

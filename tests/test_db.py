@@ -826,6 +826,7 @@ def test_salvage_reads_the_rows_below_a_damaged_header_and_brings_back_nothing_d
     path = tmp_path / "t.sqlite"
     stored_file(path, 30)
     with TuningDB(path) as tdb:
+        assert tdb._run(lambda conn: conn.execute("PRAGMA secure_delete").fetchone()[0]) == 1
         tdb.clear()
         for n in (29, 30):
             tdb.store(problem(n), FIND)

@@ -64,26 +64,46 @@ def test_a_plugin_that_allocates_beyond_its_declared_workspace_fails_in_its_work
     assert "plugin:hidden_allocation is a plug-in measured in this process" in caplog.text  # and it says so
 
 
-@pytest.mark.parametrize("used, exact, limit, expected", [
-    (1 << 10, True, None, None), (64 << 20, True, None, Status.FAILED), (64 << 20, False, None, None),
-    (64 << 20, False, 0, Status.SKIPPED), (1 << 10, False, 0, None)],
-    ids=["within", "over", "untold", "untold-under-a-limit", "within-by-its-bound"])
-def test_in_the_process_on_cuda_what_the_allocator_can_tell_decides(used, exact, limit, expected, monkeypatch):
+@pytest.mark.parametrize("readings, limit, expected", [
+    ([(1 << 10, True)], None, None), ([(64 << 20, True), (64 << 20, False)], None, Status.FAILED),
+    ([(64 << 20, True), (1 << 10, False)], None, None), ([(64 << 20, False), (64 << 20, False)], None, None),
+    ([(64 << 20, False), (64 << 20, False)], 0, Status.SKIPPED), ([(1 << 10, False)], 0, None)],
+    ids=["within", "over-twice", "over-on-its-first-call-only", "untold", "untold-under-a-limit",
+         "within-by-its-bound"])
+def test_in_the_process_on_cuda_what_the_allocator_can_tell_decides(readings, limit, expected, monkeypatch):
     # (On CUDA a plug-in measured in this process is held to its declaration by the caching allocator's figures,
     # which may only bound what it allocated: tests/gpu/test_gpu_algorithms.py measures them for real.)
     import importlib
 
     find_module = importlib.import_module("convtune.find")  # (the package's name 'find' is the function)
-    monkeypatch.setattr(find_module, "allocated_while", lambda run: (run(), (used, exact))[1])
+    left = list(readings)
+    monkeypatch.setattr(find_module, "allocated_while", lambda run: (run(), left.pop(0))[1])
     search = find_module._Search(P, ct.Policy(workspace_limit=limit), FakeTimer(), None)
     ran = []
     with settings.override(isolate="plugins"):
         status, why = search._allocation_here(adversaries.Correct(), lambda: ran.append(1))
-    assert ran == [1] and status is expected
+    assert left == [] and len(ran) == len(readings) and status is expected
     if expected is Status.FAILED:
         assert "allocated 64.0 MiB while running" in why
     if expected is Status.SKIPPED:
         assert "could not be told" in why and "CONVTUNE_ISOLATE=off" in why
+
+
+def test_in_the_background_worker_nothing_is_read_beside_the_callers_work(monkeypatch):
+    import importlib
+
+    find_module = importlib.import_module("convtune.find")
+
+    def never(run):
+        raise AssertionError("read the allocator (and synchronized the device) in the background")
+
+    monkeypatch.setattr(find_module, "allocated_while", never)
+    monkeypatch.setattr(find_module.background, "in_worker", lambda: True)
+    with settings.override(isolate="plugins"):
+        free = find_module._Search(P, ct.Policy(), FakeTimer(), None)._allocation_here(adversaries.Correct(), None)
+        held = find_module._Search(P, ct.Policy(workspace_limit=0), FakeTimer(), None)._allocation_here(
+            adversaries.Correct(), None)
+    assert free == (None, "") and held[0] is Status.SKIPPED and "in the background" in held[1]
 
 
 def test_one_worker_serves_every_find_until_a_candidate_ends_it(workers):

@@ -796,21 +796,32 @@ _SALVAGED_TABLES = {"results": 8}
 def _salvage(path: Path) -> dict[str, list[tuple]]:
     """The rows of a damaged database that can still be read, table by table: every rowid that some path
     still reaches (``_rowids``), each row then read on its own, so a damaged page loses its rows only; and
-    every row of the file's leaf pages read straight from them (``sqlite_pages``), which finds the rows
-    below a damaged root or interior page too. Each row's checksum is checked (``_intact``); of two rows of
-    one key, the later stored."""
+    every row of the file's leaf pages read straight from them, its write-ahead log applied
+    (``sqlite_pages``), which finds the rows below a damaged root or interior page too. Each row's checksum
+    is checked (``_intact``). The rows SQLite reaches are the table as it stands; a row only the pages show
+    is added where its key is not there, and never an earlier find's of a problem (a find replaces a
+    problem's rows as a whole). In the order they were stored."""
     rows = _salvage_through_sqlite(path)
     try:
         data = path.read_bytes()
+        wal = Path(f"{path}-wal")
+        if wal.exists():
+            data = sqlite_pages.with_wal(data, wal.read_bytes())
     except OSError:
         data = b""
-    rows["results"] += [row for row in sqlite_pages.leaf_rows(data) if len(row) == 8 and _intact("results", row)]
-    latest: dict[tuple, tuple] = {}
-    for row in rows["results"]:
-        key = row[:4]  # (fingerprint, software, problem, algorithm): the table's primary key
-        if key not in latest or row[5] > latest[key][5]:
-            latest[key] = row
-    rows["results"] = list(latest.values())
+    live = rows["results"]  # what SQLite still reaches is the table as it stands: kept whole
+    keys = {row[:4] for row in live}
+    earliest: dict[tuple, float] = {}  # (fingerprint, software, problem), what one find stores: its rows' time
+    for row in live:
+        earliest[row[:3]] = min(earliest.get(row[:3], row[5]), row[5])
+    found = [row for row in sqlite_pages.leaf_rows(data, _SALVAGED_TABLES["results"])
+             if _intact("results", row) and row[:4] not in keys]
+    latest: dict[tuple, float] = {}
+    for row in found:
+        latest[row[:3]] = max(latest.get(row[:3], row[5]), row[5])
+    extra = {row[:4]: row for row in found
+             if row[5] >= earliest.get(row[:3], latest[row[:3]])}  # never an earlier find's row
+    rows["results"] = sorted([*live, *extra.values()], key=lambda row: row[5])  # stable: live rows in rowid order
     return rows
 
 
