@@ -596,8 +596,7 @@ def test_a_damaged_file_never_crashes_never_serves_what_was_not_stored_and_stays
     # rows), a cut through the file's last pages loses only the rows there (at 23/24 of the file, at most the
     # one or two problems whose rows all lay on the last page; where that page falls depends on the rows'
     # length, which names the installed software), the losses fall as the cut moves later, and garbage loses
-    # at most the few problems whose rows were on the page it hit (453 of 2880 lookups lost when this was
-    # written, all by truncation).
+    # at most the few problems whose rows were on the page it hit.
     assert counts["intact_lost"] == 0 and counts["intact_rows"] > 0
     assert all(n == 0 for (kind, _), n in lost.items() if kind == "flip")
     cuts = [n for (kind, _), n in lost.items() if kind == "truncate"]

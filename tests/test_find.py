@@ -525,11 +525,11 @@ def test_one_wrong_element_fails_in_every_dtype(dtype):
             assert check(OneWrongElement(), problem, inputs, ref, out, None)[1]
 
 
-@pytest.mark.parametrize("dtype, most", [("float32", 0.002), ("float16", 0.02), ("bfloat16", 0.10)])
+@pytest.mark.parametrize("dtype, most", [("float32", 0.002), ("float16", 0.012), ("bfloat16", 0.10)])
 def test_an_element_zeroed_anywhere_is_seen_but_where_the_reference_is_near_zero(dtype, most):
     # The element bound (verify's docstring) lets a zeroed element through only where |ref_i| is within
     # element_factor x tolerance / (1 - that) of the RMS: for a normal reference about 0.04%, 0.8% and 7% of the
-    # positions in float32, float16 and bfloat16 (at a factor of 10, float16's was 2% and bfloat16's 15%).
+    # positions in float32, float16 and bfloat16.
     problem = ConvProblem("fwd", n=2, c=16, k=32, input_size=(12, 12), kernel_size=3, padding=1, dtype=dtype)
     inputs, ref = reference_case(problem)
     out = problem.empty(problem.operand_shapes[2])

@@ -17,7 +17,7 @@
 # learned (bench/learned_get.py on bench/data/sweep.jsonl.gz, on the GPU: cuDNN's heuristics A and B judged too).
 # Everything lands in $OUT (default /tmp/out), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) BENCH_SOURCE=$(git rev-parse --short HEAD:src) bash
-# bench/gpu_session.sh ...`: the copy of the tree on the device may carry an older .git, and the result files name
+# bench/gpu_checks.sh ...`: the copy of the tree on the device may carry an older .git, and the result files name
 # the revision (and src/ tree) they measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -32,7 +32,7 @@ fi
 # The extension's build status on stdout only: $OUT is kept for result files.
 python3 -m convtune.cli native --json 2>&1
 # The first line of a test log: when, where, what software and which revision it tested.
-header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c 'import platform, torch; g = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"; print(g + ", torch", torch.__version__ + ", cuDNN", str(torch.backends.cudnn.version()) + ", CUDA", str(torch.version.cuda) + ", Python", platform.python_version())'); revision ${BENCH_REVISION:-unknown} (bench/gpu_session.sh)"; }
+header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c 'import platform, torch; g = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"; print(g + ", torch", torch.__version__ + ", cuDNN", str(torch.backends.cudnn.version()) + ", CUDA", str(torch.version.cuda) + ", Python", platform.python_version())'); revision ${BENCH_REVISION:-unknown} (bench/gpu_checks.sh)"; }
 # Exit-time lines of the cuDNN frontend's bindings (objects it reports as leaked), not test output.
 quiet() { grep -v -E 'nanobind|^ - (leaked|\.\.\. skipped)|refleaks'; }
 # pytest into its log file directly (a run cut short by a time limit keeps what it wrote), then its last lines.
