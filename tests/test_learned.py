@@ -225,3 +225,15 @@ def test_a_column_constant_in_training_stays_bounded_when_it_varies_later():
     model = learned.train(samples(30), "test-machine", epochs=20)
     p = problems(1, seed=2)[0]
     assert abs(math.log2(model.factor(p, "plugin:dw", 1.0, order=30)) - math.log2(model.factor(p, "plugin:dw", 1.0))) < 3
+
+
+def test_the_listwise_term_sees_each_problems_order_not_its_offset():
+    from convtune.learned import _listwise
+
+    group = torch.tensor([0, 0, 0, 1, 1])
+    measured = torch.tensor([1.0, 1.5, 3.0, 0.2, 0.9])
+    shifted = measured + torch.tensor([5.0, 5.0, 5.0, -2.0, -2.0])  # another offset per problem: the same loss
+    swapped = torch.tensor([1.5, 1.0, 3.0, 0.9, 0.2])  # each problem's two fastest swapped: a larger one
+    best = _listwise(measured, measured, group)
+    assert torch.isclose(_listwise(shifted, measured, group), best)
+    assert _listwise(swapped, measured, group) > best + 0.1
