@@ -50,9 +50,7 @@ ORDER_DROPOUT = 0.2  # of the samples with a known place, trained as if it were 
 # corrections price measurements without it), so the model answers both ways
 MAX_LOG2_FACTOR = 6.0  # a correction of at most 64x either way
 # Training also asks each problem's candidates to come out in their measured order (``_listwise``), beside
-# the squared error: on the held-out networks of bench/learned_get.py it made the learned picks closer to the
-# best (geometric mean over held-out layers, bwd_data 1.099 -> 1.053, bwd_filter 1.067 -> 1.059, fwd 1.081 ->
-# 1.079 on one machine); a weight of 4 did worse than 1 on the random split (1.241 against 1.147).
+# the squared error, with this weight (what it changed on held-out networks: docs/performance.md).
 LISTWISE_WEIGHT = 1.0
 LISTWISE_TEMPERATURE = 0.1  # log2 units: candidates 7% apart differ by one unit of the softmax
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
