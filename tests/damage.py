@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import re
 import sqlite3
-import struct
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -71,15 +71,9 @@ def damage(path: Path, kind: str, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def _page_size(data: bytes) -> int:
-    """The page size an undamaged database file's header gives."""
-    size = struct.unpack(">H", data[16:18])[0]
-    return 65536 if size == 1 else size
-
-
 def rows_by_page(data: bytes) -> dict[int, set[str]]:
     """The checksums of the results rows on each table leaf page of the database file ``data``."""
-    size = _page_size(data)
+    size = cast(int, sqlite_pages.page_size(data))  # (an undamaged file)
     pages = {}
     for number in range(1, len(data) // size + 1):
         checksums = {row[7] for row in sqlite_pages.page_rows(data, size, size - data[20], number) if len(row) == 8}
@@ -90,7 +84,7 @@ def rows_by_page(data: bytes) -> dict[int, set[str]]:
 
 def unchanged_rows(pristine: bytes, damaged: bytes, by_page: dict[int, set[str]]) -> set[str]:
     """The rows (checksums) of ``by_page`` whose page ``damaged`` holds unchanged and whole."""
-    size = _page_size(pristine)
+    size = cast(int, sqlite_pages.page_size(pristine))
     return {checksum for number, checksums in by_page.items()
             for start in ((number - 1) * size,) if damaged[start:start + size] == pristine[start:start + size]
             for checksum in checksums}

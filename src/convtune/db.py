@@ -671,8 +671,7 @@ def _open_as_it_is(path: Path) -> sqlite3.Connection:
     """A read-only connection to the database at ``path``, whose folder may not be written: SQLite's
     ``immutable`` mode, which needs no journal beside the file. It serves what the file holds as it was (a
     process allowed to write there may still change it, which this connection need not see). Every store is
-    refused as read-only
-    (``TuningDB._write`` warns once).
+    refused as read-only (``TuningDB._write`` warns once).
     A damaged file or another schema raises ValueError: it cannot be moved aside or salvaged there."""
     conn = _connect(Path(f"file:{urllib.parse.quote(str(path.resolve()))}?immutable=1"), uri=True)
     try:

@@ -209,21 +209,18 @@ class _Search:
         allocates more there runs again, and passes if the second run keeps to it (what a first call sets up
         once, an autotuner's buffers, say). In the background worker, beside the caller's own work, nothing is
         read (the device is never synchronized there, and the caller's allocations would count)."""
-        allowed = algorithm.workspace_bytes(self.problem) + self.problem.min_bytes + ALLOCATION_SLACK_BYTES
+        allowed = _allowed_bytes(algorithm, self.problem)
         if background.in_worker():
-            used, exact = allowed + 1, False  # cannot be told
+            cause = "beside the caller's work, in the background"
         else:
             used, exact = allocated_while(run)
-            if used > allowed and allocated_while(run)[0] <= allowed:
+            if used <= allowed or allocated_while(run)[0] <= allowed:
                 return None, ""
-        if used <= allowed:
-            return None, ""
-        if exact:
-            return Status.FAILED, _overdrawn(algorithm, self.problem, used)
-        why = ("what it allocates beyond its declared workspace could not be told in this process ("
-               + ("beside the caller's work, in the background" if background.in_worker() else
-                  f"it stayed under the process's earlier peak of memory, which convtune does not reset: up to "
-                  f"{format_bytes(used)}, allowed {format_bytes(allowed)}") + ")")
+            if exact:
+                return Status.FAILED, _overdrawn(algorithm, self.problem, used)
+            cause = (f"it stayed under the process's earlier peak of memory, which convtune does not reset: up to "
+                     f"{format_bytes(used)}, allowed {format_bytes(allowed)}")
+        why = f"what it allocates beyond its declared workspace could not be told in this process ({cause})"
         if self._must_fit():
             return Status.SKIPPED, (f"a plug-in measured in this process under a workspace limit: {why}; "
                                     f"{self._why_here(algorithm)}; or set CONVTUNE_ISOLATE=off to trust plug-ins")
@@ -393,8 +390,13 @@ def _allocates_beyond(algorithm: Algorithm, problem: ConvProblem, run: Any) -> s
     buffer larger than all the operands fails.
     """
     used = peak_allocated_bytes(run, problem.device)
-    allowed = algorithm.workspace_bytes(problem) + problem.min_bytes + ALLOCATION_SLACK_BYTES
-    return _overdrawn(algorithm, problem, used) if used > allowed else ""
+    return _overdrawn(algorithm, problem, used) if used > _allowed_bytes(algorithm, problem) else ""
+
+
+def _allowed_bytes(algorithm: Algorithm, problem: ConvProblem) -> int:
+    """What a run of ``algorithm`` may allocate (``_allocates_beyond``): its declared workspace, a temporary the size
+    of each operand, and ALLOCATION_SLACK_BYTES."""
+    return algorithm.workspace_bytes(problem) + problem.min_bytes + ALLOCATION_SLACK_BYTES
 
 
 def _overdrawn(algorithm: Algorithm, problem: ConvProblem, used: int) -> str:

@@ -216,7 +216,7 @@ def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, see
     group = torch.tensor([keys[s.problem.key] for s in usable])
     # what ranks a problem's candidates: log2 of the analytic price times the correction
     base = torch.tensor([math.log2(s.analytic_ms) for s in usable], dtype=torch.float32)
-    members = [_fit(x, y, epochs, seed + i, (group, base)) for i in range(MEMBERS)]
+    members = [_fit(x, y, group, base, epochs, seed + i) for i in range(MEMBERS)]
     return LearnedModel(_Ensemble(members), mean, std, fingerprint, len(usable))
 
 
@@ -238,11 +238,26 @@ def _listwise(predicted: torch.Tensor, measured: torch.Tensor, group: torch.Tens
     return loss.sum() / problems
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int,
-         problems: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.nn.Module:
-    """One member network fitted to the normalized features ``x`` and targets ``y`` (mean squared error), and where
-    ``problems`` gives each sample's problem and its log2 analytic price, to each problem's order of its
-    candidates too (``_listwise``, weighted LISTWISE_WEIGHT): batches are then whole problems."""
+def _problem_batches(per_problem: list[torch.Tensor], batch: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """Each problem's sample indices (``per_problem``) in a random order, cut into batches of whole problems of
+    about ``batch`` samples each."""
+    batches, current, size = [], [], 0
+    for i in torch.randperm(len(per_problem), generator=generator).tolist():
+        current.append(per_problem[i])
+        size += len(per_problem[i])
+        if size >= batch:
+            batches.append(torch.cat(current))
+            current, size = [], 0
+    if current:
+        batches.append(torch.cat(current))
+    return batches
+
+
+def _fit(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, base: torch.Tensor, epochs: int,
+         seed: int) -> torch.nn.Module:
+    """One member network fitted to the normalized features ``x`` and targets ``y`` (mean squared error), and to
+    each problem's order of its candidates (``_listwise``, weighted LISTWISE_WEIGHT; ``group``: each sample's
+    problem, ``base``: its log2 analytic price), in batches of whole problems."""
     generator = torch.Generator().manual_seed(seed)
     torch_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -252,28 +267,13 @@ def _fit(x: torch.Tensor, y: torch.Tensor, epochs: int, seed: int,
         torch.random.set_rng_state(torch_state)
     optimizer = torch.optim.Adam(network.parameters(), lr=3e-3, weight_decay=1e-5)
     batch = 1024
-    group, base = problems if problems is not None and LISTWISE_WEIGHT > 0 else (None, None)
-    members = [] if group is None else [torch.nonzero(group == g).squeeze(1) for g in range(int(group.max()) + 1)]
+    per_problem = [torch.nonzero(group == g).squeeze(1) for g in range(int(group.max()) + 1)]
     for _ in range(epochs):
-        if members:  # batches of whole problems, about ``batch`` samples each
-            shuffled = [members[int(i)] for i in torch.randperm(len(members), generator=generator)]
-            batches, current, size = [], [], 0
-            for rows in shuffled:
-                current.append(rows)
-                size += len(rows)
-                if size >= batch:
-                    batches.append(torch.cat(current))
-                    current, size = [], 0
-            if current:
-                batches.append(torch.cat(current))
-        else:
-            order = torch.randperm(len(x), generator=generator)
-            batches = [order[start:start + batch] for start in range(0, len(x), batch)]
-        for rows in batches:
+        for rows in _problem_batches(per_problem, batch, generator):
             optimizer.zero_grad()
             predicted = network(x[rows]).squeeze(1)
             loss = torch.nn.functional.mse_loss(predicted, y[rows])
-            if group is not None and base is not None:
+            if LISTWISE_WEIGHT:
                 _, local = torch.unique(group[rows], return_inverse=True)
                 loss = loss + LISTWISE_WEIGHT * _listwise(base[rows] + predicted, base[rows] + y[rows], local)
             loss.backward()

@@ -36,21 +36,28 @@ def leaf_rows(data: bytes, columns: int | None = None) -> Iterator[tuple]:
     list's left out; where it is damaged: each of SQLite's page sizes in turn (so a row may come twice)."""
     sizes: tuple[int, ...] = PAGE_SIZES
     reserved, free, pages = 0, set(), None
-    if data[:16] == HEADER and len(data) >= 100:
-        size = struct.unpack(">H", data[16:18])[0]
-        size = 65536 if size == 1 else size
-        if size in PAGE_SIZES:
-            sizes, reserved = (size,), data[20]
-            free = _free_pages(data, size, struct.unpack(">I", data[32:36])[0])
-            counter, in_header = struct.unpack(">II", data[24:32])
-            if in_header and struct.unpack(">I", data[92:96])[0] == counter:  # the header's count of pages is
-                pages = in_header  # current: no page past it is in use
+    size = page_size(data)
+    if size is not None:
+        sizes, reserved = (size,), data[20]
+        free = _free_pages(data, size, struct.unpack(">I", data[32:36])[0])
+        counter, in_header = struct.unpack(">II", data[24:32])
+        if in_header and struct.unpack(">I", data[92:96])[0] == counter:  # the header's count of pages is
+            pages = in_header  # current: no page past it is in use
     for size in sizes:
         usable = size - reserved
         last = (len(data) + size - 1) // size if pages is None else min(pages, (len(data) + size - 1) // size)
         for number in range(1, last + 1):
             if number not in free:
                 yield from page_rows(data, size, usable, number, columns)
+
+
+def page_size(data: bytes) -> int | None:
+    """The page size the header of the database file ``data`` gives; None where the header is damaged."""
+    if data[:16] != HEADER or len(data) < 100:
+        return None
+    size = struct.unpack(">H", data[16:18])[0]
+    size = 65536 if size == 1 else size
+    return size if size in PAGE_SIZES else None
 
 
 def with_wal(data: bytes, wal: bytes) -> bytes:
