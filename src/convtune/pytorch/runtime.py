@@ -230,7 +230,7 @@ def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
 _host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
 # Kept with the costs in the database: costs measured by another method are measured again.
-HOST_COST_METHOD = 3
+HOST_COST_METHOD = 4
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
@@ -245,7 +245,7 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     algorithm's own host time is in the time ``find`` measures on the CPU, and on a GPU the kernels' time
     is); and on CUDA the Python path on convtune's Triton kernels ('triton', their launcher included: it
     costs more than the kernels take on small problems). Measured once per machine, software and device
-    type, on convolutions so small that the host sets the pace, and kept in ``db`` when one is given: a
+    type, on a layer of ``probe_problem``'s size (the host sets the pace), and kept in ``db`` when one is given: a
     warm start reads it. A path whose measurement fails is left out (``extra_host_us`` then charges the
     Python path's cost).
     """
@@ -296,9 +296,20 @@ def _probe(kind: str, measure: Callable[[], tuple[float, ...] | None]) -> tuple[
         return None
 
 
-def _measured(device: str) -> dict[str, float]:
-    p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1,
-                    dtype="float16" if device == "cuda" else "float32", layout="channels_last", device=device)
+def probe_problem(device: str) -> ConvProblem:
+    """The layer the host costs are measured on. On CUDA its channels are a network's (the libraries' host work
+    depends on them: cuBLAS picks among other kernels for an 8-channel matrix product than for a 256-channel
+    one) and its batch and image are small enough that every path's kernels take less time than the host's
+    calls (the GPU waits on the host, so the time measured is the host's); on the CPU, where the host
+    computes the convolution, it is tiny. The Triton path is measured on its depthwise version (3x3)."""
+    if device == "cuda":
+        return ConvProblem("fwd", n=4, c=256, k=256, input_size=(14, 14), kernel_size=1, dtype="float16",
+                           layout="channels_last", device=device)
+    return ConvProblem("fwd", n=1, c=8, k=8, input_size=(4, 4), kernel_size=1, layout="channels_last", device=device)
+
+
+def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
+    p = p or probe_problem(device)
     overheads: dict[str, float] = {}
     if available():
         kinds: dict[str, dict[str, str]] = {}  # executable kind -> an algorithm of that kind per direction
@@ -324,7 +335,7 @@ def _measured(device: str) -> dict[str, float]:
         for kind, names in kinds.items():
             if len(names) == len(DIRECTION_INDEX):
                 _add_layer_costs(overheads, kind, p, names, "native")
-    for kind, problem in (("python", p), ("triton", p.replace(c=64, k=64, groups=64, kernel_size=3, padding=1))):
+    for kind, problem in (("python", p), ("triton", p.replace(k=p.c, groups=p.c, kernel_size=3, padding=1))):
         if kind == "triton" and device != "cuda":  # on the CPU Triton runs only in its interpreter
             continue  # (the Python path's costs stand in)
         names = {d: next((a.name for a in algorithms(problem.with_direction(d))
