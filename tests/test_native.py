@@ -132,11 +132,14 @@ def test_the_native_op_matches_torch_forward_and_both_gradients(native, poisoned
 
 
 @pytest.mark.filterwarnings("ignore:Input #")
-def test_the_native_op_passes_gradcheck_and_opcheck(native):
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_the_native_op_passes_gradcheck_and_opcheck(native, name):
     # float32 (convtune's problems have no float64): convolution is linear in each operand, so central
     # differences are exact up to rounding, and eps=1e-2 keeps rounding far below the tolerance.
-    conv = torch.nn.Conv2d(2, 3, 3, padding=1, groups=1)
-    x = torch.randn(1, 2, 5, 4, requires_grad=True)
+    cls, kwargs, shape = LAYERS[name]
+    torch.manual_seed(0)
+    conv = cls(**kwargs)
+    x = torch.randn(shape, requires_grad=True)
     handles = _handles(conv, x)
     w, b = conv.weight.detach().clone().requires_grad_(), conv.bias.detach().clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda x, w, b: torch.ops.convtune.tuned_conv(x, w, b, *handles), (x, w, b),
