@@ -441,15 +441,22 @@ def markdown(env: dict, rows: dict) -> str:
             for base in (bm0, bm1):
                 ok = ct_row and base and workload in ct_row and workload in base
                 cells.append(f"{base[workload]['ms'] / ct_row[workload]['ms']:.2f}x" if ok else "-")
-        ratios.append([*g.split(":"), *cells, ct_row.get("source", "not recorded")])
+        cold, warm = group_tuning(rows, g, ct_row.get("source"))
+        first = tuning_cell(bm1) if bm1 else "-"
+        ratios.append([*g.split(":"), *cells, cold, warm, first, ct_row.get("source", "not recorded")])
     sources = sorted({r[-1] for r in ratios})
     out += "\n## convtune's speed-up (torch time / convtune time; above 1: convtune faster)\n\n"
     out += (f"convtune's rows ran the library's src/ tree {sources[0]} (`git rev-parse --short <commit>:src`: every "
             "commit that leaves src/ as it is runs the same library).\n\n" if len(sources) == 1 else
             f"convtune's rows ran {len(sources)} versions of the library's src/ tree (last column: "
             "`git rev-parse --short <commit>:src`); `--missing` measures again those not of the current one.\n\n")
+    out += ("Tuning (s): convtune's `optimize(training=True)` on an empty database (cold: the first process of the "
+            "network, batch and dtype, whichever its style) and, in a fresh process, on the database it filled "
+            "(warm: the median of those processes); bm1 first: benchmark mode's first inference call plus its "
+            "first training step in that style (under compile, compiling included).\n\n")
     out += common.md_table(["model", "batch", "dtype", "style", "inference vs bm0", "inference vs bm1",
-                            "training vs bm0", "training vs bm1", "convtune's src/"], ratios)
+                            "training vs bm0", "training vs bm1", "cold tuning s", "warm tuning s", "bm1 first s",
+                            "convtune's src/"], ratios)
     for g in groups:
         ct_row, bm1 = rows.get(f"{g}:convtune"), rows.get(f"{g}:torch_bm1")
         if not (ct_row and bm1):
@@ -474,6 +481,19 @@ def current(row: dict, mode: str, env: dict) -> bool:
     source = env["source"]
     same = row.get("source") == source and source != "unknown" and not source.endswith("+")
     return row.get("status") == "ok" and (mode != "convtune" or same)
+
+
+def group_tuning(rows: dict, group: str, source: str | None) -> tuple[str, str]:
+    """(cold, warm) tuning seconds of ``group``'s network, batch and dtype: the cold optimize of its first
+    process and the median warm one of the others, among the convtune rows of ``source`` (any source where
+    none is of it)."""
+    network = group.rsplit(":", 1)[0]
+    mine = [r for cid, r in rows.items() if cid.startswith(network + ":") and cid.endswith(":convtune")
+            and r.get("status") == "ok" and "tune_s" in r]
+    same = [r for r in mine if r.get("source") == source] or mine
+    cold = [r["tune_s"] for r in same if r.get("db") == "cold"]
+    warm = [r["tune_s"] for r in same if r.get("db") == "warm"] + [t for r in same for t in r.get("later_tune_s", [])]
+    return (f"{statistics.median(cold):.2f}" if cold else "-", f"{statistics.median(warm):.2f}" if warm else "-")
 
 
 def tuning_cell(row: dict) -> str:
