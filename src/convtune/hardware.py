@@ -96,6 +96,7 @@ def memory_bytes(device: str) -> int | None:
     return None
 
 
+@functools.cache
 def _cpu_peaks() -> tuple[float, float]:
     """Measured once a process: a float32 matrix product and a large copy (about 0.2 s)."""
     size = 1024  # large enough for every thread to reach its steady state
