@@ -1,4 +1,5 @@
 import os
+import sys
 
 import hypothesis
 import pytest
@@ -22,6 +23,16 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVTUNE_CACHE_DIR", str(tmp_path / "cache"))
     with settings.override(cache_dir=str(tmp_path / "cache"), isolate="off"):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles with Dynamo's caches empty: compiled code of one test (other input shapes of the same
+    forward, recompiles counted against Dynamo's limit) never decides how the next one is traced. Dynamo is
+    never imported here for a test that does not import it."""
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+    yield
 
 
 @pytest.fixture

@@ -504,7 +504,7 @@ def test_compiled_code_reads_one_table_entry_per_tuned_layer_not_its_selections(
     assert model[4]._convtune_traced[next(iter(model[4]._convtune_traced))] == ()  # PyTorch's own call
 
     _traced_only(monkeypatch)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     y = compiled(xa)
     y.sum().backward()
@@ -536,7 +536,7 @@ def test_the_traced_table_keys_what_autocast_and_the_gradients_make_of_the_input
     module.weight.requires_grad_(False)  # frozen: only the input's gradient is needed
     twin = copy.deepcopy(module)
     _traced_only(monkeypatch)
-    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=False)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = compiled(xa)  # float32 input, bfloat16 choice: the key names the dtype autocast computes in
@@ -550,6 +550,23 @@ def test_the_traced_table_keys_what_autocast_and_the_gradients_make_of_the_input
     torch.testing.assert_close(y, yb)
     torch.testing.assert_close(xa.grad, xb.grad)
     assert module.weight.grad is None
+
+
+def test_compiled_with_dynamic_shapes_a_tuned_model_trains_right_on_every_shape(native):
+    # Symbolic shapes name no tuned problem: the traced forward takes the full path, which runs at a graph
+    # break (docs/runtime.md, "torch.compile"); the results are right for every shape.
+    x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
+    model = _native_model(x)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    for batch in (2, 3):
+        xa = torch.randn(batch, 6, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+        xb = xa.detach().clone().requires_grad_()
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+        y = compiled(xa)
+        y.sum().backward()
+        _trains_like(model, y, xa, twin, xb, atol=1e-5)
 
 
 def test_a_layer_tuned_for_its_forward_only_tunes_its_gradients_when_compiled_code_needs_them(native):
@@ -575,7 +592,7 @@ def test_a_layer_that_pads_first_keeps_no_traced_entry_and_compiles_right(native
         expected = module(x)
         assert next(iter(module.selections.values())).native is not None
         assert module._convtune_traced == {}  # the op on the padded input: only the full path pads
-        torch.testing.assert_close(torch.compile(module, backend="aot_eager", fullgraph=True)(x), expected)
+        torch.testing.assert_close(torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=False)(x), expected)
 
 
 def test_a_copy_rebuilds_its_traced_table_from_its_selections(native, monkeypatch):
@@ -589,7 +606,7 @@ def test_a_copy_rebuilds_its_traced_table_from_its_selections(native, monkeypatc
         assert [m._convtune_traced for m in (copied[0], copied[2])] == tables
         _traced_only(monkeypatch)
         with torch.no_grad():
-            torch.testing.assert_close(torch.compile(copied, backend="aot_eager", fullgraph=True)(x), expected)
+            torch.testing.assert_close(torch.compile(copied, backend="aot_eager", fullgraph=True, dynamic=False)(x), expected)
         monkeypatch.undo()
 
 
