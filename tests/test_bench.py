@@ -273,3 +273,17 @@ def test_verification_margins_measures_a_networks_layers_in_its_time_and_reports
     with settings.override(element_factor=2 * settings.element_factor):  # the bound's share halves, the figure not
         again = verification_margins.report(payload)
     assert f"{worst:.3f}" in md and f"{worst:.3f}" in again and md != again
+
+
+host_probe = _bench_script("host_probe")
+
+
+def test_host_probe_measures_each_probe_layer_in_its_own_process_on_the_cpu(tmp_path, host_probe):
+    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
+    out = subprocess.run([sys.executable, str(BENCH / "host_probe.py"), "--device", "cpu", "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "host_probe.json").read_text())
+    assert [row["layer"] for row in payload["rows"]] == [host_probe.label(*s) for s in host_probe.PROBES["cpu"]]
+    assert all({"python", "python backward"} <= set(row["overheads"]) for row in payload["rows"])
+    assert (tmp_path / "host_probe.md").read_text() == host_probe.markdown(payload["env"], payload["rows"])
