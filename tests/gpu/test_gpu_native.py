@@ -3,6 +3,8 @@ direction and dtype against float64, bit for bit against its Python algorithm, C
 torch.compile of a tuned model. Skipped without CUDA.
 """
 
+import re
+
 import pytest
 import torch
 from gpu_cases import case_id, cases
@@ -168,6 +170,27 @@ def test_a_cudnn_plan_is_rebuilt_from_its_serialized_form_and_computes_the_same(
     assert kind == "cudnn" and db.executable(p, name) is not None
     runtime._prepared.clear()
     assert runtime.prepare(p, name, db) == (handle, kind)
+
+
+def test_operands_on_another_device_raise_a_value_error_that_names_the_layer():
+    p = ct.ConvProblem("fwd", n=2, c=64, k=64, input_size=(8, 8), kernel_size=3, padding=1, dtype="float16",
+                       layout="channels_last", device="cuda")
+    x, w = p.random_inputs(seed=4)
+    handles = {}
+    for algo in ct.algorithms(p):
+        recipe = algo.native_recipe(p)
+        if recipe is not None and recipe.kind not in handles:
+            try:
+                handles[recipe.kind] = runtime.executable(p, algo)
+            except RuntimeError:  # an execution plan cuDNN does not build here
+                continue
+    assert {"cudnn", "native"} <= set(handles), handles
+    layer = re.escape(f"convtune:{p.key}")
+    for kind, handle in handles.items():
+        with pytest.raises(ValueError, match=layer + ".*: operand x is on cpu, the tuned problem is on cuda"):
+            torch.ops.convtune.tuned_run(x.cpu(), w.cpu(), handle)
+        with pytest.raises(ValueError, match="operand w is on cpu.*the same device as the first operand"):
+            torch.ops.convtune.tuned_run(x, w.cpu(), handle)
 
 
 def test_a_layer_on_the_python_path_runs_its_cudnn_direction_by_its_executable():
