@@ -148,8 +148,9 @@ class ProblemGraph:
         """``launch(handle, a_ptr, b_ptr, out_ptr, workspace_ptr)`` of built plan ``index``.
 
         The frontend's public execute re-describes and re-checks every operand in Python on each
-        call (about 35 us of host time a call on the H200's host, bench/results/tuning_cost.md);
-        the operands here were checked once by whoever calls (ops.Runner, Algorithm.run). So a plan
+        call (about 35 us of host time a call on the H200's host: bench/results/tuning_cost.md at
+        revision bcebd49, in git history); the operands here were checked once by whoever calls
+        (ops.Runner, Algorithm.run). So a plan
         that the frontend runs through its C++ graph is launched there directly, by operand uid, as
         the public call ends up doing; anything else (a frontend without that layout, a plan of
         the frontend's own Python engines) takes the public call.

@@ -314,9 +314,9 @@ class _EagerConv(torch.autograd.Function):
     """``convtune::conv`` for eager calls: the same computation and gradients without the dispatcher.
 
     An op call passes the dispatcher twice (autograd, then the kernel), which costs more host time
-    than a small layer's kernel takes on a data-centre GPU (bench/results/tuning_cost.md); eager
-    code runs the layer's ``Call`` directly through this Function. Compiled code keeps the op,
-    which torch.compile can trace.
+    than a small layer's kernel takes on a data-centre GPU (bench/results/tuning_cost.md at revision
+    bcebd49, in git history); eager code runs the layer's ``Call`` directly through this Function.
+    Compiled code keeps the op, which torch.compile can trace.
     """
 
     @staticmethod
