@@ -38,9 +38,12 @@ import convtune as ct  # noqa: E402
 from convtune import learned, zoo  # noqa: E402
 from convtune import hardware  # noqa: E402
 from convtune.hardware import fingerprint  # noqa: E402
+from convtune.policy import Policy  # noqa: E402
+from convtune.settings import settings  # noqa: E402
 from sweep import network_problems  # noqa: E402
 
 RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
+PATIENCE = (0, 2, 4, 8)  # find's settings.find_patience, simulated (0: every candidate not pruned)
 
 
 def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: dict[str, str | None]) -> dict:
@@ -88,8 +91,38 @@ def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
     for problem, rows in by_problem.items():
         if len(rows) >= 2:
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
-                            **picks(model, rows, heuristic_names(problem, recorded))))
+                            **picks(model, rows, heuristic_names(problem, recorded)), find=searches(model, rows)))
     return out
+
+
+def searches(model: learned.LearnedModel, rows: list[learned.Sample]) -> dict[str, list[float]]:
+    """find's search over one problem's measured candidates in the learned order, per patience simulated
+    (``learned.simulated_find``, at the default policy's tolerance and prune factor): [best found / best
+    measured, share of the candidates run]."""
+    order, best = learned.ranked(model, rows), min(s.measured_ms for s in rows)
+    out = {}
+    for patience in PATIENCE:
+        found, run = learned.simulated_find(order, patience, Policy().tolerance, settings.find_prune_factor)
+        out[str(patience)] = [found / best, run / len(rows)]
+    return out
+
+
+def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
+    """Per direction and dtype, over the held-out problems: each patience's found / best (geometric mean, worst)
+    and the share of candidates run."""
+    summary, lines = {}, []
+    for key, rows in sorted(groups.items()):
+        cells, summary["/".join(key)] = [], {}
+        for patience in map(str, PATIENCE):
+            ratios = [row["find"][patience][0] for row in rows if "find" in row]
+            share = sum(row["find"][patience][1] for row in rows if "find" in row) / max(len(ratios), 1)
+            s = dict(learned.summarize(ratios), share_run=share)
+            summary["/".join(key)][patience] = s
+            cells.append(f"{s['geomean']:.3f} / {s['worst']:.2f} / {100 * share:.0f}%" if ratios else "-")
+        lines.append([*key, len(rows), *cells])
+    header = ["held out", "direction", "dtype", "problems",
+              *(f"patience {p or 'none'}: found / best, worst, run" for p in PATIENCE)]
+    return summary, common.md_table(header, lines)
 
 
 def table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
@@ -165,12 +198,14 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
             groups[(network, row["direction"], row["dtype"])].append(row)
     report = learned.holdout_report(samples, here, epochs=args.epochs)
     summary, text = table(groups)
-    overall_summary, overall = table({("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
-                                      for d, t in sorted({k[1:] for k in groups})})
+    all_groups = {("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
+                  for d, t in sorted({k[1:] for k in groups})}
+    overall_summary, overall = table(all_groups)
+    find_summary, find_text = find_table(all_groups)
     env = common.environment()
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
                "orders": args.orders if recorded is None else str(Path(args.orders).name),
-               "random_split": report, "overall": overall_summary,
+               "random_split": report, "overall": overall_summary, "find": find_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
     where = f"measured on {measured_on}, judged on " if measured_on else ""
@@ -181,7 +216,14 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"measured time of its first pick over the best measured: geometric mean / worst / how often "
                 f"it is the best. torch_bm0: PyTorch's own call (cudnn.benchmark=False); cudnn_A/B: cuDNN's "
                 f"heuristics' first plan (cuDNN's order: {payload['orders']}).\n\n{text}\nAll held-out networks "
-                f"together:\n\n{overall}\nA random split (whole problems held out): {split}.\n")
+                f"together:\n\n{overall}\nA random split (whole problems held out): {split}.\n\n"
+                f"## find in the learned order, on the held-out networks\n\nfind's search simulated on each held-out "
+                f"problem's measurements (`learned.simulated_find`: each backend's first-ranked candidate, then the "
+                f"learned order; a candidate predicted over {settings.find_prune_factor:g}x the best measured is "
+                f"skipped; after `patience` candidates in a row without a gain beyond the default tolerance "
+                f"({Policy().tolerance:g}) the rest are): the best found over the best measured (geometric mean, "
+                f"worst) and the share of candidates run. find's default patience: {settings.find_patience}.\n\n"
+                f"{find_text}")
     common.write(args.name, payload, markdown, args.out)
     print(markdown)
     return 0

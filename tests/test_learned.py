@@ -237,3 +237,18 @@ def test_the_listwise_term_sees_each_problems_order_not_its_offset():
     best = _listwise(measured, measured, group)
     assert torch.isclose(_listwise(shifted, measured, group), best)
     assert _listwise(swapped, measured, group) > best + 0.1
+
+
+def test_a_simulated_find_tries_each_backend_first_then_stops_as_find_does():
+    p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
+    measured = {"cudnn:a": 1.0, "gemm:x": 3.0, "cudnn:b": 1.2, "cudnn:c": 1.1, "cudnn:d": 1.3, "cudnn:e": 0.5,
+                "fft:y": 40.0}
+    predicted = {"cudnn:a": 1.0, "gemm:x": 2.0, "cudnn:b": 1.1, "cudnn:c": 1.2, "cudnn:d": 1.3, "cudnn:e": 1.4,
+                 "fft:y": 50.0}
+    order = [(learned.Sample(p, name, 1.0, measured[name]), predicted[name])
+             for name in sorted(predicted, key=predicted.get)]
+    # every backend's first: cudnn:a, gemm:x (fft:y predicted 50x the best so far: pruned), then cudnn:b, c, d
+    # gain nothing beyond 2 %, and with a patience of 3 the search stops before cudnn:e, the fastest
+    assert learned.simulated_find(order, patience=3, tolerance=0.02, prune_factor=10.0) == (1.0, 5)
+    assert learned.simulated_find(order, patience=0, tolerance=0.02, prune_factor=10.0) == (0.5, 6)
+    assert learned.simulated_find(order, patience=0, tolerance=0.02, prune_factor=0) == (0.5, 7)

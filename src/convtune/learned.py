@@ -448,11 +448,45 @@ def first_picks(model: LearnedModel, rows: Sequence[Sample]) -> dict[str, Sample
     problem's results fastest first, which would hand a tied ranking the measured best."""
     from .costmodel import order_factor
 
+    analytic_pick = min(rows, key=lambda s: (math.log2(s.analytic_ms * order_factor(s.order)), s.name))
+    return {"learned": ranked(model, rows)[0][0], "analytic": analytic_pick}
+
+
+def ranked(model: LearnedModel, rows: Sequence[Sample]) -> list[tuple[Sample, float]]:
+    """One problem's measured candidates in the order ``get`` with ``model`` ranks them (``first_picks``'
+    'learned' price; ties by name), each with that price in ms (what ``get`` predicts, and ``find`` compares
+    against the best measured to prune)."""
+    from .costmodel import order_factor
+
     corrections = model.log2_factor([features(s.problem, s.name, s.analytic_ms, s.order) for s in rows])
-    priced = [math.log2(s.analytic_ms * order_factor(s.order)) for s in rows]
-    learned_pick = min(zip(rows, priced, corrections), key=lambda r: (r[1] + r[2], r[0].name))[0]
-    analytic_pick = min(zip(rows, priced), key=lambda r: (r[1], r[0].name))[0]
-    return {"learned": learned_pick, "analytic": analytic_pick}
+    prices = [math.log2(s.analytic_ms * order_factor(s.order)) + c for s, c in zip(rows, corrections)]
+    keyed = sorted(zip(prices, (s.name for s in rows), rows), key=lambda k: (k[0], k[1]))
+    return [(s, 2.0 ** price) for price, _, s in keyed]
+
+
+def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, tolerance: float,
+                   prune_factor: float) -> tuple[float, int]:
+    """(best time found, candidates run) of ``find``'s search over ``order`` (``ranked``'s answer), from the
+    candidates' measured times: each backend's best-ranked candidate first, then the rest in order; a candidate
+    predicted over ``prune_factor`` times the best measured is skipped, and once ``patience`` candidates in a
+    row after the first tries gained nothing beyond ``tolerance``, the rest are (0: never)."""
+    firsts: dict[str, tuple[Sample, float]] = {}
+    for entry in order:
+        firsts.setdefault(entry[0].name.split(":")[0], entry)
+    head = list(firsts.values())
+    best, run, without_gain = math.inf, 0, 0
+    for index, (sample, predicted) in enumerate(head + [e for e in order if e not in head], 1):
+        if patience and without_gain >= patience:
+            break
+        if prune_factor and math.isfinite(best) and predicted > prune_factor * best:
+            continue
+        run += 1
+        before = best
+        best = min(best, sample.measured_ms)
+        if index > len(head):
+            gained = sample.measured_ms < before * (1 - tolerance)
+            without_gain = 0 if gained or not math.isfinite(before) else without_gain + 1
+    return best, run
 
 
 def summarize(ratios: Sequence[float]) -> dict[str, float]:
