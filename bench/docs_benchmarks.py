@@ -118,7 +118,8 @@ def layers() -> str:
     rows = []
     for config, (name, env, s) in latest.items():
         g, t = s["geomean_vs_exhaustive"], s["summed_ms"]
-        rows.append([config, f"[{name}]({LINK}{name.replace('.json', '.md')}) {env.get('date')}",
+        md = name.replace(".json", ".md")
+        rows.append([config, f"[{md}]({LINK}{md}) {env.get('date')}",
                      *(f"{g[k]:.3f}" for k in ("get_pick_ms", "find_pick_ms", "heurA_ms", "torch_bench1_ms")),
                      f"{t['find_pick_ms']:.3f} / {t['exhaustive_best_ms']:.3f}"])
     return ("## Layers (`bench/layers.py`)\n\nGeometric mean over a network's layers of time / the exhaustive "
