@@ -40,28 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
-from convtune.pytorch.modules import TunedConv  # noqa: E402
-
-
-class FullPathCalls:
-    """Counts the calls that take a tuned layer's full path (selection, checks) instead of its hot path."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self._original = TunedConv._convtune_forward
-
-    def __enter__(self) -> FullPathCalls:
-        original = self._original
-
-        def counted(module, input):
-            self.calls += 1
-            return original(module, input)
-
-        TunedConv._convtune_forward = counted
-        return self
-
-    def __exit__(self, *exc) -> None:
-        TunedConv._convtune_forward = self._original
 
 
 def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
@@ -131,7 +109,7 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
             a, b = steps_of["torch"][workload], steps_of["convtune"][workload]
             first = {who: e2e._first_call_s(steps_of[who][workload], timer) for who in steps_of}
             pairs = []
-            with FullPathCalls() as full:
+            with e2e.FullPathCalls() as full:
                 for r in range(rounds):
                     order = ((a, b) if r % 2 == 0 else (b, a))
                     times = [timer(step)["ms"] for step in order]

@@ -58,6 +58,7 @@ import common  # noqa: E402
 import convtune  # noqa: E402
 from convtune.problem import ConvProblem  # noqa: E402
 from convtune.pytorch import ops  # noqa: E402
+from convtune.pytorch.modules import TunedConv  # noqa: E402
 
 # ConvNeXt-T: a 7x7 depthwise convolution in every block, the layers where cuDNN's execution plans are farthest from the
 # floor and convtune's own depthwise kernels are meant to pay (MobileNetV2's are 3x3).
@@ -207,9 +208,12 @@ def run_config(cfg: dict) -> dict:
         out[f"{workload}_first_s"] = _first_call_s(step, timer)  # benchmark mode's tuning, or the compile time
         if cfg["style"] == "graph":
             step, out[f"{workload}_capture_s"] = _graphed(step, device)
-        out[workload] = timer(step)
-        print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)",
-              file=sys.stderr, flush=True)
+        with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady state: none)
+            out[workload] = timer(step)
+        if cfg["mode"] == "convtune" and cfg["style"] == "eager":  # (compiled code and graphs call no forward)
+            out[workload]["full_path_calls"] = full.calls
+        print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)"
+              + (f", {full.calls} full-path calls" if full.calls else ""), file=sys.stderr, flush=True)
     if cfg["style"] != "graph" and cfg.get("profile", True):
         steps = cfg.get("profile_steps", 3)
         model.train()
@@ -223,6 +227,27 @@ def run_config(cfg: dict) -> dict:
         if device == "cuda":
             out["inference_profile"] = profile_step(infer, steps)
     return out
+
+
+class FullPathCalls:
+    """Counts the calls that take a tuned layer's full path (selection, checks) instead of its hot path."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._original = TunedConv._convtune_forward
+
+    def __enter__(self) -> FullPathCalls:
+        original = self._original
+
+        def counted(module, input):
+            self.calls += 1
+            return original(module, input)
+
+        TunedConv._convtune_forward = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        TunedConv._convtune_forward = self._original
 
 
 def workloads(runner, optimizer, x: torch.Tensor, labels: torch.Tensor, autocast) -> tuple:
