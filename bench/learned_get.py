@@ -43,7 +43,8 @@ from convtune.settings import settings  # noqa: E402
 from sweep import network_problems  # noqa: E402
 
 RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
-PATIENCE = (0, 2, 4, 8)  # find's settings.find_patience, simulated (0: every candidate not pruned)
+# find's settings simulated: (find_patience, find_prune_factor); 0: that rule off
+FIND_SETTINGS = tuple((patience, prune) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8))
 
 
 def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: dict[str, str | None]) -> dict:
@@ -96,32 +97,34 @@ def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
 
 
 def searches(model: learned.LearnedModel, rows: list[learned.Sample]) -> dict[str, list[float]]:
-    """find's search over one problem's measured candidates in the learned order, per patience simulated
-    (``learned.simulated_find``, at the default policy's tolerance and prune factor): [best found / best
-    measured, share of the candidates run]."""
+    """find's search over one problem's measured candidates in the learned order, per setting simulated
+    (``learned.simulated_find`` at the default policy's tolerance; key 'patience/prune factor'): [best found /
+    best measured, share of the candidates run]."""
     order, best = learned.ranked(model, rows), min(s.measured_ms for s in rows)
     out = {}
-    for patience in PATIENCE:
-        found, run = learned.simulated_find(order, patience, Policy().tolerance, settings.find_prune_factor)
-        out[str(patience)] = [found / best, run / len(rows)]
+    for patience, prune in FIND_SETTINGS:
+        found, run = learned.simulated_find(order, patience, Policy().tolerance, prune)
+        out[f"{patience}/{prune:g}"] = [found / best, run / len(rows)]
     return out
 
 
 def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
-    """Per direction and dtype, over the held-out problems: each patience's found / best (geometric mean, worst)
-    and the share of candidates run."""
+    """Per direction and dtype, over the held-out problems, each setting's found / best (geometric mean, worst,
+    how often above 1.05) and the share of candidates run."""
     summary, lines = {}, []
     for key, rows in sorted(groups.items()):
-        cells, summary["/".join(key)] = [], {}
-        for patience in map(str, PATIENCE):
-            ratios = [row["find"][patience][0] for row in rows if "find" in row]
-            share = sum(row["find"][patience][1] for row in rows if "find" in row) / max(len(ratios), 1)
-            s = dict(learned.summarize(ratios), share_run=share)
-            summary["/".join(key)][patience] = s
-            cells.append(f"{s['geomean']:.3f} / {s['worst']:.2f} / {100 * share:.0f}%" if ratios else "-")
-        lines.append([*key, len(rows), *cells])
-    header = ["held out", "direction", "dtype", "problems",
-              *(f"patience {p or 'none'}: found / best, worst, run" for p in PATIENCE)]
+        for patience, prune in FIND_SETTINGS:
+            setting = f"{patience}/{prune:g}"
+            ratios = [row["find"][setting][0] for row in rows if setting in row.get("find", {})]
+            if not ratios:
+                continue
+            share = sum(row["find"][setting][1] for row in rows if setting in row.get("find", {})) / len(ratios)
+            s = dict(learned.summarize(ratios), share_run=share, over_5pct=sum(r > 1.05 for r in ratios))
+            summary[f"{'/'.join(key)}/{setting}"] = s
+            lines.append([*key, patience or "off", f"{prune:g}" if prune else "off", len(ratios),
+                          f"{s['geomean']:.3f}", f"{s['worst']:.2f}", s["over_5pct"], f"{100 * share:.0f}%"])
+    header = ["held out", "direction", "dtype", "patience", "prune factor", "problems", "found / best: geomean",
+              "worst", "problems over 1.05", "candidates run"]
     return summary, common.md_table(header, lines)
 
 
@@ -219,10 +222,11 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"together:\n\n{overall}\nA random split (whole problems held out): {split}.\n\n"
                 f"## find in the learned order, on the held-out networks\n\nfind's search simulated on each held-out "
                 f"problem's measurements (`learned.simulated_find`: each backend's first-ranked candidate, then the "
-                f"learned order; a candidate predicted over {settings.find_prune_factor:g}x the best measured is "
-                f"skipped; after `patience` candidates in a row without a gain beyond the default tolerance "
+                f"learned order; a candidate predicted over `prune factor` times the best measured is skipped; after "
+                f"`patience` candidates in a row without a gain beyond the default tolerance "
                 f"({Policy().tolerance:g}) the rest are): the best found over the best measured (geometric mean, "
-                f"worst) and the share of candidates run. find's default patience: {settings.find_patience}.\n\n"
+                f"worst, how many problems above 1.05) and the share of candidates run. find's defaults: patience "
+                f"{settings.find_patience}, prune factor {settings.find_prune_factor:g}.\n\n"
                 f"{find_text}")
     common.write(args.name, payload, markdown, args.out)
     print(markdown)
