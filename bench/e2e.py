@@ -208,12 +208,15 @@ def run_config(cfg: dict) -> dict:
         out[f"{workload}_first_s"] = _first_call_s(step, timer)  # benchmark mode's tuning, or the compile time
         if cfg["style"] == "graph":
             step, out[f"{workload}_capture_s"] = _graphed(step, device)
-        with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady state: none)
-            out[workload] = timer(step)
         if cfg["mode"] == "convtune" and cfg["style"] == "eager":  # (compiled code and graphs call no forward)
+            with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady: none)
+                out[workload] = timer(step)
             out[workload]["full_path_calls"] = full.calls
+        else:
+            out[workload] = timer(step)
+        calls = out[workload].get("full_path_calls")
         print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)"
-              + (f", {full.calls} full-path calls" if full.calls else ""), file=sys.stderr, flush=True)
+              + (f", {calls} full-path calls" if calls else ""), file=sys.stderr, flush=True)
     if cfg["style"] != "graph" and cfg.get("profile", True):
         steps = cfg.get("profile_steps", 3)
         model.train()
@@ -396,6 +399,8 @@ def combine(runs: list[dict]) -> dict:
             row[workload] = dict(ms=statistics.median(m["ms"] for m in measured),
                                  min_ms=min(m["min_ms"] for m in measured), max_ms=max(m["max_ms"] for m in measured),
                                  process_ms=[m["ms"] for m in measured])
+            if any("full_path_calls" in m for m in measured):  # each process's count
+                row[workload]["full_path_calls"] = [m.get("full_path_calls") for m in measured]
     later = [r["tune_s"] for r in ok[1:] if "tune_s" in r]
     if later:
         row["later_tune_s"] = later

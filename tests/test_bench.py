@@ -97,6 +97,9 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     assert ours["processes"] == 2 and len(ours["later_tune_s"]) == 1  # the second process found the database warm
     spread = ours["training"]["process_ms"]
     assert len(spread) == 2 and min(spread) <= ours["training"]["ms"] <= max(spread)
+    # each process counted the calls that left the layers' hot path while timed: none in a steady state
+    assert ours["training"]["full_path_calls"] == ours["inference"]["full_path_calls"] == [0, 0]
+    assert "full_path_calls" not in rows["tiny:b4:bfloat16:eager:torch_bm1"]["training"]
     report = (tmp_path / "e2e.md").read_text()
     (tmp_path / "e2e.md").unlink()
     subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,

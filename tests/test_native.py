@@ -553,8 +553,8 @@ def test_the_traced_table_keys_what_autocast_and_the_gradients_make_of_the_input
 
 
 def test_compiled_with_dynamic_shapes_a_tuned_model_trains_right_on_every_shape(native):
-    # Symbolic shapes name no tuned problem: the traced forward takes the full path, which runs at a graph
-    # break (docs/runtime.md, "torch.compile"); the results are right for every shape.
+    # Under symbolic shapes a layer may miss its tuned entry and takes the full path at a graph break
+    # (docs/runtime.md, "torch.compile"); the results are right for every shape.
     x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
     model = _native_model(x)
     twin = copy.deepcopy(model)
@@ -592,7 +592,8 @@ def test_a_layer_that_pads_first_keeps_no_traced_entry_and_compiles_right(native
         expected = module(x)
         assert next(iter(module.selections.values())).native is not None
         assert module._convtune_traced == {}  # the op on the padded input: only the full path pads
-        torch.testing.assert_close(torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=False)(x), expected)
+        compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=False)
+        torch.testing.assert_close(compiled(x), expected)
 
 
 def test_a_copy_rebuilds_its_traced_table_from_its_selections(native, monkeypatch):
@@ -606,7 +607,8 @@ def test_a_copy_rebuilds_its_traced_table_from_its_selections(native, monkeypatc
         assert [m._convtune_traced for m in (copied[0], copied[2])] == tables
         _traced_only(monkeypatch)
         with torch.no_grad():
-            torch.testing.assert_close(torch.compile(copied, backend="aot_eager", fullgraph=True, dynamic=False)(x), expected)
+            compiled = torch.compile(copied, backend="aot_eager", fullgraph=True, dynamic=False)
+            torch.testing.assert_close(compiled(x), expected)
         monkeypatch.undo()
 
 

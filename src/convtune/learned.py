@@ -469,7 +469,10 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     """(best time found, candidates run) of ``find``'s search over ``order`` (``ranked``'s answer), from the
     candidates' measured times: each backend's best-ranked candidate first, then the rest in order; a candidate
     predicted over ``prune_factor`` times the best measured is skipped, and once ``patience`` candidates in a
-    row after the first tries gained nothing beyond ``tolerance``, the rest are (0: never)."""
+    row after the first tries gained nothing beyond ``tolerance``, the rest are (0: never). Two of find's rules
+    are left out: a skipped candidate still runs where it may need less workspace than every one measured
+    (samples carry no workspace), and ``get``'s tie rule (times within the policy's tolerance go to the
+    smaller workspace, then to torch:native) does not reorder ``order``."""
     firsts: dict[str, tuple[Sample, float]] = {}
     for entry in order:
         firsts.setdefault(entry[0].name.split(":")[0], entry)

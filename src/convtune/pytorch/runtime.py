@@ -298,11 +298,11 @@ def _probe(kind: str, measure: Callable[[], tuple[float, ...] | None]) -> tuple[
 
 def probe_problem(device: str) -> ConvProblem:
     """The layer the host costs are measured on. On CUDA its channels are a network's (cuBLAS and cuDNN choose
-    their kernels by size; on the H200 the paths' costs measured alike on 8 and on 256 channels,
-    bench/results/host_probe.md) and its batch and image are small enough that every path's kernels take
-    less time than the host's calls (the GPU waits on the host, so the time measured is the host's); on the
-    CPU, where the host computes the convolution, it is tiny. The Triton path is measured on its depthwise
-    version (3x3)."""
+    their kernels by size; on the H200 the executables' paths cost about the same on 8 and on 256 channels,
+    within the measure's noise: bench/results/host_probe.md) and its batch and image are small enough that
+    every path's kernels take less time than the host's calls (the GPU waits on the host, so the time
+    measured is the host's); on the CPU, where the host computes the convolution, it is tiny. The Triton
+    path is measured on its depthwise version (3x3)."""
     if device == "cuda":
         return ConvProblem("fwd", n=4, c=256, k=256, input_size=(14, 14), kernel_size=1, dtype="float16",
                            layout="channels_last", device=device)
