@@ -99,12 +99,14 @@ def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
 def searches(model: learned.LearnedModel, rows: list[learned.Sample]) -> dict[str, list[float]]:
     """find's search over one problem's measured candidates in the learned order, per setting simulated
     (``learned.simulated_find`` at the default policy's tolerance; key 'patience/prune factor'): [best found /
-    best measured, share of the candidates run]."""
+    best measured, share of the candidates run, share of their summed measured times (a proxy of find's time:
+    a candidate's checks and timings take a multiple of its time)]."""
     order, best = learned.ranked(model, rows), min(s.measured_ms for s in rows)
+    total_ms = sum(s.measured_ms for s in rows)
     out = {}
     for patience, prune in FIND_SETTINGS:
-        found, run = learned.simulated_find(order, patience, Policy().tolerance, prune)
-        out[f"{patience}/{prune:g}"] = [found / best, run / len(rows)]
+        found, run, spent = learned.simulated_find(order, patience, Policy().tolerance, prune)
+        out[f"{patience}/{prune:g}"] = [found / best, run / len(rows), spent / total_ms]
     return out
 
 
@@ -118,13 +120,16 @@ def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
             ratios = [row["find"][setting][0] for row in rows if setting in row.get("find", {})]
             if not ratios:
                 continue
-            share = sum(row["find"][setting][1] for row in rows if setting in row.get("find", {})) / len(ratios)
-            s = dict(learned.summarize(ratios), share_run=share, over_5pct=sum(r > 1.05 for r in ratios))
+            found = [row["find"][setting] for row in rows if setting in row.get("find", {})]
+            share, time_share = (sum(f[i] for f in found) / len(found) for i in (1, 2))
+            s = dict(learned.summarize(ratios), share_run=share, time_share=time_share,
+                     over_5pct=sum(r > 1.05 for r in ratios))
             summary[f"{'/'.join(key)}/{setting}"] = s
             lines.append([*key, patience or "off", f"{prune:g}" if prune else "off", len(ratios),
-                          f"{s['geomean']:.3f}", f"{s['worst']:.2f}", s["over_5pct"], f"{100 * share:.0f}%"])
+                          f"{s['geomean']:.3f}", f"{s['worst']:.2f}", s["over_5pct"], f"{100 * share:.0f}%",
+                          f"{100 * time_share:.0f}%"])
     header = ["held out", "direction", "dtype", "patience", "prune factor", "problems", "found / best: geomean",
-              "worst", "problems over 1.05", "candidates run"]
+              "worst", "problems over 1.05", "candidates run", "their time"]
     return summary, common.md_table(header, lines)
 
 
@@ -225,7 +230,9 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"learned order; a candidate predicted over `prune factor` times the best measured is skipped; after "
                 f"`patience` candidates in a row without a gain beyond the default tolerance "
                 f"({Policy().tolerance:g}) the rest are): the best found over the best measured (geometric mean, "
-                f"worst, how many problems above 1.05) and the share of candidates run. find's defaults: patience "
+                f"worst, how many problems above 1.05), the share of candidates run and the share of the candidates' "
+                f"summed measured times they take (find spends a multiple of a candidate's time on it). find's "
+                f"defaults: patience "
                 f"{settings.find_patience}, prune factor {settings.find_prune_factor:g}.\n\n"
                 f"{find_text}")
     common.write(args.name, payload, markdown, args.out)

@@ -465,31 +465,32 @@ def ranked(model: LearnedModel, rows: Sequence[Sample]) -> list[tuple[Sample, fl
 
 
 def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, tolerance: float,
-                   prune_factor: float) -> tuple[float, int]:
-    """(best time found, candidates run) of ``find``'s search over ``order`` (``ranked``'s answer), from the
-    candidates' measured times: each backend's best-ranked candidate first, then the rest in order; a candidate
-    predicted over ``prune_factor`` times the best measured is skipped, and once ``patience`` candidates in a
-    row after the first tries gained nothing beyond ``tolerance``, the rest are (0: never). Two of find's rules
-    are left out: a skipped candidate still runs where it may need less workspace than every one measured
-    (samples carry no workspace), and ``get``'s tie rule (times within the policy's tolerance go to the
-    smaller workspace, then to torch:native) does not reorder ``order``."""
+                   prune_factor: float) -> tuple[float, int, float]:
+    """(best time found, candidates run, their summed times) of ``find``'s search over ``order`` (``ranked``'s
+    answer), from the candidates' measured times: each backend's best-ranked candidate first, then the rest in
+    order; a candidate predicted over ``prune_factor`` times the best measured is skipped, and once ``patience``
+    candidates in a row after the first tries gained nothing beyond ``tolerance``, the rest are (0: never). Two
+    of find's rules are left out: a skipped candidate still runs where it may need less workspace than every
+    one measured (samples carry no workspace), and ``get``'s tie rule (times within the policy's tolerance go
+    to the smaller workspace, then to torch:native) does not reorder ``order``."""
     firsts: dict[str, tuple[Sample, float]] = {}
     for entry in order:
         firsts.setdefault(entry[0].name.split(":")[0], entry)
     head = list(firsts.values())
-    best, run, without_gain = math.inf, 0, 0
+    best, run, spent, without_gain = math.inf, 0, 0.0, 0
     for index, (sample, predicted) in enumerate(head + [e for e in order if e not in head], 1):
         if patience and without_gain >= patience:
             break
         if prune_factor and math.isfinite(best) and predicted > prune_factor * best:
             continue
         run += 1
+        spent += sample.measured_ms
         before = best
         best = min(best, sample.measured_ms)
         if index > len(head):
             gained = sample.measured_ms < before * (1 - tolerance)
             without_gain = 0 if gained or not math.isfinite(before) else without_gain + 1
-    return best, run
+    return best, run, spent
 
 
 def summarize(ratios: Sequence[float]) -> dict[str, float]:
