@@ -252,3 +252,29 @@ def test_a_simulated_find_tries_each_backend_first_then_stops_as_find_does():
     assert learned.simulated_find(order, patience=3, tolerance=0.02, prune_factor=10.0) == (1.0, 5, pytest.approx(7.6))
     assert learned.simulated_find(order, patience=0, tolerance=0.02, prune_factor=10.0) == (0.5, 6, pytest.approx(8.1))
     assert learned.simulated_find(order, patience=0, tolerance=0.02, prune_factor=0) == (0.5, 7, pytest.approx(48.1))
+
+
+def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeypatch):
+    # find itself, on fake candidates of three backends in a given order, against the simulation of it
+    import importlib
+
+    from convtune.results import PerfResult, Status
+    from fakes import FakeTimer
+
+    find_module = importlib.import_module("convtune.find")  # the module (the package's name is the function)
+    p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3, padding=1)
+    draw = random.Random(1)
+    for _ in range(40):
+        names = [f"{draw.choice(['aa', 'bb', 'cc'])}:v{i}" for i in range(draw.randint(3, 12))]
+        measured = {name: round(draw.uniform(0.5, 3), 2) for name in names}
+        predicted = {name: measured[name] * draw.choice([0.3, 0.8, 1, 1.2, 5, 30]) for name in names}
+        patience, prune = draw.choice([0, 1, 2, 3]), draw.choice([0.0, 2.0, 10.0])
+        fakes = {name: Fake(name, time_ms=measured[name]) for name in names}
+        order = sorted(names, key=lambda name: (predicted[name], name))
+        monkeypatch.setattr(find_module, "ranked_predictions", lambda *args, **kwargs: [
+            (fakes[name], PerfResult(name, Status.OK, time_ms=predicted[name])) for name in order])
+        with settings.override(find_patience=patience, find_prune_factor=prune, isolate="off"):
+            ran = [r for r in ct.find(p, timer=FakeTimer(), candidates=list(fakes.values())) if r.ok]
+        simulated = learned.simulated_find([(learned.Sample(p, name, 1.0, measured[name]), predicted[name])
+                                            for name in order], patience, ct.Policy().tolerance, prune)
+        assert simulated[:2] == (pytest.approx(min(r.time_ms for r in ran)), len(ran)), (order, patience, prune)
