@@ -117,10 +117,10 @@ def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
     for key, rows in sorted(groups.items()):
         for patience, prune in FIND_SETTINGS:
             setting = f"{patience}/{prune:g}"
-            ratios = [row["find"][setting][0] for row in rows if setting in row.get("find", {})]
-            if not ratios:
-                continue
             found = [row["find"][setting] for row in rows if setting in row.get("find", {})]
+            if not found:
+                continue
+            ratios = [f[0] for f in found]
             share, time_share = (sum(f[i] for f in found) / len(found) for i in (1, 2))
             s = dict(learned.summarize(ratios), share_run=share, time_share=time_share,
                      over_5pct=sum(r > 1.05 for r in ratios))
@@ -232,8 +232,7 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"({Policy().tolerance:g}) the rest are): the best found over the best measured (geometric mean, "
                 f"worst, how many problems above 1.05), the share of candidates run and the share of the candidates' "
                 f"summed measured times they take (find spends a multiple of a candidate's time on it). find's "
-                f"defaults: patience "
-                f"{settings.find_patience}, prune factor {settings.find_prune_factor:g}.\n\n"
+                f"defaults: patience {settings.find_patience}, prune factor {settings.find_prune_factor:g}.\n\n"
                 f"{find_text}")
     common.write(args.name, payload, markdown, args.out)
     print(markdown)

@@ -38,6 +38,7 @@ import torch
 
 from .files import write_whole
 from .problem import DIRECTIONS, ConvProblem
+from .results import backend_of
 from .settings import settings
 
 log = logging.getLogger(__name__)
@@ -475,7 +476,7 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     to the smaller workspace, then to torch:native) does not reorder ``order``."""
     firsts: dict[str, tuple[Sample, float]] = {}
     for entry in order:
-        firsts.setdefault(entry[0].name.split(":")[0], entry)
+        firsts.setdefault(backend_of(entry[0].name), entry)
     head = list(firsts.values())
     best, run, spent, without_gain = math.inf, 0, 0.0, 0
     for index, (sample, predicted) in enumerate(head + [e for e in order if e not in head], 1):
