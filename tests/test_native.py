@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import convtune as ct
 from convtune import extension
-from convtune.problem import ConvProblem, is_in_layout
+from convtune.problem import ConvProblem, explicit_padding, is_in_layout
 from convtune.settings import settings
 from convtune.pytorch import runtime
 from convtune.pytorch.modules import TunedConv
@@ -481,8 +481,9 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
     if backend == "inductor":
         y, code = run_and_get_code(step)
         text = "\n".join(code)
-        assert "convtune.tuned_run" in text and "convtune.pytorch" not in text  # the op, no Python of ours
-        assert text.count("convtune.tuned_run") >= 4  # forward of both layers, their backward
+        assert "convtune.pytorch" not in text  # the ops, no Python of ours
+        assert "convtune.layer_run" in text  # the forward of both layers
+        assert "convtune.layer_backward_data" in text and "convtune.layer_backward_filter" in text
     else:
         y = step()
     _trains_like(model, y, xa, twin, xb, atol=1e-5)
@@ -552,21 +553,122 @@ def test_the_traced_table_keys_what_autocast_and_the_gradients_make_of_the_input
     assert module.weight.grad is None
 
 
-def test_compiled_with_dynamic_shapes_a_tuned_model_trains_right_on_every_shape(native):
-    # Under symbolic shapes a layer may miss its tuned entry and takes the full path at a graph break
-    # (docs/runtime.md, "torch.compile"); the results are right for every shape.
-    x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
+def _counting_backend(graphs: list) -> object:
+    """A torch.compile backend that runs each graph as traced (autograd through the ops' own) and keeps it."""
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
+def _layer_shapes(module: TunedConv) -> set[tuple[int, ...]]:
+    return {tuple(entry[0]) for entry in extension.loaded().layer_entries(module._convtune_layer)}
+
+
+@pytest.mark.parametrize("backend", ["counting", "aot_eager"])
+def test_compiled_with_dynamic_shapes_one_graph_runs_and_tunes_every_shape(native, backend):
+    # Symbolic shapes: each layer's op looks its input up on every call, and a shape met first in compiled code is
+    # selected for then: one graph, no break (fullgraph), no recompilation, right on every shape.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
     model = _native_model(x)
     twin = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
-    for batch in (2, 3):
-        xa = torch.randn(batch, 6, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+    graphs: list = []
+    compiled = torch.compile(model, backend=_counting_backend(graphs) if backend == "counting" else backend,
+                             fullgraph=True, dynamic=True)
+    for batch, size in ((2, 5), (3, 5), (2, 9), (3, 5)):
+        xa = torch.randn(batch, 6, size, size).to(memory_format=torch.channels_last).requires_grad_()
         xb = xa.detach().clone().requires_grad_()
         for m in (model, twin):
             m.zero_grad(set_to_none=True)
         y = compiled(xa)
         y.sum().backward()
         _trains_like(model, y, xa, twin, xb, atol=1e-5)
+    assert _layer_shapes(model[0]) == {(2, 6, 5, 5), (3, 6, 5, 5), (2, 6, 9, 9)}
+    assert _layer_shapes(model[2]) == {(2, 8, 5, 5), (3, 8, 5, 5), (2, 8, 9, 9)}
+    for module in (model[0], model[2]):  # each new shape selected for in every direction
+        for shape, dtype, device, channels_last, handles, tuned in extension.loaded().layer_entries(
+                module._convtune_layer):
+            assert all(tuned) and channels_last and dtype == "float32", shape
+    if backend == "counting":
+        assert len(graphs) == 1
+        assert str(graphs[0].code).count("convtune.layer_conv") == 2
+
+
+GEOMETRIES = [  # (input shape, module): strided, dilated, grouped, depthwise, 1-D, 3-D, 'same' padding
+    ((2, 4, 9, 7), lambda: torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1)),
+    ((2, 4, 9, 9), lambda: torch.nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=2)),
+    ((2, 6, 8, 8), lambda: torch.nn.Conv2d(6, 6, 5, padding=2, groups=6, bias=False)),
+    ((2, 3, 11), lambda: torch.nn.Conv1d(3, 5, 4, stride=3)),
+    ((1, 2, 5, 4, 6), lambda: torch.nn.Conv3d(2, 3, 3, padding=1)),
+    ((2, 4, 7, 7), lambda: torch.nn.Conv2d(4, 3, 3, padding="same")),
+]
+
+
+@pytest.mark.parametrize("index", range(len(GEOMETRIES)))
+def test_a_layer_without_a_module_runs_torch_convolution_and_passes_opcheck(native, index):
+    # A layer whose module is gone (or never was): every signature runs PyTorch's convolution, forward and both
+    # gradients, with the meta kernel's shape and memory format; torch.library.opcheck tests the registrations.
+    shape, make = GEOMETRIES[index]
+    torch.manual_seed(index)
+    conv = make().double()
+    padding = [lo for lo, _ in explicit_padding(conv)]
+    layer = native.layer_new(list(conv.stride), padding, list(conv.dilation), conv.groups)
+    try:
+        x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        args = (x, conv.weight, conv.bias, layer, True, True)
+        torch.autograd.gradcheck(
+            lambda x, w, *b: torch.ops.convtune.layer_conv(x, w, b[0] if b else None, layer, True, True),
+            (x, conv.weight) + (() if conv.bias is None else (conv.bias,)))
+        y = torch.ops.convtune.layer_conv(*args)
+        torch.testing.assert_close(y, conv(x))
+        torch.library.opcheck(torch.ops.convtune.layer_conv.default, args)
+        assert native.layer_entries(layer) == []  # nothing tuned it: no entry kept
+    finally:
+        native.layer_drop(layer)
+    with pytest.raises(ValueError, match=f"no layer has id {layer}"):
+        torch.ops.convtune.layer_conv(x, conv.weight, conv.bias, layer, False, False)
+
+
+def test_a_layer_entry_runs_its_executables_and_a_copy_makes_its_own_layer(native, poisoned):
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    (shape, dtype, device, channels_last, handles, tuned), = native.layer_entries(module._convtune_layer)
+    assert (tuple(shape), dtype, device, channels_last) == ((2, 6, 5, 5), "float32", "cpu", True)
+    assert tuple(handles) == next(iter(module.selections.values())).native and all(tuned)
+    assert [native.kind(h) for h in handles] == ["gemm_1x1"] * 3
+    xa = x.clone().requires_grad_()
+    y = torch.ops.convtune.layer_conv(xa, module.weight, module.bias, module._convtune_layer, True, True)
+    y.sum().backward()
+    twin = torch.nn.Conv2d(6, 4, 1)
+    twin.load_state_dict(module.state_dict())
+    xb = x.clone().requires_grad_()
+    _trains_like(module, y, xa, twin, xb, atol=1e-5)
+    for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert copied._convtune_layer not in (0, module._convtune_layer)
+        assert _layer_shapes(copied) == {(2, 6, 5, 5)}
+    layer = module._convtune_layer
+    module.stride = (1, 1)  # a new geometry: its layer goes, and the next choice makes one
+    assert module._convtune_layer == 0
+    with pytest.raises(ValueError, match="no layer has id"):
+        native.layer_entries(layer)
+
+
+def test_a_layer_with_a_choice_on_the_python_path_compiles_through_its_traced_table(native, monkeypatch):
+    # The layer's op cannot call the Python path: such a layer keeps the table keyed by shape under compile.
+    x = torch.randn(2, 4, 6, 6)
+    module = _forced(x, "direct:taps", in_channels=4, out_channels=4, kernel_size=3, padding=1)
+    other = torch.randn(3, 4, 6, 6)
+    sig = Signature(tuple(other.shape), other.dtype, other.device, layout_of(other))
+    module._convtune_select(sig, LayerSelection(
+        ConvProblem.from_module(module, sig.shape, layout=sig.layout).key, "torch:native", "torch:native",
+        "torch:native"))
+    assert module._convtune_full_path and module._convtune_layer
+    twin = torch.nn.Conv2d(4, 4, 3, padding=1)
+    twin.load_state_dict(module.state_dict())
+    compiled = torch.compile(module, backend="aot_eager", dynamic=False)
+    with torch.no_grad():
+        for inp in (x, other):
+            torch.testing.assert_close(compiled(inp), twin(inp), atol=1e-5, rtol=1e-4)
 
 
 def test_a_layer_tuned_for_its_forward_only_tunes_its_gradients_when_compiled_code_needs_them(native):

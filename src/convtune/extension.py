@@ -39,7 +39,8 @@ from convtune.settings import settings
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "registry.cpp", "algorithms.cpp", "cudnn.cpp", "bindings.cpp")
+SOURCES = ("ops.cpp", "layers.cpp", "registry.cpp", "algorithms.cpp", "cudnn.cpp", "bindings.cpp")
+HEADERS = ("executable.h", "layers.h")
 MODULE_NAME = "convtune._C"
 LIBRARY = "convtune_C"  # the built library's name
 
@@ -108,7 +109,7 @@ def _tag(cudnn: tuple[Path, Path] | None) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for name in SOURCES + ("executable.h",):
+    for name in SOURCES + HEADERS:
         digest.update(name.encode())
         digest.update((SOURCE_DIR / name).read_bytes())
     digest.update(f"{torch.__version__}|{torch.version.cuda}|{sys.version_info[:2]}|{_flags(cudnn)}".encode())
@@ -193,6 +194,12 @@ def load(verbose: bool = False) -> ModuleType | None:
                 _state["error"] = str(exc)
                 warnings.warn(f"convtune: tuned layers run on the Python path, which costs more host time per call: "
                               f"{exc}", RuntimeWarning, stacklevel=2)
+    return _state["module"]
+
+
+def loaded() -> ModuleType | None:
+    """The extension module where this process has loaded it, else None; never builds (compiled code's layers
+    are made only once something else has loaded it)."""
     return _state["module"]
 
 

@@ -127,9 +127,28 @@ def test_a_tuned_model_compiles_fullgraph_with_inductor(training):
     with settings.override(native=True):
         y, code = run_and_get_code(step)
     text = "\n".join(code)
-    assert "convtune.tuned_run" in text and "convtune.pytorch" not in text
+    assert "convtune.layer_run" in text and "convtune.pytorch" not in text
     with torch.autocast("cuda", dtype=torch.float16):
         assert rel_error(y.float(), model(x).float()) < 1e-2
+
+
+def test_a_tuned_model_compiled_with_dynamic_shapes_selects_for_new_shapes_in_one_graph():
+    from convtune.pytorch.modules import TunedConv
+
+    model, twin, _ = _tuned()
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for batch, size in ((8, 16), (6, 16), (8, 24)):
+        x = torch.randn(batch, 16, size, size, device="cuda").to(memory_format=torch.channels_last)
+        with torch.autocast("cuda", dtype=torch.float16):
+            y, expected = compiled(x), twin(x)
+        assert rel_error(y.float(), expected.float()) < 2e-2, (batch, size)
+        y.float().sum().backward()
+    layers = [m for m in model.modules() if isinstance(m, TunedConv)]
+    entries = [e for m in layers for e in extension.loaded().layer_entries(m._convtune_layer)]
+    assert {tuple(e[0])[0::2] for e in entries} == {(8, 16), (6, 16), (8, 24)}
+    assert all(all(e[5]) for e in entries)  # every new shape selected for in every direction
+    assert any(any(e[4]) for e in entries if tuple(e[0])[0] == 6), entries  # and runs convtune's executables
 
 
 def test_a_cudnn_plan_is_rebuilt_from_its_serialized_form_and_computes_the_same(tmp_path):

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "executable.h"
+#include "layers.h"
 
 namespace py = pybind11;
 
@@ -13,7 +14,8 @@ at::ScalarType scalar_type(const std::string& name) {
   if (name == "float16") return at::kHalf;
   if (name == "bfloat16") return at::kBFloat16;
   if (name == "uint8") return at::kByte;
-  TORCH_CHECK_VALUE(false, "convtune: dtype ", name, " is none of float32, float16, bfloat16, uint8");
+  if (name == "float64") return at::kDouble;
+  TORCH_CHECK_VALUE(false, "convtune: dtype ", name, " is none of float32, float16, bfloat16, uint8, float64");
 }
 
 Geometry geometry(int64_t direction, const std::string& dtype, const std::string& device, bool channels_last,
@@ -37,6 +39,49 @@ Geometry geometry(int64_t direction, const std::string& dtype, const std::string
   for (int i = 0; i < 3; ++i) *specs[i] = Spec{shapes[i], strides[i]};
   g.label = std::move(label);
   return g;
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kDouble: return "float64";
+    default: return c10::toString(t);
+  }
+}
+
+LayerEntry layer_entry(const std::vector<int64_t>& handles, const std::vector<bool>& tuned) {
+  TORCH_CHECK_VALUE(handles.size() == 3 && tuned.size() == 3, "convtune: a layer entry has three handles and three "
+                    "flags (fwd, bwd_data, bwd_filter)");
+  LayerEntry e;
+  for (int i = 0; i < 3; ++i) {
+    e.handles[i] = handles[i];
+    e.tuned[i] = tuned[i];
+  }
+  return e;
+}
+
+// The control plane's tuner as layers.cpp calls it: with the GIL, and never letting a Python error through
+// (a failing tuner is the control plane's to report; the call then runs PyTorch's convolution).
+LayerTuner python_tuner(py::object callable) {
+  auto* held = new py::object(std::move(callable));  // never freed: a Python object must not die without the GIL
+  return [held](int64_t id, const at::Tensor& x, const at::Tensor& w, bool need_dx, bool need_dw, LayerEntry* entry) {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object answer = (*held)(id, x, w, need_dx, need_dw);
+      if (answer.is_none()) return false;
+      auto [handles, tuned] = answer.cast<std::tuple<std::vector<int64_t>, std::vector<bool>>>();
+      *entry = layer_entry(handles, tuned);
+      return true;
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable(__func__);
+      return false;
+    } catch (const std::exception& e) {
+      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
+      return false;
+    }
+  };
 }
 
 }  // namespace
@@ -104,6 +149,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("bwd_data"), py::arg("bwd_filter"),
       "torch.ops.convtune.tuned_conv called directly (unboxed): eager code's hot path, for plain tensors only "
       "(no __torch_function__ is consulted); unlike the op it raises ValueError for an input of other strides.");
+  m.def("layer_new", &layer_new, py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
+        "A new layer of this geometry (its id) for torch.ops.convtune.layer_conv, with an empty table.");
+  m.def("layer_drop", &layer_drop, "Forget a layer and its table (an unknown id: nothing).");
+  m.def(
+      "layer_set",
+      [](int64_t id, const std::vector<int64_t>& shape, const std::string& dtype, const std::string& device,
+         bool channels_last, const std::vector<int64_t>& handles, const std::vector<bool>& tuned) {
+        layer_set(id, shape, scalar_type(dtype), at::Device(device), channels_last, layer_entry(handles, tuned));
+      },
+      py::arg("layer"), py::arg("shape"), py::arg("dtype"), py::arg("device"), py::arg("channels_last"),
+      py::arg("handles"), py::arg("tuned"),
+      "What a layer runs for one input signature: the handles (fwd, bwd_data, bwd_filter; 0: PyTorch's call) "
+      "and which directions were selected for.");
+  m.def(
+      "layer_forget",
+      [](int64_t id, const std::vector<int64_t>& shape, const std::string& dtype, const std::string& device,
+         bool channels_last) { layer_forget(id, shape, scalar_type(dtype), at::Device(device), channels_last); },
+      py::arg("layer"), py::arg("shape"), py::arg("dtype"), py::arg("device"), py::arg("channels_last"),
+      "Drop a layer's entry for one input signature (the next call asks the tuner again).");
+  m.def(
+      "layer_entries",
+      [](int64_t id) {
+        py::list out;
+        for (const auto& [shape, dtype, device, channels_last, e] : layer_entries(id)) {
+          out.append(py::make_tuple(shape, dtype_name(dtype), device.str(), channels_last,
+                                    std::vector<int64_t>(e.handles, e.handles + 3), std::vector<bool>(e.tuned, e.tuned + 3)));
+        }
+        return out;
+      },
+      "Every signature of a layer's table: (shape, dtype, device, channels_last, handles, tuned).");
+  m.def(
+      "set_layer_tuner", [](py::object callable) { set_layer_tuner(callable.is_none() ? LayerTuner() : python_tuner(callable)); },
+      "The callable (layer, x, w, need_dx, need_dw) -> (handles, tuned) or None that layers ask for a signature "
+      "their table lacks (None: no tuner, PyTorch's call runs).");
   m.def("with_cudnn", &with_cudnn, "Whether this build has cuDNN plans.");
   m.def("set_poison", &set_poison, "Tests: results start as NaN (True) or uninitialised (False, the default).");
 }

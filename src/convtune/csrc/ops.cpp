@@ -10,6 +10,7 @@
 // Under torch.compile, AOTAutograd traces tuned_conv's autograd into tuned_run calls (its meta kernel
 // gives the result's shape and strides), which Inductor calls from its generated code.
 #include "executable.h"
+#include "layers.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -53,13 +54,6 @@ at::Tensor run_meta(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
   return exe->empty_result(a);
 }
 
-at::Tensor call_run(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("convtune::tuned_run", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
-  return op.call(a, b, handle);
-}
-
 at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
   std::vector<int64_t> shape(dims, 1);
   shape[1] = bias.size(0);
@@ -69,7 +63,7 @@ at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
 // The forward: the convolution (tuned_run checks the operands, then lays them out as the problem needs,
 // the weight as torch's own convolution converts it), then the bias.
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
-  at::Tensor y = call_run(x, w, fwd);
+  at::Tensor y = run_tuned(x, w, fwd);
   if (bias.has_value() && bias->defined()) y.add_(bias_view(*bias, y.dim()));
   return y;
 }
@@ -104,8 +98,8 @@ struct TunedConv : public torch::autograd::Function<TunedConv> {
       const Spec& spec = find_executable(bwd_data)->geometry.a;
       if (dy.sizes().equals(spec.shape)) dy = laid_out(dy, spec);  // (a wrong shape: tuned_run's error names it)
     }
-    if (data_grad) dx = call_run(dy, w, bwd_data);
-    if (weight_grad) dw = call_run(x, dy, bwd_filter);
+    if (data_grad) dx = run_tuned(dy, w, bwd_data);
+    if (weight_grad) dw = run_tuned(x, dy, bwd_filter);
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < dy.dim(); ++d) dims.push_back(d);
@@ -146,7 +140,7 @@ at::Tensor run_autograd(const at::Tensor& a, const at::Tensor& b, int64_t handle
                               ": convtune::tuned_run has no derivative, so a tuned layer has no double backward "
                               "(create_graph=True); run that model on torch's convolutions");
   at::AutoDispatchBelowADInplaceOrView below;
-  return call_run(a, b, handle);
+  return run_tuned(a, b, handle);
 }
 
 template <c10::DeviceType device_type>
@@ -165,6 +159,13 @@ at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::op
 }
 
 }  // namespace
+
+at::Tensor run_tuned(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("convtune::tuned_run", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(a, b, handle);
+}
 
 TORCH_LIBRARY_FRAGMENT(convtune, m) {
   m.def("tuned_run(Tensor a, Tensor b, int executable) -> Tensor", {at::Tag::pt2_compliant_tag});

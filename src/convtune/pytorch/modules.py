@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import typing
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,8 @@ class TunedConv(_ConvBase):
         self._convtune_selections = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
         self._convtune_traced: dict[str, tuple[int, ...]] = {}  # see _convtune_traced_forward
+        self._convtune_full_path = False  # see _convtune_update_full_path
+        self._convtune_drop_layer()
         # mode 'background': signature -> background.generation() its selection waits on a measurement since
         self._convtune_provisional: dict[Signature, int] = {}
 
@@ -82,6 +85,7 @@ class TunedConv(_ConvBase):
             self._convtune_selections.clear()
             self._convtune_fast.clear()
             self._convtune_traced.clear()
+            self._convtune_drop_layer()
 
     def __setstate__(self, state: dict) -> None:
         if "_convtune_plans" in state:  # pickled by a version that called the selections plans
@@ -92,6 +96,8 @@ class TunedConv(_ConvBase):
             self._convtune_selections.pop(sig, None)
         self._convtune_provisional = {}
         self._convtune_traced = {}
+        self._convtune_full_path = False
+        self._convtune_layer = 0  # the original's layer stays the original's: a copy makes its own
         for sig, selection in self._convtune_selections.items():
             self._convtune_select(sig, selection)
 
@@ -113,9 +119,10 @@ class TunedConv(_ConvBase):
         copy's ``__setstate__`` empty or rebuild it themselves."""
         self._convtune_selections[sig] = selection
         pads = self._convtune_pads_first()
+        provisional = sig in self._convtune_provisional
         for (need_dx, need_dw), key in _traced_keys(sig):
             entry: tuple[int, ...] | None = None
-            if sig not in self._convtune_provisional and selection.covers(need_dx, need_dw):
+            if not provisional and selection.covers(need_dx, need_dw):
                 if selection.call is None and selection.native is None:
                     entry = ()  # PyTorch's own call
                 elif selection.native is not None and not pads:
@@ -124,27 +131,73 @@ class TunedConv(_ConvBase):
                 self._convtune_traced.pop(key, None)
             else:
                 self._convtune_traced[key] = entry
+        self._convtune_update_full_path()
+        layer, module = self._convtune_layer or self._convtune_make_layer(), extension.loaded()
+        if layer and module is not None and not provisional:
+            handles, tuned = _layer_entry(selection)
+            module.layer_set(layer, list(sig.shape), _dtype_name(sig.dtype), str(sig.device),
+                             sig.layout == "channels_last", handles, tuned)
 
     def _convtune_forget(self, sig: Signature) -> None:
         """Inputs of ``sig`` are selected for again on their next call."""
         self._convtune_selections.pop(sig, None)
         for _, key in _traced_keys(sig):
             self._convtune_traced.pop(key, None)
+        self._convtune_update_full_path()
+        module = extension.loaded()
+        if self._convtune_layer and module is not None:
+            module.layer_forget(self._convtune_layer, list(sig.shape), _dtype_name(sig.dtype), str(sig.device),
+                                sig.layout == "channels_last")
+
+    def _convtune_update_full_path(self) -> None:
+        """Compiled code takes the layer's op unless a choice is on the Python path, which the op cannot call,
+        or waits on a measurement (the full path looks for it): then ``_convtune_traced``, shape by shape."""
+        self._convtune_full_path = bool(self._convtune_provisional) or any(
+            s.runtime == "python" for s in self._convtune_selections.values())
+
+    def _convtune_make_layer(self) -> int:
+        """This module's layer for compiled code (``torch.ops.convtune.layer_conv``), made where the extension
+        is loaded and the layer does not pad its input first; 0 where none is made."""
+        module = extension.loaded()
+        if module is None or self._convtune_pads_first() or torch.compiler.is_compiling():
+            return 0
+        padding = [lo for lo, _ in explicit_padding(self)]
+        layer = module.layer_new(list(self.stride), padding, list(self.dilation), self.groups)
+        self._convtune_layer = layer
+        _LAYERS[layer] = self
+        weakref.finalize(self, _drop_layer, layer)
+        module.set_layer_tuner(_tune_layer)
+        return layer
+
+    def _convtune_drop_layer(self) -> None:
+        """Drop this module's layer (its geometry changed, or its choices were reset): the next choice makes one."""
+        layer = self.__dict__.get("_convtune_layer", 0)
+        if layer:
+            _drop_layer(layer)
+        self._convtune_layer = 0
 
     def _convtune_traced_forward(self, input: torch.Tensor) -> torch.Tensor:
-        """The forward as torch.compile traces it: one entry of ``_convtune_traced``, found by a string that says
-        what the choice depends on (shape, dtype under autocast, device, layout, the gradients needed), all
-        known when tracing. Dynamo guards that entry with one lookup; reading the selections instead would guard
-        every field of their keys and values, which costs the compiled code's every call microseconds per
-        layer. No entry: the full path, which tunes (at a graph break) and explains; an unbatched input, a layer
-        that pads explicitly first and a layer on the Python path always take it (and pay its guards)."""
+        """The forward as torch.compile traces it. A layer with a layer of the C++ extension (``_convtune_layer``)
+        calls its op, ``torch.ops.convtune.layer_conv``, which looks the input's signature up on every call (one
+        met first in compiled code is selected for then, measuring as a first call does) and computes its result's
+        shape from symbolic sizes: no shape is baked into the graph, no new shape recompiles it or breaks it.
+        Otherwise (no extension loaded, a layer that pads explicitly first, a choice on the Python path or waiting
+        on a measurement) one entry of ``_convtune_traced``, found by a string that says what the choice depends
+        on (shape, dtype under autocast, device, layout, the gradients needed), which Dynamo guards with one
+        lookup (and which specializes the shape); no entry: the full path, which tunes (at a graph break) and
+        explains. An unbatched input always takes the full path."""
         cast = _autocast_dtype(input)
         weight = self.weight
         if input.dim() != weight.dim() or (cast is None and weight.dtype != input.dtype):
             return self._convtune_forward(input)  # unbatched (or torch's own error), or mixed dtypes: torch's error
         grad = torch.is_grad_enabled()
-        key = _traced_key(tuple(input.shape), cast or input.dtype, input.device, layout_of(input),
-                          grad and input.requires_grad, grad and weight.requires_grad)
+        need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
+        if self._convtune_layer and not self._convtune_full_path:
+            # The layer's op: it looks its input's signature up on every call, and has one met first here
+            # selected for, so that neither a new shape nor a symbolic one breaks the graph or recompiles it.
+            return torch.ops.convtune.layer_conv.default(input, weight, self.bias, self._convtune_layer, need_dx,
+                                                         need_dw)
+        key = _traced_key(tuple(input.shape), cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)
         entry = self._convtune_traced.get(key)
         if entry is None:
             return self._convtune_forward(input)
@@ -322,6 +375,53 @@ class TorchCall:
         elif torch.is_autocast_enabled(self.device_type) or x.dtype is not self.dtype:
             return False
         return (self.covers_dx or not x.requires_grad) and (self.covers_dw or not torch.is_grad_enabled())
+
+
+_LAYERS: weakref.WeakValueDictionary[int, TunedConv] = weakref.WeakValueDictionary()  # layer id -> its module
+
+
+def _drop_layer(layer: int) -> None:
+    module = extension.loaded()
+    if module is not None:
+        module.layer_drop(layer)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layer_entry(selection: LayerSelection) -> tuple[list[int], list[bool]]:
+    """What a layer's table holds for ``selection``: the handles (0: PyTorch's call, also where the layer is on
+    the Python path, which compiled code's op cannot call) and which directions were selected for."""
+    if selection.on_torch:
+        return [0, 0, 0], [True, True, True]
+    tuned = [bool(name) for name in (selection.fwd, selection.bwd_data, selection.bwd_filter)]
+    return (list(selection.native) if selection.native is not None else [0, 0, 0]), tuned
+
+
+_TUNE_FAILED: set[int] = set()  # layers whose tuning from compiled code failed (warned once each)
+
+
+def _tune_layer(layer: int, x: torch.Tensor, w: torch.Tensor, need_dx: bool,
+                need_dw: bool) -> tuple[list[int], list[bool]] | None:
+    """The layers' tuner (``set_layer_tuner``): compiled code met a signature the layer's table lacks; select for
+    it as the module's first call would, and answer the table's entry. None: not now (a CUDA graph being
+    captured, a background measurement pending: the call runs PyTorch's convolution and asks again next time)."""
+    module = _LAYERS.get(layer)
+    if module is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    try:
+        selection = module._convtune_tune(sig, need_dx, need_dw)
+    except Exception as exc:  # noqa: BLE001  (compiled code must go on: PyTorch's call for this signature)
+        if layer not in _TUNE_FAILED:
+            _TUNE_FAILED.add(layer)
+            warnings.warn(f"convtune: selecting for input {tuple(x.shape)} of a compiled layer failed ({exc}); "
+                          f"it runs PyTorch's convolution for that input", RuntimeWarning, stacklevel=2)
+        return [0, 0, 0], [True, True, True]
+    if sig in module._convtune_provisional:
+        return None
+    return _layer_entry(selection)
 
 
 _EAGER_TUNING: dict[type, Any] = {}  # a class's _convtune_tune under torch.compiler.disable, made on first need

@@ -1,0 +1,363 @@
+// Layers: what compiled code calls for a tuned module, whatever shape its input has.
+//
+//   convtune::layer_conv(Tensor x, Tensor w, Tensor? bias, int layer, bool need_dx, bool need_dw) -> Tensor
+//       the module's forward convolution (plus bias), differentiable; below autograd it is
+//   convtune::layer_run(Tensor x, Tensor w, int layer, bool need_dx, bool need_dw) -> Tensor
+//   convtune::layer_backward_data(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor
+//   convtune::layer_backward_filter(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor
+//
+// A layer holds one module's geometry (stride, padding, dilation, groups) and a table from input
+// signature (shape, dtype, device, layout) to the executables chosen for it (tuned_run's handles).
+// Each call looks its input's signature up. One the table lacks (a shape met first in compiled code)
+// asks the control plane's tuner, which selects for it (measuring, as a module's first call does) and
+// answers its handles, kept from then on; where there is no answer, or a direction chose PyTorch's
+// call, PyTorch's convolution runs. The meta kernels compute the result from symbolic sizes, so a
+// graph traced with dynamic shapes calls the op for every shape, with no recompilation and no graph
+// break. The result is dense in the memory format PyTorch suggests for the operand it takes its shape
+// from (x for the forward and the data gradient, w for the weight gradient), the same for every path.
+#include "layers.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "executable.h"
+
+namespace convtune {
+
+namespace {
+
+struct Layer {
+  std::vector<int64_t> stride, padding, dilation;
+  int64_t groups = 1;
+  std::shared_mutex mutex;  // guards table
+  std::unordered_map<std::string, LayerEntry> table;
+};
+
+std::mutex layers_mutex;  // guards layers(), next_layer and the tuner
+int64_t next_layer = 1;
+std::unordered_map<int64_t, std::shared_ptr<Layer>>& layers() {
+  static auto* all = new std::unordered_map<int64_t, std::shared_ptr<Layer>>();  // never freed: ops may run at exit
+  return *all;
+}
+LayerTuner& tuner() {
+  static auto* t = new LayerTuner();  // never destroyed: it holds a Python callable
+  return *t;
+}
+
+std::shared_ptr<Layer> find_layer(int64_t id) {
+  std::lock_guard<std::mutex> lock(layers_mutex);
+  auto found = layers().find(id);
+  TORCH_CHECK_VALUE(found != layers().end(), "convtune: no layer has id ", id,
+                    " in this process; the module that made it was changed or freed, or the compiled model comes "
+                    "from another process: tune the model here (convtune.optimize) and compile it again");
+  return found->second;
+}
+
+// The table's key: the shape, dtype, device and layout, as bytes.
+std::string signature_key(at::IntArrayRef shape, at::ScalarType dtype, at::Device device, bool channels_last) {
+  std::string key;
+  key.reserve(sizeof(int64_t) * shape.size() + 4);
+  for (int64_t s : shape) key.append(reinterpret_cast<const char*>(&s), sizeof s);
+  key.push_back(static_cast<char>(dtype));
+  key.push_back(static_cast<char>(device.type()));
+  key.push_back(static_cast<char>(device.index()));
+  key.push_back(channels_last ? 1 : 0);
+  return key;
+}
+
+bool dense_in(const at::Tensor& t, bool channels_last) {
+  return fits(t, Spec{t.sizes().vec(), dense_strides(t.sizes().vec(), channels_last)});
+}
+
+// As the control plane's layout_of: channels_last for a tensor dense in that order only.
+bool channels_last_of(const at::Tensor& t) { return t.dim() > 2 && dense_in(t, true) && !dense_in(t, false); }
+
+// The entry for ``x``'s signature that covers the directions needed, from the table or else the tuner;
+// an empty entry (PyTorch's call) where neither has one.
+LayerEntry entry_for(int64_t id, Layer& layer, const at::Tensor& x, const at::Tensor& w, bool need_dx, bool need_dw) {
+  const std::string key = signature_key(x.sizes(), x.scalar_type(), x.device(), channels_last_of(x));
+  std::optional<LayerEntry> known;
+  {
+    std::shared_lock<std::shared_mutex> lock(layer.mutex);
+    auto found = layer.table.find(key);
+    if (found != layer.table.end()) known = found->second;
+  }
+  if (known && known->tuned[0] && (known->tuned[1] || !need_dx) && (known->tuned[2] || !need_dw)) return *known;
+  LayerTuner ask;
+  {
+    std::lock_guard<std::mutex> lock(layers_mutex);
+    ask = tuner();
+  }
+  LayerEntry answer;
+  if (ask && ask(id, x, w, need_dx, need_dw, &answer)) {
+    std::unique_lock<std::shared_mutex> lock(layer.mutex);
+    layer.table[key] = answer;
+    return answer;
+  }
+  return known.value_or(LayerEntry{});
+}
+
+at::Tensor dense_like(const at::Tensor& t, const at::Tensor& like) { return t.contiguous(like.suggest_memory_format()); }
+
+std::vector<int64_t> zeros_like(const std::vector<int64_t>& v) { return std::vector<int64_t>(v.size(), 0); }
+
+at::Tensor run_layer(const at::Tensor& x, const at::Tensor& w, int64_t id, bool need_dx, bool need_dw) {
+  auto layer = find_layer(id);
+  const LayerEntry e = entry_for(id, *layer, x, w, need_dx, need_dw);
+  if (e.handles[0]) return dense_like(run_tuned(x, w, e.handles[0]), x);
+  return dense_like(at::convolution(x, w, std::nullopt, layer->stride, layer->padding, layer->dilation, false,
+                                    zeros_like(layer->stride), layer->groups),
+                    x);
+}
+
+at::Tensor backward_data(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
+  auto layer = find_layer(id);
+  const LayerEntry e = entry_for(id, *layer, x, w, true, false);
+  if (e.handles[1]) return dense_like(run_tuned(dy, w, e.handles[1]), x);
+  auto grads = at::convolution_backward(dy, x, w, std::nullopt, layer->stride, layer->padding, layer->dilation, false,
+                                        zeros_like(layer->stride), layer->groups, {true, false, false});
+  return dense_like(std::get<0>(grads), x);
+}
+
+at::Tensor backward_filter(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
+  auto layer = find_layer(id);
+  const LayerEntry e = entry_for(id, *layer, x, w, false, true);
+  if (e.handles[2]) return dense_like(run_tuned(x, dy, e.handles[2]), w);
+  auto grads = at::convolution_backward(dy, x, w, std::nullopt, layer->stride, layer->padding, layer->dilation, false,
+                                        zeros_like(layer->stride), layer->groups, {false, true, false});
+  return dense_like(std::get<1>(grads), w);
+}
+
+// Meta kernels: the result's shape from (possibly symbolic) sizes, in the memory format the real kernels give.
+at::Tensor run_layer_meta(const at::Tensor& x, const at::Tensor& w, int64_t id, bool, bool) {
+  auto layer = find_layer(id);
+  std::vector<c10::SymInt> shape{x.sym_size(0), w.sym_size(0)};
+  for (size_t i = 0; i < layer->stride.size(); ++i) {
+    const c10::SymInt extent = (w.sym_size(i + 2) - 1) * layer->dilation[i] + 1;
+    shape.push_back((x.sym_size(i + 2) + 2 * layer->padding[i] - extent) / layer->stride[i] + 1);
+  }
+  return at::empty_symint(shape, x.options(), x.suggest_memory_format());
+}
+
+at::Tensor backward_data_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
+  find_layer(id);
+  return at::empty_symint(x.sym_sizes(), dy.options(), x.suggest_memory_format());
+}
+
+at::Tensor backward_filter_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
+  find_layer(id);
+  return at::empty_symint(w.sym_sizes(), dy.options(), w.suggest_memory_format());
+}
+
+at::Tensor call_run(const at::Tensor& x, const at::Tensor& w, int64_t id, bool need_dx, bool need_dw) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("convtune::layer_run", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool, bool)>();
+  return op.call(x, w, id, need_dx, need_dw);
+}
+
+at::Tensor forward_below_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                  int64_t id, bool need_dx, bool need_dw) {
+  at::Tensor y = call_run(x, w, id, need_dx, need_dw);
+  if (bias.has_value() && bias->defined()) {
+    std::vector<int64_t> shape(y.dim(), 1);
+    shape[1] = bias->size(0);
+    y.add_(bias->view(shape));
+  }
+  return y;
+}
+
+at::Tensor call_backward(const char* name, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
+  static auto data = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("convtune::layer_backward_data", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  static auto filter = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("convtune::layer_backward_filter", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return (std::string(name) == "data" ? data : filter).call(dy, x, w, id);
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct LayerConv : public torch::autograd::Function<LayerConv> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, int64_t id, bool need_dx, bool need_dw) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["layer"] = id;
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    at::AutoDispatchBelowADInplaceOrView below;
+    return forward_below_autograd(x, w, bias, id, need_dx, need_dw);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const int64_t id = ctx->saved_data["layer"].toInt();
+    const at::Tensor& dy = grads[0];
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below;  // with gradients on, the ops' autograd kernel raises
+    if (!at::GradMode::is_enabled()) below.emplace();
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = call_backward("data", dy, saved[0], saved[1], id);
+    if (ctx->needs_input_grad(1)) dw = call_backward("filter", dy, saved[0], saved[1], id);
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
+      std::vector<int64_t> dims{0};
+      for (int64_t d = 2; d < dy.dim(); ++d) dims.push_back(d);
+      db = dy.sum(dims);
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t id,
+                         bool need_dx, bool need_dw) {
+  const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || w.requires_grad() || bias_grad)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return forward_below_autograd(x, w, bias, id, need_dx, need_dw);
+  }
+  return LayerConv::apply(x, w, bias, id, need_dx || x.requires_grad(), need_dw || w.requires_grad());
+}
+
+// The three inner ops have no derivative of their own (layer_conv's backward calls them): asking for one
+// (double backward through a tuned layer) raises.
+void no_double_backward(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())),
+                              "convtune's layer ops have no derivative, so a tuned layer has no double backward "
+                              "(create_graph=True); run that model on torch's convolutions");
+}
+
+at::Tensor run_autograd(const at::Tensor& x, const at::Tensor& w, int64_t id, bool need_dx, bool need_dw) {
+  no_double_backward(x, w);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return call_run(x, w, id, need_dx, need_dw);
+}
+
+at::Tensor backward_autograd(const char* which, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                             int64_t id) {
+  no_double_backward(dy, w);
+  no_double_backward(x, dy);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return call_backward(which, dy, x, w, id);
+}
+
+template <c10::DeviceType device_type>
+at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t id,
+                         bool need_dx, bool need_dw) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const auto dtype = at::autocast::get_autocast_dtype(device_type);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("convtune::layer_conv", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         int64_t, bool, bool)>();
+  return op.call(at::autocast::cached_cast(dtype, x, device_type), at::autocast::cached_cast(dtype, w, device_type),
+                 at::autocast::cached_cast(dtype, bias, device_type), id, need_dx, need_dw);
+}
+
+}  // namespace
+
+int64_t layer_new(std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                  int64_t groups) {
+  TORCH_CHECK_VALUE(!stride.empty() && stride.size() == padding.size() && stride.size() == dilation.size(),
+                    "convtune: a layer's stride, padding and dilation need one value per spatial dimension");
+  auto layer = std::make_shared<Layer>();
+  layer->stride = std::move(stride);
+  layer->padding = std::move(padding);
+  layer->dilation = std::move(dilation);
+  layer->groups = groups;
+  std::lock_guard<std::mutex> lock(layers_mutex);
+  const int64_t id = next_layer++;
+  layers().emplace(id, std::move(layer));
+  return id;
+}
+
+void layer_drop(int64_t id) {
+  std::lock_guard<std::mutex> lock(layers_mutex);
+  layers().erase(id);
+}
+
+void layer_set(int64_t id, const std::vector<int64_t>& shape, at::ScalarType dtype, at::Device device,
+               bool channels_last, const LayerEntry& entry) {
+  auto layer = find_layer(id);
+  std::unique_lock<std::shared_mutex> lock(layer->mutex);
+  layer->table[signature_key(shape, dtype, device, channels_last)] = entry;
+}
+
+void layer_forget(int64_t id, const std::vector<int64_t>& shape, at::ScalarType dtype, at::Device device,
+                  bool channels_last) {
+  auto layer = find_layer(id);
+  std::unique_lock<std::shared_mutex> lock(layer->mutex);
+  layer->table.erase(signature_key(shape, dtype, device, channels_last));
+}
+
+std::vector<std::tuple<std::vector<int64_t>, at::ScalarType, at::Device, bool, LayerEntry>> layer_entries(int64_t id) {
+  auto layer = find_layer(id);
+  std::shared_lock<std::shared_mutex> lock(layer->mutex);
+  std::vector<std::tuple<std::vector<int64_t>, at::ScalarType, at::Device, bool, LayerEntry>> out;
+  for (const auto& [key, entry] : layer->table) {  // the key read back as signature_key wrote it
+    const size_t dims = (key.size() - 4) / sizeof(int64_t);
+    std::vector<int64_t> shape(dims);
+    std::memcpy(shape.data(), key.data(), dims * sizeof(int64_t));
+    const char* tail = key.data() + dims * sizeof(int64_t);
+    out.emplace_back(shape, static_cast<at::ScalarType>(tail[0]),
+                     at::Device(static_cast<at::DeviceType>(tail[1]), static_cast<at::DeviceIndex>(tail[2])),
+                     tail[3] != 0, entry);
+  }
+  return out;
+}
+
+void set_layer_tuner(LayerTuner t) {
+  std::lock_guard<std::mutex> lock(layers_mutex);
+  tuner() = std::move(t);
+}
+
+TORCH_LIBRARY_FRAGMENT(convtune, m) {
+  m.def("layer_conv(Tensor x, Tensor w, Tensor? bias, int layer, bool need_dx, bool need_dw) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  m.def("layer_run(Tensor x, Tensor w, int layer, bool need_dx, bool need_dw) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("layer_backward_data(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("layer_backward_filter(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor", {at::Tag::pt2_compliant_tag});
+}
+
+#define CONVTUNE_LAYER_KERNELS(KEY)                                   \
+  TORCH_LIBRARY_IMPL(convtune, KEY, m) {                              \
+    m.impl("layer_conv", &forward_below_autograd);                    \
+    m.impl("layer_run", &run_layer);                                  \
+    m.impl("layer_backward_data", &backward_data);                    \
+    m.impl("layer_backward_filter", &backward_filter);                \
+  }
+CONVTUNE_LAYER_KERNELS(CPU)
+CONVTUNE_LAYER_KERNELS(CUDA)
+
+TORCH_LIBRARY_IMPL(convtune, Meta, m) {
+  m.impl("layer_conv", &forward_below_autograd);
+  m.impl("layer_run", &run_layer_meta);
+  m.impl("layer_backward_data", &backward_data_meta);
+  m.impl("layer_backward_filter", &backward_filter_meta);
+}
+
+TORCH_LIBRARY_IMPL(convtune, Autograd, m) {
+  m.impl("layer_conv", &conv_autograd);
+  m.impl("layer_run", &run_autograd);
+  m.impl("layer_backward_data", [](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
+    return backward_autograd("data", dy, x, w, id);
+  });
+  m.impl("layer_backward_filter", [](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
+    return backward_autograd("filter", dy, x, w, id);
+  });
+}
+
+TORCH_LIBRARY_IMPL(convtune, AutocastCPU, m) { m.impl("layer_conv", &conv_autocast<c10::DeviceType::CPU>); }
+
+TORCH_LIBRARY_IMPL(convtune, AutocastCUDA, m) { m.impl("layer_conv", &conv_autocast<c10::DeviceType::CUDA>); }
+
+}  // namespace convtune

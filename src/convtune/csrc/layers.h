@@ -1,0 +1,44 @@
+// Layers: a tuned module's executables for every input signature it has met, looked up per call, so that
+// compiled code runs a tuned layer whatever shape its input has (layers.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace convtune {
+
+// What one signature runs: per direction (fwd, bwd_data, bwd_filter) the executable's handle, 0 for
+// PyTorch's own call; ``tuned`` says which directions were selected for at all (one not selected yet
+// asks the tuner when a call needs it).
+struct LayerEntry {
+  int64_t handles[3] = {0, 0, 0};
+  bool tuned[3] = {false, false, false};
+};
+
+// A new layer of this geometry (its id, never 0), and dropping one (its table goes with it).
+int64_t layer_new(std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                  int64_t groups);
+void layer_drop(int64_t id);
+// The table's entry for a signature: set (replacing any), forget, and every entry (for explain and tests).
+void layer_set(int64_t id, const std::vector<int64_t>& shape, at::ScalarType dtype, at::Device device,
+               bool channels_last, const LayerEntry& entry);
+void layer_forget(int64_t id, const std::vector<int64_t>& shape, at::ScalarType dtype, at::Device device,
+                  bool channels_last);
+std::vector<std::tuple<std::vector<int64_t>, at::ScalarType, at::Device, bool, LayerEntry>> layer_entries(int64_t id);
+
+// The control plane's answer for a signature the table lacks: it selects for the layer's input ``x``
+// (the gradients ``need_dx``, ``need_dw`` included) and fills ``entry``; false where it cannot now (a
+// CUDA graph being captured, the module gone), and the call then runs PyTorch's convolution.
+using LayerTuner = std::function<bool(int64_t id, const at::Tensor& x, const at::Tensor& w, bool need_dx,
+                                      bool need_dw, LayerEntry* entry)>;
+void set_layer_tuner(LayerTuner tuner);
+
+// torch.ops.convtune.tuned_run through the dispatcher (ops.cpp).
+at::Tensor run_tuned(const at::Tensor& a, const at::Tensor& b, int64_t handle);
+
+}  // namespace convtune
