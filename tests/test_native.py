@@ -665,10 +665,11 @@ def test_a_layer_with_a_choice_on_the_python_path_compiles_through_its_traced_ta
     assert module._convtune_full_path and module._convtune_layer
     twin = torch.nn.Conv2d(4, 4, 3, padding=1)
     twin.load_state_dict(module.state_dict())
-    compiled = torch.compile(module, backend="aot_eager", dynamic=False)
-    with torch.no_grad():
-        for inp in (x, other):
-            torch.testing.assert_close(compiled(inp), twin(inp), atol=1e-5, rtol=1e-4)
+    for dynamic in (False, True):  # symbolic shapes: each size specialized, the key a constant
+        compiled = torch.compile(module, backend="aot_eager", dynamic=dynamic)
+        with torch.no_grad():
+            for inp in (x, other, torch.randn(5, 4, 7, 7)):  # the last a shape not tuned: tuned at a graph break
+                torch.testing.assert_close(compiled(inp), twin(inp), atol=1e-5, rtol=1e-4)
 
 
 def test_a_layer_tuned_for_its_forward_only_tunes_its_gradients_when_compiled_code_needs_them(native):

@@ -197,7 +197,9 @@ class TunedConv(_ConvBase):
             # selected for, so that neither a new shape nor a symbolic one breaks the graph or recompiles it.
             return torch.ops.convtune.layer_conv.default(input, weight, self.bias, self._convtune_layer, need_dx,
                                                          need_dw)
-        key = _traced_key(tuple(input.shape), cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)
+        # int(): each size specialized (Dynamo guards it), so the key is a constant even where shapes are symbolic
+        key = _traced_key(tuple(int(d) for d in input.shape), cast or input.dtype, input.device, layout_of(input),
+                          need_dx, need_dw)
         entry = self._convtune_traced.get(key)
         if entry is None:
             return self._convtune_forward(input)
