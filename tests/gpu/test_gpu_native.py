@@ -214,6 +214,31 @@ def test_operands_on_another_device_raise_a_value_error_that_names_the_layer():
             torch.ops.convtune.tuned_run(x, w.cpu(), handle)
 
 
+def test_a_misaligned_operand_or_a_stale_handle_raises_a_value_error_not_a_crash():
+    p = ct.ConvProblem("fwd", n=2, c=64, k=64, input_size=(8, 8), kernel_size=3, padding=1, dtype="float16",
+                       layout="channels_last", device="cuda")
+    x, w = p.random_inputs(seed=4)
+    handle = None
+    for algo in ct.algorithms(p):
+        recipe = algo.native_recipe(p)
+        if recipe is not None and recipe.kind == "cudnn":
+            try:
+                handle = runtime.executable(p, algo)
+                break
+            except RuntimeError:  # an execution plan cuDNN does not build here
+                continue
+    assert handle is not None
+    storage = torch.empty(x.numel() + 8, dtype=x.dtype, device="cuda")
+    shifted = storage[1:1 + x.numel()].view(2, 8, 8, 64).permute(0, 3, 1, 2)  # channels_last, 2 bytes off
+    shifted.copy_(x)
+    with pytest.raises(ValueError, match="operand x starts at an address not aligned to 16 bytes"):
+        torch.ops.convtune.tuned_run(shifted, w, handle)
+    with pytest.raises(ValueError, match="no executable has handle 12345"):
+        torch.ops.convtune.tuned_run(x, w, 12345)
+    torch.testing.assert_close(torch.ops.convtune.tuned_run(shifted.clone(), w, handle),
+                               torch.ops.convtune.tuned_run(x, w, handle))
+
+
 def test_a_layer_on_the_python_path_runs_its_cudnn_direction_by_its_executable():
     from convtune.pytorch import ops
     from convtune.pytorch.tuning import LayerSelection, Signature, layout_of

@@ -22,7 +22,7 @@ Geometry geometry(int64_t direction, const std::string& dtype, const std::string
                   bool allow_tf32, int64_t groups, std::vector<int64_t> stride, std::vector<int64_t> padding,
                   std::vector<int64_t> dilation, std::vector<std::vector<int64_t>> shapes,
                   std::vector<std::vector<int64_t>> strides, std::string label) {
-  TORCH_CHECK_VALUE(direction >= 0 && direction <= 2, "convtune: direction ", direction, " is not 0, 1 or 2");
+  TORCH_CHECK_VALUE(direction >= 0 && direction <= 2, "convtune: direction ", text(direction), " is not 0, 1 or 2");
   TORCH_CHECK_VALUE(device == "cpu" || device == "cuda", "convtune: device ", device, " is neither cpu nor cuda");
   TORCH_CHECK_VALUE(shapes.size() == 3 && strides.size() == 3, "convtune: three operand shapes and strides needed");
   Geometry g;

@@ -61,7 +61,7 @@ cudnnDataType_t data_type(at::ScalarType t) {
     case at::kFloat: return CUDNN_DATA_FLOAT;
     case at::kHalf: return CUDNN_DATA_HALF;
     case at::kBFloat16: return CUDNN_DATA_BFLOAT16;
-    default: TORCH_CHECK_VALUE(false, "convtune: cuDNN plans take float32, float16 or bfloat16, not ", t);
+    default: TORCH_CHECK_VALUE(false, "convtune: cuDNN plans take float32, float16 or bfloat16, not ", c10::toString(t));
   }
 }
 
@@ -105,7 +105,7 @@ class CudnnPlan final : public Executable {
     void* pointers[3] = {a.data_ptr(), b.data_ptr(), out.data_ptr()};
     for (int i = 0; i < 2; ++i) {
       TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(pointers[i]) % kAlignment == 0, label, ": operand ",
-                        operand_name(geometry.direction, i), " starts at an address not aligned to ", kAlignment,
+                        operand_name(geometry.direction, i), " starts at an address not aligned to ", text(kAlignment),
                         " bytes, which the plan assumes; pass a fresh tensor (clone it)");
     }
     cudnnHandle_t handle = thread_handle(device);

@@ -45,6 +45,11 @@ struct Geometry {
   std::string label;  // "convtune:<problem key> by <algorithm>": errors and profiler ranges name it
 };
 
+// Numbers in error messages, formatted without std::ostream: where the extension's inline stream code
+// and the process's C++ runtime differ (the H200 machine's), streaming an integer crashes the process.
+std::string text(int64_t value);
+std::string text(at::IntArrayRef values);  // "[2, 64, 8, 8]"
+
 // The names of the operands of a direction, for error messages.
 const char* operand_name(Direction d, int index);
 

@@ -57,7 +57,7 @@ LayerTuner& tuner() {
 std::shared_ptr<Layer> find_layer(int64_t id) {
   std::lock_guard<std::mutex> lock(layers_mutex);
   auto found = layers().find(id);
-  TORCH_CHECK_VALUE(found != layers().end(), "convtune: no layer has id ", id,
+  TORCH_CHECK_VALUE(found != layers().end(), "convtune: no layer has id ", text(id),
                     " in this process; the module that made it was changed or freed, or the compiled model comes "
                     "from another process: tune the model here (convtune.optimize) and compile it again");
   return found->second;

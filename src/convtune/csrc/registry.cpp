@@ -7,7 +7,6 @@
 #include <limits>
 #include <mutex>
 #include <shared_mutex>
-#include <sstream>
 #include <unordered_map>
 
 namespace convtune {
@@ -25,12 +24,6 @@ std::unordered_map<int64_t, Entry>& registry() {
   return *entries;
 }
 
-std::string shape_text(at::IntArrayRef v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
-}
-
 constexpr int64_t kAlignBytes = 256;
 
 int64_t aligned(int64_t nbytes) { return (nbytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
@@ -43,6 +36,14 @@ int64_t buffer_nbytes(const BufferSpec& b) {
 
 }  // namespace
 
+std::string text(int64_t value) { return std::to_string(value); }
+
+std::string text(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
 const char* operand_name(Direction d, int index) {
   static const char* names[3][3] = {{"x", "w", "y"}, {"dy", "w", "dx"}, {"x", "dy", "dw"}};
   return names[static_cast<int>(d)][index];
@@ -53,7 +54,7 @@ void add_executable(int64_t handle, const std::string& description, ExecutablePt
   auto& entries = registry();
   auto found = entries.find(handle);
   if (found != entries.end()) {
-    TORCH_CHECK_VALUE(found->second.description == description, "convtune: executable handle ", handle,
+    TORCH_CHECK_VALUE(found->second.description == description, "convtune: executable handle ", text(handle),
                       " is already taken by '", found->second.description, "', not '", description,
                       "'; handles must be derived from the whole description (convtune.pytorch.runtime.handle_of)");
     return;
@@ -73,7 +74,7 @@ ExecutablePtr find_executable(int64_t handle) {
     auto found = entries.find(handle);
     if (found != entries.end()) return found->second.executable;
   }
-  TORCH_CHECK_VALUE(false, "convtune: no executable has handle ", handle,
+  TORCH_CHECK_VALUE(false, "convtune: no executable has handle ", text(handle),
                     " in this process; tune the layer here (convtune.optimize or a convtune.nn module's first call) "
                     "before running it, or rebuild the compiled model in this process");
 }
@@ -152,25 +153,25 @@ void Executable::check(const at::Tensor& a, const at::Tensor& b, bool device, bo
     const bool on_device = !device || (t.device().type() == g.device_type && (i == 0 || t.device() == a.device()));
     if (t.scalar_type() == g.dtype && on_device && (strides ? fits(t, spec) : t.sizes() == at::IntArrayRef(spec.shape)))
       continue;
-    TORCH_CHECK_VALUE(t.scalar_type() == g.dtype, g.label, ": operand ", name, " has dtype ", t.scalar_type(),
-                      ", the tuned problem needs ", g.dtype);
+    TORCH_CHECK_VALUE(t.scalar_type() == g.dtype, g.label, ": operand ", name, " has dtype ",
+                      c10::toString(t.scalar_type()), ", the tuned problem needs ", c10::toString(g.dtype));
     TORCH_CHECK_VALUE(on_device, g.label, ": operand ", name, " is on ", t.device(), ", the tuned problem is on ",
                       g.device_type, i == 0 ? "" : " (the same device as the first operand)");
     TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(spec.shape), g.label, ": operand ", name, " has shape ",
-                      t.sizes(), ", the tuned problem needs ", shape_text(spec.shape));
-    TORCH_CHECK_VALUE(false, g.label, ": operand ", name, " has strides ", t.strides(), ", not dense in the ",
+                      text(t.sizes()), ", the tuned problem needs ", text(spec.shape));
+    TORCH_CHECK_VALUE(false, g.label, ": operand ", name, " has strides ", text(t.strides()), ", not dense in the ",
                       g.channels_last ? "channels_last" : "channels_first",
-                      " layout the problem was tuned for (strides ", shape_text(spec.strides),
+                      " layout the problem was tuned for (strides ", text(spec.strides),
                       "); convert it with convtune.to_layout");
   }
 }
 
 void Executable::check_input(const at::Tensor& x) const {
   const Spec& spec = geometry.a;
-  TORCH_CHECK_VALUE(fits(x, spec), geometry.label, ": input x of shape ", x.sizes(), " and strides ", x.strides(),
-                    " is not the tuned problem's (shape ", shape_text(spec.shape), ", dense in the ",
+  TORCH_CHECK_VALUE(fits(x, spec), geometry.label, ": input x of shape ", text(x.sizes()), " and strides ", text(x.strides()),
+                    " is not the tuned problem's (shape ", text(spec.shape), ", dense in the ",
                     geometry.channels_last ? "channels_last" : "channels_first", " layout, strides ",
-                    shape_text(spec.strides), ")");
+                    text(spec.strides), ")");
 }
 
 namespace {
