@@ -75,12 +75,17 @@ std::string signature_key(at::IntArrayRef shape, at::ScalarType dtype, at::Devic
   return key;
 }
 
-bool dense_in(const at::Tensor& t, bool channels_last) {
-  return fits(t, Spec{t.sizes().vec(), dense_strides(t.sizes().vec(), channels_last)});
+// As the control plane's layout_of: channels_last for a tensor dense in that order only (4-D and 5-D: the
+// tensor's own flags, which PyTorch keeps; 3-D: its strides against the (N, L, C) order).
+bool channels_last_of(const at::Tensor& t) {
+  if (t.dim() == 4 || t.dim() == 5) {
+    return t.is_contiguous(t.dim() == 4 ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::ChannelsLast3d) &&
+           !t.is_contiguous();
+  }
+  if (t.dim() != 3 || t.is_contiguous()) return false;
+  const std::vector<int64_t> shape = t.sizes().vec();
+  return fits(t, Spec{shape, dense_strides(shape, true)});
 }
-
-// As the control plane's layout_of: channels_last for a tensor dense in that order only.
-bool channels_last_of(const at::Tensor& t) { return t.dim() > 2 && dense_in(t, true) && !dense_in(t, false); }
 
 // The entry for ``x``'s signature that covers the directions needed, from the table or else the tuner;
 // an empty entry (PyTorch's call) where neither has one.
