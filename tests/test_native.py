@@ -605,28 +605,42 @@ GEOMETRIES = [  # (input shape, module): strided, dilated, grouped, depthwise, 1
 
 
 @pytest.mark.parametrize("index", range(len(GEOMETRIES)))
-def test_a_layer_without_a_module_runs_torch_convolution_and_passes_opcheck(native, index):
-    # A layer whose module is gone (or never was): every signature runs PyTorch's convolution, forward and both
-    # gradients, with the meta kernel's shape and memory format; torch.library.opcheck tests the registrations.
+def test_a_layer_without_an_answer_runs_torch_convolution_and_passes_opcheck(native, index):
+    # A layer whose module is gone (or never was), a stale id, another geometry: every signature runs PyTorch's
+    # convolution, forward and both gradients, with the meta kernel's shape and memory format; nothing is kept.
+    # torch.library.opcheck tests the registrations (schema, fake kernel, autograd).
     shape, make = GEOMETRIES[index]
     torch.manual_seed(index)
     conv = make().double()
-    padding = [lo for lo, _ in explicit_padding(conv)]
-    layer = native.layer_new(list(conv.stride), padding, list(conv.dilation), conv.groups)
+    geometry = (list(conv.stride), [lo for lo, _ in explicit_padding(conv)], list(conv.dilation), conv.groups)
+    layer = native.layer_new(*geometry)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     try:
-        x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
-        args = (x, conv.weight, conv.bias, layer, True, True)
-        torch.autograd.gradcheck(
-            lambda x, w, *b: torch.ops.convtune.layer_conv(x, w, b[0] if b else None, layer, True, True),
-            (x, conv.weight) + (() if conv.bias is None else (conv.bias,)))
-        y = torch.ops.convtune.layer_conv(*args)
-        torch.testing.assert_close(y, conv(x))
-        torch.library.opcheck(torch.ops.convtune.layer_conv.default, args)
-        assert native.layer_entries(layer) == []  # nothing tuned it: no entry kept
+        for ident in (layer, layer + 10**6):  # the layer, and an id no layer has
+            args = (x, conv.weight, conv.bias, *geometry, ident, True, True)
+            torch.autograd.gradcheck(
+                lambda x, w, *b: torch.ops.convtune.layer_conv(x, w, b[0] if b else None, *geometry, ident, True,
+                                                               True),
+                (x, conv.weight) + (() if conv.bias is None else (conv.bias,)))
+            torch.testing.assert_close(torch.ops.convtune.layer_conv(*args), conv(x))
+            torch.library.opcheck(torch.ops.convtune.layer_conv.default, args)
+        assert native.layer_entries(layer) == []  # nothing answered: no entry kept
     finally:
         native.layer_drop(layer)
     with pytest.raises(ValueError, match=f"no layer has id {layer}"):
-        torch.ops.convtune.layer_conv(x, conv.weight, conv.bias, layer, False, False)
+        native.layer_entries(layer)
+
+
+@pytest.mark.parametrize("bad", [dict(stride=[0, 1]), dict(dilation=[1, -1]), dict(padding=[-1, 0]),
+                                 dict(groups=0), dict(stride=[1])])
+def test_a_layer_op_with_a_geometry_no_convolution_has_raises_a_value_error(native, bad):
+    geometry = dict(stride=[1, 1], padding=[0, 0], dilation=[1, 1], groups=1) | bad
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    for device in ("cpu", "meta"):  # the meta kernel too (what torch.compile runs): no division by a zero stride
+        with pytest.raises(ValueError, match="convtune: a layer"):
+            torch.ops.convtune.layer_conv(x.to(device), w.to(device), None, *geometry.values(), 0, False, False)
+    with pytest.raises(ValueError, match="convtune: a layer"):
+        native.layer_new(*geometry.values())
 
 
 def test_a_layer_entry_runs_its_executables_and_a_copy_makes_its_own_layer(native, poisoned):
@@ -637,7 +651,8 @@ def test_a_layer_entry_runs_its_executables_and_a_copy_makes_its_own_layer(nativ
     assert tuple(handles) == next(iter(module.selections.values())).native and all(tuned)
     assert [native.kind(h) for h in handles] == ["gemm_1x1"] * 3
     xa = x.clone().requires_grad_()
-    y = torch.ops.convtune.layer_conv(xa, module.weight, module.bias, module._convtune_layer, True, True)
+    y = torch.ops.convtune.layer_conv(xa, module.weight, module.bias, *module._convtune_geometry,
+                                      module._convtune_layer, True, True)
     y.sum().backward()
     twin = torch.nn.Conv2d(6, 4, 1)
     twin.load_state_dict(module.state_dict())
@@ -666,10 +681,76 @@ def test_a_layer_with_a_choice_on_the_python_path_compiles_through_its_traced_ta
     twin = torch.nn.Conv2d(4, 4, 3, padding=1)
     twin.load_state_dict(module.state_dict())
     for dynamic in (False, True):  # symbolic shapes: each size specialized, the key a constant
-        compiled = torch.compile(module, backend="aot_eager", dynamic=dynamic)
+        graphs: list = []
+        compiled = torch.compile(module, backend=_counting_backend(graphs), dynamic=dynamic)
         with torch.no_grad():
             for inp in (x, other, torch.randn(5, 4, 7, 7)):  # the last a shape not tuned: tuned at a graph break
                 torch.testing.assert_close(compiled(inp), twin(inp), atol=1e-5, rtol=1e-4)
+        code = "\n".join(str(g.code) for g in graphs)
+        assert "convtune.conv" in code and "layer_conv" not in code  # the Python path, traced
+    assert module.selections[Signature((5, 4, 7, 7), x.dtype, x.device, "channels_first")]
+
+
+def _selecting(monkeypatch, algorithm: str) -> None:
+    """Every selection from now on runs ``algorithm`` in every direction (as if tuned so)."""
+    def tune(module, sig, need_dx, need_dw):
+        p = ConvProblem.from_module(module, sig.shape, dtype=sig.dtype, layout=sig.layout)
+        selection = LayerSelection(p.key, algorithm, algorithm, algorithm)
+        module._convtune_select(sig, selection)
+        return selection
+
+    monkeypatch.setattr(TunedConv, "_convtune_tune", tune)
+
+
+def test_new_shapes_met_in_compiled_code_run_their_executables_from_the_layer_table(native, monkeypatch):
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _native_model(x)[0]  # a 1x1 layer on gemm:1x1
+    twin = copy.deepcopy(torch.nn.Sequential(module))
+    _selecting(monkeypatch, "gemm:1x1")
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+    for batch in (3, 4):
+        xa = torch.randn(batch, 6, 5, 5).to(memory_format=torch.channels_last).requires_grad_()
+        xb = xa.detach().clone().requires_grad_()
+        for m in (module, twin[0]):
+            m.zero_grad(set_to_none=True)
+        y = compiled(xa)
+        y.sum().backward()
+        _trains_like(module, y, xa, twin[0], xb, atol=1e-5)
+    entries = {tuple(e[0]): e for e in native.layer_entries(module._convtune_layer)}
+    assert set(entries) == {(2, 6, 5, 5), (3, 6, 5, 5), (4, 6, 5, 5)}
+    for shape in ((3, 6, 5, 5), (4, 6, 5, 5)):
+        handles = entries[shape][4]
+        assert [native.kind(h) for h in handles] == ["gemm_1x1"] * 3, shape
+
+
+def test_a_python_path_choice_made_for_compiled_code_keeps_the_graph_whole(native, monkeypatch):
+    # A new shape whose selection is on the Python path (which the op cannot call) runs PyTorch's call there; the
+    # layer stays on its op, so a graph compiled whole (fullgraph) is neither recompiled nor broken.
+    x = torch.randn(2, 4, 6, 6)
+    module = _forced(x, "gemm:im2col", in_channels=4, out_channels=4, kernel_size=3, padding=1)
+    module._convtune_selections.clear()
+    module._convtune_select(Signature(tuple(x.shape), x.dtype, x.device, "channels_first"), LayerSelection(
+        ConvProblem.from_module(module, x.shape).key, "torch:native", "torch:native", "torch:native"))
+    assert module._convtune_layer and not module._convtune_full_path
+    twin = torch.nn.Conv2d(4, 4, 3, padding=1)
+    twin.load_state_dict(module.state_dict())
+    _selecting(monkeypatch, "direct:taps")
+    graphs: list = []
+    compiled = torch.compile(module, backend=_counting_backend(graphs), fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5, 7):
+            inp = torch.randn(batch, 4, 6, 6)
+            torch.testing.assert_close(compiled(inp), twin(inp), atol=1e-5, rtol=1e-4)
+    assert len(graphs) == 1 and not module._convtune_full_path
+    assert module.selections[Signature((5, 4, 6, 6), x.dtype, x.device, "channels_first")].runtime == "python"
+
+
+def test_a_layer_of_a_dtype_no_table_keys_runs_as_before(native):
+    conv = ct.nn.Conv2d(2, 2, 3, mode="get", dtype=torch.complex64)
+    x = torch.randn(1, 2, 5, 5, dtype=torch.complex64)
+    torch.testing.assert_close(conv(x), F.conv2d(x, conv.weight, conv.bias))
+    copied = pickle.loads(pickle.dumps(conv))
+    torch.testing.assert_close(copied(x), conv(x))
 
 
 def test_a_layer_tuned_for_its_forward_only_tunes_its_gradients_when_compiled_code_needs_them(native):

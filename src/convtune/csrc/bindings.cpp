@@ -77,8 +77,9 @@ LayerTuner python_tuner(py::object callable) {
     } catch (py::error_already_set& e) {
       e.discard_as_unraisable(__func__);
       return false;
-    } catch (const std::exception& e) {
-      PyErr_WarnEx(PyExc_RuntimeWarning, e.what(), 1);
+    } catch (const std::exception& e) {  // an answer of the wrong form: reported as Python reports such errors
+      PyErr_SetString(PyExc_TypeError, e.what());
+      PyErr_WriteUnraisable(nullptr);
       return false;
     }
   };

@@ -1,24 +1,30 @@
 // Layers: what compiled code calls for a tuned module, whatever shape its input has.
 //
-//   convtune::layer_conv(Tensor x, Tensor w, Tensor? bias, int layer, bool need_dx, bool need_dw) -> Tensor
+//   convtune::layer_conv(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] padding, int[] dilation,
+//                        int groups, int layer, bool need_dx, bool need_dw) -> Tensor
 //       the module's forward convolution (plus bias), differentiable; below autograd it is
-//   convtune::layer_run(Tensor x, Tensor w, int layer, bool need_dx, bool need_dw) -> Tensor
-//   convtune::layer_backward_data(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor
-//   convtune::layer_backward_filter(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor
+//   convtune::layer_run(Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, int groups, int layer,
+//                       bool need_dx, bool need_dw) -> Tensor
+//   convtune::layer_backward_data(Tensor dy, Tensor x, Tensor w, <the same geometry>, int layer) -> Tensor
+//   convtune::layer_backward_filter(Tensor dy, Tensor x, Tensor w, <the same geometry>, int layer) -> Tensor
 //
-// A layer holds one module's geometry (stride, padding, dilation, groups) and a table from input
-// signature (shape, dtype, device, layout) to the executables chosen for it (tuned_run's handles).
-// Each call looks its input's signature up. One the table lacks (a shape met first in compiled code)
-// asks the control plane's tuner, which selects for it (measuring, as a module's first call does) and
-// answers its handles, kept from then on; where there is no answer, or a direction chose PyTorch's
-// call, PyTorch's convolution runs. The meta kernels compute the result from symbolic sizes, so a
-// graph traced with dynamic shapes calls the op for every shape, with no recompilation and no graph
-// break. The result is dense in the memory format PyTorch suggests for the operand it takes its shape
-// from (x for the forward and the data gradient, w for the weight gradient), the same for every path.
+// The convolution's geometry travels in the call, so a graph says everything it computes (a compiled
+// graph cached for one geometry is never served for another) and its meta kernels need no state. A
+// layer (an id from layer_new) holds one module's table from input signature (shape, dtype, device,
+// layout) to the executables chosen for it (tuned_run's handles). Each call looks its input's signature
+// up. One the table lacks (a shape met first in compiled code) asks the control plane's tuner, which
+// selects for it (measuring, as a module's first call does) and answers its handles, kept from then on;
+// where there is no answer, or a direction chose PyTorch's call, or the layer is gone or has another
+// geometry (a graph compiled in another process), PyTorch's convolution runs. The meta kernels compute
+// the result from symbolic sizes, so a graph traced with dynamic shapes calls the op for every shape,
+// with no recompilation and no graph break. The result is dense in the memory format PyTorch suggests for
+// the operand it takes its shape from (x for the forward and the data gradient, w for the weight
+// gradient), the same for every path.
 #include "layers.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -36,9 +42,40 @@ namespace convtune {
 
 namespace {
 
-struct Layer {
+// A convolution's geometry, as the ops receive it and a layer keeps it.
+struct ConvGeometry {
   std::vector<int64_t> stride, padding, dilation;
   int64_t groups = 1;
+  bool operator==(const ConvGeometry& o) const {
+    return stride == o.stride && padding == o.padding && dilation == o.dilation && groups == o.groups;
+  }
+};
+
+// Raises ValueError unless the geometry is one a convolution of ``dims`` spatial dimensions can have.
+ConvGeometry geometry_of(at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                      int64_t dims) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(stride.size()) == dims && padding.size() == stride.size() &&
+                        dilation.size() == stride.size(),
+                    "convtune: a layer op needs one stride, padding and dilation per spatial dimension (",
+                    text(dims), "), got ", text(stride), ", ", text(padding), ", ", text(dilation));
+  for (size_t i = 0; i < stride.size(); ++i) {
+    TORCH_CHECK_VALUE(stride[i] > 0 && dilation[i] > 0 && padding[i] >= 0,
+                      "convtune: a layer needs strides and dilations above 0 and paddings of at least 0, got stride ",
+                      text(stride), ", padding ", text(padding), ", dilation ", text(dilation));
+  }
+  TORCH_CHECK_VALUE(groups > 0, "convtune: a layer needs groups above 0, got ", text(groups));
+  return ConvGeometry{stride.vec(), padding.vec(), dilation.vec(), groups};
+}
+
+ConvGeometry geometry_for(const at::Tensor& x, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                       int64_t groups) {
+  TORCH_CHECK_VALUE(x.dim() >= 3 && x.dim() <= 5, "convtune: a layer op takes a batched 1-D, 2-D or 3-D input, got ",
+                    text(x.dim()), " dimensions");
+  return geometry_of(stride, padding, dilation, groups, x.dim() - 2);
+}
+
+struct Layer {
+  ConvGeometry geometry;
   std::shared_mutex mutex;  // guards table
   std::unordered_map<std::string, LayerEntry> table;
 };
@@ -53,13 +90,24 @@ LayerTuner& tuner() {
   static auto* t = new LayerTuner();  // never destroyed: it holds a Python callable
   return *t;
 }
+// The dispatch state of the thread that set the tuner (a plain call from Python), in which the tuner runs.
+c10::impl::LocalDispatchKeySet& tuner_dispatch_state() {
+  static c10::impl::LocalDispatchKeySet state = c10::impl::tls_local_dispatch_key_set();
+  return state;
+}
 
 std::shared_ptr<Layer> find_layer(int64_t id) {
   std::lock_guard<std::mutex> lock(layers_mutex);
   auto found = layers().find(id);
-  TORCH_CHECK_VALUE(found != layers().end(), "convtune: no layer has id ", text(id),
-                    " in this process; the module that made it was changed or freed, or the compiled model comes "
-                    "from another process: tune the model here (convtune.optimize) and compile it again");
+  TORCH_CHECK_VALUE(found != layers().end(), "convtune: no layer has id ", text(id), " in this process");
+  return found->second;
+}
+
+// The layer ``id`` where it exists and computes ``geometry``; else none (the op then runs PyTorch's call).
+std::shared_ptr<Layer> layer_for(int64_t id, const ConvGeometry& geometry) {
+  std::lock_guard<std::mutex> lock(layers_mutex);
+  auto found = layers().find(id);
+  if (found == layers().end() || !(found->second->geometry == geometry)) return nullptr;
   return found->second;
 }
 
@@ -87,26 +135,40 @@ bool channels_last_of(const at::Tensor& t) {
   return fits(t, Spec{shape, dense_strides(shape, true)});
 }
 
-// The entry for ``x``'s signature that covers the directions needed, from the table or else the tuner;
-// an empty entry (PyTorch's call) where neither has one.
-LayerEntry entry_for(int64_t id, Layer& layer, const at::Tensor& x, const at::Tensor& w, bool need_dx, bool need_dw) {
-  const std::string key = signature_key(x.sizes(), x.scalar_type(), x.device(), channels_last_of(x));
-  std::optional<LayerEntry> known;
-  {
-    std::shared_lock<std::shared_mutex> lock(layer.mutex);
-    auto found = layer.table.find(key);
-    if (found != layer.table.end()) known = found->second;
-  }
-  if (known && known->tuned[0] && (known->tuned[1] || !need_dx) && (known->tuned[2] || !need_dw)) return *known;
+// The tuner's answer, asked in the dispatch state of a plain call from Python (the tuner's setter's): the ops
+// run below autograd and autocast, and the selection it makes (measuring, building executables) must not.
+bool ask_tuner(int64_t id, const at::Tensor& x, const at::Tensor& w, bool need_dx, bool need_dw, LayerEntry* answer) {
   LayerTuner ask;
+  c10::impl::LocalDispatchKeySet state = c10::impl::tls_local_dispatch_key_set();
   {
     std::lock_guard<std::mutex> lock(layers_mutex);
     ask = tuner();
+    state = tuner_dispatch_state();
   }
+  if (!ask) return false;
+  c10::impl::ForceDispatchKeyGuard plain(state);
+  at::AutoGradMode grad(true);
+  return ask(id, x, w, need_dx, need_dw, answer);
+}
+
+// The entry for ``x``'s signature that covers the directions needed, from the layer's table or else the tuner;
+// an empty entry (PyTorch's call) where neither has one or there is no such layer.
+LayerEntry entry_for(int64_t id, const ConvGeometry& geometry, const at::Tensor& x, const at::Tensor& w, bool need_dx,
+                     bool need_dw) {
+  std::shared_ptr<Layer> layer = layer_for(id, geometry);
+  if (!layer) return LayerEntry{};
+  const std::string key = signature_key(x.sizes(), x.scalar_type(), x.device(), channels_last_of(x));
+  std::optional<LayerEntry> known;
+  {
+    std::shared_lock<std::shared_mutex> lock(layer->mutex);
+    auto found = layer->table.find(key);
+    if (found != layer->table.end()) known = found->second;
+  }
+  if (known && known->tuned[0] && (known->tuned[1] || !need_dx) && (known->tuned[2] || !need_dw)) return *known;
   LayerEntry answer;
-  if (ask && ask(id, x, w, need_dx, need_dw, &answer)) {
-    std::unique_lock<std::shared_mutex> lock(layer.mutex);
-    layer.table[key] = answer;
+  if (ask_tuner(id, x, w, need_dx, need_dw, &answer)) {
+    std::unique_lock<std::shared_mutex> lock(layer->mutex);
+    layer->table[key] = answer;
     return answer;
   }
   return known.value_or(LayerEntry{});
@@ -116,64 +178,88 @@ at::Tensor dense_like(const at::Tensor& t, const at::Tensor& like) { return t.co
 
 std::vector<int64_t> zeros_like(const std::vector<int64_t>& v) { return std::vector<int64_t>(v.size(), 0); }
 
-at::Tensor run_layer(const at::Tensor& x, const at::Tensor& w, int64_t id, bool need_dx, bool need_dw) {
-  auto layer = find_layer(id);
-  const LayerEntry e = entry_for(id, *layer, x, w, need_dx, need_dw);
+at::Tensor run_layer(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
+                     at::IntArrayRef dilation, int64_t groups, int64_t id, bool need_dx, bool need_dw) {
+  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
+  const LayerEntry e = entry_for(id, g, x, w, need_dx, need_dw);
   if (e.handles[0]) return dense_like(run_tuned(x, w, e.handles[0]), x);
-  return dense_like(at::convolution(x, w, std::nullopt, layer->stride, layer->padding, layer->dilation, false,
-                                    zeros_like(layer->stride), layer->groups),
+  return dense_like(at::convolution(x, w, std::nullopt, g.stride, g.padding, g.dilation, false, zeros_like(g.stride),
+                                    g.groups),
                     x);
 }
 
-at::Tensor backward_data(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
-  auto layer = find_layer(id);
-  const LayerEntry e = entry_for(id, *layer, x, w, true, false);
+at::Tensor backward_data(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t id) {
+  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
+  const LayerEntry e = entry_for(id, g, x, w, true, false);
   if (e.handles[1]) return dense_like(run_tuned(dy, w, e.handles[1]), x);
-  auto grads = at::convolution_backward(dy, x, w, std::nullopt, layer->stride, layer->padding, layer->dilation, false,
-                                        zeros_like(layer->stride), layer->groups, {true, false, false});
+  auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
+                                        zeros_like(g.stride), g.groups, {true, false, false});
   return dense_like(std::get<0>(grads), x);
 }
 
-at::Tensor backward_filter(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
-  auto layer = find_layer(id);
-  const LayerEntry e = entry_for(id, *layer, x, w, false, true);
+at::Tensor backward_filter(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                           at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t id) {
+  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
+  const LayerEntry e = entry_for(id, g, x, w, false, true);
   if (e.handles[2]) return dense_like(run_tuned(x, dy, e.handles[2]), w);
-  auto grads = at::convolution_backward(dy, x, w, std::nullopt, layer->stride, layer->padding, layer->dilation, false,
-                                        zeros_like(layer->stride), layer->groups, {false, true, false});
+  auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
+                                        zeros_like(g.stride), g.groups, {false, true, false});
   return dense_like(std::get<1>(grads), w);
 }
 
 // Meta kernels: the result's shape from (possibly symbolic) sizes, in the memory format the real kernels give.
-at::Tensor run_layer_meta(const at::Tensor& x, const at::Tensor& w, int64_t id, bool, bool) {
-  auto layer = find_layer(id);
+at::Tensor run_layer_meta(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
+                          at::IntArrayRef dilation, int64_t groups, int64_t, bool, bool) {
+  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
+  TORCH_CHECK_VALUE(w.dim() == x.dim(), "convtune: a layer op's weight has ", text(w.dim()), " dimensions, its input ",
+                    text(x.dim()));
   std::vector<c10::SymInt> shape{x.sym_size(0), w.sym_size(0)};
-  for (size_t i = 0; i < layer->stride.size(); ++i) {
-    const c10::SymInt extent = (w.sym_size(i + 2) - 1) * layer->dilation[i] + 1;
-    shape.push_back((x.sym_size(i + 2) + 2 * layer->padding[i] - extent) / layer->stride[i] + 1);
+  for (size_t i = 0; i < g.stride.size(); ++i) {
+    const c10::SymInt extent = (w.sym_size(i + 2) - 1) * g.dilation[i] + 1;
+    shape.push_back((x.sym_size(i + 2) + 2 * g.padding[i] - extent) / g.stride[i] + 1);
   }
   return at::empty_symint(shape, x.options(), x.suggest_memory_format());
 }
 
-at::Tensor backward_data_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
-  find_layer(id);
+at::Tensor backward_data_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                              at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t) {
+  geometry_for(x, stride, padding, dilation, groups);
   return at::empty_symint(x.sym_sizes(), dy.options(), x.suggest_memory_format());
 }
 
-at::Tensor backward_filter_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
-  find_layer(id);
+at::Tensor backward_filter_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                                at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t) {
+  geometry_for(x, stride, padding, dilation, groups);
   return at::empty_symint(w.sym_sizes(), dy.options(), w.suggest_memory_format());
 }
 
-at::Tensor call_run(const at::Tensor& x, const at::Tensor& w, int64_t id, bool need_dx, bool need_dw) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("convtune::layer_run", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool, bool)>();
-  return op.call(x, w, id, need_dx, need_dw);
+using Arrays = at::IntArrayRef;
+using RunOp = at::Tensor(const at::Tensor&, const at::Tensor&, Arrays, Arrays, Arrays, int64_t, int64_t, bool, bool);
+using BackwardOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, Arrays, Arrays, Arrays, int64_t,
+                              int64_t);
+using ConvOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, Arrays, Arrays,
+                          Arrays, int64_t, int64_t, bool, bool);
+
+at::Tensor call_run(const at::Tensor& x, const at::Tensor& w, Arrays stride, Arrays padding, Arrays dilation,
+                    int64_t groups, int64_t id, bool need_dx, bool need_dw) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convtune::layer_run", "").typed<RunOp>();
+  return op.call(x, w, stride, padding, dilation, groups, id, need_dx, need_dw);
+}
+
+at::Tensor call_backward(bool data, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, Arrays stride,
+                         Arrays padding, Arrays dilation, int64_t groups, int64_t id) {
+  static auto data_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("convtune::layer_backward_data", "").typed<BackwardOp>();
+  static auto filter_op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("convtune::layer_backward_filter", "").typed<BackwardOp>();
+  return (data ? data_op : filter_op).call(dy, x, w, stride, padding, dilation, groups, id);
 }
 
 at::Tensor forward_below_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                                  int64_t id, bool need_dx, bool need_dw) {
-  at::Tensor y = call_run(x, w, id, need_dx, need_dw);
+                                  Arrays stride, Arrays padding, Arrays dilation, int64_t groups, int64_t id,
+                                  bool need_dx, bool need_dw) {
+  at::Tensor y = call_run(x, w, stride, padding, dilation, groups, id, need_dx, need_dw);
   if (bias.has_value() && bias->defined()) {
     std::vector<int64_t> shape(y.dim(), 1);
     shape[1] = bias->size(0);
@@ -182,103 +268,100 @@ at::Tensor forward_below_autograd(const at::Tensor& x, const at::Tensor& w, cons
   return y;
 }
 
-at::Tensor call_backward(const char* name, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
-  static auto data = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("convtune::layer_backward_data", "")
-                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  static auto filter = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("convtune::layer_backward_filter", "")
-                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  return (std::string(name) == "data" ? data : filter).call(dy, x, w, id);
-}
-
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct LayerConv : public torch::autograd::Function<LayerConv> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const std::optional<at::Tensor>& bias, int64_t id, bool need_dx, bool need_dw) {
+                            const std::optional<at::Tensor>& bias, Arrays stride, Arrays padding, Arrays dilation,
+                            int64_t groups, int64_t id, bool need_dx, bool need_dw) {
     ctx->save_for_backward({x, w});
+    ctx->saved_data["stride"] = stride.vec();
+    ctx->saved_data["padding"] = padding.vec();
+    ctx->saved_data["dilation"] = dilation.vec();
+    ctx->saved_data["groups"] = groups;
     ctx->saved_data["layer"] = id;
     ctx->saved_data["bias"] = bias.has_value() && bias->defined();
     at::AutoDispatchBelowADInplaceOrView below;
-    return forward_below_autograd(x, w, bias, id, need_dx, need_dw);
+    return forward_below_autograd(x, w, bias, stride, padding, dilation, groups, id, need_dx, need_dw);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const int64_t id = ctx->saved_data["layer"].toInt();
+    const std::vector<int64_t> stride = ctx->saved_data["stride"].toIntVector();
+    const std::vector<int64_t> padding = ctx->saved_data["padding"].toIntVector();
+    const std::vector<int64_t> dilation = ctx->saved_data["dilation"].toIntVector();
+    const int64_t groups = ctx->saved_data["groups"].toInt(), id = ctx->saved_data["layer"].toInt();
     const at::Tensor& dy = grads[0];
     std::optional<at::AutoDispatchBelowADInplaceOrView> below;  // with gradients on, the ops' autograd kernel raises
     if (!at::GradMode::is_enabled()) below.emplace();
     at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = call_backward("data", dy, saved[0], saved[1], id);
-    if (ctx->needs_input_grad(1)) dw = call_backward("filter", dy, saved[0], saved[1], id);
+    if (ctx->needs_input_grad(0)) dx = call_backward(true, dy, saved[0], saved[1], stride, padding, dilation, groups, id);
+    if (ctx->needs_input_grad(1)) dw = call_backward(false, dy, saved[0], saved[1], stride, padding, dilation, groups, id);
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < dy.dim(); ++d) dims.push_back(d);
       db = dy.sum(dims);
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t id,
-                         bool need_dx, bool need_dw) {
+at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Arrays stride,
+                         Arrays padding, Arrays dilation, int64_t groups, int64_t id, bool need_dx, bool need_dw) {
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || w.requires_grad() || bias_grad)) {
     at::AutoDispatchBelowADInplaceOrView below;
-    return forward_below_autograd(x, w, bias, id, need_dx, need_dw);
+    return forward_below_autograd(x, w, bias, stride, padding, dilation, groups, id, need_dx, need_dw);
   }
-  return LayerConv::apply(x, w, bias, id, need_dx || x.requires_grad(), need_dw || w.requires_grad());
+  return LayerConv::apply(x, w, bias, stride, padding, dilation, groups, id, need_dx || x.requires_grad(),
+                          need_dw || w.requires_grad());
 }
 
 // The three inner ops have no derivative of their own (layer_conv's backward calls them): asking for one
 // (double backward through a tuned layer) raises.
-void no_double_backward(const at::Tensor& a, const at::Tensor& b) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())),
+void no_double_backward(std::initializer_list<const at::Tensor*> operands) {
+  bool needed = false;
+  for (const at::Tensor* t : operands) needed = needed || t->requires_grad();
+  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && needed),
                               "convtune's layer ops have no derivative, so a tuned layer has no double backward "
                               "(create_graph=True); run that model on torch's convolutions");
 }
 
-at::Tensor run_autograd(const at::Tensor& x, const at::Tensor& w, int64_t id, bool need_dx, bool need_dw) {
-  no_double_backward(x, w);
+at::Tensor run_autograd(const at::Tensor& x, const at::Tensor& w, Arrays stride, Arrays padding, Arrays dilation,
+                        int64_t groups, int64_t id, bool need_dx, bool need_dw) {
+  no_double_backward({&x, &w});
   at::AutoDispatchBelowADInplaceOrView below;
-  return call_run(x, w, id, need_dx, need_dw);
+  return call_run(x, w, stride, padding, dilation, groups, id, need_dx, need_dw);
 }
 
-at::Tensor backward_autograd(const char* which, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
-                             int64_t id) {
-  no_double_backward(dy, w);
-  no_double_backward(x, dy);
+template <bool data>
+at::Tensor backward_autograd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, Arrays stride,
+                             Arrays padding, Arrays dilation, int64_t groups, int64_t id) {
+  no_double_backward({&dy, &x, &w});
   at::AutoDispatchBelowADInplaceOrView below;
-  return call_backward(which, dy, x, w, id);
+  return call_backward(data, dy, x, w, stride, padding, dilation, groups, id);
 }
 
 template <c10::DeviceType device_type>
-at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t id,
-                         bool need_dx, bool need_dw) {
+at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Arrays stride,
+                         Arrays padding, Arrays dilation, int64_t groups, int64_t id, bool need_dx, bool need_dw) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   const auto dtype = at::autocast::get_autocast_dtype(device_type);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("convtune::layer_conv", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                         int64_t, bool, bool)>();
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convtune::layer_conv", "").typed<ConvOp>();
   return op.call(at::autocast::cached_cast(dtype, x, device_type), at::autocast::cached_cast(dtype, w, device_type),
-                 at::autocast::cached_cast(dtype, bias, device_type), id, need_dx, need_dw);
+                 at::autocast::cached_cast(dtype, bias, device_type), stride, padding, dilation, groups, id, need_dx,
+                 need_dw);
 }
 
 }  // namespace
 
 int64_t layer_new(std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
                   int64_t groups) {
-  TORCH_CHECK_VALUE(!stride.empty() && stride.size() == padding.size() && stride.size() == dilation.size(),
-                    "convtune: a layer's stride, padding and dilation need one value per spatial dimension");
   auto layer = std::make_shared<Layer>();
-  layer->stride = std::move(stride);
-  layer->padding = std::move(padding);
-  layer->dilation = std::move(dilation);
-  layer->groups = groups;
+  layer->geometry = geometry_of(stride, padding, dilation, groups, static_cast<int64_t>(stride.size()));
+  TORCH_CHECK_VALUE(!stride.empty() && stride.size() <= 3, "convtune: a layer has 1 to 3 spatial dimensions, got ",
+                    text(static_cast<int64_t>(stride.size())));
   std::lock_guard<std::mutex> lock(layers_mutex);
   const int64_t id = next_layer++;
   layers().emplace(id, std::move(layer));
@@ -323,22 +406,26 @@ std::vector<std::tuple<std::vector<int64_t>, at::ScalarType, at::Device, bool, L
 void set_layer_tuner(LayerTuner t) {
   std::lock_guard<std::mutex> lock(layers_mutex);
   tuner() = std::move(t);
+  tuner_dispatch_state() = c10::impl::tls_local_dispatch_key_set();
 }
 
 TORCH_LIBRARY_FRAGMENT(convtune, m) {
-  m.def("layer_conv(Tensor x, Tensor w, Tensor? bias, int layer, bool need_dx, bool need_dw) -> Tensor",
-        {at::Tag::pt2_compliant_tag});
-  m.def("layer_run(Tensor x, Tensor w, int layer, bool need_dx, bool need_dw) -> Tensor", {at::Tag::pt2_compliant_tag});
-  m.def("layer_backward_data(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor", {at::Tag::pt2_compliant_tag});
-  m.def("layer_backward_filter(Tensor dy, Tensor x, Tensor w, int layer) -> Tensor", {at::Tag::pt2_compliant_tag});
+  const std::string geometry = "int[] stride, int[] padding, int[] dilation, int groups, int layer";
+  for (const std::string& schema :
+       {"layer_conv(Tensor x, Tensor w, Tensor? bias, " + geometry + ", bool need_dx, bool need_dw) -> Tensor",
+        "layer_run(Tensor x, Tensor w, " + geometry + ", bool need_dx, bool need_dw) -> Tensor",
+        "layer_backward_data(Tensor dy, Tensor x, Tensor w, " + geometry + ") -> Tensor",
+        "layer_backward_filter(Tensor dy, Tensor x, Tensor w, " + geometry + ") -> Tensor"}) {
+    m.def(schema.c_str(), {at::Tag::pt2_compliant_tag});
+  }
 }
 
-#define CONVTUNE_LAYER_KERNELS(KEY)                                   \
-  TORCH_LIBRARY_IMPL(convtune, KEY, m) {                              \
-    m.impl("layer_conv", &forward_below_autograd);                    \
-    m.impl("layer_run", &run_layer);                                  \
-    m.impl("layer_backward_data", &backward_data);                    \
-    m.impl("layer_backward_filter", &backward_filter);                \
+#define CONVTUNE_LAYER_KERNELS(KEY)                    \
+  TORCH_LIBRARY_IMPL(convtune, KEY, m) {               \
+    m.impl("layer_conv", &forward_below_autograd);     \
+    m.impl("layer_run", &run_layer);                   \
+    m.impl("layer_backward_data", &backward_data);     \
+    m.impl("layer_backward_filter", &backward_filter); \
   }
 CONVTUNE_LAYER_KERNELS(CPU)
 CONVTUNE_LAYER_KERNELS(CUDA)
@@ -353,12 +440,8 @@ TORCH_LIBRARY_IMPL(convtune, Meta, m) {
 TORCH_LIBRARY_IMPL(convtune, Autograd, m) {
   m.impl("layer_conv", &conv_autograd);
   m.impl("layer_run", &run_autograd);
-  m.impl("layer_backward_data", [](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
-    return backward_autograd("data", dy, x, w, id);
-  });
-  m.impl("layer_backward_filter", [](const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, int64_t id) {
-    return backward_autograd("filter", dy, x, w, id);
-  });
+  m.impl("layer_backward_data", &backward_autograd<true>);
+  m.impl("layer_backward_filter", &backward_autograd<false>);
 }
 
 TORCH_LIBRARY_IMPL(convtune, AutocastCPU, m) { m.impl("layer_conv", &conv_autocast<c10::DeviceType::CPU>); }

@@ -73,6 +73,7 @@ class TunedConv(_ConvBase):
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
         self._convtune_traced: dict[str, tuple[int, ...]] = {}  # see _convtune_traced_forward
         self._convtune_full_path = False  # see _convtune_update_full_path
+        self._convtune_from_compiled: set[Signature] = set()  # signatures selected for at compiled code's request
         self._convtune_drop_layer()
         # mode 'background': signature -> background.generation() its selection waits on a measurement since
         self._convtune_provisional: dict[Signature, int] = {}
@@ -97,6 +98,7 @@ class TunedConv(_ConvBase):
         self._convtune_provisional = {}
         self._convtune_traced = {}
         self._convtune_full_path = False
+        self._convtune_from_compiled = set(state.get("_convtune_from_compiled", ()))
         self._convtune_layer = 0  # the original's layer stays the original's: a copy makes its own
         for sig, selection in self._convtune_selections.items():
             self._convtune_select(sig, selection)
@@ -133,7 +135,7 @@ class TunedConv(_ConvBase):
                 self._convtune_traced[key] = entry
         self._convtune_update_full_path()
         layer, module = self._convtune_layer or self._convtune_make_layer(), extension.loaded()
-        if layer and module is not None and not provisional:
+        if layer and module is not None and not provisional and sig.dtype in _LAYER_DTYPES:
             handles, tuned = _layer_entry(selection)
             module.layer_set(layer, list(sig.shape), _dtype_name(sig.dtype), str(sig.device),
                              sig.layout == "channels_last", handles, tuned)
@@ -145,15 +147,18 @@ class TunedConv(_ConvBase):
             self._convtune_traced.pop(key, None)
         self._convtune_update_full_path()
         module = extension.loaded()
-        if self._convtune_layer and module is not None:
+        if self._convtune_layer and module is not None and sig.dtype in _LAYER_DTYPES:
             module.layer_forget(self._convtune_layer, list(sig.shape), _dtype_name(sig.dtype), str(sig.device),
                                 sig.layout == "channels_last")
 
     def _convtune_update_full_path(self) -> None:
         """Compiled code takes the layer's op unless a choice is on the Python path, which the op cannot call,
-        or waits on a measurement (the full path looks for it): then ``_convtune_traced``, shape by shape."""
-        self._convtune_full_path = bool(self._convtune_provisional) or any(
-            s.runtime == "python" for s in self._convtune_selections.values())
+        or waits on a measurement (the full path looks for it): then ``_convtune_traced``, shape by shape. Choices
+        made at compiled code's request do not count: switching then would recompile the graph that asked, and
+        break it where it was compiled whole (the op runs PyTorch's call for them instead)."""
+        asked = self._convtune_from_compiled
+        self._convtune_full_path = any(sig not in asked for sig in self._convtune_provisional) or any(
+            s.runtime == "python" for sig, s in self._convtune_selections.items() if sig not in asked)
 
     def _convtune_make_layer(self) -> int:
         """This module's layer for compiled code (``torch.ops.convtune.layer_conv``), made where the extension
@@ -161,18 +166,27 @@ class TunedConv(_ConvBase):
         module = extension.loaded()
         if module is None or self._convtune_pads_first() or torch.compiler.is_compiling():
             return 0
-        padding = [lo for lo, _ in explicit_padding(self)]
-        layer = module.layer_new(list(self.stride), padding, list(self.dilation), self.groups)
-        self._convtune_layer = layer
+        geometry = (list(self.stride), [lo for lo, _ in explicit_padding(self)], list(self.dilation), self.groups)
+        try:
+            layer = module.layer_new(*geometry)
+        except ValueError:  # a geometry no convolution has (stride 0, say): torch's own call says so
+            return 0
+        self._convtune_layer, self._convtune_geometry = layer, geometry
         _LAYERS[layer] = self
-        weakref.finalize(self, _drop_layer, layer)
-        module.set_layer_tuner(_tune_layer)
+        _FINALIZERS[layer] = weakref.finalize(self, _drop_layer, layer)
+        global _TUNER_SET
+        if not _TUNER_SET:
+            module.set_layer_tuner(_tune_layer)
+            _TUNER_SET = True
         return layer
 
     def _convtune_drop_layer(self) -> None:
         """Drop this module's layer (its geometry changed, or its choices were reset): the next choice makes one."""
         layer = self.__dict__.get("_convtune_layer", 0)
         if layer:
+            finalizer = _FINALIZERS.pop(layer, None)
+            if finalizer is not None:
+                finalizer.detach()
             _drop_layer(layer)
         self._convtune_layer = 0
 
@@ -192,11 +206,11 @@ class TunedConv(_ConvBase):
             return self._convtune_forward(input)  # unbatched (or torch's own error), or mixed dtypes: torch's error
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
-        if self._convtune_layer and not self._convtune_full_path:
+        if self._convtune_layer and not self._convtune_full_path and input.device.type in ("cpu", "cuda"):
             # The layer's op: it looks its input's signature up on every call, and has one met first here
             # selected for, so that neither a new shape nor a symbolic one breaks the graph or recompiles it.
-            return torch.ops.convtune.layer_conv.default(input, weight, self.bias, self._convtune_layer, need_dx,
-                                                         need_dw)
+            return torch.ops.convtune.layer_conv.default(input, weight, self.bias, *self._convtune_geometry,
+                                                         self._convtune_layer, need_dx, need_dw)
         # int(): each size specialized (Dynamo guards it), so the key is a constant even where shapes are symbolic
         key = _traced_key(tuple(int(d) for d in input.shape), cast or input.dtype, input.device, layout_of(input),
                           need_dx, need_dw)
@@ -380,9 +394,13 @@ class TorchCall:
 
 
 _LAYERS: weakref.WeakValueDictionary[int, TunedConv] = weakref.WeakValueDictionary()  # layer id -> its module
+_FINALIZERS: dict[int, weakref.finalize] = {}  # layer id -> what drops it with its module
+_TUNER_SET = False  # _tune_layer is the extension's tuner
+_LAYER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a layer's table keys
 
 
 def _drop_layer(layer: int) -> None:
+    _FINALIZERS.pop(layer, None)
     module = extension.loaded()
     if module is not None:
         module.layer_drop(layer)
@@ -413,6 +431,7 @@ def _tune_layer(layer: int, x: torch.Tensor, w: torch.Tensor, need_dx: bool,
     if module is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    module._convtune_from_compiled.add(sig)
     try:
         selection = module._convtune_tune(sig, need_dx, need_dw)
     except Exception as exc:  # noqa: BLE001  (compiled code must go on: PyTorch's call for this signature)
