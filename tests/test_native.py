@@ -723,6 +723,27 @@ def test_new_shapes_met_in_compiled_code_run_their_executables_from_the_layer_ta
         assert [native.kind(h) for h in handles] == ["gemm_1x1"] * 3, shape
 
 
+def test_compiled_code_selects_with_autograd_on_and_autocast_off(native, monkeypatch):
+    # The ops run below autograd and autocast; the selection they ask for measures as convtune does elsewhere.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module = _forced(x.bfloat16(), "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    seen = []
+    original = TunedConv._convtune_tune
+
+    def tune(self, sig, need_dx, need_dw):
+        probe = torch.ones(2, requires_grad=True)
+        seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), (probe * 2).grad_fn is not None,
+                     sig.dtype))
+        return original(self, sig, need_dx, need_dw)
+
+    monkeypatch.setattr(TunedConv, "_convtune_tune", tune)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(torch.randn(3, 6, 5, 5).to(memory_format=torch.channels_last).requires_grad_()).sum().backward()
+    assert seen and all(s == (True, False, True, torch.bfloat16) for s in seen), seen
+
+
 def test_a_python_path_choice_made_for_compiled_code_keeps_the_graph_whole(native, monkeypatch):
     # A new shape whose selection is on the Python path (which the op cannot call) runs PyTorch's call there; the
     # layer stays on its op, so a graph compiled whole (fullgraph) is neither recompiled nor broken.

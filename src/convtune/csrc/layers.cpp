@@ -90,11 +90,6 @@ LayerTuner& tuner() {
   static auto* t = new LayerTuner();  // never destroyed: it holds a Python callable
   return *t;
 }
-// The dispatch state of the thread that set the tuner (a plain call from Python), in which the tuner runs.
-c10::impl::LocalDispatchKeySet& tuner_dispatch_state() {
-  static c10::impl::LocalDispatchKeySet state = c10::impl::tls_local_dispatch_key_set();
-  return state;
-}
 
 std::shared_ptr<Layer> find_layer(int64_t id) {
   std::lock_guard<std::mutex> lock(layers_mutex);
@@ -135,18 +130,20 @@ bool channels_last_of(const at::Tensor& t) {
   return fits(t, Spec{shape, dense_strides(shape, true)});
 }
 
-// The tuner's answer, asked in the dispatch state of a plain call from Python (the tuner's setter's): the ops
-// run below autograd and autocast, and the selection it makes (measuring, building executables) must not.
+// The tuner's answer. The ops run below autograd (its keys excluded, gradients off) and, under autocast, with
+// autocast's keys excluded; the selection the tuner makes (measuring, building executables) runs with autograd
+// on and autocast off, as convtune measures everywhere.
 bool ask_tuner(int64_t id, const at::Tensor& x, const at::Tensor& w, bool need_dx, bool need_dw, LayerEntry* answer) {
   LayerTuner ask;
-  c10::impl::LocalDispatchKeySet state = c10::impl::tls_local_dispatch_key_set();
   {
     std::lock_guard<std::mutex> lock(layers_mutex);
     ask = tuner();
-    state = tuner_dispatch_state();
   }
   if (!ask) return false;
-  c10::impl::ForceDispatchKeyGuard plain(state);
+  c10::impl::LocalDispatchKeySet state = c10::impl::tls_local_dispatch_key_set();
+  c10::impl::ForceDispatchKeyGuard plain(state.included_,
+                                         (state.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView) |
+                                             c10::autocast_dispatch_keyset);
   at::AutoGradMode grad(true);
   return ask(id, x, w, need_dx, need_dw, answer);
 }
@@ -406,7 +403,6 @@ std::vector<std::tuple<std::vector<int64_t>, at::ScalarType, at::Device, bool, L
 void set_layer_tuner(LayerTuner t) {
   std::lock_guard<std::mutex> lock(layers_mutex);
   tuner() = std::move(t);
-  tuner_dispatch_state() = c10::impl::tls_local_dispatch_key_set();
 }
 
 TORCH_LIBRARY_FRAGMENT(convtune, m) {
