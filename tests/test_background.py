@@ -192,3 +192,25 @@ def test_the_worker_knows_it_is_the_worker(db, monkeypatch):
     assert not background.in_worker()
     assert background.measure(problem(n=6), ct.Policy(), db) and background.wait(120)
     assert seen == [True]
+
+
+def test_compiled_code_runs_torch_while_a_measurement_is_pending_then_adopts_it(db, held):
+    from convtune import extension
+
+    native = extension.load()
+    assert native is not None
+    x = torch.randn(1, 3, 7, 7)
+    conv = ct.nn.Conv2d(3, 4, 3, padding=1, mode="get", db=db)
+    conv(x)  # a first choice (the cost model's) makes the layer
+    conv._convtune_tuning = Tuning(None, "background", db)
+    compiled = torch.compile(conv, backend="aot_eager", fullgraph=True, dynamic=True)
+    other = torch.randn(2, 3, 7, 7)
+    expected = F.conv2d(other, conv.weight, conv.bias, padding=1)
+    torch.testing.assert_close(compiled(other), expected, atol=1e-5, rtol=1e-4)  # PyTorch's call meanwhile
+    shapes = lambda: {tuple(e[0]) for e in native.layer_entries(conv._convtune_layer)}  # noqa: E731
+    assert (2, 3, 7, 7) not in shapes() and conv._convtune_provisional
+    held.set()
+    assert background.wait(120)
+    torch.testing.assert_close(compiled(other), expected, atol=1e-5, rtol=1e-4)
+    assert (2, 3, 7, 7) in shapes() and not conv._convtune_provisional  # the measured choice, kept
+    assert not conv._convtune_full_path

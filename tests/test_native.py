@@ -613,7 +613,7 @@ def test_a_layer_without_an_answer_runs_torch_convolution_and_passes_opcheck(nat
     torch.manual_seed(index)
     conv = make().double()
     geometry = (list(conv.stride), [lo for lo, _ in explicit_padding(conv)], list(conv.dilation), conv.groups)
-    layer = native.layer_new(*geometry)
+    layer = native.layer_new(*geometry, list(conv.weight.shape))
     x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     try:
         for ident in (layer, layer + 10**6):  # the layer, and an id no layer has
@@ -640,7 +640,7 @@ def test_a_layer_op_with_a_geometry_no_convolution_has_raises_a_value_error(nati
         with pytest.raises(ValueError, match="convtune: a layer"):
             torch.ops.convtune.layer_conv(x.to(device), w.to(device), None, *geometry.values(), 0, False, False)
     with pytest.raises(ValueError, match="convtune: a layer"):
-        native.layer_new(*geometry.values())
+        native.layer_new(*geometry.values(), [3, 2, 3, 3])
 
 
 def test_a_layer_entry_runs_its_executables_and_a_copy_makes_its_own_layer(native, poisoned):
@@ -741,7 +741,20 @@ def test_compiled_code_selects_with_autograd_on_and_autocast_off(native, monkeyp
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled(torch.randn(3, 6, 5, 5).to(memory_format=torch.channels_last).requires_grad_()).sum().backward()
-    assert seen and all(s == (True, False, True, torch.bfloat16) for s in seen), seen
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):  # a compiled call in inference mode
+        torch.compile(module, backend="aot_eager", dynamic=True)(torch.randn(4, 6, 5, 5))
+    assert len(seen) == 2 and all(s == (True, False, True, torch.bfloat16) for s in seen), seen
+
+
+def test_a_layer_id_with_another_weight_shape_runs_torch_convolution(native):
+    # What a graph compiled in another process may do: name a layer of the same geometry by an id that here
+    # belongs to a layer with another weight (ResNet's 1x1 64->64 and 64->256 convolutions, say).
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+    other = torch.randn(8, 6, 1, 1)
+    y = torch.ops.convtune.layer_conv(x, other, None, *module._convtune_geometry, module._convtune_layer, False, False)
+    torch.testing.assert_close(y, F.conv2d(x, other))
+    assert {tuple(e[0]) for e in native.layer_entries(module._convtune_layer)} == {(2, 6, 5, 5)}
 
 
 def test_a_python_path_choice_made_for_compiled_code_keeps_the_graph_whole(native, monkeypatch):
@@ -763,7 +776,12 @@ def test_a_python_path_choice_made_for_compiled_code_keeps_the_graph_whole(nativ
             inp = torch.randn(batch, 4, 6, 6)
             torch.testing.assert_close(compiled(inp), twin(inp), atol=1e-5, rtol=1e-4)
     assert len(graphs) == 1 and not module._convtune_full_path
-    assert module.selections[Signature((5, 4, 6, 6), x.dtype, x.device, "channels_first")].runtime == "python"
+    sig = Signature((5, 4, 6, 6), x.dtype, x.device, "channels_first")
+    assert module.selections[sig].runtime == "python" and sig in module._convtune_from_compiled
+    module._convtune_forget(sig)  # forgotten: an eager call's choice for it counts again
+    assert sig not in module._convtune_from_compiled
+    module.padding = (1, 1)  # a geometry change drops every choice, and with them what compiled code asked for
+    assert module._convtune_from_compiled == set() and module._convtune_layer == 0
 
 
 def test_a_layer_of_a_dtype_no_table_keys_runs_as_before(native):

@@ -151,7 +151,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "torch.ops.convtune.tuned_conv called directly (unboxed): eager code's hot path, for plain tensors only "
       "(no __torch_function__ is consulted); unlike the op it raises ValueError for an input of other strides.");
   m.def("layer_new", &layer_new, py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
-        "A new layer of this geometry (its id) for torch.ops.convtune.layer_conv, with an empty table.");
+        py::arg("weight_shape"),
+        "A new layer of this geometry and weight shape (its id) for torch.ops.convtune.layer_conv, with an empty table.");
   m.def("layer_drop", &layer_drop, "Forget a layer and its table (an unknown id: nothing).");
   m.def(
       "layer_set",

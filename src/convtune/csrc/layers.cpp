@@ -24,6 +24,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -76,6 +77,7 @@ ConvGeometry geometry_for(const at::Tensor& x, at::IntArrayRef stride, at::IntAr
 
 struct Layer {
   ConvGeometry geometry;
+  std::vector<int64_t> weight_shape;  // with the geometry, what the layer computes: its table holds nothing else
   std::shared_mutex mutex;  // guards table
   std::unordered_map<std::string, LayerEntry> table;
 };
@@ -98,11 +100,15 @@ std::shared_ptr<Layer> find_layer(int64_t id) {
   return found->second;
 }
 
-// The layer ``id`` where it exists and computes ``geometry``; else none (the op then runs PyTorch's call).
-std::shared_ptr<Layer> layer_for(int64_t id, const ConvGeometry& geometry) {
+// The layer ``id`` where it exists and computes ``geometry`` with a weight of ``w``'s shape; else none (the op
+// then runs PyTorch's call: a graph compiled in another process may name another layer by that id).
+std::shared_ptr<Layer> layer_for(int64_t id, const ConvGeometry& geometry, const at::Tensor& w) {
   std::lock_guard<std::mutex> lock(layers_mutex);
   auto found = layers().find(id);
-  if (found == layers().end() || !(found->second->geometry == geometry)) return nullptr;
+  if (found == layers().end() || !(found->second->geometry == geometry) ||
+      !w.sizes().equals(found->second->weight_shape)) {
+    return nullptr;
+  }
   return found->second;
 }
 
@@ -144,6 +150,7 @@ bool ask_tuner(int64_t id, const at::Tensor& x, const at::Tensor& w, bool need_d
   c10::impl::ForceDispatchKeyGuard plain(state.included_,
                                          (state.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView) |
                                              c10::autocast_dispatch_keyset);
+  c10::InferenceMode no_inference_mode(false);  // a compiled call under inference_mode: measuring is not inference
   at::AutoGradMode grad(true);
   return ask(id, x, w, need_dx, need_dw, answer);
 }
@@ -152,7 +159,7 @@ bool ask_tuner(int64_t id, const at::Tensor& x, const at::Tensor& w, bool need_d
 // an empty entry (PyTorch's call) where neither has one or there is no such layer.
 LayerEntry entry_for(int64_t id, const ConvGeometry& geometry, const at::Tensor& x, const at::Tensor& w, bool need_dx,
                      bool need_dw) {
-  std::shared_ptr<Layer> layer = layer_for(id, geometry);
+  std::shared_ptr<Layer> layer = layer_for(id, geometry, w);
   if (!layer) return LayerEntry{};
   const std::string key = signature_key(x.sizes(), x.scalar_type(), x.device(), channels_last_of(x));
   std::optional<LayerEntry> known;
@@ -354,11 +361,14 @@ at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::op
 }  // namespace
 
 int64_t layer_new(std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                  int64_t groups) {
+                  int64_t groups, std::vector<int64_t> weight_shape) {
   auto layer = std::make_shared<Layer>();
   layer->geometry = geometry_of(stride, padding, dilation, groups, static_cast<int64_t>(stride.size()));
   TORCH_CHECK_VALUE(!stride.empty() && stride.size() <= 3, "convtune: a layer has 1 to 3 spatial dimensions, got ",
                     text(static_cast<int64_t>(stride.size())));
+  TORCH_CHECK_VALUE(weight_shape.size() == stride.size() + 2, "convtune: a layer's weight shape has ",
+                    text(static_cast<int64_t>(stride.size() + 2)), " dimensions, got ", text(weight_shape));
+  layer->weight_shape = std::move(weight_shape);
   std::lock_guard<std::mutex> lock(layers_mutex);
   const int64_t id = next_layer++;
   layers().emplace(id, std::move(layer));

@@ -20,9 +20,9 @@ struct LayerEntry {
   bool tuned[3] = {false, false, false};
 };
 
-// A new layer of this geometry (its id, never 0), and dropping one (its table goes with it).
+// A new layer of this geometry and weight shape (its id, never 0), and dropping one (its table goes with it).
 int64_t layer_new(std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                  int64_t groups);
+                  int64_t groups, std::vector<int64_t> weight_shape);
 void layer_drop(int64_t id);
 // The table's entry for a signature: set (replacing any), forget, and every entry (for explain and tests).
 void layer_set(int64_t id, const std::vector<int64_t>& shape, at::ScalarType dtype, at::Device device,

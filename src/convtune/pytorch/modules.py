@@ -86,6 +86,7 @@ class TunedConv(_ConvBase):
             self._convtune_selections.clear()
             self._convtune_fast.clear()
             self._convtune_traced.clear()
+            self._convtune_from_compiled.clear()
             self._convtune_drop_layer()
 
     def __setstate__(self, state: dict) -> None:
@@ -143,6 +144,7 @@ class TunedConv(_ConvBase):
     def _convtune_forget(self, sig: Signature) -> None:
         """Inputs of ``sig`` are selected for again on their next call."""
         self._convtune_selections.pop(sig, None)
+        self._convtune_from_compiled.discard(sig)
         for _, key in _traced_keys(sig):
             self._convtune_traced.pop(key, None)
         self._convtune_update_full_path()
@@ -168,7 +170,7 @@ class TunedConv(_ConvBase):
             return 0
         geometry = (list(self.stride), [lo for lo, _ in explicit_padding(self)], list(self.dilation), self.groups)
         try:
-            layer = module.layer_new(*geometry)
+            layer = module.layer_new(*geometry, list(self.weight.shape))
         except ValueError:  # a geometry no convolution has (stride 0, say): torch's own call says so
             return 0
         self._convtune_layer, self._convtune_geometry = layer, geometry
@@ -431,6 +433,10 @@ def _tune_layer(layer: int, x: torch.Tensor, w: torch.Tensor, need_dx: bool,
     if module is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    provisional = module._convtune_provisional
+    if sig in provisional and provisional[sig] != background.generation():
+        del provisional[sig]  # a background measurement has finished since: select again, as the full path does
+        module._convtune_forget(sig)
     module._convtune_from_compiled.add(sig)
     try:
         selection = module._convtune_tune(sig, need_dx, need_dw)
