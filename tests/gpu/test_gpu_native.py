@@ -153,6 +153,21 @@ def test_a_tuned_model_compiled_with_dynamic_shapes_selects_for_new_shapes_and_t
     assert all(e[5][0] and e[5][2] for e in entries)  # every new shape selected for, forward and weight gradient
 
 
+def test_a_tuned_model_compiled_with_cuda_graphs_replays_its_layer_ops_and_new_shapes():
+    # mode="reduce-overhead": Inductor's CUDA graphs record the layer ops after warm-up runs, in which a new
+    # shape is selected for; a capture never asks the tuner (it would measure inside the capture).
+    model, twin, _ = _tuned()
+    model.eval()
+    twin.load_state_dict(model.state_dict())
+    twin.eval()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for batch in (8, 6, 8, 6):
+        x = torch.randn(batch, 16, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            y, expected = compiled(x).clone(), twin(x)
+        assert rel_error(y.float(), expected.float()) < 2e-2, batch
+
+
 def test_a_cudnn_plan_is_rebuilt_from_its_serialized_form_and_computes_the_same(tmp_path):
     import time
 
