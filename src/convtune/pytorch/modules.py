@@ -176,10 +176,10 @@ class TunedConv(_ConvBase):
         self._convtune_layer, self._convtune_geometry = layer, geometry
         _LAYERS[layer] = self
         _FINALIZERS[layer] = weakref.finalize(self, _drop_layer, layer)
-        global _TUNER_SET
-        if not _TUNER_SET:
+        global _TUNER_OF
+        if _TUNER_OF is not module:  # once per loaded extension
             module.set_layer_tuner(_tune_layer)
-            _TUNER_SET = True
+            _TUNER_OF = module
         return layer
 
     def _convtune_drop_layer(self) -> None:
@@ -397,7 +397,7 @@ class TorchCall:
 
 _LAYERS: weakref.WeakValueDictionary[int, TunedConv] = weakref.WeakValueDictionary()  # layer id -> its module
 _FINALIZERS: dict[int, weakref.finalize] = {}  # layer id -> what drops it with its module
-_TUNER_SET = False  # _tune_layer is the extension's tuner
+_TUNER_OF: Any = None  # the extension module whose layers' tuner is _tune_layer
 _LAYER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what a layer's table keys
 
 
