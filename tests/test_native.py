@@ -691,6 +691,16 @@ def test_a_layer_with_a_choice_on_the_python_path_compiles_through_its_traced_ta
     assert module.selections[Signature((5, 4, 7, 7), x.dtype, x.device, "channels_first")]
 
 
+def test_explain_says_what_compiled_code_traces_for_each_layer(native):
+    x = torch.randn(2, 4, 6, 6)
+    plain = ct.nn.Conv2d(4, 4, 3, padding=1, mode="get")
+    padded = ct.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", mode="get")  # pads first: shape by shape
+    for conv in (plain, padded):
+        conv(x)
+    assert {row["compiled"] for row in ct.explain(plain)} == {"layer op"}
+    assert {row["compiled"] for row in ct.explain(padded)} == {"by shape"}
+
+
 def _selecting(monkeypatch, algorithm: str) -> None:
     """Every selection from now on runs ``algorithm`` in every direction (as if tuned so)."""
     def tune(module, sig, need_dx, need_dw):

@@ -29,8 +29,9 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     'torch', PyTorch's own call, where every direction chose torch:native (but for CPU bfloat16, which
     runs it through convtune's op) or none could be tuned;
     'python', convtune's Python path), status, time_ms (None when not measured), workspace_bytes
-    and note (why torch's or the Python path, or the result's message). Raises ``TypeError`` for a
-    non-Module.
+    note (why torch's or the Python path, or the result's message) and compiled (what torch.compile
+    traces for the layer: 'layer op', its C++ op that looks every input shape up, or 'by shape', its
+    choice per specialized shape; docs/runtime.md). Raises ``TypeError`` for a non-Module.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"explain() takes a torch.nn.Module, got {type(model).__name__}")
@@ -38,18 +39,19 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     for name, module in model.named_modules():
         if not isinstance(module, TunedConv):
             continue
+        compiled = "layer op" if module._convtune_layer and not module._convtune_full_path else "by shape"
         for selection in module.selections.values():
             if selection.on_torch:
                 rows.append(dict(module=name, problem=selection.problem, direction="fwd", algorithm=None,
                                  runtime="torch", status="torch", time_ms=None, workspace_bytes=0,
-                                 note=selection.reason))
+                                 note=selection.reason, compiled=compiled))
                 continue
             for direction, result in selection.results:
                 key = ConvProblem.from_key(selection.problem).with_direction(direction).key
                 note = "; ".join(n for n in (selection.reason, selection.python_reason, result.message) if n)
                 rows.append(dict(module=name, problem=key, direction=direction, algorithm=result.algorithm,
                                  runtime=selection.runtime, status=result.status.value, time_ms=result.time_ms,
-                                 workspace_bytes=result.workspace_bytes, note=note))
+                                 workspace_bytes=result.workspace_bytes, note=note, compiled=compiled))
     return rows
 
 
