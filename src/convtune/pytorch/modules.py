@@ -12,7 +12,9 @@ the C++ extension has executables for the layer's algorithms (``runtime``), thro
 convolution where every direction chose ``torch:native``, and otherwise on the Python path:
 ``torch.ops.convtune.conv`` under torch.compile (which traces it: tune the shapes first, then
 compile) and, in eager code, the same computation without the dispatcher (``ops.conv_call``),
-the bias a plain add after it, which Inductor can fuse. A
+the bias a plain add after it, which Inductor can fuse. Under torch.compile a layer calls its layer
+op, ``torch.ops.convtune.layer_conv``, which looks every input shape up in C++ (``_convtune_traced_forward``;
+docs/runtime.md). A
 ``padding_mode`` other than 'zeros' and an odd 'same' padding are padded explicitly first, as torch does.
 A channels_last input makes a channels_last problem (the weight is converted to match). Inputs
 convtune cannot describe (float64, say) and layers no algorithm serves run torch's own path.
