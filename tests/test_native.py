@@ -352,6 +352,40 @@ def test_two_threads_run_native_layers_at_once(native):
     assert not errors and not wrong
 
 
+def test_two_threads_meet_new_shapes_in_compiled_code_at_once(native, monkeypatch):
+    # Both threads' ops ask the tuner (with the GIL, from C++) for shapes no one has selected for yet, and one
+    # thread's backward asks from the autograd engine's thread: every answer lands in the table, nothing
+    # deadlocks, every result is right.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=8, kernel_size=1)
+    twin = torch.nn.Conv2d(6, 8, 1)
+    twin.load_state_dict(module.state_dict())
+    _selecting(monkeypatch, "gemm:1x1")
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+    compiled(x)  # traced once, before the threads
+    errors: list = []
+
+    def work(batches):
+        try:
+            for batch in batches:
+                xa = torch.randn(batch, 6, 5, 5).to(memory_format=torch.channels_last).requires_grad_()
+                y = compiled(xa)
+                y.sum().backward()
+                torch.testing.assert_close(y, twin(xa), atol=1e-5, rtol=1e-4)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(batches,)) for batches in ((3, 4, 5, 3), (5, 4, 3, 6))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    shapes = {tuple(e[0]): e for e in native.layer_entries(module._convtune_layer)}
+    assert set(shapes) == {(b, 6, 5, 5) for b in (2, 3, 4, 5, 6)}
+    assert all(native.kind(h) == "gemm_1x1" for e in shapes.values() for h in e[4])
+
+
 def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, monkeypatch, tmp_path):
     monkeypatch.setattr(extension, "_state", {"module": None, "error": None, "build_s": None})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
