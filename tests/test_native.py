@@ -386,6 +386,18 @@ def test_two_threads_meet_new_shapes_in_compiled_code_at_once(native, monkeypatc
     assert all(native.kind(h) == "gemm_1x1" for e in shapes.values() for h in e[4])
 
 
+def test_torch_export_with_a_dynamic_batch_keeps_the_layer_op(native):
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=8, kernel_size=1)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(module, (x,), dynamic_shapes=({0: batch},))
+    assert [str(n.target) for n in program.graph.nodes if n.op == "call_function"] == ["convtune.layer_conv.default"]
+    other = torch.randn(5, 6, 5, 5).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(other), F.conv2d(other, module.weight, module.bias),
+                                   atol=1e-5, rtol=1e-4)
+
+
 def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, monkeypatch, tmp_path):
     monkeypatch.setattr(extension, "_state", {"module": None, "error": None, "build_s": None})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
