@@ -93,23 +93,25 @@ LayerTuner& tuner() {
   return *t;
 }
 
-std::shared_ptr<Layer> find_layer(int64_t id) {
+// The layer ``id``, or none.
+std::shared_ptr<Layer> lookup(int64_t id) {
   std::lock_guard<std::mutex> lock(layers_mutex);
   auto found = layers().find(id);
-  TORCH_CHECK_VALUE(found != layers().end(), "convtune: no layer has id ", text(id), " in this process");
-  return found->second;
+  return found == layers().end() ? nullptr : found->second;
+}
+
+std::shared_ptr<Layer> find_layer(int64_t id) {
+  std::shared_ptr<Layer> layer = lookup(id);
+  TORCH_CHECK_VALUE(layer, "convtune: no layer has id ", text(id), " in this process");
+  return layer;
 }
 
 // The layer ``id`` where it exists and computes ``geometry`` with a weight of ``w``'s shape; else none (the op
 // then runs PyTorch's call: a graph compiled in another process may name another layer by that id).
 std::shared_ptr<Layer> layer_for(int64_t id, const ConvGeometry& geometry, const at::Tensor& w) {
-  std::lock_guard<std::mutex> lock(layers_mutex);
-  auto found = layers().find(id);
-  if (found == layers().end() || !(found->second->geometry == geometry) ||
-      !w.sizes().equals(found->second->weight_shape)) {
-    return nullptr;
-  }
-  return found->second;
+  std::shared_ptr<Layer> layer = lookup(id);
+  if (!layer || !(layer->geometry == geometry) || !w.sizes().equals(layer->weight_shape)) return nullptr;
+  return layer;
 }
 
 // The table's key: the shape, dtype, device and layout, as bytes.
@@ -192,24 +194,20 @@ at::Tensor run_layer(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef s
                     x);
 }
 
-at::Tensor backward_data(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
-                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t id) {
+// A gradient (the data gradient where ``data``, else the weight gradient) by the layer's executable for it, else
+// PyTorch's; dense like the operand whose shape it has.
+template <bool data>
+at::Tensor run_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t id) {
   const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
-  const LayerEntry e = entry_for(id, g, x, w, true, false);
-  if (e.handles[1]) return dense_like(run_tuned(dy, w, e.handles[1]), x);
+  const LayerEntry e = entry_for(id, g, x, w, data, !data);
+  const at::Tensor& like = data ? x : w;
+  if (const int64_t handle = e.handles[data ? 1 : 2]) {
+    return dense_like(data ? run_tuned(dy, w, handle) : run_tuned(x, dy, handle), like);
+  }
   auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
-                                        zeros_like(g.stride), g.groups, {true, false, false});
-  return dense_like(std::get<0>(grads), x);
-}
-
-at::Tensor backward_filter(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
-                           at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t id) {
-  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
-  const LayerEntry e = entry_for(id, g, x, w, false, true);
-  if (e.handles[2]) return dense_like(run_tuned(x, dy, e.handles[2]), w);
-  auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
-                                        zeros_like(g.stride), g.groups, {false, true, false});
-  return dense_like(std::get<1>(grads), w);
+                                        zeros_like(g.stride), g.groups, {data, !data, false});
+  return dense_like(data ? std::get<0>(grads) : std::get<1>(grads), like);
 }
 
 // Meta kernels: the result's shape from (possibly symbolic) sizes, in the memory format the real kernels give.
@@ -226,16 +224,12 @@ at::Tensor run_layer_meta(const at::Tensor& x, const at::Tensor& w, at::IntArray
   return at::empty_symint(shape, x.options(), x.suggest_memory_format());
 }
 
-at::Tensor backward_data_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
-                              at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t) {
+template <bool data>
+at::Tensor backward_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                         at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t) {
   geometry_for(x, stride, padding, dilation, groups);
-  return at::empty_symint(x.sym_sizes(), dy.options(), x.suggest_memory_format());
-}
-
-at::Tensor backward_filter_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
-                                at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t) {
-  geometry_for(x, stride, padding, dilation, groups);
-  return at::empty_symint(w.sym_sizes(), dy.options(), w.suggest_memory_format());
+  const at::Tensor& like = data ? x : w;
+  return at::empty_symint(like.sym_sizes(), dy.options(), like.suggest_memory_format());
 }
 
 using Arrays = at::IntArrayRef;
@@ -430,8 +424,8 @@ TORCH_LIBRARY_FRAGMENT(convtune, m) {
   TORCH_LIBRARY_IMPL(convtune, KEY, m) {               \
     m.impl("layer_conv", &forward_below_autograd);     \
     m.impl("layer_run", &run_layer);                   \
-    m.impl("layer_backward_data", &backward_data);     \
-    m.impl("layer_backward_filter", &backward_filter); \
+    m.impl("layer_backward_data", &run_backward<true>);    \
+    m.impl("layer_backward_filter", &run_backward<false>); \
   }
 CONVTUNE_LAYER_KERNELS(CPU)
 CONVTUNE_LAYER_KERNELS(CUDA)
@@ -439,8 +433,8 @@ CONVTUNE_LAYER_KERNELS(CUDA)
 TORCH_LIBRARY_IMPL(convtune, Meta, m) {
   m.impl("layer_conv", &forward_below_autograd);
   m.impl("layer_run", &run_layer_meta);
-  m.impl("layer_backward_data", &backward_data_meta);
-  m.impl("layer_backward_filter", &backward_filter_meta);
+  m.impl("layer_backward_data", &backward_meta<true>);
+  m.impl("layer_backward_filter", &backward_meta<false>);
 }
 
 TORCH_LIBRARY_IMPL(convtune, Autograd, m) {

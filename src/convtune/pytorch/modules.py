@@ -139,9 +139,7 @@ class TunedConv(_ConvBase):
         self._convtune_update_full_path()
         layer, module = self._convtune_layer or self._convtune_make_layer(), extension.loaded()
         if layer and module is not None and not provisional and sig.dtype in _LAYER_DTYPES:
-            handles, tuned = _layer_entry(selection)
-            module.layer_set(layer, list(sig.shape), _dtype_name(sig.dtype), str(sig.device),
-                             sig.layout == "channels_last", handles, tuned)
+            module.layer_set(layer, *_layer_signature(sig), *_layer_entry(selection))
 
     def _convtune_forget(self, sig: Signature) -> None:
         """Inputs of ``sig`` are selected for again on their next call."""
@@ -152,8 +150,7 @@ class TunedConv(_ConvBase):
         self._convtune_update_full_path()
         module = extension.loaded()
         if self._convtune_layer and module is not None and sig.dtype in _LAYER_DTYPES:
-            module.layer_forget(self._convtune_layer, list(sig.shape), _dtype_name(sig.dtype), str(sig.device),
-                                sig.layout == "channels_last")
+            module.layer_forget(self._convtune_layer, *_layer_signature(sig))
 
     def _convtune_update_full_path(self) -> None:
         """Compiled code takes the layer's op unless a choice is on the Python path, which the op cannot call,
@@ -410,8 +407,9 @@ def _drop_layer(layer: int) -> None:
         module.layer_drop(layer)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _layer_signature(sig: Signature) -> tuple[list[int], str, str, bool]:
+    """``sig`` as a layer's table keys it: shape, dtype name, device, channels_last."""
+    return list(sig.shape), str(sig.dtype).removeprefix("torch."), str(sig.device), sig.layout == "channels_last"
 
 
 def _layer_entry(selection: LayerSelection) -> tuple[list[int], list[bool]]:
