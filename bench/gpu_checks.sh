@@ -12,6 +12,8 @@
 # bench/data/sweep.jsonl.gz where it exists: the measurements get's learned model is trained on; e.g.
 # sweep:8:--networks+all measures the built-in networks' layers, which bench/learned_get.py holds out one at a
 # time; the whole dataset comes back as $OUT/sweep.jsonl.gz).
+# layerhost:<network>:<batch>[:<dtype>[:grad]] (bench/layer_host.py: each tuned layer's host and GPU time per call
+# against PyTorch's).
 # order (bench/cudnn_order.py: cuDNN's own order of its plans for every problem of the dataset, as
 # $OUT/cudnn_order.json.gz, which bench/learned_get.py reads beside the dataset off the GPU).
 # learned (bench/learned_get.py on bench/data/sweep.jsonl.gz, on the GPU: cuDNN's heuristics A and B judged too).
@@ -51,6 +53,9 @@ for step in "$@"; do
     triton:*) tests "$OUT/triton_tests_${step#triton:}.txt" "tests/test_triton_${step#triton:}.py" ;;
     warm:*) IFS=: read -r _ network batch dtype <<< "$step"
             python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" 2>&1 | sed -n '8,14p' ;;
+    layerhost:*) IFS=: read -r _ network batch dtype grad <<< "$step"
+                 python3 bench/layer_host.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" \
+                   ${grad:+--grad} --out "$OUT" 2>&1 | quiet | tail -30 ;;
     dynamic:*) args=${step#dynamic:}; python3 bench/dynamic_shapes.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -12 ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;

@@ -290,3 +290,18 @@ def test_host_probe_measures_each_probe_layer_in_its_own_process_on_the_cpu(tmp_
     assert [row["layer"] for row in payload["rows"]] == [host_probe.label(*s) for s in host_probe.PROBES["cpu"]]
     assert all({"python", "python backward"} <= set(row["overheads"]) for row in payload["rows"])
     assert (tmp_path / "host_probe.md").read_text() == host_probe.markdown(payload["env"], payload["rows"])
+
+
+def test_layer_host_times_every_convolution_of_a_network_against_pytorch(tmp_path):
+    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
+    out = subprocess.run([sys.executable, str(BENCH / "layer_host.py"), "--device", "cpu", "--tiny", "--batch", "2",
+                          "--dtype", "bfloat16", "--grad", "--calls", "2", "--rounds", "3", "--out", str(tmp_path),
+                          "--name", "lh"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "lh.json").read_text())
+    assert payload["grad"] and len(payload["rows"]) == 4  # the tiny network's four convolutions
+    for row in payload["rows"]:
+        assert row["runtime"] in ("native", "torch", "python") and row["fwd"]
+        assert row["torch_host_us"] > 0 and row["convtune_host_us"] > 0 and row["torch_gpu_us"] is None
+    text = (tmp_path / "lh.md").read_text()
+    assert all(f"| {row['layer']} |" in text for row in payload["rows"])

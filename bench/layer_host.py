@@ -1,0 +1,190 @@
+"""Each tuned layer of a network against PyTorch's own, one layer at a time: host and GPU microseconds per call.
+
+Where a whole network runs slower in eager code than PyTorch's ``cudnn.benchmark=True`` although its CUDA
+graph (the GPU's work alone) is as fast, the host pays for it. The host-cost rule measures each kind of
+executable once, on a probe layer; this script measures every layer of a real network in its own shape.
+
+One process builds the network twice (the same weights), optimizes one copy for training under autocast
+on an empty database, and records each convolution's input in one inference pass. Then, per layer, in
+rounds that alternate PyTorch's module and the tuned one (the order swapped every round): ``--calls``
+calls of the module's forward under autocast (no gradients, as inference runs, or with ``--grad`` a
+forward and backward), timed on the host from the first call to the last one's return (the host's time:
+the calls queue on the GPU, which is not waited for inside the timing) and by CUDA events (the GPU's).
+Medians over the rounds. Rows name what each tuned layer runs (``convtune.explain``).
+
+    python bench/layer_host.py --network resnet50 --batch 32 --dtype float16
+    python bench/layer_host.py --device cpu --tiny --calls 5 --rounds 3     # a check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import convtune  # noqa: E402
+import e2e  # noqa: E402
+
+
+def _inputs(model: torch.nn.Module, x: torch.Tensor, autocast) -> dict[str, torch.Tensor]:
+    """Each convolution module's input in one inference pass (by the module's name)."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, args[0].detach()))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]
+    try:
+        with torch.no_grad(), autocast():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _timed(call, calls: int, device: str) -> tuple[float, float | None]:
+    """(host us per call, GPU us per call or None off CUDA) of ``calls`` calls of ``call``."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    if device == "cuda":
+        end.record()
+        torch.cuda.synchronize()
+        return host, start.elapsed_time(end) * 1e3 / calls
+    return host, None
+
+
+def measure_layer(ours: torch.nn.Module, theirs: torch.nn.Module, x: torch.Tensor, autocast, grad: bool,
+                  calls: int, rounds: int, device: str) -> dict:
+    """Host and GPU microseconds per call of both modules on ``x``, in alternating rounds."""
+    xg = x.detach().clone().requires_grad_(grad)
+
+    def caller(module):
+        if grad:
+            def call():
+                with autocast():
+                    y = module(xg)
+                y.backward(torch.ones_like(y))
+        else:
+            def call():
+                with torch.no_grad(), autocast():
+                    module(xg)
+        return call
+
+    calls_of = {"torch": caller(theirs), "convtune": caller(ours)}
+    for call in calls_of.values():
+        call()  # first calls: selection for a new signature, lazy builds
+    times: dict[str, list[tuple[float, float | None]]] = {who: [] for who in calls_of}
+    for r in range(rounds):
+        for who in (("torch", "convtune") if r % 2 == 0 else ("convtune", "torch")):
+            times[who].append(_timed(calls_of[who], calls, device))
+    row = {}
+    for who, samples in times.items():
+        row[f"{who}_host_us"] = statistics.median(h for h, _ in samples)
+        gpu = [g for _, g in samples if g is not None]
+        row[f"{who}_gpu_us"] = statistics.median(gpu) if gpu else None
+    return row
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    if args.device == "cuda":
+        torch.backends.cudnn.benchmark = True
+    model, size, _ = e2e.build_model("tiny" if args.tiny else args.network, args.tiny)
+    model = model.to(args.device).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(model)
+    x = torch.randn(args.batch, 3, size, size, device=args.device).to(memory_format=torch.channels_last)
+    dtype = getattr(torch, args.dtype)
+
+    def autocast():
+        return torch.autocast(args.device, dtype=dtype)
+
+    with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "layers.sqlite")) as db:
+        with autocast():
+            t0 = time.perf_counter()
+            convtune.optimize(ours, x, training=True, db=db)
+            tune_s = time.perf_counter() - t0
+    model.eval()
+    ours.eval()
+    inputs = _inputs(model, x, autocast)
+    theirs = dict(model.named_modules())
+    mine = dict(ours.named_modules())
+    chosen: dict[str, dict] = {}
+    for r in convtune.explain(ours):
+        entry = chosen.setdefault(r["module"], {"runtime": r["runtime"]})
+        entry[r["direction"]] = r["algorithm"] or "torch"
+    rows = []
+    for name, xin in inputs.items():
+        row = dict(layer=name, input=list(xin.shape), dtype=str(xin.dtype).replace("torch.", ""),
+                   **chosen.get(name, {"runtime": "not tuned"}))
+        row.update(measure_layer(mine[name], theirs[name], xin, autocast, args.grad, args.calls, args.rounds,
+                                 args.device))
+        rows.append(row)
+        print(f"{name}: host {row['torch_host_us']:.1f} / {row['convtune_host_us']:.1f} us", file=sys.stderr)
+    env = common.environment()
+    return dict(environment=env, network="tiny" if args.tiny else args.network, batch=args.batch, dtype=args.dtype,
+                grad=args.grad, calls=args.calls, rounds=args.rounds, tune_s=tune_s, rows=rows)
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def markdown(payload: dict) -> str:
+    env, rows = payload["environment"], payload["rows"]
+    what = "forward and backward" if payload["grad"] else "inference (no gradients)"
+    against = "PyTorch with `cudnn.benchmark=True`; " if env.get("gpu") else ""
+    out = (f"# Each tuned layer's host and GPU time against PyTorch's\n\n{common.env_line(env)}. "
+           f"{payload['network']} b{payload['batch']} {payload['dtype']} autocast, channels_last, {what}; "
+           f"{against}per layer the median of {payload['rounds']} alternating rounds "
+           f"of {payload['calls']} calls; host: from the first call to the last one's return; GPU: CUDA events. "
+           f"`bench/layer_host.py`; tuning took {payload['tune_s']:.1f} s.\n\n")
+    total = {k: sum(r[k] for r in rows if r[k] is not None) for k in
+             ("torch_host_us", "convtune_host_us", "torch_gpu_us", "convtune_gpu_us")
+             if any(r[k] is not None for r in rows)}
+    out += "Summed over the network's convolution modules (each once): " + ", ".join(
+        f"{k.replace('_us', '').replace('_', ' ')} {v:.0f} us" for k, v in total.items()) + ".\n\n"
+    out += ("| layer | input | fwd | runtime | host us: torch | convtune | GPU us: torch | convtune |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    ordered = sorted(rows, key=lambda r: r["convtune_host_us"] - r["torch_host_us"], reverse=True)
+    for r in ordered:
+        out += (f"| {r['layer']} | {'x'.join(map(str, r['input']))} | {r.get('fwd', '-')} | {r['runtime']} | "
+                f"{_us(r['torch_host_us'])} | {_us(r['convtune_host_us'])} | {_us(r['torch_gpu_us'])} | "
+                f"{_us(r['convtune_gpu_us'])} |\n")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--network", default="resnet50")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tiny", action="store_true", help="a small stand-in network (no torchvision needed)")
+    parser.add_argument("--grad", action="store_true", help="time forward and backward instead of inference")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default=None, help="folder of the result files (default: bench/results)")
+    parser.add_argument("--name", default=None, help="the result files' name (default: layer_host_<network>_b<batch>)")
+    args = parser.parse_args()
+    if args.calls < 1 or args.rounds < 1:
+        parser.error(f"--calls {args.calls} and --rounds {args.rounds} must be 1 or more")
+    payload = run(args)
+    name = args.name or f"layer_host_{payload['network']}_b{args.batch}{'_grad' if args.grad else ''}"
+    common.write(name, payload, markdown(payload), Path(args.out) if args.out else None)
+    print(markdown(payload))
+
+
+if __name__ == "__main__":
+    main()
