@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -208,14 +209,20 @@ def run_config(cfg: dict) -> dict:
         out[f"{workload}_first_s"] = _first_call_s(step, timer)  # benchmark mode's tuning, or the compile time
         if cfg["style"] == "graph":
             step, out[f"{workload}_capture_s"] = _graphed(step, device)
+        # The process's CPU time over the wall time while timed (all its threads: above 1 where another thread
+        # works beside the steps, and a Python one takes turns with them on the GIL), and its threads.
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         if cfg["mode"] == "convtune" and cfg["style"] == "eager":  # (compiled code and graphs call no forward)
             with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady: none)
                 out[workload] = timer(step)
             out[workload]["full_path_calls"] = full.calls
         else:
             out[workload] = timer(step)
+        out[workload]["cpu_per_wall"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+        out[workload]["threads"] = sorted(t.name for t in threading.enumerate())
         calls = out[workload].get("full_path_calls")
-        print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s)"
+        print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s; "
+              f"CPU / wall {out[workload]['cpu_per_wall']:.2f}, {len(out[workload]['threads'])} threads)"
               + (f", {calls} full-path calls" if calls else ""), file=sys.stderr, flush=True)
     if cfg["style"] != "graph" and cfg.get("profile", True):
         steps = cfg.get("profile_steps", 3)
@@ -401,6 +408,10 @@ def combine(runs: list[dict]) -> dict:
                                  process_ms=[m["ms"] for m in measured])
             if any("full_path_calls" in m for m in measured):  # each process's count
                 row[workload]["full_path_calls"] = [m.get("full_path_calls") for m in measured]
+            row[workload]["process_cpu_per_wall"] = [m.get("cpu_per_wall") for m in measured]
+            row[workload]["process_threads"] = [m.get("threads") for m in measured]
+    if any("db" in r for r in ok):  # each process's database: its first tunes cold, the others warm
+        row["process_db"] = [r.get("db") for r in ok]
     later = [r["tune_s"] for r in ok[1:] if "tune_s" in r]
     if later:
         row["later_tune_s"] = later

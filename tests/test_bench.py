@@ -100,6 +100,12 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     # each process counted the calls that left the layers' hot path while timed: none in a steady state
     assert ours["training"]["full_path_calls"] == ours["inference"]["full_path_calls"] == [0, 0]
     assert "full_path_calls" not in rows["tiny:b4:bfloat16:eager:torch_bm1"]["training"]
+    # each process's database, its CPU time over the wall time while timed, and its threads then
+    assert ours["process_db"] == ["cold", "warm"]
+    for workload in ("inference", "training"):
+        ratios = ours[workload]["process_cpu_per_wall"]
+        assert len(ratios) == 2 and all(c > 0 for c in ratios)
+        assert all("MainThread" in names for names in ours[workload]["process_threads"])
     report = (tmp_path / "e2e.md").read_text()
     (tmp_path / "e2e.md").unlink()
     subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,
