@@ -209,8 +209,10 @@ def run_config(cfg: dict) -> dict:
         out[f"{workload}_first_s"] = _first_call_s(step, timer)  # benchmark mode's tuning, or the compile time
         if cfg["style"] == "graph":
             step, out[f"{workload}_capture_s"] = _graphed(step, device)
-        # The process's CPU time over the wall time while timed (all its threads: above 1 where another thread
-        # works beside the steps, and a Python one takes turns with them on the GIL), and its threads.
+        # The process's CPU time over the wall time while timed (all its threads; the main thread counts as busy
+        # while it waits on the GPU, torch.cuda.synchronize spinning: only a value clearly above 1 says that
+        # another thread works beside the steps, and a Python one takes turns with them on the GIL), and its
+        # threads: Python's by name, and every thread of the process as the OS names it.
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if cfg["mode"] == "convtune" and cfg["style"] == "eager":  # (compiled code and graphs call no forward)
             with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady: none)
@@ -220,6 +222,7 @@ def run_config(cfg: dict) -> dict:
             out[workload] = timer(step)
         out[workload]["cpu_per_wall"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         out[workload]["threads"] = sorted(t.name for t in threading.enumerate())
+        out[workload]["os_threads"] = _os_threads()
         calls = out[workload].get("full_path_calls")
         print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s; "
               f"CPU / wall {out[workload]['cpu_per_wall']:.2f}, {len(out[workload]['threads'])} threads)"
@@ -237,6 +240,20 @@ def run_config(cfg: dict) -> dict:
         if device == "cuda":
             out["inference_profile"] = profile_step(infer, steps)
     return out
+
+
+def _os_threads() -> list[str] | None:
+    """Every thread of this process by the name the OS gives it (native ones too; Linux only, else None)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(names)
 
 
 class FullPathCalls:
@@ -406,11 +423,12 @@ def combine(runs: list[dict]) -> dict:
             row[workload] = dict(ms=statistics.median(m["ms"] for m in measured),
                                  min_ms=min(m["min_ms"] for m in measured), max_ms=max(m["max_ms"] for m in measured),
                                  process_ms=[m["ms"] for m in measured])
-            if any("full_path_calls" in m for m in measured):  # each process's count
-                row[workload]["full_path_calls"] = [m.get("full_path_calls") for m in measured]
-            row[workload]["process_cpu_per_wall"] = [m.get("cpu_per_wall") for m in measured]
-            row[workload]["process_threads"] = [m.get("threads") for m in measured]
-    if any("db" in r for r in ok):  # each process's database: its first tunes cold, the others warm
+            # each process's count of calls off the hot path, CPU over wall time and threads (a row of one process
+            # keeps them under their own names)
+            for key in ("full_path_calls", "cpu_per_wall", "threads", "os_threads"):
+                if any(key in m for m in measured):
+                    row[workload][key] = [m.get(key) for m in measured]
+    if any("db" in r for r in ok):  # each process's database (the row's own "db" is the first's: cold)
         row["process_db"] = [r.get("db") for r in ok]
     later = [r["tune_s"] for r in ok[1:] if "tune_s" in r]
     if later:

@@ -54,8 +54,9 @@ for step in "$@"; do
     warm:*) IFS=: read -r _ network batch dtype <<< "$step"
             python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" 2>&1 | sed -n '8,14p' ;;
     layerhost:*) IFS=: read -r _ network batch dtype grad <<< "$step"
+                 [ "$grad" = grad ] && grad=--grad || grad=
                  python3 bench/layer_host.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" \
-                   ${grad:+--grad} --out "$OUT" 2>&1 | quiet | tail -30 ;;
+                   $grad --out "$OUT" 2>&1 | quiet | grep -v '^[a-z_0-9.]*: host' | head -40 ;;
     dynamic:*) args=${step#dynamic:}; python3 bench/dynamic_shapes.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -12 ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;

@@ -103,9 +103,10 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     # each process's database, its CPU time over the wall time while timed, and its threads then
     assert ours["process_db"] == ["cold", "warm"]
     for workload in ("inference", "training"):
-        ratios = ours[workload]["process_cpu_per_wall"]
+        ratios = ours[workload]["cpu_per_wall"]
         assert len(ratios) == 2 and all(c > 0 for c in ratios)
-        assert all("MainThread" in names for names in ours[workload]["process_threads"])
+        assert all("MainThread" in names for names in ours[workload]["threads"])
+        assert all(names is None or len(names) >= 1 for names in ours[workload]["os_threads"])
     report = (tmp_path / "e2e.md").read_text()
     (tmp_path / "e2e.md").unlink()
     subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,
