@@ -5,9 +5,9 @@ graph (the GPU's work alone) is as fast, the host pays for it. The host-cost rul
 executable once, on a probe layer; this script measures every layer of a real network in its own shape.
 
 One process builds the network twice (the same weights), optimizes one copy for training under autocast
-on an empty database, and records each convolution's input in one inference pass. Then, per layer, in
-rounds that alternate PyTorch's module and the tuned one (the order swapped every round): ``--calls``
-calls of the module's forward under autocast (no gradients, as inference runs, or with ``--grad`` a
+on an empty database, and records each convolution's input in one pass (eval mode, gradients on). Then,
+per layer, in rounds that alternate PyTorch's module and the tuned one (the order swapped every round):
+``--calls`` calls of the module's forward under autocast (no gradients, as inference runs, or with ``--grad`` a
 forward and backward, each input asking for its gradient where the network's training pass does), timed
 on the host from the first call to the last one's return, and on the GPU by CUDA events. On CUDA the GPU
 is first given a queue of matrix products longer than the calls take the host, and the start event waits
@@ -36,6 +36,8 @@ import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
 
+CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
 
 def _inputs(model: torch.nn.Module, x: torch.Tensor, autocast) -> dict[str, tuple[torch.Tensor, bool]]:
     """Each convolution module's input in one pass with gradients on (by the module's name), and whether it
@@ -46,7 +48,7 @@ def _inputs(model: torch.nn.Module, x: torch.Tensor, autocast) -> dict[str, tupl
         seen.setdefault(name, (args[0].detach().clone(), args[0].requires_grad))
 
     hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: keep(mod, args, name))
-             for name, m in model.named_modules() if isinstance(m, torch.nn.modules.conv._ConvNd)]
+             for name, m in model.named_modules() if isinstance(m, CONVOLUTIONS)]
     try:
         with torch.enable_grad(), autocast():
             model(x)
