@@ -91,6 +91,7 @@ def test_cache_export_import_clear(capsys, tmp_path):
     (["get", *SMALL, "--dtype", "float64"], "float64"),
     (["get", *SMALL[:-2], "--device", "cuda"], "CUDA"),
     (["find", *SMALL, "--workspace-limit", "lots"], "lots"),
+    (["report", "resnet18", "--budgets", "0,1MiB,xx"], "'xx' is not a size"),
     (["get", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3x3x3"], "kernel_size"),
     (["get", "--c", "8", "--k", "8", "--size", "ten"], "--size"),
     (["tune", "alexnet"], "alexnet"),
@@ -104,6 +105,14 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, argv, words):
     assert code == 2, (out, err)
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in err
+
+
+def test_a_bad_workspace_budget_is_refused_before_anything_is_tuned(capsys, tmp_path):
+    db = tmp_path / "t.sqlite"
+    code, _, err = run(capsys, "tune", "resnet18", "--batch", "1", "--device", "cpu", "--db", str(db),
+                       "--workspace-budget", "lots")
+    assert code == 2 and "--workspace-budget: 'lots' is not a size" in err and len(err.strip().splitlines()) == 1
+    assert not db.exists()  # refused while the arguments were read: no layer was tuned, no database opened
 
 
 def test_settings_lists_every_setting(capsys):

@@ -79,7 +79,8 @@ def _add_type_args(g) -> None:
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the policy")
-    g.add_argument("--workspace-limit", default=None, help="most workspace memory per algorithm, e.g. 64MiB")
+    g.add_argument("--workspace-limit", type=_size, default=None,
+                   help="most workspace memory per algorithm, e.g. 64MiB")
     g.add_argument("--deterministic", action="store_true", help="only run-to-run deterministic algorithms")
     g.add_argument("--no-tf32", action="store_true", help="forbid TF32 math for float32")
     g.add_argument("--no-reduced-precision", action="store_true", help="forbid half-precision accumulation")
@@ -93,7 +94,7 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
 
 def _add_budget_args(p: argparse.ArgumentParser, required: bool) -> None:
     g = p.add_argument_group("the network's workspace budget (convtune.plan)")
-    g.add_argument("--workspace-budget", required=required, default=None,
+    g.add_argument("--workspace-budget", type=_size, required=required, default=None,
                    help="workspace memory for the whole network, e.g. 64MiB: one choice per layer so that it fits")
     g.add_argument("--budget-mode", default="shared", choices=BUDGET_MODES,
                    help="shared: layers run one after another and share one buffer, the largest must fit "
@@ -187,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget_args(p, required=True)
     p.add_argument("--out", default="report.html", help="the HTML file; its PNG figures go beside it "
                                                         "(default report.html)")
-    p.add_argument("--budgets", default=None, help="budgets of the total-time figure, e.g. 0,1MiB,16MiB,256MiB "
-                                                   "(default: where the total time changes)")
+    p.add_argument("--budgets", type=_sizes, default=None,
+                   help="budgets of the total-time figure, e.g. 0,1MiB,16MiB,256MiB (default: where the total time "
+                        "changes)")
     _add_policy_args(p)
     _add_db_args(p)
 
@@ -216,6 +218,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="build again even if a build of these sources exists")
     p.add_argument("--json", action="store_true")
     return parser
+
+
+def _size(text: str) -> str:
+    """argparse type: a size in bytes or like 64MiB (checked here, before any tuning; kept as written)."""
+    try:
+        parse_bytes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or a size like 512KiB, 64MiB, 1GiB, "
+                                         f"2GB") from None
+    return text
+
+
+def _sizes(text: str) -> str:
+    """argparse type: comma-separated sizes (each as ``_size``)."""
+    for part in text.split(","):
+        if part.strip():
+            _size(part.strip())
+    return text
 
 
 def _positive(text: str) -> int:
