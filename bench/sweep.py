@@ -3,8 +3,9 @@
 The data a learned cost model for ``get`` is trained on. Problem i of a sweep is drawn from a
 generator seeded with (seed, i): a seed layer (the built-in networks' layer tables and DeepBench),
 then random perturbations of it (channels, spatial size, kernel including 1xN and Nx1, stride,
-dilation, groups from dense to depthwise, batch), a direction, a dtype (float16, bfloat16, float32
-with and without TF32) and a layout. Each problem is measured by ``find`` with its search rules
+dilation, groups from dense to depthwise, batch; now and then a network's first layer, an image's
+1, 3 or 4 channels in), a direction, a dtype (float16, bfloat16, float32 with and without TF32) and
+a layout. Each problem is measured by ``find`` with its search rules
 off, so every supporting candidate is checked against float64 and timed by the one timer; the
 results go to a tuning database, which is what makes a cut run resumable (a problem the database
 has is not measured again) and what the dataset is exported from, in the database's export
@@ -36,6 +37,10 @@ DTYPES = (("float16", True), ("bfloat16", True), ("float32", True), ("float32", 
 LAYOUTS = ("channels_last", "channels_first")
 DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
 BATCHES = (1, 8, 32, 64, 128, 256)
+IMAGE_CHANNELS = 4  # grey, RGB, RGBA: the input channels of a network's first layer
+# Of the seed layers only a few (7 of 220) are first layers, and find's choice there is its own (cuDNN has
+# engines for few input channels only): a share of the problems drawn is made one.
+FIRST_LAYERS = 0.05
 MAX_ELEMENTS = 2**27  # per operand: keeps one problem's find within seconds and its memory modest
 
 
@@ -64,8 +69,10 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
     base = rng.choice(layers)
     c, k = base.c, base.k
     if rng.random() < 0.6:
-        c = _round_channels(c * rng.choice((0.25, 0.5, 1, 1, 2, 4)), rng)
+        if c > IMAGE_CHANNELS:  # a first layer's input channels are an image's, not a width to scale
+            c = _round_channels(c * rng.choice((0.25, 0.5, 1, 1, 2, 4)), rng)
         k = _round_channels(k * rng.choice((0.25, 0.5, 1, 1, 2, 4)), rng)
+    first_layer = rng.random() < FIRST_LAYERS  # a layer made a network's first one (below)
     ndim = base.ndim
     size = tuple(max(1, int(round(s * rng.choice((0.25, 0.5, 1, 1, 2))))) for s in base.input_size)
     kernel = base.kernel_size
@@ -80,8 +87,13 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
             kernel = (1, r) if rng.random() < 0.5 else (r, 1)
     stride = base.stride if rng.random() < 0.7 else (rng.choice((1, 2)),) * ndim
     dilation = (1,) * ndim if rng.random() < 0.85 else (rng.choice((2, 3)),) * ndim
+    if first_layer:  # an image's channels in and size, a stem's filters out, a 3x3 to 7x7 kernel, mostly stride 2
+        c, k = rng.choice((1, 3, 4)), rng.choice((16, 24, 32, 48, 64))
+        size = (rng.choice((96, 128, 160, 224, 256, 320)),) * 2 if ndim == 2 else (rng.choice((1024, 4096, 16000)),)
+        kernel, dilation = (rng.choice((3, 5, 7)),) * ndim, (1,) * ndim
+        stride = (2,) * ndim if rng.random() < 0.7 else (1,) * ndim
     groups = 1
-    roll = rng.random()
+    roll = 1.0 if first_layer else rng.random()  # a first layer is dense
     if roll < 0.15:  # depthwise, with a channel multiplier now and then
         groups, k = c, c * rng.choice((1, 1, 1, 2))
     elif roll < 0.35:  # grouped: 2 to 64 channels per group

@@ -162,6 +162,10 @@ def test_the_sweep_draws_the_same_problems_and_covers_what_networks_contain(swee
     assert depthwise and grouped and any(p.k == 2 * p.c for p in depthwise)
     assert any(p.ndim == 2 and p.kernel_size[0] != p.kernel_size[1] for p in drawn)  # 1xN, Nx1, DeepBench's
     assert any(max(p.dilation) > 1 for p in drawn) and any(max(p.stride) > 1 for p in drawn)
+    # first layers (an image's 1, 3 or 4 channels in), of which the seeds hold few: a share of the draws
+    first = [p for p in drawn if p.c <= sweep.IMAGE_CHANNELS and p.groups == 1]
+    assert len(first) >= 0.5 * sweep.FIRST_LAYERS * len(drawn) and {p.c for p in first} == {1, 3, 4}
+    assert any(p.ndim == 2 and p.kernel_size == (7, 7) and p.stride == (2, 2) and p.input_size[0] >= 96 for p in first)
     assert all(max(math.prod(s) for s in p.operand_shapes) <= sweep.MAX_ELEMENTS or p.n == 1 for p in drawn)
 
 
