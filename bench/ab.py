@@ -26,6 +26,7 @@ batch and dtype, ``torch.profiler``'s host-side table of ``--steps`` eager train
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -69,10 +70,10 @@ def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
     return "\n\n".join(parts)
 
 
-def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: bool) -> tuple:
+def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: bool, db=None) -> tuple:
     """(PyTorch's model, convtune's copy of it, input, labels, seconds ``optimize`` took): the network built once
     (seed 0, channels_last, ``cudnn.benchmark=True``) and copied, the copy optimized for training under autocast
-    on an empty tuning database."""
+    on ``db`` (default: an empty tuning database, closed on return)."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     torch_model, size, classes = e2e.build_model(model_name, tiny)
@@ -80,7 +81,10 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
     ours = copy.deepcopy(torch_model)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, classes, (batch,), device=device)
-    with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "ab.sqlite")) as db:
+    with contextlib.ExitStack() as stack:
+        if db is None:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            db = stack.enter_context(convtune.TuningDB(str(Path(tmp) / "ab.sqlite")))
         with torch.autocast(device, dtype=dtype):
             t0 = time.perf_counter()
             convtune.optimize(ours, x, training=True, db=db)

@@ -22,7 +22,6 @@ each tuned layer runs (``convtune.explain``, after the timings: a signature firs
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import tempfile
@@ -32,9 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ab  # noqa: E402
 import common  # noqa: E402
 import convtune  # noqa: E402
-import e2e  # noqa: E402
 
 CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
@@ -44,10 +43,10 @@ def _inputs(model: torch.nn.Module, x: torch.Tensor, autocast) -> dict[str, tupl
     asks for its gradient there (the network's first layer's input does not)."""
     seen: dict[str, tuple[torch.Tensor, bool]] = {}
 
-    def keep(module, args, name):
+    def keep(name: str, args: tuple) -> None:  # a pre-hook returning something would replace the inputs
         seen.setdefault(name, (args[0].detach().clone(), args[0].requires_grad))
 
-    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: keep(mod, args, name))
+    hooks = [m.register_forward_pre_hook(lambda _, args, name=name: keep(name, args))
              for name, m in model.named_modules() if isinstance(m, CONVOLUTIONS)]
     try:
         with torch.enable_grad(), autocast():
@@ -140,13 +139,6 @@ def measure_layer(ours: torch.nn.Module, theirs: torch.nn.Module, x: torch.Tenso
 
 
 def run(args) -> dict:
-    torch.manual_seed(0)
-    if args.device == "cuda":
-        torch.backends.cudnn.benchmark = True
-    model, size, _ = e2e.build_model("tiny" if args.tiny else args.network, args.tiny)
-    model = model.to(args.device).to(memory_format=torch.channels_last)
-    ours = copy.deepcopy(model)
-    x = torch.randn(args.batch, 3, size, size, device=args.device).to(memory_format=torch.channels_last)
     dtype = getattr(torch, args.dtype)
 
     def autocast():
@@ -155,10 +147,7 @@ def run(args) -> dict:
     rows = []
     # Measured with the tuning database open: a signature first met while timed is selected for on it.
     with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "layers.sqlite")) as db:
-        with autocast():
-            t0 = time.perf_counter()
-            convtune.optimize(ours, x, training=True, db=db)
-            tune_s = time.perf_counter() - t0
+        model, ours, x, _, tune_s = ab.pair(args.network, args.batch, dtype, args.device, args.tiny, db=db)
         model.eval()
         ours.eval()
         inputs = _inputs(model, x, autocast)
@@ -203,14 +192,12 @@ def markdown(payload: dict) -> str:
     out += "Summed over the network's convolution modules (each once): " + ", ".join(
         f"{k.replace('_us', '').replace('_', ' ')} {v:.0f} us" for k, v in total.items()) + ".\n\n"
     out += "Worst first (convtune's host time over PyTorch's).\n\n"
-    out += (f"| layer | input | {' | '.join(directions)} | runtime | host us: torch | convtune | GPU us: torch | "
-            f"convtune |\n|{'---|' * (7 + len(directions))}\n")
     ordered = sorted(rows, key=lambda r: r["convtune_host_us"] - r["torch_host_us"], reverse=True)
-    for r in ordered:
-        out += (f"| {r['layer']} | {'x'.join(map(str, r['input']))} | "
-                f"{' | '.join(r.get(d, '-') for d in directions)} | {r['runtime']} | "
-                f"{_us(r['torch_host_us'])} | {_us(r['convtune_host_us'])} | {_us(r['torch_gpu_us'])} | "
-                f"{_us(r['convtune_gpu_us'])} |\n")
+    out += common.md_table(
+        ["layer", "input", *directions, "runtime", "host us: torch", "convtune", "GPU us: torch", "convtune"],
+        [[r["layer"], "x".join(map(str, r["input"])), *(r.get(d, "-") for d in directions), r["runtime"],
+          _us(r["torch_host_us"]), _us(r["convtune_host_us"]), _us(r["torch_gpu_us"]), _us(r["convtune_gpu_us"])]
+         for r in ordered])
     return out
 
 
@@ -224,15 +211,16 @@ def main() -> None:
     parser.add_argument("--grad", action="store_true", help="time forward and backward instead of inference")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default=None, help="folder of the result files (default: bench/results)")
-    parser.add_argument("--name", default=None, help="the result files' name (default: layer_host_<network>_b<batch>)")
+    common.result_arguments(parser, "layer_host_<network>_b<batch>")
     args = parser.parse_args()
     if args.calls < 1 or args.rounds < 1:
         parser.error(f"--calls {args.calls} and --rounds {args.rounds} must be 1 or more")
+    if args.name == "layer_host_<network>_b<batch>":
+        args.name = f"layer_host_{'tiny' if args.tiny else args.network}_b{args.batch}{'_grad' if args.grad else ''}"
     payload = run(args)
-    name = args.name or f"layer_host_{payload['network']}_b{args.batch}{'_grad' if args.grad else ''}"
-    common.write(name, payload, markdown(payload), Path(args.out) if args.out else None)
-    print(markdown(payload))
+    text = markdown(payload)
+    common.write(args.name, payload, text, Path(args.out) if args.out else None)
+    print(text)
 
 
 if __name__ == "__main__":

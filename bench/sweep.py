@@ -89,7 +89,7 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
     dilation = (1,) * ndim if rng.random() < 0.85 else (rng.choice((2, 3)),) * ndim
     if first_layer:  # an image's channels in and size, a stem's filters out, a 3x3 to 7x7 kernel, mostly stride 2
         c, k = rng.choice((1, 3, 4)), rng.choice((16, 24, 32, 48, 64))
-        size = (rng.choice((96, 128, 160, 224, 256, 320)),) * 2 if ndim == 2 else (rng.choice((1024, 4096, 16000)),)
+        size = (rng.choice((96, 128, 160, 224, 256, 320)),) * ndim if ndim > 1 else (rng.choice((1024, 4096, 16000)),)
         kernel, dilation = (rng.choice((3, 5, 7)),) * ndim, (1,) * ndim
         stride = (2,) * ndim if rng.random() < 0.7 else (1,) * ndim
     groups = 1

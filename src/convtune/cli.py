@@ -79,8 +79,7 @@ def _add_type_args(g) -> None:
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the policy")
-    g.add_argument("--workspace-limit", type=_size, default=None,
-                   help="most workspace memory per algorithm, e.g. 64MiB")
+    g.add_argument("--workspace-limit", default=None, help="most workspace memory per algorithm, e.g. 64MiB")
     g.add_argument("--deterministic", action="store_true", help="only run-to-run deterministic algorithms")
     g.add_argument("--no-tf32", action="store_true", help="forbid TF32 math for float32")
     g.add_argument("--no-reduced-precision", action="store_true", help="forbid half-precision accumulation")
@@ -188,9 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget_args(p, required=True)
     p.add_argument("--out", default="report.html", help="the HTML file; its PNG figures go beside it "
                                                         "(default report.html)")
-    p.add_argument("--budgets", type=_sizes, default=None,
-                   help="budgets of the total-time figure, e.g. 0,1MiB,16MiB,256MiB (default: where the total time "
-                        "changes)")
+    p.add_argument("--budgets", default=None, help="budgets of the total-time figure, e.g. 0,1MiB,16MiB,256MiB "
+                                                   "(default: where the total time changes)")
     _add_policy_args(p)
     _add_db_args(p)
 
@@ -221,20 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _size(text: str) -> str:
-    """argparse type: a size in bytes or like 64MiB (checked here, before any tuning; kept as written)."""
+    """argparse type: a size in bytes or like 64MiB, checked as the arguments are read (kept as written; what
+    is used later, after tuning, as --workspace-budget is, must not fail then)."""
     try:
         parse_bytes(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or a size like 512KiB, 64MiB, 1GiB, "
-                                         f"2GB") from None
-    return text
-
-
-def _sizes(text: str) -> str:
-    """argparse type: comma-separated sizes (each as ``_size``)."""
-    for part in text.split(","):
-        if part.strip():
-            _size(part.strip())
+    except ValueError as exc:  # parse_bytes' own words, less the name it was given
+        raise argparse.ArgumentTypeError(str(exc).partition("=")[2]) from None
     return text
 
 

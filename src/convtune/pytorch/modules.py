@@ -141,6 +141,14 @@ class TunedConv(_ConvBase):
         if layer and module is not None and not provisional and sig.dtype in _LAYER_DTYPES:
             module.layer_set(layer, *_layer_signature(sig), *_layer_entry(selection))
 
+    def _convtune_adopt_landed(self, sig: Signature) -> None:
+        """If a background measurement has finished since ``sig``'s provisional choice, forget that choice: the
+        next selection finds the measurement."""
+        provisional = self._convtune_provisional
+        if provisional and sig in provisional and provisional[sig] != background.generation():
+            del provisional[sig]
+            self._convtune_forget(sig)
+
     def _convtune_forget(self, sig: Signature) -> None:
         """Inputs of ``sig`` are selected for again on their next call."""
         self._convtune_selections.pop(sig, None)
@@ -268,12 +276,8 @@ class TunedConv(_ConvBase):
         sig = Signature(tuple(x.shape), dtype, x.device, layout_of(x))
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+        self._convtune_adopt_landed(sig)
         selection = self._convtune_selections.get(sig)
-        provisional = self._convtune_provisional
-        if provisional and sig in provisional and provisional[sig] != background.generation():
-            del provisional[sig]  # a background measurement has finished since: select again
-            self._convtune_forget(sig)
-            selection = None
         if selection is None or not selection.covers(need_dx, need_dw):
             if torch.compiler.is_compiling():
                 selection = _eager_tuning(type(self))(self, sig, need_dx, need_dw)
@@ -433,10 +437,7 @@ def _tune_layer(layer: int, x: torch.Tensor, w: torch.Tensor, need_dx: bool,
     if module is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
-    provisional = module._convtune_provisional
-    if sig in provisional and provisional[sig] != background.generation():
-        del provisional[sig]  # a background measurement has finished since: select again, as the full path does
-        module._convtune_forget(sig)
+    module._convtune_adopt_landed(sig)
     module._convtune_from_compiled.add(sig)
     try:
         selection = module._convtune_tune(sig, need_dx, need_dw)
