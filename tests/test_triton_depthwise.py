@@ -11,7 +11,12 @@ import math
 import pytest
 
 from convtune.algorithms.registry import get_algorithm, registered
-from convtune.algorithms.triton_depthwise import TritonDepthwise
+from convtune.algorithms.triton_depthwise import (
+    BACKWARD_DATA_TILES,
+    BACKWARD_FILTER_TILES,
+    FORWARD_TILES,
+    TritonDepthwise,
+)
 from convtune.algorithms.triton_family import INDEX_LIMIT, interpreting
 from convtune.problem import ConvProblem
 from triton_cases import (
@@ -26,6 +31,7 @@ from triton_cases import (
 )
 
 FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwise)]
+TILES = {"fwd": FORWARD_TILES, "bwd_data": BACKWARD_DATA_TILES, "bwd_filter": BACKWARD_FILTER_TILES}
 SHAPES = {
     "3x3_pad1": dict(n=2, c=5, k=5, input_size=(7, 6), kernel_size=3, padding=1),
     "multiplier2_stride2": dict(n=2, c=3, k=6, input_size=(9, 8), kernel_size=3, stride=2, padding=1),
@@ -50,7 +56,7 @@ def test_matches_reference(shape, direction, dtype, layout):
         # float16 and bfloat16 take the same code (loads widened to float32, one rounding at the store): the
         # interpreter, a third of CI's time, runs bfloat16's; the GPU runs both.
         pytest.skip("float16 runs the same kernels as bfloat16: checked on the GPU")
-    check_configurations(FAMILY, problem(shape, direction, dtype, layout), 4)
+    check_configurations(FAMILY, problem(shape, direction, dtype, layout), len(TILES[direction]))
 
 
 @kernels

@@ -26,8 +26,10 @@ from .triton_family import TritonAlgorithm, register_family
 # channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous.
 FORWARD_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
 BACKWARD_DATA_TILES = FORWARD_TILES
-# The filter gradient's fourth number: output rows summed per program (more rows, fewer partial sums).
-BACKWARD_FILTER_TILES = ((16, 64, 4, 16), (32, 32, 4, 8), (8, 128, 4, 32), (64, 4, 4, 8))
+# The filter gradient's fourth number: output rows summed per program (more rows, fewer partial sums); a
+# fifth, True: a kernel row's taps at once (its name ends in 'r'), positions × taps capped at 64.
+BACKWARD_FILTER_TILES = ((16, 64, 4, 16), (32, 32, 4, 8), (8, 128, 4, 32), (64, 4, 4, 8),
+                         (8, 64, 4, 8, True), (16, 32, 4, 8, True), (4, 128, 4, 16, True), (32, 4, 4, 8, True))
 
 
 class TritonDepthwise(TritonAlgorithm):
@@ -36,6 +38,13 @@ class TritonDepthwise(TritonAlgorithm):
     family = "depthwise"
     kernels = "depthwise"
     tile_type = "Tile"
+
+    def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0,
+                 row_taps: bool = False):
+        super().__init__(direction, positions, channels, warps, chunk)
+        if row_taps:
+            self.tile_args = (*self.tile_args, True)
+            self.name += "r"
 
     def _family_supports(self, problem: ConvProblem) -> Support:
         if problem.groups != problem.c:

@@ -46,7 +46,7 @@ class TritonAlgorithm(Algorithm):
     tile_type = ""
 
     def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0):
-        self.tile_args = (positions, channels, warps, chunk)
+        self.tile_args: tuple[int, ...] = (positions, channels, warps, chunk)
         label = f"p{positions}c{channels}w{warps}" + (f"s{chunk}" if chunk else "")
         self.name = f"triton:{self.family}_{direction}_{label}"
         self.directions = (direction,)

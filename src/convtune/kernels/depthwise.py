@@ -14,7 +14,9 @@ operands' dtype, and every sum has one fixed order: the results are deterministi
 - ``backward_filter``: a reduction over batch and space for each (channel, tap). A program sums
   a run of output rows for a tile of channels, tap after tap, into a float32 partial (the run
   stays in cache across the taps); a second kernel adds the runs' partials in a fixed order and
-  rounds once into the gradient. No atomics.
+  rounds once into the gradient. No atomics. A second form (``Tile.row_taps``) takes a kernel row's
+  taps at once: each tile of dy is loaded once per kernel row and multiplied by that row's shifted
+  input tiles, one (positions × taps × channels) accumulator.
 
 The channel multiplier and the kernel's size are compile-time constants: with a multiplier of 1
 the compiler sees that a tile's channels are contiguous and loads channels_last rows in vectors.
@@ -33,6 +35,8 @@ import triton.language as tl
 from ..problem import ConvProblem
 from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials
 
+ROW_TAPS_TILE = 64  # the row-taps weight gradient's positions × taps per turn
+
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
@@ -43,6 +47,7 @@ class Tile:
     channels: int
     warps: int = 4
     chunk: int = 0
+    row_taps: bool = False  # backward_filter: a kernel row's taps at once (``_backward_filter_row_partials``)
 
 
 @triton.jit
@@ -136,6 +141,46 @@ def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, 
             tl.store(partials + part * K * R * S + k * R * S + r * S + s, tl.sum(acc, axis=0), mask=k_ok)
 
 
+@triton.jit
+def _backward_filter_row_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, K,
+                                  sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq,
+                                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                                  M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+                                  BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    # As _backward_filter_partials, but a kernel row's S taps at once: per output row and tile of its
+    # positions, dy is loaded once and multiplied by the S shifted input tiles, one (positions × taps ×
+    # channels) tile, so dy is read R times (not R·S) and the taps' loop turns are S times fewer.
+    part = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    s = tl.arange(0, S_PAD)
+    s_ok = s < S
+    first_row = part * rows_per_part
+    last_row = tl.minimum(first_row + rows_per_part, rows)
+    x_channels = (k // M) * sxc
+    dy_channels = k * sdk
+    for r in range(R):
+        acc = tl.zeros((BLOCK_Q, S_PAD, BLOCK_K), dtype=tl.float32)
+        for row in range(first_row, last_row):
+            n = row // P
+            p = row - n * P
+            h = p * stride_h - pad_h + r * dil_h
+            h_ok = (h >= 0) & (h < H)
+            for q0 in range(0, Q, BLOCK_Q):
+                q = q0 + tl.arange(0, BLOCK_Q)
+                q_ok = q < Q
+                wi = q[:, None] * stride_w - pad_w + s[None, :] * dil_w  # (positions, taps)
+                ok = q_ok[:, None] & s_ok[None, :] & h_ok & (wi >= 0) & (wi < W)
+                xv = tl.load(x + n * sxn + h * sxh + (wi * sxw)[:, :, None] + x_channels[None, None, :],
+                             mask=ok[:, :, None] & k_ok[None, None, :], other=0.0)
+                dyv = tl.load(dy + n * sdn + p * sdp + (q * sdq)[:, None] + dy_channels[None, :],
+                              mask=q_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += xv.to(tl.float32) * dyv.to(tl.float32)[:, None, :]
+        taps = tl.sum(acc, axis=0)  # (taps, channels)
+        tl.store(partials + part * K * R * S + k[None, :] * R * S + r * S + s[:, None], taps,
+                 mask=s_ok[:, None] & k_ok[None, :])
+
+
 # -- launches ---------------------------------------------------------------------------------
 def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             computed: tuple[int, int], read: tuple[int, int], channels: int) -> None:
@@ -173,8 +218,17 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
     r, s, *steps = geometry(problem)
     # The row is the tile's widest extent: a tile wider than the row would idle its lanes.
     block_q = min(tile.positions, triton.next_power_of_2(q))
-    _backward_filter_partials[(parts, triton.cdiv(problem.k, tile.channels))](
-        x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), *steps,
-        M=problem.k // problem.c, R=r, S=s, BLOCK_Q=block_q, BLOCK_K=tile.channels, num_warps=tile.warps)
+    grid = (parts, triton.cdiv(problem.k, tile.channels))
+    arguments = (x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(),
+                 *steps)
+    if tile.row_taps:
+        # (positions × taps) at most ROW_TAPS_TILE: a long kernel row takes fewer positions per turn.
+        s_pad = triton.next_power_of_2(s)
+        block_q = max(1, min(block_q, ROW_TAPS_TILE // s_pad))
+        _backward_filter_row_partials[grid](*arguments, M=problem.k // problem.c, R=r, S=s, S_PAD=s_pad,
+                                            BLOCK_Q=block_q, BLOCK_K=tile.channels, num_warps=tile.warps)
+    else:
+        _backward_filter_partials[grid](*arguments, M=problem.k // problem.c, R=r, S=s, BLOCK_Q=block_q,
+                                        BLOCK_K=tile.channels, num_warps=tile.warps)
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
     sum_partials(partials.view(parts, -1), dw)
