@@ -106,6 +106,16 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, C,
 
 
 @triton.jit
+def _output_row(row, P, stride_h, pad_h, tap, dil_h, H):
+    """Output row ``row`` of the (N·P) rows: its sample n, its row p, and the input row h kernel row ``tap``
+    reads for it, with whether h is inside the input."""
+    n = row // P
+    p = row - n * P
+    h = p * stride_h - pad_h + tap * dil_h
+    return n, p, h, (h >= 0) & (h < H)
+
+
+@triton.jit
 def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, K,
                               sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -124,10 +134,7 @@ def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, 
         for s in range(S):
             acc = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
             for row in range(first_row, last_row):
-                n = row // P
-                p = row - n * P
-                h = p * stride_h - pad_h + r * dil_h
-                h_ok = (h >= 0) & (h < H)
+                n, p, h, h_ok = _output_row(row, P, stride_h, pad_h, r, dil_h, H)
                 for q0 in range(0, Q, BLOCK_Q):
                     q = q0 + tl.arange(0, BLOCK_Q)
                     q_ok = q < Q
@@ -162,10 +169,7 @@ def _backward_filter_row_partials(x, dy, partials, rows, rows_per_part, P, Q, H,
     for r in range(R):
         acc = tl.zeros((BLOCK_Q, S_PAD, BLOCK_K), dtype=tl.float32)
         for row in range(first_row, last_row):
-            n = row // P
-            p = row - n * P
-            h = p * stride_h - pad_h + r * dil_h
-            h_ok = (h >= 0) & (h < H)
+            n, p, h, h_ok = _output_row(row, P, stride_h, pad_h, r, dil_h, H)
             for q0 in range(0, Q, BLOCK_Q):
                 q = q0 + tl.arange(0, BLOCK_Q)
                 q_ok = q < Q
