@@ -11,12 +11,7 @@ import math
 import pytest
 
 from convtune.algorithms.registry import get_algorithm, registered
-from convtune.algorithms.triton_depthwise import (
-    BACKWARD_DATA_TILES,
-    BACKWARD_FILTER_TILES,
-    FORWARD_TILES,
-    TritonDepthwise,
-)
+from convtune.algorithms.triton_depthwise import TritonDepthwise
 from convtune.algorithms.triton_family import INDEX_LIMIT, interpreting
 from convtune.problem import ConvProblem
 from triton_cases import (
@@ -31,7 +26,7 @@ from triton_cases import (
 )
 
 FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwise)]
-TILES = {"fwd": FORWARD_TILES, "bwd_data": BACKWARD_DATA_TILES, "bwd_filter": BACKWARD_FILTER_TILES}
+CONFIGURATIONS = {"fwd": 4, "bwd_data": 4, "bwd_filter": 8}  # the weight gradient in two forms of 4 each
 SHAPES = {
     "3x3_pad1": dict(n=2, c=5, k=5, input_size=(7, 6), kernel_size=3, padding=1),
     "multiplier2_stride2": dict(n=2, c=3, k=6, input_size=(9, 8), kernel_size=3, stride=2, padding=1),
@@ -56,7 +51,7 @@ def test_matches_reference(shape, direction, dtype, layout):
         # float16 and bfloat16 take the same code (loads widened to float32, one rounding at the store): the
         # interpreter, a third of CI's time, runs bfloat16's; the GPU runs both.
         pytest.skip("float16 runs the same kernels as bfloat16: checked on the GPU")
-    check_configurations(FAMILY, problem(shape, direction, dtype, layout), len(TILES[direction]))
+    check_configurations(FAMILY, problem(shape, direction, dtype, layout), CONFIGURATIONS[direction])
 
 
 @kernels
@@ -90,6 +85,17 @@ def test_the_family_declares_what_it_supports():
     q = p.with_direction("bwd_filter")
     parts = math.ceil(2 * 9 / 16)  # runs of 16 output rows
     assert wgrad.buffer_bytes(q) >= parts * 16 * 25 * 4
+
+
+@needs_triton
+def test_the_row_taps_form_refuses_kernel_rows_longer_than_its_tile():
+    # p32c128...r holds 32 positions × taps per turn: a row of 31 taps (padded to 32) fits, one of 33 does not.
+    name = "triton:depthwise_bwd_filter_p32c128w4s16r"
+    p = ConvProblem("bwd_filter", n=1, c=4, k=4, input_size=(40,), kernel_size=31, padding=15, groups=4, device="cuda")
+    assert get_algorithm(name).supports(p)
+    support = get_algorithm(name).supports(p.replace(kernel_size=33, padding=16))
+    assert not support and "up to 32 taps" in support.reason and "got 33" in support.reason
+    assert get_algorithm("triton:depthwise_bwd_filter_p64c64w4s8r").supports(p.replace(kernel_size=33, padding=16))
 
 
 @needs_triton

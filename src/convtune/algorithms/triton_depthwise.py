@@ -27,9 +27,10 @@ from .triton_family import TritonAlgorithm, register_family
 FORWARD_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
 BACKWARD_DATA_TILES = FORWARD_TILES
 # The filter gradient's fourth number: output rows summed per program (more rows, fewer partial sums); a
-# fifth, True: a kernel row's taps at once (its name ends in 'r'), positions × taps capped at 64.
+# fifth, True: a kernel row's taps at once (its name ends in 'r'; its first number is then positions × the
+# row's taps, padded to a power of two, per turn: 64 positions × channels in its accumulator).
 BACKWARD_FILTER_TILES = ((16, 64, 4, 16), (32, 32, 4, 8), (8, 128, 4, 32), (64, 4, 4, 8),
-                         (8, 64, 4, 8, True), (16, 32, 4, 8, True), (4, 128, 4, 16, True), (32, 4, 4, 8, True))
+                         (64, 64, 4, 8, True), (128, 32, 4, 8, True), (32, 128, 4, 16, True), (256, 4, 4, 8, True))
 
 
 class TritonDepthwise(TritonAlgorithm):
@@ -42,6 +43,7 @@ class TritonDepthwise(TritonAlgorithm):
     def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0,
                  row_taps: bool = False):
         super().__init__(direction, positions, channels, warps, chunk)
+        self.row_taps = row_taps
         if row_taps:
             self.tile_args = (*self.tile_args, True)
             self.name += "r"
@@ -49,6 +51,10 @@ class TritonDepthwise(TritonAlgorithm):
     def _family_supports(self, problem: ConvProblem) -> Support:
         if problem.groups != problem.c:
             return unsupported(f"needs a depthwise problem (groups == c == {problem.c}), got groups={problem.groups}")
+        taps = problem.kernel_size[-1]
+        if self.row_taps and 1 << (taps - 1).bit_length() > self.tile_args[0]:
+            return unsupported(f"takes kernel rows of up to {self.tile_args[0]} taps (a power of two at least as "
+                               f"many as the row's), got {taps}; the other configurations take it")
         return SUPPORTED
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:

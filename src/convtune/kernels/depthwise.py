@@ -35,19 +35,23 @@ import triton.language as tl
 from ..problem import ConvProblem
 from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials
 
-ROW_TAPS_TILE = 64  # the row-taps weight gradient's positions × taps per turn
-
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
     """One kernel configuration: positions and channels per program, warps, and (backward_filter)
-    output rows summed per program (its positions are then the row's tile, capped at the row's length)."""
+    output rows summed per program (its positions are then the row's tile, capped at the row's length;
+    with ``row_taps``, positions × a kernel row's taps, padded to a power of two, per turn)."""
 
     positions: int
     channels: int
     warps: int = 4
     chunk: int = 0
     row_taps: bool = False  # backward_filter: a kernel row's taps at once (``_backward_filter_row_partials``)
+
+    def row_taps_positions(self, taps: int) -> int:
+        """With ``row_taps``: the positions per turn for kernel rows of ``taps`` taps (0: more taps than the
+        tile holds)."""
+        return self.positions // triton.next_power_of_2(taps)
 
 
 @triton.jit
@@ -226,9 +230,9 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
     arguments = (x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(),
                  *steps)
     if tile.row_taps:
-        # (positions × taps) at most ROW_TAPS_TILE: a long kernel row takes fewer positions per turn.
+        # positions × taps: the tile's positions (the algorithm refuses a kernel row longer than that).
         s_pad = triton.next_power_of_2(s)
-        block_q = max(1, min(block_q, ROW_TAPS_TILE // s_pad))
+        block_q = min(tile.row_taps_positions(s), triton.next_power_of_2(q))
         _backward_filter_row_partials[grid](*arguments, M=problem.k // problem.c, R=r, S=s, S_PAD=s_pad,
                                             BLOCK_Q=block_q, BLOCK_K=tile.channels, num_warps=tile.warps)
     else:
