@@ -26,7 +26,13 @@ from triton_cases import (
 )
 
 FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwise)]
-CONFIGURATIONS = {"fwd": 4, "bwd_data": 4, "bwd_filter": 8}  # the weight gradient in two forms of 4 each
+
+
+def configurations(p: ConvProblem) -> int:
+    """How many of the family's configurations compute ``p``: 4 per form; the weight gradient has two forms, the
+    data gradient of a strided problem two."""
+    two_forms = p.direction == "bwd_filter" or (p.direction == "bwd_data" and any(s > 1 for s in p.stride))
+    return 8 if two_forms else 4
 SHAPES = {
     "3x3_pad1": dict(n=2, c=5, k=5, input_size=(7, 6), kernel_size=3, padding=1),
     "multiplier2_stride2": dict(n=2, c=3, k=6, input_size=(9, 8), kernel_size=3, stride=2, padding=1),
@@ -51,7 +57,8 @@ def test_matches_reference(shape, direction, dtype, layout):
         # float16 and bfloat16 take the same code (loads widened to float32, one rounding at the store): the
         # interpreter, a third of CI's time, runs bfloat16's; the GPU runs both.
         pytest.skip("float16 runs the same kernels as bfloat16: checked on the GPU")
-    check_configurations(FAMILY, problem(shape, direction, dtype, layout), CONFIGURATIONS[direction])
+    p = problem(shape, direction, dtype, layout)
+    check_configurations(FAMILY, p, configurations(p))
 
 
 @kernels
@@ -61,6 +68,17 @@ def test_partial_tiles_and_many_chunks(direction):
     # (37 > 32) and 22 output rows in runs of 8 to 32, the last run partial.
     p = ConvProblem(direction, n=2, c=3, k=3, input_size=(11, 37), kernel_size=3, padding=1, groups=3,
                     dtype="bfloat16", layout="channels_last", device=DEVICE)
+    check_supporting(FAMILY, p)
+
+
+@kernels
+@pytest.mark.parametrize("stride, dilation", [((2, 2), (1, 1)), ((3, 2), (2, 3)), ((2, 2), (2, 2))])
+def test_strided_data_gradient_over_many_tiles_and_phases(stride, dilation):
+    # 2·23·19 input positions in up to 6 phases, more than one tile of each; a dilation sharing no factor with the
+    # stride (every phase reached, by every stride-th tap) and one sharing it (half the phases receive nothing).
+    p = ConvProblem("bwd_data", n=2, c=3, k=3, input_size=(23, 19), kernel_size=5, stride=stride, dilation=dilation,
+                    padding=(4, 4), groups=3, dtype="bfloat16", layout="channels_last", device=DEVICE)
+    assert sum(bool(get_algorithm(n).supports(p)) for n in FAMILY if n.endswith("ph")) == 4
     check_supporting(FAMILY, p)
 
 
@@ -96,6 +114,14 @@ def test_the_row_taps_form_refuses_kernel_rows_longer_than_its_tile():
     support = get_algorithm(name).supports(p.replace(kernel_size=33, padding=16))
     assert not support and "up to 32 taps" in support.reason and "got 33" in support.reason
     assert get_algorithm("triton:depthwise_bwd_filter_p64c64w4s8r").supports(p.replace(kernel_size=33, padding=16))
+
+
+@needs_triton
+def test_the_phases_form_is_for_strided_problems_only():
+    p = ConvProblem("bwd_data", n=1, c=4, k=4, input_size=(9, 9), kernel_size=3, padding=1, groups=4, device="cuda")
+    support = get_algorithm("triton:depthwise_bwd_data_p64c32w4ph").supports(p)
+    assert not support and "strided problems" in support.reason
+    assert get_algorithm("triton:depthwise_bwd_data_p64c32w4ph").supports(p.replace(stride=(1, 2)))
 
 
 @needs_triton

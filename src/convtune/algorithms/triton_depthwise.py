@@ -16,6 +16,7 @@ Where they run and what every Triton family refuses: ``triton_family``.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ..costmodel import Cost
 from ..problem import ConvProblem
@@ -25,12 +26,16 @@ from .triton_family import TritonAlgorithm, register_family
 # Tile configurations per direction: (positions, channels, warps[, chunk]). Wide channel tiles read
 # channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous.
 FORWARD_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
-BACKWARD_DATA_TILES = FORWARD_TILES
-# The filter gradient's fourth number: output rows summed per program (more rows, fewer partial sums); a
-# fifth, True: a kernel row's taps at once (its name ends in 'r'; its first number is then positions × the
-# row's taps, padded to a power of two, per turn: 64 positions × channels in its accumulator).
+# The data gradient of a strided problem also in the form 'phases' (one stride phase's positions at a time, each
+# looping over its own taps; names ending in 'ph').
+BACKWARD_DATA_TILES = (*FORWARD_TILES, *((*tile, 0, "phases") for tile in FORWARD_TILES))
+# The filter gradient's fourth number: output rows summed per program (more rows, fewer partial sums); in the
+# form 'row_taps' (a kernel row's taps at once; names ending in 'r') its first number is positions × the row's
+# taps, padded to a power of two, per turn: 64 positions × channels in its accumulator.
 BACKWARD_FILTER_TILES = ((16, 64, 4, 16), (32, 32, 4, 8), (8, 128, 4, 32), (64, 4, 4, 8),
-                         (64, 64, 4, 8, True), (128, 32, 4, 8, True), (32, 128, 4, 16, True), (256, 4, 4, 8, True))
+                         (64, 64, 4, 8, "row_taps"), (128, 32, 4, 8, "row_taps"), (32, 128, 4, 16, "row_taps"),
+                         (256, 4, 4, 8, "row_taps"))
+FORM_SUFFIX = {"": "", "row_taps": "r", "phases": "ph"}
 
 
 class TritonDepthwise(TritonAlgorithm):
@@ -40,21 +45,25 @@ class TritonDepthwise(TritonAlgorithm):
     kernels = "depthwise"
     tile_type = "Tile"
 
-    def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0,
-                 row_taps: bool = False):
+    def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0, form: str = ""):
         super().__init__(direction, positions, channels, warps, chunk)
-        self.row_taps = row_taps
-        if row_taps:
-            self.tile_args = (*self.tile_args, True)
-            self.name += "r"
+        self.form = form
+        self.name += FORM_SUFFIX[form]
+
+    @property
+    def tile(self) -> Any:
+        return self.module().Tile(*self.tile_args, form=self.form)
 
     def _family_supports(self, problem: ConvProblem) -> Support:
         if problem.groups != problem.c:
             return unsupported(f"needs a depthwise problem (groups == c == {problem.c}), got groups={problem.groups}")
         taps = problem.kernel_size[-1]
-        if self.row_taps and 1 << (taps - 1).bit_length() > self.tile_args[0]:
+        if self.form == "row_taps" and 1 << (taps - 1).bit_length() > self.tile_args[0]:
             return unsupported(f"takes kernel rows of up to {self.tile_args[0]} taps (a power of two at least as "
                                f"many as the row's), got {taps}; the other configurations take it")
+        if self.form == "phases" and all(s == 1 for s in problem.stride):
+            return unsupported("the form by stride phase is for strided problems; at stride 1 every input "
+                               "position takes every tap, as the other configurations compute it")
         return SUPPORTED
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:

@@ -102,8 +102,9 @@ class TritonAlgorithm(Algorithm):
             module.backward_filter(problem, self.tile, a, b, out, ws["partials"])
 
 
-def register_family(family: type[TritonAlgorithm], tiles: dict[str, tuple[tuple[int, ...], ...]]) -> None:
-    """Register one algorithm of ``family`` per direction and tile configuration."""
+def register_family(family: type[TritonAlgorithm], tiles: dict[str, tuple[tuple[Any, ...], ...]]) -> None:
+    """Register one algorithm of ``family`` per direction and tile configuration (each the arguments of
+    ``family`` after the direction)."""
     for direction, configurations in tiles.items():
         for tile in configurations:
             register(family(direction, *tile))

@@ -14,9 +14,13 @@ operands' dtype, and every sum has one fixed order: the results are deterministi
 - ``backward_filter``: a reduction over batch and space for each (channel, tap). A program sums
   a run of output rows for a tile of channels, tap after tap, into a float32 partial (the run
   stays in cache across the taps); a second kernel adds the runs' partials in a fixed order and
-  rounds once into the gradient. No atomics. A second form (``Tile.row_taps``) takes a kernel row's
-  taps at once: each tile of dy is loaded once per kernel row and multiplied by that row's shifted
+  rounds once into the gradient. No atomics. A second form (``Tile.form`` 'row_taps') takes a kernel
+  row's taps at once: each tile of dy is loaded once per kernel row and multiplied by that row's shifted
   input tiles, one (positions × taps × channels) accumulator.
+- ``backward_data`` of a strided problem has a second form too ('phases'): an input position receives
+  gradient only through the taps whose offset the stride divides, the same taps for every position of
+  one stride phase (h mod stride, w mod stride); a program takes positions of one phase and loops over
+  that phase's taps alone (of a 3x3 stride-2 kernel, 1, 2 or 4 of the 9).
 
 The channel multiplier and the kernel's size are compile-time constants: with a multiplier of 1
 the compiler sees that a tile's channels are contiguous and loads channels_last rows in vectors.
@@ -27,6 +31,7 @@ Offsets are 32-bit: the algorithms refuse operands of 2**31 elements or more.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -38,19 +43,22 @@ from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_part
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    """One kernel configuration: positions and channels per program, warps, and (backward_filter)
-    output rows summed per program (its positions are then the row's tile, capped at the row's length;
-    with ``row_taps``, positions × a kernel row's taps, padded to a power of two, per turn)."""
+    """One kernel configuration: positions and channels per program, warps, (backward_filter) output rows
+    summed per program (its positions are then the row's tile, capped at the row's length; in the form
+    'row_taps', positions × a kernel row's taps, padded to a power of two, per turn), and the form: '' (tap
+    after tap), 'row_taps' (backward_filter: a kernel row's taps at once, ``_backward_filter_row_partials``)
+    or 'phases' (backward_data of a strided problem: the input positions one stride phase at a time, each
+    phase looping over its own taps only, ``_backward_data_by_phase``)."""
 
     positions: int
     channels: int
     warps: int = 4
     chunk: int = 0
-    row_taps: bool = False  # backward_filter: a kernel row's taps at once (``_backward_filter_row_partials``)
+    form: str = ""
 
     def row_taps_positions(self, taps: int) -> int:
-        """With ``row_taps``: the positions per turn for kernel rows of ``taps`` taps (0: more taps than the
-        tile holds)."""
+        """In the form 'row_taps': the positions per turn for kernel rows of ``taps`` taps (0: more taps than
+        the tile holds)."""
         return self.positions // triton.next_power_of_2(taps)
 
 
@@ -117,6 +125,53 @@ def _output_row(row, P, stride_h, pad_h, tap, dil_h, H):
     p = row - n * P
     h = p * stride_h - pad_h + tap * dil_h
     return n, p, h, (h >= 0) & (h < H)
+
+
+@triton.jit
+def _first_tap(phase, pad, dil, stride, TAPS: tl.constexpr):
+    """The first tap (along one axis) through which input positions of ``phase`` (their index mod the stride)
+    receive gradient: the smallest t with (phase + pad - t·dil) divisible by the stride (TAPS: none)."""
+    first = phase * 0 + TAPS
+    for t in range(TAPS - 1, -1, -1):
+        first = tl.where((phase + pad - t * dil) % stride == 0, t, first)
+    return first
+
+
+@triton.jit
+def _backward_data_by_phase(dy, w, dx, H, W, P, Q, C, N, step_h, step_w,
+                            sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
+                            stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                            M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr,
+                            BLOCK_CH: tl.constexpr):
+    # Grid: (tiles of one phase's positions, tiles of channels, phases). A phase's input positions are
+    # h = ph + stride_h·i, w = pw + stride_w·j; the taps through which they receive gradient are r0, r0 +
+    # step_h, ... (step: the stride over its gcd with the dilation), the same for all of them, so every tap
+    # the loops visit is whole for every position (no division leaves a remainder).
+    phase = tl.program_id(2)
+    ph = phase // stride_w
+    pw = phase - ph * stride_w
+    rows = (H - ph + stride_h - 1) // stride_h
+    cols = (W - pw + stride_w - 1) // stride_w
+    pos_ok, n, i, j = positions(N * rows * cols, rows, cols, BLOCK_POS)
+    h = ph + stride_h * i
+    wi = pw + stride_w * j
+    c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    c_ok = c < C
+    r0 = _first_tap(ph, pad_h, dil_h, stride_h, R)
+    s0 = _first_tap(pw, pad_w, dil_w, stride_w, S)
+    acc = tl.zeros((BLOCK_POS, BLOCK_CH), dtype=tl.float32)
+    for m in range(M):
+        k = c * M + m
+        dy_rows = dy + n[:, None] * sdn + k[None, :] * sdk
+        for r in range(r0, R, step_h):
+            p = (h + pad_h - r * dil_h) // stride_h
+            p_ok = (p >= 0) & (p < P)
+            for s in range(s0, S, step_w):
+                q = (wi + pad_w - s * dil_w) // stride_w
+                ok = pos_ok & p_ok & (q >= 0) & (q < Q)
+                acc = _add_tap(acc, dy_rows + (p * sdp + q * sdq)[:, None], ok, c_ok, w + k * swk + r * swr + s * sws)
+    offsets = (n * sxn + h * sxh + wi * sxw)[:, None] + c[None, :] * sxc
+    tl.store(dx + offsets, acc.to(dx.dtype.element_ty), mask=pos_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -213,6 +268,17 @@ def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, 
 def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor) -> None:
     """dx = the gradient of the input from dy and w, into ``dx``."""
     h, wd, p, q = sizes(problem)
+    if tile.form == "phases":
+        dy4, w4, dx4 = (as_4d(t, problem) for t in (dy, w, dx))
+        r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
+        most = triton.cdiv(h, stride_h) * triton.cdiv(wd, stride_w) * problem.n  # the largest phase's positions
+        grid = (triton.cdiv(most, tile.positions), triton.cdiv(problem.c, tile.channels), stride_h * stride_w)
+        _backward_data_by_phase[grid](
+            dy4, w4, dx4, h, wd, p, q, problem.c, problem.n, stride_h // math.gcd(stride_h, dil_h),
+            stride_w // math.gcd(stride_w, dil_w), *dy4.stride(), w4.stride(0), w4.stride(2), w4.stride(3),
+            *dx4.stride(), stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, M=problem.k // problem.c, R=r, S=s,
+            BLOCK_POS=tile.positions, BLOCK_CH=tile.channels, num_warps=tile.warps)
+        return
     _direct(_backward_data, problem, tile, dy, w, dx, (h, wd), (p, q), problem.c)
 
 
@@ -229,7 +295,7 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
     grid = (parts, triton.cdiv(problem.k, tile.channels))
     arguments = (x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(),
                  *steps)
-    if tile.row_taps:
+    if tile.form == "row_taps":
         # positions × taps: the tile's positions (the algorithm refuses a kernel row longer than that).
         s_pad = triton.next_power_of_2(s)
         block_q = min(tile.row_taps_positions(s), triton.next_power_of_2(q))
