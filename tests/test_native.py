@@ -918,7 +918,7 @@ def test_the_host_cost_rule_charges_a_triton_choice_its_launcher(native, monkeyp
     module = ct.nn.Conv2d(64, 64, 3, padding=1, groups=64, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
     p = ConvProblem.from_module(module, tuple(x.shape), layout="channels_last")
     names = {"fwd": "triton:depthwise_fwd_p32c64w4", "bwd_data": "triton:depthwise_bwd_data_p32c64w4",
-             "bwd_filter": "triton:depthwise_bwd_filter_p16c64w4s16"}
+             "bwd_filter": "triton:depthwise_bwd_filter_p64c64w4s8"}
     for d, name in names.items():  # ahead by 3 us each: more than the Python path's 1, less than Triton's 50
         module._convtune_tuning.db.store(p.with_direction(d), [
             PerfResult(name, Status.OK, time_ms=0.01, rel_error=0.0),

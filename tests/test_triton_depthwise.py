@@ -29,10 +29,13 @@ FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwise)]
 
 
 def configurations(p: ConvProblem) -> int:
-    """How many of the family's configurations compute ``p``: 4 per form; the weight gradient has two forms, the
-    data gradient of a strided problem two."""
-    two_forms = p.direction == "bwd_filter" or (p.direction == "bwd_data" and any(s > 1 for s in p.stride))
-    return 8 if two_forms else 4
+    """How many of the family's configurations compute ``p``: 4 forwards and data gradients, 3 more data
+    gradients of a strided problem (by stride phase), 3 weight gradients."""
+    if p.direction == "bwd_filter":
+        return 3
+    return 7 if p.direction == "bwd_data" and any(s > 1 for s in p.stride) else 4
+
+
 SHAPES = {
     "3x3_pad1": dict(n=2, c=5, k=5, input_size=(7, 6), kernel_size=3, padding=1),
     "multiplier2_stride2": dict(n=2, c=3, k=6, input_size=(9, 8), kernel_size=3, stride=2, padding=1),
@@ -78,7 +81,7 @@ def test_strided_data_gradient_over_many_tiles_and_phases(stride, dilation):
     # stride (every phase reached, by every stride-th tap) and one sharing it (half the phases receive nothing).
     p = ConvProblem("bwd_data", n=2, c=3, k=3, input_size=(23, 19), kernel_size=5, stride=stride, dilation=dilation,
                     padding=(4, 4), groups=3, dtype="bfloat16", layout="channels_last", device=DEVICE)
-    assert sum(bool(get_algorithm(n).supports(p)) for n in FAMILY if n.endswith("ph")) == 4
+    assert sum(bool(get_algorithm(n).supports(p)) for n in FAMILY if n.endswith("ph")) == 3
     check_supporting(FAMILY, p)
 
 
@@ -99,21 +102,21 @@ def test_the_family_declares_what_it_supports():
         support = algorithm.supports(other)
         assert not support and words in support.reason, (other.key, support.reason)
     # The filter gradient declares one float32 partial sum per run of output rows, channel and tap.
-    wgrad = get_algorithm("triton:depthwise_bwd_filter_p16c64w4s16")
+    wgrad = get_algorithm("triton:depthwise_bwd_filter_p64c64w4s8")
     q = p.with_direction("bwd_filter")
-    parts = math.ceil(2 * 9 / 16)  # runs of 16 output rows
+    parts = math.ceil(2 * 9 / 8)  # runs of 8 output rows
     assert wgrad.buffer_bytes(q) >= parts * 16 * 25 * 4
 
 
 @needs_triton
-def test_the_row_taps_form_refuses_kernel_rows_longer_than_its_tile():
-    # p32c128...r holds 32 positions × taps per turn: a row of 31 taps (padded to 32) fits, one of 33 does not.
-    name = "triton:depthwise_bwd_filter_p32c128w4s16r"
-    p = ConvProblem("bwd_filter", n=1, c=4, k=4, input_size=(40,), kernel_size=31, padding=15, groups=4, device="cuda")
+def test_the_weight_gradient_refuses_kernel_rows_longer_than_its_tile():
+    # p64c64 holds 64 positions × taps per turn: a row of 63 taps (padded to 64) fits, one of 65 does not.
+    name = "triton:depthwise_bwd_filter_p64c64w4s8"
+    p = ConvProblem("bwd_filter", n=1, c=4, k=4, input_size=(80,), kernel_size=63, padding=31, groups=4, device="cuda")
     assert get_algorithm(name).supports(p)
-    support = get_algorithm(name).supports(p.replace(kernel_size=33, padding=16))
-    assert not support and "up to 32 taps" in support.reason and "got 33" in support.reason
-    assert get_algorithm("triton:depthwise_bwd_filter_p64c64w4s8r").supports(p.replace(kernel_size=33, padding=16))
+    support = get_algorithm(name).supports(p.replace(kernel_size=65, padding=32))
+    assert not support and "up to 64 taps" in support.reason and "got 65" in support.reason
+    assert get_algorithm("triton:depthwise_bwd_filter_p128c32w4s8").supports(p.replace(kernel_size=65, padding=32))
 
 
 @needs_triton

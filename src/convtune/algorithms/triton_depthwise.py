@@ -28,15 +28,11 @@ from .triton_family import TritonAlgorithm, register_family
 FORWARD_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
 # The data gradient of a strided problem also in the form 'phases' (one stride phase's positions at a time, each
 # looping over its own taps; names ending in 'ph').
-BACKWARD_DATA_TILES = (*FORWARD_TILES, *((*tile, 0, "phases") for tile in FORWARD_TILES))
-# The filter gradient's fourth number: output rows summed per program (more rows, fewer partial sums); in the
-# form 'row_taps' (a kernel row's taps at once; names ending in 'r') its first number is positions × the row's
-# taps, padded to a power of two, per turn: 64 positions × channels in its accumulator.
-BACKWARD_FILTER_TILES = ((16, 64, 4, 16), (32, 32, 4, 8), (8, 128, 4, 32), (64, 4, 4, 8),
-                         (64, 64, 4, 8, "row_taps"), (128, 32, 4, 8, "row_taps"), (32, 128, 4, 16, "row_taps"),
-                         (256, 4, 4, 8, "row_taps"))
-FORM_SUFFIX = {"": "", "row_taps": "r", "phases": "ph"}
-
+BACKWARD_DATA_TILES = (*FORWARD_TILES, *((*tile, 0, "phases") for tile in ((64, 32, 4), (32, 64, 4), (256, 4, 4))))
+# The filter gradient's first number is positions × a kernel row's taps (padded to a power of two) per turn, a
+# fixed accumulator; its fourth: output rows summed per program (more rows, fewer partial sums).
+BACKWARD_FILTER_TILES = ((64, 64, 4, 8), (128, 32, 4, 8), (256, 4, 4, 8))
+FORM_SUFFIX = {"": "", "phases": "ph"}
 
 class TritonDepthwise(TritonAlgorithm):
     """One direction of the depthwise kernels with one tile configuration."""
@@ -58,7 +54,7 @@ class TritonDepthwise(TritonAlgorithm):
         if problem.groups != problem.c:
             return unsupported(f"needs a depthwise problem (groups == c == {problem.c}), got groups={problem.groups}")
         taps = problem.kernel_size[-1]
-        if self.form == "row_taps" and 1 << (taps - 1).bit_length() > self.tile_args[0]:
+        if self.directions == ("bwd_filter",) and 1 << (taps - 1).bit_length() > self.tile_args[0]:
             return unsupported(f"takes kernel rows of up to {self.tile_args[0]} taps (a power of two at least as "
                                f"many as the row's), got {taps}; the other configurations take it")
         if self.form == "phases" and all(s == 1 for s in problem.stride):
@@ -76,15 +72,11 @@ class TritonDepthwise(TritonAlgorithm):
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # Multiply-adds on the CUDA cores in float32, each tap's operand loaded again from cache: measured on
-        # the H200 (bench/results/depthwise.md) at 2-9x the floor forward and for the data gradient, so a tenth
-        # of the float32 peak and three times the compulsory traffic; the weight gradient, which reads both
-        # operands again for every tap, at 7-77x (13x on 3x3 kernels, where traffic sets the floor, 26-77x on
-        # larger ones, where arithmetic does), so a fortieth of the peak and twelve times the traffic. With the
-        # H200's peaks (hardware.py) these predict 0.43-2.3x the measured time of every shape there (the weight
-        # gradient's was 0.16-0.57x when priced as the forward). get then leaves cuDNN first where neither was
-        # measured.
-        efficiency, traffic = (0.025, 12) if problem.direction == "bwd_filter" else (0.1, 3)
-        return Cost(problem.flops, efficiency, traffic * problem.min_bytes + 2 * workspace_bytes,
+        # the H200 (bench/results/depthwise.md) at 2-9x the floor forward and for the data gradient, 5-23x for
+        # the weight gradient (whose reduction makes partial sums), so a tenth of the float32 peak and three
+        # times the compulsory traffic; with the H200's peaks (hardware.py) these predict 0.7-2.0x the measured
+        # time of every weight gradient there. get then leaves cuDNN first where neither was measured.
+        return Cost(problem.flops, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes,
                     1 + bool(workspace_bytes), float32_inside=True, composed=False)
 
 

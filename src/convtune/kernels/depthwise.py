@@ -12,12 +12,11 @@ operands' dtype, and every sum has one fixed order: the results are deterministi
 - ``backward_data``: the same over input positions; a tap contributes where the output position
   it maps to is whole (divisible by the stride) and inside the output.
 - ``backward_filter``: a reduction over batch and space for each (channel, tap). A program sums
-  a run of output rows for a tile of channels, tap after tap, into a float32 partial (the run
-  stays in cache across the taps); a second kernel adds the runs' partials in a fixed order and
-  rounds once into the gradient. No atomics. A second form (``Tile.form`` 'row_taps') takes a kernel
-  row's taps at once: each tile of dy is loaded once per kernel row and multiplied by that row's shifted
-  input tiles, one (positions × taps × channels) accumulator.
-- ``backward_data`` of a strided problem has a second form too ('phases'): an input position receives
+  a run of output rows for a tile of channels, a kernel row's taps at once: each tile of dy is loaded
+  once per kernel row and multiplied by that row's shifted input tiles, one (positions × taps ×
+  channels) float32 accumulator (the run stays in cache across the kernel rows); a second kernel adds
+  the runs' partials in a fixed order and rounds once into the gradient. No atomics.
+- ``backward_data`` of a strided problem has a second form ('phases'): an input position receives
   gradient only through the taps whose offset the stride divides, the same taps for every position of
   one stride phase (h mod stride, w mod stride); a program takes positions of one phase and loops over
   that phase's taps alone (of a 3x3 stride-2 kernel, 1, 2 or 4 of the 9).
@@ -44,11 +43,10 @@ from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_part
 @dataclasses.dataclass(frozen=True)
 class Tile:
     """One kernel configuration: positions and channels per program, warps, (backward_filter) output rows
-    summed per program (its positions are then the row's tile, capped at the row's length; in the form
-    'row_taps', positions × a kernel row's taps, padded to a power of two, per turn), and the form: '' (tap
-    after tap), 'row_taps' (backward_filter: a kernel row's taps at once, ``_backward_filter_row_partials``)
-    or 'phases' (backward_data of a strided problem: the input positions one stride phase at a time, each
-    phase looping over its own taps only, ``_backward_data_by_phase``)."""
+    summed per program (its positions are then positions × a kernel row's taps, padded to a power of two, per
+    turn, capped at the row's length), and (backward_data) the form: '' (every input position, every tap) or
+    'phases' (a strided problem's input positions one stride phase at a time, each phase looping over its own
+    taps only, ``_backward_data_by_phase``)."""
 
     positions: int
     channels: int
@@ -56,8 +54,8 @@ class Tile:
     chunk: int = 0
     form: str = ""
 
-    def row_taps_positions(self, taps: int) -> int:
-        """In the form 'row_taps': the positions per turn for kernel rows of ``taps`` taps (0: more taps than
+    def row_positions(self, taps: int) -> int:
+        """backward_filter: the positions per turn for kernel rows of ``taps`` taps (0: more taps than
         the tile holds)."""
         return self.positions // triton.next_power_of_2(taps)
 
@@ -178,45 +176,13 @@ def _backward_data_by_phase(dy, w, dx, H, W, P, Q, C, N, step_h, step_w,
 def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, K,
                               sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                              M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_Q: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
-    # One program: a tile of channels over a run of output rows (n, p), tap after tap; the rows are
-    # decoded once per row, the positions of a row are a vector (no division per element).
+                              M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+                              BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program: a tile of channels over a run of output rows (n, p), a kernel row's S taps at once: per
+    # output row and tile of its positions, dy is loaded once and multiplied by the S shifted input tiles, one
+    # (positions × taps × channels) tile, so dy is read R times (not R·S). Rows are decoded once per row, the
+    # positions of a row are a vector (no division per element).
     part = tl.program_id(0)  # the first grid axis: it has room for 2**31 - 1 runs (the others 65535)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = k < K
-    first_row = part * rows_per_part
-    last_row = tl.minimum(first_row + rows_per_part, rows)
-    x_channels = (k // M) * sxc
-    dy_channels = k * sdk
-    for r in range(R):
-        for s in range(S):
-            acc = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
-            for row in range(first_row, last_row):
-                n, p, h, h_ok = _output_row(row, P, stride_h, pad_h, r, dil_h, H)
-                for q0 in range(0, Q, BLOCK_Q):
-                    q = q0 + tl.arange(0, BLOCK_Q)
-                    q_ok = q < Q
-                    wi = q * stride_w - pad_w + s * dil_w
-                    ok = q_ok & h_ok & (wi >= 0) & (wi < W)
-                    xv = tl.load(x + n * sxn + h * sxh + (wi * sxw)[:, None] + x_channels[None, :],
-                                 mask=ok[:, None] & k_ok[None, :], other=0.0)
-                    dyv = tl.load(dy + n * sdn + p * sdp + (q * sdq)[:, None] + dy_channels[None, :],
-                                  mask=q_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc += xv.to(tl.float32) * dyv.to(tl.float32)
-            tl.store(partials + part * K * R * S + k * R * S + r * S + s, tl.sum(acc, axis=0), mask=k_ok)
-
-
-@triton.jit
-def _backward_filter_row_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, K,
-                                  sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq,
-                                  stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                                  M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
-                                  BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    # As _backward_filter_partials, but a kernel row's S taps at once: per output row and tile of its
-    # positions, dy is loaded once and multiplied by the S shifted input tiles, one (positions × taps ×
-    # channels) tile, so dy is read R times (not R·S) and the taps' loop turns are S times fewer.
-    part = tl.program_id(0)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     s = tl.arange(0, S_PAD)
@@ -290,19 +256,12 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
     h, wd, p, q = sizes(problem)
     parts = partials.shape[0]
     r, s, *steps = geometry(problem)
-    # The row is the tile's widest extent: a tile wider than the row would idle its lanes.
-    block_q = min(tile.positions, triton.next_power_of_2(q))
-    grid = (parts, triton.cdiv(problem.k, tile.channels))
-    arguments = (x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(),
-                 *steps)
-    if tile.form == "row_taps":
-        # positions × taps: the tile's positions (the algorithm refuses a kernel row longer than that).
-        s_pad = triton.next_power_of_2(s)
-        block_q = min(tile.row_taps_positions(s), triton.next_power_of_2(q))
-        _backward_filter_row_partials[grid](*arguments, M=problem.k // problem.c, R=r, S=s, S_PAD=s_pad,
-                                            BLOCK_Q=block_q, BLOCK_K=tile.channels, num_warps=tile.warps)
-    else:
-        _backward_filter_partials[grid](*arguments, M=problem.k // problem.c, R=r, S=s, BLOCK_Q=block_q,
-                                        BLOCK_K=tile.channels, num_warps=tile.warps)
+    # positions × the row's taps per turn (the algorithm refuses a kernel row longer than the tile); the row is
+    # the tile's widest extent: a tile wider than the row would idle its lanes.
+    block_q = min(tile.row_positions(s), triton.next_power_of_2(q))
+    _backward_filter_partials[(parts, triton.cdiv(problem.k, tile.channels))](
+        x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), *steps,
+        M=problem.k // problem.c, R=r, S=s, S_PAD=triton.next_power_of_2(s), BLOCK_Q=block_q, BLOCK_K=tile.channels,
+        num_warps=tile.warps)
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
     sum_partials(partials.view(parts, -1), dw)
