@@ -324,26 +324,37 @@ def _against_torch(label: str, detail: str, base, layer, x, xg) -> list[tuple[st
     return rows
 
 
+def _step(module, x, training: bool):
+    """One call of ``module`` on ``x``: an inference, or a training step's forward+backward (of the output's sum)."""
+    return (lambda: module(x).sum().backward()) if training else (lambda: module(x))
+
+
 def compiled_rows(p, x) -> list[tuple[str, float]]:
-    """Ten such layers in a row under torch.compile (Inductor, inference), an optimized copy against the
-    PyTorch one, timed in alternation: per layer, and the same two networks in eager code beside them. Under
-    Inductor a tuned layer is a call of the op from the generated Python (boxed, through ``torch.ops``) and
-    a check of its result's strides; PyTorch's is ``extern_kernels.convolution``."""
+    """Ten such layers in a row under torch.compile (Inductor), an optimized copy against the PyTorch one, timed
+    in alternation: per layer, inference and a training step's forward+backward (of the output's sum), and the
+    same networks in eager code beside them. Under Inductor a tuned layer is a call of the op from the generated
+    Python (boxed, through ``torch.ops``) and a check of its result's strides, its backward two such calls (the
+    data and the weight gradient); PyTorch's are ``extern_kernels.convolution`` and one
+    ``aten.convolution_backward``."""
     torch.manual_seed(0)
-    base = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 1, bias=False) for _ in range(10)]).eval()
+    base = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 1, bias=False) for _ in range(10)])
     base = base.to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
-    ours = copy.deepcopy(base)
-    with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "compiled.sqlite")) as db:
-        ct.optimize(ours, x, db=db)
-    chosen = sorted({r["algorithm"] for r in ct.explain(ours)})
+    xg = x.clone().requires_grad_()
     rows = []
-    with torch.no_grad():
-        for style, (b, o) in (("eager", (base, ours)), ("compiled", (torch.compile(base), torch.compile(ours)))):
-            b(x), o(x)  # compiled here, not timed
-            torch_us, ours_us, ratio = _interleaved(lambda: b(x), lambda: o(x), calls=200)
-            rows += [(f"10 layers {style}, per layer: optimized ({', '.join(chosen)}); nn.Conv2d {torch_us / 10:.1f}",
-                      ours_us / 10),
-                     (f"10 layers {style}: optimized / nn.Conv2d's", ratio)]
+    for training in (False, True):
+        ours = copy.deepcopy(base)
+        with tempfile.TemporaryDirectory() as tmp, ct.TuningDB(os.path.join(tmp, "compiled.sqlite")) as db:
+            ct.optimize(ours, xg if training else x, training=training, db=db)
+        chosen = sorted({r["algorithm"] for r in ct.explain(ours)})
+        what = "forward+backward" if training else "inference"
+        with torch.set_grad_enabled(training):
+            for style, (b, o) in (("eager", (base, ours)), ("compiled", (torch.compile(base), torch.compile(ours)))):
+                base_step, our_step = (_step(m, xg if training else x, training) for m in (b, o))
+                base_step(), our_step()  # compiled here, not timed
+                torch_us, ours_us, ratio = _interleaved(base_step, our_step, calls=100 if training else 200)
+                rows += [(f"10 layers {style}, {what}, per layer: optimized ({', '.join(chosen)}); nn.Conv2d "
+                          f"{torch_us / 10:.1f}", ours_us / 10),
+                         (f"10 layers {style}, {what}: optimized / nn.Conv2d's", ratio)]
     return rows
 
 
