@@ -14,6 +14,8 @@
 # time; the whole dataset comes back as $OUT/sweep.jsonl.gz).
 # layerhost:<network>:<batch>[:<dtype>[:grad]] (bench/layer_host.py: each tuned layer's host and GPU time per call
 # against PyTorch's).
+# compileprofile:<compile_profile.py arguments joined by +> (bench/compile_profile.py, Inductor's generated code
+# in $OUT/compile_output_code.txt).
 # order (bench/cudnn_order.py: cuDNN's own order of its plans for every problem of the dataset, as
 # $OUT/cudnn_order.json.gz, which bench/learned_get.py reads beside the dataset off the GPU).
 # learned (bench/learned_get.py on bench/data/sweep.jsonl.gz, on the GPU: cuDNN's heuristics A and B judged too).
@@ -59,6 +61,9 @@ for step in "$@"; do
                    $grad --out "$OUT" 2>&1 | quiet | grep -v '^[a-z_0-9.]*: host' | head -40 ;;
     dynamic:*) args=${step#dynamic:}; python3 bench/dynamic_shapes.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -12 ;;
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
+    compileprofile:*) args=${step#compileprofile:}
+                      TORCH_LOGS=output_code python3 bench/compile_profile.py ${args//+/ } --out "$OUT" \
+                        2> "$OUT/compile_output_code.txt" | tail -40 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
     margins:*) IFS=: read -r _ network batch dtypes minutes <<< "$step"
                python3 bench/verification_margins.py --device cuda --network "$network" --batch "$batch" \
