@@ -23,9 +23,12 @@ from ..problem import ConvProblem
 from .base import SUPPORTED, NumericNotes, Support, unsupported
 from .triton_family import TritonAlgorithm, register_family
 
-# Tile configurations per direction: (positions, channels, warps[, chunk]). Wide channel tiles read
-# channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous.
-FORWARD_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
+# Tile configurations per direction: (positions, channels, warps[, chunk[, form[, patch]]]). Wide channel tiles
+# read channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous. The
+# channels_last ones also over 2-D patches of one sample's positions (patch: the patch's width; names ending in
+# 'q' and the width): 8x8, 4x8 and 4x4 positions.
+FORWARD_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4),
+                 (64, 32, 4, 0, "", 8), (32, 64, 4, 0, "", 8), (16, 128, 4, 0, "", 4))
 # The data gradient of a strided problem also in the form 'phases' (one stride phase's positions at a time, each
 # looping over its own taps; names ending in 'ph').
 BACKWARD_DATA_TILES = (*FORWARD_TILES, *((*tile, 0, "phases") for tile in ((64, 32, 4), (32, 64, 4), (256, 4, 4))))
@@ -34,6 +37,7 @@ BACKWARD_DATA_TILES = (*FORWARD_TILES, *((*tile, 0, "phases") for tile in ((64, 
 BACKWARD_FILTER_TILES = ((64, 64, 4, 8), (128, 32, 4, 8), (256, 4, 4, 8))
 FORM_SUFFIX = {"": "", "phases": "ph"}
 
+
 class TritonDepthwise(TritonAlgorithm):
     """One direction of the depthwise kernels with one tile configuration."""
 
@@ -41,14 +45,15 @@ class TritonDepthwise(TritonAlgorithm):
     kernels = "depthwise"
     tile_type = "Tile"
 
-    def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0, form: str = ""):
+    def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0, form: str = "",
+                 patch: int = 0):
         super().__init__(direction, positions, channels, warps, chunk)
-        self.form = form
-        self.name += FORM_SUFFIX[form]
+        self.form, self.patch = form, patch
+        self.name += FORM_SUFFIX[form] + (f"q{patch}" if patch else "")
 
     @property
     def tile(self) -> Any:
-        return self.module().Tile(*self.tile_args, form=self.form)
+        return self.module().Tile(*self.tile_args, form=self.form, patch=self.patch)
 
     def _family_supports(self, problem: ConvProblem) -> Support:
         if problem.groups != problem.c:
@@ -57,6 +62,8 @@ class TritonDepthwise(TritonAlgorithm):
         if self.directions == ("bwd_filter",) and 1 << (taps - 1).bit_length() > self.tile_args[0]:
             return unsupported(f"takes kernel rows of up to {self.tile_args[0]} taps (a power of two at least as "
                                f"many as the row's), got {taps}; the other configurations take it")
+        if self.patch and problem.ndim == 1:
+            return unsupported("patches of positions are for 2-D problems; the other configurations take 1-D ones")
         if self.form == "phases" and all(s == 1 for s in problem.stride):
             return unsupported("the form by stride phase is for strided problems; at stride 1 every input "
                                "position takes every tap, as the other configurations compute it")

@@ -8,7 +8,9 @@ position tile reads channels_first rows whole). Products are summed in float32 w
 operands' dtype, and every sum has one fixed order: the results are deterministic.
 
 - ``forward``: a program computes a tile of (output positions × output channels), looping over
-  the kernel's taps; neighbouring taps read overlapping input, which the caches serve.
+  the kernel's taps; neighbouring taps read overlapping input, which the caches serve. The positions
+  are consecutive ones or (``Tile.patch``) a 2-D patch of one sample, whose taps read the input its
+  earlier kernel rows read.
 - ``backward_data``: the same over input positions; a tap contributes where the output position
   it maps to is whole (divisible by the stride) and inside the output.
 - ``backward_filter``: a reduction over batch and space for each (channel, tap). A program sums
@@ -37,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
-from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials
+from .shared import as_4d, geometry, gradient_source, patch_positions, positions, sizes, sum_partials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,16 @@ class Tile:
     summed per program (its positions are then positions × a kernel row's taps, padded to a power of two, per
     turn, capped at the row's length), and (backward_data) the form: '' (every input position, every tap) or
     'phases' (a strided problem's input positions one stride phase at a time, each phase looping over its own
-    taps only, ``_backward_data_by_phase``)."""
+    taps only, ``_backward_data_by_phase``); (forward, backward_data) ``patch``: 0, the positions consecutive in
+    (N, rows, columns) order, or the width of a patch of positions // patch rows of one sample
+    (``patch_positions``)."""
 
     positions: int
     channels: int
     warps: int = 4
     chunk: int = 0
     form: str = ""
+    patch: int = 0
 
     def row_positions(self, taps: int) -> int:
         """backward_filter: the positions per turn for kernel rows of ``taps`` taps (0: more taps than
@@ -73,8 +78,9 @@ def _add_tap(acc, rows, positions_ok, channels_ok, taps):
 def _forward(x, w, y, total, P, Q, H, W, K,
              sxn, sxc, sxh, sxw, swk, swr, sws, syn, syk, syp, syq,
              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-             M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr, BLOCK_CH: tl.constexpr):
-    pos_ok, n, p, q = positions(total, P, Q, BLOCK_POS)
+             M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr, BLOCK_CH: tl.constexpr,
+             PATCH_W: tl.constexpr):
+    pos_ok, n, p, q = patch_positions(total, P, Q, BLOCK_POS, PATCH_W)
     k = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     k_ok = k < K
     h0 = p * stride_h - pad_h
@@ -97,8 +103,8 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, C,
                    sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                    M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr,
-                   BLOCK_CH: tl.constexpr):
-    pos_ok, n, h, wi = positions(total, H, W, BLOCK_POS)
+                   BLOCK_CH: tl.constexpr, PATCH_W: tl.constexpr):
+    pos_ok, n, h, wi = patch_positions(total, H, W, BLOCK_POS, PATCH_W)
     c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     c_ok = c < C
     acc = tl.zeros((BLOCK_POS, BLOCK_CH), dtype=tl.float32)
@@ -217,12 +223,17 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
     spatial size is ``computed``, × its ``channels``), reading ``a`` of spatial size ``read``."""
     a4, w4, out4 = (as_4d(t, problem) for t in (a, w, out))
     total = problem.n * computed[0] * computed[1]
-    grid = (triton.cdiv(total, tile.positions), triton.cdiv(channels, tile.channels))
+    if tile.patch:  # patches of (positions // patch) rows × patch columns, each of one sample
+        rows, cols = triton.cdiv(computed[0], tile.positions // tile.patch), triton.cdiv(computed[1], tile.patch)
+        programs = problem.n * rows * cols
+    else:
+        programs = triton.cdiv(total, tile.positions)
+    grid = (programs, triton.cdiv(channels, tile.channels))
     r, s, *steps = geometry(problem)
     kernel[grid](a4, w4, out4, total, *computed, *read, channels,
                  *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
                  M=problem.k // problem.c, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels,
-                 num_warps=tile.warps)
+                 PATCH_W=tile.patch, num_warps=tile.warps)
 
 
 def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:

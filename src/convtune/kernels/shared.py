@@ -39,6 +39,25 @@ def positions(total, rows, cols, BLOCK_POS: tl.constexpr):
 
 
 @triton.jit
+def patch_positions(total, rows, cols, BLOCK_POS: tl.constexpr, PATCH_W: tl.constexpr):
+    """As ``positions``, but (PATCH_W > 0) a patch of BLOCK_POS // PATCH_W rows × PATCH_W columns of one
+    sample's (rows, cols) grid: a program's taps then read input its own earlier taps read (kept in the
+    cache) rather than rows other programs read. The grid's first axis: N × patches per sample."""
+    if PATCH_W == 0:
+        return positions(total, rows, cols, BLOCK_POS)
+    PATCH_H: tl.constexpr = BLOCK_POS // PATCH_W
+    across = tl.cdiv(cols, PATCH_W)
+    patches = tl.cdiv(rows, PATCH_H) * across
+    program = tl.program_id(0)
+    sample = program // patches
+    patch = program - sample * patches
+    index = tl.arange(0, BLOCK_POS)
+    row = (patch // across) * PATCH_H + index // PATCH_W
+    col = (patch % across) * PATCH_W + index % PATCH_W
+    return (row < rows) & (col < cols), sample + index * 0, row, col
+
+
+@triton.jit
 def gradient_source(i, pad, tap, dilation, stride, size):
     """The output position whose gradient input position ``i`` receives through kernel tap ``tap`` (along one
     axis), and whether there is one: whole (the stride divides it) and inside the output's ``size``."""
