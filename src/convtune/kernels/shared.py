@@ -44,17 +44,18 @@ def patch_positions(total, rows, cols, BLOCK_POS: tl.constexpr, PATCH_W: tl.cons
     sample's (rows, cols) grid: a program's taps then read input its own earlier taps read (kept in the
     cache) rather than rows other programs read. The grid's first axis: N × patches per sample."""
     if PATCH_W == 0:
-        return positions(total, rows, cols, BLOCK_POS)
-    PATCH_H: tl.constexpr = BLOCK_POS // PATCH_W
-    across = tl.cdiv(cols, PATCH_W)
-    patches = tl.cdiv(rows, PATCH_H) * across
-    program = tl.program_id(0)
-    sample = program // patches
-    patch = program - sample * patches
-    index = tl.arange(0, BLOCK_POS)
-    row = (patch // across) * PATCH_H + index // PATCH_W
-    col = (patch % across) * PATCH_W + index % PATCH_W
-    return (row < rows) & (col < cols), sample + index * 0, row, col
+        ok, sample, row, col = positions(total, rows, cols, BLOCK_POS)
+    else:
+        index = tl.arange(0, BLOCK_POS)
+        across = (cols + PATCH_W - 1) // PATCH_W
+        patches = ((rows + BLOCK_POS // PATCH_W - 1) // (BLOCK_POS // PATCH_W)) * across
+        program = tl.program_id(0)
+        patch = program % patches
+        sample = program // patches + index * 0
+        row = (patch // across) * (BLOCK_POS // PATCH_W) + index // PATCH_W
+        col = (patch % across) * PATCH_W + index % PATCH_W
+        ok = (row < rows) & (col < cols)
+    return ok, sample, row, col
 
 
 @triton.jit
