@@ -29,13 +29,14 @@ FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwise)]
 
 
 def configurations(p: ConvProblem) -> int:
-    """How many of the family's configurations compute ``p``: 4 forwards and data gradients and 3 more over 2-D
-    patches of positions (not of a 1-D problem), 3 more data gradients of a strided problem (by stride phase),
-    3 weight gradients."""
+    """How many of the family's configurations compute ``p``: 4 forwards and data gradients, 1 more forward over
+    2-D patches of positions (not of a 1-D problem), 3 more data gradients of a strided problem (by stride
+    phase), 3 weight gradients."""
     if p.direction == "bwd_filter":
         return 3
-    patches = 3 if p.ndim == 2 else 0
-    return 4 + patches + (3 if p.direction == "bwd_data" and any(s > 1 for s in p.stride) else 0)
+    if p.direction == "fwd":
+        return 5 if p.ndim == 2 else 4
+    return 7 if any(s > 1 for s in p.stride) else 4
 
 
 SHAPES = {
@@ -132,10 +133,10 @@ def test_the_phases_form_is_for_strided_problems_only():
 @needs_triton
 def test_patches_of_positions_are_for_2d_problems_only():
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(40,), kernel_size=7, padding=3, groups=4, device="cuda")
-    support = get_algorithm("triton:depthwise_fwd_p64c32w4q8").supports(p)
+    support = get_algorithm("triton:depthwise_fwd_p16c128w4q4").supports(p)
     assert not support and "2-D problems" in support.reason
     two_d = p.replace(input_size=(9, 40), kernel_size=(3, 7), padding=(1, 3), stride=1, dilation=1)
-    assert get_algorithm("triton:depthwise_fwd_p64c32w4q8").supports(two_d)
+    assert get_algorithm("triton:depthwise_fwd_p16c128w4q4").supports(two_d)
 
 
 @needs_triton

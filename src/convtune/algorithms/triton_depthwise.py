@@ -24,14 +24,16 @@ from .base import SUPPORTED, NumericNotes, Support, unsupported
 from .triton_family import TritonAlgorithm, register_family
 
 # Tile configurations per direction: (positions, channels, warps[, chunk[, form[, patch]]]). Wide channel tiles
-# read channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous. The
-# channels_last ones also over 2-D patches of one sample's positions (patch: the patch's width; names ending in
-# 'q' and the width): 8x8, 4x8 and 4x4 positions.
-FORWARD_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4),
-                 (64, 32, 4, 0, "", 8), (32, 64, 4, 0, "", 8), (16, 128, 4, 0, "", 4))
+# read channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous. One
+# forward configuration takes a 4x4 patch of one sample's positions (patch: the patch's width; names ending in
+# 'q' and the width): on the H200 5-7 % faster than any other on 7x7 to 13x13 kernels of large images, where
+# the other 8x8, 4x8 and 4x4 patches measured (forward and data gradient) were 0.64-1.07x the consecutive
+# positions' times (bench/results/depthwise.md).
+DATA_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
+FORWARD_TILES = (*DATA_TILES, (16, 128, 4, 0, "", 4))
 # The data gradient of a strided problem also in the form 'phases' (one stride phase's positions at a time, each
 # looping over its own taps; names ending in 'ph').
-BACKWARD_DATA_TILES = (*FORWARD_TILES, *((*tile, 0, "phases") for tile in ((64, 32, 4), (32, 64, 4), (256, 4, 4))))
+BACKWARD_DATA_TILES = (*DATA_TILES, *((*tile, 0, "phases") for tile in ((64, 32, 4), (32, 64, 4), (256, 4, 4))))
 # The filter gradient's first number is positions × a kernel row's taps (padded to a power of two) per turn, a
 # fixed accumulator; its fourth: output rows summed per program (more rows, fewer partial sums).
 BACKWARD_FILTER_TILES = ((64, 64, 4, 8), (128, 32, 4, 8), (256, 4, 4, 8))

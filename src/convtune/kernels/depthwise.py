@@ -48,7 +48,7 @@ class Tile:
     summed per program (its positions are then positions × a kernel row's taps, padded to a power of two, per
     turn, capped at the row's length), and (backward_data) the form: '' (every input position, every tap) or
     'phases' (a strided problem's input positions one stride phase at a time, each phase looping over its own
-    taps only, ``_backward_data_by_phase``); (forward, backward_data) ``patch``: 0, the positions consecutive in
+    taps only, ``_backward_data_by_phase``); (forward) ``patch``: 0, the positions consecutive in
     (N, rows, columns) order, or the width of a patch of positions // patch rows of one sample
     (``patch_positions``)."""
 
@@ -103,8 +103,8 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, C,
                    sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                    M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr,
-                   BLOCK_CH: tl.constexpr, PATCH_W: tl.constexpr):
-    pos_ok, n, h, wi = patch_positions(total, H, W, BLOCK_POS, PATCH_W)
+                   BLOCK_CH: tl.constexpr):
+    pos_ok, n, h, wi = positions(total, H, W, BLOCK_POS)
     c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     c_ok = c < C
     acc = tl.zeros((BLOCK_POS, BLOCK_CH), dtype=tl.float32)
@@ -218,9 +218,10 @@ def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, 
 
 # -- launches ---------------------------------------------------------------------------------
 def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-            computed: tuple[int, int], read: tuple[int, int], channels: int) -> None:
+            computed: tuple[int, int], read: tuple[int, int], channels: int, **constants: int) -> None:
     """Launch ``_forward`` or ``_backward_data``: programs over tiles of (positions of ``out``, whose
-    spatial size is ``computed``, × its ``channels``), reading ``a`` of spatial size ``read``."""
+    spatial size is ``computed``, × its ``channels``), reading ``a`` of spatial size ``read``; ``constants``:
+    the kernel's own compile-time arguments."""
     a4, w4, out4 = (as_4d(t, problem) for t in (a, w, out))
     total = problem.n * computed[0] * computed[1]
     if tile.patch:  # patches of (positions // patch) rows × patch columns, each of one sample
@@ -233,13 +234,13 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
     kernel[grid](a4, w4, out4, total, *computed, *read, channels,
                  *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
                  M=problem.k // problem.c, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels,
-                 PATCH_W=tile.patch, num_warps=tile.warps)
+                 num_warps=tile.warps, **constants)
 
 
 def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     """y = the depthwise convolution of x with w, into ``y``."""
     h, wd, p, q = sizes(problem)
-    _direct(_forward, problem, tile, x, w, y, (p, q), (h, wd), problem.k)
+    _direct(_forward, problem, tile, x, w, y, (p, q), (h, wd), problem.k, PATCH_W=tile.patch)
 
 
 def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor) -> None:

@@ -1,0 +1,86 @@
+"""Every Triton kernel configuration of the portfolio compiles for the H200 (CUDA, sm_90) on this machine, with
+no GPU: Triton's interpreter, which runs the kernels in the other tests, accepts code its GPU compiler refuses
+(a ``return`` inside a compile-time branch, say). Each configuration's launch on a few problems is caught before
+it runs (the arguments, the compile-time constants and warps it would launch with) and compiled to a cubin by
+Triton's own compiler and ptxas. It runs in a process of its own: the interpreter's kernels are other objects."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r"""
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+import convtune as ct
+from convtune.algorithms.triton_family import TritonAlgorithm
+
+PROBLEMS = [  # 2-D strided, dilated, 1-D, a channel multiplier; grouped: 4 channels per group
+    dict(n=2, c=8, k=8, input_size=(9, 10), kernel_size=5, stride=2, padding=2, groups=8),
+    dict(n=1, c=4, k=8, input_size=(11, 12), kernel_size=3, dilation=2, padding=2, groups=4),
+    dict(n=2, c=6, k=6, input_size=(17,), kernel_size=7, padding=3, groups=6),
+    dict(n=2, c=16, k=16, input_size=(9, 9), kernel_size=3, padding=1, groups=4),
+]
+caught = []
+
+
+def catch(self, *args, grid, warmup, **kwargs):
+    caught.append((self, args, kwargs))
+
+
+JITFunction.run = catch
+POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+compiled, launches = set(), 0
+for algorithm in ct.registered():
+    if not isinstance(algorithm, TritonAlgorithm):
+        continue
+    for spec in PROBLEMS:
+        for dtype in ("float16", "bfloat16", "float32"):
+            p = ct.ConvProblem(algorithm.directions[0], dtype=dtype, layout="channels_last", device="cuda", **spec)
+            if not algorithm.supports(p):
+                continue
+            cpu = p.replace(device="cpu")
+            a, b = cpu.random_inputs()
+            out = cpu.empty(cpu.operand_shapes[2])
+            ws = {buffer.name: torch.empty(buffer.shape, dtype=buffer.dtype) for buffer in algorithm.buffers(p)}
+            caught.clear()
+            algorithm._run(p, a, b, out, ws)
+            assert caught, f"{algorithm.name} launched no kernel"
+            for kernel, args, kwargs in caught:
+                launches += 1
+                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+                names = [n for n in kernel.arg_names if n not in kwargs]
+                signature = {n: POINTER[v.dtype] if isinstance(v, torch.Tensor) else "i32" for n, v in zip(names, args)}
+                signature.update({n: "constexpr" for n in kwargs})
+                key = (kernel.fn.__name__, kernel.fn.__module__, tuple(sorted(signature.items())),
+                       tuple(sorted(kwargs.items())), tuple(sorted(options.items())))
+                if key in compiled:
+                    continue
+                try:
+                    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=kwargs),
+                                   target=GPUTarget("cuda", 90, 32), options=options)
+                except Exception as error:
+                    raise SystemExit(f"{algorithm.name} on {p.key}: {kernel.fn.__name__} {kwargs} does not compile "
+                                     f"for sm_90: {type(error).__name__}: {error}")
+                compiled.add(key)
+print(f"compiled {len(compiled)} kernels of {launches} launches")
+"""
+
+
+@pytest.mark.slow  # about 25 s on a 2-core CPU
+def test_every_triton_configuration_compiles_for_the_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CONVTUNE_TRITON"] = "1"
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    compiled = int(done.stdout.split("compiled ")[1].split()[0])
+    assert compiled >= 20, done.stdout
