@@ -510,7 +510,10 @@ def _trains_like(model: torch.nn.Module, y: torch.Tensor, x: torch.Tensor, twin:
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(native, backend):
+def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(native, backend, monkeypatch, tmp_path):
+    # Inductor's caches of its own: a graph compiled for another version of the extension would be served from them
+    # (its ops' C++ is not part of their keys), so the generated code read below would not be this version's.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     from torch._inductor.utils import run_and_get_code
 
     x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
@@ -529,7 +532,9 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
         text = "\n".join(code)
         assert "convtune.pytorch" not in text  # the ops, no Python of ours
         assert "convtune.layer_run" in text  # the forward of both layers
-        assert "convtune.layer_backward_data" in text and "convtune.layer_backward_filter" in text
+        # both gradients in one call of the op per layer (the input needs its gradient, so every layer's does)
+        assert "convtune.layer_backward.default" in text
+        assert "convtune.layer_backward_data" not in text and "convtune.layer_backward_filter" not in text
     else:
         y = step()
     _trains_like(model, y, xa, twin, xb, atol=1e-5)
@@ -670,6 +675,12 @@ def test_a_layer_without_an_answer_runs_torch_convolution_and_passes_opcheck(nat
                 (x, conv.weight) + (() if conv.bias is None else (conv.bias,)))
             torch.testing.assert_close(torch.ops.convtune.layer_conv(*args), conv(x))
             torch.library.opcheck(torch.ops.convtune.layer_conv.default, args)
+            # one gradient alone (the input's, the weight's): the op of that direction, not the one of both
+            w, xd = conv.weight.detach(), x.detach()
+            torch.autograd.gradcheck(
+                lambda x: torch.ops.convtune.layer_conv(x, w, None, *geometry, ident, True, False), (x,))
+            torch.autograd.gradcheck(
+                lambda w: torch.ops.convtune.layer_conv(xd, w, None, *geometry, ident, False, True), (conv.weight,))
         assert native.layer_entries(layer) == []  # nothing answered: no entry kept
     finally:
         native.layer_drop(layer)
@@ -704,6 +715,12 @@ def test_a_layer_entry_runs_its_executables_and_a_copy_makes_its_own_layer(nativ
     twin.load_state_dict(module.state_dict())
     xb = x.clone().requires_grad_()
     _trains_like(module, y, xa, twin, xb, atol=1e-5)
+    module.zero_grad()  # the weight's gradient alone (an input that needs none): its executable, dy expanded
+    torch.ops.convtune.layer_conv(x, module.weight, None, *module._convtune_geometry, module._convtune_layer, False,
+                                  True).sum().backward()
+    twin.zero_grad()
+    torch.nn.functional.conv2d(x, twin.weight).sum().backward()
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad, atol=1e-5, rtol=1e-4)
     for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
         assert copied._convtune_layer not in (0, module._convtune_layer)
         assert _layer_shapes(copied) == {(2, 6, 5, 5)}

@@ -5,6 +5,9 @@
 //       the module's forward convolution (plus bias), differentiable; below autograd it is
 //   convtune::layer_run(Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, int groups, int layer,
 //                       bool need_dx, bool need_dw) -> Tensor
+//   convtune::layer_backward(Tensor dy, Tensor x, Tensor w, <the same geometry>, int layer) -> (Tensor, Tensor)
+//       both gradients (where both are needed: one call from compiled code, one lookup of the table, and one
+//       at::convolution_backward where both directions are PyTorch's), or one:
 //   convtune::layer_backward_data(Tensor dy, Tensor x, Tensor w, <the same geometry>, int layer) -> Tensor
 //   convtune::layer_backward_filter(Tensor dy, Tensor x, Tensor w, <the same geometry>, int layer) -> Tensor
 //
@@ -35,6 +38,7 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <tuple>
 #include <unordered_map>
 
 #include "executable.h"
@@ -194,13 +198,10 @@ at::Tensor run_layer(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef s
                     x);
 }
 
-// A gradient (the data gradient where ``data``, else the weight gradient) by the layer's executable for it, else
+// A gradient (the data gradient where ``data``, else the weight gradient) by the entry's executable for it, else
 // PyTorch's; dense like the operand whose shape it has.
-template <bool data>
-at::Tensor run_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
-                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t id) {
-  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
-  const LayerEntry e = entry_for(id, g, x, w, data, !data);
+at::Tensor one_gradient(bool data, const LayerEntry& e, const ConvGeometry& g, const at::Tensor& dy, const at::Tensor& x,
+                        const at::Tensor& w) {
   const at::Tensor& like = data ? x : w;
   if (const int64_t handle = e.handles[data ? 1 : 2]) {
     return dense_like(data ? run_tuned(dy, w, handle) : run_tuned(x, dy, handle), like);
@@ -208,6 +209,33 @@ at::Tensor run_backward(const at::Tensor& dy, const at::Tensor& x, const at::Ten
   auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
                                         zeros_like(g.stride), g.groups, {data, !data, false});
   return dense_like(data ? std::get<0>(grads) : std::get<1>(grads), like);
+}
+
+template <bool data>
+at::Tensor run_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride,
+                        at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t id) {
+  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
+  return one_gradient(data, entry_for(id, g, x, w, data, !data), g, dy, x, w);
+}
+
+// Both gradients: PyTorch's in one call where both directions chose it; else each by its own path, dy laid out
+// once where both executables read it (a loss's sum() gives an expanded dy, which each would copy).
+std::tuple<at::Tensor, at::Tensor> run_backward_both(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                     at::IntArrayRef stride, at::IntArrayRef padding,
+                                                     at::IntArrayRef dilation, int64_t groups, int64_t id) {
+  const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
+  const LayerEntry e = entry_for(id, g, x, w, true, true);
+  if (!e.handles[1] && !e.handles[2]) {
+    auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
+                                          zeros_like(g.stride), g.groups, {true, true, false});
+    return {dense_like(std::get<0>(grads), x), dense_like(std::get<1>(grads), w)};
+  }
+  at::Tensor d = dy;
+  if (e.handles[1] && e.handles[2]) {
+    const Spec& spec = find_executable(e.handles[1])->geometry.a;
+    if (d.sizes().equals(spec.shape)) d = laid_out(d, spec);  // (a wrong shape: run_tuned's error names it)
+  }
+  return {one_gradient(true, e, g, d, x, w), one_gradient(false, e, g, d, x, w)};
 }
 
 // Meta kernels: the result's shape from (possibly symbolic) sizes, in the memory format the real kernels give.
@@ -232,10 +260,19 @@ at::Tensor backward_meta(const at::Tensor& dy, const at::Tensor& x, const at::Te
   return at::empty_symint(like.sym_sizes(), dy.options(), like.suggest_memory_format());
 }
 
+std::tuple<at::Tensor, at::Tensor> backward_both_meta(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                      at::IntArrayRef stride, at::IntArrayRef padding,
+                                                      at::IntArrayRef dilation, int64_t groups, int64_t id) {
+  return {backward_meta<true>(dy, x, w, stride, padding, dilation, groups, id),
+          backward_meta<false>(dy, x, w, stride, padding, dilation, groups, id)};
+}
+
 using Arrays = at::IntArrayRef;
 using RunOp = at::Tensor(const at::Tensor&, const at::Tensor&, Arrays, Arrays, Arrays, int64_t, int64_t, bool, bool);
 using BackwardOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, Arrays, Arrays, Arrays, int64_t,
                               int64_t);
+using BothOp = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, Arrays,
+                                                  Arrays, Arrays, int64_t, int64_t);
 using ConvOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, Arrays, Arrays,
                           Arrays, int64_t, int64_t, bool, bool);
 
@@ -252,6 +289,13 @@ at::Tensor call_backward(bool data, const at::Tensor& dy, const at::Tensor& x, c
   static auto filter_op =
       c10::Dispatcher::singleton().findSchemaOrThrow("convtune::layer_backward_filter", "").typed<BackwardOp>();
   return (data ? data_op : filter_op).call(dy, x, w, stride, padding, dilation, groups, id);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_backward_both(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                      Arrays stride, Arrays padding, Arrays dilation, int64_t groups,
+                                                      int64_t id) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("convtune::layer_backward", "").typed<BothOp>();
+  return op.call(dy, x, w, stride, padding, dilation, groups, id);
 }
 
 at::Tensor forward_below_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
@@ -294,8 +338,13 @@ struct LayerConv : public torch::autograd::Function<LayerConv> {
     std::optional<at::AutoDispatchBelowADInplaceOrView> below;  // with gradients on, the ops' autograd kernel raises
     if (!at::GradMode::is_enabled()) below.emplace();
     at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = call_backward(true, dy, saved[0], saved[1], stride, padding, dilation, groups, id);
-    if (ctx->needs_input_grad(1)) dw = call_backward(false, dy, saved[0], saved[1], stride, padding, dilation, groups, id);
+    if (ctx->needs_input_grad(0) && ctx->needs_input_grad(1)) {
+      std::tie(dx, dw) = call_backward_both(dy, saved[0], saved[1], stride, padding, dilation, groups, id);
+    } else if (ctx->needs_input_grad(0)) {
+      dx = call_backward(true, dy, saved[0], saved[1], stride, padding, dilation, groups, id);
+    } else if (ctx->needs_input_grad(1)) {
+      dw = call_backward(false, dy, saved[0], saved[1], stride, padding, dilation, groups, id);
+    }
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
       std::vector<int64_t> dims{0};
       for (int64_t d = 2; d < dy.dim(); ++d) dims.push_back(d);
@@ -316,7 +365,7 @@ at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::op
                           need_dw || w.requires_grad());
 }
 
-// The three inner ops have no derivative of their own (layer_conv's backward calls them): asking for one
+// The four inner ops have no derivative of their own (layer_conv's backward calls them): asking for one
 // (double backward through a tuned layer) raises.
 void no_double_backward(std::initializer_list<const at::Tensor*> operands) {
   bool needed = false;
@@ -339,6 +388,14 @@ at::Tensor backward_autograd(const at::Tensor& dy, const at::Tensor& x, const at
   no_double_backward({&dy, &x, &w});
   at::AutoDispatchBelowADInplaceOrView below;
   return call_backward(data, dy, x, w, stride, padding, dilation, groups, id);
+}
+
+std::tuple<at::Tensor, at::Tensor> backward_both_autograd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                          Arrays stride, Arrays padding, Arrays dilation, int64_t groups,
+                                                          int64_t id) {
+  no_double_backward({&dy, &x, &w});
+  at::AutoDispatchBelowADInplaceOrView below;
+  return call_backward_both(dy, x, w, stride, padding, dilation, groups, id);
 }
 
 template <c10::DeviceType device_type>
@@ -414,6 +471,7 @@ TORCH_LIBRARY_FRAGMENT(convtune, m) {
   for (const std::string& schema :
        {"layer_conv(Tensor x, Tensor w, Tensor? bias, " + geometry + ", bool need_dx, bool need_dw) -> Tensor",
         "layer_run(Tensor x, Tensor w, " + geometry + ", bool need_dx, bool need_dw) -> Tensor",
+        "layer_backward(Tensor dy, Tensor x, Tensor w, " + geometry + ") -> (Tensor, Tensor)",
         "layer_backward_data(Tensor dy, Tensor x, Tensor w, " + geometry + ") -> Tensor",
         "layer_backward_filter(Tensor dy, Tensor x, Tensor w, " + geometry + ") -> Tensor"}) {
     m.def(schema.c_str(), {at::Tag::pt2_compliant_tag});
@@ -424,6 +482,7 @@ TORCH_LIBRARY_FRAGMENT(convtune, m) {
   TORCH_LIBRARY_IMPL(convtune, KEY, m) {               \
     m.impl("layer_conv", &forward_below_autograd);     \
     m.impl("layer_run", &run_layer);                   \
+    m.impl("layer_backward", &run_backward_both);      \
     m.impl("layer_backward_data", &run_backward<true>);    \
     m.impl("layer_backward_filter", &run_backward<false>); \
   }
@@ -433,6 +492,7 @@ CONVTUNE_LAYER_KERNELS(CUDA)
 TORCH_LIBRARY_IMPL(convtune, Meta, m) {
   m.impl("layer_conv", &forward_below_autograd);
   m.impl("layer_run", &run_layer_meta);
+  m.impl("layer_backward", &backward_both_meta);
   m.impl("layer_backward_data", &backward_meta<true>);
   m.impl("layer_backward_filter", &backward_meta<false>);
 }
@@ -440,6 +500,7 @@ TORCH_LIBRARY_IMPL(convtune, Meta, m) {
 TORCH_LIBRARY_IMPL(convtune, Autograd, m) {
   m.impl("layer_conv", &conv_autograd);
   m.impl("layer_run", &run_autograd);
+  m.impl("layer_backward", &backward_both_autograd);
   m.impl("layer_backward_data", &backward_autograd<true>);
   m.impl("layer_backward_filter", &backward_autograd<false>);
 }
