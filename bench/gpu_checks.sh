@@ -27,6 +27,9 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CONVTUNE_CACHE_DIR=/tmp/convtune-cache CONVTUNE_EXTENSION_DIR=/tmp/convtune-ext CONVTUNE_PROGRESS=0
+# Inductor's caches per src/ tree: they key a graph by its ops' names, not by the extension's C++, so a warm machine
+# would serve a graph traced by an earlier version of the layer ops.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-${BENCH_SOURCE:-unknown}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src
