@@ -681,6 +681,15 @@ def test_a_layer_without_an_answer_runs_torch_convolution_and_passes_opcheck(nat
                 lambda x: torch.ops.convtune.layer_conv(x, w, None, *geometry, ident, True, False), (x,))
             torch.autograd.gradcheck(
                 lambda w: torch.ops.convtune.layer_conv(xd, w, None, *geometry, ident, False, True), (conv.weight,))
+            for operands, op in (((x, w), "layer_backward_data"), ((xd, conv.weight), "layer_backward_filter"),
+                                 ((x, conv.weight), "layer_backward")):
+                y = torch.ops.convtune.layer_conv(*operands, None, *geometry, ident, True, True)
+                with torch.profiler.profile() as profile:
+                    y.sum().backward()
+                ran = {e.name for e in profile.events() if e.name.startswith("convtune::layer_backward")}
+                assert ran == {f"convtune::{op}"}, ran
+            dy = torch.randn_like(conv(x)).detach()
+            torch.library.opcheck(torch.ops.convtune.layer_backward.default, (dy, xd, w, *geometry, ident))
         assert native.layer_entries(layer) == []  # nothing answered: no entry kept
     finally:
         native.layer_drop(layer)

@@ -2,7 +2,9 @@
 no GPU: Triton's interpreter, which runs the kernels in the other tests, accepts code its GPU compiler refuses
 (a ``return`` inside a compile-time branch, say). Each configuration's launch on a few problems is caught before
 it runs (the arguments, the compile-time constants and warps it would launch with) and compiled to a cubin by
-Triton's own compiler and ptxas. It runs in a process of its own: the interpreter's kernels are other objects."""
+Triton's own compiler and ptxas, its arguments specialized as Triton's launcher does: an integer equal to 1 as a
+constant, one divisible by 16 and every (PyTorch-allocated, so aligned) pointer as such. It runs in a process of
+its own: the interpreter's kernels are other objects."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def catch(self, *args, grid, warmup, **kwargs):
 
 JITFunction.run = catch
 POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
-compiled, launches = set(), 0
+compiled, launches, launched = set(), 0, set()
 for algorithm in ct.registered():
     if not isinstance(algorithm, TritonAlgorithm):
         continue
@@ -55,23 +57,37 @@ for algorithm in ct.registered():
             caught.clear()
             algorithm._run(p, a, b, out, ws)
             assert caught, f"{algorithm.name} launched no kernel"
+            launched.add(algorithm.name)
             for kernel, args, kwargs in caught:
                 launches += 1
                 options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
                 names = [n for n in kernel.arg_names if n not in kwargs]
-                signature = {n: POINTER[v.dtype] if isinstance(v, torch.Tensor) else "i32" for n, v in zip(names, args)}
+                signature, constants, aligned = {}, dict(kwargs), []
+                for index, (name, value) in enumerate(zip(names, args)):
+                    if isinstance(value, torch.Tensor):
+                        signature[name] = POINTER[value.dtype]
+                        aligned.append(index)
+                    elif value == 1:
+                        signature[name], constants[name] = "constexpr", 1
+                    else:
+                        signature[name] = "i32"
+                        if value % 16 == 0:
+                            aligned.append(index)
                 signature.update({n: "constexpr" for n in kwargs})
                 key = (kernel.fn.__name__, kernel.fn.__module__, tuple(sorted(signature.items())),
-                       tuple(sorted(kwargs.items())), tuple(sorted(options.items())))
+                       tuple(sorted(constants.items())), tuple(aligned), tuple(sorted(options.items())))
                 if key in compiled:
                     continue
+                attrs = {(index,): [["tt.divisibility", 16]] for index in aligned}
                 try:
-                    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=kwargs),
+                    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=options)
                 except Exception as error:
                     raise SystemExit(f"{algorithm.name} on {p.key}: {kernel.fn.__name__} {kwargs} does not compile "
                                      f"for sm_90: {type(error).__name__}: {error}")
                 compiled.add(key)
+missing = [a.name for a in ct.registered() if isinstance(a, TritonAlgorithm) and a.name not in launched]
+assert not missing, f"no test problem launches {missing}"
 print(f"compiled {len(compiled)} kernels of {launches} launches")
 """
 

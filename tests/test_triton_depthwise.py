@@ -70,8 +70,8 @@ def test_matches_reference(shape, direction, dtype, layout):
 @kernels
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_partial_tiles_and_many_chunks(direction):
-    # More positions than any tile holds (2·11·37 = 814) and, for the filter gradient, rows past its tile
-    # (37 > 32) and 22 output rows in runs of 8 to 32, the last run partial.
+    # More positions than any tile holds (2·11·37 = 814) and, for the filter gradient, rows past the row tile of two
+    # of its three configurations (37 > 16 and 32) and 22 output rows in runs of 8, the last run partial.
     p = ConvProblem(direction, n=2, c=3, k=3, input_size=(11, 37), kernel_size=3, padding=1, groups=3,
                     dtype="bfloat16", layout="channels_last", device=DEVICE)
     check_supporting(FAMILY, p)
@@ -80,8 +80,9 @@ def test_partial_tiles_and_many_chunks(direction):
 @kernels
 @pytest.mark.parametrize("stride, dilation", [((2, 2), (1, 1)), ((3, 2), (2, 3)), ((2, 2), (2, 2))])
 def test_strided_data_gradient_over_many_tiles_and_phases(stride, dilation):
-    # 2·23·19 input positions in up to 6 phases, more than one tile of each; a dilation sharing no factor with the
-    # stride (every phase reached, by every stride-th tap) and one sharing it (half the phases receive nothing).
+    # 2·23·19 input positions in up to 6 phases, more than one tile of each (but p256's); a dilation sharing no factor
+    # with the stride (every phase reached, by every stride-th tap) and one sharing it (half the phases receive
+    # nothing).
     p = ConvProblem("bwd_data", n=2, c=3, k=3, input_size=(23, 19), kernel_size=5, stride=stride, dilation=dilation,
                     padding=(4, 4), groups=3, dtype="bfloat16", layout="channels_last", device=DEVICE)
     assert sum(bool(get_algorithm(n).supports(p)) for n in FAMILY if n.endswith("ph")) == 3

@@ -99,6 +99,10 @@ void set_poison(bool on);
 bool fits(const at::Tensor& t, const Spec& spec);
 // ``t`` itself when it fits ``spec``, else a copy laid out as ``spec`` says.
 at::Tensor laid_out(const at::Tensor& t, const Spec& spec);
+// dy as the two gradients' executables read it (``data``'s first operand, ``filter``'s second): laid out once
+// where both want one layout and dy has their shape (a loss's sum() gives an expanded dy, which each would
+// otherwise copy), else dy itself (each lays it out as it needs; a wrong shape: its error names it).
+at::Tensor gradient_for_both(const at::Tensor& dy, int64_t data, int64_t filter);
 // Dense strides of ``shape`` in channels_first (row-major) or channels_last (N, *spatial, C) order.
 std::vector<int64_t> dense_strides(const std::vector<int64_t>& shape, bool channels_last);
 

@@ -219,7 +219,7 @@ at::Tensor run_backward(const at::Tensor& dy, const at::Tensor& x, const at::Ten
 }
 
 // Both gradients: PyTorch's in one call where both directions chose it; else each by its own path, dy laid out
-// once where both executables read it (a loss's sum() gives an expanded dy, which each would copy).
+// once where both executables read it in one layout.
 std::tuple<at::Tensor, at::Tensor> run_backward_both(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                                                      at::IntArrayRef stride, at::IntArrayRef padding,
                                                      at::IntArrayRef dilation, int64_t groups, int64_t id) {
@@ -230,11 +230,7 @@ std::tuple<at::Tensor, at::Tensor> run_backward_both(const at::Tensor& dy, const
                                           zeros_like(g.stride), g.groups, {true, true, false});
     return {dense_like(std::get<0>(grads), x), dense_like(std::get<1>(grads), w)};
   }
-  at::Tensor d = dy;
-  if (e.handles[1] && e.handles[2]) {
-    const Spec& spec = find_executable(e.handles[1])->geometry.a;
-    if (d.sizes().equals(spec.shape)) d = laid_out(d, spec);  // (a wrong shape: run_tuned's error names it)
-  }
+  const at::Tensor d = e.handles[1] && e.handles[2] ? gradient_for_both(dy, e.handles[1], e.handles[2]) : dy;
   return {one_gradient(true, e, g, d, x, w), one_gradient(false, e, g, d, x, w)};
 }
 

@@ -92,12 +92,8 @@ struct TunedConv : public torch::autograd::Function<TunedConv> {
     if (!at::GradMode::is_enabled()) below.emplace();
     const int64_t bwd_data = ctx->saved_data["bwd_data"].toInt(), bwd_filter = ctx->saved_data["bwd_filter"].toInt();
     const bool data_grad = ctx->needs_input_grad(0), weight_grad = ctx->needs_input_grad(1);
-    // tuned_run lays its operands out as the problem needs; where both gradients read dy, it is laid out
-    // once here (a loss's sum() gives an expanded dy, which would otherwise be copied twice).
-    if (data_grad && weight_grad) {
-      const Spec& spec = find_executable(bwd_data)->geometry.a;
-      if (dy.sizes().equals(spec.shape)) dy = laid_out(dy, spec);  // (a wrong shape: tuned_run's error names it)
-    }
+    // tuned_run lays its operands out as the problem needs; where both gradients read dy, once here.
+    if (data_grad && weight_grad) dy = gradient_for_both(dy, bwd_data, bwd_filter);
     if (data_grad) dx = run_tuned(dy, w, bwd_data);
     if (weight_grad) dw = run_tuned(x, dy, bwd_filter);
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {

@@ -156,7 +156,8 @@ def _backward_data_by_phase(dy, w, dx, H, W, P, Q, C, N, step_h, step_w,
     pw = phase - ph * stride_w
     rows = (H - ph + stride_h - 1) // stride_h
     cols = (W - pw + stride_w - 1) // stride_w
-    pos_ok, n, i, j = positions(N * rows * cols, rows, cols, BLOCK_POS)
+    # (a phase an input smaller than the stride leaves empty: no positions, and no division by its 0 rows)
+    pos_ok, n, i, j = positions(N * rows * cols, tl.maximum(rows, 1), tl.maximum(cols, 1), BLOCK_POS)
     h = ph + stride_h * i
     wi = pw + stride_w * j
     c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
