@@ -53,7 +53,7 @@ def end_to_end() -> str:
             f"Latest run: {_env(data['environment'])}. Autocast, channels_last; PyTorch with "
             "`cudnn.benchmark=True` in the same style divided by convtune, inference / training step (above 1: "
             "convtune is faster), with the revisions of the two rows; where the host sets the pace (eager and "
-            "compiled inference at these sizes) the processes of one configuration have differed by up to 2.8x "
+            "compiled inference at these sizes) the processes of one configuration have differed by up to 1.7x "
             "([`performance.md`](performance.md)).\n\n" + common.md_table(["network", "CUDA graph", "eager", "torch.compile"], rows))
 
 

@@ -29,7 +29,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CONVTUNE_CACHE_DIR=/tmp/convtune-cache CONVTUNE_EXTENSION_DIR=/tmp/convtune-ext CONVTUNE_PROGRESS=0
 # Inductor's caches per src/ tree: they key a graph by its ops' names, not by the extension's C++, so a warm machine
 # would serve a graph traced by an earlier version of the layer ops.
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-${BENCH_SOURCE:-unknown}
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-${BENCH_SOURCE:-$(git rev-parse --short HEAD:src 2>/dev/null || date +%s)}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src
@@ -66,7 +66,8 @@ for step in "$@"; do
     depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     compileprofile:*) args=${step#compileprofile:}
                       TORCH_LOGS=output_code python3 bench/compile_profile.py ${args//+/ } --out "$OUT" \
-                        2> "$OUT/compile_output_code.txt" | tail -40 ;;
+                        2> "$OUT/compile_output_code.txt" | tail -40
+                      grep -E -A2 '^[A-Za-z.]*(Error|Exception)' "$OUT/compile_output_code.txt" | tail -12 ;;
     margins) python3 bench/verification_margins.py --device cuda --out "$OUT" 2>&1 | quiet | tail -30 ;;
     margins:*) IFS=: read -r _ network batch dtypes minutes <<< "$step"
                python3 bench/verification_margins.py --device cuda --network "$network" --batch "$batch" \

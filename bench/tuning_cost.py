@@ -333,8 +333,8 @@ def compiled_rows(p, x) -> list[tuple[str, float]]:
     """Ten such layers in a row under torch.compile (Inductor), an optimized copy against the PyTorch one, timed
     in alternation: per layer, inference and a training step's forward+backward (of the output's sum), and the
     same networks in eager code beside them. Under Inductor a tuned layer is a call of the op from the generated
-    Python (boxed, through ``torch.ops``) and a check of its result's strides, its backward two such calls (the
-    data and the weight gradient); PyTorch's are ``extern_kernels.convolution`` and one
+    Python (boxed, through ``torch.ops``) and a check of its result's strides, its backward one such call for both
+    gradients (``convtune.layer_backward``); PyTorch's are ``extern_kernels.convolution`` and one
     ``aten.convolution_backward``."""
     torch.manual_seed(0)
     base = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 1, bias=False) for _ in range(10)])

@@ -27,8 +27,8 @@ from .triton_family import TritonAlgorithm, register_family
 # read channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous. One
 # forward configuration takes a 4x4 patch of one sample's positions (patch: the patch's width; names ending in
 # 'q' and the width): on the H200 5-7 % faster than any other on 7x7 to 13x13 kernels of large images, where
-# the other 8x8, 4x8 and 4x4 patches measured (forward and data gradient) were 0.64-1.07x the consecutive
-# positions' times (bench/results/depthwise.md).
+# the best of 8x8, 4x8 and 4x4 patches ran each shape (forward and data gradient) at 0.64-1.07x the speed of
+# the best over consecutive positions (bench/results/depthwise.md at 77a0049, where they were measured).
 DATA_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
 FORWARD_TILES = (*DATA_TILES, (16, 128, 4, 0, "", 4))
 # The data gradient of a strided problem also in the form 'phases' (one stride phase's positions at a time, each
@@ -63,7 +63,7 @@ class TritonDepthwise(TritonAlgorithm):
         taps = problem.kernel_size[-1]
         if self.directions == ("bwd_filter",) and 1 << (taps - 1).bit_length() > self.tile_args[0]:
             return unsupported(f"takes kernel rows of up to {self.tile_args[0]} taps (a power of two at least as "
-                               f"many as the row's), got {taps}; the other configurations take it")
+                               f"many as the row's), got {taps}; a wider configuration, cuDNN or torch:native takes it")
         if self.patch and problem.ndim == 1:
             return unsupported("patches of positions are for 2-D problems; the other configurations take 1-D ones")
         if self.form == "phases" and all(s == 1 for s in problem.stride):
@@ -83,7 +83,7 @@ class TritonDepthwise(TritonAlgorithm):
         # Multiply-adds on the CUDA cores in float32, each tap's operand loaded again from cache: measured on
         # the H200 (bench/results/depthwise.md) at 2-9x the floor forward and for the data gradient, 5-23x for
         # the weight gradient (whose reduction makes partial sums), so a tenth of the float32 peak and three
-        # times the compulsory traffic; with the H200's peaks (hardware.py) these predict 0.7-2.0x the measured
+        # times the compulsory traffic; with the H200's peaks (hardware.py) these predict 0.75-2.0x the measured
         # time of every weight gradient there. get then leaves cuDNN first where neither was measured.
         return Cost(problem.flops, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes,
                     1 + bool(workspace_bytes), float32_inside=True, composed=False)
