@@ -33,6 +33,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -200,15 +201,22 @@ at::Tensor run_layer(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef s
 
 // A gradient (the data gradient where ``data``, else the weight gradient) by the entry's executable for it, else
 // PyTorch's; dense like the operand whose shape it has.
+// PyTorch's gradients of the convolution, those ``mask`` (input, weight) asks for.
+std::tuple<at::Tensor, at::Tensor> torch_gradients(const ConvGeometry& g, const at::Tensor& dy, const at::Tensor& x,
+                                                   const at::Tensor& w, std::array<bool, 2> mask) {
+  auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
+                                        zeros_like(g.stride), g.groups, {mask[0], mask[1], false});
+  return {std::get<0>(grads), std::get<1>(grads)};
+}
+
 at::Tensor one_gradient(bool data, const LayerEntry& e, const ConvGeometry& g, const at::Tensor& dy, const at::Tensor& x,
                         const at::Tensor& w) {
   const at::Tensor& like = data ? x : w;
   if (const int64_t handle = e.handles[data ? 1 : 2]) {
     return dense_like(data ? run_tuned(dy, w, handle) : run_tuned(x, dy, handle), like);
   }
-  auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
-                                        zeros_like(g.stride), g.groups, {data, !data, false});
-  return dense_like(data ? std::get<0>(grads) : std::get<1>(grads), like);
+  auto [dx, dw] = torch_gradients(g, dy, x, w, {data, !data});
+  return dense_like(data ? dx : dw, like);
 }
 
 template <bool data>
@@ -226,9 +234,8 @@ std::tuple<at::Tensor, at::Tensor> run_backward_both(const at::Tensor& dy, const
   const ConvGeometry g = geometry_for(x, stride, padding, dilation, groups);
   const LayerEntry e = entry_for(id, g, x, w, true, true);
   if (!e.handles[1] && !e.handles[2]) {
-    auto grads = at::convolution_backward(dy, x, w, std::nullopt, g.stride, g.padding, g.dilation, false,
-                                          zeros_like(g.stride), g.groups, {true, true, false});
-    return {dense_like(std::get<0>(grads), x), dense_like(std::get<1>(grads), w)};
+    auto [dx, dw] = torch_gradients(g, dy, x, w, {true, true});
+    return {dense_like(dx, x), dense_like(dw, w)};
   }
   const at::Tensor d = e.handles[1] && e.handles[2] ? gradient_for_both(dy, e.handles[1], e.handles[2]) : dy;
   return {one_gradient(true, e, g, d, x, w), one_gradient(false, e, g, d, x, w)};
