@@ -28,14 +28,23 @@ from .triton_family import TritonAlgorithm, register_family
 # forward configuration takes a 4x4 patch of one sample's positions (patch: the patch's width; names ending in
 # 'q' and the width): on the H200 5-7 % faster than any other on 7x7 to 13x13 kernels of large images, where
 # the best of 8x8, 4x8 and 4x4 patches ran each shape (forward and data gradient) at 0.64-1.07x the speed of
-# the best over consecutive positions (bench/results/depthwise.md at 77a0049, where they were measured).
-DATA_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
+# the best over consecutive positions (bench/results/depthwise.md as measured at 77a0049, in git history).
+# Three more of the forward's and the data gradient's, each the fastest on some shapes on the H200
+# (bench/results/depthwise.md at eb37812, where all 16 combinations of the 4 tiles were measured; each alone
+# 1.04-1.27x the best of the 4 plain ones): a kernel row's taps unrolled (names ending in 'u': their loads in
+# flight at once), the weights laid out tap by tap ('t': every operand loaded as the tile is, with no exchange
+# through shared memory), and both.
+BASE_TILES = ((32, 64, 4), (64, 32, 4), (16, 128, 4), (256, 4, 4))
+DATA_TILES = (*BASE_TILES, (64, 32, 4, 0, "", 0, False, True), (16, 128, 4, 0, "", 0, True, False),
+              (64, 32, 4, 0, "", 0, True, True))
 FORWARD_TILES = (*DATA_TILES, (16, 128, 4, 0, "", 4))
 # The data gradient of a strided problem also in the form 'phases' (one stride phase's positions at a time, each
-# looping over its own taps; names ending in 'ph').
-BACKWARD_DATA_TILES = (*DATA_TILES, *((*tile, 0, "phases") for tile in ((64, 32, 4), (32, 64, 4), (256, 4, 4))))
+# looping over its own taps; names ending in 'ph'), the first also with the weights tap by tap.
+BACKWARD_DATA_TILES = (*DATA_TILES, *((*tile, 0, "phases") for tile in ((64, 32, 4), (32, 64, 4), (256, 4, 4))),
+                       (64, 32, 4, 0, "phases", 0, False, True))
 # The filter gradient's first number is positions × a kernel row's taps (padded to a power of two) per turn, a
-# fixed accumulator; its fourth: output rows summed per program (more rows, fewer partial sums).
+# fixed accumulator; its fourth: output rows summed per program (more rows, fewer partial sums). (dy loaded as
+# the tile is, once per tap, ran 0.84x as fast at 7x7 and larger kernels: not a candidate.)
 BACKWARD_FILTER_TILES = ((64, 64, 4, 8), (128, 32, 4, 8), (256, 4, 4, 8))
 FORM_SUFFIX = {"": "", "phases": "ph"}
 
@@ -48,14 +57,15 @@ class TritonDepthwise(TritonAlgorithm):
     tile_type = "Tile"
 
     def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0, form: str = "",
-                 patch: int = 0):
+                 patch: int = 0, unroll: bool = False, as_tile: bool = False):
         super().__init__(direction, positions, channels, warps, chunk)
-        self.form, self.patch = form, patch
-        self.name += FORM_SUFFIX[form] + (f"q{patch}" if patch else "")
+        self.form, self.patch, self.unroll, self.as_tile = form, patch, unroll, as_tile
+        self.name += FORM_SUFFIX[form] + (f"q{patch}" if patch else "") + "u" * unroll + "t" * as_tile
 
     @property
     def tile(self) -> Any:
-        return self.module().Tile(*self.tile_args, form=self.form, patch=self.patch)
+        return self.module().Tile(*self.tile_args, form=self.form, patch=self.patch, unroll=self.unroll,
+                                  as_tile=self.as_tile)
 
     def _family_supports(self, problem: ConvProblem) -> Support:
         if problem.groups != problem.c:

@@ -50,7 +50,9 @@ class Tile:
     'phases' (a strided problem's input positions one stride phase at a time, each phase looping over its own
     taps only, ``_backward_data_by_phase``); (forward) ``patch``: 0, the positions consecutive in
     (N, rows, columns) order, or the width of a patch of positions // patch rows of one sample
-    (``patch_positions``)."""
+    (``patch_positions``); (forward, backward_data) ``unroll``: a kernel row's taps unrolled (``unroll_factor``);
+    (forward, backward_data) ``as_tile``: every operand loaded as the tile is, with no exchange through shared
+    memory (the weights laid out tap by tap, channels contiguous, ``tap_weights``)."""
 
     positions: int
     channels: int
@@ -58,6 +60,8 @@ class Tile:
     chunk: int = 0
     form: str = ""
     patch: int = 0
+    unroll: bool = False
+    as_tile: bool = False
 
     def row_positions(self, taps: int) -> int:
         """backward_filter: the positions per turn for kernel rows of ``taps`` taps (0: more taps than
@@ -66,10 +70,16 @@ class Tile:
 
 
 @triton.jit
-def _add_tap(acc, rows, positions_ok, channels_ok, taps):
+def _add_tap(acc, rows, positions_ok, channels_ok, taps, AS_TILE: tl.constexpr):
     """acc + one tap's contribution: the operand at ``rows`` (positions × channels, zero where a position
-    is not whole) times the tap's weight of each channel, in float32."""
+    is not whole) times the tap's weight of each channel, in float32. AS_TILE: the weights (laid out tap by tap,
+    channels contiguous) loaded as the tile itself is, each thread its own channels' (a vector, from the
+    cache); else loaded once per channel and shared out to the tile's layout (through shared memory and two
+    barriers a tap, in the compiled code)."""
     values = tl.load(rows, mask=positions_ok[:, None] & channels_ok[None, :], other=0.0)
+    if AS_TILE:
+        weights = tl.load(taps[None, :] + positions_ok[:, None].to(tl.int32) * 0, mask=channels_ok[None, :], other=0.0)
+        return acc + values.to(tl.float32) * weights.to(tl.float32)
     weights = tl.load(taps, mask=channels_ok, other=0.0)
     return acc + values.to(tl.float32) * weights.to(tl.float32)[None, :]
 
@@ -79,7 +89,7 @@ def _forward(x, w, y, total, P, Q, H, W, K,
              sxn, sxc, sxh, sxw, swk, swr, sws, syn, syk, syp, syq,
              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
              M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr, BLOCK_CH: tl.constexpr,
-             PATCH_W: tl.constexpr):
+             PATCH_W: tl.constexpr, UNROLL: tl.constexpr, AS_TILE: tl.constexpr):
     pos_ok, n, p, q = patch_positions(total, P, Q, BLOCK_POS, PATCH_W)
     k = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     k_ok = k < K
@@ -90,10 +100,11 @@ def _forward(x, w, y, total, P, Q, H, W, K,
     for r in range(R):
         h = h0 + r * dil_h
         h_ok = pos_ok & (h >= 0) & (h < H)
-        for s in range(S):
+        for s in tl.range(0, S, 1, loop_unroll_factor=UNROLL):
             wi = w0 + s * dil_w
             ok = h_ok & (wi >= 0) & (wi < W)
-            acc = _add_tap(acc, x_rows + (h * sxh + wi * sxw)[:, None], ok, k_ok, w + k * swk + r * swr + s * sws)
+            acc = _add_tap(acc, x_rows + (h * sxh + wi * sxw)[:, None], ok, k_ok, w + k * swk + r * swr + s * sws,
+                           AS_TILE)
     offsets = (n * syn + p * syp + q * syq)[:, None] + k[None, :] * syk
     tl.store(y + offsets, acc.to(y.dtype.element_ty), mask=pos_ok[:, None] & k_ok[None, :])
 
@@ -103,7 +114,7 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, C,
                    sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                    M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr,
-                   BLOCK_CH: tl.constexpr):
+                   BLOCK_CH: tl.constexpr, UNROLL: tl.constexpr, AS_TILE: tl.constexpr):
     pos_ok, n, h, wi = positions(total, H, W, BLOCK_POS)
     c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     c_ok = c < C
@@ -113,10 +124,11 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, C,
         dy_rows = dy + n[:, None] * sdn + k[None, :] * sdk
         for r in range(R):
             p, p_ok = gradient_source(h, pad_h, r, dil_h, stride_h, P)
-            for s in range(S):
+            for s in tl.range(0, S, 1, loop_unroll_factor=UNROLL):
                 q, q_ok = gradient_source(wi, pad_w, s, dil_w, stride_w, Q)
                 ok = pos_ok & p_ok & q_ok
-                acc = _add_tap(acc, dy_rows + (p * sdp + q * sdq)[:, None], ok, c_ok, w + k * swk + r * swr + s * sws)
+                acc = _add_tap(acc, dy_rows + (p * sdp + q * sdq)[:, None], ok, c_ok, w + k * swk + r * swr + s * sws,
+                               AS_TILE)
     offsets = (n * sxn + h * sxh + wi * sxw)[:, None] + c[None, :] * sxc
     tl.store(dx + offsets, acc.to(dx.dtype.element_ty), mask=pos_ok[:, None] & c_ok[None, :])
 
@@ -146,7 +158,7 @@ def _backward_data_by_phase(dy, w, dx, H, W, P, Q, C, N, step_h, step_w,
                             sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
                             stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                             M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_POS: tl.constexpr,
-                            BLOCK_CH: tl.constexpr):
+                            BLOCK_CH: tl.constexpr, AS_TILE: tl.constexpr):
     # Grid: (tiles of one phase's positions, tiles of channels, phases). A phase's input positions are
     # h = ph + stride_h·i, w = pw + stride_w·j; the taps through which they receive gradient are r0, r0 +
     # step_h, ... (step: the stride over its gcd with the dilation), the same for all of them, so every tap
@@ -174,7 +186,8 @@ def _backward_data_by_phase(dy, w, dx, H, W, P, Q, C, N, step_h, step_w,
             for s in range(s0, S, step_w):
                 q = (wi + pad_w - s * dil_w) // stride_w
                 ok = pos_ok & p_ok & (q >= 0) & (q < Q)
-                acc = _add_tap(acc, dy_rows + (p * sdp + q * sdq)[:, None], ok, c_ok, w + k * swk + r * swr + s * sws)
+                acc = _add_tap(acc, dy_rows + (p * sdp + q * sdq)[:, None], ok, c_ok, w + k * swk + r * swr + s * sws,
+                               AS_TILE)
     offsets = (n * sxn + h * sxh + wi * sxw)[:, None] + c[None, :] * sxc
     tl.store(dx + offsets, acc.to(dx.dtype.element_ty), mask=pos_ok[:, None] & c_ok[None, :])
 
@@ -218,12 +231,30 @@ def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, 
 
 
 # -- launches ---------------------------------------------------------------------------------
+def tap_weights(tile: Tile, problem: ConvProblem, w: torch.Tensor) -> torch.Tensor:
+    """The 4-D weight as the kernels read it: as it is, or (``tile.as_tile``) a copy laid out tap by tap with each
+    tap's channels contiguous, seen as (K, 1, R, S) (the kernels read its strides)."""
+    w4 = as_4d(w, problem)
+    if not tile.as_tile:
+        return w4
+    k, _, r, s = w4.shape
+    taps = w4.reshape(k, r * s).t().contiguous()
+    return taps.as_strided((k, 1, r, s), (1, r * s * k, s * k, k))
+
+
+def unroll_factor(tile: Tile, problem: ConvProblem) -> int:
+    """How many times the compiler unrolls the loop over a kernel row's taps: all of them (their loads in flight
+    at once) where the tile says so, else not (1)."""
+    return geometry(problem)[1] if tile.unroll else 1
+
+
 def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             computed: tuple[int, int], read: tuple[int, int], channels: int, **constants: int) -> None:
     """Launch ``_forward`` or ``_backward_data``: programs over tiles of (positions of ``out``, whose
     spatial size is ``computed``, × its ``channels``), reading ``a`` of spatial size ``read``; ``constants``:
     the kernel's own compile-time arguments."""
-    a4, w4, out4 = (as_4d(t, problem) for t in (a, w, out))
+    a4, out4 = as_4d(a, problem), as_4d(out, problem)
+    w4 = tap_weights(tile, problem, w)
     total = problem.n * computed[0] * computed[1]
     if tile.patch:  # patches of (positions // patch) rows × patch columns, each of one sample
         rows, cols = triton.cdiv(computed[0], tile.positions // tile.patch), triton.cdiv(computed[1], tile.patch)
@@ -235,20 +266,22 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
     kernel[grid](a4, w4, out4, total, *computed, *read, channels,
                  *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
                  M=problem.k // problem.c, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels,
-                 num_warps=tile.warps, **constants)
+                 AS_TILE=tile.as_tile, num_warps=tile.warps, **constants)
 
 
 def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     """y = the depthwise convolution of x with w, into ``y``."""
     h, wd, p, q = sizes(problem)
-    _direct(_forward, problem, tile, x, w, y, (p, q), (h, wd), problem.k, PATCH_W=tile.patch)
+    _direct(_forward, problem, tile, x, w, y, (p, q), (h, wd), problem.k, PATCH_W=tile.patch,
+            UNROLL=unroll_factor(tile, problem))
 
 
 def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor) -> None:
     """dx = the gradient of the input from dy and w, into ``dx``."""
     h, wd, p, q = sizes(problem)
     if tile.form == "phases":
-        dy4, w4, dx4 = (as_4d(t, problem) for t in (dy, w, dx))
+        dy4, dx4 = as_4d(dy, problem), as_4d(dx, problem)
+        w4 = tap_weights(tile, problem, w)
         r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
         most = triton.cdiv(h, stride_h) * triton.cdiv(wd, stride_w) * problem.n  # the largest phase's positions
         grid = (triton.cdiv(most, tile.positions), triton.cdiv(problem.c, tile.channels), stride_h * stride_w)
@@ -256,9 +289,9 @@ def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.T
             dy4, w4, dx4, h, wd, p, q, problem.c, problem.n, stride_h // math.gcd(stride_h, dil_h),
             stride_w // math.gcd(stride_w, dil_w), *dy4.stride(), w4.stride(0), w4.stride(2), w4.stride(3),
             *dx4.stride(), stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, M=problem.k // problem.c, R=r, S=s,
-            BLOCK_POS=tile.positions, BLOCK_CH=tile.channels, num_warps=tile.warps)
+            BLOCK_POS=tile.positions, BLOCK_CH=tile.channels, AS_TILE=tile.as_tile, num_warps=tile.warps)
         return
-    _direct(_backward_data, problem, tile, dy, w, dx, (h, wd), (p, q), problem.c)
+    _direct(_backward_data, problem, tile, dy, w, dx, (h, wd), (p, q), problem.c, UNROLL=unroll_factor(tile, problem))
 
 
 def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor,
