@@ -769,7 +769,7 @@ def test_explain_says_what_compiled_code_traces_for_each_layer(native):
     padded = ct.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", mode="get")  # pads first: shape by shape
     for conv in (plain, padded):
         conv(x)
-    assert {row["compiled"] for row in ct.explain(plain)} == {"layer op"}
+    assert {row["compiled"] for row in ct.explain(plain)} == {"torch"}  # on the CPU 'get' picks PyTorch's call
     assert {row["compiled"] for row in ct.explain(padded)} == {"by shape"}
 
 
@@ -980,6 +980,52 @@ def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkey
         module._convtune_fast.clear()
         module(x)
         assert next(iter(module.selections.values())).fwd == "gemm:1x1"
+
+
+@pytest.mark.parametrize("gain_ms,compiled_torch", [(0.002, True), (0.02, False)])
+def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_costs(native, monkeypatch, tmp_path,
+                                                                                      gain_ms, compiled_torch):
+    from convtune.results import PerfResult, Status
+
+    # Eager code pays nothing for gemm:1x1's executables; compiled code pays 5 us a call of the layer's op.
+    monkeypatch.setattr(runtime, "host_overheads_us",
+                        lambda device, db=None: {"python": 50.0, "gemm_1x1": 0.0, "native": 0.0, "compiled": 5.0})
+    x = torch.randn(2, 6, 5, 5)
+    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
+    p = ConvProblem.from_module(module, tuple(x.shape))
+    for d in ("fwd", "bwd_data", "bwd_filter"):  # gemm:1x1 ahead by gain_ms in each direction
+        module._convtune_tuning.db.store(p.with_direction(d), [
+            PerfResult("gemm:1x1", Status.OK, time_ms=0.01, rel_error=0.0),
+            PerfResult("torch:native", Status.OK, time_ms=0.01 + gain_ms, rel_error=0.0)])
+    module(x.requires_grad_()).sum().backward()  # 3 x gain_ms gained against 2 calls x 5 us
+    selection = next(iter(module.selections.values()))
+    assert selection.runtime == "native" and selection.fwd == "gemm:1x1"  # eager code runs the choices
+    assert selection.compiled_torch is compiled_torch
+    assert pickle.loads(pickle.dumps(selection)).compiled_torch is compiled_torch
+    rows = ct.explain(module)
+    assert {row["compiled"] for row in rows} == {"torch" if compiled_torch else "layer op"}
+    if compiled_torch:
+        assert "gain 6.0 us of GPU time a step, less than the 10.0 us" in rows[0]["note"]
+    for dynamic, op in ((False, not compiled_torch), (True, True)):  # a symbolic shape: the layer op whatever
+        graphs: list = []
+        compiled = torch.compile(module, backend=_counting_backend(graphs), dynamic=dynamic, fullgraph=True)
+        y = compiled(x)
+        y.sum().backward()
+        torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+        code = "\n".join(str(g.code) for g in graphs)
+        assert ("layer_conv" in code) is op and ("conv2d" in code) is not op, code
+
+
+def test_compiled_code_pays_more_to_call_the_op_than_pytorchs_convolution_and_it_is_measured(native):
+    overheads = runtime._measured("cpu")
+    assert "compiled" in overheads  # (its value is the host's: only that it was measured is checked)
+    p = runtime.probe_problem("cpu")
+    x, w = p.random_inputs()
+    with torch.no_grad():  # the probe's layer 0 does not exist: the op runs PyTorch's convolution itself
+        torch.testing.assert_close(
+            torch.ops.convtune.layer_run.default(x, w, list(p.stride), list(p.padding), list(p.dilation), p.groups,
+                                                 0, False, False),
+            F.conv2d(x, w, None, p.stride, p.padding, p.dilation, p.groups))
 
 
 def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():

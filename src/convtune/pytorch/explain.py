@@ -30,7 +30,9 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     runs it through convtune's op) or none could be tuned;
     'python', convtune's Python path), status, time_ms (None when not measured), workspace_bytes
     note (why torch's or the Python path, or the result's message) and compiled (what torch.compile
-    traces for the layer: 'layer op', its C++ op that looks every input shape up, or 'by shape', its
+    traces for the layer: 'layer op', its C++ op that looks every input shape up; 'torch', PyTorch's own
+    convolution for an input of this static shape where the layer would call PyTorch or its choices gain less
+    than compiled code pays to call the op (the layer op where the shape is symbolic); or 'by shape', its
     choice per specialized shape; docs/runtime.md). Raises ``TypeError`` for a non-Module.
     """
     if not isinstance(model, torch.nn.Module):
@@ -39,8 +41,10 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     for name, module in model.named_modules():
         if not isinstance(module, TunedConv):
             continue
-        compiled = "layer op" if module._convtune_layer and not module._convtune_full_path else "by shape"
+        layer_op = bool(module._convtune_layer and not module._convtune_full_path)
         for selection in module.selections.values():
+            torch_call = selection.runtime == "torch" or selection.compiled_torch
+            compiled = ("torch" if torch_call else "layer op") if layer_op else "by shape"
             if selection.on_torch:
                 rows.append(dict(module=name, problem=selection.problem, direction="fwd", algorithm=None,
                                  runtime="torch", status="torch", time_ms=None, workspace_bytes=0,

@@ -128,7 +128,7 @@ class TunedConv(_ConvBase):
         for (need_dx, need_dw), key in _traced_keys(sig):
             entry: tuple[int, ...] | None = None
             if not provisional and selection.covers(need_dx, need_dw):
-                if selection.call is None and selection.native is None:
+                if (selection.call is None and selection.native is None) or selection.compiled_torch:
                     entry = ()  # PyTorch's own call
                 elif selection.native is not None and not pads:
                     entry = selection.native
@@ -216,8 +216,15 @@ class TunedConv(_ConvBase):
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
         if self._convtune_layer and not self._convtune_full_path and input.device.type in ("cpu", "cuda"):
-            # The layer's op: it looks its input's signature up on every call, and has one met first here
-            # selected for, so that neither a new shape nor a symbolic one breaks the graph or recompiles it.
+            # An input of static shape whose choice is PyTorch's call, or gains less than compiled code pays to
+            # call the op (LayerSelection.compiled_torch): PyTorch's convolution, which Inductor calls for less
+            # host time (and adds the bias in it). Else the layer's op: it looks its input's signature up on every
+            # call, and has one met first here selected for, so that neither a new shape nor a symbolic one
+            # breaks the graph or recompiles it.
+            static = tuple(d for d in input.shape if isinstance(d, int))
+            if len(static) == input.dim() and self._convtune_traced.get(_traced_key(
+                    static, cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)) == ():
+                return super().forward(input)
             return torch.ops.convtune.layer_conv.default(input, weight, self.bias, *self._convtune_geometry,
                                                          self._convtune_layer, need_dx, need_dw)
         # int(): each size specialized (Dynamo guards it), so the key is a constant even where shapes are symbolic

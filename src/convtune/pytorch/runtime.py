@@ -230,7 +230,7 @@ def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
 _host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
 # Kept with the costs in the database: costs measured by another method are measured again.
-HOST_COST_METHOD = 4
+HOST_COST_METHOD = 5
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
@@ -244,7 +244,9 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     ('python': its modules, autograd Function and runners, without what one algorithm adds: a Python
     algorithm's own host time is in the time ``find`` measures on the CPU, and on a GPU the kernels' time
     is); and on CUDA the Python path on convtune's Triton kernels ('triton', their launcher included: it
-    costs more than the kernels take on small problems). Measured once per machine, software and device
+    costs more than the kernels take on small problems); with the extension, 'compiled': what compiled code's
+    call of a layer's op costs over its call of PyTorch's convolution (``_compiled_call_us``). Measured once per
+    machine, software and device
     type, on a layer of ``probe_problem``'s size (the host sets the pace), and kept in ``db`` when one is given: a
     warm start reads it. A path whose measurement fails is left out (``extra_host_us`` then charges the
     Python path's cost).
@@ -336,6 +338,9 @@ def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
         for kind, names in kinds.items():
             if len(names) == len(DIRECTION_INDEX):
                 _add_layer_costs(overheads, kind, p, names, "native")
+        compiled = _probe("compiled", lambda: (_compiled_call_us(p, device),))
+        if compiled is not None:
+            overheads["compiled"] = compiled[0]
     for kind, problem in (("python", p), ("triton", p.replace(k=p.c, groups=p.c, kernel_size=3, padding=1))):
         if kind == "triton" and device != "cuda":  # on the CPU Triton runs only in its interpreter
             continue  # (the Python path's costs stand in)
@@ -345,6 +350,20 @@ def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
         if all(names.values()):
             _add_layer_costs(overheads, kind, problem, names, "python")
     return overheads
+
+
+def _compiled_call_us(p: ConvProblem, device: str) -> float:
+    """Host microseconds that compiled code's call of a layer's op takes over its call of PyTorch's convolution,
+    each as Inductor's generated code makes it: the op through ``torch.ops`` (its arguments matched to the op's
+    schema, then the dispatcher), PyTorch's through ``torch.convolution``'s own binding. The op is called for a
+    layer that does not exist, so it runs PyTorch's convolution itself: the difference is the call's alone."""
+    x, w = p.random_inputs()
+    stride, padding, dilation = list(p.stride), list(p.padding), list(p.dilation)
+    op = torch.ops.convtune.layer_run.default
+    with torch.no_grad():
+        return _extra_us(lambda: op(x, w, stride, padding, dilation, p.groups, 0, False, False),
+                         lambda: torch.convolution(x, w, None, stride, padding, dilation, False, [0] * len(stride),
+                                                   p.groups), device)
 
 
 def _add_layer_costs(overheads: dict[str, float], kind: str, problem: ConvProblem, names: dict[str, str],
@@ -412,6 +431,12 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
         fwd = _extra_us(forward(layer), forward(base), problem.device)
     both = _extra_us(step(layer), step(base), problem.device, calls=20)
     return fwd, (both - fwd) / 2
+
+
+def compiled_call_us(device: str, db: Any = None) -> float:
+    """Host microseconds that compiled code pays to call a layer's op rather than PyTorch's convolution
+    (``host_overheads_us``' 'compiled'; nothing where that was not measured: no extension, no op)."""
+    return host_overheads_us(device, db).get("compiled", 0.0)
 
 
 def extra_host_us(problem: ConvProblem, kind: str, db: Any = None) -> float:

@@ -60,6 +60,9 @@ class LayerSelection:
     results: (direction, PerfResult) of each tuned direction. reason: why torch's path, if it is.
     host_rule: PyTorch's own call was chosen by the host-cost rule (``where_the_host_pays``) over
     the tuned choices, so adding a direction judges them again.
+    compiled_torch: in compiled code (an input of static shape) the layer calls PyTorch's convolution, which
+    Inductor calls for less host time than the layer's op: its choices gain less GPU time than that
+    (``where_the_host_pays``); eager code runs them.
     """
 
     problem: str
@@ -69,6 +72,7 @@ class LayerSelection:
     results: tuple[tuple[str, PerfResult], ...] = ()
     reason: str = ""
     host_rule: bool = False
+    compiled_torch: bool = False
     call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
     native: tuple[int, int, int] | None = dataclasses.field(init=False, compare=False, repr=False)
     python_reason: str = dataclasses.field(init=False, compare=False, repr=False)  # explain's note on the path
@@ -106,7 +110,7 @@ class LayerSelection:
     def __reduce__(self):
         # Copies and pickles are made anew, so their executables exist in the process that runs them.
         return LayerSelection, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason,
-                                self.host_rule)
+                                self.host_rule, self.compiled_torch)
 
     @property
     def runtime(self) -> str:
@@ -247,14 +251,29 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
             kind = get_algorithm(chosen.algorithm, problem).host_kind
         cost_us += runtime.extra_host_us(problem, kind, tuning.db)
     if gain_us >= cost_us:
-        return selection
+        return _where_compiled_code_pays(selection, gain_us, tuning)
     log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
              selection.problem, gain_us, cost_us)
-    return LayerSelection(selection.problem, **dict.fromkeys(natives, NATIVE), results=tuple(natives.items()),
-                     host_rule=True,
+    fwd, bwd_data, bwd_filter = (NATIVE if direction in natives else "" for direction in DIRECTIONS)
+    return LayerSelection(selection.problem, fwd, bwd_data, bwd_filter, results=tuple(natives.items()), host_rule=True,
                      reason=f"PyTorch's own call: the tuned choices would gain {gain_us:.1f} us of GPU time a step "
                             f"but cost {cost_us:.1f} us more host time "
                             f"({', '.join(r.algorithm for _, r in selection.results)})")
+
+
+def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, tuning: Tuning) -> LayerSelection:
+    """``selection``, marked ``compiled_torch`` where its GPU gain (``gain_us`` a step) is smaller than what
+    compiled code pays to call the layer's op rather than PyTorch's convolution: one call for the forward and,
+    where a gradient is tuned, one for the backward (``runtime.compiled_call_us``)."""
+    if selection.native is None:  # the Python path: compiled code breaks the graph there whatever it gains
+        return selection
+    calls = 1 + any(direction != "fwd" for direction, _ in selection.results)
+    cost_us = calls * runtime.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
+    if gain_us >= cost_us:
+        return selection
+    return dataclasses.replace(selection, compiled_torch=True, reason=(
+        f"under torch.compile PyTorch's own call: the tuned choices gain {gain_us:.1f} us of GPU time a step, "
+        f"less than the {cost_us:.1f} us of host time compiled code pays to call convtune's op"))
 
 
 def reserve_workspace(selection: LayerSelection, device: torch.device) -> None:
