@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import itertools
 import os
 import pickle
@@ -1016,9 +1017,12 @@ def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_c
         assert ("layer_conv" in code) is op and ("conv2d" in code) is not op, code
 
 
-def test_compiled_code_pays_more_to_call_the_op_than_pytorchs_convolution_and_it_is_measured(native):
+def test_what_compiled_code_pays_to_call_the_op_is_measured_on_the_op_for_no_layer(native, monkeypatch):
     overheads = runtime._measured("cpu")
-    assert "compiled" in overheads  # (its value is the host's: only that it was measured is checked)
+    assert math.isfinite(overheads["compiled"])  # (its value is the host's: that it was measured is checked)
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {"compiled": 50.0})
+    p = ConvProblem("fwd", n=1, c=2, k=2, input_size=(3, 3), kernel_size=1)
+    assert runtime.extra_host_us(p, "cudnn") == 0.0  # not a path's cost: no path is charged it
     p = runtime.probe_problem("cpu")
     x, w = p.random_inputs()
     with torch.no_grad():  # the probe's layer 0 does not exist: the op runs PyTorch's convolution itself
@@ -1026,6 +1030,25 @@ def test_compiled_code_pays_more_to_call_the_op_than_pytorchs_convolution_and_it
             torch.ops.convtune.layer_run.default(x, w, list(p.stride), list(p.padding), list(p.dilation), p.groups,
                                                  0, False, False),
             F.conv2d(x, w, None, p.stride, p.padding, p.dilation, p.groups))
+
+
+def test_a_static_shape_met_first_in_compiled_code_keeps_the_layer_op_and_compiles_once(native):
+    torch.manual_seed(3)
+    module = ct.nn.Conv2d(4, 4, 3, padding=1, mode="get")  # on the CPU 'get' picks PyTorch's call
+    x = torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        module(x)  # chosen in eager code: compiled code calls PyTorch's convolution for it
+    other = torch.randn(3, 4, 7, 7)
+    for inp, op in ((x, False), (other, True)):  # the second shape is chosen at compiled code's request
+        graphs: list = []
+        compiled = torch.compile(module, backend=_counting_backend(graphs), dynamic=False)
+        with torch.no_grad():
+            for _ in range(3):
+                torch.testing.assert_close(compiled(inp), F.conv2d(inp, module.weight, module.bias, padding=1),
+                                           atol=1e-5, rtol=1e-4)
+        assert len(graphs) == 1, [str(g.code) for g in graphs]  # not compiled again once it has chosen
+        assert ("layer_conv" in str(graphs[0].code)) is op
+        torch._dynamo.reset()
 
 
 def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
@@ -1178,7 +1201,7 @@ def test_a_path_whose_host_cost_cannot_be_measured_is_left_out_not_the_tuning(na
     assert "could not measure the host cost of the python path (RuntimeError: no kernel image" in caplog.text
     p = ConvProblem("bwd_data", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
     monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: overheads)
-    assert runtime.extra_host_us(p, "python") == max(overheads.values())  # charged the most measured
+    assert runtime.extra_host_us(p, "python") == max(us for kind, us in overheads.items() if kind != "compiled")
     monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {})
     assert runtime.extra_host_us(p, "python") == 0.0  # nothing measurable: nothing charged, nothing raised
 

@@ -13,8 +13,8 @@ convolution where every direction chose ``torch:native``, and otherwise on the P
 ``torch.ops.convtune.conv`` under torch.compile (which traces it: tune the shapes first, then
 compile) and, in eager code, the same computation without the dispatcher (``ops.conv_call``),
 the bias a plain add after it, which Inductor can fuse. Under torch.compile a layer calls its layer
-op, ``torch.ops.convtune.layer_conv``, which looks every input shape up in C++ (``_convtune_traced_forward``;
-docs/runtime.md). A
+op, ``torch.ops.convtune.layer_conv``, which looks every input shape up in C++, or, for an input of static shape
+where that costs compiled code less, PyTorch's convolution (``_convtune_traced_forward``; docs/runtime.md). A
 ``padding_mode`` other than 'zeros' and an odd 'same' padding are padded explicitly first, as torch does.
 A channels_last input makes a channels_last problem (the weight is converted to match). Inputs
 convtune cannot describe (float64, say) and layers no algorithm serves run torch's own path.
@@ -74,6 +74,7 @@ class TunedConv(_ConvBase):
         self._convtune_selections = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
         self._convtune_traced: dict[str, tuple[int, ...]] = {}  # see _convtune_traced_forward
+        self._convtune_torch_keys: dict[str, bool] = {}  # likewise: static inputs traced as PyTorch's convolution
         self._convtune_full_path = False  # see _convtune_update_full_path
         self._convtune_from_compiled: set[Signature] = set()  # signatures selected for at compiled code's request
         self._convtune_drop_layer()
@@ -88,6 +89,7 @@ class TunedConv(_ConvBase):
             self._convtune_selections.clear()
             self._convtune_fast.clear()
             self._convtune_traced.clear()
+            self._convtune_torch_keys.clear()
             self._convtune_from_compiled.clear()
             self._convtune_drop_layer()
 
@@ -100,6 +102,7 @@ class TunedConv(_ConvBase):
             self._convtune_selections.pop(sig, None)
         self._convtune_provisional = {}
         self._convtune_traced = {}
+        self._convtune_torch_keys = {}
         self._convtune_full_path = False
         self._convtune_from_compiled = set(state.get("_convtune_from_compiled", ()))
         self._convtune_layer = 0  # the original's layer stays the original's: a copy makes its own
@@ -136,6 +139,12 @@ class TunedConv(_ConvBase):
                 self._convtune_traced.pop(key, None)
             else:
                 self._convtune_traced[key] = entry
+            # Compiled code that asked for this choice keeps its layer op: reading the choice there would
+            # recompile the graph that asked (see _convtune_update_full_path).
+            if entry == () and sig not in self._convtune_from_compiled:
+                self._convtune_torch_keys[key] = True
+            else:
+                self._convtune_torch_keys.pop(key, None)
         self._convtune_update_full_path()
         layer, module = self._convtune_layer or self._convtune_make_layer(), extension.loaded()
         if layer and module is not None and not provisional and sig.dtype in _LAYER_DTYPES:
@@ -155,6 +164,7 @@ class TunedConv(_ConvBase):
         self._convtune_from_compiled.discard(sig)
         for _, key in _traced_keys(sig):
             self._convtune_traced.pop(key, None)
+            self._convtune_torch_keys.pop(key, None)
         self._convtune_update_full_path()
         module = extension.loaded()
         if self._convtune_layer and module is not None and sig.dtype in _LAYER_DTYPES:
@@ -203,7 +213,9 @@ class TunedConv(_ConvBase):
         """The forward as torch.compile traces it. A layer with a layer of the C++ extension (``_convtune_layer``)
         calls its op, ``torch.ops.convtune.layer_conv``, which looks the input's signature up on every call (one
         met first in compiled code is selected for then, measuring as a first call does) and computes its result's
-        shape from symbolic sizes: no shape is baked into the graph, no new shape recompiles it or breaks it.
+        shape from symbolic sizes: no shape is baked into the graph, no new shape recompiles it or breaks it. An
+        input of static shape whose choice, made in eager code or by optimize, is PyTorch's call or gains less than
+        compiled code pays for the op (``_convtune_torch_keys``, one guarded lookup) calls PyTorch's convolution.
         Otherwise (no extension loaded, a layer that pads explicitly first, a choice on the Python path or waiting
         on a measurement) one entry of ``_convtune_traced``, found by a string that says what the choice depends
         on (shape, dtype under autocast, device, layout, the gradients needed), which Dynamo guards with one
@@ -216,14 +228,14 @@ class TunedConv(_ConvBase):
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
         if self._convtune_layer and not self._convtune_full_path and input.device.type in ("cpu", "cuda"):
-            # An input of static shape whose choice is PyTorch's call, or gains less than compiled code pays to
-            # call the op (LayerSelection.compiled_torch): PyTorch's convolution, which Inductor calls for less
-            # host time (and adds the bias in it). Else the layer's op: it looks its input's signature up on every
-            # call, and has one met first here selected for, so that neither a new shape nor a symbolic one
-            # breaks the graph or recompiles it.
+            # An input of static shape whose choice, made in eager code or by optimize, is PyTorch's call or
+            # gains less than compiled code pays to call the op (LayerSelection.compiled_torch): PyTorch's
+            # convolution, which Inductor calls for less host time (and adds the bias in it). Else the layer's
+            # op: it looks its input's signature up on every call, and has one met first here selected for, so
+            # that neither a new shape nor a symbolic one breaks the graph or recompiles it.
             static = tuple(d for d in input.shape if isinstance(d, int))
-            if len(static) == input.dim() and self._convtune_traced.get(_traced_key(
-                    static, cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)) == ():
+            if len(static) == input.dim() and self._convtune_torch_keys.get(_traced_key(
+                    static, cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)):
                 return super().forward(input)
             return torch.ops.convtune.layer_conv.default(input, weight, self.bias, *self._convtune_geometry,
                                                          self._convtune_layer, need_dx, need_dw)

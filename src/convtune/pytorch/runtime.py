@@ -246,10 +246,9 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     is); and on CUDA the Python path on convtune's Triton kernels ('triton', their launcher included: it
     costs more than the kernels take on small problems); with the extension, 'compiled': what compiled code's
     call of a layer's op costs over its call of PyTorch's convolution (``_compiled_call_us``). Measured once per
-    machine, software and device
-    type, on a layer of ``probe_problem``'s size (the host sets the pace), and kept in ``db`` when one is given: a
-    warm start reads it. A path whose measurement fails is left out (``extra_host_us`` then charges the
-    Python path's cost).
+    machine, software and device type, on a layer of ``probe_problem``'s size (the host sets the pace), and kept
+    in ``db`` when one is given: a warm start reads it. A path whose measurement fails is left out
+    (``extra_host_us`` then charges the Python path's cost).
     """
     known = _host_costs.get(device)
     if known is not None:
@@ -450,4 +449,4 @@ def extra_host_us(problem: ConvProblem, kind: str, db: Any = None) -> float:
             return overheads[f"{candidate} backward"]
         if candidate in overheads:
             return overheads[candidate]
-    return max(overheads.values(), default=0.0)
+    return max((us for kind, us in overheads.items() if kind != "compiled"), default=0.0)  # 'compiled': no path

@@ -57,7 +57,8 @@ class LayerSelection:
 
     problem: the forward problem's key ('' when none could be built, e.g. float64 input).
     fwd, bwd_data, bwd_filter: algorithm names ('' for a direction not tuned: not needed so far).
-    results: (direction, PerfResult) of each tuned direction. reason: why torch's path, if it is.
+    results: (direction, PerfResult) of each tuned direction. reason: why torch's path, if it is (or, with
+    compiled_torch, why compiled code calls it).
     host_rule: PyTorch's own call was chosen by the host-cost rule (``where_the_host_pays``) over
     the tuned choices, so adding a direction judges them again.
     compiled_torch: in compiled code (an input of static shape) the layer calls PyTorch's convolution, which
@@ -251,7 +252,7 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
             kind = get_algorithm(chosen.algorithm, problem).host_kind
         cost_us += runtime.extra_host_us(problem, kind, tuning.db)
     if gain_us >= cost_us:
-        return _where_compiled_code_pays(selection, gain_us, tuning)
+        return _where_compiled_code_pays(selection, gain_us, cost_us, tuning)
     log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
              selection.problem, gain_us, cost_us)
     fwd, bwd_data, bwd_filter = (NATIVE if direction in natives else "" for direction in DIRECTIONS)
@@ -261,14 +262,16 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
                             f"({', '.join(r.algorithm for _, r in selection.results)})")
 
 
-def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, tuning: Tuning) -> LayerSelection:
+def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_us: float,
+                              tuning: Tuning) -> LayerSelection:
     """``selection``, marked ``compiled_torch`` where its GPU gain (``gain_us`` a step) is smaller than what
-    compiled code pays to call the layer's op rather than PyTorch's convolution: one call for the forward and,
-    where a gradient is tuned, one for the backward (``runtime.compiled_call_us``)."""
+    compiled code pays for it: the host time its executables add (``eager_us``, as in eager code) and the calls
+    of the layer's op rather than of PyTorch's convolution, one for the forward and, where a gradient is tuned,
+    one for the backward (``runtime.compiled_call_us``)."""
     if selection.native is None:  # the Python path: compiled code breaks the graph there whatever it gains
         return selection
     calls = 1 + any(direction != "fwd" for direction, _ in selection.results)
-    cost_us = calls * runtime.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
+    cost_us = eager_us + calls * runtime.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
     if gain_us >= cost_us:
         return selection
     return dataclasses.replace(selection, compiled_torch=True, reason=(
