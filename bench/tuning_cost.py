@@ -384,7 +384,7 @@ def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     grid = (-(-16 // tile.positions), -(-64 // tile.channels))
     launch_args = (x, w, y, 16, 4, 4, 4, 4, 64, *x.stride(), w.stride(0), w.stride(2), w.stride(3), *y.stride(), *steps)
     launch = dict(M=1, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels, PATCH_W=tile.patch,
-                  num_warps=tile.warps)
+                  UNROLL=depthwise.unroll_factor(tile, p), AS_TILE=tile.as_tile, num_warps=tile.warps)
     rows = [(f"Triton {names['fwd']}: the kernel's launch, arguments made beforehand",
              _per_call_us(lambda: depthwise._forward[grid](*launch_args, **launch))),
             ("Triton: convtune.kernels.depthwise.forward", _per_call_us(lambda: depthwise.forward(p, tile, x, w, y))),
