@@ -508,7 +508,8 @@ def markdown(env: dict, rows: dict) -> str:
     out += (f"convtune's rows ran the library's src/ tree {sources[0]} (`git rev-parse --short <commit>:src`: every "
             "commit that leaves src/ as it is runs the same library).\n\n" if len(sources) == 1 else
             f"convtune's rows ran {len(sources)} versions of the library's src/ tree (last column: "
-            "`git rev-parse --short <commit>:src`); `--missing` measures again those not of the current one.\n\n")
+            "`git rev-parse --short <commit>:src`); `--missing` measures again the groups of those not of the current one, "
+            "PyTorch's rows with them.\n\n")
     out += ("Tuning (s): convtune's `optimize(training=True)` on an empty database (cold: the first process of the "
             "network, batch and dtype, whichever its style) and, in a fresh process, on the database it filled "
             "(warm: the median of those processes); bm1 first: benchmark mode's first inference call plus its "
@@ -628,9 +629,10 @@ def main() -> None:
                         "where the host sets the pace, processes of one configuration differ by far more than "
                         "the timings inside one)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps (eager and compile styles)")
-    parser.add_argument("--missing", action="store_true", help="only the configurations the results file has no "
-                        "ok row for, convtune's counting only where it ran the current src/ tree (a run in parts goes "
-                        "on where the last one stopped, over several runs while src/ stays as it is)")
+    parser.add_argument("--missing", action="store_true", help="only the groups (network, batch, dtype, style) the "
+                        "results file lacks an ok row of, convtune's counting only where it ran the current src/ tree, "
+                        "each measured again whole, PyTorch's rows too (a run in parts goes on where the last one "
+                        "stopped, over several runs while src/ stays as it is)")
     parser.add_argument("--report", action="store_true", help="write the markdown again from the results file "
                         "(runs nothing)")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
@@ -666,7 +668,10 @@ def main() -> None:
             cfgs = [dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device,
                          tiny=args.tiny, steps=args.steps, repeats=args.repeats, profile=not args.no_profile,
                          db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite")) for mode in args.modes]
-            cfgs = [c for c in cfgs if not (args.missing and current(rows.get(config_id(c), {}), c["mode"], env))]
+            # --missing: a group (network, batch, dtype, style) any of whose rows is missing or stale is measured
+            # again whole, its modes taking turns, so that each of its ratios compares rows of one run.
+            if args.missing and all(current(rows.get(config_id(c), {}), c["mode"], env) for c in cfgs):
+                cfgs = []
             runs: dict[str, list[dict]] = {config_id(c): [] for c in cfgs}
             for turn in range(args.processes if cfgs else 0):  # the modes take turns, in a rotated order
                 for cfg in cfgs[turn % len(cfgs):] + cfgs[:turn % len(cfgs)]:
