@@ -41,10 +41,8 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     for name, module in model.named_modules():
         if not isinstance(module, TunedConv):
             continue
-        layer_op = bool(module._convtune_layer and not module._convtune_full_path)
-        for selection in module.selections.values():
-            torch_call = selection.runtime == "torch" or selection.compiled_torch
-            compiled = ("torch" if torch_call else "layer op") if layer_op else "by shape"
+        for sig, selection in module.selections.items():
+            compiled = module._convtune_compiled_as(sig)
             if selection.on_torch:
                 rows.append(dict(module=name, problem=selection.problem, direction="fwd", algorithm=None,
                                  runtime="torch", status="torch", time_ms=None, workspace_bytes=0,

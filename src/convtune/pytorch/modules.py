@@ -150,6 +150,13 @@ class TunedConv(_ConvBase):
         if layer and module is not None and not provisional and sig.dtype in _LAYER_DTYPES:
             module.layer_set(layer, *_layer_signature(sig), *_layer_entry(selection))
 
+    def _convtune_compiled_as(self, sig: Signature) -> str:
+        """What torch.compile traces for an input of ``sig``, read from the tables the traced forward reads:
+        'torch' (PyTorch's convolution, for a static shape), 'layer op' or 'by shape' (explain's ``compiled``)."""
+        if not self._convtune_layer or self._convtune_full_path:
+            return "by shape"
+        return "torch" if any(self._convtune_torch_keys.get(key) for _, key in _traced_keys(sig)) else "layer op"
+
     def _convtune_adopt_landed(self, sig: Signature) -> None:
         """If a background measurement has finished since ``sig``'s provisional choice, forget that choice: the
         next selection finds the measurement."""
