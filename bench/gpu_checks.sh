@@ -20,7 +20,8 @@
 # $OUT/cudnn_order.json.gz, which bench/learned_get.py reads beside the dataset off the GPU).
 # learned (bench/learned_get.py on bench/data/sweep.jsonl.gz, on the GPU: cuDNN's heuristics A and B judged too).
 # layers:<layers.py arguments joined by +> (bench/layers.py, e.g. layers:--all: get, find, cuDNN's heuristics and
-# exhaustive best and PyTorch per layer; a run cut short keeps the configurations it finished).
+# exhaustive best and PyTorch per layer; a run cut short keeps the configurations it finished). budgets
+# (bench/plan_budgets.py's committed configuration: network workspace plans under budgets).
 # Everything lands in $OUT (default /tmp/out), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) BENCH_SOURCE=$(git rev-parse --short HEAD:src) bash
 # bench/gpu_checks.sh ...`: the copy of the tree on the device may carry an older .git, and the result files name
@@ -83,6 +84,7 @@ for step in "$@"; do
     order) db=/tmp/order.sqlite; rm -f "$db"; python3 -m convtune.cli cache --db "$db" import bench/data/sweep.jsonl.gz
            python3 bench/cudnn_order.py --db "$db" --out "$OUT" 2>&1 | quiet | tail -5 ;;
     layers:*) args=${step#layers:}; python3 bench/layers.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -14 ;;
+    budgets) python3 bench/plan_budgets.py --out "$OUT" 2>&1 | quiet | tail -12 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done
