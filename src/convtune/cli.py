@@ -28,7 +28,7 @@ from .problem import DIRECTIONS, ConvProblem
 from .report import choices_table, perf_table, tune_table
 from .select import SELECTION_MODES
 from .settings import settings
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, format_ms, parse_bytes
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -349,8 +349,8 @@ def cmd_tune(args, out: Console, err: Console) -> int:
             rows = planned_rows(rows, plan)
             total_workspace = plan.workspace_bytes
             caption = (f"planned for a {args.budget_mode} workspace budget of {format_bytes(plan.workspace_budget)}: "
-                       f"{plan.total_time_ms:.4g} ms, workspace {format_bytes(plan.workspace_bytes)} "
-                       f"(no budget: {plan.unconstrained_time_ms:.4g} ms, "
+                       f"{format_ms(plan.total_time_ms)} ms, workspace {format_bytes(plan.workspace_bytes)} "
+                       f"(no budget: {format_ms(plan.unconstrained_time_ms)} ms, "
                        f"{format_bytes(plan.unconstrained_workspace_bytes)})")
             payload["plan"] = {"mode": plan.mode, "workspace_budget": plan.workspace_budget,
                                "total_time_ms": plan.total_time_ms, "workspace_bytes": plan.workspace_bytes,
@@ -408,7 +408,7 @@ def cmd_cache(args, out: Console) -> int:
                 table.add_column(column)
             for e in entries:
                 table.add_row(e.problem, e.fingerprint, str(e.num_results), e.best_algorithm or "-",
-                              "-" if e.best_ms is None else f"{e.best_ms:.4f}", "yes" if e.usable else "no",
+                              format_ms(e.best_ms), "yes" if e.usable else "no",
                               datetime.datetime.fromtimestamp(e.stored_at).strftime("%Y-%m-%d %H:%M"))
             _print(out, args, table, [e.__dict__ for e in entries])
     return 0

@@ -106,12 +106,6 @@ def generic_cost(p: ConvProblem, workspace_bytes: int) -> Cost:
     return Cost(p.flops, 0.3 * shape_factor(*gemm_dims(p)), p.min_bytes + 2 * workspace_bytes, 2)
 
 
-def vendor_cost(efficiency: float, p: ConvProblem) -> Cost:
-    """A vendor's fused kernel: its workspace is used inside the kernel (cuDNN's fp32 NCHW execution plans
-    transpose through 50 MB and still lead), so it is no traffic term here."""
-    return Cost(p.flops, efficiency * shape_factor(*gemm_dims(p)), p.min_bytes, 1, composed=False)
-
-
 # A backend that ranks its candidates (cuDNN, by its own heuristics, which know more than a roofline) lists
 # them best first: among candidates the model cannot tell apart, each later one is priced this much higher.
 BACKEND_ORDER_STEP = 0.03
@@ -120,15 +114,6 @@ BACKEND_ORDER_STEP = 0.03
 def order_factor(order: int | None) -> float:
     """The price factor of a candidate's place in its backend's heuristic order (1 where it has none)."""
     return 1.0 if order is None else 1.0 + BACKEND_ORDER_STEP * order
-
-
-VENDOR_EFFICIENCY = 0.7  # of the roofline, for a vendor library's execution plan (the database corrects each)
-
-
-def vendor_library_cost(p: ConvProblem, workspace_bytes: int = 0) -> Cost:
-    """What one of a vendor library's execution plans (cuDNN's) declares: ``vendor_cost`` at VENDOR_EFFICIENCY.
-    The same wherever it is priced, the library loaded or not (another machine's measurements judged here)."""
-    return vendor_cost(VENDOR_EFFICIENCY, p)
 
 
 def roofline_ms(cost: Cost, problem: ConvProblem, tf32: bool = False) -> float:

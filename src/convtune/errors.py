@@ -1,10 +1,31 @@
-"""The package's own exception types (misuse raises ValueError/TypeError instead)."""
+"""The package's own exception types (misuse raises ValueError/TypeError instead), and the one check of an
+argument against the values it accepts."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 # What a candidate's own code (an algorithm's supports, buffers, notes, cost, run; a backend's
 # algorithms) may raise that is that candidate's failure, never the search's: any Exception, and
 # SystemExit (a plug-in calling sys.exit). KeyboardInterrupt and the like are the user's, and propagate.
 CANDIDATE_FAULTS: tuple[type[BaseException], ...] = (Exception, SystemExit)
+
+
+def not_one_of(name: str, value: Any, choices: Iterable[Any]) -> ValueError:
+    """The error for argument ``name`` given ``value``, none of ``choices``: it names the values accepted."""
+    return ValueError(f"{name}={value!r} is not supported; use one of {list(choices)}")
+
+
+def check_one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
+    """Raises ``not_one_of`` where ``value`` is not one of ``choices`` (an unhashable value is none of them)."""
+    choices = list(choices)
+    try:
+        ok = value in choices
+    except TypeError:
+        ok = False
+    if not ok:
+        raise not_one_of(name, value, choices)
 
 
 class ConvtuneError(Exception):

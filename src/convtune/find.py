@@ -39,7 +39,7 @@ from .ranking import order
 from .results import PerfResult, Status
 from .settings import settings
 from .timing import Timer, benchmark
-from .units import format_bytes
+from .units import format_bytes, format_ms
 from .verify import allocated_while, check, errors, judge, peak_allocated_bytes, reference_case, tolerance
 
 log = logging.getLogger(__name__)
@@ -632,7 +632,7 @@ def summary(results: Sequence[PerfResult]) -> str:
 
         >>> print(summary([PerfResult("a:b", "ok", time_ms=2.0, workspace_bytes=2048, rel_error=1e-7)]))
         algorithm  status  time ms  % of best  workspace  rel error  message
-        a:b        ok      2        100%       2.0 KiB    1.0e-07
+        a:b        ok      2.000    100%       2.0 KiB    1.0e-07
     """
     times = [r.time_ms for r in results if r.ok and r.time_ms]
     best = min(times) if times else None
@@ -640,7 +640,7 @@ def summary(results: Sequence[PerfResult]) -> str:
     for r in results:
         rows.append((
             r.algorithm, r.status.value,
-            "-" if r.time_ms is None else f"{r.time_ms:.4g}",
+            format_ms(r.time_ms),
             f"{100 * r.time_ms / best:.0f}%" if r.ok and r.time_ms and best else "-",
             format_bytes(r.workspace_bytes),
             "-" if r.rel_error is None else f"{r.rel_error:.1e}",

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from . import background
-from .errors import NoAlgorithmError
+from .errors import NoAlgorithmError, check_one_of
 from .hardware import roofline_ms
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .progress import tuning_bar
 from .results import PerfResult
-from .select import READS_DB, SELECTION_MODES, select, stored
+from .select import MEASURES, READS_DB, SELECTION_MODES, select, stored
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -46,8 +46,7 @@ class Tuning:
     """
 
     def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
-        if mode not in SELECTION_MODES:
-            raise ValueError(f"mode={mode!r} is not a selection mode; use one of {list(SELECTION_MODES)}")
+        check_one_of("mode", mode, SELECTION_MODES)
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be a convtune.Policy or None, got {type(policy).__name__}")
         self.policy = DEFAULT_POLICY if policy is None else policy
@@ -81,7 +80,7 @@ class Tuning:
     @property
     def measures(self) -> bool:
         """Whether this tuning's mode measures what the database does not know ('hybrid', 'find')."""
-        return self.mode in ("hybrid", "find")
+        return self.mode in MEASURES
 
     def select(self, problem: ConvProblem) -> PerfResult:
         """The choice for ``problem``, asked once per Tuning; in mode 'background' a choice of the cost model is

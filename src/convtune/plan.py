@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .errors import NoAlgorithmError
+from .errors import NoAlgorithmError, check_one_of
 from .find import find
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
@@ -210,8 +210,7 @@ def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any) -> tupl
     for p in problems:
         if not isinstance(p, ConvProblem):
             raise TypeError(f"plan() takes ConvProblems, got a {type(p).__name__} in problems")
-    if mode not in BUDGET_MODES:
-        raise ValueError(f"plan(mode={mode!r}) is not a mode; use one of {list(BUDGET_MODES)}")
+    check_one_of("mode", mode, BUDGET_MODES)
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"plan(policy=...) takes a convtune.Policy or None, got {type(policy).__name__}")
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "plan(workspace_budget=...)")

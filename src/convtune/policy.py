@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from .errors import check_one_of
 from .units import parse_bytes
 
 PREFERENCES = ("fastest", "least_memory")
@@ -66,8 +67,7 @@ class Policy:
         for name in ("deterministic", "allow_tf32", "allow_reduced_precision", "micro_batching"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Policy.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.prefer, str) or self.prefer not in PREFERENCES:
-            raise ValueError(f"Policy.prefer={self.prefer!r} is not supported; use one of {list(PREFERENCES)}")
+        check_one_of("Policy.prefer", self.prefer, PREFERENCES)
         _number("tolerance", self.tolerance)
         for name in ("max_rel_error", "budget_s", "deadline_s"):
             if getattr(self, name) is not None:

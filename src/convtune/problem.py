@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from .errors import check_one_of, not_one_of
 from .units import MAX_BYTES
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
@@ -79,12 +80,12 @@ def normalize_dtype(value: Any) -> str:
         for name, dtype in DTYPES.items():
             if dtype == value:
                 return name
-        raise ValueError(f"dtype={value} is not supported; use one of {list(DTYPES)}")
+        raise not_one_of("dtype", value, DTYPES)
     if isinstance(value, str):
         name = _DTYPE_ALIASES.get(value.lower(), value.lower())
         if name in DTYPES:
             return name
-    raise ValueError(f"dtype={value!r} is not supported; use one of {list(DTYPES)}")
+    raise not_one_of("dtype", value, DTYPES)
 
 
 def normalize_layout(value: Any) -> str:
@@ -140,8 +141,7 @@ class ConvProblem:
         ) -> None: ...
 
     def __post_init__(self) -> None:
-        if self.direction not in DIRECTIONS:
-            raise ValueError(f"direction={self.direction!r} is not supported; use one of {list(DIRECTIONS)}")
+        check_one_of("direction", self.direction, DIRECTIONS)
         for name in ("n", "c", "k", "groups"):
             _positive_int(name, getattr(self, name))
         size = self.input_size
@@ -291,8 +291,7 @@ class ConvProblem:
         """The same convolution in another direction (nothing else changes, so nothing else is checked again)."""
         if direction == self.direction:
             return self
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction={direction!r} is not supported; use one of {list(DIRECTIONS)}")
+        check_one_of("direction", direction, DIRECTIONS)
         other = copy.copy(self)
         other.__dict__.pop("key", None)  # the cached key names the direction
         object.__setattr__(other, "direction", direction)

@@ -10,12 +10,7 @@ from .hardware import roofline_ms
 from .network import LayerRow
 from .problem import ConvProblem
 from .results import Choice, PerfResult
-from .units import format_bytes
-
-
-def format_ms(value: float | None) -> str:
-    """A time in ms for a table: four decimals below 1 ms, three above; '-' for none."""
-    return "-" if value is None else f"{value:.4f}" if abs(value) < 1 else f"{value:.3f}"
+from .units import format_bytes, format_ms
 
 
 def percent_of_floor(floor_ms: float, time_ms: float | None) -> str:

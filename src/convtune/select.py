@@ -14,7 +14,7 @@ from typing import Any
 from . import background
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, unsupported_reasons
-from .errors import CANDIDATE_FAULTS, NoAlgorithmError
+from .errors import CANDIDATE_FAULTS, NoAlgorithmError, check_one_of
 from .find import find
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
@@ -25,6 +25,7 @@ from .settings import settings
 
 SELECTION_MODES = ("get", "find", "hybrid", "db_then_get", "background")
 READS_DB = ("hybrid", "db_then_get", "background")  # the modes that answer from the database first
+MEASURES = ("hybrid", "find")  # the modes that measure what the database does not know
 
 
 def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> PerfResult:
@@ -45,8 +46,7 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
         >>> select(p, Policy(deterministic=True), mode="find").status.value
         'ok'
     """
-    if mode not in SELECTION_MODES:
-        raise ValueError(f"select(mode={mode!r}) is not a mode; use one of {list(SELECTION_MODES)}")
+    check_one_of("mode", mode, SELECTION_MODES)
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"select() takes a ConvProblem, got {type(problem).__name__}")
     policy = DEFAULT_POLICY if policy is None else policy

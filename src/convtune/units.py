@@ -45,6 +45,15 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     return value
 
 
+def format_ms(value: float | None) -> str:
+    """A time in ms for a table: four decimals below 1 ms, three above; '-' for none.
+
+    >>> format_ms(0.01234), format_ms(12.3456), format_ms(None)
+    ('0.0123', '12.346', '-')
+    """
+    return "-" if value is None else f"{value:.4f}" if abs(value) < 1 else f"{value:.3f}"
+
+
 def format_bytes(n: int | None) -> str:
     """67108864 -> '64.0 MiB'.
 

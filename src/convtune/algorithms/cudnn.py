@@ -28,11 +28,12 @@ from typing import Any, cast
 import cudnn  # type: ignore[import-not-found]  # noqa: I001
 import torch
 
-from ..costmodel import Cost, vendor_library_cost
+from ..costmodel import Cost
 from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
 from ..settings import settings
 from .base import Algorithm, Backend, Buffer, NativeRecipe, NumericNotes, Support, unsupported
+from .cudnn_cost import plan_cost
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,7 @@ class CudnnBackend(Backend):
         self._lock = threading.Lock()
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        return vendor_library_cost(problem, workspace_bytes)
+        return plan_cost(problem, workspace_bytes)
 
     def unavailable(self, problem: ConvProblem) -> str | None:
         if problem.device != "cuda":

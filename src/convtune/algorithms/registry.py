@@ -19,6 +19,7 @@ from ..costmodel import Cost
 from ..errors import CANDIDATE_FAULTS
 from ..problem import ConvProblem
 from ..results import backend_of
+from . import cudnn_cost
 from .base import Algorithm, Backend, Support
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ BUILTIN_MODULES = (
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged. Each with
 # its names' prefix and the cost its candidates declare: where the module does not load, that still prices its
 # names (another machine's measurements, judged or learned from here), as it would where it loads.
-OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", costmodel.vendor_library_cost)}
+OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", cudnn_cost.plan_cost)}
 
 _registry: dict[str, Algorithm] = {}
 _backends: dict[str, Backend] = {}

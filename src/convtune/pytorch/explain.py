@@ -17,7 +17,7 @@ from rich.table import Table
 from convtune.problem import ConvProblem
 from convtune.pytorch.modules import TunedConv
 from convtune.report import problem_title
-from convtune.units import format_bytes
+from convtune.units import format_bytes, format_ms
 
 
 def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -67,7 +67,6 @@ def explain_table(model: torch.nn.Module) -> Table:
             problem = problem_title(ConvProblem.from_key(row["problem"]))
         except ValueError:
             problem = row["problem"]
-        time_ms = "-" if row["time_ms"] is None else f"{row['time_ms']:.4g}"
         table.add_row(row["module"] or "(model)", problem, row["direction"], row["algorithm"] or "torch",
-                      row["runtime"], time_ms, format_bytes(row["workspace_bytes"]), row["note"][:80])
+                      row["runtime"], format_ms(row["time_ms"]), format_bytes(row["workspace_bytes"]), row["note"][:80])
     return table
