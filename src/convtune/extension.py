@@ -39,7 +39,7 @@ from convtune.settings import settings
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-SOURCES = ("ops.cpp", "layers.cpp", "registry.cpp", "algorithms.cpp", "cudnn.cpp", "bindings.cpp")
+SOURCES = ("ops.cpp", "layers.cpp", "registry.cpp", "algorithms.cpp", "cudnn.cpp", "cubin.cpp", "bindings.cpp")
 HEADERS = ("executable.h", "layers.h")
 MODULE_NAME = "convtune._C"
 LIBRARY = "convtune_C"  # the built library's name

@@ -37,7 +37,7 @@ def test_every_native_executable_matches_float64_and_its_python_algorithm(case):
     ref = reference(p, a, b)
     failures, ran = [], 0
     for algo in ct.algorithms(p):
-        if algo.native_recipe(p) is None:
+        if algo.host_kind == "triton" or algo.native_recipe(p) is None:  # Triton's: the test below
             continue
         try:  # the Python run first: a plan the frontend cannot build here (TF32 deselected) is never chosen
             python = algo.run(p, a, b, workspace=allocate_workspace(algo.buffer_bytes(p), "cuda"))
@@ -54,6 +54,47 @@ def test_every_native_executable_matches_float64_and_its_python_algorithm(case):
         elif not rel_error(out, python) <= tolerance(p, algo.notes(p)):  # atomics: the same up to summation order
             failures.append(f"{algo.name}: relative error {rel_error(out, python):.3g} against its Python run")
     assert ran >= 2, f"only {ran} native executables for {p.key}"
+    assert not failures, "\n".join(failures)
+
+
+TRITON_LAYERS = [
+    dict(n=4, c=32, k=32, input_size=(14, 14), kernel_size=7, padding=3, groups=32),
+    dict(n=4, c=48, k=48, input_size=(15, 15), kernel_size=3, stride=2, padding=1, groups=48),
+    dict(n=2, c=16, k=16, input_size=(50,), kernel_size=5, padding=2, groups=16),
+    dict(n=4, c=64, k=64, input_size=(14, 14), kernel_size=3, padding=1, groups=8),
+]
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_filter"])
+@pytest.mark.parametrize("layer", TRITON_LAYERS, ids=lambda layer: "x".join(map(str, layer["input_size"])) +
+                         f"r{layer['kernel_size']}g{layer['groups']}s{layer.get('stride', 1)}")
+def test_triton_kernels_launched_from_cpp_compute_what_their_python_launches_do(layer, direction, poisoned):
+    p = ct.ConvProblem(direction=direction, dtype="float16", layout="channels_last", device="cuda", **layer)
+    a, b = p.random_inputs(seed=7)
+    ref = reference(p, a, b)
+    failures, ran = [], 0
+    for algo in ct.algorithms(p):
+        if algo.host_kind != "triton":
+            continue
+        python = algo.run(p, a, b, workspace=allocate_workspace(algo.buffer_bytes(p), "cuda"))
+        if algo.native_recipe(p) is None:  # a step only Python runs (weights laid out tap by tap)
+            assert algo.name.endswith("t"), f"{algo.name} has no native executable"
+            continue
+        handle = runtime.executable(p, algo)
+        assert extension.loaded().kind(handle) == "cubin"
+        ran += 1
+        for _ in range(2):  # the same kernels and arguments: the same bits, run after run (results start as NaN)
+            out = torch.ops.convtune.tuned_run(a, b, handle)
+            if not torch.equal(out, python):
+                failures.append(f"{algo.name}: differs from its Python launches (max "
+                                f"{(out.float() - python.float()).abs().max().item():.3g})")
+        if not rel_error(out, ref) <= tolerance(p, algo.notes(p)):
+            failures.append(f"{algo.name}: relative error {rel_error(out, ref):.3g}")
+        shifted = torch.empty(a.numel() + 8, dtype=a.dtype, device="cuda")[8:].view_as(a).copy_(a) \
+            if a.is_contiguous() else None
+        if shifted is not None:  # an operand at an address Triton did not compile for: copied first
+            assert torch.equal(torch.ops.convtune.tuned_run(shifted, b, handle), python)
+    assert ran >= 2, f"only {ran} Triton kernels launched from C++ for {p.key}"
     assert not failures, "\n".join(failures)
 
 

@@ -19,7 +19,17 @@ import torch
 
 from ..problem import ConvProblem
 from ..settings import settings
-from .base import SUPPORTED, Algorithm, Buffer, Support, unsupported
+from .base import (
+    SUPPORTED,
+    Algorithm,
+    Buffer,
+    NativeRecipe,
+    Support,
+    allocate_workspace,
+    buffers_bytes,
+    carve,
+    unsupported,
+)
 from .registry import register
 
 INDEX_LIMIT = 2**31  # the kernels' offsets are 32-bit
@@ -91,6 +101,27 @@ class TritonAlgorithm(Algorithm):
         if problem.direction != "bwd_filter":
             return []
         return [Buffer("partials", self.partials_shape(problem), torch.float32)]
+
+    def native_recipe(self, problem: ConvProblem) -> NativeRecipe | None:
+        """On CUDA (not in Triton's interpreter): the launches of one run on random operands, recorded
+        (``convtune.kernels.recording``), which the C++ runtime repeats with the same compiled kernels and the
+        same arguments (the operands' shapes and strides are the problem's; only their addresses change). None
+        where the run has a step only Python runs, or launches what the C++ launcher does not."""
+        if problem.device != "cuda" or interpreting() or not self.supports(problem):
+            return None
+        from ..kernels import recording
+
+        a, b = problem.random_inputs(seed=0)
+        out = problem.empty(problem.operand_shapes[2])
+        buffers = self.buffers(problem)
+        ws = carve(allocate_workspace(buffers_bytes(buffers), problem.device), buffers)
+        try:
+            with recording.recording() as records:
+                self._run(problem, a, b, out, ws)
+            launches = recording.describe(records, {"a": a, "b": b, "out": out, **ws})
+        except recording.NotRecordable:
+            return None
+        return NativeRecipe("cubin", (("launches", launches),))
 
     def _run(self, problem, a, b, out, ws) -> None:
         module = self.module()

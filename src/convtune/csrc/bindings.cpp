@@ -124,6 +124,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         add_executable(handle, description, make_cudnn(g, std::move(spec), std::string(serialized)));
       },
       "A cuDNN execution plan: from its serialized form, else the one of cuDNN's heuristics with the tag (the frontend's plan name).");
+  m.def(
+      "add_cubin",
+      [](int64_t handle, const std::string& description, const Geometry& g,
+         const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string>>& buffers,
+         const std::vector<std::tuple<std::string, py::bytes, int64_t, int64_t, std::vector<int64_t>,
+                                      std::vector<std::tuple<std::string, std::string, int64_t, double>>>>& launches) {
+        std::vector<BufferSpec> specs;
+        for (const auto& [name, shape, dtype] : buffers) specs.push_back(BufferSpec{name, shape, scalar_type(dtype)});
+        std::vector<CubinLaunch> recorded;
+        for (const auto& [name, binary, shared, warps, grid, params] : launches) {
+          CubinLaunch launch{name, std::string(binary), shared, warps, grid, {}};
+          for (const auto& [type, operand, integer, real] : params) launch.params.push_back({type, operand, integer, real});
+          recorded.push_back(std::move(launch));
+        }
+        add_executable(handle, description, make_cubin(g, std::move(specs), std::move(recorded)));
+      },
+      "convtune's Triton kernels launched from C++: the recorded launches (name, binary, shared memory, warps, grid, "
+      "[(type, operand, integer, real)]) over the operands and the buffers declared.");
   m.def("has", &has_executable, "Whether an executable has this handle.");
   m.def("count", &executable_count, "How many executables this process holds.");
   m.def(

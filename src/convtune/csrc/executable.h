@@ -125,4 +125,26 @@ bool with_cudnn();
 // empty: the plan is found among cuDNN's heuristics by its tag.
 ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec, const std::string& serialized);
 
+// One argument of a recorded Triton launch (convtune/kernels/recording.py): a tensor (``operand``: 'a', 'b',
+// 'out' or a buffer's name; ``integer``: the byte offset in it), or a number ('i32', 'i64', 'f32').
+struct CubinParam {
+  std::string type;
+  std::string operand;
+  int64_t integer = 0;
+  double real = 0.0;
+};
+// One recorded launch: the compiled kernel (its name and binary), its shared memory, warps and grid, and the
+// arguments the compiled kernel takes at run time, in order (Triton's two scratch pointers follow, null).
+struct CubinLaunch {
+  std::string name;
+  std::string binary;
+  int64_t shared = 0;
+  int64_t warps = 4;
+  std::vector<int64_t> grid;
+  std::vector<CubinParam> params;
+};
+// convtune's Triton kernels launched from C++ (cubin.cpp; a CUDA build only, elsewhere it raises).
+// (Each device loads the binaries on its first run there.)
+ExecutablePtr make_cubin(Geometry g, std::vector<BufferSpec> buffers, std::vector<CubinLaunch> launches);
+
 }  // namespace convtune

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
+from .recording import launch, python_step
 from .shared import as_4d, geometry, gradient_source, patch_positions, positions, sizes, sum_partials
 
 
@@ -237,6 +238,7 @@ def tap_weights(tile: Tile, problem: ConvProblem, w: torch.Tensor) -> torch.Tens
     w4 = as_4d(w, problem)
     if not tile.as_tile:
         return w4
+    python_step("the weights laid out tap by tap by PyTorch")
     k, _, r, s = w4.shape
     taps = w4.reshape(k, r * s).t().contiguous()
     return taps.as_strided((k, 1, r, s), (1, r * s * k, s * k, k))
@@ -263,10 +265,10 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
         programs = triton.cdiv(total, tile.positions)
     grid = (programs, triton.cdiv(channels, tile.channels))
     r, s, *steps = geometry(problem)
-    kernel[grid](a4, w4, out4, total, *computed, *read, channels,
-                 *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
-                 M=problem.k // problem.c, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels,
-                 AS_TILE=tile.as_tile, num_warps=tile.warps, **constants)
+    launch(kernel, grid, a4, w4, out4, total, *computed, *read, channels,
+           *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
+           M=problem.k // problem.c, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels,
+           AS_TILE=tile.as_tile, num_warps=tile.warps, **constants)
 
 
 def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -285,7 +287,8 @@ def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.T
         r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
         most = triton.cdiv(h, stride_h) * triton.cdiv(wd, stride_w) * problem.n  # the largest phase's positions
         grid = (triton.cdiv(most, tile.positions), triton.cdiv(problem.c, tile.channels), stride_h * stride_w)
-        _backward_data_by_phase[grid](
+        launch(
+            _backward_data_by_phase, grid,
             dy4, w4, dx4, h, wd, p, q, problem.c, problem.n, stride_h // math.gcd(stride_h, dil_h),
             stride_w // math.gcd(stride_w, dil_w), *dy4.stride(), w4.stride(0), w4.stride(2), w4.stride(3),
             *dx4.stride(), stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, M=problem.k // problem.c, R=r, S=s,
@@ -305,7 +308,8 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
     # positions × the row's taps per turn (the algorithm refuses a kernel row longer than the tile); the row is
     # the tile's widest extent: a tile wider than the row would idle its lanes.
     block_q = min(tile.row_positions(s), triton.next_power_of_2(q))
-    _backward_filter_partials[(parts, triton.cdiv(problem.k, tile.channels))](
+    launch(
+        _backward_filter_partials, (parts, triton.cdiv(problem.k, tile.channels)),
         x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), *steps,
         M=problem.k // problem.c, R=r, S=s, S_PAD=triton.next_power_of_2(s), BLOCK_Q=block_q, BLOCK_K=tile.channels,
         num_warps=tile.warps)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
+from .recording import launch
 from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials
 
 
@@ -167,9 +168,10 @@ def _direct(kernel, problem: ConvProblem, tile: GemmTile, a: torch.Tensor, w: to
     total = problem.n * computed[0] * computed[1]
     grid = (triton.cdiv(total, tile.positions), _group_tiles(problem, tile, channels))
     cg, kg = problem.c // problem.groups, problem.k // problem.groups
-    kernel[grid](a4, w4, out4, total, *computed, *read, cg, kg, *a4.stride(), *w4.stride(), *out4.stride(), *steps,
-                 R=r, S=s, TF32=_tf32(problem), BLOCK_M=tile.positions, BLOCK_N=min(tile.channels, _lanes(channels)),
-                 BLOCK_C=_lanes(summed), num_warps=tile.warps)
+    launch(kernel, grid, a4, w4, out4, total, *computed, *read, cg, kg, *a4.stride(), *w4.stride(), *out4.stride(),
+           *steps,
+           R=r, S=s, TF32=_tf32(problem), BLOCK_M=tile.positions, BLOCK_N=min(tile.channels, _lanes(channels)),
+           BLOCK_C=_lanes(summed), num_warps=tile.warps)
 
 
 def forward(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -196,8 +198,8 @@ def backward_filter(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, dy: t
     r, s, *steps = geometry(problem)
     total = problem.n * p * q
     parts, size = partials.shape
-    _backward_filter_partials[(parts, problem.groups, r * s)](
-        x4, dy4, partials, total, tile.chunk, p, q, h, wd, cg, kg, size, *x4.stride(), *dy4.stride(), *dw4.stride(),
-        *steps, R=r, S=s, TF32=_tf32(problem), BLOCK_P=tile.positions, BLOCK_J=_lanes(kg), BLOCK_C=_lanes(cg),
-        num_warps=tile.warps)
+    launch(_backward_filter_partials, (parts, problem.groups, r * s),
+           x4, dy4, partials, total, tile.chunk, p, q, h, wd, cg, kg, size, *x4.stride(), *dy4.stride(),
+           *dw4.stride(), *steps, R=r, S=s, TF32=_tf32(problem), BLOCK_P=tile.positions, BLOCK_J=_lanes(kg),
+           BLOCK_C=_lanes(cg), num_warps=tile.warps)
     sum_partials(partials, dw)

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
+from .recording import launch
 
 
 def as_4d(t: torch.Tensor, problem: ConvProblem) -> torch.Tensor:
@@ -82,4 +83,5 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> None:
     laid out as ``out``'s memory), added in order and rounded once: deterministic."""
     size = out.numel()
     block = 256
-    _sum_partials[(triton.cdiv(size, block),)](partials, out, partials.shape[0], size, BLOCK=block, num_warps=4)
+    launch(_sum_partials, (triton.cdiv(size, block),), partials, out, partials.shape[0], size, BLOCK=block,
+           num_warps=4)

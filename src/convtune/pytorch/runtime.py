@@ -21,6 +21,7 @@ what each path costs the host over PyTorch's own call (the host-cost rule, ``tun
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import logging
@@ -107,9 +108,25 @@ def _add(module: Any, problem: ConvProblem, name: str, kind: str, options: dict[
         module.add_cudnn(handle, description, geometry, index, [list(s) for s in options["shapes"]],
                          [list(s) for s in options["strides"]], list(options["stride"]), list(options["padding"]),
                          list(options["dilation"]), options["tag"], serialized)
+    elif kind == "cubin":
+        if not module.with_cudnn():
+            raise NotNative(f"{name}: this build of the extension has no CUDA launcher (it is built with cuDNN's "
+                            f"headers); set CONVTUNE_CUDNN_HOME and run `convtune native --rebuild`")
+        module.add_cubin(handle, description, geometry, options["buffers"], _cubin_launches(options))
     else:
         raise NotNative(f"{name}: no native executable of kind {kind!r} in this version")
     return handle
+
+
+def _cubin_launches(options: dict[str, Any]) -> list[tuple]:
+    """The recorded launches of a 'cubin' recipe (``convtune.kernels.recording.describe``) as ``add_cubin`` takes
+    them: (kernel name, binary, shared memory, warps, grid, [(type, operand, integer, float) per argument])."""
+    def param(p: list[Any]) -> tuple[str, str, int, float]:
+        if p[0] == "tensor":
+            return "tensor", p[1], int(p[2]), 0.0
+        return (p[0], "", 0, float(p[1])) if p[0] == "f32" else (p[0], "", int(p[1]), 0.0)
+    return [(launch["name"], base64.b64decode(launch["cubin"]), int(launch["shared"]), int(launch["warps"]),
+             [int(g) for g in launch["grid"]], [param(p) for p in launch["params"]]) for launch in options["launches"]]
 
 
 def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device | None = None) -> int:
@@ -131,7 +148,7 @@ def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, 
     if recipe is None:
         raise NotNative(f"{algorithm.name} runs in Python only (it has no native executable)")
     options = dict(recipe.options)
-    if recipe.kind in ("gemm_1x1", "gemm_1x1_strided"):
+    if recipe.kind in ("gemm_1x1", "gemm_1x1_strided", "cubin"):
         options["buffers"] = [[b.name, list(b.shape), str(b.dtype).removeprefix("torch.")]
                               for b in algorithm.buffers(problem)]
     return recipe.kind, options
@@ -337,10 +354,16 @@ def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
         for kind, names in kinds.items():
             if len(names) == len(DIRECTION_INDEX):
                 _add_layer_costs(overheads, kind, p, names, "native")
+        if device == "cuda":  # convtune's Triton kernels launched from C++, on a depthwise layer
+            depthwise = _depthwise_probe(p)
+            cubins = {d: next((a.name for a in algorithms(depthwise.with_direction(d)) if a.host_kind == "triton"
+                               and _kind_of(a, depthwise.with_direction(d)) == "cubin"), "") for d in DIRECTION_INDEX}
+            if all(cubins.values()):
+                _add_layer_costs(overheads, "cubin", depthwise, cubins, "native")
         compiled = _probe("compiled", lambda: (_compiled_call_us(p, device),))
         if compiled is not None:
             overheads["compiled"] = compiled[0]
-    for kind, problem in (("python", p), ("triton", p.replace(k=p.c, groups=p.c, kernel_size=3, padding=1))):
+    for kind, problem in (("python", p), ("triton", _depthwise_probe(p))):
         if kind == "triton" and device != "cuda":  # on the CPU Triton runs only in its interpreter
             continue  # (the Python path's costs stand in)
         names = {d: next((a.name for a in algorithms(problem.with_direction(d))
@@ -349,6 +372,19 @@ def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
         if all(names.values()):
             _add_layer_costs(overheads, kind, problem, names, "python")
     return overheads
+
+
+def _depthwise_probe(p: ConvProblem) -> ConvProblem:
+    """The depthwise layer of ``p``'s size on which Triton's paths are measured."""
+    return p.replace(k=p.c, groups=p.c, kernel_size=3, padding=1)
+
+
+def _kind_of(algorithm: Algorithm, problem: ConvProblem) -> str:
+    """The executable kind that runs ``algorithm`` on ``problem`` here, '' where none builds."""
+    try:
+        return prepare(problem, algorithm.name)[1]
+    except (NotNative, KeyError, RuntimeError):
+        return ""
 
 
 def _compiled_call_us(p: ConvProblem, device: str) -> float:

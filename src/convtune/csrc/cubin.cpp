@@ -1,0 +1,216 @@
+// convtune's Triton kernels launched from C++: the launches of one run, recorded in Python
+// (convtune/kernels/recording.py: each compiled kernel's binary, shared memory, warps, grid and run-time
+// arguments), repeated on every call with the operands' addresses. The arguments are passed as Triton's own
+// launcher passes them: each run-time argument in order (a tensor's address, an i32, an i64, an f32's bits),
+// then Triton's two scratch pointers, null (a recording refuses kernels that take scratch memory). The driver
+// API comes through ATen's lazily loaded stub (at::globalContext().getNVRTC()), as PyTorch's own run-time
+// compiled kernels do, so nothing links libcuda. Compiled in the CUDA build (CONVTUNE_WITH_CUDNN: the build
+// that finds cuDNN's headers is the one with CUDA's); elsewhere make_cubin raises.
+#include "executable.h"
+
+#ifdef CONVTUNE_WITH_CUDNN
+
+#include <ATen/Context.h>
+#include <ATen/cuda/nvrtc_stub/ATenNVRTC.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+namespace convtune {
+
+namespace {
+
+void check_driver(CUresult result, const std::string& label, const char* what) {
+  if (result == CUDA_SUCCESS) return;
+  const char* message = nullptr;
+  at::globalContext().getNVRTC().cuGetErrorString(result, &message);
+  TORCH_CHECK(false, label, ": the CUDA driver's ", what, " failed: ", message ? message : "unknown error");
+}
+
+// A launch argument: where its value comes from.
+struct Argument {
+  enum class Kind { Tensor, I32, I64, F32 } kind = Kind::I32;
+  int operand = 0;  // Tensor: 0 a, 1 b, 2 out, 3 + i the i-th buffer
+  int64_t offset = 0;  // Tensor: bytes into it
+  int32_t i32 = 0;
+  int64_t i64 = 0;
+  uint32_t f32 = 0;  // an f32's bits, as Triton packs it
+};
+
+struct Launch {
+  std::string name, binary;
+  unsigned shared = 0, threads = 128;
+  unsigned grid[3] = {1, 1, 1};
+  std::vector<Argument> arguments;
+};
+
+class Cubin final : public Executable {
+ public:
+  Cubin(Geometry g, std::vector<BufferSpec> buffers, std::vector<CubinLaunch> launches)
+      : Executable(std::move(g)), buffers_(std::move(buffers)), workspace_bytes_(buffers_bytes(buffers_)) {
+    for (auto& recorded : launches) {
+      Launch launch;
+      launch.name = std::move(recorded.name);
+      launch.binary = std::move(recorded.binary);
+      TORCH_CHECK_VALUE(recorded.shared >= 0 && recorded.warps > 0 && recorded.warps <= 32 && recorded.grid.size() == 3,
+                        geometry.label, ": a recorded launch of ", launch.name, " has shared memory ",
+                        text(recorded.shared), ", ", text(recorded.warps), " warps and a grid of ",
+                        text(static_cast<int64_t>(recorded.grid.size())), " dimensions");
+      launch.shared = static_cast<unsigned>(recorded.shared);
+      launch.threads = static_cast<unsigned>(32 * recorded.warps);
+      for (int i = 0; i < 3; ++i) {
+        TORCH_CHECK_VALUE(recorded.grid[i] >= 0 && recorded.grid[i] < (int64_t{1} << 31), geometry.label,
+                          ": a recorded launch of ", launch.name, " has a grid of ", text(recorded.grid));
+        launch.grid[i] = static_cast<unsigned>(recorded.grid[i]);
+      }
+      for (const CubinParam& p : recorded.params) launch.arguments.push_back(argument(p, launch.name));
+      launches_.push_back(std::move(launch));
+    }
+  }
+
+  const char* kind() const override { return "cubin"; }
+  int64_t workspace_bytes() const override { return workspace_bytes_; }
+
+  at::Tensor run(const at::Tensor& a, const at::Tensor& b) const override {
+    c10::cuda::CUDAGuard guard(a.device());
+    // Triton compiled the kernels for addresses aligned to 16 bytes (PyTorch's allocations are): an operand
+    // that is a view at another address is copied first.
+    at::Tensor x = aligned(a), y = aligned(b);
+    at::Tensor out = empty_result(x);
+    std::vector<char*> bases = {static_cast<char*>(x.data_ptr()), static_cast<char*>(y.data_ptr()),
+                                static_cast<char*>(out.data_ptr())};
+    at::Tensor workspace;
+    if (!buffers_.empty()) {
+      workspace = at::empty({std::max<int64_t>(workspace_bytes_, 1)}, x.options().dtype(at::kByte));
+      auto views = carve(workspace, buffers_);
+      for (const BufferSpec& buffer : buffers_) bases.push_back(static_cast<char*>(views.at(buffer.name).data_ptr()));
+    }
+    const auto& driver = at::globalContext().getNVRTC();
+    CUstream stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    std::vector<uint64_t> values;
+    std::vector<void*> pointers;
+    for (size_t i = 0; i < launches_.size(); ++i) {
+      const Launch& launch = launches_[i];
+      values.assign(launch.arguments.size() + 2, 0);  // the two scratch pointers last, null
+      pointers.resize(values.size());
+      for (size_t j = 0; j < launch.arguments.size(); ++j) {
+        const Argument& arg = launch.arguments[j];
+        void* slot = &values[j];
+        switch (arg.kind) {
+          case Argument::Kind::Tensor: {
+            auto address = reinterpret_cast<uint64_t>(bases.at(arg.operand) + arg.offset);
+            std::memcpy(slot, &address, sizeof address);
+            break;
+          }
+          case Argument::Kind::I32: std::memcpy(slot, &arg.i32, sizeof arg.i32); break;
+          case Argument::Kind::I64: std::memcpy(slot, &arg.i64, sizeof arg.i64); break;
+          case Argument::Kind::F32: std::memcpy(slot, &arg.f32, sizeof arg.f32); break;
+        }
+        pointers[j] = slot;
+      }
+      pointers[launch.arguments.size()] = &values[launch.arguments.size()];
+      pointers[launch.arguments.size() + 1] = &values[launch.arguments.size() + 1];
+      if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;  // nothing to compute
+      check_driver(driver.cuLaunchKernel(function(i, x.device().index()), launch.grid[0], launch.grid[1],
+                                         launch.grid[2], launch.threads, 1, 1, launch.shared, stream, pointers.data(),
+                                         nullptr),
+                   geometry.label, "launch of a Triton kernel");
+    }
+    return out;
+  }
+
+ private:
+  Argument argument(const CubinParam& p, const std::string& kernel) const {
+    Argument arg;
+    if (p.type == "tensor") {
+      arg.kind = Argument::Kind::Tensor;
+      static const char* const operands[3] = {"a", "b", "out"};
+      arg.operand = -1;
+      for (int i = 0; i < 3; ++i)
+        if (p.operand == operands[i]) arg.operand = i;
+      for (size_t i = 0; i < buffers_.size() && arg.operand < 0; ++i)
+        if (p.operand == buffers_[i].name) arg.operand = static_cast<int>(3 + i);
+      TORCH_CHECK_VALUE(arg.operand >= 0 && p.integer >= 0, geometry.label, ": a recorded argument of ", kernel,
+                        " lies in '", p.operand, "', which is neither an operand nor a declared buffer");
+      arg.offset = p.integer;
+    } else if (p.type == "i32") {
+      arg.kind = Argument::Kind::I32;
+      arg.i32 = static_cast<int32_t>(p.integer);
+    } else if (p.type == "i64") {
+      arg.kind = Argument::Kind::I64;
+      arg.i64 = p.integer;
+    } else if (p.type == "f32") {
+      arg.kind = Argument::Kind::F32;
+      float value = static_cast<float>(p.real);
+      std::memcpy(&arg.f32, &value, sizeof value);
+    } else {
+      TORCH_CHECK_VALUE(false, geometry.label, ": a recorded argument of ", kernel, " has the type '", p.type,
+                        "' (tensor, i32, i64 and f32 are passed)");
+    }
+    return arg;
+  }
+
+  static at::Tensor aligned(const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone(at::MemoryFormat::Preserve);
+  }
+
+  // The i-th launch's kernel on ``device``, loaded from its binary on first use there.
+  CUfunction function(size_t i, c10::DeviceIndex device) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& loaded = functions_[device];
+    if (loaded.empty()) loaded.assign(launches_.size(), nullptr);
+    if (loaded[i]) return loaded[i];
+    const auto& driver = at::globalContext().getNVRTC();
+    const Launch& launch = launches_[i];
+    CUmodule module = nullptr;
+    check_driver(driver.cuModuleLoadData(&module, launch.binary.data()), geometry.label,
+                 "loading of a Triton kernel's binary");
+    CUfunction f = nullptr;
+    check_driver(driver.cuModuleGetFunction(&f, module, launch.name.c_str()), geometry.label,
+                 "lookup of a Triton kernel in its binary");
+    if (launch.shared > 49152) {  // above the default: the kernel opts in, as Triton's loader does
+      int optin = 0, fixed = 0;
+      TORCH_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess,
+                  geometry.label, ": the CUDA runtime's query of the device's shared memory failed");
+      check_driver(driver.cuFuncGetAttribute(&fixed, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f), geometry.label,
+                   "query of a Triton kernel's static shared memory");
+      check_driver(driver.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed),
+                   geometry.label, "opt-in to a Triton kernel's shared memory");
+    }
+    loaded[i] = f;
+    return f;
+  }
+
+  std::vector<BufferSpec> buffers_;
+  int64_t workspace_bytes_;
+  std::vector<Launch> launches_;
+  mutable std::mutex mutex_;  // guards functions_
+  mutable std::unordered_map<c10::DeviceIndex, std::vector<CUfunction>> functions_;  // modules stay loaded
+};
+
+}  // namespace
+
+ExecutablePtr make_cubin(Geometry g, std::vector<BufferSpec> buffers, std::vector<CubinLaunch> launches) {
+  TORCH_CHECK_VALUE(g.device_type == at::kCUDA, g.label, ": convtune's Triton kernels run from C++ on CUDA only");
+  TORCH_CHECK_VALUE(!launches.empty(), g.label, ": a Triton executable needs at least one recorded launch");
+  return std::make_shared<Cubin>(std::move(g), std::move(buffers), std::move(launches));
+}
+
+}  // namespace convtune
+
+#else
+
+namespace convtune {
+
+ExecutablePtr make_cubin(Geometry g, std::vector<BufferSpec>, std::vector<CubinLaunch>) {
+  TORCH_CHECK_VALUE(false, g.label, ": this build of convtune's extension has no CUDA launcher (it is built where "
+                    "cuDNN's headers are found); install nvidia-cudnn and rebuild (convtune native --rebuild)");
+}
+
+}  // namespace convtune
+
+#endif

@@ -1,0 +1,95 @@
+"""Triton launches recorded as data, so that convtune's C++ runtime launches the same compiled kernels with no
+Python on the call (``TritonAlgorithm.native_recipe``).
+
+Every launch of convtune's kernels goes through ``launch``. Inside ``recording()`` each launch runs as usual and
+is also kept; ``describe`` then turns the kept launches into JSON types: per launch the compiled binary (cubin),
+the kernel's name, its shared memory, warps and grid, and each argument the compiled kernel takes at run time
+(Triton's launcher passes those in order, then its two scratch pointers): a tensor, named by the operand or
+buffer it lies in (with its offset in bytes), or a number with the type Triton compiled it for. A step between
+launches that only Python runs (a PyTorch call making a tensor the kernels read) calls ``python_step``, which
+refuses the recording: such an algorithm stays on the Python path.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+_active = threading.local()  # .records: the launches kept in this thread, or None
+_INTEGER = {"i32": "i32", "i64": "i64"}  # Triton's argument types the C++ launcher passes as they are
+_FLOAT = {"fp32": "f32"}
+
+
+class NotRecordable(Exception):
+    """An algorithm's run that the C++ runtime cannot repeat from its launches alone; the message says why."""
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
+    """``kernel[grid](*args, **kwargs)`` (and, inside ``recording()``, kept)."""
+    compiled = kernel[grid](*args, **kwargs)
+    records = getattr(_active, "records", None)
+    if records is not None:
+        records.append((kernel, compiled, tuple(grid), args, kwargs))
+    return compiled
+
+
+def python_step(what: str) -> None:
+    """Called before a step only Python runs (``what`` says which): inside ``recording()`` it raises
+    ``NotRecordable``."""
+    if getattr(_active, "records", None) is not None:
+        raise NotRecordable(f"the run has a step only Python runs: {what}")
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple]]:
+    """Keep every ``launch`` of this thread in the list it yields."""
+    records: list[tuple] = []
+    _active.records = records
+    try:
+        yield records
+    finally:
+        _active.records = None
+
+
+def describe(records: list[tuple], tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """The launches of ``records`` in JSON types, each tensor argument named by the one of ``tensors`` it lies in.
+    Raises ``NotRecordable`` for a tensor that lies in none of them (made during the run), an argument type or a
+    launch feature the C++ launcher does not pass (scratch memory, clusters, cooperative or dependent launches)."""
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in tensors.items()]
+    launches = []
+    for kernel, compiled, grid, args, kwargs in records:
+        meta = compiled.metadata
+        name = meta.name
+        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+            raise NotRecordable(f"{name} takes scratch memory from Triton's allocator")
+        if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False) or \
+                getattr(meta, "launch_pdl", False):
+            raise NotRecordable(f"{name} launches as a cluster, cooperatively or dependent on the previous kernel")
+        bound = dict(zip(kernel.arg_names, args))
+        bound.update((k, v) for k, v in kwargs.items() if k in kernel.arg_names)
+        params: list[list[Any]] = []
+        for arg, ty in compiled.src.signature.items():
+            if ty == "constexpr":
+                continue
+            value = bound[arg]
+            if isinstance(value, torch.Tensor):
+                pointer = value.data_ptr()
+                owner = next(((n, pointer - lo) for n, lo, hi in spans if lo <= pointer < hi), None)
+                if owner is None:
+                    raise NotRecordable(f"{name}'s argument {arg} is a tensor made during the run")
+                params.append(["tensor", owner[0], owner[1]])
+            elif ty in _INTEGER:
+                params.append([_INTEGER[ty], int(value)])
+            elif ty in _FLOAT:
+                params.append([_FLOAT[ty], float(value)])
+            else:
+                raise NotRecordable(f"{name}'s argument {arg} has the type {ty}, which the C++ launcher does not pass")
+        launches.append(dict(name=name, cubin=base64.b64encode(compiled.asm["cubin"]).decode("ascii"),
+                             shared=int(meta.shared), warps=int(meta.num_warps),
+                             grid=[int(g) for g in (*grid, 1, 1)[:3]], params=params))
+    return launches

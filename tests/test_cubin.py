@@ -1,0 +1,100 @@
+"""Triton launches recorded for the C++ runtime (convtune.kernels.recording, the 'cubin' executable kind).
+
+On the CPU the kernels run in Triton's interpreter, which compiles nothing: these tests check what is recorded
+(every launch of a run, through ``launch``), how a recording is described (each run-time argument named by the
+operand it lies in, constants left out, refusals) and what the runtime hands the extension. The launches
+themselves run from C++ on the GPU (tests/gpu/test_gpu_native.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from convtune.algorithms.registry import get_algorithm
+from convtune.problem import ConvProblem
+from convtune.pytorch import runtime
+
+recording = pytest.importorskip("convtune.kernels.recording")
+
+
+def _compiled(signature: dict[str, str], **meta) -> types.SimpleNamespace:
+    """A stand-in for Triton's CompiledKernel: what ``describe`` reads of one."""
+    metadata = dict(name="kernel_0d1d", shared=1024, num_warps=4, num_ctas=1, global_scratch_size=0,
+                    profile_scratch_size=0, launch_cooperative_grid=False, launch_pdl=False)
+    metadata.update(meta)
+    return types.SimpleNamespace(metadata=types.SimpleNamespace(**metadata), asm={"cubin": b"\x7fELF binary"},
+                                 src=types.SimpleNamespace(signature=signature))
+
+
+def _kernel(*names: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(arg_names=list(names))
+
+
+def test_describe_names_each_runtime_argument_by_the_operand_it_lies_in_and_leaves_constants_out():
+    a, b, out = torch.zeros(8, dtype=torch.float16), torch.zeros(4), torch.zeros(6)
+    partials = torch.zeros(2, 3)
+    kernel = _kernel("x", "w", "y", "n", "big", "scale", "ONE", "BLOCK")
+    compiled = _compiled({"x": "*fp16", "w": "*fp32", "y": "*fp32", "n": "i32", "big": "i64", "scale": "fp32",
+                          "ONE": "constexpr", "BLOCK": "constexpr"})
+    records = [(kernel, compiled, (3, 2), (a[2:], b, partials[1], 7, 2**40, 0.5, 1), {"BLOCK": 64, "num_warps": 4})]
+    [launch] = recording.describe(records, {"a": a, "b": b, "out": out, "partials": partials})
+    assert launch["name"] == "kernel_0d1d" and launch["shared"] == 1024 and launch["warps"] == 4
+    assert launch["grid"] == [3, 2, 1]
+    assert launch["params"] == [["tensor", "a", 4], ["tensor", "b", 0], ["tensor", "partials", 12], ["i32", 7],
+                                ["i64", 2**40], ["f32", 0.5]]
+    # what the runtime hands the extension: the binary back, each argument as (type, operand, integer, real)
+    [(name, binary, shared, warps, grid, params)] = runtime._cubin_launches({"launches": [launch]})
+    assert (name, binary, shared, warps, grid) == ("kernel_0d1d", b"\x7fELF binary", 1024, 4, [3, 2, 1])
+    assert params == [("tensor", "a", 4, 0.0), ("tensor", "b", 0, 0.0), ("tensor", "partials", 12, 0.0),
+                      ("i32", "", 7, 0.0), ("i64", "", 2**40, 0.0), ("f32", "", 0, 0.5)]
+
+
+@pytest.mark.parametrize("case", ["made in the run", "scratch", "cluster", "type"])
+def test_describe_refuses_what_the_cpp_launcher_cannot_repeat(case):
+    a = torch.zeros(4)
+    kernel = _kernel("x", "flag")
+    signature = {"x": "*fp32", "flag": "i1" if case == "type" else "i32"}
+    meta = {"scratch": dict(global_scratch_size=128), "cluster": dict(num_ctas=2)}.get(case, {})
+    x = torch.zeros(4) if case == "made in the run" else a
+    with pytest.raises(recording.NotRecordable):
+        recording.describe([(kernel, _compiled(signature, **meta), (1,), (x, 3), {})], {"a": a})
+
+
+def test_a_step_only_python_runs_refuses_a_recording_and_nothing_else():
+    recording.python_step("a copy")  # outside a recording: nothing
+    with pytest.raises(recording.NotRecordable, match="a copy"), recording.recording():
+        recording.python_step("a copy")
+    assert getattr(recording._active, "records", None) is None  # the recording ended with the error
+
+
+@pytest.mark.parametrize("name,launches", [("triton:depthwise_fwd_p32c64w4", 1),
+                                           ("triton:depthwise_bwd_filter_p64c64w4s8", 2),
+                                           ("triton:grouped_bwd_filter_p32c64w4s1024", 2)])
+def test_every_launch_of_a_run_is_recorded(monkeypatch, name, launches):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    direction = name.split("_")[1] if "bwd" not in name else "_".join(name.split("_")[1:3])
+    grouped = "grouped" in name
+    p = ConvProblem(direction, n=1, c=8, k=8, input_size=(5, 5), kernel_size=3, padding=1,
+                    groups=4 if grouped else 8, layout="channels_last")
+    algo = get_algorithm(name)
+    if not algo.supports(p):
+        pytest.skip(f"{name} does not support {p.key}: {algo.supports(p).reason}")
+    a, b = p.random_inputs()
+    with recording.recording() as records:
+        algo.run(p, a, b)
+    assert len(records) == launches
+    assert all(kernel is not None and grid for kernel, _, grid, _, _ in records)
+
+
+def test_weights_laid_out_by_pytorch_keep_a_configuration_on_the_python_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    p = ConvProblem("fwd", n=1, c=8, k=8, input_size=(5, 5), kernel_size=3, padding=1, groups=8,
+                    layout="channels_last")
+    algo = get_algorithm("triton:depthwise_fwd_p64c32w4t")
+    a, b = p.random_inputs()
+    with pytest.raises(recording.NotRecordable, match="tap by tap"), recording.recording():
+        algo.run(p, a, b)
+    assert algo.native_recipe(p) is None  # on the CPU, and in the interpreter, none at all
