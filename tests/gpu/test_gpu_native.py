@@ -4,6 +4,7 @@ torch.compile of a tuned model. Skipped without CUDA.
 """
 
 import re
+import threading
 
 import pytest
 import torch
@@ -90,10 +91,15 @@ def test_triton_kernels_launched_from_cpp_compute_what_their_python_launches_do(
                                 f"{(out.float() - python.float()).abs().max().item():.3g})")
         if not rel_error(out, ref) <= tolerance(p, algo.notes(p)):
             failures.append(f"{algo.name}: relative error {rel_error(out, ref):.3g}")
-        shifted = torch.empty(a.numel() + 8, dtype=a.dtype, device="cuda")[8:].view_as(a).copy_(a) \
-            if a.is_contiguous() else None
-        if shifted is not None:  # an operand at an address Triton did not compile for: copied first
-            assert torch.equal(torch.ops.convtune.tuned_run(shifted, b, handle), python)
+        # an operand at an address Triton did not compile for (one element on: not 16-byte aligned), copied first
+        shifted = torch.empty(a.numel() + 1, dtype=a.dtype, device="cuda")[1:].as_strided(a.shape, a.stride())
+        shifted.copy_(a)
+        assert torch.equal(torch.ops.convtune.tuned_run(shifted, b, handle), python)
+        thread_out: list = []  # and from a thread whose first CUDA call it is (as autograd's backward threads)
+        worker = threading.Thread(target=lambda: thread_out.append(torch.ops.convtune.tuned_run(a, b, handle)))
+        worker.start()
+        worker.join()
+        assert torch.equal(thread_out[0], python)
     assert ran >= 2, f"only {ran} Triton kernels launched from C++ for {p.key}"
     assert not failures, "\n".join(failures)
 

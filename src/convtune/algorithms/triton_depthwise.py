@@ -20,7 +20,7 @@ from typing import Any
 
 from ..costmodel import Cost
 from ..problem import ConvProblem
-from .base import SUPPORTED, NumericNotes, Support, unsupported
+from .base import SUPPORTED, Buffer, NumericNotes, Support, unsupported
 from .triton_family import TritonAlgorithm, register_family
 
 # Tile configurations per direction: (positions, channels, warps[, chunk[, form[, patch]]]). Wide channel tiles
@@ -80,6 +80,11 @@ class TritonDepthwise(TritonAlgorithm):
             return unsupported("the form by stride phase is for strided problems; at stride 1 every input "
                                "position takes every tap, as the other configurations compute it")
         return SUPPORTED
+
+    def buffers(self, problem: ConvProblem) -> list[Buffer]:
+        if self.as_tile and problem.direction != "bwd_filter":  # the weights laid out tap by tap (tap_weights)
+            return [Buffer("taps", self.module().taps_shape(problem), problem.torch_dtype)]
+        return super().buffers(problem)
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
         # One float32 partial sum per (run of output rows, channel, tap); a 1-D problem's rows are its samples.

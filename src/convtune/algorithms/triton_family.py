@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import os
 from typing import Any
@@ -32,6 +33,7 @@ from .base import (
 )
 from .registry import register
 
+log = logging.getLogger(__name__)
 INDEX_LIMIT = 2**31  # the kernels' offsets are 32-bit
 
 
@@ -106,8 +108,10 @@ class TritonAlgorithm(Algorithm):
         """On CUDA (not in Triton's interpreter): the launches of one run on random operands, recorded
         (``convtune.kernels.recording``), which the C++ runtime repeats with the same compiled kernels and the
         same arguments (the operands' shapes and strides are the problem's; only their addresses change). None
-        where the run has a step only Python runs, or launches what the C++ launcher does not."""
-        if problem.device != "cuda" or interpreting() or not self.supports(problem):
+        where the run makes a tensor between launches or launches what the C++ launcher does not, and where it
+        fails (Triton's compiler, memory; logged), or a CUDA graph is being captured."""
+        if problem.device != "cuda" or interpreting() or not self.supports(problem) or \
+                torch.cuda.is_current_stream_capturing():
             return None
         from ..kernels import recording
 
@@ -119,16 +123,21 @@ class TritonAlgorithm(Algorithm):
             with recording.recording() as records:
                 self._run(problem, a, b, out, ws)
             launches = recording.describe(records, {"a": a, "b": b, "out": out, **ws})
-        except recording.NotRecordable:
+        except recording.NotRecordable as exc:
+            log.info("%s on %s runs on the Python path: %s", self.name, problem.key, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001  (Triton's compiler and resource errors are not RuntimeErrors)
+            log.warning("%s on %s: its launches could not be recorded (%s: %s); it runs on the Python path",
+                        self.name, problem.key, type(exc).__name__, exc)
             return None
         return NativeRecipe("cubin", (("launches", launches),))
 
     def _run(self, problem, a, b, out, ws) -> None:
         module = self.module()
         if problem.direction == "fwd":
-            module.forward(problem, self.tile, a, b, out)
+            module.forward(problem, self.tile, a, b, out, **ws)
         elif problem.direction == "bwd_data":
-            module.backward_data(problem, self.tile, a, b, out)
+            module.backward_data(problem, self.tile, a, b, out, **ws)
         else:
             module.backward_filter(problem, self.tile, a, b, out, ws["partials"])
 

@@ -126,7 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "A cuDNN execution plan: from its serialized form, else the one of cuDNN's heuristics with the tag (the frontend's plan name).");
   m.def(
       "add_cubin",
-      [](int64_t handle, const std::string& description, const Geometry& g,
+      [](int64_t handle, const std::string& description, const Geometry& g, int64_t device_index,
          const std::vector<std::tuple<std::string, std::vector<int64_t>, std::string>>& buffers,
          const std::vector<std::tuple<std::string, py::bytes, int64_t, int64_t, std::vector<int64_t>,
                                       std::vector<std::tuple<std::string, std::string, int64_t, double>>>>& launches) {
@@ -138,7 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           for (const auto& [type, operand, integer, real] : params) launch.params.push_back({type, operand, integer, real});
           recorded.push_back(std::move(launch));
         }
-        add_executable(handle, description, make_cubin(g, std::move(specs), std::move(recorded)));
+        add_executable(handle, description, make_cubin(g, device_index, std::move(specs), std::move(recorded)));
       },
       "convtune's Triton kernels launched from C++: the recorded launches (name, binary, shared memory, warps, grid, "
       "[(type, operand, integer, real)]) over the operands and the buffers declared.");

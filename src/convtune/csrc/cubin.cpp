@@ -5,10 +5,15 @@
 // then Triton's two scratch pointers, null (a recording refuses kernels that take scratch memory). The driver
 // API comes through ATen's lazily loaded stub (at::globalContext().getNVRTC()), as PyTorch's own run-time
 // compiled kernels do, so nothing links libcuda. Compiled in the CUDA build (CONVTUNE_WITH_CUDNN: the build
-// that finds cuDNN's headers is the one with CUDA's); elsewhere make_cubin raises.
+// that finds cuDNN's headers is the one with CUDA's) where NVRTC's header, which ATen's stub includes, is there
+// too; elsewhere make_cubin raises.
 #include "executable.h"
 
-#ifdef CONVTUNE_WITH_CUDNN
+#if defined(CONVTUNE_WITH_CUDNN) && __has_include(<nvrtc.h>)
+#define CONVTUNE_WITH_CUBIN
+#endif
+
+#ifdef CONVTUNE_WITH_CUBIN
 
 #include <ATen/Context.h>
 #include <ATen/cuda/nvrtc_stub/ATenNVRTC.h>
@@ -24,11 +29,22 @@ namespace convtune {
 
 namespace {
 
-void check_driver(CUresult result, const std::string& label, const char* what) {
+void check_driver(CUresult result, const std::string& label, const char* what, const std::string& kernel) {
   if (result == CUDA_SUCCESS) return;
   const char* message = nullptr;
   at::globalContext().getNVRTC().cuGetErrorString(result, &message);
-  TORCH_CHECK(false, label, ": the CUDA driver's ", what, " failed: ", message ? message : "unknown error");
+  TORCH_CHECK(false, label, ": the CUDA driver's ", what, " of Triton kernel ", kernel, " failed: ",
+              message ? message : "unknown error");
+}
+
+// Makes ``device``'s primary context current in this thread where none is: the driver API needs one, and a
+// thread whose first CUDA work is ours (autograd's backward threads) may have none yet, which the CUDA runtime
+// would set up on its first call. cudaSetDevice makes the primary context current (CUDA 12 and later).
+void ensure_context(c10::DeviceIndex device, const std::string& label) {
+  CUcontext current = nullptr;
+  if (at::globalContext().getNVRTC().cuCtxGetCurrent(&current) == CUDA_SUCCESS && current) return;
+  TORCH_CHECK(cudaSetDevice(device) == cudaSuccess, label, ": the CUDA runtime could not make device ",
+              text(static_cast<int64_t>(device)), " current");
 }
 
 // A launch argument: where its value comes from.
@@ -50,7 +66,7 @@ struct Launch {
 
 class Cubin final : public Executable {
  public:
-  Cubin(Geometry g, std::vector<BufferSpec> buffers, std::vector<CubinLaunch> launches)
+  Cubin(Geometry g, int64_t device_index, std::vector<BufferSpec> buffers, std::vector<CubinLaunch> launches)
       : Executable(std::move(g)), buffers_(std::move(buffers)), workspace_bytes_(buffers_bytes(buffers_)) {
     for (auto& recorded : launches) {
       Launch launch;
@@ -70,6 +86,15 @@ class Cubin final : public Executable {
       for (const CubinParam& p : recorded.params) launch.arguments.push_back(argument(p, launch.name));
       launches_.push_back(std::move(launch));
     }
+    // Loaded now on the device it is made for, so that a binary the driver refuses fails here (the runtime then
+    // makes it again from its recipe, or the layer runs on the Python path), not on every call.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+    for (size_t i = 0; i < launches_.size(); ++i) function(i, static_cast<c10::DeviceIndex>(device_index));
+  }
+
+  ~Cubin() override {
+    const auto& driver = at::globalContext().getNVRTC();
+    for (CUmodule module : modules_) driver.cuModuleUnload(module);  // (an error at exit is nothing to report)
   }
 
   const char* kind() const override { return "cubin"; }
@@ -77,6 +102,7 @@ class Cubin final : public Executable {
 
   at::Tensor run(const at::Tensor& a, const at::Tensor& b) const override {
     c10::cuda::CUDAGuard guard(a.device());
+    ensure_context(a.device().index(), geometry.label);
     // Triton compiled the kernels for addresses aligned to 16 bytes (PyTorch's allocations are): an operand
     // that is a view at another address is copied first.
     at::Tensor x = aligned(a), y = aligned(b);
@@ -118,7 +144,7 @@ class Cubin final : public Executable {
       check_driver(driver.cuLaunchKernel(function(i, x.device().index()), launch.grid[0], launch.grid[1],
                                          launch.grid[2], launch.threads, 1, 1, launch.shared, stream, pointers.data(),
                                          nullptr),
-                   geometry.label, "launch of a Triton kernel");
+                   geometry.label, "launch", launch.name);
     }
     return out;
   }
@@ -166,20 +192,22 @@ class Cubin final : public Executable {
     if (loaded[i]) return loaded[i];
     const auto& driver = at::globalContext().getNVRTC();
     const Launch& launch = launches_[i];
+    ensure_context(device, geometry.label);
     CUmodule module = nullptr;
-    check_driver(driver.cuModuleLoadData(&module, launch.binary.data()), geometry.label,
-                 "loading of a Triton kernel's binary");
+    check_driver(driver.cuModuleLoadData(&module, launch.binary.data()), geometry.label, "loading of the binary",
+                 launch.name);
+    modules_.push_back(module);
     CUfunction f = nullptr;
-    check_driver(driver.cuModuleGetFunction(&f, module, launch.name.c_str()), geometry.label,
-                 "lookup of a Triton kernel in its binary");
+    check_driver(driver.cuModuleGetFunction(&f, module, launch.name.c_str()), geometry.label, "lookup",
+                 launch.name);
     if (launch.shared > 49152) {  // above the default: the kernel opts in, as Triton's loader does
       int optin = 0, fixed = 0;
       TORCH_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess,
                   geometry.label, ": the CUDA runtime's query of the device's shared memory failed");
       check_driver(driver.cuFuncGetAttribute(&fixed, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f), geometry.label,
-                   "query of a Triton kernel's static shared memory");
+                   "query of the static shared memory", launch.name);
       check_driver(driver.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed),
-                   geometry.label, "opt-in to a Triton kernel's shared memory");
+                   geometry.label, "shared memory opt-in", launch.name);
     }
     loaded[i] = f;
     return f;
@@ -188,27 +216,29 @@ class Cubin final : public Executable {
   std::vector<BufferSpec> buffers_;
   int64_t workspace_bytes_;
   std::vector<Launch> launches_;
-  mutable std::mutex mutex_;  // guards functions_
-  mutable std::unordered_map<c10::DeviceIndex, std::vector<CUfunction>> functions_;  // modules stay loaded
+  mutable std::mutex mutex_;  // guards functions_ and modules_
+  mutable std::unordered_map<c10::DeviceIndex, std::vector<CUfunction>> functions_;
+  mutable std::vector<CUmodule> modules_;  // unloaded with the executable
 };
 
 }  // namespace
 
-ExecutablePtr make_cubin(Geometry g, std::vector<BufferSpec> buffers, std::vector<CubinLaunch> launches) {
+ExecutablePtr make_cubin(Geometry g, int64_t device_index, std::vector<BufferSpec> buffers,
+                         std::vector<CubinLaunch> launches) {
   TORCH_CHECK_VALUE(g.device_type == at::kCUDA, g.label, ": convtune's Triton kernels run from C++ on CUDA only");
   TORCH_CHECK_VALUE(!launches.empty(), g.label, ": a Triton executable needs at least one recorded launch");
-  return std::make_shared<Cubin>(std::move(g), std::move(buffers), std::move(launches));
+  return std::make_shared<Cubin>(std::move(g), device_index, std::move(buffers), std::move(launches));
 }
 
 }  // namespace convtune
 
-#else
+#else  // CONVTUNE_WITH_CUBIN
 
 namespace convtune {
 
-ExecutablePtr make_cubin(Geometry g, std::vector<BufferSpec>, std::vector<CubinLaunch>) {
+ExecutablePtr make_cubin(Geometry g, int64_t, std::vector<BufferSpec>, std::vector<CubinLaunch>) {
   TORCH_CHECK_VALUE(false, g.label, ": this build of convtune's extension has no CUDA launcher (it is built where "
-                    "cuDNN's headers are found); install nvidia-cudnn and rebuild (convtune native --rebuild)");
+                    "cuDNN's and NVRTC's headers are found); install them and rebuild (convtune native --rebuild)");
 }
 
 }  // namespace convtune

@@ -144,7 +144,8 @@ struct CubinLaunch {
   std::vector<CubinParam> params;
 };
 // convtune's Triton kernels launched from C++ (cubin.cpp; a CUDA build only, elsewhere it raises).
-// (Each device loads the binaries on its first run there.)
-ExecutablePtr make_cubin(Geometry g, std::vector<BufferSpec> buffers, std::vector<CubinLaunch> launches);
+// (Loaded on ``device_index`` when made; another device loads them on its first run there.)
+ExecutablePtr make_cubin(Geometry g, int64_t device_index, std::vector<BufferSpec> buffers,
+                         std::vector<CubinLaunch> launches);
 
 }  // namespace convtune

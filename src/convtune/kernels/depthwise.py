@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
-from .recording import launch, python_step
+from .recording import launch
 from .shared import as_4d, geometry, gradient_source, patch_positions, positions, sizes, sum_partials
 
 
@@ -231,17 +231,34 @@ def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, 
                  mask=s_ok[:, None] & k_ok[None, :])
 
 
+@triton.jit
+def _lay_out_taps(w, taps, K, TAPS, swk, swr, sws, S: tl.constexpr, BLOCK: tl.constexpr):
+    # taps (TAPS, K), dense: element (tap, k) is the weight of channel k at tap r·S + s.
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < K * TAPS
+    tap, k = i // K, i % K
+    tl.store(taps + i, tl.load(w + k * swk + (tap // S) * swr + (tap % S) * sws, mask=ok), mask=ok)
+
+
 # -- launches ---------------------------------------------------------------------------------
-def tap_weights(tile: Tile, problem: ConvProblem, w: torch.Tensor) -> torch.Tensor:
-    """The 4-D weight as the kernels read it: as it is, or (``tile.as_tile``) a copy laid out tap by tap with each
-    tap's channels contiguous, seen as (K, 1, R, S) (the kernels read its strides)."""
+def tap_weights(tile: Tile, problem: ConvProblem, w: torch.Tensor, taps: torch.Tensor | None) -> torch.Tensor:
+    """The 4-D weight as the kernels read it: as it is, or (``tile.as_tile``) copied into ``taps`` (the buffer
+    ``taps_shape`` gives) tap by tap, each tap's channels contiguous, and seen as (K, 1, R, S) (the kernels read
+    its strides)."""
     w4 = as_4d(w, problem)
     if not tile.as_tile:
         return w4
-    python_step("the weights laid out tap by tap by PyTorch")
     k, _, r, s = w4.shape
-    taps = w4.reshape(k, r * s).t().contiguous()
+    assert taps is not None and tuple(taps.shape) == taps_shape(problem), "as_tile needs its 'taps' buffer"
+    block = 256
+    launch(_lay_out_taps, (triton.cdiv(k * r * s, block),), w4, taps, k, r * s, w4.stride(0), w4.stride(2),
+           w4.stride(3), S=s, BLOCK=block, num_warps=4)
     return taps.as_strided((k, 1, r, s), (1, r * s * k, s * k, k))
+
+
+def taps_shape(problem: ConvProblem) -> tuple[int, int]:
+    """The shape of the weights laid out tap by tap (``tap_weights``): (taps, K)."""
+    return math.prod(problem.kernel_size), problem.k
 
 
 def unroll_factor(tile: Tile, problem: ConvProblem) -> int:
@@ -251,12 +268,13 @@ def unroll_factor(tile: Tile, problem: ConvProblem) -> int:
 
 
 def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-            computed: tuple[int, int], read: tuple[int, int], channels: int, **constants: int) -> None:
+            taps: torch.Tensor | None, computed: tuple[int, int], read: tuple[int, int], channels: int,
+            **constants: int) -> None:
     """Launch ``_forward`` or ``_backward_data``: programs over tiles of (positions of ``out``, whose
     spatial size is ``computed``, × its ``channels``), reading ``a`` of spatial size ``read``; ``constants``:
     the kernel's own compile-time arguments."""
     a4, out4 = as_4d(a, problem), as_4d(out, problem)
-    w4 = tap_weights(tile, problem, w)
+    w4 = tap_weights(tile, problem, w, taps)
     total = problem.n * computed[0] * computed[1]
     if tile.patch:  # patches of (positions // patch) rows × patch columns, each of one sample
         rows, cols = triton.cdiv(computed[0], tile.positions // tile.patch), triton.cdiv(computed[1], tile.patch)
@@ -271,19 +289,21 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
            AS_TILE=tile.as_tile, num_warps=tile.warps, **constants)
 
 
-def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-    """y = the depthwise convolution of x with w, into ``y``."""
+def forward(problem: ConvProblem, tile: Tile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+            taps: torch.Tensor | None = None) -> None:
+    """y = the depthwise convolution of x with w, into ``y`` (``taps``: the buffer of ``tap_weights``)."""
     h, wd, p, q = sizes(problem)
-    _direct(_forward, problem, tile, x, w, y, (p, q), (h, wd), problem.k, PATCH_W=tile.patch,
+    _direct(_forward, problem, tile, x, w, y, taps, (p, q), (h, wd), problem.k, PATCH_W=tile.patch,
             UNROLL=unroll_factor(tile, problem))
 
 
-def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor) -> None:
-    """dx = the gradient of the input from dy and w, into ``dx``."""
+def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor,
+                  taps: torch.Tensor | None = None) -> None:
+    """dx = the gradient of the input from dy and w, into ``dx`` (``taps``: the buffer of ``tap_weights``)."""
     h, wd, p, q = sizes(problem)
     if tile.form == "phases":
         dy4, dx4 = as_4d(dy, problem), as_4d(dx, problem)
-        w4 = tap_weights(tile, problem, w)
+        w4 = tap_weights(tile, problem, w, taps)
         r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
         most = triton.cdiv(h, stride_h) * triton.cdiv(wd, stride_w) * problem.n  # the largest phase's positions
         grid = (triton.cdiv(most, tile.positions), triton.cdiv(problem.c, tile.channels), stride_h * stride_w)
@@ -294,7 +314,8 @@ def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.T
             *dx4.stride(), stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, M=problem.k // problem.c, R=r, S=s,
             BLOCK_POS=tile.positions, BLOCK_CH=tile.channels, AS_TILE=tile.as_tile, num_warps=tile.warps)
         return
-    _direct(_backward_data, problem, tile, dy, w, dx, (h, wd), (p, q), problem.c, UNROLL=unroll_factor(tile, problem))
+    _direct(_backward_data, problem, tile, dy, w, dx, taps, (h, wd), (p, q), problem.c,
+            UNROLL=unroll_factor(tile, problem))
 
 
 def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor,

@@ -5,9 +5,10 @@ Every launch of convtune's kernels goes through ``launch``. Inside ``recording()
 is also kept; ``describe`` then turns the kept launches into JSON types: per launch the compiled binary (cubin),
 the kernel's name, its shared memory, warps and grid, and each argument the compiled kernel takes at run time
 (Triton's launcher passes those in order, then its two scratch pointers): a tensor, named by the operand or
-buffer it lies in (with its offset in bytes), or a number with the type Triton compiled it for. A step between
-launches that only Python runs (a PyTorch call making a tensor the kernels read) calls ``python_step``, which
-refuses the recording: such an algorithm stays on the Python path.
+buffer it lies in (with its offset in bytes), or a number with the type Triton compiled it for. So a launch
+function does all its work through ``launch``, into its operands and declared buffers: a tensor made between
+launches (by a PyTorch call, which the C++ replay would not make) is refused by ``describe``, and the algorithm
+stays on the Python path.
 """
 
 from __future__ import annotations
@@ -38,22 +39,16 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
     return compiled
 
 
-def python_step(what: str) -> None:
-    """Called before a step only Python runs (``what`` says which): inside ``recording()`` it raises
-    ``NotRecordable``."""
-    if getattr(_active, "records", None) is not None:
-        raise NotRecordable(f"the run has a step only Python runs: {what}")
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple]]:
     """Keep every ``launch`` of this thread in the list it yields."""
     records: list[tuple] = []
+    outer = getattr(_active, "records", None)
     _active.records = records
     try:
         yield records
     finally:
-        _active.records = None
+        _active.records = outer
 
 
 def describe(records: list[tuple], tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
@@ -76,6 +71,8 @@ def describe(records: list[tuple], tensors: Mapping[str, torch.Tensor]) -> list[
         for arg, ty in compiled.src.signature.items():
             if ty == "constexpr":
                 continue
+            if arg not in bound:
+                raise NotRecordable(f"{name}'s argument {arg} was left to its default, which is not recorded")
             value = bound[arg]
             if isinstance(value, torch.Tensor):
                 pointer = value.data_ptr()

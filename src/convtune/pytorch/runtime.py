@@ -38,6 +38,7 @@ from convtune import extension
 from convtune.algorithms.base import Algorithm
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
+from convtune.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _add(module: Any, problem: ConvProblem, name: str, kind: str, options: dict[
         if not module.with_cudnn():
             raise NotNative(f"{name}: this build of the extension has no CUDA launcher (it is built with cuDNN's "
                             f"headers); set CONVTUNE_CUDNN_HOME and run `convtune native --rebuild`")
-        module.add_cubin(handle, description, geometry, options["buffers"], _cubin_launches(options))
+        module.add_cubin(handle, description, geometry, index, options["buffers"], _cubin_launches(options))
     else:
         raise NotNative(f"{name}: no native executable of kind {kind!r} in this version")
     return handle
@@ -247,7 +248,7 @@ def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
 _host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
 # Kept with the costs in the database: costs measured by another method are measured again.
-HOST_COST_METHOD = 5
+HOST_COST_METHOD = 6
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
@@ -359,18 +360,20 @@ def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
             cubins = {d: next((a.name for a in algorithms(depthwise.with_direction(d)) if a.host_kind == "triton"
                                and _kind_of(a, depthwise.with_direction(d)) == "cubin"), "") for d in DIRECTION_INDEX}
             if all(cubins.values()):
-                _add_layer_costs(overheads, "cubin", depthwise, cubins, "native")
+                _add_layer_costs(overheads, "cubin", depthwise, cubins, "native")  # (in _probe: a fault is logged)
         compiled = _probe("compiled", lambda: (_compiled_call_us(p, device),))
         if compiled is not None:
             overheads["compiled"] = compiled[0]
     for kind, problem in (("python", p), ("triton", _depthwise_probe(p))):
         if kind == "triton" and device != "cuda":  # on the CPU Triton runs only in its interpreter
             continue  # (the Python path's costs stand in)
-        names = {d: next((a.name for a in algorithms(problem.with_direction(d))
-                          if a.host_kind == kind and a.native_recipe(problem.with_direction(d)) is None), "")
-                 for d in DIRECTION_INDEX}
+        # The Python path on Triton's kernels: a layer whose choice has no executable here (the native runtime
+        # off for the measurement), the kernels' Python launcher included.
+        names = {d: next((a.name for a in algorithms(problem.with_direction(d)) if a.host_kind == kind and (
+            kind == "triton" or a.native_recipe(problem.with_direction(d)) is None)), "") for d in DIRECTION_INDEX}
         if all(names.values()):
-            _add_layer_costs(overheads, kind, problem, names, "python")
+            with settings.override(native=kind != "triton"):
+                _add_layer_costs(overheads, kind, problem, names, "python")
     return overheads
 
 
