@@ -363,8 +363,9 @@ def compiled_rows(p, x) -> list[tuple[str, float]]:
 def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     """A depthwise 3x3 layer (64 channels on 4x4) on convtune's Triton kernels, layer by layer of the Python path:
     the kernel's launch with its arguments made beforehand (Triton's launcher alone), the kernels module's call,
-    the algorithm's ``execute``, the op path's ``ops.compute``, and the module forward (float16 weights, and float32
-    ones under autocast, as a network runs) and forward+backward against nn.Conv2d timed in alternation."""
+    the algorithm's ``execute``, the op path's ``ops.compute``; and the module forward (float16 weights, and float32
+    ones under autocast, as a network runs) and forward+backward against nn.Conv2d timed in alternation, with the
+    kernels launched from C++ (runtime native, on CUDA) and on the Python path (runtime python)."""
     from convtune.kernels import depthwise
     from convtune.kernels.shared import geometry
     from convtune.pytorch.modules import Conv2d
@@ -392,16 +393,20 @@ def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
             ("Triton: ops.compute (the op path's Runner)", _per_call_us(lambda: ops.compute(x, w, p.key, names["fwd"])))]
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     xg = x.clone().requires_grad_()
-    for label, torch_dtype, autocast in (("float16 weights", p.torch_dtype, False),
-                                        ("float32 weights under autocast", torch.float32, True)):
-        base = torch.nn.Conv2d(64, 64, 3, padding=1, groups=64, bias=False).to(device, torch_dtype)
-        base = base.to(memory_format=torch.channels_last)
-        layer = Conv2d(64, 64, 3, padding=1, groups=64, bias=False, mode="get").to(device, torch_dtype)
-        layer = layer.to(memory_format=torch.channels_last)
-        layer.weight.data.copy_(base.weight.data)
-        layer._convtune_select(sig, LayerSelection(p.key, **names))
-        with torch.autocast(device, dtype=p.torch_dtype, enabled=autocast):
-            rows += _against_torch(f"Triton module, {label}", "", base, layer, x, xg)
+    for native in (True, False):  # the kernels launched from C++ (where they are: CUDA), and the Python path
+        for label, torch_dtype, autocast in (("float16 weights", p.torch_dtype, False),
+                                            ("float32 weights under autocast", torch.float32, True)):
+            base = torch.nn.Conv2d(64, 64, 3, padding=1, groups=64, bias=False).to(device, torch_dtype)
+            base = base.to(memory_format=torch.channels_last)
+            layer = Conv2d(64, 64, 3, padding=1, groups=64, bias=False, mode="get").to(device, torch_dtype)
+            layer = layer.to(memory_format=torch.channels_last)
+            layer.weight.data.copy_(base.weight.data)
+            with settings.override(native=native):
+                selection = LayerSelection(p.key, **names)
+                layer._convtune_select(sig, selection)
+                with torch.autocast(device, dtype=p.torch_dtype, enabled=autocast):
+                    rows += _against_torch(f"Triton module, runtime {selection.runtime}, {label}", "", base, layer,
+                                           x, xg)
     return rows
 
 
