@@ -101,7 +101,7 @@ def _flags(cudnn: tuple[Path, Path] | None) -> tuple[list[str], list[str], list[
         include, lib = cudnn
         cflags.append("-DCONVTUNE_WITH_CUDNN")
         includes.append(str(include))
-        ldflags += [f"-L{lib}", "-l:libcudnn.so.9", f"-Wl,-rpath,{lib}"]
+        ldflags += [f"-L{lib}", "-l:libcudnn.so.9", f"-Wl,-rpath,{lib}", "-ldl"]  # -ldl: cubin.cpp opens libcuda
     return cflags, ldflags, includes
 
 

@@ -2,24 +2,23 @@
 // (convtune/kernels/recording.py: each compiled kernel's binary, shared memory, warps, grid and run-time
 // arguments), repeated on every call with the operands' addresses. The arguments are passed as Triton's own
 // launcher passes them: each run-time argument in order (a tensor's address, an i32, an i64, an f32's bits),
-// then Triton's two scratch pointers, null (a recording refuses kernels that take scratch memory). The driver
-// API comes through ATen's lazily loaded stub (at::globalContext().getNVRTC()), as PyTorch's own run-time
-// compiled kernels do, so nothing links libcuda. Compiled in the CUDA build (CONVTUNE_WITH_CUDNN: the build
-// that finds cuDNN's headers is the one with CUDA's) where NVRTC's header, which ATen's stub includes, is there
-// too; elsewhere make_cubin raises.
+// then Triton's two scratch pointers, null (a recording refuses kernels that take scratch memory). The few
+// driver functions used are looked up in libcuda.so.1 when first needed (dlopen, as Triton's own launcher does),
+// so the build links no libcuda and needs only the toolkit's cuda.h. Compiled in the CUDA build
+// (CONVTUNE_WITH_CUDNN: the build that finds cuDNN's headers is the one with CUDA's); elsewhere make_cubin raises.
 #include "executable.h"
 
-#if defined(CONVTUNE_WITH_CUDNN) && __has_include(<nvrtc.h>)
+#if defined(CONVTUNE_WITH_CUDNN) && __has_include(<cuda.h>)
 #define CONVTUNE_WITH_CUBIN
 #endif
 
 #ifdef CONVTUNE_WITH_CUBIN
 
-#include <ATen/Context.h>
-#include <ATen/cuda/nvrtc_stub/ATenNVRTC.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <cstring>
 #include <mutex>
@@ -29,10 +28,49 @@ namespace convtune {
 
 namespace {
 
+// The driver functions this file calls, from libcuda.so.1 (the driver's library, on every machine with a CUDA
+// driver), looked up once.
+struct Driver {
+  decltype(&::cuGetErrorString) get_error_string = nullptr;
+  decltype(&::cuCtxGetCurrent) ctx_get_current = nullptr;
+  decltype(&::cuModuleLoadData) module_load_data = nullptr;
+  decltype(&::cuModuleUnload) module_unload = nullptr;
+  decltype(&::cuModuleGetFunction) module_get_function = nullptr;
+  decltype(&::cuFuncGetAttribute) func_get_attribute = nullptr;
+  decltype(&::cuFuncSetAttribute) func_set_attribute = nullptr;
+  decltype(&::cuLaunchKernel) launch_kernel = nullptr;
+};
+
+template <typename F>
+void resolve(void* library, F& slot, const char* name) {
+  slot = reinterpret_cast<F>(dlsym(library, name));
+  TORCH_CHECK(slot, "convtune: the CUDA driver's library (libcuda.so.1) has no ", name,
+              "; update the NVIDIA driver");
+}
+
+const Driver& driver_api() {
+  static const Driver driver = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(library, "convtune: the CUDA driver's library libcuda.so.1 could not be loaded (", dlerror(),
+                "); install the NVIDIA driver");
+    Driver d;
+    resolve(library, d.get_error_string, "cuGetErrorString");
+    resolve(library, d.ctx_get_current, "cuCtxGetCurrent");
+    resolve(library, d.module_load_data, "cuModuleLoadData");
+    resolve(library, d.module_unload, "cuModuleUnload");
+    resolve(library, d.module_get_function, "cuModuleGetFunction");
+    resolve(library, d.func_get_attribute, "cuFuncGetAttribute");
+    resolve(library, d.func_set_attribute, "cuFuncSetAttribute");
+    resolve(library, d.launch_kernel, "cuLaunchKernel");
+    return d;
+  }();
+  return driver;
+}
+
 void check_driver(CUresult result, const std::string& label, const char* what, const std::string& kernel) {
   if (result == CUDA_SUCCESS) return;
   const char* message = nullptr;
-  at::globalContext().getNVRTC().cuGetErrorString(result, &message);
+  driver_api().get_error_string(result, &message);
   TORCH_CHECK(false, label, ": the CUDA driver's ", what, " of Triton kernel ", kernel, " failed: ",
               message ? message : "unknown error");
 }
@@ -42,7 +80,7 @@ void check_driver(CUresult result, const std::string& label, const char* what, c
 // would set up on its first call. cudaSetDevice makes the primary context current (CUDA 12 and later).
 void ensure_context(c10::DeviceIndex device, const std::string& label) {
   CUcontext current = nullptr;
-  if (at::globalContext().getNVRTC().cuCtxGetCurrent(&current) == CUDA_SUCCESS && current) return;
+  if (driver_api().ctx_get_current(&current) == CUDA_SUCCESS && current) return;
   TORCH_CHECK(cudaSetDevice(device) == cudaSuccess, label, ": the CUDA runtime could not make device ",
               text(static_cast<int64_t>(device)), " current");
 }
@@ -93,8 +131,8 @@ class Cubin final : public Executable {
   }
 
   ~Cubin() override {
-    const auto& driver = at::globalContext().getNVRTC();
-    for (CUmodule module : modules_) driver.cuModuleUnload(module);  // (an error at exit is nothing to report)
+    const auto& driver = driver_api();
+    for (CUmodule module : modules_) driver.module_unload(module);  // (an error at exit is nothing to report)
   }
 
   const char* kind() const override { return "cubin"; }
@@ -115,7 +153,7 @@ class Cubin final : public Executable {
       auto views = carve(workspace, buffers_);
       for (const BufferSpec& buffer : buffers_) bases.push_back(static_cast<char*>(views.at(buffer.name).data_ptr()));
     }
-    const auto& driver = at::globalContext().getNVRTC();
+    const auto& driver = driver_api();
     CUstream stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
     std::vector<uint64_t> values;
     std::vector<void*> pointers;
@@ -141,7 +179,7 @@ class Cubin final : public Executable {
       pointers[launch.arguments.size()] = &values[launch.arguments.size()];
       pointers[launch.arguments.size() + 1] = &values[launch.arguments.size() + 1];
       if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;  // nothing to compute
-      check_driver(driver.cuLaunchKernel(function(i, x.device().index()), launch.grid[0], launch.grid[1],
+      check_driver(driver.launch_kernel(function(i, x.device().index()), launch.grid[0], launch.grid[1],
                                          launch.grid[2], launch.threads, 1, 1, launch.shared, stream, pointers.data(),
                                          nullptr),
                    geometry.label, "launch", launch.name);
@@ -190,23 +228,23 @@ class Cubin final : public Executable {
     auto& loaded = functions_[device];
     if (loaded.empty()) loaded.assign(launches_.size(), nullptr);
     if (loaded[i]) return loaded[i];
-    const auto& driver = at::globalContext().getNVRTC();
+    const auto& driver = driver_api();
     const Launch& launch = launches_[i];
     ensure_context(device, geometry.label);
     CUmodule module = nullptr;
-    check_driver(driver.cuModuleLoadData(&module, launch.binary.data()), geometry.label, "loading of the binary",
+    check_driver(driver.module_load_data(&module, launch.binary.data()), geometry.label, "loading of the binary",
                  launch.name);
     modules_.push_back(module);
     CUfunction f = nullptr;
-    check_driver(driver.cuModuleGetFunction(&f, module, launch.name.c_str()), geometry.label, "lookup",
+    check_driver(driver.module_get_function(&f, module, launch.name.c_str()), geometry.label, "lookup",
                  launch.name);
     if (launch.shared > 49152) {  // above the default: the kernel opts in, as Triton's loader does
       int optin = 0, fixed = 0;
       TORCH_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) == cudaSuccess,
                   geometry.label, ": the CUDA runtime's query of the device's shared memory failed");
-      check_driver(driver.cuFuncGetAttribute(&fixed, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f), geometry.label,
+      check_driver(driver.func_get_attribute(&fixed, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f), geometry.label,
                    "query of the static shared memory", launch.name);
-      check_driver(driver.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed),
+      check_driver(driver.func_set_attribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - fixed),
                    geometry.label, "shared memory opt-in", launch.name);
     }
     loaded[i] = f;
@@ -238,7 +276,7 @@ namespace convtune {
 
 ExecutablePtr make_cubin(Geometry g, int64_t, std::vector<BufferSpec>, std::vector<CubinLaunch>) {
   TORCH_CHECK_VALUE(false, g.label, ": this build of convtune's extension has no CUDA launcher (it is built where "
-                    "cuDNN's and NVRTC's headers are found); install them and rebuild (convtune native --rebuild)");
+                    "cuDNN's and CUDA's headers are found); install them and rebuild (convtune native --rebuild)");
 }
 
 }  // namespace convtune
