@@ -3,7 +3,9 @@
 On the CPU the kernels run in Triton's interpreter, which compiles nothing: these tests check what is recorded
 (every launch of a run, through ``launch``), how a recording is described (each run-time argument named by the
 operand it lies in, constants left out, refusals) and what the runtime hands the extension. The launches
-themselves run from C++ on the GPU (tests/gpu/test_gpu_native.py).
+themselves run from C++ on the GPU (tests/gpu/test_gpu_native.py). The tests that run kernels need a GPU or
+the interpreter set before Triton's kernels are defined (TRITON_INTERPRET=1 at start-up):
+tests/test_triton_interpreter.py runs this file so.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import types
 import pytest
 import torch
 
-from convtune.algorithms.registry import get_algorithm
+from convtune.algorithms.base import NoNativeRecipe
+from convtune.algorithms.native import Native
+from convtune.algorithms.registry import get_algorithm, register, unregister
 from convtune.problem import ConvProblem
 from convtune.pytorch import runtime
+from triton_cases import kernels
 
 recording = pytest.importorskip("convtune.kernels.recording")
 
@@ -66,8 +71,8 @@ def test_describe_refuses_what_the_cpp_launcher_cannot_repeat(case):
 @pytest.mark.parametrize("name,launches", [("triton:depthwise_fwd_p32c64w4", 1),
                                            ("triton:depthwise_bwd_filter_p64c64w4s8", 2),
                                            ("triton:grouped_bwd_filter_p32c64w4s1024", 2)])
-def test_every_launch_of_a_run_is_recorded(monkeypatch, name, launches):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@kernels
+def test_every_launch_of_a_run_is_recorded(name, launches):
     direction = name.split("_")[1] if "bwd" not in name else "_".join(name.split("_")[1:3])
     grouped = "grouped" in name
     p = ConvProblem(direction, n=1, c=8, k=8, input_size=(5, 5), kernel_size=3, padding=1,
@@ -82,8 +87,8 @@ def test_every_launch_of_a_run_is_recorded(monkeypatch, name, launches):
     assert all(kernel is not None and grid for kernel, _, grid, _, _ in records)
 
 
-def test_weights_laid_out_tap_by_tap_are_a_launch_into_a_declared_buffer(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@kernels
+def test_weights_laid_out_tap_by_tap_are_a_launch_into_a_declared_buffer():
     p = ConvProblem("fwd", n=1, c=8, k=16, input_size=(5, 5), kernel_size=3, padding=1, groups=8,
                     layout="channels_last")
     algo = get_algorithm("triton:depthwise_fwd_p64c32w4t")
@@ -94,3 +99,34 @@ def test_weights_laid_out_tap_by_tap_are_a_launch_into_a_declared_buffer(monkeyp
     assert [kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__ for kernel, *_ in records] == [
         "_lay_out_taps", "_forward"]
     torch.testing.assert_close(out, get_algorithm("triton:depthwise_fwd_p64c32w4").run(p, a, b))
+
+
+class _Refusing(Native):
+    """torch:native's computation under another name, whose recipe is refused as a Triton configuration's is."""
+
+    def __init__(self, name: str, transient: bool) -> None:
+        super().__init__()
+        self.name, self.transient, self.asked = name, transient, 0
+
+    def native_recipe(self, problem):
+        self.asked += 1
+        raise NoNativeRecipe("its launches are recorded outside a CUDA graph capture" if self.transient
+                             else "its launches cannot be repeated from C++: a tensor made in the run",
+                             transient=self.transient)
+
+
+@pytest.mark.parametrize("transient", [True, False])
+def test_a_refused_recipe_says_why_and_is_asked_again_only_where_the_refusal_may_pass(transient):
+    if not runtime.available():
+        pytest.skip("convtune's C++ extension is not built here")
+    algo = _Refusing(f"test:refusing_{'now' if transient else 'always'}", transient)
+    register(algo)
+    try:
+        p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3, padding=1)
+        for _ in range(2):
+            with pytest.raises(runtime.NotNative, match="runs on the Python path: its launches") as raised:
+                runtime.prepare(p, algo.name)
+            assert isinstance(raised.value, runtime.NotNativeNow) == transient
+        assert algo.asked == (2 if transient else 1)  # a lasting refusal is remembered, a passing one asked again
+    finally:
+        unregister(algo.name)

@@ -9,31 +9,38 @@ from pathlib import Path
 
 import pytest
 
+import test_cubin
 import test_triton_depthwise
 import test_triton_grouped
 from triton_cases import HAS_TRITON, RUNS_KERNELS
 
-FILES = (test_triton_depthwise, test_triton_grouped)
+FILES = (test_triton_depthwise, test_triton_grouped, test_cubin)
 
 
-# Each family's file in two halves (the channels_last cases, and the rest), all four processes at once: the
-# interpreter runs one thread, and the depthwise file alone took 5 min of a 2-core CPU's 7.
+# Each family's file in two halves (the channels_last cases, and the rest), all processes at once: the
+# interpreter runs one thread, and the depthwise file alone took 5 min of a 2-core CPU's 7. The recording's
+# tests (test_cubin.py) are few: one process.
 HALVES = ("channels_last", "not channels_last")
+RUNS = [(module, half) for module in FILES[:2] for half in HALVES] + [(test_cubin, None)]
 
 
 @pytest.mark.slow  # about 3.5 min on a 2-core CPU
 @pytest.mark.skipif(RUNS_KERNELS or not HAS_TRITON, reason="the kernels run in this process")
 def test_the_kernel_tests_pass_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    runs = [(module, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", half,
-                                       module.__file__], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, cwd=Path(__file__).resolve().parent.parent))
-            for module in FILES for half in HALVES]
-    passed = dict.fromkeys(FILES, 0)
+    runs = [(module, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                                       *(["-k", half] if half else []), module.__file__], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=Path(__file__).resolve().parent.parent))
+            for module, half in RUNS]
+    passed = dict.fromkeys(FILES[:2], 0)
     for module, run in runs:
         stdout, stderr = run.communicate()
         assert run.returncode == 0, stdout[-4000:] + stderr[-2000:]
         summary = stdout.strip().splitlines()[-1]
-        passed[module] += int(summary.split(" passed")[0].split()[-1])
+        if module is test_cubin:
+            assert "skipped" not in summary, summary  # every recording test ran
+        else:
+            passed[module] += int(summary.split(" passed")[0].split()[-1])
     for module, count in passed.items():
         assert count >= module.KERNEL_TESTS, (module.__name__, count)  # the kernel tests ran, none skipped

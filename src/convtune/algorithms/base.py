@@ -76,6 +76,15 @@ class NativeRecipe:
     options: tuple[tuple[str, Any], ...] = ()
 
 
+class NoNativeRecipe(Exception):
+    """An algorithm with native executables has none on a problem: the message says why. transient: it may
+    have one later (a CUDA graph was being captured, memory ran out), so the runtime asks again next time."""
+
+    def __init__(self, why: str, transient: bool = False) -> None:
+        super().__init__(why)
+        self.transient = transient
+
+
 def unsupported(reason: str) -> Support:
     return Support(False, reason)
 
@@ -195,7 +204,8 @@ class Algorithm(abc.ABC):
         return costmodel.generic_cost(problem, workspace_bytes)
 
     def native_recipe(self, problem: ConvProblem) -> NativeRecipe | None:
-        """How the C++ runtime runs this algorithm on ``problem``; None: it runs in Python only."""
+        """How the C++ runtime runs this algorithm on ``problem``; None: it runs in Python only. Raises
+        ``NoNativeRecipe`` where an algorithm that has native executables has none on ``problem`` (why in it)."""
         return None
 
     def is_deterministic(self, problem: ConvProblem) -> bool:

@@ -25,6 +25,7 @@ from .base import (
     Algorithm,
     Buffer,
     NativeRecipe,
+    NoNativeRecipe,
     Support,
     allocate_workspace,
     buffers_bytes,
@@ -108,28 +109,31 @@ class TritonAlgorithm(Algorithm):
         """On CUDA (not in Triton's interpreter): the launches of one run on random operands, recorded
         (``convtune.kernels.recording``), which the C++ runtime repeats with the same compiled kernels and the
         same arguments (the operands' shapes and strides are the problem's; only their addresses change). None
-        where the run makes a tensor between launches or launches what the C++ launcher does not, and where it
-        fails (Triton's compiler, memory; logged), or a CUDA graph is being captured."""
-        if problem.device != "cuda" or interpreting() or not self.supports(problem) or \
-                torch.cuda.is_current_stream_capturing():
+        elsewhere; ``NoNativeRecipe`` where the run makes a tensor between launches or launches what the C++
+        launcher does not, where it fails (Triton's compiler; logged), and, transient, while a CUDA graph is
+        being captured or where memory ran out."""
+        if problem.device != "cuda" or interpreting() or not self.supports(problem):
             return None
+        if torch.cuda.is_current_stream_capturing():
+            raise NoNativeRecipe("its launches are recorded outside a CUDA graph capture", transient=True)
         from ..kernels import recording
 
-        a, b = problem.random_inputs(seed=0)
-        out = problem.empty(problem.operand_shapes[2])
-        buffers = self.buffers(problem)
-        ws = carve(allocate_workspace(buffers_bytes(buffers), problem.device), buffers)
         try:
+            a, b = problem.random_inputs(seed=0)
+            out = problem.empty(problem.operand_shapes[2])
+            buffers = self.buffers(problem)
+            ws = carve(allocate_workspace(buffers_bytes(buffers), problem.device), buffers)
             with recording.recording() as records:
                 self._run(problem, a, b, out, ws)
             launches = recording.describe(records, {"a": a, "b": b, "out": out, **ws})
         except recording.NotRecordable as exc:
-            log.info("%s on %s runs on the Python path: %s", self.name, problem.key, exc)
-            return None
+            raise NoNativeRecipe(f"its launches cannot be repeated from C++: {exc}") from None
+        except torch.cuda.OutOfMemoryError as exc:
+            raise NoNativeRecipe(f"out of memory while its launches were recorded: {exc}", transient=True) from None
         except Exception as exc:  # noqa: BLE001  (Triton's compiler and resource errors are not RuntimeErrors)
             log.warning("%s on %s: its launches could not be recorded (%s: %s); it runs on the Python path",
                         self.name, problem.key, type(exc).__name__, exc)
-            return None
+            raise NoNativeRecipe(f"its launches could not be recorded ({type(exc).__name__}: {exc})") from None
         return NativeRecipe("cubin", (("launches", launches),))
 
     def _run(self, problem, a, b, out, ws) -> None:

@@ -204,5 +204,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "The callable (layer, x, w, need_dx, need_dw) -> (handles, tuned) or None that layers ask for a signature "
       "their table lacks (None: no tuner, PyTorch's call runs).");
   m.def("with_cudnn", &with_cudnn, "Whether this build has cuDNN plans.");
+  m.def("with_cubin", &with_cubin, "Whether this build launches Triton's compiled kernels (executable kind 'cubin').");
   m.def("set_poison", &set_poison, "Tests: results start as NaN (True) or uninitialised (False, the default).");
 }

@@ -34,7 +34,6 @@ struct Driver {
   decltype(&::cuGetErrorString) get_error_string = nullptr;
   decltype(&::cuCtxGetCurrent) ctx_get_current = nullptr;
   decltype(&::cuModuleLoadData) module_load_data = nullptr;
-  decltype(&::cuModuleUnload) module_unload = nullptr;
   decltype(&::cuModuleGetFunction) module_get_function = nullptr;
   decltype(&::cuFuncGetAttribute) func_get_attribute = nullptr;
   decltype(&::cuFuncSetAttribute) func_set_attribute = nullptr;
@@ -57,7 +56,6 @@ const Driver& driver_api() {
     resolve(library, d.get_error_string, "cuGetErrorString");
     resolve(library, d.ctx_get_current, "cuCtxGetCurrent");
     resolve(library, d.module_load_data, "cuModuleLoadData");
-    resolve(library, d.module_unload, "cuModuleUnload");
     resolve(library, d.module_get_function, "cuModuleGetFunction");
     resolve(library, d.func_get_attribute, "cuFuncGetAttribute");
     resolve(library, d.func_set_attribute, "cuFuncSetAttribute");
@@ -125,14 +123,12 @@ class Cubin final : public Executable {
       launches_.push_back(std::move(launch));
     }
     // Loaded now on the device it is made for, so that a binary the driver refuses fails here (the runtime then
-    // makes it again from its recipe, or the layer runs on the Python path), not on every call.
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
-    for (size_t i = 0; i < launches_.size(); ++i) function(i, static_cast<c10::DeviceIndex>(device_index));
-  }
-
-  ~Cubin() override {
-    const auto& driver = driver_api();
-    for (CUmodule module : modules_) driver.module_unload(module);  // (an error at exit is nothing to report)
+    // makes it again from its recipe, or the layer runs on the Python path), not on every call; kept for the
+    // calls there, which then take no lock. The modules stay loaded for the process's life, as Triton's own
+    // do (the registry keeps every executable; unloading at exit would race the driver's own teardown).
+    home_device_ = static_cast<c10::DeviceIndex>(device_index);
+    c10::cuda::CUDAGuard guard(home_device_);
+    for (size_t i = 0; i < launches_.size(); ++i) home_.push_back(function(i, home_device_));
   }
 
   const char* kind() const override { return "cubin"; }
@@ -154,7 +150,8 @@ class Cubin final : public Executable {
       for (const BufferSpec& buffer : buffers_) bases.push_back(static_cast<char*>(views.at(buffer.name).data_ptr()));
     }
     const auto& driver = driver_api();
-    CUstream stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    const c10::DeviceIndex device = x.device().index();
+    CUstream stream = c10::cuda::getCurrentCUDAStream(device).stream();
     std::vector<uint64_t> values;
     std::vector<void*> pointers;
     for (size_t i = 0; i < launches_.size(); ++i) {
@@ -179,7 +176,8 @@ class Cubin final : public Executable {
       pointers[launch.arguments.size()] = &values[launch.arguments.size()];
       pointers[launch.arguments.size() + 1] = &values[launch.arguments.size() + 1];
       if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;  // nothing to compute
-      check_driver(driver.launch_kernel(function(i, x.device().index()), launch.grid[0], launch.grid[1],
+      CUfunction f = device == home_device_ ? home_[i] : function(i, device);
+      check_driver(driver.launch_kernel(f, launch.grid[0], launch.grid[1],
                                          launch.grid[2], launch.threads, 1, 1, launch.shared, stream, pointers.data(),
                                          nullptr),
                    geometry.label, "launch", launch.name);
@@ -230,11 +228,16 @@ class Cubin final : public Executable {
     if (loaded[i]) return loaded[i];
     const auto& driver = driver_api();
     const Launch& launch = launches_[i];
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    TORCH_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device).stream(), &capturing) == cudaSuccess &&
+                    capturing == cudaStreamCaptureStatusNone,
+                geometry.label, ": Triton kernel ", launch.name, " is first run on device ", text(int64_t{device}),
+                " inside a CUDA graph capture, where the driver cannot load it; run the layer once there before "
+                "capturing");
     ensure_context(device, geometry.label);
     CUmodule module = nullptr;
     check_driver(driver.module_load_data(&module, launch.binary.data()), geometry.label, "loading of the binary",
                  launch.name);
-    modules_.push_back(module);
     CUfunction f = nullptr;
     check_driver(driver.module_get_function(&f, module, launch.name.c_str()), geometry.label, "lookup",
                  launch.name);
@@ -254,12 +257,15 @@ class Cubin final : public Executable {
   std::vector<BufferSpec> buffers_;
   int64_t workspace_bytes_;
   std::vector<Launch> launches_;
-  mutable std::mutex mutex_;  // guards functions_ and modules_
-  mutable std::unordered_map<c10::DeviceIndex, std::vector<CUfunction>> functions_;
-  mutable std::vector<CUmodule> modules_;  // unloaded with the executable
+  c10::DeviceIndex home_device_ = 0;  // the device the executable is made for
+  std::vector<CUfunction> home_;  // its kernels there (set in the constructor, read without a lock)
+  mutable std::mutex mutex_;  // guards functions_
+  mutable std::unordered_map<c10::DeviceIndex, std::vector<CUfunction>> functions_;  // every device's, loaded there
 };
 
 }  // namespace
+
+bool with_cubin() { return true; }
 
 ExecutablePtr make_cubin(Geometry g, int64_t device_index, std::vector<BufferSpec> buffers,
                          std::vector<CubinLaunch> launches) {
@@ -273,6 +279,8 @@ ExecutablePtr make_cubin(Geometry g, int64_t device_index, std::vector<BufferSpe
 #else  // CONVTUNE_WITH_CUBIN
 
 namespace convtune {
+
+bool with_cubin() { return false; }
 
 ExecutablePtr make_cubin(Geometry g, int64_t, std::vector<BufferSpec>, std::vector<CubinLaunch>) {
   TORCH_CHECK_VALUE(false, g.label, ": this build of convtune's extension has no CUDA launcher (it is built where "

@@ -121,6 +121,7 @@ struct CudnnSpec {
   std::string tag;  // the plan's name as the cuDNN frontend gives it: its engine and knob choices
 };
 bool with_cudnn();
+bool with_cubin();  // whether this build launches Triton's kernels (cubin.cpp)
 // ``serialized`` (from CudnnPlan::serialized, same cuDNN and GPU) rebuilds the plan without heuristics;
 // empty: the plan is found among cuDNN's heuristics by its tag.
 ExecutablePtr make_cudnn(Geometry g, CudnnSpec spec, const std::string& serialized);

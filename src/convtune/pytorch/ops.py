@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ from convtune.algorithms.registry import generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout, is_in_layout, to_layout
 from convtune.pytorch import runtime, workspace
 from convtune.settings import settings
+
+log = logging.getLogger(__name__)
 
 LABEL_PREFIX, LABEL_SEP = "convtune:", " by "  # profiler ranges: 'convtune:<problem key> by <algorithm>'
 
@@ -153,21 +156,36 @@ class NativeRunner:
     path (one of its directions runs a Python algorithm) runs its other directions at the C++ op's host
     cost, from the executable a warm start loaded, with no workspace of the Python path's.
 
-    The executable is made for each CUDA device the operands come on (the first for the current one).
+    The executable is made for each CUDA device the operands come on (the first for the current one); on a
+    device where it cannot be made (logged), the Python path runs the algorithm there.
     """
 
-    __slots__ = ("problem", "name", "generation", "_handles")
+    __slots__ = ("problem", "name", "generation", "_handles", "_python")
 
     def __init__(self, key: str, algorithm: str, handle: int) -> None:
         self.generation = generation()
         self.problem, self.name = problem_of(key), algorithm
         self._handles = {torch.cuda.current_device() if self.problem.device == "cuda" else -1: handle}
+        self._python: Runner | None = None
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         index = a.get_device()  # -1 on the CPU
         handle = self._handles.get(index)
         if handle is None:
-            handle = self._handles[index] = runtime.prepare(self.problem, self.name, device=a.device)[0]
+            try:
+                handle = runtime.prepare(self.problem, self.name, device=a.device)[0]
+            except runtime.NotNativeNow:  # (during a CUDA graph capture, say): asked again next call
+                handle = 0
+            except (runtime.NotNative, RuntimeError, ValueError) as exc:
+                log.warning("%s on %s has no native executable on %s (%s); the Python path runs it there",
+                            self.name, self.problem.key, a.device, exc)
+                handle = self._handles[index] = 0
+            else:
+                self._handles[index] = handle
+        if not handle:
+            if self._python is None:
+                self._python = Runner(self.problem.key, self.name)
+            return self._python(a, b)
         return torch.ops.convtune.tuned_run.default(a, b, handle)
 
 

@@ -22,6 +22,7 @@ what each path costs the host over PyTorch's own call (the host-cost rule, ``tun
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import logging
@@ -35,7 +36,7 @@ from typing import Any, cast
 import torch
 
 from convtune import extension
-from convtune.algorithms.base import Algorithm
+from convtune.algorithms.base import Algorithm, NoNativeRecipe
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
 from convtune.settings import settings
@@ -47,6 +48,11 @@ DIRECTION_INDEX = {"fwd": 0, "bwd_data": 1, "bwd_filter": 2}
 
 class NotNative(Exception):
     """The algorithm (or this build) has no native executable for the problem; the message says why."""
+
+
+class NotNativeNow(NotNative):
+    """No native executable now, maybe later (a CUDA graph was being captured, memory ran out): asked again on
+    the next call, not remembered as a refusal."""
 
 
 def available() -> bool:
@@ -110,9 +116,10 @@ def _add(module: Any, problem: ConvProblem, name: str, kind: str, options: dict[
                          [list(s) for s in options["strides"]], list(options["stride"]), list(options["padding"]),
                          list(options["dilation"]), options["tag"], serialized)
     elif kind == "cubin":
-        if not module.with_cudnn():
-            raise NotNative(f"{name}: this build of the extension has no CUDA launcher (it is built with cuDNN's "
-                            f"headers); set CONVTUNE_CUDNN_HOME and run `convtune native --rebuild`")
+        if not module.with_cubin():
+            raise NotNative(f"{name}: this build of the extension has no launcher of Triton's kernels (it is built "
+                            f"where CUDA's and cuDNN's headers are found); set CUDA_HOME and CONVTUNE_CUDNN_HOME and "
+                            f"run `convtune native --rebuild`")
         module.add_cubin(handle, description, geometry, index, options["buffers"], _cubin_launches(options))
     else:
         raise NotNative(f"{name}: no native executable of kind {kind!r} in this version")
@@ -145,7 +152,11 @@ def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device 
 def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, Any]]:
     """(kind, options): everything ``_add`` needs to make ``algorithm``'s executable on ``problem``, in JSON
     types (the database keeps it, so a warm start makes the executable without the algorithm)."""
-    recipe = algorithm.native_recipe(problem)
+    try:
+        recipe = algorithm.native_recipe(problem)
+    except NoNativeRecipe as exc:
+        raise (NotNativeNow if exc.transient else NotNative)(f"{algorithm.name} runs on the Python path: {exc}") \
+            from None
     if recipe is None:
         raise NotNative(f"{algorithm.name} runs in Python only (it has no native executable)")
     options = dict(recipe.options)
@@ -181,6 +192,8 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
         raise refused.with_traceback(None)
     try:
         known = _make(module, problem, name, db, device, index)
+    except NotNativeNow:
+        raise
     except (NotNative, KeyError) as exc:  # no executable in this build, or no such algorithm: so it stays
         with _prepared_lock:
             _refused[key] = exc
@@ -201,7 +214,8 @@ def _make(module: Any, problem: ConvProblem, name: str, db: Any, device: torch.d
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another cuDNN or GPU: rebuild below
             log.info("the stored executable of %s by %s does not load here (%s); rebuilding it", problem.key, name, exc)
     if handle is None:
-        kind, options = _recipe(problem, get_algorithm(name, problem))
+        with torch.cuda.device(index) if problem.device == "cuda" else contextlib.nullcontext():  # Triton records there
+            kind, options = _recipe(problem, get_algorithm(name, problem))
         handle = _add(module, problem, name, kind, options, index)
         if db is not None:  # with the serialized form where there is one (a cuDNN execution plan)
             try:
@@ -336,7 +350,10 @@ def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
         for direction in DIRECTION_INDEX:
             q = p.with_direction(direction)
             for algo in algorithms(q):
-                recipe = algo.native_recipe(q)
+                try:
+                    recipe = algo.native_recipe(q)
+                except NoNativeRecipe:
+                    continue
                 if recipe is None or direction in kinds.get(recipe.kind, {}):
                     continue
                 try:
@@ -386,7 +403,7 @@ def _kind_of(algorithm: Algorithm, problem: ConvProblem) -> str:
     """The executable kind that runs ``algorithm`` on ``problem`` here, '' where none builds."""
     try:
         return prepare(problem, algorithm.name)[1]
-    except (NotNative, KeyError, RuntimeError):
+    except (NotNative, KeyError, RuntimeError, ValueError):
         return ""
 
 
