@@ -61,11 +61,12 @@ def host_cost() -> str:
     data = _load("tuning_cost_native.json")
     # "<path>: <what> / nn.Conv2d's" rows: the path and what was timed (forward, forward+backward, ...)
     rows = [[f"{name.split(': ')[0]} ({name.split(': ', 1)[1].split(' / ')[0]})", f"{value:.2f}"]
-            for name, value in data["host_us"] if " / " in name and "executables" in name]
+            for name, value in data["host_us"] if " / " in name and ("executables" in name or "Triton module" in name)]
     return (f"## One layer's host cost ([`tuning_cost_native.md`]({LINK}tuning_cost_native.md), "
-            f"`bench/tuning_cost.py`)\n\n{_env(data['environment'])}. A 1x1 8->8 convolution on 4x4, "
-            f"{data['config']['dtype']}, channels_last; module against `nn.Conv2d` timed in alternation, median "
-            "of the rounds' ratios.\n\n"
+            f"`bench/tuning_cost.py`)\n\n{_env(data['environment'])}. A 1x1 8->8 convolution on 4x4 (the Triton "
+            f"module's rows: a depthwise 3x3 one of that size), {data['config']['dtype']}, channels_last; module "
+            "against `nn.Conv2d` timed in alternation, median of the rounds' ratios; runtime native: the layer's C++ "
+            "op, python: the Python path.\n\n"
             + common.md_table(["path", "ratio to nn.Conv2d"], rows))
 
 
