@@ -835,3 +835,17 @@ def test_salvage_reads_the_rows_below_a_damaged_header_and_brings_back_nothing_d
     with TuningDB(path) as tdb:
         assert tdb.lookup(problem(29)) is not None and tdb.lookup(problem(30)) is not None
         assert [n for n in range(1, 29) if tdb.lookup(problem(n)) is not None] == []
+
+
+def test_a_change_of_convtunes_kernels_is_a_change_of_software(tmp_path, monkeypatch):
+    # Results and compiled binaries of the kernels before a change are not reused after it.
+    (tmp_path / "depthwise.py").write_text("BLOCK = 32\n")
+    monkeypatch.setattr(hardware, "KERNELS", tmp_path)
+    hardware.kernels_digest.cache_clear()
+    try:
+        before = hardware.kernels_digest()
+        (tmp_path / "depthwise.py").write_text("BLOCK = 64\n")
+        hardware.kernels_digest.cache_clear()
+        assert hardware.kernels_digest() != before
+    finally:
+        hardware.kernels_digest.cache_clear()

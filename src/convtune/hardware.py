@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import platform
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-# convtune's own kernels change their numbers when their code changes: bump on every such change.
-KERNEL_VERSION = 2
+KERNELS = Path(__file__).resolve().parent / "kernels"  # convtune's own kernels: their code's digest versions them
 
 # Peak dense throughput (FLOP/s by dtype) and memory bandwidth (bytes/s) of known GPUs, by name
 # fragment. H200 figures measured on the device (BENCHMARKING.md): bf16 GEMM ~790 TFLOP/s, copy 4.3 TB/s.
@@ -63,11 +64,23 @@ def fingerprint(device: str) -> str:
 
 
 @functools.cache
+def kernels_digest() -> str:
+    """Eight hex digits of a digest of convtune's own kernels' sources: a change of their code (which can change
+    their numbers, their times and their compiled binaries, which the tuning database keeps for the C++ runtime)
+    is a change of software, so nothing measured or compiled before it is reused after it."""
+    digest = hashlib.blake2b(digest_size=4)
+    for path in sorted(KERNELS.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
 def software_versions() -> str:
     """Versions of everything whose change can change a measurement."""
     from . import __version__
 
-    parts = [f"torch{torch.__version__}", f"convtune{__version__}", f"kernels{KERNEL_VERSION}"]
+    parts = [f"torch{torch.__version__}", f"convtune{__version__}", f"kernels{kernels_digest()}"]
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if cudnn:
         parts.append(f"cudnn{cudnn}")
