@@ -144,7 +144,7 @@ def test_cli_tune_applies_the_workspace_budget(capsys, network):
     code, out, _ = run(capsys, "tune", path, "--batch", 2, "--device", "cpu", "--db", db_path,
                        "--workspace-budget", "64KiB", "--budget-mode", "divided")
     text = " ".join(out.split())  # the caption may wrap
-    assert code == 0 and "planned for a divided workspace budget of 64.0 KiB: 7 ms, workspace 40.0 KiB" in text
+    assert code == 0 and "planned for a divided workspace budget of 64.0 KiB: 7.000 ms, workspace 40.0 KiB" in text
     assert "x:fast" in text  # 2 x 4 KiB for L00 leave room for L01's fastest
 
 
