@@ -218,6 +218,7 @@ def run_config(cfg: dict) -> dict:
             with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady: none)
                 out[workload] = timer(step)
             out[workload]["full_path_calls"] = full.calls
+            out[workload]["python_path_calls"] = full.python_calls
         else:
             out[workload] = timer(step)
         out[workload]["cpu_per_wall"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
@@ -257,18 +258,24 @@ def _os_threads() -> list[str] | None:
 
 
 class FullPathCalls:
-    """Counts the calls that take a tuned layer's full path (selection, checks) instead of its hot path."""
+    """Counts the calls that take a tuned layer's full path (selection, checks) instead of its hot path. A layer
+    that has no hot path for its input after the call (one of its directions runs a Python algorithm: explain's
+    runtime 'python') takes its full path by design: its calls are counted apart (``python_calls``)."""
 
     def __init__(self) -> None:
-        self.calls = 0
+        self.calls = self.python_calls = 0
         self._original = TunedConv._convtune_forward
 
     def __enter__(self) -> FullPathCalls:
         original = self._original
 
         def counted(module, input):
-            self.calls += 1
-            return original(module, input)
+            out = original(module, input)
+            if module._convtune_fast.get(input.shape) is None:
+                self.python_calls += 1
+            else:
+                self.calls += 1
+            return out
 
         TunedConv._convtune_forward = counted
         return self
@@ -425,7 +432,7 @@ def combine(runs: list[dict]) -> dict:
                                  process_ms=[m["ms"] for m in measured])
             # each process's count of calls off the hot path, CPU over wall time and threads (a row of one process
             # keeps them under their own names)
-            for key in ("full_path_calls", "cpu_per_wall", "threads", "os_threads"):
+            for key in ("full_path_calls", "python_path_calls", "cpu_per_wall", "threads", "os_threads"):
                 if any(key in m for m in measured):
                     row[workload][key] = [m.get(key) for m in measured]
     if any("db" in r for r in ok):  # each process's database (the row's own "db" is the first's: cold)
