@@ -363,7 +363,8 @@ def compiled_rows(p, x) -> list[tuple[str, float]]:
 def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     """A depthwise 3x3 layer (64 channels on 4x4) on convtune's Triton kernels, layer by layer of the Python path:
     the kernel's launch with its arguments made beforehand (Triton's launcher alone), the kernels module's call,
-    the algorithm's ``execute``, the op path's ``ops.compute``; and the module forward (float16 weights, and float32
+    the algorithm's ``execute``, the op path's ``ops.compute`` (its runner: the kernels launched from C++ where
+    the native runtime makes them, else the Python ``Runner``); and the module forward (float16 weights, and float32
     ones under autocast, as a network runs) and forward+backward against nn.Conv2d timed in alternation, with the
     kernels launched from C++ (runtime native, on CUDA) and on the Python path (runtime python)."""
     from convtune.kernels import depthwise

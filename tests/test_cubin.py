@@ -19,8 +19,10 @@ from convtune.algorithms.base import NoNativeRecipe
 from convtune.algorithms.native import Native
 from convtune.algorithms.registry import get_algorithm, register, unregister
 from convtune.problem import ConvProblem
-from convtune.pytorch import runtime
+from convtune.pytorch import ops, runtime
 from triton_cases import kernels
+
+KERNELS_SKIP = kernels.kwargs["reason"]  # a kernel test's skip: test_triton_interpreter.py checks it is absent there
 
 recording = pytest.importorskip("convtune.kernels.recording")
 
@@ -130,3 +132,31 @@ def test_a_refused_recipe_says_why_and_is_asked_again_only_where_the_refusal_may
         assert algo.asked == (2 if transient else 1)  # a lasting refusal is remembered, a passing one asked again
     finally:
         unregister(algo.name)
+
+
+def test_the_op_paths_runner_asks_again_after_a_passing_refusal_and_runs_the_python_path_meanwhile():
+    if not runtime.available():
+        pytest.skip("convtune's C++ extension is not built here")
+    algo = _Refusing("test:refusing_for_now", transient=True)
+    register(algo)
+    try:
+        p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3, padding=1)
+        a, b = p.random_inputs()
+        run = ops.runner(p.key, algo.name)
+        asked = algo.asked
+        for _ in range(2):
+            torch.testing.assert_close(run(a, b), torch.nn.functional.conv2d(a, b, padding=1))
+        assert isinstance(run, ops.NativeRunner) and algo.asked == asked + 2  # asked on every call
+    finally:
+        unregister(algo.name)
+
+
+def test_a_value_none_of_the_choices_names_the_argument_and_the_choices():
+    import numpy as np
+
+    from convtune.errors import check_one_of
+
+    check_one_of("mode", "find", ("find", "get"))
+    for value in ("fastest", ["find"], np.array(["find", "get"]), 1):
+        with pytest.raises(ValueError, match=r"select\(\): mode=.* is not supported; use one of \['find', 'get'\]"):
+            check_one_of("mode", value, ("find", "get"), "select()")

@@ -12,20 +12,22 @@ from typing import Any
 CANDIDATE_FAULTS: tuple[type[BaseException], ...] = (Exception, SystemExit)
 
 
-def not_one_of(name: str, value: Any, choices: Iterable[Any]) -> ValueError:
-    """The error for argument ``name`` given ``value``, none of ``choices``: it names the values accepted."""
-    return ValueError(f"{name}={value!r} is not supported; use one of {list(choices)}")
+def not_one_of(name: str, value: Any, choices: Iterable[Any], where: str = "") -> ValueError:
+    """The error for argument ``name`` (of the call ``where``, e.g. 'select()') given ``value``, none of
+    ``choices``: it names the values accepted."""
+    return ValueError(f"{where + ': ' if where else ''}{name}={value!r} is not supported; use one of {list(choices)}")
 
 
-def check_one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
-    """Raises ``not_one_of`` where ``value`` is not one of ``choices`` (an unhashable value is none of them)."""
+def check_one_of(name: str, value: Any, choices: Iterable[Any], where: str = "") -> None:
+    """Raises ``not_one_of`` where ``value`` is not one of ``choices`` (a value that cannot be compared with them,
+    an unhashable one or an array, is none of them)."""
     choices = list(choices)
     try:
-        ok = value in choices
-    except TypeError:
+        ok = any(value is c or (isinstance(value, type(c)) and value == c) for c in choices)
+    except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise not_one_of(name, value, choices)
+        raise not_one_of(name, value, choices, where)
 
 
 class ConvtuneError(Exception):

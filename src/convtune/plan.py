@@ -210,7 +210,7 @@ def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any) -> tupl
     for p in problems:
         if not isinstance(p, ConvProblem):
             raise TypeError(f"plan() takes ConvProblems, got a {type(p).__name__} in problems")
-    check_one_of("mode", mode, BUDGET_MODES)
+    check_one_of("mode", mode, BUDGET_MODES, "plan()")
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"plan(policy=...) takes a convtune.Policy or None, got {type(policy).__name__}")
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "plan(workspace_budget=...)")

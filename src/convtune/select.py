@@ -46,7 +46,7 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
         >>> select(p, Policy(deterministic=True), mode="find").status.value
         'ok'
     """
-    check_one_of("mode", mode, SELECTION_MODES)
+    check_one_of("mode", mode, SELECTION_MODES, "select()")
     if not isinstance(problem, ConvProblem):
         raise TypeError(f"select() takes a ConvProblem, got {type(problem).__name__}")
     policy = DEFAULT_POLICY if policy is None else policy

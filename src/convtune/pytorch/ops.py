@@ -165,7 +165,9 @@ class NativeRunner:
     def __init__(self, key: str, algorithm: str, handle: int) -> None:
         self.generation = generation()
         self.problem, self.name = problem_of(key), algorithm
-        self._handles = {torch.cuda.current_device() if self.problem.device == "cuda" else -1: handle}
+        # handle 0: none yet on the current device either (refused for now: ``runtime.NotNativeNow``)
+        self._handles = {torch.cuda.current_device() if self.problem.device == "cuda" else -1: handle} if handle \
+            else {}
         self._python: Runner | None = None
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -176,7 +178,7 @@ class NativeRunner:
                 handle = runtime.prepare(self.problem, self.name, device=a.device)[0]
             except runtime.NotNativeNow:  # (during a CUDA graph capture, say): asked again next call
                 handle = 0
-            except (runtime.NotNative, RuntimeError, ValueError) as exc:
+            except runtime.REFUSALS as exc:
                 log.warning("%s on %s has no native executable on %s (%s); the Python path runs it there",
                             self.name, self.problem.key, a.device, exc)
                 handle = self._handles[index] = 0
@@ -198,19 +200,27 @@ def native_handle(key: str, algorithm: str) -> int:
 def native_or_why(problem: ConvProblem, algorithm: str, db: Any = None) -> tuple[int, str]:
     """(handle, '') of ``algorithm``'s native executable on ``problem`` (made from ``db``'s stored form where
     there is one: ``runtime.prepare``), or (0, why the Python path runs it): the native runtime is off or
-    not built, the algorithm is one of convtune's Python ones, or cuDNN refuses the execution plan here."""
+    not built, the algorithm is one of convtune's Python ones, cuDNN refuses the execution plan here, or a
+    Triton configuration's launches cannot be recorded (``runtime.NotNativeNow``: for now)."""
     if not settings.native:
         return 0, "the native runtime is off (CONVTUNE_NATIVE=0)"
     try:
         return runtime.prepare(problem, algorithm, db)[0], ""
-    except (runtime.NotNative, KeyError, RuntimeError, ValueError) as exc:
+    except runtime.REFUSALS as exc:
         return 0, str(exc)
 
 
 @functools.lru_cache(maxsize=4096)
 def _runner(key: str, algorithm: str, generation: int, native: bool) -> Runner | NativeRunner:
-    handle = native_handle(key, algorithm) if native else 0
-    return NativeRunner(key, algorithm, handle) if handle else Runner(key, algorithm)
+    if not native:
+        return Runner(key, algorithm)
+    try:
+        handle = runtime.prepare(problem_of(key), algorithm)[0]
+    except runtime.NotNativeNow:  # refused for now: the runner asks again on each call, the Python path meanwhile
+        return NativeRunner(key, algorithm, 0)
+    except runtime.REFUSALS:
+        return Runner(key, algorithm)
+    return NativeRunner(key, algorithm, handle)
 
 
 def runner(key: str, algorithm: str) -> Runner | NativeRunner:

@@ -51,8 +51,15 @@ class NotNative(Exception):
 
 
 class NotNativeNow(NotNative):
-    """No native executable now, maybe later (a CUDA graph was being captured, memory ran out): asked again on
-    the next call, not remembered as a refusal."""
+    """No native executable now, maybe later (a CUDA graph was being captured, memory ran out): ``prepare``
+    does not remember it, and the op path's runners ask again on their next call (a layer selected meanwhile
+    runs on the Python path, its directions through those runners, until it is selected again)."""
+
+
+# What making an executable may raise that means "not here": no executable in this build or for this algorithm
+# (NotNative), no such algorithm registered (KeyError), cuDNN or the CUDA driver refusing it (RuntimeError), a
+# recipe this build cannot make (ValueError). The callers that fall back to the Python path catch these.
+REFUSALS: tuple[type[Exception], ...] = (NotNative, KeyError, RuntimeError, ValueError)
 
 
 def available() -> bool:
@@ -178,8 +185,10 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     Made once per process: from the form ``db`` stored for it on this machine and software (a warm
     start: neither the algorithm, nor the registry that holds it, nor cuDNN's heuristics are
     consulted), else from the algorithm's recipe, which is then stored in ``db`` with the serialized
-    form where there is one (a cuDNN execution plan). Raises
-    ``NotNative``, ``KeyError`` (``name`` is not registered here) or ``RuntimeError`` (cuDNN refused).
+    form where there is one (a cuDNN execution plan). Raises one of ``REFUSALS``: ``NotNative`` (its
+    subclass ``NotNativeNow`` where the refusal may pass, which is not remembered), ``KeyError`` (``name`` is not
+    registered here), ``RuntimeError`` (cuDNN refused the plan, or the CUDA driver a Triton kernel's binary),
+    ``ValueError`` (a recipe this build cannot make).
     """
     module = _extension()
     index = _device_index(problem, device)
@@ -271,7 +280,8 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     Each path is measured as a layer pays it, a layer against ``torch.nn.Conv2d``: its forward without
     autograd, and, under '<kind> backward', each gradient's half of what its backward adds (a layer that
     computes one gradient pays about that half). Keys: the executable kinds this build and device have
-    ('gemm_1x1', 'gemm_1x1_strided', 'cudnn'; 'native', PyTorch's convolution through the op, which a layer
+    ('gemm_1x1', 'gemm_1x1_strided', 'cudnn', on CUDA 'cubin' (convtune's Triton kernels launched from C++,
+    on a depthwise layer); 'native', PyTorch's convolution through the op, which a layer
     only runs beside other kinds: the op's forward against ``torch.nn.functional.conv2d``); the Python path
     ('python': its modules, autograd Function and runners, without what one algorithm adds: a Python
     algorithm's own host time is in the time ``find`` measures on the CPU, and on a GPU the kernels' time
@@ -403,7 +413,7 @@ def _kind_of(algorithm: Algorithm, problem: ConvProblem) -> str:
     """The executable kind that runs ``algorithm`` on ``problem`` here, '' where none builds."""
     try:
         return prepare(problem, algorithm.name)[1]
-    except (NotNative, KeyError, RuntimeError, ValueError):
+    except REFUSALS:
         return ""
 
 
