@@ -307,6 +307,27 @@ class Memoising(Fake):
             out.copy_(self.first)
 
 
+class HandsOver(Fake):
+    """Hands over a result of its own from ``execute`` (as torch:native hands over PyTorch's), which ``run``
+    copies into its output at ``copy_ms`` more; from run number ``wrong_after`` on, that result is garbage."""
+
+    def __init__(self, name: str = "fake:handsover", copy_ms: float = 5.0, wrong_after: int | None = None,
+                 **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.copy_ms, self.wrong_after = copy_ms, wrong_after
+
+    def execute(self, problem, a, b, out, ws):
+        self.runs += 1
+        CLOCK.advance(self.time_ms)
+        result = native_conv(problem, a, b)
+        return result.fill_(1.0) if self.wrong_after is not None and self.runs >= self.wrong_after else result
+
+    def _run(self, problem, a, b, out, ws) -> None:
+        result = self.execute(problem, a, b, out, ws)
+        CLOCK.advance(self.copy_ms)
+        out.copy_(result)
+
+
 def slack_bytes(problem, workspace_bytes: int = 0) -> int:
     """What an algorithm may allocate beyond its declared workspace while it runs ``problem`` on the CPU or
     GPU without that being hidden workspace: 64 KiB or 2% of the result, and on the CPU in half precision

@@ -317,3 +317,16 @@ def test_layer_host_times_every_convolution_of_a_network_against_pytorch(tmp_pat
         assert row["torch_host_us"] > 0 and row["convtune_host_us"] > 0 and row["torch_gpu_us"] is None
     text = (tmp_path / "lh.md").read_text()
     assert all(f"| {row['layer']} |" in text for row in payload["rows"])
+
+
+def test_native_copy_times_torch_native_both_ways_on_each_layer(tmp_path):
+    env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
+    out = subprocess.run([sys.executable, str(BENCH / "native_copy.py"), "--device", "cpu", "--network", "resnet18",
+                          "--batch", "1", "--dtype", "float32", "--layers", "2", "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "native_copy_cpu.json").read_text())
+    assert [r["layer"] for r in payload["rows"]] == ["L00", "L01"]
+    for row in payload["rows"]:
+        assert row["run_ms"] > 0 and row["launcher_ms"] > 0 and row["ratio"] == row["run_ms"] / row["launcher_ms"]
+    assert "revision" in (tmp_path / "native_copy_cpu.md").read_text()

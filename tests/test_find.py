@@ -13,7 +13,8 @@ from convtune.find import is_out_of_memory, summary
 from convtune.ranking import best, rank
 from convtune.settings import settings
 from convtune.verify import check, errors, judge, reference_case, tolerance
-from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, InputWriter, Memoising, NaNResult, NoWrite,
+from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, HandsOver, InputWriter, Memoising,
+                   NaNResult, NoWrite,
                    OneWrongElement,
                    OutOfMemory, PoisonSniffer, Raising, UniformSniffer, UnknownDeterminism, WrongResult)
 
@@ -51,6 +52,22 @@ def test_every_failure_is_a_status_and_the_search_goes_on(fake, status, text):
     assert text in results[fake.name].message
     assert results["fake:good"].status is Status.OK
     assert find(P, timer=FakeTimer(), candidates=[fake, good])[0].algorithm == "fake:good"
+
+
+def test_an_algorithm_is_timed_as_a_tuned_layer_runs_it_without_run_s_copy_into_the_output():
+    # torch:native hands PyTorch's result over (a tuned layer takes it as it is): run's copy is no part of its time.
+    results = by_name(find(P, timer=FakeTimer(), candidates=[HandsOver(time_ms=1.0, copy_ms=5.0),
+                                                              Fake("fake:other", time_ms=2.0)]))
+    assert results["fake:handsover"].status is Status.OK
+    assert results["fake:handsover"].time_ms == pytest.approx(1.0)
+
+
+def test_a_handed_over_result_that_goes_wrong_on_the_timed_calls_is_wrong():
+    # Two checked runs (two input sets), then the timed calls: their last result is what is checked.
+    results = by_name(find(P, timer=FakeTimer(), candidates=[HandsOver(time_ms=1.0, wrong_after=3),
+                                                              Fake("fake:other", time_ms=2.0)]))
+    assert results["fake:handsover"].status is Status.WRONG_RESULT
+    assert results["fake:other"].status is Status.OK
 
 
 def test_wrong_and_nan_never_selected_even_when_fastest():

@@ -310,6 +310,15 @@ class Algorithm(abc.ABC):
         self._run(problem, a, b, out, ws)
         return out
 
+    def launcher(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                 workspace: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """A call that runs ``problem`` on these operands as a tuned layer does (``execute``, the workspace
+        carved once), returning the result: ``out``, or the library's own tensor where the algorithm hands
+        that over (torch:native). What ``find`` times, so a measurement holds no copy and no per-call
+        check that the layer does not make; the operands must have passed ``run``'s checks before."""
+        ws = carve(workspace, self.buffers(problem))
+        return lambda: self.execute(problem, a, b, out, ws)
+
 
 def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, ...], layout: bool = True) -> None:
     """Raise ``ValueError``/``TypeError`` naming ``name`` unless ``t`` fits the problem (its strides too: dense in
