@@ -6,7 +6,8 @@ and needs Chromium (`apt-get install -y chromium`). Look at the screenshot after
     python bench/check_report.py                      # resnet18's first 8 layers, batch 2, 128 KiB shared
     python bench/check_report.py --network vgg16 --layers 6 --workspace-budget 16MiB --budget-mode divided
 
-Writes bench/results/report_example.html (+ its PNGs beside it) and bench/results/report_screenshot.png.
+Writes bench/results/report_example.html (+ its PNGs beside it), with a line that names the revision that wrote
+it, and bench/results/report_screenshot.png (--no-screenshot: none, where no Chromium is installed).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS
+from common import RESULTS, revision
 
 from convtune.cli import main as convtune
 
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--db", default=None, help="tuning database (default: a fresh temporary one)")
     parser.add_argument("--out", default=str(RESULTS / "report_example.html"))
     parser.add_argument("--screenshot", default=str(RESULTS / "report_screenshot.png"))
+    parser.add_argument("--no-screenshot", action="store_true", help="write the report only")
     args = parser.parse_args()
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="convtune-report-") as scratch:
@@ -59,8 +61,15 @@ def main() -> None:
                          "--db", db, "--out", str(out)])
     if code != 0:
         sys.exit(f"convtune report failed with exit status {code}")
-    screenshot(out, Path(args.screenshot))
-    print(f"report {out}\nscreenshot {args.screenshot}")
+    text = out.read_text()
+    marker = '<div class="cards">'
+    out.write_text(text.replace(marker, f'<div class="meta">example written by <code>bench/check_report.py</code> '
+                                        f"({args.network}, batch {args.batch}, first {args.layers} layers) at "
+                                        f"revision {revision()}</div>\n{marker}", 1))
+    print(f"report {out}")
+    if not args.no_screenshot:
+        screenshot(out, Path(args.screenshot))
+        print(f"screenshot {args.screenshot}")
 
 
 if __name__ == "__main__":
