@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--no-screenshot", action="store_true", help="write the report only")
     args = parser.parse_args()
     out = Path(args.out)
+    measured_at = revision()  # before the report is written over the committed one
     with tempfile.TemporaryDirectory(prefix="convtune-report-") as scratch:
         db = args.db or str(Path(scratch) / "tuning.sqlite")
         code = convtune(["report", args.network, "--batch", args.batch, "--layers", args.layers, "--device",
@@ -65,7 +66,7 @@ def main() -> None:
     marker = '<div class="cards">'
     out.write_text(text.replace(marker, f'<div class="meta">example written by <code>bench/check_report.py</code> '
                                         f"({args.network}, batch {args.batch}, first {args.layers} layers) at "
-                                        f"revision {revision()}</div>\n{marker}", 1))
+                                        f"revision {measured_at}</div>\n{marker}", 1))
     print(f"report {out}")
     if not args.no_screenshot:
         screenshot(out, Path(args.screenshot))
