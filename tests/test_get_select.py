@@ -409,5 +409,5 @@ def test_backgrounds_provisional_pick_passes_over_a_plan_that_cannot_be_built(mo
 def test_a_backend_not_loaded_here_prices_its_names_as_where_it_loads():
     # Another machine's measurements (cuDNN's plans, judged or learned from on a machine without cuDNN) are
     # priced as that machine priced them; an unknown backend's by the generic cost.
-    assert registry.declared_cost("cudnn:eng0")(P1, 0) == cudnn_cost.plan_cost(P1, 0)
+    assert registry.declared_cost("cudnn:eng0")(P1, 0) == cudnn_cost.execution_plan_cost(P1, 0)
     assert registry.declared_cost("nosuch:eng0")(P1, 0) == costmodel.generic_cost(P1, 0)

@@ -759,6 +759,14 @@ def test_the_old_names_of_a_layers_selections_still_work():
         algo = convtune.get_algorithm("gemm:im2col")
         p = ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 5), kernel_size=3)
         assert algo.scratch_bytes(p) == algo.workspace_bytes(p) == algo.buffer_bytes(p) + algo.library_bytes(p)
+    with pytest.warns(DeprecationWarning, match="known_workspace_bytes"):
+        assert algo.known_scratch_bytes(p) == algo.known_workspace_bytes(p)
+    with pytest.warns(DeprecationWarning, match="OldPlugIn.known_scratch_bytes overrides a name convtune no longer"):
+        class OldPlugIn(convtune.Algorithm):  # a plug-in written for the former names
+            name = "old:plugin"
+
+            def known_scratch_bytes(self, problem):
+                return 0
     state = dict(conv.__dict__)  # as a version that called them plans pickled it
     state["_convtune_plans"] = state.pop("_convtune_selections")
     old = convtune.nn.Conv2d.__new__(convtune.nn.Conv2d)

@@ -45,6 +45,7 @@ from typing import Any, cast
 import torch
 
 from . import hardware, sqlite_pages
+from .errors import check_type
 from .files import write_whole
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
@@ -143,8 +144,7 @@ class TuningDB:
         Raises TypeError for a non-ConvProblem or non-PerfResult, ValueError for a result that does not
         validate (e.g. a NaN time), and ValueError when the problem's device is not present here.
         """
-        if not isinstance(problem, ConvProblem):
-            raise TypeError(f"TuningDB.store needs a ConvProblem, got {type(problem).__name__}")
+        check_type(problem, ConvProblem, "TuningDB.store()'s problem")
         rows = [_encode(r) for r in results]
         here = _here(problem.device)
         if here is None:

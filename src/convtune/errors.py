@@ -1,5 +1,5 @@
-"""The package's own exception types (misuse raises ValueError/TypeError instead), and the one check of an
-argument against the values it accepts."""
+"""The package's own exception types (misuse raises ValueError/TypeError instead), and the checks of an
+argument: against the values it accepts, and of its type."""
 
 from __future__ import annotations
 
@@ -28,6 +28,17 @@ def check_one_of(name: str, value: Any, choices: Iterable[Any], where: str = "")
         ok = False
     if not ok:
         raise not_one_of(name, value, choices, where)
+
+
+def check_type(value: Any, kind: type, what: str, optional: bool = False) -> None:
+    """Raises ``TypeError`` unless ``value`` is a ``kind`` (or None, where ``optional``), naming the argument
+    ``what`` (e.g. "find()'s policy") and what it got."""
+    if optional and value is None:
+        return
+    if not isinstance(value, kind):
+        module = kind.__module__.split(".")[0]
+        name = f"{module}.{kind.__name__}" if module == "convtune" else kind.__name__
+        raise TypeError(f"{what} must be a {name}{' or None' if optional else ''}, got a {type(value).__name__}")
 
 
 class ConvtuneError(Exception):

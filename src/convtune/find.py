@@ -31,7 +31,7 @@ from . import background, costmodel, hardware, isolation
 from .algorithms.base import Algorithm, allocate_workspace
 from .algorithms.microbatch import micro_batch_offers
 from .algorithms.registry import candidates as registered_candidates
-from .errors import CANDIDATE_FAULTS
+from .errors import CANDIDATE_FAULTS, check_type
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
@@ -521,11 +521,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         >>> [r.status.value for r in find(p, candidates=[get_algorithm("torch:native")])]
         ['ok']
     """
-    if not isinstance(problem, ConvProblem):
-        raise TypeError(f"find() takes a ConvProblem, got {type(problem).__name__}")
+    check_type(problem, ConvProblem, "find()'s problem")
+    check_type(policy, Policy, "find()'s policy", optional=True)
     policy = DEFAULT_POLICY if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise TypeError(f"find(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
     settings.check()
     _refuse_what_cannot_fit(problem)
     results: list[PerfResult] = []

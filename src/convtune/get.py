@@ -21,7 +21,7 @@ import torch
 from . import costmodel, hardware, learned
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, backends, registered
-from .errors import CANDIDATE_FAULTS
+from .errors import CANDIDATE_FAULTS, check_type
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import rank
@@ -133,10 +133,8 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
         True
     """
     policy = DEFAULT_POLICY if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise TypeError(f"get(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
-    if not isinstance(problem, ConvProblem):
-        raise TypeError(f"get() takes a ConvProblem, got {type(problem).__name__}")
+    check_type(policy, Policy, "get()'s policy")
+    check_type(problem, ConvProblem, "get()'s problem")
     # Everything the answer depends on: a repeated question costs a dictionary lookup. The
     # registry's content, the correction table (a new object once the db gets measurements) and the
     # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares; so

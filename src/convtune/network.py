@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from . import background
-from .errors import NoAlgorithmError, check_one_of
+from .errors import NoAlgorithmError, check_one_of, check_type
 from .hardware import roofline_ms
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
@@ -47,8 +47,7 @@ class Tuning:
 
     def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
         check_one_of("mode", mode, SELECTION_MODES)
-        if policy is not None and not isinstance(policy, Policy):
-            raise TypeError(f"policy must be a convtune.Policy or None, got {type(policy).__name__}")
+        check_type(policy, Policy, "Tuning's policy", optional=True)
         self.policy = DEFAULT_POLICY if policy is None else policy
         self.mode = mode
         self._db = db

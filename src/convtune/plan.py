@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .errors import NoAlgorithmError, check_one_of
+from .errors import NoAlgorithmError, check_one_of, check_type
 from .find import find
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
@@ -208,11 +208,9 @@ def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any) -> tupl
         raise TypeError(f"plan() takes a sequence of ConvProblems, got {type(problems).__name__}; "
                         f"wrap a single problem in a list")
     for p in problems:
-        if not isinstance(p, ConvProblem):
-            raise TypeError(f"plan() takes ConvProblems, got a {type(p).__name__} in problems")
+        check_type(p, ConvProblem, "each of plan()'s problems")
     check_one_of("mode", mode, BUDGET_MODES, "plan()")
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(f"plan(policy=...) takes a convtune.Policy or None, got {type(policy).__name__}")
+    check_type(policy, Policy, "plan()'s policy", optional=True)
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "plan(workspace_budget=...)")
     return budget, _without_limit(policy)
 

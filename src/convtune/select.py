@@ -14,7 +14,7 @@ from typing import Any
 from . import background
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, unsupported_reasons
-from .errors import CANDIDATE_FAULTS, NoAlgorithmError, check_one_of
+from .errors import CANDIDATE_FAULTS, NoAlgorithmError, check_one_of, check_type
 from .find import find
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
@@ -46,12 +46,10 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
         >>> select(p, Policy(deterministic=True), mode="find").status.value
         'ok'
     """
-    check_one_of("mode", mode, SELECTION_MODES, "select()")
-    if not isinstance(problem, ConvProblem):
-        raise TypeError(f"select() takes a ConvProblem, got {type(problem).__name__}")
+    check_one_of("mode", mode, SELECTION_MODES, "select()'s problem")
+    check_type(problem, ConvProblem, "select()")
+    check_type(policy, Policy, "select()'s policy", optional=True)
     policy = DEFAULT_POLICY if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise TypeError(f"select(policy=...) takes a convtune.Policy, got {type(policy).__name__}")
     if mode in READS_DB:
         if db is None:
             from .db import default_db

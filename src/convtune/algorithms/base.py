@@ -30,6 +30,8 @@ from ..results import backend_of
 
 OPERAND_NAMES = {"fwd": ("x", "w", "y"), "bwd_data": ("dy", "w", "dx"), "bwd_filter": ("x", "dy", "dw")}
 ALIGN_BYTES = 256
+# Former names of Algorithm's methods, and what replaced them (deprecated aliases below).
+_RENAMED = {"scratch_bytes": "workspace_bytes", "known_scratch_bytes": "known_workspace_bytes"}
 _NAME = re.compile(r"^[a-z0-9_]+:[A-Za-z0-9_.=\-]+$")
 
 
@@ -175,6 +177,15 @@ class Algorithm(abc.ABC):
     place: int | None = None
     host_kind: str = "python"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The former names are read by nothing: an override of one would be ignored without a word.
+        for old, new in _RENAMED.items():
+            if old in vars(cls):
+                warnings.warn(f"{cls.__name__}.{old} overrides a name convtune no longer calls; override {new} "
+                              "(the whole workspace a run needs; buffer_bytes is the part it carves)",
+                              DeprecationWarning, stacklevel=2)
+
     def __init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"algorithm name {self.name!r} must look like 'backend:variant' (letters, digits, _)")
@@ -263,6 +274,12 @@ class Algorithm(abc.ABC):
         warnings.warn("Algorithm.scratch_bytes is now Algorithm.workspace_bytes (the whole workspace a run needs; "
                       "buffer_bytes is the part it carves)", DeprecationWarning, stacklevel=2)
         return self.workspace_bytes(problem)
+
+    def known_scratch_bytes(self, problem: ConvProblem) -> int | None:
+        """Deprecated: ``known_workspace_bytes``."""
+        warnings.warn("Algorithm.known_scratch_bytes is now Algorithm.known_workspace_bytes", DeprecationWarning,
+                      stacklevel=2)
+        return self.known_workspace_bytes(problem)
 
     def run(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor,
             workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:

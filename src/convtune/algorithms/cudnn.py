@@ -33,7 +33,7 @@ from ..hardware import current_stream_handle
 from ..problem import ConvProblem, empty_in_layout
 from ..settings import settings
 from .base import Algorithm, Backend, Buffer, NativeRecipe, NumericNotes, Support, unsupported
-from .cudnn_cost import plan_cost
+from .cudnn_cost import execution_plan_cost
 from .registry import register
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ class CudnnBackend(Backend):
         self._lock = threading.Lock()
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        return plan_cost(problem, workspace_bytes)
+        return execution_plan_cost(problem, workspace_bytes)
 
     def unavailable(self, problem: ConvProblem) -> str | None:
         if problem.device != "cuda":

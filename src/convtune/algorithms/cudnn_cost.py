@@ -13,7 +13,7 @@ from ..problem import ConvProblem
 EFFICIENCY = 0.7  # of the roofline, for any one of cuDNN's execution plans (the database corrects each)
 
 
-def plan_cost(p: ConvProblem, workspace_bytes: int = 0) -> Cost:
+def execution_plan_cost(p: ConvProblem, workspace_bytes: int = 0) -> Cost:
     """One fused kernel at EFFICIENCY of the roofline, the same for every execution plan (cuDNN's own order
     of its plans tells them apart: ``Algorithm.place``). Its workspace is used inside the kernel (cuDNN's
     fp32 NCHW execution plans transpose through 50 MB and still lead), so it is no traffic term here."""

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 EXTRA_DIVISORS = 4
 # Splits offered to find per search, best predicted first: each is verified and timed.
 MAX_OFFERS = 4
-# Whole-batch statuses that say the algorithm's scratch did not fit, so a split may rescue it.
+# Whole-batch statuses that say the algorithm's workspace did not fit, so a split may rescue it.
 DID_NOT_FIT = (Status.OVER_WORKSPACE_LIMIT, Status.OUT_OF_MEMORY)
 
 Option = tuple[float, int, Any]  # (time_ms, workspace_bytes, algorithm) of one sub-batch size

@@ -1,7 +1,7 @@
 """torch:native: PyTorch's own convolution and ``aten.convolution_backward``, the reference path.
 
-PyTorch manages this path's scratch memory itself (oneDNN on the CPU, cuDNN on CUDA), so its
-declared workspace is zero and its numeric notes say that the scratch is not convtune's.
+PyTorch manages this path's workspace itself (oneDNN on the CPU, cuDNN on CUDA), so its declared
+workspace is zero: that memory is not convtune's to carve or count.
 """
 
 from __future__ import annotations

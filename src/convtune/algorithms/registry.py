@@ -38,7 +38,7 @@ BUILTIN_MODULES = (
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged. Each with
 # its names' prefix and the cost its candidates declare: where the module does not load, that still prices its
 # names (another machine's measurements, judged or learned from here), as it would where it loads.
-OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", cudnn_cost.plan_cost)}
+OPTIONAL_MODULES = {"convtune.algorithms.cudnn": ("cudnn", cudnn_cost.execution_plan_cost)}
 
 _registry: dict[str, Algorithm] = {}
 _backends: dict[str, Backend] = {}

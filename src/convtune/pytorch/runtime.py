@@ -187,7 +187,7 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     consulted), else from the algorithm's recipe, which is then stored in ``db`` with the serialized
     form where there is one (a cuDNN execution plan). Raises one of ``REFUSALS``: ``NotNative`` (its
     subclass ``NotNativeNow`` where the refusal may pass, which is not remembered), ``KeyError`` (``name`` is not
-    registered here), ``RuntimeError`` (cuDNN refused the plan, or the CUDA driver a Triton kernel's binary),
+    registered here), ``RuntimeError`` (cuDNN refused the execution plan, or the CUDA driver a Triton kernel's binary),
     ``ValueError`` (a recipe this build cannot make).
     """
     module = _extension()
