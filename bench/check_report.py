@@ -64,6 +64,8 @@ def main() -> None:
         sys.exit(f"convtune report failed with exit status {code}")
     text = out.read_text()
     marker = '<div class="cards">'
+    if marker not in text:
+        sys.exit(f"{out} has no {marker!r} to put the revision line before: update bench/check_report.py")
     out.write_text(text.replace(marker, f'<div class="meta">example written by <code>bench/check_report.py</code> '
                                         f"({args.network}, batch {args.batch}, first {args.layers} layers) at "
                                         f"revision {measured_at}</div>\n{marker}", 1))

@@ -1,9 +1,10 @@
 """What the copy into a caller's buffer adds to torch:native's time, per layer of a built-in network.
 
 A tuned layer runs an algorithm through ``Algorithm.execute``, which hands over PyTorch's own result where
-the algorithm is torch:native; ``Algorithm.run`` copies it into the output it is given. ``find`` times
-``Algorithm.launcher`` (what a tuned layer runs); before, it timed ``run``. Per layer, with the one timer
-(``convtune.timing.benchmark``): torch:native timed both ways, and their ratio.
+the algorithm is torch:native; ``Algorithm.run`` checks the operands and copies that result into the output it
+is given. ``find`` times ``Algorithm.launcher`` (what a tuned layer runs; ``hardware.MEASUREMENT_METHOD`` 2),
+not ``run`` (method 1). Per layer, with the one timer (``convtune.timing.benchmark``): torch:native timed both
+ways, the order alternating from layer to layer, and their ratio.
 
     python bench/native_copy.py --network resnet50 --batch 8 --dtype float32 --layout NHWC --device cpu
 
@@ -26,7 +27,7 @@ from convtune.timing import benchmark  # noqa: E402
 from convtune.verify import reference, rel_error, tolerance  # noqa: E402
 
 
-def measure(layer) -> dict:
+def measure(layer, launcher_first: bool) -> dict:
     p = layer.problem
     native = get_algorithm("torch:native", p)
     inputs = p.random_inputs(seed=0)
@@ -36,8 +37,11 @@ def measure(layer) -> dict:
     err = rel_error(out, reference(p, *inputs))
     if not err <= tolerance(p, native.notes(p)):
         raise SystemExit(f"{layer.name}: torch:native is off by {err:.3g} on {p.key}")
-    run_ms = benchmark(lambda: native.run(p, *inputs, workspace=ws, out=out), device=p.device).median_ms
-    launch_ms = benchmark(native.launcher(p, *inputs, out, ws), device=p.device).median_ms
+    calls = {"run": lambda: native.run(p, *inputs, workspace=ws, out=out),
+             "launcher": native.launcher(p, *inputs, out, ws)}
+    ms = {name: benchmark(calls[name], device=p.device).median_ms
+          for name in (("launcher", "run") if launcher_first else ("run", "launcher"))}
+    run_ms, launch_ms = ms["run"], ms["launcher"]
     return dict(layer=layer.name, problem=p.key, run_ms=run_ms, launcher_ms=launch_ms, ratio=run_ms / launch_ms)
 
 
@@ -49,10 +53,11 @@ def main() -> None:
     args = parser.parse_args()
     layers = zoo.network_layers(args.network, args.batch, dtype=args.dtype, layout=args.layout,
                                 device=args.device)[:args.layers]
-    rows = [measure(layer) for layer in layers]
+    rows = [measure(layer, launcher_first=i % 2 == 1) for i, layer in enumerate(layers)]
     env = common.environment()
     name = args.name if args.name != "native_copy" else f"native_copy_{args.device}"
-    table = common.md_table(["layer", "problem", "run ms (copy into out)", "launcher ms (as find times)", "ratio"],
+    table = common.md_table(["layer", "problem", "run ms (checks, copy into out)", "launcher ms (as find times)",
+                             "ratio"],
                             [[r["layer"], f"`{r['problem']}`", f"{r['run_ms']:.3f}", f"{r['launcher_ms']:.3f}",
                               f"{r['ratio']:.2f}"] for r in rows])
     ratios = [r["ratio"] for r in rows]

@@ -849,3 +849,19 @@ def test_a_change_of_convtunes_kernels_is_a_change_of_software(tmp_path, monkeyp
         assert hardware.kernels_digest() != before
     finally:
         hardware.kernels_digest.cache_clear()
+
+
+def test_results_of_another_measurement_method_are_not_reused(tmp_path, monkeypatch):
+    # find's way of timing a candidate is part of the software: a result it measured otherwise is another's.
+    tdb = TuningDB(tmp_path / "t.sqlite")
+    p = ConvProblem("fwd", n=1, c=2, k=2, input_size=(4, 4), kernel_size=1)
+    tdb.store(p, [PerfResult("torch:native", Status.OK, 1.0, workspace_bytes=0)])
+    assert tdb.lookup(p) is not None
+    monkeypatch.setattr(hardware, "MEASUREMENT_METHOD", hardware.MEASUREMENT_METHOD + 1)
+    hardware.software_versions.cache_clear()
+    try:
+        assert tdb.lookup(p) is None
+    finally:
+        monkeypatch.undo()
+        hardware.software_versions.cache_clear()
+    assert tdb.lookup(p) is not None

@@ -62,12 +62,26 @@ def test_an_algorithm_is_timed_as_a_tuned_layer_runs_it_without_run_s_copy_into_
     assert results["fake:handsover"].time_ms == pytest.approx(1.0)
 
 
-def test_a_handed_over_result_that_goes_wrong_on_the_timed_calls_is_wrong():
-    # Two checked runs (two input sets), then the timed calls: their last result is what is checked.
-    results = by_name(find(P, timer=FakeTimer(), candidates=[HandsOver(time_ms=1.0, wrong_after=3),
-                                                              Fake("fake:other", time_ms=2.0)]))
-    assert results["fake:handsover"].status is Status.WRONG_RESULT
+@pytest.mark.parametrize("fake, where", [
+    # Two checked runs (two input sets), then the timed calls (FakeTimer: a warm-up and five samples, runs 3-8):
+    # the last one's result is what is checked.
+    (HandsOver(time_ms=1.0, wrong_after=8), "timed calls"),
+    # A memo of the first answer, handed over from execute (what the checked runs and the timed calls call).
+    (HandsOver(time_ms=1.0, memoise=True), "second input set"),
+])
+def test_a_handed_over_result_that_is_wrong_after_the_first_calls_is_wrong(fake, where):
+    results = by_name(find(P, timer=FakeTimer(), candidates=[fake, Fake("fake:other", time_ms=2.0)]))
+    assert results["fake:handsover"].status is Status.WRONG_RESULT and where in results["fake:handsover"].message
     assert results["fake:other"].status is Status.OK
+
+
+def test_a_handed_over_result_that_does_not_fit_the_output_fails_naming_it():
+    class Mismatched(HandsOver):
+        def execute(self, problem, a, b, out, ws):
+            return super().execute(problem, a, b, out, ws).double()  # would be cast silently by a copy
+
+    results = by_name(find(P, timer=FakeTimer(), candidates=[Mismatched(), Fake("fake:other", time_ms=2.0)]))
+    assert results["fake:handsover"].status is Status.FAILED and "dtype" in results["fake:handsover"].message
 
 
 def test_wrong_and_nan_never_selected_even_when_fastest():

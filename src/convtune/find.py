@@ -28,7 +28,7 @@ from typing import Any, TypedDict, cast
 import torch
 
 from . import background, costmodel, hardware, isolation
-from .algorithms.base import Algorithm, allocate_workspace
+from .algorithms.base import Algorithm, allocate_workspace, into
 from .algorithms.microbatch import micro_batch_offers
 from .algorithms.registry import candidates as registered_candidates
 from .errors import CANDIDATE_FAULTS, check_type
@@ -337,12 +337,12 @@ class _Search:
         # Timed as a tuned layer runs it (Algorithm.launcher); the last call's result is what is checked.
         launch, last = algorithm.launcher(problem, *inputs, out, workspace), [out]
 
-        def timed() -> None:
+        def timed() -> torch.Tensor:
             last[0] = launch()
+            return last[0]
 
         timing = self.timer(timed, device=problem.device, budget_s=timer_budget_s, stop_above_ms=stop_above)
-        if last[0] is not out:
-            out.copy_(last[0])
+        into(problem, last[0], out)
         wrote = self.restore_inputs()
         if wrote:
             return _failed(algorithm, props, err, WROTE_INPUTS)

@@ -75,12 +75,20 @@ def kernels_digest() -> str:
     return digest.hexdigest()
 
 
+# How find measures a candidate, as a version: 2, as a tuned layer runs it (``Algorithm.launcher``: no copy of a
+# result the algorithm hands over, no per-call operand check); 1, through ``Algorithm.run``, whose copy into the
+# output made torch:native look slower than a tuned layer runs it. Measurements of another method are another
+# software's: none is reused.
+MEASUREMENT_METHOD = 2
+
+
 @functools.cache
 def software_versions() -> str:
-    """Versions of everything whose change can change a measurement."""
+    """Versions of everything whose change can change a measurement (``MEASUREMENT_METHOD`` too)."""
     from . import __version__
 
-    parts = [f"torch{torch.__version__}", f"convtune{__version__}", f"kernels{kernels_digest()}"]
+    parts = [f"torch{torch.__version__}", f"convtune{__version__}", f"kernels{kernels_digest()}",
+             f"measured{MEASUREMENT_METHOD}"]
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if cudnn:
         parts.append(f"cudnn{cudnn}")

@@ -46,8 +46,8 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
         >>> select(p, Policy(deterministic=True), mode="find").status.value
         'ok'
     """
-    check_one_of("mode", mode, SELECTION_MODES, "select()'s problem")
-    check_type(problem, ConvProblem, "select()")
+    check_one_of("mode", mode, SELECTION_MODES, "select()")
+    check_type(problem, ConvProblem, "select()'s problem")
     check_type(policy, Policy, "select()'s policy", optional=True)
     policy = DEFAULT_POLICY if policy is None else policy
     if mode in READS_DB:

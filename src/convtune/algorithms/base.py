@@ -313,8 +313,7 @@ class Algorithm(abc.ABC):
             )
         elif workspace.device.type != problem.device:
             raise ValueError(f"workspace is on {workspace.device} but the problem is on {problem.device}")
-        self._run(problem, a, b, out, carve(workspace, buffers))
-        return out
+        return into(problem, self.execute(problem, a, b, out, carve(workspace, buffers)), out)
 
     def execute(self, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                 ws: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -322,7 +321,7 @@ class Algorithm(abc.ABC):
 
         Writes the result into ``out`` and returns it; an algorithm whose library allocates its own
         result (torch:native) may return that instead, dense in the problem's layout, and leave ``out``
-        alone. ``run`` always writes into ``out``.
+        alone. ``run`` calls it and always leaves the result in ``out`` (``into``).
         """
         self._run(problem, a, b, out, ws)
         return out
@@ -335,6 +334,15 @@ class Algorithm(abc.ABC):
         check that the layer does not make; the operands must have passed ``run``'s checks before."""
         ws = carve(workspace, self.buffers(problem))
         return lambda: self.execute(problem, a, b, out, ws)
+
+
+def into(problem: ConvProblem, result: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` holding ``result``, what ``execute`` returned: copied where it is a tensor of the algorithm's own,
+    which must fit the problem's output as ``out`` does (a mismatch raises, naming it, rather than broadcast)."""
+    if result is not out:
+        check_tensor(problem, OPERAND_NAMES[problem.direction][2], result, problem.operand_shapes[2])
+        out.copy_(result)
+    return out
 
 
 def check_tensor(problem: ConvProblem, name: str, t: object, shape: tuple[int, ...], layout: bool = True) -> None:

@@ -74,9 +74,9 @@ class Native(Algorithm):
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # On the CPU the measured 'peak' is one 512^3 product; oneDNN's convolutions reach about it.
-        # A second operation: the copy into the caller's output that ``run`` makes. A tuned layer and find's
-        # timing take PyTorch's result as it is (``execute``); the analytic price keeps the term, as the
-        # measurements its corrections and get's learned model were made from held the copy.
+        # A second operation: the copy into a caller's output that ``run`` makes. A tuned layer and find's
+        # timing take PyTorch's result as it is (``execute``); the term stays in the analytic price, which the
+        # database's corrections and get's learned model are fitted against.
         efficiency = 0.6 if problem.device == "cuda" else 0.9
         return Cost(problem.flops, efficiency * shape_factor(*gemm_dims(problem)), problem.min_bytes, 2,
                     composed=False)
@@ -96,7 +96,7 @@ class Native(Algorithm):
         return to_layout(native_conv(problem, a, b), problem.layout)
 
     def _run(self, problem, a, b, out, ws) -> None:
-        out.copy_(self.execute(problem, a, b, out, ws))  # run's contract: the result lands in ``out``
+        out.copy_(self.execute(problem, a, b, out, ws))  # a direct call of _run too leaves the result in ``out``
 
 
 register(Native())
