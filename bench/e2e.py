@@ -490,7 +490,7 @@ def markdown(env: dict, rows: dict) -> str:
     for cid, row in rows.items():
         source = f" (src {row['source']})" if cid.endswith(":convtune") and row.get("source") else ""
         table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"],
-                      f"{row.get('date', '-')} {row.get('revision', 'revision not recorded')}{source}".strip()])
+                      f"{row.get('date', '-')} {row.get('revision') or 'revision not recorded'}{source}".strip()])
     out = head + "## Every configuration\n\nTuning (s): convtune's `optimize` on a cold database (then again in " \
         "the same process) or, in a fresh process, on the warm one; torch: its first inference call plus its " \
         "first training step (benchmark mode tunes there; under compile they include compiling).\n\n"

@@ -411,3 +411,16 @@ def test_a_backend_not_loaded_here_prices_its_names_as_where_it_loads():
     # priced as that machine priced them; an unknown backend's by the generic cost.
     assert registry.declared_cost("cudnn:eng0")(P1, 0) == cudnn_cost.execution_plan_cost(P1, 0)
     assert registry.declared_cost("nosuch:eng0")(P1, 0) == costmodel.generic_cost(P1, 0)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: get(P1, policy={}), "get()'s policy must be a convtune.Policy or None, got a dict"),
+    (lambda: get("fwd"), "get()'s problem must be a convtune.ConvProblem, got a str"),
+    (lambda: select(P1, policy=3), "select()'s policy must be a convtune.Policy or None, got an int"),
+    (lambda: select(None), "select()'s problem must be a convtune.ConvProblem, got None"),
+    (lambda: ct.nn.Conv2d(2, 2, 1, policy="fast"), "policy must be a convtune.Policy or None, got a str"),
+])
+def test_an_argument_of_the_wrong_type_is_named_with_what_it_got(call, message):
+    with pytest.raises(TypeError) as raised:
+        call()
+    assert str(raised.value) == message

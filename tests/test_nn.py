@@ -761,7 +761,7 @@ def test_the_old_names_of_a_layers_selections_still_work():
         assert algo.scratch_bytes(p) == algo.workspace_bytes(p) == algo.buffer_bytes(p) + algo.library_bytes(p)
     with pytest.warns(DeprecationWarning, match="known_workspace_bytes"):
         assert algo.known_scratch_bytes(p) == algo.known_workspace_bytes(p)
-    with pytest.warns(DeprecationWarning, match="OldPlugIn.known_scratch_bytes overrides a name convtune no longer"):
+    with pytest.warns(FutureWarning, match="OldPlugIn.known_scratch_bytes overrides a name convtune no longer"):
         class OldPlugIn(convtune.Algorithm):  # a plug-in written for the former names
             name = "old:plugin"
 

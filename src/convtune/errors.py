@@ -38,7 +38,9 @@ def check_type(value: Any, kind: type, what: str, optional: bool = False) -> Non
     if not isinstance(value, kind):
         module = kind.__module__.split(".")[0]
         name = f"{module}.{kind.__name__}" if module == "convtune" else kind.__name__
-        raise TypeError(f"{what} must be a {name}{' or None' if optional else ''}, got a {type(value).__name__}")
+        got = type(value).__name__
+        raise TypeError(f"{what} must be a {name}{' or None' if optional else ''}, got "
+                        f"{'None' if value is None else ('an ' if got[0] in 'aeiouAEIOU' else 'a ') + got}")
 
 
 class ConvtuneError(Exception):

@@ -132,9 +132,9 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
         >>> best.predicted_ms > 0
         True
     """
-    policy = DEFAULT_POLICY if policy is None else policy
-    check_type(policy, Policy, "get()'s policy")
+    check_type(policy, Policy, "get()'s policy", optional=True)
     check_type(problem, ConvProblem, "get()'s problem")
+    policy = DEFAULT_POLICY if policy is None else policy
     # Everything the answer depends on: a repeated question costs a dictionary lookup. The
     # registry's content, the correction table (a new object once the db gets measurements) and the
     # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares; so

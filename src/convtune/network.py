@@ -47,7 +47,7 @@ class Tuning:
 
     def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
         check_one_of("mode", mode, SELECTION_MODES)
-        check_type(policy, Policy, "Tuning's policy", optional=True)
+        check_type(policy, Policy, "policy", optional=True)
         self.policy = DEFAULT_POLICY if policy is None else policy
         self.mode = mode
         self._db = db

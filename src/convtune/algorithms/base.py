@@ -184,7 +184,7 @@ class Algorithm(abc.ABC):
             if old in vars(cls):
                 warnings.warn(f"{cls.__name__}.{old} overrides a name convtune no longer calls; override {new} "
                               "(the whole workspace a run needs; buffer_bytes is the part it carves)",
-                              DeprecationWarning, stacklevel=2)
+                              FutureWarning, stacklevel=3)  # the class statement (ABCMeta.__new__ is level 2)
 
     def __init__(self) -> None:
         if not _NAME.match(self.name):
@@ -340,7 +340,8 @@ def into(problem: ConvProblem, result: torch.Tensor, out: torch.Tensor) -> torch
     """``out`` holding ``result``, what ``execute`` returned: copied where it is a tensor of the algorithm's own,
     which must fit the problem's output as ``out`` does (a mismatch raises, naming it, rather than broadcast)."""
     if result is not out:
-        check_tensor(problem, OPERAND_NAMES[problem.direction][2], result, problem.operand_shapes[2])
+        name = OPERAND_NAMES[problem.direction][2]
+        check_tensor(problem, f"{name} (the result execute handed over)", result, problem.operand_shapes[2])
         out.copy_(result)
     return out
 
