@@ -335,14 +335,15 @@ class _Search:
         out.copy_(ref2)
         stop_above = self.best_ms * settings.early_stop_factor if math.isfinite(self.best_ms) else None
         # Timed as a tuned layer runs it (Algorithm.launcher); the last call's result is what is checked.
-        launch, last = algorithm.launcher(problem, *inputs, out, workspace), [out]
+        launch, result = algorithm.launcher(problem, *inputs, out, workspace), out
 
         def timed() -> torch.Tensor:
-            last[0] = launch()
-            return last[0]
+            nonlocal result
+            result = launch()
+            return result
 
         timing = self.timer(timed, device=problem.device, budget_s=timer_budget_s, stop_above_ms=stop_above)
-        into(problem, last[0], out)
+        into(problem, result, out)
         wrote = self.restore_inputs()
         if wrote:
             return _failed(algorithm, props, err, WROTE_INPUTS)

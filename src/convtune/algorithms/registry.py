@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 from .. import costmodel
 from ..costmodel import Cost
-from ..errors import CANDIDATE_FAULTS
+from ..errors import CANDIDATE_FAULTS, check_type
 from ..problem import ConvProblem
 from ..results import backend_of
 from . import cudnn_cost
@@ -189,8 +189,7 @@ def candidates(problem: ConvProblem) -> tuple[list[Algorithm], dict[str, str]]:
     """(``algorithms(problem)``, the registered algorithms whose ``supports()`` raised on ``problem`` and the backends
     whose ``algorithms()`` did, as '<prefix>:*': name -> what it raised). ``find`` reports the second as ``failed``;
     every other question leaves them out, logged."""
-    if not isinstance(problem, ConvProblem):
-        raise TypeError(f"algorithms() takes a ConvProblem, got {type(problem).__name__}")
+    check_type(problem, ConvProblem, "algorithms()'s problem")
     found, faulty = [], {}
     for algorithm in registered():
         try:

@@ -225,7 +225,8 @@ def _runner(key: str, algorithm: str, generation: int, native: bool) -> Runner |
 
 def runner(key: str, algorithm: str) -> Runner | NativeRunner:
     """What runs ``algorithm`` on the problem ``key`` for a layer (one per registry generation): its native
-    executable where it has one (``native_handle``), else the ``Runner`` of the Python algorithm."""
+    executable where it has one (``runtime.prepare``; refused for now: a ``NativeRunner`` that asks again on each
+    call), else the ``Runner`` of the Python algorithm."""
     return _runner(key, algorithm, generation(), settings.native)
 
 
