@@ -42,13 +42,15 @@ def environment() -> dict:
 
 
 def env_line(env: dict) -> str:
-    """A result file's provenance in one line: when, where, which software and which revision measured it."""
+    """A result file's provenance in one line: when, where, which software and which revision measured it, and
+    the library's src/ tree where recorded (it names the code measured even when the commit is not on main)."""
     where = env.get("gpu") or env.get("cpu") or "CPU"
     software = [f"torch {env.get('torch')}"]
     software += [f"CUDA {env['cuda']}"] if env.get("cuda") else []
     software += [f"cuDNN {env['cudnn']}"] if env.get("cudnn") else []
     software += [f"convtune {env['convtune']}"] if env.get("convtune") else []
-    return f"{env.get('date')}, {where}, {', '.join(software)}, revision {env.get('revision', 'not recorded')}"
+    source = f" (src/ tree {env['source']})" if env.get("source") not in (None, "unknown") else ""
+    return f"{env.get('date')}, {where}, {', '.join(software)}, revision {env.get('revision', 'not recorded')}{source}"
 
 
 def revision() -> str:

@@ -118,8 +118,8 @@ def markdown(env: dict, rows: dict) -> str:
     def fmt(v, digits=4):
         return "-" if v is None else f"{v:.{digits}f}"
 
-    head = (f"# Depthwise convolutions: convtune's kernels against cuDNN and PyTorch\n\n{common.env_line(env)} "
-            f"(ours: the row's ours_revision in the JSON). Times in ms "
+    head = (f"# Depthwise convolutions: convtune's kernels against cuDNN and PyTorch\n\n{common.env_line(env)}; "
+            f"ours: the row's ours_revision in the JSON. Times in ms "
             f"(convtune.timing.benchmark, every result checked against "
             f"float64 first); ours: the fastest triton:depthwise configuration; cuDNN: the fastest of every "
             f"plan; floor: multiply-adds at the CUDA cores' float32 rate or compulsory bytes at bandwidth; "

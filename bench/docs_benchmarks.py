@@ -1,16 +1,18 @@
-"""docs/benchmarks.md, written from the result files in bench/results/ (never typed by hand).
+"""docs/benchmarks.md and README's "What to expect" table, written from the result files in bench/results/
+(never typed by hand).
 
 Headline tables of every benchmark, each figure with the file it comes from and the date, GPU,
 versions and revision of the run that measured it. Run it after committing new results:
 
-    python bench/docs_benchmarks.py            # writes docs/benchmarks.md
-    python bench/docs_benchmarks.py --check    # exits 1 when docs/benchmarks.md is out of date
+    python bench/docs_benchmarks.py            # writes docs/benchmarks.md and README's table
+    python bench/docs_benchmarks.py --check    # exits 1 when either is out of date
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -18,6 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+README = DOC.parents[1] / "README.md"
+README_BEGIN, README_END = "<!-- expect: written by bench/docs_benchmarks.py -->", "<!-- expect end -->"
+README_ROWS = (("resnet50", "b32", "ResNet-50, batch 32"), ("resnet50", "b128", "ResNet-50, batch 128"),
+               ("mobilenet_v2", "b32", "MobileNetV2, batch 32"), ("mobilenet_v2", "b128", "MobileNetV2, batch 128"))
 LINK = "../bench/results/"
 STYLES = ("graph", "eager", "compile")
 
@@ -55,6 +61,40 @@ def end_to_end() -> str:
             "convtune is faster), with the revisions of the two rows; where the host sets the pace (eager and "
             "compiled inference at these sizes) the processes of one configuration have differed by up to 1.7x "
             "([`performance.md`](performance.md)).\n\n" + common.md_table(["network", "CUDA graph", "eager", "torch.compile"], rows))
+
+
+def readme_table() -> str:
+    """README's headline table: float16 rows of e2e.json, PyTorch benchmark=True / convtune per style; tuning: the
+    median of convtune's cold-database rows' optimize time / of its warm-database rows' (another process), and
+    PyTorch's first eager inference call plus first training step in benchmark mode."""
+    configs, link = _load("e2e.json")["configs"], "bench/results/e2e.md"
+    rows = []
+    for network, batch, title in README_ROWS:
+        group = f"{network}:{batch}:float16"
+        cells = []
+        for style in STYLES:
+            base, ours = configs.get(f"{group}:{style}:torch_bm1"), configs.get(f"{group}:{style}:convtune")
+            cells.append(f"[{_ratio(base, ours, 'inference')} / {_ratio(base, ours, 'training')}]({link})")
+        tuned = [configs.get(f"{group}:{style}:convtune") or {} for style in STYLES]
+        cold = [r["tune_s"] for r in tuned if r.get("db") == "cold" and r.get("tune_s") is not None]
+        warm = [r["tune_s"] for r in tuned if r.get("db") == "warm" and r.get("tune_s") is not None]
+        bench = configs.get(f"{group}:eager:torch_bm1") or {}
+        first = (bench.get("inference_first_s") or 0) + (bench.get("training_first_s") or 0)
+        tuning = (f"{statistics.median(cold):.1f} s" if cold else "-") + " / " + \
+                 (f"{statistics.median(warm):.2f} s" if warm else "-") + (f" ({first:.1f} s)" if bench else "")
+        rows.append([title, *cells, f"[{tuning}]({link})"])
+    return common.md_table(["network", "CUDA graph", "eager", "torch.compile",
+                            "tuning: empty database / warm (benchmark mode's first calls)"], rows)
+
+
+def readme() -> str:
+    """README.md with its "What to expect" table rewritten between the markers."""
+    text = README.read_text(encoding="utf-8")
+    head, found, rest = text.partition(README_BEGIN + "\n")
+    _, found_end, tail = rest.partition(README_END)
+    if not (found and found_end):
+        raise SystemExit(f"{README} lacks the markers {README_BEGIN!r} and {README_END!r} around its table")
+    return head + README_BEGIN + "\n" + readme_table() + README_END + tail
 
 
 def host_cost() -> str:
@@ -185,12 +225,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is out of date")
     args = parser.parse_args()
-    text = render()
+    outputs = {DOC: render(), README: readme()}
     if args.check:
-        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
-        sys.exit(0 if current == text else 1)
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC}")
+        stale = [path for path, text in outputs.items()
+                 if (path.read_text(encoding="utf-8") if path.exists() else "") != text]
+        for path in stale:
+            print(f"{path} is out of date: run python bench/docs_benchmarks.py", file=sys.stderr)
+        sys.exit(1 if stale else 0)
+    for path, text in outputs.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,24 @@ def test_every_relative_link_leads_to_a_file(page):
     assert not missing, missing
 
 
-def test_the_benchmarks_page_is_the_one_its_script_writes_from_the_result_files():
+def test_the_benchmarks_page_and_readmes_table_are_what_their_script_writes_from_the_result_files():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "docs_benchmarks.py"), "--check"],
                          capture_output=True, text=True)
-    assert out.returncode == 0, "docs/benchmarks.md is out of date: run python bench/docs_benchmarks.py"
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_readme_table_check_fails_on_a_typed_figure(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import docs_benchmarks
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    readme = tmp_path / "README.md"
+    written = docs_benchmarks.readme()
+    first = written.index("| ResNet-50, batch 32 |")
+    readme.write_text(written[:first] + written[first:].replace("[", "[9.99 / 9.99] [", 1), encoding="utf-8")
+    monkeypatch.setattr(docs_benchmarks, "README", readme)
+    assert docs_benchmarks.readme() != readme.read_text(encoding="utf-8")  # the check would report it
+    readme.write_text("no markers here\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="lacks the markers"):
+        docs_benchmarks.readme()
