@@ -146,6 +146,17 @@ def table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
     return summary, common.md_table(header, lines)
 
 
+def database_gpu(parser: argparse.ArgumentParser, db: ct.TuningDB, path: str, measured_on: str | None) -> str | None:
+    """--measured-on as given, or for 'auto' the database's one CUDA fingerprint (a parser error otherwise)."""
+    if measured_on != "auto":
+        return measured_on
+    gpus = sorted({e.fingerprint for e in db.entries() if e.fingerprint.startswith("cuda|")})
+    if len(gpus) != 1:
+        parser.error(f"--measured-on auto: {path} holds {len(gpus)} CUDA fingerprints ({'; '.join(gpus) or 'none'}); "
+                     f"name one")
+    return gpus[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--db", default="bench/data/sweep.sqlite")
@@ -165,13 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     common.result_arguments(parser, "learned_get")
     args = parser.parse_args(argv)
     with ct.TuningDB(args.db) as db:
-        measured_on = args.measured_on
-        if measured_on == "auto":
-            gpus = sorted({e.fingerprint for e in db.entries() if e.fingerprint.startswith("cuda|")})
-            if len(gpus) != 1:
-                parser.error(f"--measured-on auto: {args.db} holds {len(gpus)} CUDA fingerprints "
-                             f"({'; '.join(gpus) or 'none'}); name one")
-            measured_on = gpus[0]
+        measured_on = database_gpu(parser, db, args.db, args.measured_on)
         with contextlib.ExitStack() as stack:
             if measured_on:
                 args.device = "cuda"  # the machine's GPU measurements

@@ -267,6 +267,45 @@ def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, 
             learned_get.main(["--db", str(tmp_path / "empty.sqlite"), "--measured-on", bad, "--out", str(out)])
 
 
+get_corrections = _bench_script("get_corrections")
+
+
+def test_get_corrections_prices_held_out_layers_with_and_without_the_other_problems_measurements(
+        tmp_path, get_corrections, sweep):
+    # Another machine's rows: gemm:im2col runs at half its price everywhere, torch:native at its price. With the
+    # other problems' corrections get prices both exactly and always picks the faster; without, by price alone.
+    import convtune as ct
+    from convtune import costmodel, hardware
+    from convtune.db import SCHEMA_VERSION
+    from convtune.results import PerfResult
+
+    h200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"
+    problems = [p for _, p in sweep.network_problems(["resnet18"], 32, ["float16"], ["channels_last"], "cuda", 6)]
+    problems += [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(20)]
+    lines = []
+    with hardware.measured_on(h200):
+        for p in problems:
+            for name, factor in (("torch:native", 1.0), ("gemm:im2col", 0.5)):
+                result = PerfResult(name, "ok", time_ms=costmodel.analytic_ms(name, p) * factor)
+                lines.append(json.dumps({"schema": SCHEMA_VERSION, "fingerprint": h200, "software": "torch2.11",
+                                         "problem": p.key, "stored_at": 1.7e9, "result": result.to_dict()}) + "\n")
+    (tmp_path / "h200.jsonl").write_text("".join(lines))
+    with ct.TuningDB(tmp_path / "h200.sqlite") as db:
+        db.import_(tmp_path / "h200.jsonl")
+    out = tmp_path / "out"
+    assert get_corrections.main(["--db", str(tmp_path / "h200.sqlite"), "--networks", "resnet18",
+                                 "--out", str(out)]) == 0
+    summary = json.loads((out / "get_corrections.json").read_text())["summary"]
+    assert summary, "no held-out layer judged"
+    for cells in summary.values():
+        assert cells["with_db"]["top1"] == 1.0 and cells["with_db"]["geomean"] == pytest.approx(1.0)
+        assert cells["without"]["geomean"] >= cells["with_db"]["geomean"]
+        assert cells["cudnn_A"] == {}  # no cuDNN order recorded for made-up problems
+    assert any(cells["without"]["geomean"] > 1.0 for cells in summary.values())  # the price alone misses some
+    assert "| fwd | float16 |" in (out / "get_corrections.md").read_text()
+    assert hardware.assumed_gpu() is None
+
+
 verification_margins = _bench_script("verification_margins")
 
 

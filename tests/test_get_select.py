@@ -97,6 +97,21 @@ def test_corrections_are_read_once_per_db_and_follow_what_find_stores():
         assert after is not before and after.by_algorithm[key] == pytest.approx(expected)
 
 
+def test_a_table_of_measurements_prices_a_measured_name_by_its_ratio_and_others_by_place_and_backend():
+    base = costmodel.predict_ms("direct:taps", P3)
+    table = costmodel.Corrections.of([measured(P1, "direct:taps", 4 * costmodel.predict_ms("direct:taps", P1)),
+                                      measured(P1, "direct:other", costmodel.predict_ms("direct:other", P1))])
+    assert table.by_algorithm[("direct:taps", "fwd", P3.dtype)] == pytest.approx(4.0)
+    assert table.by_backend["direct"] == pytest.approx(2.0)  # the geometric mean of 4 and 1
+    # a measured name: its own ratio, in place of its place in the heuristic order
+    assert table.price("direct:taps", P3, base, place=3) == pytest.approx(4 * base)
+    # an unmeasured name: its place, then its backend's ratio
+    assert table.price("direct:new", P3, base, place=3) == pytest.approx(2 * base * costmodel.order_factor(3))
+    assert costmodel.NO_CORRECTIONS.price("direct:new", P3, base, place=3) == pytest.approx(
+        base * costmodel.order_factor(3))
+    assert costmodel.Corrections.of([]).price("direct:taps", P3, base) == pytest.approx(base)
+
+
 def test_ties_go_to_the_smaller_workspace():
     big, small = Fake("fake:a_big", workspace_bytes=2**20), Fake("fake:b_small")
     # measurements pin the corrected predictions to exactly 1.00 and 1.01 ms

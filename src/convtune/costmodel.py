@@ -31,6 +31,7 @@ import logging
 import math
 import weakref
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 from . import hardware, learned
@@ -193,6 +194,23 @@ class Corrections:
             return exact
         return self.by_backend.get(backend_of(name), 1.0)
 
+    def price(self, name: str, problem: ConvProblem, base_ms: float, place: int | None = None) -> float:
+        """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the learned correction, then
+        this table's. A name measured in this direction and dtype takes its own factor, which already holds what
+        its place in its backend's heuristic order would add (stored results are priced without one); any other
+        is priced by its ``place`` and its backend's factor."""
+        measured = self.measured(name, problem)
+        if measured is not None:
+            return base_ms * learned.correction(problem, name, base_ms) * measured
+        return (base_ms * learned.correction(problem, name, base_ms, place) * order_factor(place)
+                * self.by_backend.get(backend_of(name), 1.0))
+
+    @classmethod
+    def of(cls, measurements: Iterable[tuple[ConvProblem, Any]]) -> Corrections:
+        """The table that ``measurements`` ((problem, result) pairs, as ``TuningDB.measurements`` gives them) make,
+        priced for the GPU being priced now (``hardware.measured_on``)."""
+        return _aggregate(_ratios(measurements))
+
 
 NO_CORRECTIONS = Corrections()
 _tables: weakref.WeakKeyDictionary[Any, dict[str, _Table]] = weakref.WeakKeyDictionary()
@@ -209,35 +227,42 @@ def _log_ratios(problem: ConvProblem, results: Any) -> list[tuple[str, float]]:
     return out
 
 
+def _ratios(measurements: Iterable[tuple[ConvProblem, Any]]) -> dict[ConvProblem, list[tuple[str, float]]]:
+    """Each problem's (algorithm, log(measured / predicted)) pairs."""
+    by_problem: dict[ConvProblem, list[Any]] = defaultdict(list)
+    for problem, result in measurements:
+        by_problem[problem].append(result)
+    return {p: _log_ratios(p, results) for p, results in by_problem.items()}
+
+
 class _Table:
     """A device's measurements as log ratios per problem, and the corrections they make: the
     geometric means of measured / predicted time per (algorithm, direction, dtype) and per backend."""
 
     def __init__(self, measurements: list[tuple[ConvProblem, Any]], model: int = 0) -> None:
         self.model = model  # the learned model's version the ratios were taken against
-        by_problem: dict[ConvProblem, list[Any]] = defaultdict(list)
-        for problem, result in measurements:
-            by_problem[problem].append(result)
-        self.ratios = {p: _log_ratios(p, results) for p, results in by_problem.items()}
-        self.corrections = self._aggregate()
+        self.ratios = _ratios(measurements)
+        self.corrections = _aggregate(self.ratios)
 
     def replace(self, problem: ConvProblem, results: Any) -> None:
         """``problem``'s measurements are now ``results`` (a find stored them): the corrections follow."""
         self.ratios[problem] = _log_ratios(problem, results)
-        self.corrections = self._aggregate()
+        self.corrections = _aggregate(self.ratios)
 
-    def _aggregate(self) -> Corrections:
-        logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
-        backend_logs: dict[str, list[float]] = defaultdict(list)
-        for problem, ratios in self.ratios.items():
-            for algorithm, ratio in ratios:
-                logs[(algorithm, problem.direction, problem.dtype)].append(ratio)
-                backend_logs[backend_of(algorithm)].append(ratio)
 
-        def geomean(values: list[float]) -> float:
-            return math.exp(sum(values) / len(values))
+def _aggregate(ratios: Mapping[ConvProblem, list[tuple[str, float]]]) -> Corrections:
+    """Geometric means of the problems' (algorithm, log ratio) pairs per (algorithm, direction, dtype), per backend."""
+    logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    backend_logs: dict[str, list[float]] = defaultdict(list)
+    for problem, pairs in ratios.items():
+        for algorithm, ratio in pairs:
+            logs[(algorithm, problem.direction, problem.dtype)].append(ratio)
+            backend_logs[backend_of(algorithm)].append(ratio)
 
-        return Corrections({k: geomean(v) for k, v in logs.items()}, {k: geomean(v) for k, v in backend_logs.items()})
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(values) / len(values))
+
+    return Corrections({k: geomean(v) for k, v in logs.items()}, {k: geomean(v) for k, v in backend_logs.items()})
 
 
 def _table(db: Any, device: str, *, build: bool) -> _Table | None:

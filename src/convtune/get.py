@@ -52,16 +52,7 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
     workspace = workspace or 0
     notes = algorithm.notes(problem)
     base_ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32)
-    table = costmodel.corrections(db, problem.device)
-    measured = table.measured(algorithm.name, problem)
-    place = algorithm.place
-    if measured is not None:
-        # The database's ratio for this algorithm is to the prediction without a place (costmodel prices
-        # stored results so): it already holds what the place would add; counted once, not twice.
-        ms = base_ms * learned.correction(problem, algorithm.name, base_ms) * measured
-    else:
-        ms = base_ms * learned.correction(problem, algorithm.name, base_ms, place) * costmodel.order_factor(place)
-        ms *= table.factor(algorithm.name, problem)
+    ms = costmodel.corrections(db, problem.device).price(algorithm.name, problem, base_ms, algorithm.place)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
                       reduced_precision=notes.reduced_precision,

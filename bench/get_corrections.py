@@ -1,0 +1,103 @@
+"""Does a tuning database of other problems make get's picks better? Judged on networks it never saw.
+
+``get`` prices an unmeasured problem with the analytic model, each candidate's place in its backend's heuristic
+order and the database's corrections (``costmodel.Corrections``: measured / predicted per algorithm name,
+direction and dtype, and per backend, from every problem the database holds). For each built-in network in
+turn, from a database that a sweep filled (``bench/sweep.py``), this prices that network's layers' measured
+candidates twice with ``Corrections.price``, get's own formula: without corrections and with those of every
+other problem of the database (leave one network out), and takes the measured time of each first pick over
+the best measured; cuDNN's heuristics A and B beside them (their first plan, where it was measured).
+
+    python bench/get_corrections.py --db bench/data/sweep.sqlite --measured-on auto
+
+The database's rows are priced for the GPU that measured them (``hardware.measured_on``), so this runs on any
+machine; cuDNN's order and first choices come from ``bench/data/cudnn_order.json.gz`` (``bench/cudnn_order.py``).
+No learned model is trained or used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import convtune as ct  # noqa: E402
+from convtune import costmodel, hardware, learned, zoo  # noqa: E402
+from learned_get import ORDERS, database_gpu, heuristic_names, recorded_orders  # noqa: E402
+from sweep import network_problems  # noqa: E402
+
+RANKINGS = ("without", "with_db", "cudnn_A", "cudnn_B")
+
+
+def first_picks(rows: list[learned.Sample], corrections: costmodel.Corrections,
+                heuristics: dict[str, str | None]) -> dict[str, float | None]:
+    """Measured time over the best measured of each ranking's first pick (None: its pick was not measured)."""
+    best = min(s.measured_ms for s in rows)
+    by_name = {s.name: s.measured_ms for s in rows}
+
+    def pick(table: costmodel.Corrections) -> str:
+        return min(rows, key=lambda s: table.price(s.name, s.problem, s.analytic_ms, s.order)).name
+
+    chosen = {"without": pick(costmodel.NO_CORRECTIONS), "with_db": pick(corrections),
+              "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")}
+    return {r: (by_name[n] / best if n in by_name else None) for r, n in chosen.items()}
+
+
+def judge(db: ct.TuningDB, fingerprint: str, networks: list[str], batch: int, dtypes: list[str]) -> dict:
+    recorded = recorded_orders(ORDERS)
+    pairs = db.measurements("cuda", fingerprint)
+    samples = learned.samples_from(db, "cuda", fingerprint, {k: e["plans"] for k, e in recorded.items()})
+    by_problem: dict = defaultdict(list)
+    for s in samples:
+        by_problem[s.problem].append(s)
+    members = network_problems(networks, batch, dtypes, ["channels_last"], "cuda", None)
+    groups: dict = defaultdict(list)
+    for network in networks:
+        held = {p for n, p in members if n == network and len(by_problem.get(p, ())) >= 2}
+        corrections = costmodel.Corrections.of((p, r) for p, r in pairs if p not in held)
+        for p in held:
+            ratios = first_picks(by_problem[p], corrections, heuristic_names(p, recorded))
+            groups[(p.direction, p.dtype)].append(dict(network=network, problem=p.key, **ratios))
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--db", default="bench/data/sweep.sqlite")
+    parser.add_argument("--measured-on", default="auto", metavar="FINGERPRINT",
+                        help="the database's CUDA fingerprint whose rows are judged ('auto': its only one)")
+    parser.add_argument("--networks", default="all", help="built-in networks to hold out in turn, comma-separated")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtypes", default="float16")
+    common.result_arguments(parser, "get_corrections")
+    args = parser.parse_args(argv)
+    with ct.TuningDB(args.db) as db:
+        fingerprint = database_gpu(parser, db, args.db, args.measured_on)
+        with hardware.measured_on(fingerprint):
+            networks = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
+            groups = judge(db, fingerprint, networks, args.batch, args.dtypes.split(","))
+    summary = {"/".join(k): {r: learned.summarize([row[r] for row in rows if row.get(r)]) for r in RANKINGS}
+               for k, rows in sorted(groups.items())}
+    lines = [[*key.split("/"), len(groups[tuple(key.split("/"))]),
+              *(f"{s['geomean']:.3f} / {s['worst']:.2f} / {100 * s['top1']:.0f}%" if (s := cells[r]) else "-"
+                for r in RANKINGS)] for key, cells in summary.items()]
+    env = common.environment()
+    text = (f"# get with and without a database of other problems\n\n{common.env_line(env)}; judged on the "
+            f"measurements of {fingerprint} (`{args.db}`), the layers of {', '.join(networks)} (batch {args.batch}), "
+            f"each network held out of the database in turn.\n\nPer ranking, the measured time of its first pick over "
+            f"the best measured: geometric mean / worst / how often it is the best. without: get's analytic price and "
+            f"cuDNN's order, no database; with_db: the same with the corrections of every other problem of the "
+            f"database; cudnn_A/B: cuDNN's heuristics' first plan.\n\n"
+            + common.md_table(["direction", "dtype", "problems", *(f"{r}" for r in RANKINGS)], lines))
+    common.write(args.name, {"environment": env, "measured_on": fingerprint, "summary": summary,
+                             "rows": {k: rows for k, rows in ((("/".join(k)), v) for k, v in groups.items())}},
+                 text, args.out)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
