@@ -8,7 +8,8 @@ candidates twice with ``Corrections.price``, get's own formula: without correcti
 other problem of the database (leave one network out), and takes the measured time of each first pick over
 the best measured; cuDNN's heuristics A and B beside them (their first plan, where it was measured).
 
-    python bench/get_corrections.py --db bench/data/sweep.sqlite --measured-on auto
+    convtune cache --db /tmp/sweep.sqlite import bench/data/sweep.jsonl.gz
+    python bench/get_corrections.py --db /tmp/sweep.sqlite
 
 The database's rows are priced for the GPU that measured them (``hardware.measured_on``), so this runs on any
 machine; cuDNN's order and first choices come from ``bench/data/cudnn_order.json.gz`` (``bench/cudnn_order.py``).
