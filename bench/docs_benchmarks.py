@@ -223,7 +223,7 @@ def render() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md is out of date")
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md or README's table is out of date")
     args = parser.parse_args()
     outputs = {DOC: render(), README: readme()}
     if args.check:

@@ -482,7 +482,7 @@ def _ms(row: dict | None, workload: str) -> str:
 
 
 def markdown(env: dict, rows: dict) -> str:
-    head = (f"# End-to-end benchmark\n\n{common.env_line(env)} (the last run's). Autocast, channels_last; "
+    head = (f"# End-to-end benchmark\n\n{common.env_line(env)}, the last run's. Autocast, channels_last; "
             "median of 7 timings of 10 steps (ms per step); each row its own process (or, where a range follows, "
             "the median of several processes' medians and their range); rows keep the date and revision of the "
             "run that measured them.\n\n" + ANCHORS + "\n")

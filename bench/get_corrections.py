@@ -13,7 +13,8 @@ the best measured; cuDNN's heuristics A and B beside them (their first plan, whe
 
 The database's rows are priced for the GPU that measured them (``hardware.measured_on``), so this runs on any
 machine; cuDNN's order and first choices come from ``bench/data/cudnn_order.json.gz`` (``bench/cudnn_order.py``).
-No learned model is trained or used.
+No learned model is trained; ``price`` would apply one that this machine holds for that GPU (none ships), and the
+report says whether one was active. A layer that several networks share is judged once per network.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def judge(db: ct.TuningDB, fingerprint: str, networks: list[str], batch: int, dt
     members = network_problems(networks, batch, dtypes, ["channels_last"], "cuda", None)
     groups: dict = defaultdict(list)
     for network in networks:
-        held = {p for n, p in members if n == network and len(by_problem.get(p, ())) >= 2}
+        held = {p for n, p in members if n == network}  # every layer of it out of the database, judged or not
         corrections = costmodel.Corrections.of((p, r) for p, r in pairs if p not in held)
-        for p in held:
+        for p in sorted((p for p in held if len(by_problem.get(p, ())) >= 2), key=lambda p: p.key):
             ratios = first_picks(by_problem[p], corrections, heuristic_names(p, recorded))
             groups[(p.direction, p.dtype)].append(dict(network=network, problem=p.key, **ratios))
     return groups
@@ -80,19 +81,22 @@ def main(argv: list[str] | None = None) -> int:
         with hardware.measured_on(fingerprint):
             networks = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
             groups = judge(db, fingerprint, networks, args.batch, args.dtypes.split(","))
+            model = "a learned model active" if learned.version("cuda") else "no learned model"
     summary = {"/".join(k): {r: learned.summarize([row[r] for row in rows if row.get(r)]) for r in RANKINGS}
                for k, rows in sorted(groups.items())}
     lines = [[*key.split("/"), len(groups[tuple(key.split("/"))]),
               *(f"{s['geomean']:.3f} / {s['worst']:.2f} / {100 * s['top1']:.0f}%" if (s := cells[r]) else "-"
                 for r in RANKINGS)] for key, cells in summary.items()]
     env = common.environment()
+    distinct = {row["problem"] for rows in groups.values() for row in rows}
     text = (f"# get with and without a database of other problems\n\n{common.env_line(env)}; judged on the "
             f"measurements of {fingerprint} (`{args.db}`), the layers of {', '.join(networks)} (batch {args.batch}), "
-            f"each network held out of the database in turn.\n\nPer ranking, the measured time of its first pick over "
+            f"each network held out of the database in turn ({len(distinct)} distinct layer directions; {model}).\n\n"
+            f"Per ranking, the measured time of its first pick over "
             f"the best measured: geometric mean / worst / how often it is the best. without: get's analytic price and "
             f"cuDNN's order, no database; with_db: the same with the corrections of every other problem of the "
             f"database; cudnn_A/B: cuDNN's heuristics' first plan.\n\n"
-            + common.md_table(["direction", "dtype", "problems", *(f"{r}" for r in RANKINGS)], lines))
+            + common.md_table(["direction", "dtype", "judged (per network)", *(f"{r}" for r in RANKINGS)], lines))
     common.write(args.name, {"environment": env, "measured_on": fingerprint, "summary": summary,
                              "rows": {k: rows for k, rows in ((("/".join(k)), v) for k, v in groups.items())}},
                  text, args.out)

@@ -271,7 +271,7 @@ get_corrections = _bench_script("get_corrections")
 
 
 def test_get_corrections_prices_held_out_layers_with_and_without_the_other_problems_measurements(
-        tmp_path, get_corrections, sweep):
+        tmp_path, get_corrections, sweep, monkeypatch):
     # Another machine's rows: gemm:im2col runs at half its price everywhere, torch:native at its price. With the
     # other problems' corrections get prices both exactly and always picks the faster; without, by price alone.
     import convtune as ct
@@ -280,8 +280,8 @@ def test_get_corrections_prices_held_out_layers_with_and_without_the_other_probl
     from convtune.results import PerfResult
 
     h200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"
-    problems = [p for _, p in sweep.network_problems(["resnet18"], 32, ["float16"], ["channels_last"], "cuda", 6)]
-    problems += [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(20)]
+    held = [p for _, p in sweep.network_problems(["resnet18"], 32, ["float16"], ["channels_last"], "cuda", 6)]
+    problems = held + [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(20)]
     lines = []
     with hardware.measured_on(h200):
         for p in problems:
@@ -293,14 +293,24 @@ def test_get_corrections_prices_held_out_layers_with_and_without_the_other_probl
     with ct.TuningDB(tmp_path / "h200.sqlite") as db:
         db.import_(tmp_path / "h200.jsonl")
     out = tmp_path / "out"
+    seen = []  # what each held-out network's corrections were made of: none of its layers
+    made_of = costmodel.Corrections.of
+
+    def recording(pairs):
+        pairs = list(pairs)
+        seen.extend(pairs)
+        return made_of(pairs)
+
+    monkeypatch.setattr(costmodel.Corrections, "of", staticmethod(recording))
     assert get_corrections.main(["--db", str(tmp_path / "h200.sqlite"), "--networks", "resnet18",
                                  "--out", str(out)]) == 0
+    assert seen and not {p.key for p, _ in seen} & {p.key for p in held}
     summary = json.loads((out / "get_corrections.json").read_text())["summary"]
     assert summary, "no held-out layer judged"
     for cells in summary.values():
         assert cells["with_db"]["top1"] == 1.0 and cells["with_db"]["geomean"] == pytest.approx(1.0)
         assert cells["without"]["geomean"] >= cells["with_db"]["geomean"]
-        assert cells["cudnn_A"] == {}  # no cuDNN order recorded for made-up problems
+        assert cells["cudnn_A"] == {}  # cuDNN's first plan for made-up problems: not among the measured
     assert any(cells["without"]["geomean"] > 1.0 for cells in summary.values())  # the price alone misses some
     assert "| fwd | float16 |" in (out / "get_corrections.md").read_text()
     assert hardware.assumed_gpu() is None

@@ -188,12 +188,6 @@ class Corrections:
         """The factor of ``name``'s own measurements in this direction and dtype (None: none measured)."""
         return self.by_algorithm.get((name, problem.direction, problem.dtype))
 
-    def factor(self, name: str, problem: ConvProblem) -> float:
-        exact = self.measured(name, problem)
-        if exact is not None:
-            return exact
-        return self.by_backend.get(backend_of(name), 1.0)
-
     def price(self, name: str, problem: ConvProblem, base_ms: float, place: int | None = None) -> float:
         """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the learned correction, then
         this table's. A name measured in this direction and dtype takes its own factor, which already holds what
@@ -205,8 +199,8 @@ class Corrections:
         return (base_ms * learned.correction(problem, name, base_ms, place) * order_factor(place)
                 * self.by_backend.get(backend_of(name), 1.0))
 
-    @classmethod
-    def of(cls, measurements: Iterable[tuple[ConvProblem, Any]]) -> Corrections:
+    @staticmethod
+    def of(measurements: Iterable[tuple[ConvProblem, Any]]) -> Corrections:
         """The table that ``measurements`` ((problem, result) pairs, as ``TuningDB.measurements`` gives them) make,
         priced for the GPU being priced now (``hardware.measured_on``)."""
         return _aggregate(_ratios(measurements))
