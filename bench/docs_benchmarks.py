@@ -80,8 +80,8 @@ def readme_table() -> str:
         warm = [r["tune_s"] for r in tuned if r.get("db") == "warm" and r.get("tune_s") is not None]
         bench = configs.get(f"{group}:eager:torch_bm1") or {}
         first = (bench.get("inference_first_s") or 0) + (bench.get("training_first_s") or 0)
-        tuning = (f"{statistics.median(cold):.1f} s" if cold else "-") + " / " + \
-                 (f"{statistics.median(warm):.2f} s" if warm else "-") + (f" ({first:.1f} s)" if bench else "")
+        tuning = " / ".join([f"{statistics.median(cold):.1f} s" if cold else "-",
+                             f"{statistics.median(warm):.2f} s" if warm else "-"]) + (f" ({first:.1f} s)" if bench else "")
         rows.append([title, *cells, f"[{tuning}]({link})"])
     return common.md_table(["network", "CUDA graph", "eager", "torch.compile",
                             "tuning: empty database / warm (benchmark mode's first calls)"], rows)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune as ct  # noqa: E402
 from convtune import costmodel, hardware, learned, zoo  # noqa: E402
-from learned_get import ORDERS, database_gpu, heuristic_names, recorded_orders  # noqa: E402
+from learned_get import ORDERS, database_gpu, heuristic_names, recorded_orders, table  # noqa: E402
 from sweep import network_problems  # noqa: E402
 
 RANKINGS = ("without", "with_db", "cudnn_A", "cudnn_B")
@@ -82,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             networks = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
             groups = judge(db, fingerprint, networks, args.batch, args.dtypes.split(","))
             model = "a learned model active" if learned.version("cuda") else "no learned model"
-    summary = {"/".join(k): {r: learned.summarize([row[r] for row in rows if row.get(r)]) for r in RANKINGS}
-               for k, rows in sorted(groups.items())}
-    lines = [[*key.split("/"), len(groups[tuple(key.split("/"))]),
-              *(f"{s['geomean']:.3f} / {s['worst']:.2f} / {100 * s['top1']:.0f}%" if (s := cells[r]) else "-"
-                for r in RANKINGS)] for key, cells in summary.items()]
+    summary, table_text = table(groups, RANKINGS, ("direction", "dtype"), "judged (per network)")
     env = common.environment()
     distinct = {row["problem"] for rows in groups.values() for row in rows}
     text = (f"# get with and without a database of other problems\n\n{common.env_line(env)}; judged on the "
@@ -95,11 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             f"Per ranking, the measured time of its first pick over "
             f"the best measured: geometric mean / worst / how often it is the best. without: get's analytic price and "
             f"cuDNN's order, no database; with_db: the same with the corrections of every other problem of the "
-            f"database; cudnn_A/B: cuDNN's heuristics' first plan.\n\n"
-            + common.md_table(["direction", "dtype", "judged (per network)", *(f"{r}" for r in RANKINGS)], lines))
+            f"database; cudnn_A/B: cuDNN's heuristics' first plan.\n\n" + table_text)
     common.write(args.name, {"environment": env, "measured_on": fingerprint, "summary": summary,
-                             "rows": {k: rows for k, rows in ((("/".join(k)), v) for k, v in groups.items())}},
-                 text, args.out)
+                             "rows": {"/".join(k): rows for k, rows in groups.items()}}, text, args.out)
     print(text)
     return 0
 

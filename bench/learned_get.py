@@ -133,16 +133,19 @@ def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
     return summary, common.md_table(header, lines)
 
 
-def table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
+def table(groups: dict[tuple, list[dict]], rankings: tuple[str, ...] = RANKINGS,
+          key_names: tuple[str, ...] = ("held out", "direction", "dtype"), count: str = "problems") -> tuple[dict, str]:
+    """Per group (its key's parts named by ``key_names``), each ranking's pick-over-best summary: a dict keyed by the
+    parts joined with '/', and a markdown table of geometric mean / worst / top-1."""
     summary, lines = {}, []
     for key, rows in sorted(groups.items()):
-        summary["/".join(key)] = {r: learned.summarize([row[r] for row in rows if row.get(r)]) for r in RANKINGS}
+        summary["/".join(key)] = {r: learned.summarize([row[r] for row in rows if row.get(r)]) for r in rankings}
         cells = []
-        for ranking in RANKINGS:
+        for ranking in rankings:
             s = summary["/".join(key)][ranking]
             cells.append(f"{s['geomean']:.3f} / {s['worst']:.2f} / {100 * s['top1']:.0f}%" if s else "-")
         lines.append([*key, len(rows), *cells])
-    header = ["held out", "direction", "dtype", "problems", *(f"{r}: geomean / worst / top-1" for r in RANKINGS)]
+    header = [*key_names, count, *(f"{r}: geomean / worst / top-1" for r in rankings)]
     return summary, common.md_table(header, lines)
 
 
