@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import convtune as ct  # noqa: E402
-from convtune import zoo  # noqa: E402
+from convtune import extension, zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.pytorch import ops  # noqa: E402
 from convtune.settings import settings  # noqa: E402
@@ -332,10 +332,9 @@ def _step(module, x, training: bool):
 def compiled_rows(p, x) -> list[tuple[str, float]]:
     """Ten such layers in a row under torch.compile (Inductor), an optimized copy against the PyTorch one, timed
     in alternation: per layer, inference and a training step's forward+backward (of the output's sum), and the
-    same networks in eager code beside them. Under Inductor a tuned layer is a call of the op from the generated
-    Python (boxed, through ``torch.ops``) and a check of its result's strides, its backward one such call for both
-    gradients (``convtune.layer_backward``); PyTorch's are ``extern_kernels.convolution`` and one
-    ``aten.convolution_backward``. Tuned with the host-cost rule off: its layers gain nothing on the GPU, so the
+    same networks in eager code beside them. Under Inductor a tuned layer of static shape is a call of
+    ``convtune.tuned_run`` per direction from the generated Python (boxed, through ``torch.ops``) and a check of
+    its result's strides; PyTorch's are ``extern_kernels.convolution`` and one ``aten.convolution_backward``. Tuned with the host-cost rule off: its layers gain nothing on the GPU, so the
     rule would send them to PyTorch's call (in compiled code too), and these rows measure the op's path."""
     torch.manual_seed(0)
     base = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 1, bias=False) for _ in range(10)])
@@ -357,7 +356,44 @@ def compiled_rows(p, x) -> list[tuple[str, float]]:
                 rows += [(f"10 layers {style}, {what}, per layer: optimized ({', '.join(chosen)}); nn.Conv2d "
                           f"{torch_us / 10:.1f}", ours_us / 10),
                          (f"10 layers {style}, {what}: optimized / nn.Conv2d's", ratio)]
+        if not training:
+            rows += compiled_call_rows(ours[0], x)
     return rows
+
+
+def compiled_call_rows(module, x) -> list[tuple[str, float]]:
+    """The calls Inductor's generated code makes for one convolution, each alone (per call, us): PyTorch's
+    (``extern_kernels.convolution``, a generated binding, and the same op through ``torch.ops``, boxed), and a tuned
+    layer's (``torch.ops.convtune.layer_run``: the boxed call, the layer's lookup, then its executable; the same op
+    on a layer id no layer has, which runs PyTorch's convolution; the executable through ``tuned_run``)."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    layer, geometry = module._convtune_layer, module._convtune_geometry
+    if not layer:
+        return []
+    w = module.weight.detach()
+    stride, padding, dilation, groups = geometry
+    entries = extension.loaded().layer_entries(layer)
+    handle = entries[0][4][0] if entries else 0
+    calls = {
+        "extern_kernels.convolution": lambda: extern_kernels.convolution(
+            x, w, stride=tuple(stride), padding=tuple(padding), dilation=tuple(dilation), transposed=False,
+            output_padding=(0, 0), groups=groups, bias=None),
+        "torch.ops.aten.convolution.default": lambda: torch.ops.aten.convolution.default(
+            x, w, None, stride, padding, dilation, False, [0, 0], groups),
+        "torch.ops.convtune.layer_run.default": lambda: torch.ops.convtune.layer_run.default(
+            x, w, stride, padding, dilation, groups, layer, False, False),
+        "torch.ops.convtune.layer_run.default, no such layer (PyTorch's call)":
+            lambda: torch.ops.convtune.layer_run.default(x, w, stride, padding, dilation, groups, 1 << 40, False,
+                                                         False),
+    }
+    if handle:
+        calls["torch.ops.convtune.tuned_run.default (the executable)"] = \
+            lambda: torch.ops.convtune.tuned_run.default(x, w, handle)
+    calls["torch.empty_like (an allocation)"] = lambda: torch.empty_like(x)
+    with torch.no_grad():
+        return [(f"compiled code's call, alone: {name}", statistics.median(_per_call_us(fn) for _ in range(5)))
+                for name, fn in calls.items()]
 
 
 def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:

@@ -510,8 +510,10 @@ def _trains_like(model: torch.nn.Module, y: torch.Tensor, x: torch.Tensor, twin:
         torch.testing.assert_close(pa.grad, pb.grad, atol=atol, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(native, backend, monkeypatch, tmp_path):
+@pytest.mark.parametrize("backend,dynamic", [("aot_eager", False), pytest.param("inductor", False, marks=pytest.mark.slow),
+                                             pytest.param("inductor", True, marks=pytest.mark.slow)])
+def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(native, backend, dynamic, monkeypatch,
+                                                                              tmp_path):
     # Inductor's caches of its own: a graph compiled for another version of the extension would be served from them
     # (its ops' C++ is not part of their keys), so the generated code read below would not be this version's.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
@@ -521,7 +523,7 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
     model = _native_model(x)
     twin = copy.deepcopy(model)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
 
     def step():
         y = compiled(xa)
@@ -532,10 +534,14 @@ def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(nat
         y, code = run_and_get_code(step)
         text = "\n".join(code)
         assert "convtune.pytorch" not in text  # the ops, no Python of ours
-        assert "convtune.layer_run" in text  # the forward of both layers
-        # both gradients in one call of the op per layer (the input needs its gradient, so every layer's does)
-        assert "convtune.layer_backward.default" in text
-        assert "convtune.layer_backward_data" not in text and "convtune.layer_backward_filter" not in text
+        if dynamic:  # symbolic shapes: the layer ops, which look each shape up
+            assert "convtune.layer_run" in text  # the forward of both layers
+            # both gradients in one call of the op per layer (the input needs its gradient, so every layer's does)
+            assert "convtune.layer_backward.default" in text
+            assert "convtune.layer_backward_data" not in text and "convtune.layer_backward_filter" not in text
+        else:  # static shapes chosen in eager code: the executables by handle, one call per direction
+            assert "convtune.tuned_run.default" in text and "convtune.layer_" not in text
+            assert text.count("convtune.tuned_run.default(") == 6  # two layers, three directions each
     else:
         y = step()
     _trains_like(model, y, xa, twin, xb, atol=1e-5)
@@ -988,7 +994,7 @@ def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_c
                                                                                       gain_ms, compiled_torch):
     from convtune.results import PerfResult, Status
 
-    # Eager code pays nothing for gemm:1x1's executables; compiled code pays 5 us a call of the layer's op.
+    # Eager code pays nothing for gemm:1x1's executables; compiled code pays 5 us a call of convtune's op.
     monkeypatch.setattr(runtime, "host_overheads_us",
                         lambda device, db=None: {"python": 50.0, "gemm_1x1": 0.0, "native": 0.0, "compiled": 5.0})
     x = torch.randn(2, 6, 5, 5)
@@ -998,23 +1004,24 @@ def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_c
         module._convtune_tuning.db.store(p.with_direction(d), [
             PerfResult("gemm:1x1", Status.OK, time_ms=0.01, rel_error=0.0),
             PerfResult("torch:native", Status.OK, time_ms=0.01 + gain_ms, rel_error=0.0)])
-    module(x.requires_grad_()).sum().backward()  # 3 x gain_ms gained against 2 calls x 5 us
+    module(x.requires_grad_()).sum().backward()  # 3 x gain_ms gained against 3 calls (one a direction) x 5 us
     selection = next(iter(module.selections.values()))
     assert selection.runtime == "native" and selection.fwd == "gemm:1x1"  # eager code runs the choices
     assert selection.compiled_torch is compiled_torch
     assert pickle.loads(pickle.dumps(selection)).compiled_torch is compiled_torch
     rows = ct.explain(module)
-    assert {row["compiled"] for row in rows} == {"torch" if compiled_torch else "layer op"}
+    assert {row["compiled"] for row in rows} == {"torch" if compiled_torch else "executables"}
     if compiled_torch:
-        assert "gain 6.0 us of GPU time a step, less than the 10.0 us" in rows[0]["note"]
-    for dynamic, op in ((False, not compiled_torch), (True, True)):  # a symbolic shape: the layer op whatever
+        assert "gain 6.0 us of GPU time a step, less than the 15.0 us" in rows[0]["note"]
+    # a static shape: PyTorch's convolution or the executables; a symbolic one: the layer op whatever
+    for dynamic, op in ((False, "conv2d" if compiled_torch else "tuned_conv"), (True, "layer_conv")):
         graphs: list = []
         compiled = torch.compile(module, backend=_counting_backend(graphs), dynamic=dynamic, fullgraph=True)
         y = compiled(x)
         y.sum().backward()
         torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
         code = "\n".join(str(g.code) for g in graphs)
-        assert ("layer_conv" in code) is op and ("conv2d" in code) is not op, code
+        assert [name for name in ("conv2d", "tuned_conv", "layer_conv") if name in code] == [op], code
 
 
 def test_what_compiled_code_pays_to_call_the_op_is_measured_on_the_op_for_no_layer(native, monkeypatch):

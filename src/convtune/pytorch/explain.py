@@ -30,10 +30,11 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     runs it through convtune's op) or none could be tuned;
     'python', convtune's Python path), status, time_ms (None when not measured), workspace_bytes
     note (why torch's or the Python path, or the result's message) and compiled (what torch.compile
-    traces for the layer: 'layer op', its C++ op that looks every input shape up; 'torch', PyTorch's own
-    convolution for an input of this static shape where the layer would call PyTorch or its choices gain less
-    than compiled code pays to call the op (the layer op where the shape is symbolic); or 'by shape', its
-    choice per specialized shape; docs/runtime.md). Raises ``TypeError`` for a non-Module.
+    traces for the layer: 'executables', for an input of this static shape the chosen executables by handle
+    (``tuned_conv``); 'torch', PyTorch's own convolution for an input of this static shape where the layer would
+    call PyTorch or its choices gain less than compiled code pays to call convtune's op; 'layer op', its C++ op
+    that looks every input shape up (a shape met first in compiled code; any symbolic shape takes it too); or
+    'by shape', its choice per specialized shape; docs/runtime.md). Raises ``TypeError`` for a non-Module.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"explain() takes a torch.nn.Module, got {type(model).__name__}")

@@ -74,7 +74,8 @@ class TunedConv(_ConvBase):
         self._convtune_selections = {}
         self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
         self._convtune_traced: dict[str, tuple[int, ...]] = {}  # see _convtune_traced_forward
-        self._convtune_torch_keys: dict[str, bool] = {}  # likewise: static inputs traced as PyTorch's convolution
+        # likewise: static inputs traced without the layer op, () PyTorch's convolution, else the handles of tuned_conv
+        self._convtune_static: dict[str, tuple[int, ...]] = {}
         self._convtune_full_path = False  # see _convtune_update_full_path
         self._convtune_from_compiled: set[Signature] = set()  # signatures selected for at compiled code's request
         self._convtune_drop_layer()
@@ -89,7 +90,7 @@ class TunedConv(_ConvBase):
             self._convtune_selections.clear()
             self._convtune_fast.clear()
             self._convtune_traced.clear()
-            self._convtune_torch_keys.clear()
+            self._convtune_static.clear()
             self._convtune_from_compiled.clear()
             self._convtune_drop_layer()
 
@@ -102,7 +103,7 @@ class TunedConv(_ConvBase):
             self._convtune_selections.pop(sig, None)
         self._convtune_provisional = {}
         self._convtune_traced = {}
-        self._convtune_torch_keys = {}
+        self._convtune_static = {}
         self._convtune_full_path = False
         self._convtune_from_compiled = set(state.get("_convtune_from_compiled", ()))
         self._convtune_layer = 0  # the original's layer stays the original's: a copy makes its own
@@ -141,10 +142,10 @@ class TunedConv(_ConvBase):
                 self._convtune_traced[key] = entry
             # Compiled code that asked for this choice keeps its layer op: reading the choice there would
             # recompile the graph that asked (see _convtune_update_full_path).
-            if entry == () and sig not in self._convtune_from_compiled:
-                self._convtune_torch_keys[key] = True
+            if entry is not None and sig not in self._convtune_from_compiled:
+                self._convtune_static[key] = entry
             else:
-                self._convtune_torch_keys.pop(key, None)
+                self._convtune_static.pop(key, None)
         self._convtune_update_full_path()
         layer, module = self._convtune_layer or self._convtune_make_layer(), extension.loaded()
         if layer and module is not None and not provisional and sig.dtype in _LAYER_DTYPES:
@@ -152,10 +153,14 @@ class TunedConv(_ConvBase):
 
     def _convtune_compiled_as(self, sig: Signature) -> str:
         """What torch.compile traces for an input of ``sig``, read from the tables the traced forward reads:
-        'torch' (PyTorch's convolution, for a static shape), 'layer op' or 'by shape' (explain's ``compiled``)."""
+        'torch' (PyTorch's convolution, for a static shape), 'executables' (``tuned_conv`` on the chosen executables'
+        handles, for a static shape), 'layer op' or 'by shape' (explain's ``compiled``)."""
         if not self._convtune_layer or self._convtune_full_path:
             return "by shape"
-        return "torch" if any(self._convtune_torch_keys.get(key) for _, key in _traced_keys(sig)) else "layer op"
+        static = [self._convtune_static[key] for _, key in _traced_keys(sig) if key in self._convtune_static]
+        if not static:
+            return "layer op"
+        return "torch" if any(entry == () for entry in static) else "executables"
 
     def _convtune_adopt_landed(self, sig: Signature) -> None:
         """If a background measurement has finished since ``sig``'s provisional choice, forget that choice: the
@@ -171,7 +176,7 @@ class TunedConv(_ConvBase):
         self._convtune_from_compiled.discard(sig)
         for _, key in _traced_keys(sig):
             self._convtune_traced.pop(key, None)
-            self._convtune_torch_keys.pop(key, None)
+            self._convtune_static.pop(key, None)
         self._convtune_update_full_path()
         module = extension.loaded()
         if self._convtune_layer and module is not None and sig.dtype in _LAYER_DTYPES:
@@ -221,13 +226,14 @@ class TunedConv(_ConvBase):
         calls its op, ``torch.ops.convtune.layer_conv``, which looks the input's signature up on every call (one
         met first in compiled code is selected for then, measuring as a first call does) and computes its result's
         shape from symbolic sizes: no shape is baked into the graph, no new shape recompiles it or breaks it. An
-        input of static shape whose choice, made in eager code or by optimize, is PyTorch's call or gains less than
-        compiled code pays for the op (``_convtune_torch_keys``, one guarded lookup) calls PyTorch's convolution.
-        Otherwise (no extension loaded, a layer that pads explicitly first, a choice on the Python path or waiting
-        on a measurement) one entry of ``_convtune_traced``, found by a string that says what the choice depends
-        on (shape, dtype under autocast, device, layout, the gradients needed), which Dynamo guards with one
-        lookup (and which specializes the shape); no entry: the full path, which tunes (at a graph break) and
-        explains. An unbatched input always takes the full path."""
+        input of static shape whose choice was made in eager code or by optimize (``_convtune_static``, one guarded
+        lookup) calls PyTorch's convolution where that choice is PyTorch's call or gains less than compiled code pays
+        for convtune's op, else ``tuned_conv`` on the chosen executables' handles: a call with fewer arguments than
+        the layer op's, and no lookup. Otherwise (no extension loaded, a layer that pads explicitly first, a choice
+        on the Python path or waiting on a measurement) one entry of ``_convtune_traced``, found by a string that
+        says what the choice depends on (shape, dtype under autocast, device, layout, the gradients needed), which
+        Dynamo guards with one lookup (and which specializes the shape); no entry: the full path, which tunes (at a
+        graph break) and explains. An unbatched input always takes the full path."""
         cast = _autocast_dtype(input)
         weight = self.weight
         if input.dim() != weight.dim() or (cast is None and weight.dtype != input.dtype):
@@ -235,15 +241,21 @@ class TunedConv(_ConvBase):
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
         if self._convtune_layer and not self._convtune_full_path and input.device.type in ("cpu", "cuda"):
-            # An input of static shape whose choice, made in eager code or by optimize, is PyTorch's call or
-            # gains less than compiled code pays to call the op (LayerSelection.compiled_torch): PyTorch's
-            # convolution, which Inductor calls for less host time (and adds the bias in it). Else the layer's
-            # op: it looks its input's signature up on every call, and has one met first here selected for, so
-            # that neither a new shape nor a symbolic one breaks the graph or recompiles it.
+            # An input of static shape whose choice was made in eager code or by optimize: PyTorch's convolution
+            # where that choice is PyTorch's call or gains less than compiled code pays to call convtune's op
+            # (LayerSelection.compiled_torch), which Inductor calls for less host time (and adds the bias in it);
+            # else tuned_conv on the executables' handles, which Inductor calls with three arguments per direction
+            # (tuned_run) and no lookup. Else the layer's op: it looks its input's signature up on every call, and
+            # has one met first here selected for, so that neither a new shape nor a symbolic one breaks the graph
+            # or recompiles it.
             static = tuple(d for d in input.shape if isinstance(d, int))
-            if len(static) == input.dim() and self._convtune_torch_keys.get(_traced_key(
-                    static, cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)):
-                return super().forward(input)
+            known = self._convtune_static.get(_traced_key(
+                static, cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)) \
+                if len(static) == input.dim() else None
+            if known is not None:
+                if not known:
+                    return super().forward(input)
+                return torch.ops.convtune.tuned_conv.default(input, weight, self.bias, *known)
             return torch.ops.convtune.layer_conv.default(input, weight, self.bias, *self._convtune_geometry,
                                                          self._convtune_layer, need_dx, need_dw)
         # int(): each size specialized (Dynamo guards it), so the key is a constant even where shapes are symbolic

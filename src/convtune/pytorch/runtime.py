@@ -39,6 +39,7 @@ from convtune import extension
 from convtune.algorithms.base import Algorithm, NoNativeRecipe
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
+from convtune.ranking import NATIVE
 from convtune.settings import settings
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,7 @@ def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
 _host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
 # Kept with the costs in the database: costs measured by another method are measured again.
-HOST_COST_METHOD = 6
+HOST_COST_METHOD = 7
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
@@ -287,10 +288,10 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     algorithm's own host time is in the time ``find`` measures on the CPU, and on a GPU the kernels' time
     is); and on CUDA the Python path on convtune's Triton kernels ('triton', their launcher included: it
     costs more than the kernels take on small problems); with the extension, 'compiled': what compiled code's
-    call of a layer's op costs over its call of PyTorch's convolution (``_compiled_call_us``). Measured once per
-    machine, software and device type, on a layer of ``probe_problem``'s size (the host sets the pace), and kept
-    in ``db`` when one is given: a warm start reads it. A path whose measurement fails is left out
-    (``extra_host_us`` then charges the Python path's cost).
+    call of convtune's op for one direction costs over its call of PyTorch's convolution
+    (``_compiled_call_us``). Measured once per machine, software and device type, on a layer of
+    ``probe_problem``'s size (the host sets the pace), and kept in ``db`` when one is given: a warm start reads
+    it. A path whose measurement fails is left out (``extra_host_us`` then charges the Python path's cost).
     """
     known = _host_costs.get(device)
     if known is not None:
@@ -418,15 +419,17 @@ def _kind_of(algorithm: Algorithm, problem: ConvProblem) -> str:
 
 
 def _compiled_call_us(p: ConvProblem, device: str) -> float:
-    """Host microseconds that compiled code's call of a layer's op takes over its call of PyTorch's convolution,
-    each as Inductor's generated code makes it: the op through ``torch.ops`` (its arguments matched to the op's
-    schema, then the dispatcher), PyTorch's through ``torch.convolution``'s own binding. The op is called for a
-    layer that does not exist, so it runs PyTorch's convolution itself: the difference is the call's alone."""
+    """Host microseconds that compiled code's call of convtune's op for one direction of a layer of static shape
+    takes over its call of PyTorch's convolution, each as Inductor's generated code makes it: the op
+    (``tuned_run``) through ``torch.ops`` (its arguments matched to the op's schema, then the dispatcher),
+    PyTorch's through ``torch.convolution``'s own binding. The op runs the executable of PyTorch's convolution
+    (torch:native), so the difference is the call's alone."""
     x, w = p.random_inputs()
     stride, padding, dilation = list(p.stride), list(p.padding), list(p.dilation)
-    op = torch.ops.convtune.layer_run.default
+    handle, _ = prepare(p, NATIVE)
+    op = torch.ops.convtune.tuned_run.default
     with torch.no_grad():
-        return _extra_us(lambda: op(x, w, stride, padding, dilation, p.groups, 0, False, False),
+        return _extra_us(lambda: op(x, w, handle),
                          lambda: torch.convolution(x, w, None, stride, padding, dilation, False, [0] * len(stride),
                                                    p.groups), device)
 

@@ -266,11 +266,11 @@ def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_u
                               tuning: Tuning) -> LayerSelection:
     """``selection``, marked ``compiled_torch`` where its GPU gain (``gain_us`` a step) is smaller than what
     compiled code pays for it: the host time its executables add (``eager_us``, as in eager code) and the calls
-    of the layer's op rather than of PyTorch's convolution, one for the forward and, where a gradient is tuned,
-    one for the backward (``runtime.compiled_call_us``)."""
+    of convtune's op rather than of PyTorch's convolution, one per direction tuned (``runtime.compiled_call_us``:
+    a static shape's call, ``tuned_run``)."""
     if selection.native is None:  # the Python path: compiled code breaks the graph there whatever it gains
         return selection
-    calls = 1 + any(direction != "fwd" for direction, _ in selection.results)
+    calls = len({direction for direction, _ in selection.results})
     cost_us = eager_us + calls * runtime.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
     if gain_us >= cost_us:
         return selection
