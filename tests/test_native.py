@@ -475,6 +475,18 @@ def _native_model(x: torch.Tensor) -> torch.nn.Module:
     return torch.nn.Sequential(first, torch.nn.ReLU(), second, torch.nn.Tanh())
 
 
+def _native_model_and_torch_layer(x: torch.Tensor) -> torch.nn.Module:
+    """``_native_model`` and a layer on PyTorch's call in every direction after it."""
+    model = _native_model(x)
+    torch_layer = ct.nn.Conv2d(4, 4, 3, padding=1)
+    torch_layer._convtune_select(Signature((2, 4, 3, 3), x.dtype, x.device, "channels_last"),
+                                 LayerSelection(ConvProblem.from_module(torch_layer, (2, 4, 3, 3),
+                                                                        layout="channels_last").key,
+                                                "torch:native", "torch:native", "torch:native"))
+    model.append(torch_layer)
+    return model
+
+
 @pytest.mark.slow
 def test_a_compiled_training_step_is_right_whatever_layouts_inductor_picks_between_the_layers(native):
     # channels_first layers between PyTorch's convolutions: Inductor on the CPU propagates channels_last
@@ -551,13 +563,7 @@ def test_compiled_code_reads_one_table_entry_per_tuned_layer_not_its_selections(
     # Dynamo guards what the traced forward reads: a tuned layer must read its table entry only (a string key),
     # never the selections (whose keys and values would be guarded field by field on every call).
     x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
-    model = _native_model(x)
-    torch_layer = ct.nn.Conv2d(4, 4, 3, padding=1)
-    torch_layer._convtune_select(Signature((2, 4, 3, 3), x.dtype, x.device, "channels_last"),
-                                 LayerSelection(ConvProblem.from_module(torch_layer, (2, 4, 3, 3),
-                                                                        layout="channels_last").key,
-                                                "torch:native", "torch:native", "torch:native"))
-    model.append(torch_layer)
+    model = _native_model_and_torch_layer(x)
     twin = copy.deepcopy(model)
     assert all(len(m._convtune_traced) == 4 for m in (model[0], model[2], model[4]))  # every gradient tuned
     assert model[4]._convtune_traced[next(iter(model[4]._convtune_traced))] == ()  # PyTorch's own call
@@ -578,6 +584,22 @@ def test_compiled_code_reads_one_table_entry_per_tuned_layer_not_its_selections(
         expected = model(x)
         torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)
     assert expected.shape == (2, 4, 2, 2)
+
+
+def test_compiled_code_guards_one_table_entry_of_a_layer_of_static_shape_and_nothing_else_of_convtunes(native):
+    # Dynamo checks every guard before every call of compiled code: beyond what nn.Conv2d's forward reads, a tuned
+    # layer of static shape adds its choice, one entry of one table (the executables' handles or PyTorch's call).
+    x = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last)
+    model = _native_model_and_torch_layer(x)
+    x.requires_grad_()
+    kinds = [{bool(entry) for entry in model[i]._convtune_static.values()} for i in (0, 2, 4)]
+    assert kinds == [{True}, {True}, {False}]  # the executables' handles twice, PyTorch's call
+    guarded = {g.name for g in torch._dynamo.explain(model)(x).out_guards}
+    ours = {name for name in guarded if name.startswith("L['fn']._modules") and "_convtune" in name}  # the layers'
+    assert {name for name in guarded if name.startswith("L['fn']._modules")} - ours  # (nn.Conv2d's own: weight, ...)
+    tables = {f"L['fn']._modules['{i}']._convtune_static" for i in (0, 2, 4)}
+    assert tables <= ours and all(any(name.startswith(t) for t in tables) for name in ours), sorted(ours)
+    assert len(ours) == 6, sorted(ours)  # each table and its one entry
 
 
 def _traced_only(monkeypatch) -> None:

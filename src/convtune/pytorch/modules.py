@@ -222,14 +222,15 @@ class TunedConv(_ConvBase):
         self._convtune_layer = 0
 
     def _convtune_traced_forward(self, input: torch.Tensor) -> torch.Tensor:
-        """The forward as torch.compile traces it. A layer with a layer of the C++ extension (``_convtune_layer``)
+        """The forward as torch.compile traces it. An input of static shape whose choice was made in eager code or
+        by optimize (``_convtune_static``: one guarded entry, the only state of convtune's that Dynamo then guards)
+        calls PyTorch's convolution where that choice is PyTorch's call or gains less than compiled code pays for
+        convtune's op, else ``tuned_conv`` on the chosen executables' handles: a call with fewer arguments than the
+        layer op's, and no lookup. Any other input of a layer with a layer of the C++ extension (``_convtune_layer``)
         calls its op, ``torch.ops.convtune.layer_conv``, which looks the input's signature up on every call (one
         met first in compiled code is selected for then, measuring as a first call does) and computes its result's
-        shape from symbolic sizes: no shape is baked into the graph, no new shape recompiles it or breaks it. An
-        input of static shape whose choice was made in eager code or by optimize (``_convtune_static``, one guarded
-        lookup) calls PyTorch's convolution where that choice is PyTorch's call or gains less than compiled code pays
-        for convtune's op, else ``tuned_conv`` on the chosen executables' handles: a call with fewer arguments than
-        the layer op's, and no lookup. Otherwise (no extension loaded, a layer that pads explicitly first, a choice
+        shape from symbolic sizes: no shape is baked into the graph, no new shape recompiles it or breaks it.
+        Otherwise (no extension loaded, a layer that pads explicitly first, a choice
         on the Python path or waiting on a measurement) one entry of ``_convtune_traced``, found by a string that
         says what the choice depends on (shape, dtype under autocast, device, layout, the gradients needed), which
         Dynamo guards with one lookup (and which specializes the shape); no entry: the full path, which tunes (at a
@@ -240,22 +241,22 @@ class TunedConv(_ConvBase):
             return self._convtune_forward(input)  # unbatched (or torch's own error), or mixed dtypes: torch's error
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
-        if self._convtune_layer and not self._convtune_full_path and input.device.type in ("cpu", "cuda"):
-            # An input of static shape whose choice was made in eager code or by optimize: PyTorch's convolution
-            # where that choice is PyTorch's call or gains less than compiled code pays to call convtune's op
-            # (LayerSelection.compiled_torch), which Inductor calls for less host time (and adds the bias in it);
-            # else tuned_conv on the executables' handles, which Inductor calls with three arguments per direction
-            # (tuned_run) and no lookup. Else the layer's op: it looks its input's signature up on every call, and
-            # has one met first here selected for, so that neither a new shape nor a symbolic one breaks the graph
-            # or recompiles it.
-            static = tuple(d for d in input.shape if isinstance(d, int))
-            known = self._convtune_static.get(_traced_key(
-                static, cast or input.dtype, input.device, layout_of(input), need_dx, need_dw)) \
-                if len(static) == input.dim() else None
+        # An input of static shape whose choice was made in eager code or by optimize: PyTorch's convolution where
+        # that choice is PyTorch's call or gains less than compiled code pays to call convtune's op
+        # (LayerSelection.compiled_torch), which Inductor calls for less host time (and adds the bias in it); else
+        # tuned_conv on the executables' handles, which Inductor calls with three arguments per direction
+        # (tuned_run) and no lookup. Read first, so that Dynamo guards one entry of one table for such a layer.
+        static = tuple(d for d in input.shape if isinstance(d, int))
+        if len(static) == input.dim():
+            known = self._convtune_static.get(_traced_key(static, cast or input.dtype, input.device, layout_of(input),
+                                                          need_dx, need_dw))
             if known is not None:
                 if not known:
-                    return super().forward(input)
+                    return _torch_convolution(self, input)
                 return torch.ops.convtune.tuned_conv.default(input, weight, self.bias, *known)
+        if self._convtune_layer and not self._convtune_full_path and input.device.type in ("cpu", "cuda"):
+            # The layer's op: it looks its input's signature up on every call, and has one met first here
+            # selected for, so that neither a new shape nor a symbolic one breaks the graph or recompiles it.
             return torch.ops.convtune.layer_conv.default(input, weight, self.bias, *self._convtune_geometry,
                                                          self._convtune_layer, need_dx, need_dw)
         # int(): each size specialized (Dynamo guards it), so the key is a constant even where shapes are symbolic
@@ -265,7 +266,7 @@ class TunedConv(_ConvBase):
         if entry is None:
             return self._convtune_forward(input)
         if not entry:
-            return super().forward(input)
+            return _torch_convolution(self, input)
         return torch.ops.convtune.tuned_conv.default(input, weight, self.bias, *entry)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -381,6 +382,19 @@ class TunedConv(_ConvBase):
 _GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode", "kernel_size", "in_channels",
                        "out_channels", "_reversed_padding_repeated_twice"})  # what a choice depends on
 _GRADIENTS_NEEDED = ((False, False), (True, False), (False, True), (True, True))  # (of the input, of the weight)
+
+
+_FUNCTIONAL = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions (batched)
+
+
+def _torch_convolution(module: TunedConv, input: torch.Tensor) -> torch.Tensor:
+    """PyTorch's convolution of ``module`` on a batched ``input``, as traced code calls it: the functional form
+    where the layer pads with zeros (which reads no more of the module than ``torch.nn``'s forward does, and no
+    method of its class, so Dynamo guards nothing of convtune's for it), else the ``torch.nn`` forward."""
+    if module.padding_mode == "zeros":
+        return _FUNCTIONAL[input.dim()](input, module.weight, module.bias, module.stride, module.padding,
+                                        module.dilation, module.groups)
+    return super(TunedConv, module).forward(input)
 
 
 def _traced_key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, layout: str, need_dx: bool,
