@@ -146,15 +146,14 @@ def _cubin_launches(options: dict[str, Any]) -> list[tuple]:
 
 
 def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device | None = None) -> int:
-    """The handle of the native executable of ``algorithm`` on ``problem`` (made on first call).
+    """The handle of the native executable of ``algorithm`` (a registered one) on ``problem``: ``prepare``'s.
 
     device: for a cuDNN execution plan, the CUDA device it is built for (None: the current one).
     Raises ``NotNative`` when the extension is not loaded, the algorithm has no recipe, or this
     build cannot make it (a cuDNN execution plan in a build without cuDNN); ``RuntimeError`` when cuDNN
     refuses to build the tuned execution plan.
     """
-    kind, options = _recipe(problem, algorithm)
-    return _add(_extension(), problem, algorithm.name, kind, options, _device_index(problem, device))
+    return prepare(problem, algorithm.name, device=device)[0]
 
 
 def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, Any]]:
