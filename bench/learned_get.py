@@ -81,9 +81,9 @@ def heuristic_names(problem: ct.ConvProblem, recorded: dict[str, dict] | None) -
 
 
 def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
-          recorded: dict[str, dict] | None) -> list[dict]:
-    """Train without the ``held`` problems; one row of ratios per held-out problem."""
-    model = learned.train([s for s in samples if s.problem not in held], here, epochs=epochs)
+          recorded: dict[str, dict] | None, seed: int = 0) -> list[dict]:
+    """Train (from ``seed``) without the ``held`` problems; one row of ratios per held-out problem."""
+    model = learned.train([s for s in samples if s.problem not in held], here, epochs=epochs, seed=seed)
     by_problem: dict = defaultdict(list)
     for s in samples:
         if s.problem in held:
@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="channels_last")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the training's seed (and the random split's): another seed shows how much of a figure "
+                             "is the training's randomness")
     parser.add_argument("--orders", default=str(ORDERS) if ORDERS.exists() else "live", metavar="PATH|live",
                         help="cuDNN's plan orders and first choices per problem, as bench/cudnn_order.py recorded "
                              "them (default: bench/data/cudnn_order.json.gz); 'live': this machine's cuDNN")
@@ -210,9 +213,9 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
             print(f"{network}: none of its layers is in {args.db}; run bench/sweep.py --networks {network}",
                   file=sys.stderr)
             continue
-        for row in judge(samples, held, here, args.epochs, recorded):
+        for row in judge(samples, held, here, args.epochs, recorded, args.seed):
             groups[(network, row["direction"], row["dtype"])].append(row)
-    report = learned.holdout_report(samples, here, epochs=args.epochs)
+    report = learned.holdout_report(samples, here, epochs=args.epochs, seed=args.seed)
     summary, text = table(groups)
     all_groups = {("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
                   for d, t in sorted({k[1:] for k in groups})}
@@ -221,12 +224,12 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     env = common.environment()
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
                "orders": args.orders if recorded is None else str(Path(args.orders).name),
-               "random_split": report, "overall": overall_summary, "find": find_summary,
+               "seed": args.seed, "random_split": report, "overall": overall_summary, "find": find_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
     where = f"measured on {measured_on}, judged on " if measured_on else ""
     markdown = (f"# get's learned cost model on networks it never saw\n\n{env['date']}, "
-                f"{where}{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}; "
+                f"{where}{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}, seed {args.seed}; "
                 f"{len(samples)} measurements of {len(measured)} problems ({args.db}).\n\n"
                 f"Each row: a model trained without that network's layers, judged on them; per ranking the "
                 f"measured time of its first pick over the best measured: geometric mean / worst / how often "

@@ -792,14 +792,28 @@ def test_a_layer_with_a_choice_on_the_python_path_compiles_through_its_traced_ta
     assert module.selections[Signature((5, 4, 7, 7), x.dtype, x.device, "channels_first")]
 
 
-def test_explain_says_what_compiled_code_traces_for_each_layer(native):
+def test_explain_says_what_compiled_code_traces_for_each_layer(native, monkeypatch):
     x = torch.randn(2, 4, 6, 6)
     plain = ct.nn.Conv2d(4, 4, 3, padding=1, mode="get")
-    padded = ct.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", mode="get")  # pads first: shape by shape
+    padded = ct.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect", mode="get")  # pads first
     for conv in (plain, padded):
         conv(x)
-    assert {row["compiled"] for row in ct.explain(plain)} == {"torch"}  # on the CPU 'get' picks PyTorch's call
-    assert {row["compiled"] for row in ct.explain(padded)} == {"by shape"}
+    # on the CPU 'get' picks PyTorch's call, which compiled code calls for a static shape, padding first or not
+    assert {row["compiled"] for row in ct.explain(plain)} == {"torch"}
+    assert {row["compiled"] for row in ct.explain(padded)} == {"torch"}
+    # (the selections below have no measurements, so explain has no rows for them: what it reads is checked)
+    sig, other = (Signature(shape, x.dtype, x.device, "channels_first") for shape in ((2, 4, 6, 6), (3, 4, 6, 6)))
+    _selecting(monkeypatch, "gemm:im2col")  # the Python path
+    python = ct.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")
+    python(x)
+    assert python._convtune_compiled_as(sig) == "by shape"
+    _selecting(monkeypatch, "gemm:1x1")  # an executable
+    one = ct.nn.Conv2d(4, 4, 1)
+    one(x)
+    assert one._convtune_compiled_as(sig) == "executables"
+    one._convtune_select(other, LayerSelection(ConvProblem.from_module(one, other.shape).key, "gemm:im2col", "", ""))
+    # another signature on the Python path: the layer compiles shape by shape, and this one still by its handles
+    assert (one._convtune_compiled_as(sig), one._convtune_compiled_as(other)) == ("executables", "by shape")
 
 
 def _selecting(monkeypatch, algorithm: str) -> None:

@@ -155,12 +155,10 @@ class TunedConv(_ConvBase):
         """What torch.compile traces for an input of ``sig``, read from the tables the traced forward reads:
         'torch' (PyTorch's convolution, for a static shape), 'executables' (``tuned_conv`` on the chosen executables'
         handles, for a static shape), 'layer op' or 'by shape' (explain's ``compiled``)."""
-        if not self._convtune_layer or self._convtune_full_path:
-            return "by shape"
         static = [self._convtune_static[key] for _, key in _traced_keys(sig) if key in self._convtune_static]
-        if not static:
-            return "layer op"
-        return "torch" if any(entry == () for entry in static) else "executables"
+        if static:  # read first, whatever the layer's other signatures are
+            return "torch" if any(entry == () for entry in static) else "executables"
+        return "by shape" if not self._convtune_layer or self._convtune_full_path else "layer op"
 
     def _convtune_adopt_landed(self, sig: Signature) -> None:
         """If a background measurement has finished since ``sig``'s provisional choice, forget that choice: the
@@ -230,11 +228,11 @@ class TunedConv(_ConvBase):
         calls its op, ``torch.ops.convtune.layer_conv``, which looks the input's signature up on every call (one
         met first in compiled code is selected for then, measuring as a first call does) and computes its result's
         shape from symbolic sizes: no shape is baked into the graph, no new shape recompiles it or breaks it.
-        Otherwise (no extension loaded, a layer that pads explicitly first, a choice
-        on the Python path or waiting on a measurement) one entry of ``_convtune_traced``, found by a string that
-        says what the choice depends on (shape, dtype under autocast, device, layout, the gradients needed), which
-        Dynamo guards with one lookup (and which specializes the shape); no entry: the full path, which tunes (at a
-        graph break) and explains. An unbatched input always takes the full path."""
+        Otherwise (no extension loaded, a layer that pads explicitly first, a choice on the Python path or waiting
+        on a measurement) one entry of ``_convtune_traced``, found by a string that says what the choice depends
+        on (shape, dtype under autocast, device, layout, the gradients needed), which Dynamo guards with one
+        lookup (and which specializes the shape); no entry: the full path, which tunes (at a graph break) and
+        explains. An unbatched input always takes the full path."""
         cast = _autocast_dtype(input)
         weight = self.weight
         if input.dim() != weight.dim() or (cast is None and weight.dtype != input.dtype):
