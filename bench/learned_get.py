@@ -229,7 +229,8 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
     where = f"measured on {measured_on}, judged on " if measured_on else ""
     markdown = (f"# get's learned cost model on networks it never saw\n\n{env['date']}, "
-                f"{where}{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}, seed {args.seed}; "
+                f"{where}{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}, "
+                f"seed {args.seed}; "
                 f"{len(samples)} measurements of {len(measured)} problems ({args.db}).\n\n"
                 f"Each row: a model trained without that network's layers, judged on them; per ranking the "
                 f"measured time of its first pick over the best measured: geometric mean / worst / how often "

@@ -334,8 +334,9 @@ def compiled_rows(p, x) -> list[tuple[str, float]]:
     in alternation: per layer, inference and a training step's forward+backward (of the output's sum), and the
     same networks in eager code beside them. Under Inductor a tuned layer of static shape is a call of
     ``convtune.tuned_run`` per direction from the generated Python (boxed, through ``torch.ops``) and a check of
-    its result's strides; PyTorch's are ``extern_kernels.convolution`` and one ``aten.convolution_backward``. Tuned with the host-cost rule off: its layers gain nothing on the GPU, so the
-    rule would send them to PyTorch's call (in compiled code too), and these rows measure the op's path."""
+    its result's strides; PyTorch's are ``extern_kernels.convolution`` and one ``aten.convolution_backward``.
+    Tuned with the host-cost rule off: its layers gain nothing on the GPU, so the rule would send them to
+    PyTorch's call (in compiled code too), and these rows measure the op's path."""
     torch.manual_seed(0)
     base = torch.nn.Sequential(*[torch.nn.Conv2d(8, 8, 1, bias=False) for _ in range(10)])
     base = base.to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)

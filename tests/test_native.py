@@ -29,7 +29,7 @@ from convtune import extension
 from convtune.problem import ConvProblem, explicit_padding, is_in_layout
 from convtune.settings import settings
 from convtune.pytorch import runtime
-from convtune.pytorch.modules import TunedConv
+from convtune.pytorch.modules import TunedConv, _traced_keys
 from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
 from convtune.verify import reference, rel_error, tolerance
 
@@ -399,6 +399,39 @@ def test_torch_export_with_a_dynamic_batch_keeps_the_layer_op(native):
                                    atol=1e-5, rtol=1e-4)
 
 
+def test_a_static_entry_holds_the_handles_its_gradients_need_and_stays_when_other_directions_are_tuned(native):
+    # An inference graph guards its entry: a training step tuned later (or asked for by compiled code) must not
+    # change it, or the inference graph would be compiled again.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = ct.nn.Conv2d(6, 8, 1, mode="get")
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
+    key = ConvProblem.from_module(module, sig.shape, dtype=sig.dtype, layout=sig.layout).key
+    inference = dict(_traced_keys(sig))[(False, False)]
+    module._convtune_select(sig, LayerSelection(key, "gemm:1x1", "", ""))
+    before = module._convtune_static[inference]
+    assert before[0] and before[1:] == (0, 0) and len(module._convtune_static) == 1  # the gradients: not tuned
+    module._convtune_from_compiled.add(sig)  # (as if compiled code had asked for the gradients)
+    module._convtune_select(sig, LayerSelection(key, "gemm:1x1", "gemm:1x1", "gemm:1x1"))
+    assert module._convtune_static == {inference: before}  # the graphs that asked keep the layer op
+    module._convtune_from_compiled.clear()
+    module._convtune_select(sig, LayerSelection(key, "gemm:1x1", "gemm:1x1", "gemm:1x1"))
+    entries = {needs: module._convtune_static[k] for needs, k in _traced_keys(sig)}
+    assert entries[(False, False)] == before and all(entries[(True, True)])
+    assert entries[(True, False)][2] == 0 and entries[(False, True)][1] == 0
+
+
+def test_torch_export_of_a_static_shape_takes_the_layer_op_not_this_processs_handles(native):
+    # An exported program may run in a process that has not made the executables its handles name: the layer op,
+    # which runs PyTorch's convolution where its layer does not exist, serves it, as compiled code's table does not.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=8, kernel_size=1)
+    assert all(module._convtune_static.values())  # handles, which compiled code calls
+    program = torch.export.export(module, (x,))
+    assert [str(n.target) for n in program.graph.nodes if n.op == "call_function"] == ["convtune.layer_conv.default"]
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+
+
 def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, monkeypatch, tmp_path):
     monkeypatch.setattr(extension, "_state", {"module": None, "error": None, "build_s": None})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
@@ -522,7 +555,8 @@ def _trains_like(model: torch.nn.Module, y: torch.Tensor, x: torch.Tensor, twin:
         torch.testing.assert_close(pa.grad, pb.grad, atol=atol, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("backend,dynamic", [("aot_eager", False), pytest.param("inductor", False, marks=pytest.mark.slow),
+@pytest.mark.parametrize("backend,dynamic", [("aot_eager", False),
+                                             pytest.param("inductor", False, marks=pytest.mark.slow),
                                              pytest.param("inductor", True, marks=pytest.mark.slow)])
 def test_torch_compile_calls_the_native_op_in_one_graph_forward_and_backward(native, backend, dynamic, monkeypatch,
                                                                               tmp_path):
@@ -579,7 +613,7 @@ def test_compiled_code_reads_one_table_entry_per_tuned_layer_not_its_selections(
     # A layer that computes something else now (its stride) forgets its entries: the compiled code is traced
     # again, and the layer tunes its new geometry on the full path.
     model[4].stride = (2, 2)
-    assert model[4]._convtune_traced == {} and model[4].selections == {}
+    assert model[4]._convtune_traced == {} and model[4]._convtune_static == {} and model[4].selections == {}
     with torch.no_grad():
         expected = model(x)
         torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)
@@ -804,7 +838,7 @@ def test_explain_says_what_compiled_code_traces_for_each_layer(native, monkeypat
     # (the selections below have no measurements, so explain has no rows for them: what it reads is checked)
     sig, other = (Signature(shape, x.dtype, x.device, "channels_first") for shape in ((2, 4, 6, 6), (3, 4, 6, 6)))
     _selecting(monkeypatch, "gemm:im2col")  # the Python path
-    python = ct.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")
+    python = ct.nn.Conv2d(4, 4, 3, padding=1)
     python(x)
     assert python._convtune_compiled_as(sig) == "by shape"
     _selecting(monkeypatch, "gemm:1x1")  # an executable
@@ -1060,7 +1094,8 @@ def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_c
         assert [name for name in ("conv2d", "tuned_conv", "layer_conv") if name in code] == [op], code
 
 
-def test_what_compiled_code_pays_to_call_the_op_is_measured_on_the_op_for_no_layer(native, monkeypatch):
+def test_what_compiled_code_pays_to_call_the_op_is_measured_on_tuned_run_of_pytorchs_convolution(native,
+                                                                                                 monkeypatch):
     overheads = runtime._measured("cpu")
     assert math.isfinite(overheads["compiled"])  # (its value is the host's: that it was measured is checked)
     monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {"compiled": 50.0})
@@ -1068,11 +1103,9 @@ def test_what_compiled_code_pays_to_call_the_op_is_measured_on_the_op_for_no_lay
     assert runtime.extra_host_us(p, "cudnn") == 0.0  # not a path's cost: no path is charged it
     p = runtime.probe_problem("cpu")
     x, w = p.random_inputs()
-    with torch.no_grad():  # the probe's layer 0 does not exist: the op runs PyTorch's convolution itself
-        torch.testing.assert_close(
-            torch.ops.convtune.layer_run.default(x, w, list(p.stride), list(p.padding), list(p.dilation), p.groups,
-                                                 0, False, False),
-            F.conv2d(x, w, None, p.stride, p.padding, p.dilation, p.groups))
+    with torch.no_grad():  # what is timed: tuned_run on torch:native's executable, which is PyTorch's convolution
+        torch.testing.assert_close(torch.ops.convtune.tuned_run.default(x, w, runtime.prepare(p, "torch:native")[0]),
+                                   F.conv2d(x, w, None, p.stride, p.padding, p.dilation, p.groups))
 
 
 def test_a_static_shape_met_first_in_compiled_code_keeps_the_layer_op_and_compiles_once(native):

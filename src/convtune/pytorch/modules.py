@@ -12,9 +12,11 @@ the C++ extension has executables for the layer's algorithms (``runtime``), thro
 convolution where every direction chose ``torch:native``, and otherwise on the Python path:
 ``torch.ops.convtune.conv`` under torch.compile (which traces it: tune the shapes first, then
 compile) and, in eager code, the same computation without the dispatcher (``ops.conv_call``),
-the bias a plain add after it, which Inductor can fuse. Under torch.compile a layer calls its layer
-op, ``torch.ops.convtune.layer_conv``, which looks every input shape up in C++, or, for an input of static shape
-where that costs compiled code less, PyTorch's convolution (``_convtune_traced_forward``; docs/runtime.md). A
+the bias a plain add after it, which Inductor can fuse. Under torch.compile an input of static shape chosen for
+in eager code or by optimize calls its executables by handle (``tuned_conv``) or, where that costs compiled code
+more than it gains, PyTorch's convolution; any other input calls the layer's op,
+``torch.ops.convtune.layer_conv``, which looks every input shape up in C++ (``_convtune_traced_forward``;
+docs/runtime.md). A
 ``padding_mode`` other than 'zeros' and an odd 'same' padding are padded explicitly first, as torch does.
 A channels_last input makes a channels_last problem (the weight is converted to match). Inputs
 convtune cannot describe (float64, say) and layers no algorithm serves run torch's own path.
@@ -123,9 +125,10 @@ class TunedConv(_ConvBase):
 
     def _convtune_select(self, sig: Signature, selection: LayerSelection) -> None:
         """Inputs of ``sig`` run ``selection`` from now on. Every choice made or dropped for one signature goes
-        through here or ``_convtune_forget``, which keep the table compiled code reads (``_convtune_traced``) in
-        step; the methods that drop them all (``_init_convtune``, a geometry change in ``__setattr__``) and a
-        copy's ``__setstate__`` empty or rebuild it themselves."""
+        through here or ``_convtune_forget``, which keep the tables compiled code reads (``_convtune_static``,
+        ``_convtune_traced``) in step; the methods that drop them all (``_init_convtune``, a geometry change in
+        ``__setattr__``) and a copy's ``__setstate__`` empty or rebuild them themselves. An entry holds the handles
+        its gradients need only (0 for the others), so that tuning another direction later leaves it as it was."""
         self._convtune_selections[sig] = selection
         pads = self._convtune_pads_first()
         provisional = sig in self._convtune_provisional
@@ -135,14 +138,16 @@ class TunedConv(_ConvBase):
                 if (selection.call is None and selection.native is None) or selection.compiled_torch:
                     entry = ()  # PyTorch's own call
                 elif selection.native is not None and not pads:
-                    entry = selection.native
+                    fwd, bwd_data, bwd_filter = selection.native
+                    entry = (fwd, bwd_data if need_dx else 0, bwd_filter if need_dw else 0)
             if entry is None:  # the Python path, a direction not tuned, a provisional choice: the full path
                 self._convtune_traced.pop(key, None)
             else:
                 self._convtune_traced[key] = entry
             # Compiled code that asked for this choice keeps its layer op: reading the choice there would
-            # recompile the graph that asked (see _convtune_update_full_path).
-            if entry is not None and sig not in self._convtune_from_compiled:
+            # recompile the graph that asked (see _convtune_update_full_path); an entry it leaves unchanged stays.
+            asked = sig in self._convtune_from_compiled
+            if entry is not None and (not asked or self._convtune_static.get(key) == entry):
                 self._convtune_static[key] = entry
             else:
                 self._convtune_static.pop(key, None)
@@ -243,12 +248,13 @@ class TunedConv(_ConvBase):
         # that choice is PyTorch's call or gains less than compiled code pays to call convtune's op
         # (LayerSelection.compiled_torch), which Inductor calls for less host time (and adds the bias in it); else
         # tuned_conv on the executables' handles, which Inductor calls with three arguments per direction
-        # (tuned_run) and no lookup. Read first, so that Dynamo guards one entry of one table for such a layer.
+        # (tuned_run) and no lookup. Read first, so that Dynamo guards one entry of one table for such a layer. An
+        # exported program, which another process may load before it made these executables, takes the layer op.
         static = tuple(d for d in input.shape if isinstance(d, int))
         if len(static) == input.dim():
             known = self._convtune_static.get(_traced_key(static, cast or input.dtype, input.device, layout_of(input),
                                                           need_dx, need_dw))
-            if known is not None:
+            if known is not None and not (known and _exporting()):
                 if not known:
                     return _torch_convolution(self, input)
                 return torch.ops.convtune.tuned_conv.default(input, weight, self.bias, *known)
@@ -383,6 +389,7 @@ _GRADIENTS_NEEDED = ((False, False), (True, False), (False, True), (True, True))
 
 
 _FUNCTIONAL = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions (batched)
+_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch 2.5 and later)
 
 
 def _torch_convolution(module: TunedConv, input: torch.Tensor) -> torch.Tensor:

@@ -149,9 +149,10 @@ def executable(problem: ConvProblem, algorithm: Algorithm, device: torch.device 
     """The handle of the native executable of ``algorithm`` (a registered one) on ``problem``: ``prepare``'s.
 
     device: for a cuDNN execution plan, the CUDA device it is built for (None: the current one).
-    Raises ``NotNative`` when the extension is not loaded, the algorithm has no recipe, or this
-    build cannot make it (a cuDNN execution plan in a build without cuDNN); ``RuntimeError`` when cuDNN
-    refuses to build the tuned execution plan.
+    Raises what ``prepare`` raises (``REFUSALS``): ``NotNative`` when the extension is not loaded, the algorithm
+    has no recipe, or this build cannot make it (a cuDNN execution plan in a build without cuDNN);
+    ``RuntimeError`` when cuDNN refuses to build the tuned execution plan; ``KeyError`` for an algorithm not
+    registered under its name.
     """
     return prepare(problem, algorithm.name, device=device)[0]
 
@@ -374,7 +375,7 @@ def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
         native = kinds.pop("native", {}).get("fwd")
         if native:  # torch:native everywhere is PyTorch's own call, no executable: the op's forward alone
             x, w = p.random_inputs()
-            run = functools.partial(tuned_conv, x, w, None, (executable(p, get_algorithm(native, p)), 0, 0))
+            run = functools.partial(tuned_conv, x, w, None, (prepare(p, native)[0], 0, 0))
             with torch.no_grad():
                 forward = _probe("native", lambda: (_extra_us(run, lambda: torch.nn.functional.conv2d(x, w), device),))
             if forward is not None:
@@ -501,8 +502,9 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
 
 
 def compiled_call_us(device: str, db: Any = None) -> float:
-    """Host microseconds that compiled code pays to call a layer's op rather than PyTorch's convolution
-    (``host_overheads_us``' 'compiled'; nothing where that was not measured: no extension, no op)."""
+    """Host microseconds that compiled code pays to call convtune's op for one direction (``tuned_run``) rather
+    than PyTorch's convolution (``host_overheads_us``' 'compiled'; nothing where that was not measured: no
+    extension, no op)."""
     return host_overheads_us(device, db).get("compiled", 0.0)
 
 

@@ -62,8 +62,8 @@ class LayerSelection:
     host_rule: PyTorch's own call was chosen by the host-cost rule (``where_the_host_pays``) over
     the tuned choices, so adding a direction judges them again.
     compiled_torch: in compiled code (an input of static shape) the layer calls PyTorch's convolution, which
-    Inductor calls for less host time than the layer's op: its choices gain less GPU time than that
-    (``where_the_host_pays``); eager code runs them.
+    Inductor calls for less host time than convtune's op (``tuned_run``, once per direction): its choices gain
+    less GPU time than that (``where_the_host_pays``); eager code runs them.
     """
 
     problem: str
