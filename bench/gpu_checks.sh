@@ -23,9 +23,10 @@
 # exhaustive best and PyTorch per layer; a run cut short keeps the configurations it finished). budgets
 # (bench/plan_budgets.py's committed configuration: network workspace plans under budgets).
 # Everything lands in $OUT (default /tmp/out), the last lines of each step on stdout.
-# Run it as `BENCH_REVISION=$(git rev-parse --short HEAD) BENCH_SOURCE=$(git rev-parse --short HEAD:src) bash
-# bench/gpu_checks.sh ...`: the copy of the tree on the device may carry an older .git, and the result files name
-# the revision (and src/ tree) they measured.
+# Run it as `BENCH_REVISION=<revision> BENCH_SOURCE=<src tree> bash bench/gpu_checks.sh ...` with both values
+# written out as `git rev-parse --short HEAD` and `git rev-parse --short HEAD:src` give them where the tree was
+# committed, not computed on the device: the copy of the tree there may carry an older .git (a $(git ...) in the
+# device's command line reads that one), and the result files name the revision (and src/ tree) they measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
