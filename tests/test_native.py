@@ -1184,6 +1184,12 @@ def test_an_executable_is_prepared_once_per_process(native, tmp_path):
         assert kind == "gemm_1x1" and runtime.prepare(p, "gemm:1x1") == (handle, kind)
         recipe, serialized = db.executable(p, "gemm:1x1")  # kept: a warm start makes it without the algorithm
         assert recipe["kind"] == "gemm_1x1" and serialized == b""
+    fwd = p.with_direction("fwd")
+    handle, kind = runtime.prepare(fwd, "gemm:1x1")  # made before a database is at hand (find's measurement)
+    with ct.TuningDB(tmp_path / "u.sqlite") as db:
+        assert db.executable(fwd, "gemm:1x1") is None
+        assert runtime.prepare(fwd, "gemm:1x1", db) == (handle, kind)  # the same executable, and now kept there
+        assert db.executable(fwd, "gemm:1x1")[0]["kind"] == "gemm_1x1"
     with pytest.raises(KeyError):
         runtime.prepare(p, "nonesuch:algo")
     with pytest.raises(runtime.NotNative, match="runs in Python only"):

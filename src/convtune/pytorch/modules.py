@@ -389,7 +389,15 @@ _GRADIENTS_NEEDED = ((False, False), (True, False), (False, True), (True, True))
 
 
 _FUNCTIONAL = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}  # by the input's dimensions (batched)
-_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch 2.5 and later)
+_is_exporting: Callable[[], bool] = getattr(torch.compiler, "is_exporting", lambda: False)  # (torch 2.5 and later)
+
+
+def _exporting() -> bool:
+    """Whether torch.export traces the forward in Python (its default, non-strict), where
+    ``torch.compiler.is_exporting()`` reads export's own flag. Where Dynamo traces the forward (torch.compile, or
+    ``torch.export.export(..., strict=True)``) this says False: traced by Dynamo, ``is_exporting()`` reads True
+    under torch.compile as well in some versions (torch 2.11), which would send every layer to its op."""
+    return _is_exporting() and not torch.compiler.is_dynamo_compiling()
 
 
 def _torch_convolution(module: TunedConv, input: torch.Tensor) -> torch.Tensor:

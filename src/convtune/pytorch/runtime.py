@@ -175,6 +175,9 @@ def _recipe(problem: ConvProblem, algorithm: Algorithm) -> tuple[str, dict[str, 
 
 
 _prepared: dict[tuple, tuple[int, str]] = {}  # (problem key, algorithm, device, registry generation) -> (handle, kind)
+# The same key -> the recipe it was made from, and the databases that hold it (their paths): an executable made
+# before a database was at hand (by find, say) is stored there when one is (a warm start needs it).
+_recipes: dict[tuple, tuple[dict[str, Any], set[str]]] = {}
 _refused: dict[tuple, Exception] = {}  # the same key -> why it has no executable (not tried again; cuDNN's
 # refusals, which may be passing, such as an execution plan built out of memory, are tried again)
 _prepared_lock = threading.Lock()
@@ -197,11 +200,13 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     with _prepared_lock:
         known, refused = _prepared.get(key), _refused.get(key)
     if known is not None:
+        if db is not None:
+            _keep(module, problem, name, db, key, known[0])
         return known
     if refused is not None:
         raise refused.with_traceback(None)
     try:
-        known = _make(module, problem, name, db, device, index)
+        known = _make(module, problem, name, db, device, index, key)
     except NotNativeNow:
         raise
     except (NotNative, KeyError) as exc:  # no executable in this build, or no such algorithm: so it stays
@@ -214,7 +219,7 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
 
 
 def _make(module: Any, problem: ConvProblem, name: str, db: Any, device: torch.device | None,
-          index: int) -> tuple[int, str]:
+          index: int, key: tuple) -> tuple[int, str]:
     stored = db.executable(problem, name) if db is not None else None
     handle = None
     if stored is not None:
@@ -223,17 +228,32 @@ def _make(module: Any, problem: ConvProblem, name: str, db: Any, device: torch.d
             handle = _add(module, problem, name, recipe["kind"], recipe["options"], index, serialized)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another cuDNN or GPU: rebuild below
             log.info("the stored executable of %s by %s does not load here (%s); rebuilding it", problem.key, name, exc)
+        else:
+            with _prepared_lock:
+                _recipes[key] = (recipe, {str(db.path)})
     if handle is None:
         with torch.cuda.device(index) if problem.device == "cuda" else contextlib.nullcontext():  # Triton records there
             kind, options = _recipe(problem, get_algorithm(name, problem))
         handle = _add(module, problem, name, kind, options, index)
-        if db is not None:  # with the serialized form where there is one (a cuDNN execution plan)
-            try:
-                db.store_executable(problem, name, {"kind": kind, "options": options}, module.serialized(handle))
-            except (sqlite3.Error, OSError, ValueError) as exc:  # unremembered: the next process builds it again
-                log.warning("could not keep the executable of %s by %s in the tuning database: %s", problem.key,
-                            name, exc)
+        with _prepared_lock:
+            _recipes[key] = ({"kind": kind, "options": options}, set())
+        if db is not None:
+            _keep(module, problem, name, db, key, handle)
     return handle, module.kind(handle)
+
+
+def _keep(module: Any, problem: ConvProblem, name: str, db: Any, key: tuple, handle: int) -> None:
+    """Store what rebuilds the executable ``handle`` (made for ``key``) in ``db`` unless it holds it already:
+    the recipe with the serialized form where there is one (a cuDNN execution plan)."""
+    with _prepared_lock:
+        recipe, kept = _recipes.get(key, (None, set()))
+        if recipe is None or str(db.path) in kept:
+            return
+        kept.add(str(db.path))  # tried once per database, stored or not
+    try:
+        db.store_executable(problem, name, recipe, module.serialized(handle))
+    except (sqlite3.Error, OSError, ValueError) as exc:  # unremembered: the next process builds it again
+        log.warning("could not keep the executable of %s by %s in the tuning database: %s", problem.key, name, exc)
 
 
 def tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
