@@ -1133,26 +1133,112 @@ def test_a_layer_on_pytorchs_path_calls_it_after_a_few_checks():
     torch.manual_seed(2)
     module = ct.nn.Conv2d(3, 4, 3, padding=1, mode="get")  # on the CPU, 'get' picks torch:native: PyTorch's call
     x = torch.randn(2, 3, 6, 6)
+    with settings.override(native=False):  # the checks in Python (with the native runtime on: in C++, below)
+        for _ in range(2):
+            torch.testing.assert_close(module(x), F.conv2d(x, module.weight, module.bias, padding=1))
+        fast = module._convtune_fast[x.shape]
+        assert isinstance(fast, TorchCall) and fast.admits(x)
+        for protocol in range(pickle.HIGHEST_PROTOCOL + 1):  # a module holding one pickles at every protocol
+            torch.testing.assert_close(pickle.loads(pickle.dumps(module, protocol=protocol))(x), module(x))
+        assert copy.deepcopy(fast).admits(x) and not copy.deepcopy(fast).admits(x.to(torch.float16))
+        plan = next(iter(module.selections.values()))
+        assert plan.runtime == "torch" and plan.bwd_data == ""
+        xg = x.clone().requires_grad_()
+        assert not fast.admits(xg)  # a gradient not tuned yet: the full path tunes it
+        module(xg).sum().backward()
+        assert next(iter(module.selections.values())).bwd_data == "torch:native" and xg.grad is not None
+        fast = module._convtune_fast[x.shape]
+        assert not fast.admits(x.to(memory_format=torch.channels_last)) and not fast.admits(x.to("meta"))
+        assert module._convtune_fast.get(torch.Size((1, 3, 6, 6))) is None
+        with torch.autocast("cpu", dtype=torch.float16):  # (CPU bfloat16 goes through convtune's op: algorithms.md)
+            assert not module._convtune_fast[x.shape].admits(x)
+            assert module(x).dtype == torch.float16
+            assert module._convtune_fast[x.shape].admits(x)
+
+
+def test_a_layer_on_pytorchs_path_checks_its_input_in_cpp_then_calls_pytorchs_convolution(native):
+    from convtune.pytorch.modules import TorchCall, TorchDirect
+
+    torch.manual_seed(3)
+    module = ct.nn.Conv2d(3, 4, 3, padding=1, mode="get")  # on the CPU, 'get' picks torch:native: PyTorch's call
+    x = torch.randn(2, 3, 6, 6)
     for _ in range(2):
         torch.testing.assert_close(module(x), F.conv2d(x, module.weight, module.bias, padding=1))
-    fast = module._convtune_fast[x.shape]
-    assert isinstance(fast, TorchCall) and fast.admits(x)
-    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):  # a module holding one pickles at every protocol
+    entry = module._convtune_fast[x.shape]
+    assert isinstance(entry, TorchDirect) and (entry.dx_tuned, entry.dw_tuned) == (False, True)  # x needs no gradient
+    assert native.kind(entry.handle) == "native"  # torch:native's executable: what the signature is
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):  # the entry itself pickles at every protocol
+        assert pickle.loads(pickle.dumps(entry, protocol=protocol)).handle == entry.handle
+    calls = []
+    real = torch.nn.Conv2d.forward
+    torch.nn.Conv2d.forward = lambda self, inp: calls.append(1) or real(self, inp)
+    try:
+        module(x)  # the hot path: torch.nn's forward is not called, PyTorch's convolution is (from C++)
+        assert calls == []
+        with torch.autocast("cpu", dtype=torch.float16):  # another signature: the full path, which selects for it
+            assert module(x).dtype == torch.float16
+        assert calls == [1] and len(module.selections) == 2
+        with torch.autocast("cpu", dtype=torch.float16):  # then the hot path, which autocast casts on
+            torch.testing.assert_close(module(x), F.conv2d(x.half(), module.weight.half(), module.bias.half(),
+                                                           padding=1))
+        assert calls == [1] and isinstance(module._convtune_fast[x.shape], TorchDirect)
+    finally:
+        torch.nn.Conv2d.forward = real
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):  # pickled and copied, the module runs the same
         torch.testing.assert_close(pickle.loads(pickle.dumps(module, protocol=protocol))(x), module(x))
-    assert copy.deepcopy(fast).admits(x) and not copy.deepcopy(fast).admits(x.to(torch.float16))
-    plan = next(iter(module.selections.values()))
-    assert plan.runtime == "torch" and plan.bwd_data == ""
+    torch.testing.assert_close(copy.deepcopy(module)(x), module(x))
+    # a gradient not chosen for: the full path selects for it, then PyTorch's autograd runs it (double backward too)
     xg = x.clone().requires_grad_()
-    assert not fast.admits(xg)  # a gradient not tuned yet: the full path tunes it
-    module(xg).sum().backward()
-    assert next(iter(module.selections.values())).bwd_data == "torch:native" and xg.grad is not None
-    fast = module._convtune_fast[x.shape]
-    assert not fast.admits(x.to(memory_format=torch.channels_last)) and not fast.admits(x.to("meta"))
-    assert module._convtune_fast.get(torch.Size((1, 3, 6, 6))) is None
-    with torch.autocast("cpu", dtype=torch.float16):  # (CPU bfloat16 goes through convtune's op: algorithms.md)
-        assert not module._convtune_fast[x.shape].admits(x)
-        assert module(x).dtype == torch.float16
-        assert module._convtune_fast[x.shape].admits(x)
+    y = module(xg)
+    assert (module._convtune_fast[x.shape].dx_tuned, module._convtune_fast[x.shape].dw_tuned) == (True, True)
+    (gx,) = torch.autograd.grad(y.square().sum(), xg, create_graph=True)
+    gx.sum().backward()
+    xt = x.clone().requires_grad_()
+    (gt,) = torch.autograd.grad(F.conv2d(xt, module.weight, module.bias, padding=1).square().sum(), xt, create_graph=True)
+    torch.testing.assert_close(gx, gt)
+    # inputs of another layout, device or shape, or unbatched, are other signatures
+    xc = x.to(memory_format=torch.channels_last)
+    torch.testing.assert_close(module(xc), F.conv2d(xc, module.weight, module.bias, padding=1))
+    assert any(sig.layout == "channels_last" for sig in module.selections)
+    assert module(x.to("meta")).device.type == "meta"
+    x3 = torch.randn(3, 6, 6)
+    torch.testing.assert_close(module(x3), F.conv2d(x3, module.weight, module.bias, padding=1))
+    assert isinstance(module._convtune_fast[x3.shape], TorchCall)  # unbatched: checked in Python
+    with pytest.raises(ValueError, match="computes in float16"):  # what the C++ check says of another dtype
+        native.torch_conv(x.half(), module.weight.half(), None, entry.handle, False, False)
+    strided = torch.randn(2, 3, 6, 12)[..., ::2]  # not dense in any layout: the Python checks, once selected for
+    torch.testing.assert_close(module(strided), F.conv2d(strided, module.weight, module.bias, padding=1))
+    assert isinstance(module._convtune_fast[strided.shape], TorchCall)
+    with settings.override(native=False):
+        module._convtune_fast.clear()
+        module(x)
+        assert isinstance(module._convtune_fast[x.shape], TorchCall)
+
+
+def test_a_layer_on_pytorchs_path_runs_under_a_torch_function_mode_through_torch_nn(native):
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    from convtune.pytorch.modules import TorchDirect
+
+    module = ct.nn.Conv2d(3, 4, 3, padding=1, mode="get")
+    x = torch.randn(2, 3, 6, 6)
+    module(x)
+    assert isinstance(module._convtune_fast[x.shape], TorchDirect)
+    with Seen() as seen:
+        module(x)
+    assert "conv2d" in seen.names  # the mode sees the convolution, as it would torch.nn's
+    with Seen():  # a signature not chosen for (the input's gradient) is selected for under the mode too
+        module(x.clone().requires_grad_()).sum().backward()
+    assert next(iter(module.selections.values())).bwd_data == "torch:native"
 
 
 def test_double_backward_through_a_native_layer_raises_a_clear_error(native):

@@ -1,4 +1,5 @@
 // convtune._C: the control plane's door to the executables (the ops themselves register in ops.cpp).
+#include <ATen/autocast_mode.h>
 #include <torch/extension.h>
 
 #include "executable.h"
@@ -85,6 +86,34 @@ LayerTuner python_tuner(py::object callable) {
   };
 }
 
+// Eager code's hot path of a layer whose choice for its input is PyTorch's own call: the checks the module's
+// Python hot path made (TorchCall.admits), in C++, then PyTorch's convolution as torch.nn's forward calls it
+// (aten::conv1d/2d/3d through the dispatcher: PyTorch's autograd, double backward included, autocast and cuDNN
+// flags). ``fwd``: a torch:native executable of the problem chosen for, whose geometry says the input's shape,
+// layout, device type and (autocast's, under autocast) dtype; dx_tuned, dw_tuned: whether the gradients were
+// chosen for. ValueError where the input is not of that signature or needs a gradient not chosen for (the
+// module then selects for it); nothing else differs from torch.nn's forward.
+at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
+                      bool dx_tuned, bool dw_tuned) {
+  const ExecutablePtr e = find_executable(fwd);
+  const Geometry& g = e->geometry;
+  e->check_input(x);
+  TORCH_CHECK_VALUE(x.device().type() == g.device_type, g.label, ": input x is on ", x.device().str(),
+                    ", the problem chosen for is on ", c10::DeviceTypeName(g.device_type, true));
+  const bool cast = at::autocast::is_autocast_enabled(g.device_type);
+  const at::ScalarType dtype = cast ? at::autocast::get_autocast_dtype(g.device_type) : x.scalar_type();
+  TORCH_CHECK_VALUE(dtype == g.dtype, g.label, ": input x computes in ", dtype_name(dtype),
+                    ", the problem chosen for in ", dtype_name(g.dtype));
+  const bool grad = at::GradMode::is_enabled();
+  TORCH_CHECK_VALUE(dx_tuned || !(grad && x.requires_grad()), g.label, ": the input's gradient was not chosen for");
+  TORCH_CHECK_VALUE(dw_tuned || !(grad && w.requires_grad()), g.label, ": the weight's gradient was not chosen for");
+  py::gil_scoped_release no_gil;
+  // The op torch.nn's forward calls (aten::conv1d/2d/3d: autocast's lists name these, not aten::convolution).
+  if (x.dim() == 3) return at::conv1d(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+  if (x.dim() == 4) return at::conv2d(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+  return at::conv3d(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+}
+
 }  // namespace
 }  // namespace convtune
 
@@ -168,6 +197,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("bwd_data"), py::arg("bwd_filter"),
       "torch.ops.convtune.tuned_conv called directly (unboxed): eager code's hot path, for plain tensors only "
       "(no __torch_function__ is consulted); unlike the op it raises ValueError for an input of other strides.");
+  m.def("torch_conv", &torch_conv, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("dx_tuned"),
+        py::arg("dw_tuned"),
+        "PyTorch's convolution for an input of the signature the torch:native executable fwd was made for (eager "
+        "code's hot path of a layer whose choice is PyTorch's call); ValueError for any other input.");
   m.def("layer_new", &layer_new, py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
         py::arg("weight_shape"),
         "A new layer of this geometry and weight shape (its id) for torch.ops.convtune.layer_conv, with an empty table.");

@@ -41,9 +41,10 @@ import torch.nn.functional as F
 
 from convtune import background, extension
 from convtune.policy import Policy
-from convtune.problem import explicit_padding, to_layout
-from convtune.pytorch import ops
+from convtune.problem import ConvProblem, explicit_padding, is_in_layout, to_layout
+from convtune.pytorch import ops, runtime
 from convtune.pytorch.tuning import LayerSelection, Signature, Tuning, directions_needed, layout_of, select_for_layer
+from convtune.settings import settings
 
 if TYPE_CHECKING:  # TunedConv is only ever mixed into a torch conv module: type it as one
     from torch.nn.modules.conv import _ConvNd as _ConvBase
@@ -74,7 +75,7 @@ class TunedConv(_ConvBase):
     def _init_convtune(self, tuning: Tuning) -> None:
         self._convtune_tuning = tuning
         self._convtune_selections = {}
-        self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchCall] = {}  # see forward
+        self._convtune_fast: dict[torch.Size, tuple[int, int, int] | TorchDirect | TorchCall] = {}  # see forward
         self._convtune_traced: dict[str, tuple[int, ...]] = {}  # see _convtune_traced_forward
         # likewise: static inputs traced without the layer op, () PyTorch's convolution, else the handles of tuned_conv
         self._convtune_static: dict[str, tuple[int, ...]] = {}
@@ -284,20 +285,34 @@ class TunedConv(_ConvBase):
         fast = self._convtune_fast
         if fast:
             entry = fast.get(input.shape)
-            if entry.__class__ is tuple:
+            kind = entry.__class__
+            if kind is tuple:
                 weight, bias = self.weight, self.bias
                 try:
                     if _has_torch_function((input, weight, bias)):  # a subclass or mode: the op as Python calls it
-                        return torch.ops.convtune.tuned_conv.default(input, weight, bias, *entry)
-                    return _tuned_conv(input, weight, bias, *entry)
+                        return torch.ops.convtune.tuned_conv.default(input, weight, bias, *entry)  # type: ignore[misc]
+                    return _tuned_conv(input, weight, bias, *entry)  # type: ignore[misc]
                 except ValueError:
                     pass
-            # a tuple took the branch above (tested by class, the fastest test, which mypy cannot narrow by)
+            elif kind is TorchDirect:
+                weight, bias = self.weight, self.bias
+                if _has_torch_function((input, weight, bias)):  # a subclass or mode: torch.nn's forward, as it
+                    if entry.python.admits(input):  # type: ignore[union-attr]  # sees it, after the Python checks
+                        return super().forward(input)
+                else:
+                    try:
+                        return _torch_conv(input, weight, bias, entry.handle,  # type: ignore[union-attr]
+                                           entry.dx_tuned, entry.dw_tuned)  # type: ignore[union-attr]
+                    except ValueError:
+                        pass
+            # a tuple or a TorchDirect took a branch above (tested by class, the fastest test, which mypy cannot
+            # narrow by; hence the ignores)
             elif entry is not None and entry.admits(input):  # type: ignore[union-attr]
                 return super().forward(input)
         return self._convtune_forward(input)
 
-    def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchCall, sig: Signature) -> None:
+    def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchDirect | TorchCall,
+                      sig: Signature) -> None:
         """Inputs of ``shape`` (of signature ``sig``) take the hot path to ``entry`` from now on (eager code only)."""
         if torch.compiler.is_compiling():
             return
@@ -328,7 +343,10 @@ class TunedConv(_ConvBase):
                 selection = self._convtune_tune(sig, need_dx, need_dw)
         call = selection.call
         if call is None and selection.native is None:  # torch's path, or torch:native in every direction
-            self._convtune_hot(input.shape, TorchCall.of(input, sig, selection), sig)
+            # (traced code keeps no hot path: _convtune_hot; nor does another device type, 'meta', say, which
+            # autocast does not know: the full path calls PyTorch there)
+            if input.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling():
+                self._convtune_hot(input.shape, self._convtune_torch_entry(input, sig, batched, selection), sig)
             return super().forward(input)
         padded = self._convtune_pad(x)
         if selection.native is not None:
@@ -348,6 +366,22 @@ class TunedConv(_ConvBase):
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))
         return y if batched else y.squeeze(0)
+
+    def _convtune_torch_entry(self, input: torch.Tensor, sig: Signature, batched: bool,
+                              selection: LayerSelection) -> TorchDirect | TorchCall:
+        """The hot path's entry for ``input`` (of ``sig``), whose choice (``selection``) is PyTorch's call: its
+        signature checked in C++ (``TorchDirect``) where the native runtime is on and a torch:native executable of
+        the problem says what the signature is, else in Python (``TorchCall``)."""
+        python = TorchCall.of(input, sig, selection)
+        # (an input not dense in its layout stays on the Python checks: the C++ check wants the problem's strides)
+        if settings.native and batched and not self._convtune_pads_first() and is_in_layout(input, sig.layout):
+            try:
+                handle = runtime.prepare(ConvProblem.from_key(selection.problem), "torch:native")[0]
+            except runtime.REFUSALS:  # no extension, or no problem (a dtype convtune does not tune): ValueError
+                pass
+            else:
+                return TorchDirect(handle, selection.covers(True, False), selection.covers(False, True), python)
+        return python
 
     def _convtune_pads_first(self) -> bool:
         """Whether the layer pads its input explicitly before the convolution (``_convtune_pad``)."""
@@ -422,6 +456,22 @@ def _traced_keys(sig: Signature) -> list[tuple[tuple[bool, bool], str]]:
 
 
 _HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)
+
+
+class TorchDirect:
+    """The hot path of a layer that calls PyTorch's own convolution, its input's signature checked in C++
+    (``_C.torch_conv``, which then calls ``aten::conv2d``, say, as torch.nn's forward does): the handle of a
+    torch:native executable of the problem chosen for, whether the input's gradient was chosen for, whether the
+    weight's was, and the same checks in Python (``TorchCall``) for a tensor subclass or a mode of
+    ``__torch_function__``, which sees torch.nn's forward."""
+
+    __slots__ = ("handle", "dx_tuned", "dw_tuned", "python")
+
+    def __init__(self, handle: int, dx_tuned: bool, dw_tuned: bool, python: TorchCall) -> None:
+        self.handle, self.dx_tuned, self.dw_tuned, self.python = handle, dx_tuned, dw_tuned, python
+
+    def __reduce__(self) -> tuple:  # pickle's protocols 0 and 1 as well (slots have no __dict__)
+        return (TorchDirect, (self.handle, self.dx_tuned, self.dw_tuned, self.python))
 
 
 class TorchCall:
@@ -543,6 +593,20 @@ def _resolve_tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     return _tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter)
 
 
+def _resolve_torch_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, dx_tuned: bool,
+                        dw_tuned: bool) -> torch.Tensor:
+    """The first call of a ``TorchDirect`` hot path: bind ``_torch_conv`` to the C++ extension's ``torch_conv``
+    (loaded by then: the entry's executable implies it)."""
+    global _torch_conv
+    module = extension.load()
+    if module is None:  # (not reached: a TorchDirect entry is made with the extension only) the full path decides
+        raise ValueError("convtune: the C++ extension is not loaded")
+    _torch_conv = module.torch_conv
+    return _torch_conv(x, w, bias, fwd, dx_tuned, dw_tuned)
+
+
+# _C.torch_conv(x, w, bias, fwd, dx_tuned, dw_tuned): PyTorch's convolution after the signature's checks in C++.
+_torch_conv: Callable[..., torch.Tensor] = _resolve_torch_conv
 # convtune::tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter): the forward through the layer's executables,
 # for tensors without __torch_function__ (nor a mode of it: _has_torch_function).
 _tuned_conv: Callable[..., torch.Tensor] = _resolve_tuned_conv
