@@ -279,7 +279,9 @@ class TunedConv(_ConvBase):
         # call checks everything else the choice depends on: dtype, device, layout, the gradients needed;
         # autocast casts in C++; anything else raises ValueError, which the full path below handles; a
         # tensor subclass goes through torch.ops, whose op lays out an input of other strides itself),
-        # or, where PyTorch's own call was chosen, that call after a few cheap checks.
+        # or, where PyTorch's own call was chosen, that call after the same checks: in C++ (TorchDirect, whose
+        # direct call raises ValueError likewise), or in Python (TorchCall: without the native runtime, for a
+        # tensor subclass or mode, an unbatched input or one not dense in its layout).
         if torch.compiler.is_compiling():  # traced: the hot path's dict would only add guards
             return self._convtune_traced_forward(input)
         fast = self._convtune_fast
