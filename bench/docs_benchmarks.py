@@ -64,15 +64,23 @@ def end_to_end() -> str:
 
 
 def readme_table() -> str:
-    """README's headline table: float16 rows of e2e.json, PyTorch benchmark=True / convtune per style; tuning: the
-    median of convtune's cold-database rows' optimize time / of its warm-database rows' (another process), and
-    PyTorch's first eager inference call plus first training step in benchmark mode."""
+    """README's headline table, float16, PyTorch benchmark=True / convtune per style: eager and torch.compile from
+    ab.json where it has the configuration (both models in one process, timed in alternation: the median of the
+    rounds' ratios), else, like the CUDA-graph column, from e2e.json (each configuration in its own process);
+    tuning: the median of convtune's cold-database rows' optimize time / of its warm-database rows' (another
+    process) in e2e.json, and PyTorch's first eager inference call plus first training step in benchmark mode."""
     configs, link = _load("e2e.json")["configs"], "bench/results/e2e.md"
+    alternated = _load("ab.json")["results"] if (common.RESULTS / "ab.json").exists() else {}
     rows = []
     for network, batch, title in README_ROWS:
         group = f"{network}:{batch}:float16"
         cells = []
         for style in STYLES:
+            ab_rows = alternated.get(group, {}).get("rows", {})
+            if style != "graph" and all(f"{style}:{w}" in ab_rows for w in ("inference", "training")):
+                ratios = " / ".join(f"{ab_rows[f'{style}:{w}']['ratio']:.2f}" for w in ("inference", "training"))
+                cells.append(f"[{ratios}](bench/results/ab.md)")
+                continue
             base, ours = configs.get(f"{group}:{style}:torch_bm1"), configs.get(f"{group}:{style}:convtune")
             cells.append(f"[{_ratio(base, ours, 'inference')} / {_ratio(base, ours, 'training')}]({link})")
         tuned = [configs.get(f"{group}:{style}:convtune") or {} for style in STYLES]
