@@ -43,6 +43,10 @@ from convtune.settings import settings  # noqa: E402
 from sweep import network_problems  # noqa: E402
 
 RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
+# Other rules for picking from the learned prices, judged beside its first pick: 'topK' the cheapest of the candidates
+# of no ranking backend and cuDNN's first K plans in its order; 'aM' cuDNN's first plan in that order (heuristics
+# A) unless the cheapest is priced M% below it; 'bM' the same against heuristics B's first plan.
+RULES = ("top2", "top3", "a10", "a20", "a30", "b10", "b20")
 # find's settings simulated: (find_patience, find_prune_factor); 0: that rule off
 FIND_SETTINGS = tuple((patience, prune) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8))
 
@@ -53,7 +57,25 @@ def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: d
     by_name = {s.name: s.measured_ms for s in rows}
     chosen = {ranking: pick.name for ranking, pick in learned.first_picks(model, rows).items()}
     chosen.update({"torch_bm0": "torch:native", "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")})
+    chosen.update(rule_picks(learned.ranked(model, rows), heuristics.get("B")))
     return {ranking: (by_name[name] / best if name in by_name else None) for ranking, name in chosen.items()}
+
+
+def rule_picks(order: list[tuple[learned.Sample, float]], first_b: str | None) -> dict[str, str]:
+    """What each of ``RULES`` picks from one problem's candidates in the learned order, with their prices."""
+    price = {s.name: t for s, t in order}
+    cheapest, cheapest_ms = order[0][0].name, order[0][1]
+    first_a = next((s.name for s, _ in order if s.order == 0), None)
+    chosen = {}
+    for rule in RULES:
+        number = int(rule[1:]) if rule[0] in "ab" else int(rule[3:])
+        if rule.startswith("top"):
+            chosen[rule] = next(s.name for s, _ in order if s.order is None or s.order < number)
+            continue
+        anchor = first_a if rule[0] == "a" else first_b
+        anchor = anchor if anchor in price else cheapest
+        chosen[rule] = cheapest if cheapest_ms < (1 - number / 100) * price[anchor] else anchor
+    return chosen
 
 
 ORDERS = Path(__file__).resolve().parent / "data" / "cudnn_order.json.gz"
@@ -220,11 +242,13 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     all_groups = {("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
                   for d, t in sorted({k[1:] for k in groups})}
     overall_summary, overall = table(all_groups)
+    rules_summary, rules = table(all_groups, ("learned", "cudnn_B", *RULES))
     find_summary, find_text = find_table(all_groups)
     env = common.environment()
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
                "orders": args.orders if recorded is None else str(Path(args.orders).name),
-               "seed": args.seed, "random_split": report, "overall": overall_summary, "find": find_summary,
+               "seed": args.seed, "random_split": report, "overall": overall_summary, "rules": rules_summary,
+               "find": find_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
     where = f"measured on {measured_on}, judged on " if measured_on else ""
@@ -237,6 +261,10 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"it is the best. torch_bm0: PyTorch's own call (cudnn.benchmark=False); cudnn_A/B: cuDNN's "
                 f"heuristics' first plan (cuDNN's order: {payload['orders']}).\n\n{text}\nAll held-out networks "
                 f"together:\n\n{overall}\nA random split (whole problems held out): {split}.\n\n"
+                f"## Other rules for picking from the learned prices\n\nOn the same held-out problems: topK, the "
+                f"cheapest of the candidates of no ranking backend and cuDNN's first K plans in its order; aM, cuDNN's "
+                f"first plan in that order (heuristics A) unless the cheapest is priced M% below it; bM, the same "
+                f"against heuristics B's first plan.\n\n{rules}\n"
                 f"## find in the learned order, on the held-out networks\n\nfind's search simulated on each held-out "
                 f"problem's measurements (`learned.simulated_find`: each backend's first-ranked candidate, then the "
                 f"learned order; a candidate predicted over `prune factor` times the best measured is skipped; after "

@@ -227,6 +227,26 @@ def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, 
     split = payload["random_split"]
     assert split["analytic_geomean"] > 1.1 and split["learned_geomean"] < split["analytic_geomean"], split
     assert "geomean / worst / top-1" in (out / "learned_get.md").read_text()
+    for summary in payload["rules"].values():  # the other picking rules, judged on the same problems
+        assert all(summary[rule]["problems"] == summary["learned"]["problems"] for rule in learned_get.RULES)
+        assert summary["cudnn_B"] == {}  # no B here: its rules keep the cheapest (the learned pick)
+        assert summary["b10"] == summary["learned"]
+
+
+def test_learned_get_rules_pick_cudnns_first_plan_unless_the_learned_price_is_lower_by_the_margin(learned_get):
+    from convtune.learned import Sample
+    from convtune.problem import ConvProblem
+
+    p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(8, 8), kernel_size=3)
+    first, second, other = (Sample(p, "cudnn:eng1", 1.0, 1.0, 0), Sample(p, "cudnn:eng2", 1.0, 1.0, 3),
+                            Sample(p, "gemm:x", 1.0, 1.0, None))
+    order = [(second, 0.80), (other, 0.85), (first, 1.0)]  # the learned prices: eng2 cheapest, 20% below eng1
+    picks = learned_get.rule_picks(order, "gemm:x")
+    assert picks["top2"] == "gemm:x" and picks["top3"] == "gemm:x"  # eng2 is cuDNN's fourth: left out
+    assert picks["a10"] == "cudnn:eng2" and picks["a20"] == "cudnn:eng1" and picks["a30"] == "cudnn:eng1"
+    assert picks["b10"] == picks["b20"] == "gemm:x"  # heuristics B's first: 0.80 is not 10% below its 0.85
+    picks = learned_get.rule_picks(order, "cudnn:eng1")
+    assert picks["b10"] == "cudnn:eng2" and picks["b20"] == "cudnn:eng1"
 
 
 def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, learned_get, sweep):
