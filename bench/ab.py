@@ -21,6 +21,11 @@ Results: bench/results/ab.json and ab.md (or --out, --name); results of earlier 
 full path while it was timed (in a steady state there should be none). ``--profile`` adds, per network,
 batch and dtype, ``torch.profiler``'s host-side table of ``--steps`` eager training steps of each model
 (<name>_profile_<model>_b<batch>_<dtype>.txt): where the host time of a step goes.
+
+``--control`` times PyTorch against PyTorch (an A/A test): the second copy is left as it is, not optimized, and
+its rows are kept under the model's name with " A/A" added. A control cell's ratio is the method's own bias and
+noise in that configuration (which copy runs second in a round, which compiled entry Dynamo tries first): a
+convtune cell is judged against it.
 """
 
 from __future__ import annotations
@@ -70,10 +75,11 @@ def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
     return "\n\n".join(parts)
 
 
-def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: bool, db=None) -> tuple:
+def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: bool, db=None,
+         control: bool = False) -> tuple:
     """(PyTorch's model, convtune's copy of it, input, labels, seconds ``optimize`` took): the network built once
     (seed 0, channels_last, ``cudnn.benchmark=True``) and copied, the copy optimized for training under autocast
-    on ``db`` (default: an empty tuning database, closed on return)."""
+    on ``db`` (default: an empty tuning database, closed on return); with ``control``, the copy as it is."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     torch_model, size, classes = e2e.build_model(model_name, tiny)
@@ -81,6 +87,8 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
     ours = copy.deepcopy(torch_model)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, classes, (batch,), device=device)
+    if control:
+        return torch_model, ours, x, labels, 0.0
     with contextlib.ExitStack() as stack:
         if db is None:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -93,11 +101,11 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
 
 
 def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device: str, tiny: bool, steps: int,
-        rounds: int, profile: bool = False) -> dict:
+        rounds: int, profile: bool = False, control: bool = False) -> dict:
     """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process (and, with
-    ``profile``, the host-side profile tables under "profile")."""
+    ``profile``, the host-side profile tables under "profile"; with ``control``, the second model not optimized)."""
     dtype = getattr(torch, dtype_name)
-    torch_model, ours, x, labels, tune_s = pair(model_name, batch, dtype, device, tiny)
+    torch_model, ours, x, labels, tune_s = pair(model_name, batch, dtype, device, tiny, control=control)
     timer = e2e.Timer(device, steps, 1)
     rows = {}
     for style in styles:
@@ -153,7 +161,8 @@ def markdown(env: dict, results: dict) -> str:
             f"{common.env_line(env)}. "
             "Autocast, channels_last, `cudnn.benchmark=True`; per round one timing of each (CUDA events, the "
             "order swapped every round); ms: medians over the rounds; ratio: median of the rounds' PyTorch / "
-            "convtune (above 1: convtune faster), and its range. `bench/ab.py`.\n\n"
+            "convtune (above 1: convtune faster), and its range; a model marked A/A: PyTorch against an untouched copy "
+            "of itself, the method's own bias (`--control`). `bench/ab.py`.\n\n"
             + common.md_table(["model", "batch", "dtype", "style", "workload", "PyTorch ms", "convtune ms", "ratio",
                                "range", "full-path calls", "measured"], lines))
 
@@ -170,6 +179,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--profile", action="store_true", help="also write the host-side profile of eager steps")
+    parser.add_argument("--control", action="store_true", help="PyTorch against PyTorch: the method's own bias")
     common.result_arguments(parser, "ab")
     args = parser.parse_args()
     for option, values, allowed in (("--styles", args.styles, ("eager", "compile")), ("--dtypes", args.dtypes,
@@ -185,13 +195,15 @@ def main() -> None:
     for model in ["tiny"] if args.tiny else args.models:
         for batch in args.batches:
             for dtype in args.dtypes:
-                key = f"{model}:b{batch}:{dtype}"
+                label = f"{model} A/A" if args.control else model
+                key = f"{label}:b{batch}:{dtype}"
                 print(key, file=sys.stderr, flush=True)
                 res = run(model, batch, dtype, args.styles, args.device, args.tiny, args.steps, args.rounds,
-                          args.profile)
+                          args.profile, args.control)
                 if "profile" in res:
                     out_dir.mkdir(parents=True, exist_ok=True)
-                    profile_path = out_dir / f"{args.name}_profile_{model}_b{batch}_{dtype}.txt"
+                    control = "_control" if args.control else ""
+                    profile_path = out_dir / f"{args.name}_profile_{model}_b{batch}_{dtype}{control}.txt"
                     profile_path.write_text(f"# {key}: {common.env_line(env)}; layer directions by runtime "
                                             f"{res['runtimes']}\n\n{res.pop('profile')}\n")
                 for row in res["rows"].values():  # each row its own stamp: rows kept from earlier runs keep theirs

@@ -136,6 +136,12 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
             assert row["full_path_calls"] == 0
     profile = (tmp_path / "ab_profile_tiny_b4_bfloat16.txt").read_text()
     assert "## torch: host-side profile" in profile and "## convtune: host-side profile" in profile
+    # --control: PyTorch against an untouched copy, kept beside the convtune rows
+    results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
+                   "--batches", "4", "--control")["results"]
+    assert set(results) == {"tiny:b4:bfloat16", "tiny A/A:b4:bfloat16"}
+    assert results["tiny A/A:b4:bfloat16"]["runtimes"] == {}  # nothing optimized
+    assert "| tiny A/A | b4 |" in (tmp_path / "ab.md").read_text()
 
 
 @pytest.mark.slow
