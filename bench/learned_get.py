@@ -26,6 +26,8 @@ import argparse
 import contextlib
 import gzip
 import json
+import math
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -113,9 +115,71 @@ def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
     out = []
     for problem, rows in by_problem.items():
         if len(rows) >= 2:
+            heuristics = heuristic_names(problem, recorded)
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
-                            **picks(model, rows, heuristic_names(problem, recorded)), find=searches(model, rows)))
+                            **picks(model, rows, heuristics), find=searches(model, rows),
+                            **prices(model, rows, heuristics.get("B"))))
     return out
+
+
+def family(name: str) -> str:
+    """A candidate's family for the price-error table: its backend, and for convtune's Triton kernels the
+    kernel ('triton:grouped_bwd_data_p64c32w4' is 'triton:grouped')."""
+    backend, _, variant = name.partition(":")
+    return f"{backend}:{variant.split('_')[0]}" if backend == "triton" else backend
+
+
+def prices(model: learned.LearnedModel, rows: list[learned.Sample], first_b: str | None) -> dict:
+    """What the learned prices of one problem's candidates got wrong: 'errors', per family, log2(price /
+    measured) of each candidate; 'pick', the learned first pick and the measured best, each with its price and
+    measured time, and cuDNN heuristics B's first plan."""
+    order = learned.ranked(model, rows)
+    errors: dict[str, list[float]] = defaultdict(list)
+    for sample, price in order:
+        errors[family(sample.name)].append(math.log2(price / sample.measured_ms))
+    (chosen, chosen_price), best = order[0], min(rows, key=lambda s: s.measured_ms)
+    priced = {s.name: price for s, price in order}
+    return dict(errors=dict(errors), pick=dict(
+        learned=[chosen.name, chosen_price, chosen.measured_ms], best=[best.name, priced[best.name], best.measured_ms],
+        cudnn_B=first_b if first_b in priced else None))
+
+
+def error_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
+    """Per direction, dtype and candidate family, over the held-out problems' candidates: how far the learned
+    price lies from the measured time (log2(price / measured)): the median (above 0: priced slower than it
+    ran), the median of its size, and the share off by more than 2x."""
+    summary, lines = {}, []
+    for key, rows in sorted(groups.items()):
+        merged: dict[str, list[float]] = defaultdict(list)
+        for row in rows:
+            for name, values in row.get("errors", {}).items():
+                merged[name].extend(values)
+        for name, values in sorted(merged.items()):
+            s = dict(candidates=len(values), median=statistics.median(values),
+                     median_size=statistics.median(abs(v) for v in values),
+                     over_2x=sum(abs(v) > 1 for v in values) / len(values))
+            summary[f"{'/'.join(key)}/{name}"] = s
+            lines.append([*key[1:], name, s["candidates"], f"{2 ** s['median']:.2f}x", f"{2 ** s['median_size']:.2f}x",
+                          f"{100 * s['over_2x']:.0f}%"])
+    header = ["direction", "dtype", "family", "candidates", "price / measured: median", "median factor off",
+              "off by over 2x"]
+    return summary, common.md_table(header, lines)
+
+
+def worst_table(groups: dict[tuple, list[dict]], count: int = 12) -> str:
+    """The held-out problems where the learned first pick is slowest against the best measured: what it picked,
+    at what price, what was best and at what price, and how heuristics B's first plan did."""
+    rows = sorted((r for key, rs in groups.items() for r in rs if r.get("pick") and r.get("learned")),
+                  key=lambda r: -r["learned"])[:count]
+    lines = []
+    for r in rows:
+        (chosen, chosen_price, chosen_ms), (best, best_price, best_ms) = r["pick"]["learned"], r["pick"]["best"]
+        b = f"{r['cudnn_B']:.2f}" if r.get("cudnn_B") else "-"
+        lines.append([r["network"], r["problem"].split("|cuda")[0], f"{r['learned']:.2f}", chosen,
+                      f"{chosen_price:.4f} / {chosen_ms:.4f}", best, f"{best_price:.4f} / {best_ms:.4f}", b])
+    header = ["held out", "problem", "learned / best", "learned pick", "its price / measured ms", "best",
+              "its price / measured ms", "cudnn_B / best"]
+    return common.md_table(header, lines)
 
 
 def searches(model: learned.LearnedModel, rows: list[learned.Sample]) -> dict[str, list[float]]:
@@ -236,7 +300,7 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                   file=sys.stderr)
             continue
         for row in judge(samples, held, here, args.epochs, recorded, args.seed):
-            groups[(network, row["direction"], row["dtype"])].append(row)
+            groups[(network, row["direction"], row["dtype"])].append(dict(row, network=network))
     report = learned.holdout_report(samples, here, epochs=args.epochs, seed=args.seed)
     summary, text = table(groups)
     all_groups = {("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
@@ -244,11 +308,16 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     overall_summary, overall = table(all_groups)
     rules_summary, rules = table(all_groups, ("learned", "cudnn_B", *RULES))
     find_summary, find_text = find_table(all_groups)
+    error_summary, errors = error_table(all_groups)
+    worst = worst_table(all_groups)
+    for rows in groups.values():  # the per-candidate errors are in the error table; the rows keep the picks
+        for row in rows:
+            row.pop("errors", None)
     env = common.environment()
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
                "orders": args.orders if recorded is None else str(Path(args.orders).name),
                "seed": args.seed, "random_split": report, "overall": overall_summary, "rules": rules_summary,
-               "find": find_summary,
+               "find": find_summary, "price_errors": error_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
     where = f"measured on {measured_on}, judged on " if measured_on else ""
@@ -273,7 +342,12 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"worst, how many problems above 1.05), the share of candidates run and the share of the candidates' "
                 f"summed measured times they take (find spends a multiple of a candidate's time on it). find's "
                 f"defaults: patience {settings.find_patience}, prune factor {settings.find_prune_factor:g}.\n\n"
-                f"{find_text}")
+                f"{find_text}\n"
+                f"## What the learned prices get wrong\n\nOn the held-out problems, each candidate's learned price "
+                f"against its measured time, per family (cuDNN's execution plans, GEMM lowerings, PyTorch's call, "
+                f"convtune's Triton kernels by kernel):\n\n{errors}\n"
+                f"The held-out problems where the learned first pick is slowest against the best measured (prices "
+                f"and times in ms):\n\n{worst}")
     common.write(args.name, payload, markdown, args.out)
     print(markdown)
     return 0

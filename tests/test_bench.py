@@ -233,6 +233,12 @@ def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, 
     split = payload["random_split"]
     assert split["analytic_geomean"] > 1.1 and split["learned_geomean"] < split["analytic_geomean"], split
     assert "geomean / worst / top-1" in (out / "learned_get.md").read_text()
+    # what the prices got wrong, per family: direct:taps, priced 2x off on one kind of layer or the other, is off
+    errors = payload["price_errors"]
+    assert {key.split("/")[-1] for key in errors} == {"torch", "gemm", "direct"}
+    assert all(e["candidates"] > 0 and 0 <= e["over_2x"] <= 1 and e["median_size"] >= 0 for e in errors.values())
+    assert "What the learned prices get wrong" in (out / "learned_get.md").read_text()
+    assert all("errors" not in row and row["pick"]["learned"][0] in names for row in payload["rows"].values())
     for summary in payload["rules"].values():  # the other picking rules, judged on the same problems
         assert all(summary[rule]["problems"] == summary["learned"]["problems"] for rule in learned_get.RULES)
         assert summary["cudnn_B"] == {}  # no B here: its rules keep the cheapest (the learned pick)
@@ -253,6 +259,9 @@ def test_learned_get_rules_pick_cudnns_first_plan_unless_the_learned_price_is_lo
     assert picks["b10"] == picks["b20"] == "gemm:x"  # heuristics B's first: 0.80 is not 10% below its 0.85
     picks = learned_get.rule_picks(order, "cudnn:eng1")
     assert picks["b10"] == "cudnn:eng2" and picks["b20"] == "cudnn:eng1"
+    # the price-error table's families: a backend, and convtune's Triton kernels by kernel
+    assert [learned_get.family(n) for n in ("cudnn:eng1_k2=3", "triton:grouped_bwd_data_p64c32w4", "torch:native")] \
+        == ["cudnn", "triton:grouped", "torch"]
 
 
 def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, learned_get, sweep):
