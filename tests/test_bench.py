@@ -414,3 +414,11 @@ def test_native_copy_times_torch_native_both_ways_on_each_layer(tmp_path):
     for row in payload["rows"]:
         assert row["run_ms"] > 0 and row["launcher_ms"] > 0 and row["ratio"] == row["run_ms"] / row["launcher_ms"]
     assert "revision" in (tmp_path / "native_copy_cpu.md").read_text()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the GPU run is bench/gpu_checks.sh heuristics")
+def test_heuristics_cost_says_it_needs_a_gpu_and_writes_nothing(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH / "heuristics_cost.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "need a GPU" in out.stderr
+    assert not list(tmp_path.iterdir())
