@@ -79,7 +79,8 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
          control: bool = False) -> tuple:
     """(PyTorch's model, convtune's copy of it, input, labels, seconds ``optimize`` took): the network built once
     (seed 0, channels_last, ``cudnn.benchmark=True``) and copied, the copy optimized for training under autocast
-    on ``db`` (default: an empty tuning database, closed on return); with ``control``, the copy as it is."""
+    on ``db`` (default: an empty tuning database, closed on return); with ``control``, the copy as it is (and
+    None for the seconds)."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     torch_model, size, classes = e2e.build_model(model_name, tiny)
@@ -87,8 +88,8 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
     ours = copy.deepcopy(torch_model)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, classes, (batch,), device=device)
-    if control:
-        return torch_model, ours, x, labels, 0.0
+    if control:  # nothing tuned
+        return torch_model, ours, x, labels, None
     with contextlib.ExitStack() as stack:
         if db is None:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -131,7 +132,8 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
                 ratio=statistics.median(p[0] / p[1] for p in pairs),
                 ratio_range=[min(p[0] / p[1] for p in pairs), max(p[0] / p[1] for p in pairs)],
                 first_call_s=first, rounds=rounds, steps=steps,
-                full_path_calls=full.calls if style == "eager" else None)  # compiled code never calls forward
+                # compiled code never calls forward; an untouched copy has no tuned layer
+                full_path_calls=full.calls if style == "eager" and not control else None)
             print(f"  {style} {workload}: torch {row['torch_ms']:.3f} ms, convtune {row['convtune_ms']:.3f} ms, "
                   f"ratio {row['ratio']:.3f}", file=sys.stderr, flush=True)
     runtimes: dict[str, int] = {}

@@ -4,8 +4,10 @@
 on held-out networks heuristics B's first plan is the better pick (``bench/learned_get.py``). Whether ``get``
 can afford to ask B depends on what that costs: per problem of the networks named, the host time of building
 the problem's cuDNN graph and its list of plans under each set of modes (``ProblemGraph``: validate, build the
-operation graph, create the plans; no plan is built), in a fresh graph each time. The first query of each mode
-in the process is reported apart (it loads what the mode needs). Needs a GPU and the cuDNN frontend.
+operation graph, create the plans; no plan is built), in a fresh graph each time. Before any is timed, one graph
+under every mode makes cuDNN's handle and loads what each mode needs; the first timed query of each set is still
+reported apart. A problem a set of modes offers nothing for is counted, not timed. Needs a GPU and the cuDNN
+frontend.
 
     python bench/heuristics_cost.py --networks resnet50,mobilenet_v2,resnext50_32x4d --batch 32
 
@@ -28,17 +30,26 @@ from sweep import network_problems  # noqa: E402
 MODES = (("A", "FALLBACK"), ("A",), ("B",), ("B", "FALLBACK"))  # get's today first
 
 
-def timed_graphs(problems: list, modes: tuple[str, ...]) -> tuple[float, list[float], list[int]]:
-    """(ms of the first graph, ms of each other one, how many plans each lists) for ``problems`` under ``modes``."""
-    from convtune.algorithms.cudnn import ProblemGraph
-
-    times, counts = [], []
+def timed_graphs(problems: list, modes: tuple[str, ...], make_graph) -> dict:
+    """Per set of ``modes``, over ``problems`` (three or more): the first graph's ms, the others' median, 90th
+    percentile and worst, the median count of plans listed, and how many problems got no plan list
+    (``make_graph(problem, modes)`` raised)."""
+    times, counts, refused = [], [], 0
     for problem in problems:
         start = time.perf_counter()
-        graph = ProblemGraph(problem, modes=modes)
+        try:
+            graph = make_graph(problem, modes)
+        except Exception:  # noqa: BLE001 - the frontend raises several types for "no plan offered"
+            refused += 1
+            continue
         times.append(1e3 * (time.perf_counter() - start))
         counts.append(len(graph.names))
-    return times[0], times[1:], counts
+    if len(times) < 3:
+        return dict(problems=len(problems), refused=refused)
+    rest = times[1:]
+    return dict(problems=len(problems), refused=refused, first_ms=times[0], median_ms=statistics.median(rest),
+                p90_ms=statistics.quantiles(rest, n=10, method="inclusive")[-1], max_ms=max(rest),
+                plans_median=statistics.median(counts))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,29 +64,33 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("cuDNN's heuristics need a GPU: run this on one (bench/gpu_checks.sh heuristics)")
     try:
-        import convtune.algorithms.cudnn  # noqa: F401
+        from convtune.algorithms.cudnn import ProblemGraph
     except ImportError as exc:
         parser.error(f"the cuDNN frontend does not load ({exc}): pip install nvidia-cudnn-frontend")
     problems = list(dict.fromkeys(p for _, p in network_problems(args.networks, args.batch, args.dtypes,
                                                                    ["channels_last"], "cuda")))
+    if len(problems) < 3:
+        parser.error(f"{','.join(args.networks)} has {len(problems)} distinct problems: name networks with 3 or more")
+    for mode in {m for modes in MODES for m in modes}:  # cuDNN's handle, and what each mode loads, made untimed
+        timed_graphs(problems[:1], (mode,), ProblemGraph)
     results = {}
     for modes in MODES:
-        first, rest, counts = timed_graphs(problems, modes)
-        results["+".join(modes)] = dict(first_ms=first, median_ms=statistics.median(rest),
-                                        p90_ms=statistics.quantiles(rest, n=10)[-1], max_ms=max(rest),
-                                        plans_median=statistics.median(counts), problems=len(problems))
-        print("+".join(modes), {k: round(v, 3) for k, v in results["+".join(modes)].items()}, file=sys.stderr,
-              flush=True)
+        results["+".join(modes)] = timed_graphs(problems, modes, ProblemGraph)
+        print("+".join(modes), results["+".join(modes)], file=sys.stderr, flush=True)
     env = common.environment()
-    rows = [[name, r["problems"], f"{r['first_ms']:.2f}", f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}",
-             f"{r['max_ms']:.2f}", f"{r['plans_median']:g}"] for name, r in results.items()]
+
+    def cell(r: dict, key: str, form: str = ".2f") -> str:
+        return format(r[key], form) if key in r else "-"
+
+    rows = [[name, r["problems"], r["refused"], cell(r, "first_ms"), cell(r, "median_ms"), cell(r, "p90_ms"),
+             cell(r, "max_ms"), cell(r, "plans_median", "g")] for name, r in results.items()]
     markdown = (f"# What asking cuDNN's heuristics costs the host\n\n{common.env_line(env)}. The layers of "
                 f"{', '.join(args.networks)} (batch {args.batch}, {', '.join(args.dtypes)}, channels_last, every "
                 f"direction; each distinct problem once): per set of heuristics modes, the host time of a new "
                 f"problem's cuDNN graph and its list of plans (`ProblemGraph`; no plan built), ms. "
                 f"`bench/heuristics_cost.py`.\n\n"
-                + common.md_table(["modes", "problems", "first in the process", "median", "90th percentile", "worst",
-                                   "plans listed (median)"], rows))
+                + common.md_table(["modes", "problems", "no plan offered", "first timed", "median", "90th percentile",
+                                   "worst", "plans listed (median)"], rows))
     common.write(args.name, {"environment": env, "networks": args.networks, "batch": args.batch,
                              "results": results}, markdown, args.out)
     print(markdown)

@@ -167,16 +167,23 @@ def error_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
 
 
 def worst_table(groups: dict[tuple, list[dict]], count: int = 12) -> str:
-    """The held-out problems where the learned first pick is slowest against the best measured: what it picked,
-    at what price, what was best and at what price, and how heuristics B's first plan did."""
-    rows = sorted((r for key, rs in groups.items() for r in rs if r.get("pick") and r.get("learned")),
-                  key=lambda r: -r["learned"])[:count]
+    """The held-out problems where the learned first pick is slowest against the best measured, each problem once
+    (the first of the networks that hold it, by that ratio; the others named): what it picked, at what price,
+    what was best and at what price, and how heuristics B's first plan did."""
+    by_problem: dict[str, list[dict]] = defaultdict(list)
+    for rows in groups.values():
+        for r in rows:
+            if r.get("pick") and r.get("learned"):
+                by_problem[r["problem"]].append(r)
+    worst = sorted((sorted(rows, key=lambda r: (-r["learned"], r["network"])) for rows in by_problem.values()),
+                   key=lambda rows: (-rows[0]["learned"], rows[0]["problem"]))[:count]
     lines = []
-    for r in rows:
+    for rows in worst:
+        r = rows[0]
         (chosen, chosen_price, chosen_ms), (best, best_price, best_ms) = r["pick"]["learned"], r["pick"]["best"]
         b = f"{r['cudnn_B']:.2f}" if r.get("cudnn_B") else "-"
-        lines.append([r["network"], r["problem"].split("|cuda")[0], f"{r['learned']:.2f}", chosen,
-                      f"{chosen_price:.4f} / {chosen_ms:.4f}", best, f"{best_price:.4f} / {best_ms:.4f}", b])
+        lines.append([", ".join(x["network"] for x in rows), r["problem"].split("|cuda")[0], f"{r['learned']:.2f}",
+                      chosen, f"{chosen_price:.4f} / {chosen_ms:.4f}", best, f"{best_price:.4f} / {best_ms:.4f}", b])
     header = ["held out", "problem", "learned / best", "learned pick", "its price / measured ms", "best",
               "its price / measured ms", "cudnn_B / best"]
     return common.md_table(header, lines)

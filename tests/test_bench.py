@@ -140,7 +140,9 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
                    "--batches", "4", "--control")["results"]
     assert set(results) == {"tiny:b4:bfloat16", "tiny A/A:b4:bfloat16"}
-    assert results["tiny A/A:b4:bfloat16"]["runtimes"] == {}  # nothing optimized
+    control = results["tiny A/A:b4:bfloat16"]
+    assert control["runtimes"] == {} and control["tune_s"] is None  # nothing optimized
+    assert all(row["full_path_calls"] is None for row in control["rows"].values())
     assert "| tiny A/A | b4 |" in (tmp_path / "ab.md").read_text()
 
 
@@ -233,10 +235,9 @@ def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, 
     split = payload["random_split"]
     assert split["analytic_geomean"] > 1.1 and split["learned_geomean"] < split["analytic_geomean"], split
     assert "geomean / worst / top-1" in (out / "learned_get.md").read_text()
-    # what the prices got wrong, per family: direct:taps, priced 2x off on one kind of layer or the other, is off
+    # what the prices got wrong, per family of the candidates (error_table, tested on its own below)
     errors = payload["price_errors"]
     assert {key.split("/")[-1] for key in errors} == {"torch", "gemm", "direct"}
-    assert all(e["candidates"] > 0 and 0 <= e["over_2x"] <= 1 and e["median_size"] >= 0 for e in errors.values())
     assert "What the learned prices get wrong" in (out / "learned_get.md").read_text()
     assert all("errors" not in row and row["pick"]["learned"][0] in names for row in payload["rows"].values())
     for summary in payload["rules"].values():  # the other picking rules, judged on the same problems
@@ -259,6 +260,19 @@ def test_learned_get_rules_pick_cudnns_first_plan_unless_the_learned_price_is_lo
     assert picks["b10"] == picks["b20"] == "gemm:x"  # heuristics B's first: 0.80 is not 10% below its 0.85
     picks = learned_get.rule_picks(order, "cudnn:eng1")
     assert picks["b10"] == "cudnn:eng2" and picks["b20"] == "cudnn:eng1"
+    # the price-error table: per family, the median log2(price / measured), its median size, the share over 2x
+    errors, _ = learned_get.error_table({("all", "fwd", "float16"): [{"errors": {"cudnn": [1.0, -2.0]}},
+                                                                      {"errors": {"cudnn": [0.5], "gemm": [0.0]}}]})
+    assert errors["all/fwd/float16/cudnn"] == dict(candidates=3, median=0.5, median_size=1.0, over_2x=1 / 3)
+    assert errors["all/fwd/float16/gemm"] == dict(candidates=1, median=0.0, median_size=0.0, over_2x=0.0)
+    # the worst picks: each problem once, its worst network first and the others named, the worst problem first
+    def row(network, problem, ratio):
+        return dict(network=network, problem=problem, learned=ratio, cudnn_B=1.0,
+                    pick=dict(learned=["cudnn:eng2", 0.5, ratio], best=["cudnn:eng1", 0.7, 1.0], cudnn_B="cudnn:eng1"))
+    text = learned_get.worst_table({("a", "fwd", "float16"): [row("a", "p1|cuda", 2.0), row("a", "p2|cuda", 3.0)],
+                                    ("b", "fwd", "float16"): [row("b", "p1|cuda", 2.5)]}, count=2)
+    lines = text.splitlines()[2:]
+    assert [line.split(" | ")[:3] for line in lines] == [["| a", "p2", "3.00"], ["| b, a", "p1", "2.50"]]
     # the price-error table's families: a backend, and convtune's Triton kernels by kernel
     assert [learned_get.family(n) for n in ("cudnn:eng1_k2=3", "triton:grouped_bwd_data_p64c32w4", "torch:native")] \
         == ["cudnn", "triton:grouped", "torch"]
@@ -422,3 +436,26 @@ def test_heuristics_cost_says_it_needs_a_gpu_and_writes_nothing(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "need a GPU" in out.stderr
     assert not list(tmp_path.iterdir())
+
+
+heuristics_cost = _bench_script("heuristics_cost")
+
+
+def test_heuristics_cost_times_each_graph_and_counts_the_problems_offered_nothing(heuristics_cost):
+    class Graph:
+        def __init__(self, problem, modes):
+            if problem == "none":
+                raise RuntimeError("no plan")
+            self.names = ["a"] * problem
+
+    made = []
+
+    def make(problem, modes):
+        made.append((problem, modes))
+        return Graph(problem, modes)
+
+    r = heuristics_cost.timed_graphs([1, "none", 2, 4, 6], ("B",), make)
+    assert made == [(p, ("B",)) for p in (1, "none", 2, 4, 6)]
+    assert r["problems"] == 5 and r["refused"] == 1 and r["plans_median"] == 3  # of 1, 2, 4, 6 plans
+    assert 0 <= r["median_ms"] <= r["p90_ms"] <= r["max_ms"] and r["first_ms"] >= 0
+    assert heuristics_cost.timed_graphs([1, "none", 2], ("B",), make) == dict(problems=3, refused=1)  # too few
