@@ -127,10 +127,12 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
                     order = ((a, b) if r % 2 == 0 else (b, a))
                     times = [timer(step)["ms"] for step in order]
                     pairs.append(times if r % 2 == 0 else times[::-1])
+            ratios = [p[0] / p[1] for p in pairs]
+            interval = common.median_interval(ratios)
             row = rows[f"{style}:{workload}"] = dict(
                 torch_ms=statistics.median(p[0] for p in pairs), convtune_ms=statistics.median(p[1] for p in pairs),
-                ratio=statistics.median(p[0] / p[1] for p in pairs),
-                ratio_range=[min(p[0] / p[1] for p in pairs), max(p[0] / p[1] for p in pairs)],
+                ratio=statistics.median(ratios), ratio_range=[min(ratios), max(ratios)], ratios=ratios,
+                ratio_interval=list(interval) if interval else None,
                 first_call_s=first, rounds=rounds, steps=steps,
                 # compiled code never calls forward; an untouched copy has no tuned layer
                 full_path_calls=full.calls if style == "eager" and not control else None)
@@ -155,18 +157,23 @@ def markdown(env: dict, results: dict) -> str:
     for key, res in sorted(results.items()):
         for cell, row in sorted(res["rows"].items()):
             lo, hi = row["ratio_range"]
+            interval = row.get("ratio_interval")
             lines.append([*key.split(":"), *cell.split(":"), f"{row['torch_ms']:.3f}", f"{row['convtune_ms']:.3f}",
                           f"{row['ratio']:.3f}", f"{lo:.2f}-{hi:.2f}",
+                          f"{interval[0]:.3f}-{interval[1]:.3f} ({100 * interval[2]:.1f}%)" if interval else "-",
                           "-" if row.get("full_path_calls") is None else row["full_path_calls"],
                           f"{row.get('date', res.get('date'))} {row.get('revision', res.get('revision'))}"])
     return ("# PyTorch and convtune in one process, timed in alternation\n\n"
             f"{common.env_line(env)}. "
             "Autocast, channels_last, `cudnn.benchmark=True`; per round one timing of each (CUDA events, the "
             "order swapped every round); ms: medians over the rounds; ratio: median of the rounds' PyTorch / "
-            "convtune (above 1: convtune faster), and its range; a model marked A/A: PyTorch against an untouched copy "
-            "of itself, the method's own bias (`--control`). `bench/ab.py`.\n\n"
+            "convtune (above 1: convtune faster), and its range; the median's interval: where the median of such "
+            "rounds lies with at least 95% confidence (order statistics of the rounds' ratios, its coverage in "
+            "brackets; rows measured before it was recorded: -): a cell differs from PyTorch only where this interval "
+            "excludes 1.00; a model marked A/A: PyTorch against an untouched copy of itself, the method's own bias "
+            "(`--control`). `bench/ab.py`.\n\n"
             + common.md_table(["model", "batch", "dtype", "style", "workload", "PyTorch ms", "convtune ms", "ratio",
-                               "range", "full-path calls", "measured"], lines))
+                               "range", "median's interval", "full-path calls", "measured"], lines))
 
 
 def main() -> None:

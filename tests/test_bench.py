@@ -132,6 +132,7 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     for row in cells.values():
         assert row["torch_ms"] > 0 and row["convtune_ms"] > 0 and row["rounds"] == 2
         assert row["ratio_range"][0] <= row["ratio"] <= row["ratio_range"][1]
+        assert len(row["ratios"]) == 2 and row["ratio_interval"] is None  # two rounds bound no median at 95%
         if "python" not in runtimes:  # native and PyTorch calls take the hot path once tuned
             assert row["full_path_calls"] == 0
     profile = (tmp_path / "ab_profile_tiny_b4_bfloat16.txt").read_text()
@@ -459,3 +460,15 @@ def test_heuristics_cost_times_each_graph_and_counts_the_problems_offered_nothin
     assert r["problems"] == 5 and r["refused"] == 1 and r["plans_median"] == 3  # of 1, 2, 4, 6 plans
     assert 0 <= r["median_ms"] <= r["p90_ms"] <= r["max_ms"] and r["first_ms"] >= 0
     assert heuristics_cost.timed_graphs([1, "none", 2], ("B",), make) == dict(problems=3, refused=1)  # too few
+
+
+common = _bench_script("common")
+
+
+def test_the_medians_interval_is_the_order_statistics_whose_coverage_reaches_the_confidence(common):
+    assert common.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # five rounds: at most 93.75%
+    assert common.median_interval([3.0, 1.0, 2.0, 7.0, 5.0, 6.0, 4.0]) == (1.0, 7.0, 1 - 2 / 128)  # the whole range
+    low, high, coverage = common.median_interval([float(v) for v in range(11)])
+    assert (low, high) == (1.0, 9.0) and coverage == 1 - 2 * 12 / 2048  # the second lowest to the second highest
+    low, high, coverage = common.median_interval([float(v) for v in range(21)], confidence=0.99)
+    assert (low, high) == (4.0, 16.0) and coverage >= 0.99
