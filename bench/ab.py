@@ -6,7 +6,9 @@ pace (eager code, compiled inference at small sizes) one configuration has measu
 processes. Here one process builds the network twice (the same weights), runs ``convtune.optimize`` on one copy
 (an empty tuning database) and times the two in rounds, A then B and B then A in turn, each round a timing of
 ``--steps`` steps between CUDA events; host drift moves both alike. Reported per style and workload: each one's
-median over the rounds and the median of the rounds' ratios (PyTorch / convtune; above 1: convtune faster).
+median over the rounds and the median of the rounds' ratios (PyTorch / convtune; above 1: convtune faster), with
+the interval where that median lies with at least 95% confidence (``common.median_interval``; the default 21
+rounds give it from the 6th to the 16th ratio, 7 rounds only the whole range).
 
 PyTorch runs with ``cudnn.benchmark=True`` (the flag is per process, so convtune's layers that chose PyTorch's
 own call run with it too). Under torch.compile the two compiled models share Dynamo's cache of the network's
@@ -186,7 +188,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="a small stand-in network (no torchvision needed)")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=21,
+                        help="timed rounds per cell (21: the median's 95%% interval runs from the 6th to the 16th)")
     parser.add_argument("--profile", action="store_true", help="also write the host-side profile of eager steps")
     parser.add_argument("--control", action="store_true", help="PyTorch against PyTorch: the method's own bias")
     common.result_arguments(parser, "ab")
