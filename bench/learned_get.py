@@ -40,6 +40,7 @@ import convtune as ct  # noqa: E402
 from convtune import learned, zoo  # noqa: E402
 from convtune import hardware  # noqa: E402
 from convtune.hardware import fingerprint  # noqa: E402
+from convtune.costmodel import order_factor  # noqa: E402
 from convtune.policy import Policy  # noqa: E402
 from convtune.settings import settings  # noqa: E402
 from sweep import network_problems  # noqa: E402
@@ -48,7 +49,10 @@ RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
 # Other rules for picking from the learned prices, judged beside its first pick: 'topK' the cheapest of the candidates
 # of no ranking backend and cuDNN's first K plans in its order; 'aM' cuDNN's first plan in that order (heuristics
 # A) unless the cheapest is priced M% below it; 'bM' the same against heuristics B's first plan.
-RULES = ("top2", "top3", "a10", "a20", "a30", "b10", "b20")
+# 'analytic_b': no learned price, the analytic model's first pick with heuristics B's first plan moved to the head of
+# cuDNN's order (what get would rank, were it to ask heuristics B as well).
+PRICE_RULES = ("top2", "top3", "a10", "a20", "a30", "b10", "b20")
+RULES = (*PRICE_RULES, "analytic_b")
 # find's settings simulated: (find_patience, find_prune_factor); 0: that rule off
 FIND_SETTINGS = tuple((patience, prune) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8))
 
@@ -60,16 +64,31 @@ def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: d
     chosen = {ranking: pick.name for ranking, pick in learned.first_picks(model, rows).items()}
     chosen.update({"torch_bm0": "torch:native", "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")})
     chosen.update(rule_picks(learned.ranked(model, rows), heuristics.get("B")))
+    chosen["analytic_b"] = analytic_pick(rows, heuristics.get("B")).name
     return {ranking: (by_name[name] / best if name in by_name else None) for ranking, name in chosen.items()}
 
 
+def analytic_pick(rows: list[learned.Sample], first: str | None) -> learned.Sample:
+    """The analytic model's first pick (``learned.first_picks``' 'analytic') with ``first`` moved to the head of its
+    backend's order, the plans before it one place down (as it is where ``first`` is not a measured candidate with a
+    place)."""
+    head = next((s.order for s in rows if s.name == first and s.order is not None), None)
+
+    def place(s: learned.Sample) -> int | None:
+        if head is None or s.order is None:
+            return s.order
+        return 0 if s.name == first else s.order + 1 if s.order < head else s.order
+
+    return min(rows, key=lambda s: (math.log2(s.analytic_ms * order_factor(place(s))), s.name))
+
+
 def rule_picks(order: list[tuple[learned.Sample, float]], first_b: str | None) -> dict[str, str]:
-    """What each of ``RULES`` picks from one problem's candidates in the learned order, with their prices."""
+    """What each of ``PRICE_RULES`` picks from one problem's candidates in the learned order, with their prices."""
     price = {s.name: t for s, t in order}
     cheapest, cheapest_ms = order[0][0].name, order[0][1]
     first_a = next((s.name for s, _ in order if s.order == 0), None)
     chosen = {}
-    for rule in RULES:
+    for rule in PRICE_RULES:
         number = int(rule[1:]) if rule[0] in "ab" else int(rule[3:])
         if rule.startswith("top"):
             chosen[rule] = next(s.name for s, _ in order if s.order is None or s.order < number)
@@ -340,7 +359,9 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"## Other rules for picking from the learned prices\n\nOn the same held-out problems: topK, the "
                 f"cheapest of the candidates of no ranking backend and cuDNN's first K plans in its order; aM, cuDNN's "
                 f"first plan in that order (heuristics A) unless the cheapest is priced M% below it; bM, the same "
-                f"against heuristics B's first plan.\n\n{rules}\n"
+                f"against heuristics B's first plan; analytic_b, no learned price: the analytic model with heuristics "
+                f"B's first plan moved to the head of cuDNN's order (what `get` would rank, were it to ask heuristics "
+                f"B as well).\n\n{rules}\n"
                 f"## find in the learned order, on the held-out networks\n\nfind's search simulated on each held-out "
                 f"problem's measurements (`learned.simulated_find`: each backend's first-ranked candidate, then the "
                 f"learned order; a candidate predicted over `prune factor` times the best measured is skipped; after "

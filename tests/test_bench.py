@@ -261,6 +261,12 @@ def test_learned_get_rules_pick_cudnns_first_plan_unless_the_learned_price_is_lo
     assert picks["b10"] == picks["b20"] == "gemm:x"  # heuristics B's first: 0.80 is not 10% below its 0.85
     picks = learned_get.rule_picks(order, "cudnn:eng1")
     assert picks["b10"] == "cudnn:eng2" and picks["b20"] == "cudnn:eng1"
+    # analytic_b: equal analytic prices, so cuDNN's order decides; heuristics B's first plan goes to its head
+    rows = [first, second, Sample(p, "cudnn:eng3", 1.0, 1.0, 1)]
+    assert learned_get.analytic_pick(rows, None).name == "cudnn:eng1"
+    assert learned_get.analytic_pick(rows, "cudnn:eng2").name == "cudnn:eng2"
+    assert learned_get.analytic_pick(rows, "cudnn:eng9").name == "cudnn:eng1"  # not measured: the order as it is
+    assert learned_get.analytic_pick([*rows, Sample(p, "gemm:x", 0.5, 1.0, None)], "cudnn:eng2").name == "gemm:x"
     # the price-error table: per family, the median log2(price / measured), its median size, the share over 2x
     errors, _ = learned_get.error_table({("all", "fwd", "float16"): [{"errors": {"cudnn": [1.0, -2.0]}},
                                                                       {"errors": {"cudnn": [0.5], "gemm": [0.0]}}]})
