@@ -57,14 +57,16 @@ RULES = (*PRICE_RULES, "analytic_b")
 FIND_SETTINGS = tuple((patience, prune) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8))
 
 
-def picks(model: learned.LearnedModel, rows: list[learned.Sample], heuristics: dict[str, str | None]) -> dict:
-    """The measured time over the best of what each ranking puts first (None where it picks nothing measured)."""
+def picks(order: list[tuple[learned.Sample, float]], heuristics: dict[str, str | None]) -> dict:
+    """The measured time over the best of what each ranking puts first (None where it picks nothing measured), from
+    one problem's candidates in the learned order (``learned.ranked``)."""
+    rows = [s for s, _ in order]
     best = min(s.measured_ms for s in rows)
     by_name = {s.name: s.measured_ms for s in rows}
-    chosen = {ranking: pick.name for ranking, pick in learned.first_picks(model, rows).items()}
-    chosen.update({"torch_bm0": "torch:native", "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")})
-    chosen.update(rule_picks(learned.ranked(model, rows), heuristics.get("B")))
-    chosen["analytic_b"] = analytic_pick(rows, heuristics.get("B")).name
+    chosen = {"learned": order[0][0].name, "analytic": analytic_pick(rows, None).name, "torch_bm0": "torch:native",
+              "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B"),
+              "analytic_b": analytic_pick(rows, heuristics.get("B")).name}
+    chosen.update(rule_picks(order, heuristics.get("B")))
     return {ranking: (by_name[name] / best if name in by_name else None) for ranking, name in chosen.items()}
 
 
@@ -134,10 +136,9 @@ def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
     out = []
     for problem, rows in by_problem.items():
         if len(rows) >= 2:
-            heuristics = heuristic_names(problem, recorded)
+            heuristics, order = heuristic_names(problem, recorded), learned.ranked(model, rows)
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
-                            **picks(model, rows, heuristics), find=searches(model, rows),
-                            **prices(model, rows, heuristics.get("B"))))
+                            **picks(order, heuristics), find=searches(order), **prices(order, heuristics.get("B"))))
     return out
 
 
@@ -148,15 +149,14 @@ def family(name: str) -> str:
     return f"{backend}:{variant.split('_')[0]}" if backend == "triton" else backend
 
 
-def prices(model: learned.LearnedModel, rows: list[learned.Sample], first_b: str | None) -> dict:
-    """What the learned prices of one problem's candidates got wrong: 'errors', per family, log2(price /
-    measured) of each candidate; 'pick', the learned first pick and the measured best, each with its price and
-    measured time, and cuDNN heuristics B's first plan."""
-    order = learned.ranked(model, rows)
+def prices(order: list[tuple[learned.Sample, float]], first_b: str | None) -> dict:
+    """What the learned prices of one problem's candidates (``learned.ranked``) got wrong: 'errors', per family,
+    log2(price / measured) of each candidate; 'pick', the learned first pick and the measured best, each with its
+    price and measured time, and cuDNN heuristics B's first plan."""
     errors: dict[str, list[float]] = defaultdict(list)
     for sample, price in order:
         errors[family(sample.name)].append(math.log2(price / sample.measured_ms))
-    (chosen, chosen_price), best = order[0], min(rows, key=lambda s: s.measured_ms)
+    (chosen, chosen_price), best = order[0], min((s for s, _ in order), key=lambda s: s.measured_ms)
     priced = {s.name: price for s, price in order}
     return dict(errors=dict(errors), pick=dict(
         learned=[chosen.name, chosen_price, chosen.measured_ms], best=[best.name, priced[best.name], best.measured_ms],
@@ -208,13 +208,13 @@ def worst_table(groups: dict[tuple, list[dict]], count: int = 12) -> str:
     return common.md_table(header, lines)
 
 
-def searches(model: learned.LearnedModel, rows: list[learned.Sample]) -> dict[str, list[float]]:
-    """find's search over one problem's measured candidates in the learned order, per setting simulated
-    (``learned.simulated_find`` at the default policy's tolerance; key 'patience/prune factor'): [best found /
-    best measured, share of the candidates run, share of their summed measured times (a proxy of find's time:
-    a candidate's checks and timings take a multiple of its time)]."""
-    order, best = learned.ranked(model, rows), min(s.measured_ms for s in rows)
-    total_ms = sum(s.measured_ms for s in rows)
+def searches(order: list[tuple[learned.Sample, float]]) -> dict[str, list[float]]:
+    """find's search over one problem's measured candidates in the learned order (``learned.ranked``), per setting
+    simulated (``learned.simulated_find`` at the default policy's tolerance; key 'patience/prune factor'): [best
+    found / best measured, share of the candidates run, share of their summed measured times (a proxy of find's
+    time: a candidate's checks and timings take a multiple of its time)]."""
+    rows = [s for s, _ in order]
+    best, total_ms = min(s.measured_ms for s in rows), sum(s.measured_ms for s in rows)
     out = {}
     for patience, prune in FIND_SETTINGS:
         found, run, spent = learned.simulated_find(order, patience, Policy().tolerance, prune)
