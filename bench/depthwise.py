@@ -2,7 +2,8 @@
 
 For each shape and direction, with one timer (convtune.timing.benchmark) for everything and every
 result checked against float64 first:
-- ours: every triton:depthwise configuration of the direction, the fastest reported;
+- ours: every configuration of the direction of both depthwise families (triton:depthwise, on the CUDA cores, and
+  triton:depthwise_band, on the tensor cores), the fastest reported;
 - the best cuDNN execution plan: every plan of heuristics A + FALLBACK, built, checked and timed;
 - PyTorch's own call with cudnn.benchmark False and True, each in its own process;
 - the floor (hardware.roofline_ms: multiply-adds at the CUDA cores' float32 rate, compulsory bytes).
@@ -32,12 +33,14 @@ from convtune import hardware  # noqa: E402
 from convtune.algorithms.native import native_conv  # noqa: E402
 from convtune.algorithms.registry import registered  # noqa: E402
 from convtune.algorithms.triton_depthwise import TritonDepthwise  # noqa: E402
+from convtune.algorithms.triton_depthwise_band import TritonDepthwiseBand  # noqa: E402
 from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 from convtune.timing import benchmark  # noqa: E402
 from convtune.verify import reference  # noqa: E402
 from layers import time_algorithm  # noqa: E402
 
-# channels:spatial:kernel:stride. The four layers furthest from the floor first, then a spread of networks' depthwise layers.
+# channels:spatial:kernel:stride. The four layers furthest from the floor first, then a spread of networks' depthwise
+# layers.
 DEFAULT_SHAPES = ("96:56:7:1", "384:14:7:1", "672:14:5:1", "1152:7:5:1",
                   "32:112:3:1", "144:56:3:2", "960:7:3:1", "128:56:9:1", "256:28:13:1", "512:14:31:1")
 FULL = dict(channels=(32, 96, 256, 512, 1536), spatial=(7, 14, 28, 56, 112), kernels=(3, 5, 7, 9, 13, 31),
@@ -69,7 +72,7 @@ def measure(p: ConvProblem, row: dict | None = None) -> dict:
     again = row is not None
     row = dict(row or {}, problem=p.key, floor_ms=hardware.roofline_ms(p))
     ours = {a.name: time_algorithm(p, a, inputs, ref) for a in registered()
-            if isinstance(a, TritonDepthwise) and a.supports(p)}
+            if isinstance(a, (TritonDepthwise, TritonDepthwiseBand)) and a.supports(p)}
     row["ours"] = {n: v[0] for n, v in ours.items()}
     row["ours_failures"] = {n: v[2] for n, v in ours.items() if v[2] != "ok"}
     timed = {n: v for n, v in row["ours"].items() if v is not None}
@@ -114,6 +117,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def band_ms(row: dict) -> float | None:
+    """The fastest triton:depthwise_band configuration's time in ``row`` (None: none timed, or an older row)."""
+    times = [v for n, v in (row.get("ours") or {}).items() if n.startswith("triton:depthwise_band_") and v]
+    return min(times) if times else None
+
+
 def markdown(env: dict, rows: dict) -> str:
     def fmt(v, digits=4):
         return "-" if v is None else f"{v:.{digits}f}"
@@ -121,27 +130,35 @@ def markdown(env: dict, rows: dict) -> str:
     head = (f"# Depthwise convolutions: convtune's kernels against cuDNN and PyTorch\n\n{common.env_line(env)}; "
             f"ours: the row's ours_revision in the JSON. Times in ms "
             f"(convtune.timing.benchmark, every result checked against "
-            f"float64 first); ours: the fastest triton:depthwise configuration; cuDNN: the fastest of every "
+            f"float64 first); ours: the fastest configuration of either depthwise family; band: the fastest of "
+            f"triton:depthwise_band's (the tensor cores; '-' where the row predates it); cuDNN: the fastest of every "
             f"plan; floor: multiply-adds at the CUDA cores' float32 rate or compulsory bytes at bandwidth; "
             f"speed-up: cuDNN's best / ours.\n\n")
     body = []
     groups: dict[tuple, list[float]] = {}
+    bands: dict[tuple, list[float]] = {}
     for r in rows.values():
         p = ConvProblem.from_key(r["problem"])
         speedup = ratio(r.get("cudnn_ms"), r.get("ours_ms"))
+        band = band_ms(r)
         body.append([p.direction, p.dtype, p.n, p.c, f"{p.input_size[0]}", f"{p.kernel_size[0]}", p.stride[0],
-                     fmt(r.get("ours_ms")), fmt(r.get("cudnn_ms")), fmt(r.get("torch_bench1_ms")),
+                     fmt(r.get("ours_ms")), fmt(band), fmt(r.get("cudnn_ms")), fmt(r.get("torch_bench1_ms")),
                      fmt(r.get("torch_bench0_ms")), fmt(r["floor_ms"]), fmt(speedup, 2),
                      fmt(ratio(r.get("ours_ms"), r["floor_ms"]), 1), r.get("ours_best") or "-"])
         kernel = p.kernel_size[0]
         family = "≥7" if kernel >= 7 else str(kernel)
         if speedup:
             groups.setdefault((p.direction, family), []).append(speedup)
-    table = common.md_table(["direction", "dtype", "batch", "channels", "size", "kernel", "stride", "ours",
+            if band:
+                bands.setdefault((p.direction, family), []).append(r["cudnn_ms"] / band)
+    table = common.md_table(["direction", "dtype", "batch", "channels", "size", "kernel", "stride", "ours", "band",
                              "cuDNN best", "torch bm1", "torch bm0", "floor", "speed-up", "ours / floor",
                              "our pick"], body)
-    means = common.md_table(["direction", "kernel", "shapes", "geometric mean speed-up over cuDNN's best"],
-                            [[d, f, len(v), f"{common.geomean(v):.2f}"] for (d, f), v in sorted(groups.items())])
+    means = common.md_table(["direction", "kernel", "shapes", "geometric mean speed-up over cuDNN's best",
+                             "band's alone (shapes)"],
+                            [[d, f, len(v), f"{common.geomean(v):.2f}",
+                              f"{common.geomean(bands[d, f]):.2f} ({len(bands[d, f])})" if (d, f) in bands else "-"]
+                             for (d, f), v in sorted(groups.items())])
     return head + "## Geometric means\n\n" + means + "\n## Every shape\n\n" + table
 
 

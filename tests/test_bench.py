@@ -478,3 +478,20 @@ def test_the_medians_interval_is_the_order_statistics_whose_coverage_reaches_the
     assert (low, high) == (1.0, 9.0) and coverage == 1 - 2 * 12 / 2048  # the second lowest to the second highest
     low, high, coverage = common.median_interval([float(v) for v in range(21)], confidence=0.99)
     assert (low, high) == (4.0, 16.0) and coverage >= 0.99
+
+
+depthwise = _bench_script("depthwise")
+
+
+def test_the_depthwise_table_shows_the_banded_family_beside_the_best_of_both(depthwise):
+    key = "fwd|n32|c96|k96|in56x56|r7x7|s1x1|p3x3|d1x1|g96|float16|channels_last|cuda|tf32=1"
+    row = dict(problem=key, floor_ms=0.0157, cudnn_ms=0.07, ours_ms=0.035, ours_best="triton:depthwise_band_fwd_r32n16c8w4",
+               ours={"triton:depthwise_fwd_p64c32w4": 0.1, "triton:depthwise_band_fwd_r32n16c8w4": 0.035,
+                     "triton:depthwise_band_fwd_r64n32c1w4": None})
+    older = dict(row, problem=key.replace("fwd", "bwd_data"), ours={"triton:depthwise_bwd_data_p64c32w4": 0.05},
+                 ours_best="triton:depthwise_bwd_data_p64c32w4", ours_ms=0.05)
+    assert depthwise.band_ms(row) == 0.035 and depthwise.band_ms(older) is None
+    text = depthwise.markdown({"date": "d", "gpu": "g"}, {"a": row, "b": older})
+    assert "| fwd | ≥7 | 1 | 2.00 | 2.00 (1) |" in text and "| bwd_data | ≥7 | 1 | 1.40 | - |" in text
+    assert "| 0.0350 | 0.0350 | 0.0700 |" in text and "| 0.0500 | - | 0.0700 |" in text
+

@@ -15,6 +15,7 @@ from convtune.algorithms.triton_depthwise import TritonDepthwise
 from convtune.algorithms.triton_family import INDEX_LIMIT, interpreting
 from convtune.problem import ConvProblem
 from triton_cases import (
+    DEPTHWISE_SHAPES,
     DEVICE,
     DIRECTIONS,
     check_configurations,
@@ -40,15 +41,7 @@ def configurations(p: ConvProblem) -> int:
     return 11 if any(s > 1 for s in p.stride) else 7
 
 
-SHAPES = {
-    "3x3_pad1": dict(n=2, c=5, k=5, input_size=(7, 6), kernel_size=3, padding=1),
-    "multiplier2_stride2": dict(n=2, c=3, k=6, input_size=(9, 8), kernel_size=3, stride=2, padding=1),
-    "7x7_dilated_uneven": dict(n=1, c=4, k=4, input_size=(11, 10), kernel_size=(7, 5), dilation=(2, 1),
-                               padding=(5, 2)),
-    "stride3_taps_in_padding": dict(n=3, c=2, k=2, input_size=(5, 5), kernel_size=4, stride=3, padding=3),
-    "1d_31_multiplier3": dict(n=1, c=2, k=6, input_size=(18,), kernel_size=31, padding=15),
-    "1d_stride2_dilated": dict(n=3, c=4, k=4, input_size=(12,), kernel_size=3, stride=2, dilation=3, padding=2),
-}
+SHAPES = DEPTHWISE_SHAPES
 KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # float16 is not run in the interpreter
 
 

@@ -11,17 +11,19 @@ import pytest
 
 import test_cubin
 import test_triton_depthwise
+import test_triton_depthwise_band
 import test_triton_grouped
 from triton_cases import HAS_TRITON, RUNS_KERNELS
 
-FILES = (test_triton_depthwise, test_triton_grouped, test_cubin)
+FAMILIES = (test_triton_depthwise, test_triton_grouped, test_triton_depthwise_band)
 
 
-# Each family's file in two halves (the channels_last cases, and the rest), all processes at once: the
-# interpreter runs one thread, and the depthwise file alone took 5 min of a 2-core CPU's 7. The recording's
-# tests (test_cubin.py) are few: one process.
+# The first two families' files in two halves (the channels_last cases, and the rest), all processes at once: the
+# interpreter runs one thread, and the depthwise file alone took 5 min of a 2-core CPU's 7. The banded family's
+# file (about 20 s: two configurations a case) and the recording's tests (test_cubin.py) are one process each.
 HALVES = ("channels_last", "not channels_last")
-RUNS = [(module, half) for module in FILES[:2] for half in HALVES] + [(test_cubin, None)]
+RUNS = [(module, half) for module in FAMILIES[:2] for half in HALVES] + [(test_triton_depthwise_band, None),
+                                                                         (test_cubin, None)]
 
 
 @pytest.mark.slow  # about 3.5 min on a 2-core CPU
@@ -33,7 +35,7 @@ def test_the_kernel_tests_pass_in_the_interpreter():
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       cwd=Path(__file__).resolve().parent.parent))
             for module, half in RUNS]
-    passed = dict.fromkeys(FILES[:2], 0)
+    passed = dict.fromkeys(FAMILIES, 0)
     for module, run in runs:
         stdout, stderr = run.communicate()
         assert run.returncode == 0, stdout[-4000:] + stderr[-2000:]

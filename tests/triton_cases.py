@@ -30,6 +30,19 @@ DTYPES = tuple(problems.DTYPES)  # float32, float16, bfloat16
 LAYOUTS = tuple(reversed(problems.LAYOUTS))  # channels_last first: the layout the kernels are written for
 
 
+# Depthwise problems (groups = c) both depthwise families check in every direction, dtype and layout: strides,
+# dilations, multipliers, taps reaching into the padding, 1-D rows of 31 taps.
+DEPTHWISE_SHAPES = {
+    "3x3_pad1": dict(n=2, c=5, k=5, input_size=(7, 6), kernel_size=3, padding=1),
+    "multiplier2_stride2": dict(n=2, c=3, k=6, input_size=(9, 8), kernel_size=3, stride=2, padding=1),
+    "7x7_dilated_uneven": dict(n=1, c=4, k=4, input_size=(11, 10), kernel_size=(7, 5), dilation=(2, 1),
+                               padding=(5, 2)),
+    "stride3_taps_in_padding": dict(n=3, c=2, k=2, input_size=(5, 5), kernel_size=4, stride=3, padding=3),
+    "1d_31_multiplier3": dict(n=1, c=2, k=6, input_size=(18,), kernel_size=31, padding=15),
+    "1d_stride2_dilated": dict(n=3, c=4, k=4, input_size=(12,), kernel_size=3, stride=2, dilation=3, padding=2),
+}
+
+
 def every_case(shapes: dict) -> pytest.MarkDecorator:
     """Every (shape, direction, dtype, layout) of ``shapes`` as the test's parameters."""
     return pytest.mark.parametrize("shape,direction,dtype,layout",

@@ -57,10 +57,15 @@ class TritonAlgorithm(Algorithm):
     family = ""
     kernels = ""
     tile_type = ""
+    tile_args: tuple[int, ...]
 
     def __init__(self, direction: str, positions: int, channels: int, warps: int, chunk: int = 0):
-        self.tile_args: tuple[int, ...] = (positions, channels, warps, chunk)
-        label = f"p{positions}c{channels}w{warps}" + (f"s{chunk}" if chunk else "")
+        self._configure(direction, (positions, channels, warps, chunk),
+                        f"p{positions}c{channels}w{warps}" + (f"s{chunk}" if chunk else ""))
+
+    def _configure(self, direction: str, tile_args: tuple[int, ...], label: str) -> None:
+        """Take the direction and the configuration (the tile class's arguments), named by ``label``."""
+        self.tile_args = tile_args
         self.name = f"triton:{self.family}_{direction}_{label}"
         self.directions = (direction,)
         super().__init__()

@@ -1,0 +1,78 @@
+"""triton:depthwise_band_*: convtune's depthwise kernels on the tensor cores (``convtune.kernels.banded``: a kernel
+row as a banded matrix), one algorithm per direction and tile configuration.
+
+Where they run and what every Triton family refuses: ``triton_family``.
+
+    >>> from convtune.problem import ConvProblem
+    >>> from convtune.algorithms.registry import get_algorithm
+    >>> p = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=7, padding=3, groups=64,
+    ...                 dtype="float16", layout="channels_last", device="cuda")
+    >>> band = get_algorithm("triton:depthwise_band_fwd_r32n16c8w4")
+    >>> bool(band.supports(p))
+    True
+    >>> print(band.supports(p.replace(kernel_size=(7, 129), padding=(3, 64))).reason)  # doctest: +NORMALIZE_WHITESPACE
+    reads an input window of up to 128 columns per row (16 output columns of a kernel row of 129 taps need 256);
+    the other depthwise kernels, cuDNN or torch:native take it
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..costmodel import Cost
+from ..problem import ConvProblem
+from .base import SUPPORTED, NumericNotes, Support, unsupported
+from .triton_family import TritonAlgorithm, register_family
+
+# (output rows, output columns, channels, warps[, output rows per partial sum]) per program. A tile of channels
+# reads channels_last's rows in vectors (8 channels of float16: 16 bytes), a single channel channels_first's. None
+# is timed on a GPU yet; compiled for the H200 (sm_90) here, the two tiles of channels issue about 0.05 instructions
+# per useful multiply-add of a 7x7 forward in channels_last, the single channel 0.11 (0.17 in channels_first): the
+# CUDA-core kernels issue at least one (docs/algorithms.md). Each is a candidate: find's verified measurement picks.
+TILES = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4))
+# The weight gradient's runs: 256 output rows per partial sum, and 64 for the first tile, for layers with few rows.
+BACKWARD_FILTER_TILES = (*((*tile, 256) for tile in TILES), (*TILES[0], 64))
+
+class TritonDepthwiseBand(TritonAlgorithm):
+    """One direction of the banded depthwise kernels with one tile configuration."""
+
+    family = "depthwise_band"
+    kernels = "banded"
+    tile_type = "BandTile"
+
+    def __init__(self, direction: str, rows: int, columns: int, channels: int, warps: int, chunk: int = 0):
+        self._configure(direction, (rows, columns, channels, warps, chunk),
+                        f"r{rows}n{columns}c{channels}w{warps}" + (f"s{chunk}" if chunk else ""))
+
+    def _family_supports(self, problem: ConvProblem) -> Support:
+        if problem.groups != problem.c:
+            return unsupported(f"needs a depthwise problem (groups == c == {problem.c}), got groups={problem.groups}")
+        module = self.module()
+        needed = module.window(problem, self.tile)
+        if needed > module.MAX_WINDOW:
+            return unsupported(f"reads an input window of up to {module.MAX_WINDOW} columns per row "
+                               f"({self.tile.columns} output columns of a kernel row of {problem.kernel_size[-1]} "
+                               f"taps need {needed}); the other depthwise kernels, cuDNN or torch:native take it")
+        return SUPPORTED
+
+    def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
+        # One float32 partial sum per (run of output rows and tile of output columns, channel, tap).
+        return (self.module().partial_sums(problem, self.tile), problem.k, math.prod(problem.kernel_size))
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        half = problem.dtype != "float32"
+        tf32 = not half and problem.allow_tf32
+        return NumericNotes(tensor_cores=half or tf32, tf32=tf32, float32_inside=half)
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        # Tensor-core products of the whole band: a window's BLOCK_J products for each output (or, for the data
+        # gradient, input) position and kernel row, where the convolution needs S. Not measured on a GPU yet: priced
+        # at a tenth of the tensor cores' peak on those products (the compiled loop issues about 400 instructions per
+        # 16 tensor-core instructions: at most a sixth of the peak), and three times the compulsory traffic, as the
+        # CUDA-core kernels are.
+        products = problem.flops / problem.kernel_size[-1] * self.module().window(problem, self.tile)
+        return Cost(products, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
+                    composed=False)
+
+
+register_family(TritonDepthwiseBand, {"fwd": TILES, "bwd_data": TILES, "bwd_filter": BACKWARD_FILTER_TILES})

@@ -1,0 +1,115 @@
+"""triton:depthwise_band_*: every direction, dtype, layout, stride, dilation and multiplier against float64.
+
+Where the kernels run (a GPU, or Triton's interpreter: tests/test_triton_interpreter.py) and the checked
+run: tests/triton_cases.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from convtune.algorithms.registry import get_algorithm, registered
+from convtune.algorithms.triton_depthwise_band import BACKWARD_FILTER_TILES, TILES, TritonDepthwiseBand
+from convtune.algorithms.triton_family import interpreting
+from convtune.problem import ConvProblem
+from triton_cases import (
+    DEPTHWISE_SHAPES,
+    DEVICE,
+    DIRECTIONS,
+    check_configurations,
+    check_supporting,
+    every_case,
+    kernel_tests,
+    kernels,
+    needs_triton,
+    run_checked,
+)
+
+FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwiseBand)]
+# In the interpreter (a CPU, one thread) every case runs two configurations, a tile of channels and a single
+# channel (the tile sizes are compile-time constants of the same code); on a GPU every configuration runs.
+SAMPLED = ("r32n16c8w4", "r64n32c1w4")
+
+SHAPES = DEPTHWISE_SHAPES
+KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # bfloat16 is not run in the interpreter
+
+
+def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
+    spec = SHAPES[shape]
+    return ConvProblem(direction, dtype=dtype, layout=layout, device=DEVICE, groups=spec["c"], **spec)
+
+
+def checked(direction: str) -> list[str]:
+    """The configurations of ``direction`` a case runs here: ``SAMPLED`` in the interpreter, every one on a GPU."""
+    names = [n for n in FAMILY if get_algorithm(n).directions == (direction,)]
+    assert len(names) == len(BACKWARD_FILTER_TILES if direction == "bwd_filter" else TILES)
+    return [n for n in names if n.rsplit("_", 1)[1].startswith(SAMPLED)] if interpreting() else names
+
+
+@kernels
+@every_case(SHAPES)
+def test_matches_reference(shape, direction, dtype, layout):
+    if dtype == "bfloat16" and interpreting():
+        # Triton 3.6's interpreter multiplies bfloat16 matrices wrongly (tests/test_triton_grouped.py): float16 takes
+        # the same code there; the GPU runs both.
+        pytest.skip("Triton's interpreter computes bfloat16 tl.dot wrongly")
+    names = checked(direction)
+    check_configurations(names, problem(shape, direction, dtype, layout), len(names))  # each of them supports it
+
+
+@kernels
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_partial_tiles_and_many_runs(direction):
+    # More output rows (3·23 = 69) than a tile's 32 or 64 and than a run of 64, more columns (37) than a tile's 16 or
+    # 32, 5 channels (a partial tile of 8, and of 4 after a whole one): every configuration.
+    p = ConvProblem(direction, n=3, c=5, k=5, input_size=(23, 37), kernel_size=5, padding=2, groups=5,
+                    dtype="float16", layout="channels_last", device=DEVICE)
+    check_supporting(FAMILY, p)
+
+
+@kernels
+def test_a_wide_window():
+    # A kernel row of 31 taps at stride 2: 16 output columns read 61 input columns (a window of 64), 32 read 93 (128)
+    p = ConvProblem("fwd", n=1, c=2, k=2, input_size=(3, 70), kernel_size=(1, 31), stride=2, padding=(0, 15), groups=2,
+                    dtype="float32", layout="channels_first", device=DEVICE)
+    for name in ("triton:depthwise_band_fwd_r32n16c8w4", "triton:depthwise_band_fwd_r64n32c1w4"):
+        run_checked(name, p)
+        run_checked(name.replace("fwd", "bwd_filter") + "s256", p.with_direction("bwd_filter"))
+
+
+@needs_triton
+def test_the_family_declares_what_it_supports():
+    p = ConvProblem("fwd", n=2, c=8, k=16, input_size=(9, 9), kernel_size=5, padding=2, groups=8, device="cuda")
+    algorithm = get_algorithm("triton:depthwise_band_fwd_r32n16c8w4")
+    assert algorithm.directions == ("fwd",) and algorithm.is_deterministic(p)
+    half = algorithm.notes(p.replace(dtype="float16"))
+    assert half.tensor_cores and half.float32_inside and not half.tf32
+    assert algorithm.notes(p.replace(allow_tf32=True)).tf32 and not algorithm.notes(p.replace(allow_tf32=False)).tf32
+    assert algorithm.buffers(p) == []
+    reasons = {
+        "groups": p.replace(groups=4),
+        "1-D and 2-D": p.replace(input_size=(5, 5, 5), kernel_size=3, padding=1, stride=1, dilation=1),
+        "computes fwd": p.replace(direction="bwd_data"),
+        "window of up to 128 columns": p.replace(input_size=(9, 300), kernel_size=(5, 129), padding=(2, 64)),
+    }
+    for words, other in reasons.items():
+        support = algorithm.supports(other)
+        assert not support and words in support.reason, (other.key, support.reason)
+    # 32 output columns of a 1x97 row read 128 columns: the widest window; 16 of a 1x129 row need 256.
+    assert get_algorithm("triton:depthwise_band_fwd_r64n32c1w4").supports(p.replace(kernel_size=(1, 97),
+                                                                                    padding=(0, 48)))
+    # The weight gradient declares one float32 partial sum per (run of output rows × tile of columns, channel, tap).
+    wgrad = get_algorithm("triton:depthwise_band_bwd_filter_r32n16c8w4s64")
+    q = p.with_direction("bwd_filter").replace(n=20, input_size=(9, 40))
+    parts = math.ceil(20 * 9 / 64) * math.ceil(40 / 16)
+    assert wgrad.buffers(q)[0].shape == (parts, 16, 25)
+
+
+@needs_triton
+def test_every_configuration_is_registered_once_per_direction():
+    assert len(FAMILY) == 2 * len(TILES) + len(BACKWARD_FILTER_TILES) == len(set(FAMILY))
+    # runs of 64 rows only for a tile of several channels (a single channel's programs are many already)
+    short_runs = [n for n in FAMILY if n.endswith("s64")]
+    assert short_runs == ["triton:depthwise_band_bwd_filter_r32n16c8w4s64"]
