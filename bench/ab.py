@@ -24,6 +24,10 @@ full path while it was timed (in a steady state there should be none). ``--profi
 batch and dtype, ``torch.profiler``'s host-side table of ``--steps`` eager training steps of each model
 (<name>_profile_<model>_b<batch>_<dtype>.txt): where the host time of a step goes.
 
+``--merge FILE...`` folds the results files of other runs (each device call starts from the committed file and returns
+its own) into the results file, row by row, the newest measurement of each row winning; an entry whose rows came from
+another file takes that file's tune time and runtimes too; nothing is measured.
+
 ``--control`` times PyTorch against PyTorch (an A/A test): the second copy is left as it is, not optimized, and
 its rows are kept under the model's name with " A/A" added. A control cell's ratio is the method's own bias and
 noise in that configuration (which copy runs second in a round, which compiled entry Dynamo tries first): a
@@ -178,6 +182,34 @@ def markdown(env: dict, results: dict) -> str:
                                "range", "median's interval", "full-path calls", "measured"], lines))
 
 
+def merge(payload: dict, others: list[dict]) -> dict:
+    """``payload`` with the rows of ``others`` (results files of other runs) folded in: each row (model, batch, dtype,
+    style, workload) from whichever file measured it last (its ``date``; a tie keeps the earlier file's). An entry
+    that takes rows from a file takes its other fields (tune time, runtimes) from the file of its newest taken row,
+    and the payload's environment is the newest contributing file's."""
+    results = payload.setdefault("results", {})
+    newest_env = (None, "")
+    for other in others:
+        took_env = False
+        for key, entry in other.get("results", {}).items():
+            mine = results.setdefault(key, {**{k: v for k, v in entry.items() if k != "rows"}, "rows": {}})
+            taken = {cell: row for cell, row in entry["rows"].items()
+                     if cell not in mine["rows"] or row["date"] > mine["rows"][cell]["date"]}
+            if not taken:
+                continue
+            newest_mine = max((row["date"] for row in mine["rows"].values()), default="")
+            if max(row["date"] for row in taken.values()) > newest_mine:
+                mine.update({k: v for k, v in entry.items() if k != "rows"})
+            mine["rows"].update(taken)
+            took_env = True
+        env = other.get("environment", {})
+        if took_env and env.get("date", "") > newest_env[1]:
+            newest_env = (env, env.get("date", ""))
+    if newest_env[0] is not None and newest_env[1] > payload.get("environment", {}).get("date", ""):
+        payload["environment"] = newest_env[0]
+    return payload
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     split = e2e.split
@@ -192,6 +224,9 @@ def main() -> None:
                         help="timed rounds per cell (21: the median's 95%% interval runs from the 6th to the 16th)")
     parser.add_argument("--profile", action="store_true", help="also write the host-side profile of eager steps")
     parser.add_argument("--control", action="store_true", help="PyTorch against PyTorch: the method's own bias")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="FILE",
+                        help="fold these results files of other runs into the results file (newest row wins), "
+                             "measuring nothing")
     common.result_arguments(parser, "ab")
     args = parser.parse_args()
     for option, values, allowed in (("--styles", args.styles, ("eager", "compile")), ("--dtypes", args.dtypes,
@@ -200,8 +235,13 @@ def main() -> None:
             parser.error(f"{option} {','.join(values)}: each must be one of {','.join(allowed)}")
     out_dir = Path(args.out or common.RESULTS)
     json_path = out_dir / f"{args.name}.json"
-    env = common.environment()
     payload = json.loads(json_path.read_text()) if json_path.exists() else {}
+    if args.merge:
+        payload = merge(payload, [json.loads(path.read_text()) for path in args.merge])
+        common.write(args.name, payload, markdown(payload["environment"], payload["results"]), out_dir)
+        print(markdown(payload["environment"], payload["results"]))
+        return
+    env = common.environment()
     payload["environment"] = env
     results = payload.setdefault("results", {})
     for model in ["tiny"] if args.tiny else args.models:

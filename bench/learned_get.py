@@ -37,10 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune as ct  # noqa: E402
-from convtune import learned, zoo  # noqa: E402
-from convtune import hardware  # noqa: E402
+from convtune import hardware, learned, zoo  # noqa: E402
 from convtune.hardware import fingerprint  # noqa: E402
-from convtune.costmodel import order_factor  # noqa: E402
 from convtune.policy import Policy  # noqa: E402
 from convtune.settings import settings  # noqa: E402
 from sweep import network_problems  # noqa: E402
@@ -63,25 +61,11 @@ def picks(order: list[tuple[learned.Sample, float]], heuristics: dict[str, str |
     rows = [s for s, _ in order]
     best = min(s.measured_ms for s in rows)
     by_name = {s.name: s.measured_ms for s in rows}
-    chosen = {"learned": order[0][0].name, "analytic": analytic_pick(rows, None).name, "torch_bm0": "torch:native",
+    chosen = {"learned": order[0][0].name, "analytic": learned.analytic_first(rows).name, "torch_bm0": "torch:native",
               "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B"),
-              "analytic_b": analytic_pick(rows, heuristics.get("B")).name}
+              "analytic_b": learned.analytic_first(rows, heuristics.get("B")).name}
     chosen.update(rule_picks(order, heuristics.get("B")))
     return {ranking: (by_name[name] / best if name in by_name else None) for ranking, name in chosen.items()}
-
-
-def analytic_pick(rows: list[learned.Sample], first: str | None) -> learned.Sample:
-    """The analytic model's first pick (``learned.first_picks``' 'analytic') with ``first`` moved to the head of its
-    backend's order, the plans before it one place down (as it is where ``first`` is not a measured candidate with a
-    place)."""
-    head = next((s.order for s in rows if s.name == first and s.order is not None), None)
-
-    def place(s: learned.Sample) -> int | None:
-        if head is None or s.order is None:
-            return s.order
-        return 0 if s.name == first else s.order + 1 if s.order < head else s.order
-
-    return min(rows, key=lambda s: (math.log2(s.analytic_ms * order_factor(place(s))), s.name))
 
 
 def rule_picks(order: list[tuple[learned.Sample, float]], first_b: str | None) -> dict[str, str]:
@@ -105,7 +89,8 @@ ORDERS = Path(__file__).resolve().parent / "data" / "cudnn_order.json.gz"
 
 
 def recorded_orders(path: Path) -> dict[str, dict]:
-    """Problem key: {'plans': cuDNN's plans in its order, 'A'/'B': its heuristics' first plan} (bench/cudnn_order.py)."""
+    """Problem key: {'plans': cuDNN's plans in its order, 'A'/'B': its heuristics' first plan}
+    (bench/cudnn_order.py)."""
     with gzip.open(path, "rt") as f:
         return json.load(f)["problems"]
 

@@ -261,12 +261,6 @@ def test_learned_get_rules_pick_cudnns_first_plan_unless_the_learned_price_is_lo
     assert picks["b10"] == picks["b20"] == "gemm:x"  # heuristics B's first: 0.80 is not 10% below its 0.85
     picks = learned_get.rule_picks(order, "cudnn:eng1")
     assert picks["b10"] == "cudnn:eng2" and picks["b20"] == "cudnn:eng1"
-    # analytic_b: equal analytic prices, so cuDNN's order decides; heuristics B's first plan goes to its head
-    rows = [first, second, Sample(p, "cudnn:eng3", 1.0, 1.0, 1)]
-    assert learned_get.analytic_pick(rows, None).name == "cudnn:eng1"
-    assert learned_get.analytic_pick(rows, "cudnn:eng2").name == "cudnn:eng2"
-    assert learned_get.analytic_pick(rows, "cudnn:eng9").name == "cudnn:eng1"  # not measured: the order as it is
-    assert learned_get.analytic_pick([*rows, Sample(p, "gemm:x", 0.5, 1.0, None)], "cudnn:eng2").name == "gemm:x"
     # the price-error table: per family, the median log2(price / measured), its median size, the share over 2x
     errors, _ = learned_get.error_table({("all", "fwd", "float16"): [{"errors": {"cudnn": [1.0, -2.0]}},
                                                                       {"errors": {"cudnn": [0.5], "gemm": [0.0]}}]})
@@ -495,3 +489,48 @@ def test_the_depthwise_table_shows_the_banded_family_beside_the_best_of_both(dep
     assert "| fwd | ≥7 | 1 | 2.00 | 2.00 (1) |" in text and "| bwd_data | ≥7 | 1 | 1.40 | - |" in text
     assert "| 0.0350 | 0.0350 | 0.0700 |" in text and "| 0.0500 | - | 0.0700 |" in text
 
+
+ab = _bench_script("ab")
+
+
+def test_ab_merges_other_runs_files_row_by_row_newest_first(ab, tmp_path):
+    def row(date, ratio):
+        return dict(torch_ms=1.0, convtune_ms=1.0 / ratio, ratio=ratio, ratio_range=[ratio, ratio], rounds=21, steps=10,
+                    full_path_calls=0, date=date, revision=date[-1])
+
+    def env(date):
+        return {"date": date, "gpu": "g", "revision": date[-1]}
+
+    committed = {"environment": env("2026-12-01 a"), "results": {
+        "m:b32:float16": {"rows": {"eager:inference": row("2026-12-01 a", 1.0), "eager:training": row("2026-12-01 a", 1.1)},
+                          "tune_s": 5.0, "runtimes": {"native": 1}}}}
+    call1 = json.loads(json.dumps(committed))  # started from the committed file, measured inference again
+    call1["environment"] = env("2026-12-04 b")
+    call1["results"]["m:b32:float16"].update(tune_s=7.0, runtimes={"native": 2})
+    call1["results"]["m:b32:float16"]["rows"]["eager:inference"] = row("2026-12-04 b", 1.2)
+    call2 = json.loads(json.dumps(committed))  # and another cell, a new entry
+    call2["environment"] = env("2026-12-04 c")
+    call2["results"]["m A/A:b32:float16"] = {"rows": {"eager:training": row("2026-12-04 c", 0.99)}, "tune_s": None,
+                                             "runtimes": {}}
+    paths = []
+    for i, payload in enumerate((committed, call1, call2)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(payload))
+    merged = ab.merge(json.loads(paths[0].read_text()), [json.loads(p.read_text()) for p in paths[1:]])
+    entry = merged["results"]["m:b32:float16"]
+    assert entry["rows"]["eager:inference"]["ratio"] == 1.2 and entry["rows"]["eager:training"]["ratio"] == 1.1
+    assert entry["tune_s"] == 7.0 and entry["runtimes"] == {"native": 2}  # from the file of its newest row
+    assert merged["results"]["m A/A:b32:float16"]["tune_s"] is None
+    assert merged["environment"]["date"] == "2026-12-04 c"
+    # an older file changes nothing
+    again = ab.merge(json.loads(json.dumps(merged)), [committed])
+    assert again == merged
+    # the command writes the merged file and its table, measuring nothing
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ab.json").write_text(paths[0].read_text())
+    subprocess.run([sys.executable, str(BENCH / "ab.py"), "--out", str(out), "--merge", str(paths[1]), str(paths[2])],
+                   check=True, capture_output=True, timeout=120)
+    assert json.loads((out / "ab.json").read_text()) == merged
+    table = (out / "ab.md").read_text()
+    assert "| m | b32 | float16 | eager | inference |" in table and "| m A/A | b32 |" in table

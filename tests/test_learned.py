@@ -186,6 +186,18 @@ def test_places_in_a_backends_order_rank_tied_prices_as_get_does():
     assert learned.positions(["b:x", "c:y", "b:z", "c:w"]) == {"b:x": 0, "c:y": 0, "b:z": 1, "c:w": 1}
 
 
+def test_another_heuristics_first_choice_moves_to_the_head_of_its_backends_order():
+    # Equal analytic prices, so the backend's order decides; the promoted plan goes first, those before it one down.
+    p = problems(1)[0]
+    rows = [learned.Sample(p, "cudnn:eng1", 1.0, 1.0, 0), learned.Sample(p, "cudnn:eng2", 1.0, 1.0, 3),
+            learned.Sample(p, "cudnn:eng3", 1.0, 1.0, 1)]
+    assert learned.analytic_first(rows).name == "cudnn:eng1"
+    assert learned.analytic_first(rows, "cudnn:eng2").name == "cudnn:eng2"
+    assert learned.analytic_first(rows, "cudnn:eng9").name == "cudnn:eng1"  # not among them: the order as it is
+    # a cheaper candidate of no ordering backend still wins
+    assert learned.analytic_first([*rows, learned.Sample(p, "gemm:x", 0.5, 1.0, None)], "cudnn:eng2").name == "gemm:x"
+
+
 def test_it_learns_from_a_backends_order_what_the_names_do_not_say():
     # A backend whose heuristics put its fastest plan first: the plans' names (hashed) tell nothing, their
     # place does. Trained with the places, the model picks the first-listed plan on problems it never saw.

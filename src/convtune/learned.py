@@ -447,10 +447,24 @@ def first_picks(model: LearnedModel, rows: Sequence[Sample]) -> dict[str, Sample
     place in its backend's heuristic order, as ``get`` ranks. Equal prices (a problem's cuDNN execution plans
     where their places are not known) go by name, never by the order of ``rows``: a database lists a
     problem's results fastest first, which would hand a tied ranking the measured best."""
+    return {"learned": ranked(model, rows)[0][0], "analytic": analytic_first(rows)}
+
+
+def analytic_first(rows: Sequence[Sample], first: str | None = None) -> Sample:
+    """``first_picks``' 'analytic': the measurement the analytic price times ``costmodel.order_factor`` of its place
+    puts first (ties by name); with ``first`` (a candidate's name), that candidate moved to the head of its backend's
+    order and the ones before it one place down, as another heuristic's first choice would be ranked (where ``first``
+    has no known place among ``rows``, the order is as it is)."""
     from .costmodel import order_factor
 
-    analytic_pick = min(rows, key=lambda s: (math.log2(s.analytic_ms * order_factor(s.order)), s.name))
-    return {"learned": ranked(model, rows)[0][0], "analytic": analytic_pick}
+    head = next((s.order for s in rows if s.name == first and s.order is not None), None)
+
+    def place(s: Sample) -> int | None:
+        if head is None or s.order is None:
+            return s.order
+        return 0 if s.name == first else s.order + 1 if s.order < head else s.order
+
+    return min(rows, key=lambda s: (math.log2(s.analytic_ms * order_factor(place(s))), s.name))
 
 
 def ranked(model: LearnedModel, rows: Sequence[Sample]) -> list[tuple[Sample, float]]:
