@@ -1,6 +1,7 @@
 """The benchmark scripts run on the CPU, and their result files can be written again from their JSON."""
 
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -479,7 +480,8 @@ depthwise = _bench_script("depthwise")
 
 def test_the_depthwise_table_shows_the_banded_family_beside_the_best_of_both(depthwise):
     key = "fwd|n32|c96|k96|in56x56|r7x7|s1x1|p3x3|d1x1|g96|float16|channels_last|cuda|tf32=1"
-    row = dict(problem=key, floor_ms=0.0157, cudnn_ms=0.07, ours_ms=0.035, ours_best="triton:depthwise_band_fwd_r32n16c8w4",
+    row = dict(problem=key, floor_ms=0.0157, cudnn_ms=0.07, ours_ms=0.035,
+               ours_best="triton:depthwise_band_fwd_r32n16c8w4",
                ours={"triton:depthwise_fwd_p64c32w4": 0.1, "triton:depthwise_band_fwd_r32n16c8w4": 0.035,
                      "triton:depthwise_band_fwd_r64n32c1w4": None})
     older = dict(row, problem=key.replace("fwd", "bwd_data"), ours={"triton:depthwise_bwd_data_p64c32w4": 0.05},
@@ -502,7 +504,8 @@ def test_ab_merges_other_runs_files_row_by_row_newest_first(ab, tmp_path):
         return {"date": date, "gpu": "g", "revision": date[-1]}
 
     committed = {"environment": env("2026-12-01 a"), "results": {
-        "m:b32:float16": {"rows": {"eager:inference": row("2026-12-01 a", 1.0), "eager:training": row("2026-12-01 a", 1.1)},
+        "m:b32:float16": {"rows": {"eager:inference": row("2026-12-01 a", 1.0),
+                                   "eager:training": row("2026-12-01 a", 1.1)},
                           "tune_s": 5.0, "runtimes": {"native": 1}}}}
     call1 = json.loads(json.dumps(committed))  # started from the committed file, measured inference again
     call1["environment"] = env("2026-12-04 b")
@@ -534,3 +537,29 @@ def test_ab_merges_other_runs_files_row_by_row_newest_first(ab, tmp_path):
     assert json.loads((out / "ab.json").read_text()) == merged
     table = (out / "ab.md").read_text()
     assert "| m | b32 | float16 | eager | inference |" in table and "| m A/A | b32 |" in table
+
+
+sass_counts = _bench_script("sass_counts")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_sass_counts_compiles_a_kernel_for_the_gpu_and_counts_its_machine_code(sass_counts, tmp_path):
+    from convtune.algorithms.registry import get_algorithm
+    from convtune.problem import ConvProblem
+
+    p = ConvProblem("fwd", n=2, c=16, k=16, groups=4, input_size=(6, 6), kernel_size=3, padding=1, dtype="float16",
+                    layout="channels_last", device="cuda")
+    launches = sass_counts.count(p, get_algorithm("triton:grouped_fwd_p64c32w4"), 90)
+    assert len(launches) == 1
+    launch = launches[0]
+    assert launch["kernel"] == "_forward" and launch["registers"] > 0 and launch["spilled_bytes"] == 0
+    assert launch["tensor_core"] > 0 and 0 < launch["global_loads"] < launch["instructions"]
+    assert launch["grid"] == [2, 1]  # 72 positions in tiles of 64; 4 groups of 4 packed into one tile of 16
+    # a second revision's rows of the same kernels stand beside the first's
+    rows = {f"{rev}": dict(problem=p.key, algorithm="triton:grouped_fwd_p64c32w4", revision=rev, launches=launches)
+            for rev in ("aaa", "bbb")}
+    text = sass_counts.markdown({"date": "d", "cpu": "c", "arch": 90, "revision": "bbb"}, rows)
+    assert text.count("| fwd c16 k16 g4 6x6 r3x3 s1 | grouped_fwd_p64c32w4 |") == 2
+    assert sass_counts.instruction_counts("/*0010*/ HMMA.16816.F32 R0, R1, R2, R3 ;\n"
+                                          "/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ LDG.E R4, [R2.64] ;") == dict(
+        instructions=3, tensor_core=1, global_loads=1, shared_stores=0, loops=1)

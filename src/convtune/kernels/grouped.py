@@ -5,14 +5,18 @@ A group's convolution is a matrix product once each kernel tap's input is gather
 positions × (taps, channels of the group) times (taps, channels) × output channels of the group. The
 kernels never write that matrix out: a program gathers a tile of it per tap straight from the input
 (zeros where a tap reads padding) and multiplies it with the tap's weights (``tl.dot``), summing in
-float32. A group narrower than the tensor cores' 16 lanes is padded with masked lanes.
+float32. The tensor cores take 16 lanes at least: groups narrower than a tile are packed into it whole (4
+groups of 4 channels in a tile of 16), their weights a block-diagonal matrix (zero where an input channel
+is of another group than the output channel), so that a tile's lanes hold channels of several groups rather
+than padding; a group wider than a tile takes several.
 
-- ``forward``: programs over (output positions) × (group, output channels of the group).
-- ``backward_data``: the same over input positions; a tap contributes where the output position it
-  maps to is whole (divisible by the stride) and inside the output.
-- ``backward_filter``: per tap, dW = dy^T · x over the positions, summed in runs of positions into
-  float32 partials laid out like the gradient, which ``kernels.depthwise``'s second kernel adds in a
-  fixed order (deterministic, no atomics).
+- ``forward``: programs over (output positions) × (tiles of output channels: whole groups, or part of one).
+- ``backward_data``: the same over input positions and tiles of input channels; a tap contributes where the
+  output position it maps to is whole (divisible by the stride) and inside the output.
+- ``backward_filter``: per tap, dW = dy^T · x over the positions for a tile of output channels and the
+  input channels of their groups (keeping the block diagonal), summed in runs of positions into float32
+  partials laid out like the gradient, which ``kernels.shared``'s second kernel adds in a fixed order
+  (deterministic, no atomics).
 
 Operands are 4-D (N, C, H, W) views with their own strides (a 1-D problem has H = 1), so one kernel
 serves both layouts. float32 operands use TF32 exactly when the problem allows it. Offsets are
@@ -49,103 +53,115 @@ def _lanes(channels: int) -> int:
 
 
 @triton.jit
-def _group_tile(channels, BLOCK_N: tl.constexpr):
-    """This program's group and tile of its ``channels`` (the second grid axis runs over both), and which exist."""
-    blocks = tl.cdiv(channels, BLOCK_N)
-    index = (tl.program_id(1) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return tl.program_id(1) // blocks, index, index < channels
+def _packed_tile(count, WIDTH: tl.constexpr, OTHER: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_N channels (the second grid axis runs over the tiles) of an operand with ``count``
+    channels in groups of WIDTH: GROUPS whole groups where a group is narrower than the tile, else (GROUPS = 1)
+    one tile of a group. Returns the channels, which exist, and the first channel that the same groups have in
+    the other operand (OTHER a group)."""
+    blocks: tl.constexpr = (WIDTH + BLOCK_N - 1) // BLOCK_N  # the tiles a group takes (1 where it fits in one)
+    first_group = (tl.program_id(1) // blocks) * GROUPS
+    local = (tl.program_id(1) % blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    channel = first_group * WIDTH + local
+    return channel, (local < GROUPS * WIDTH) & (channel < count), first_group * OTHER
 
 
 @triton.jit
-def _forward(x, w, y, total, P, Q, H, W, CG, KG,
+def _forward(x, w, y, total, P, Q, H, W, C, K,
              sxn, sxc, sxh, sxw, swk, swc, swr, sws, syn, syk, syp, syq,
              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-             R: tl.constexpr, S: tl.constexpr, TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_C: tl.constexpr):
+             CG: tl.constexpr, KG: tl.constexpr, GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+             TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     pos_ok, n, p, q = positions(total, P, Q, BLOCK_M)
-    g, j, j_ok = _group_tile(KG, BLOCK_N)  # output channels of the group
+    k, k_ok, c_first = _packed_tile(K, KG, CG, GROUPS, BLOCK_N)  # output channels; their groups' first input
+    c_span: tl.constexpr = GROUPS * CG
+    group_start = (k // KG) * CG  # each output channel's group's first input channel
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r in range(R):
         h = p * stride_h - pad_h + r * dil_h
         for s in range(S):
             wi = q * stride_w - pad_w + s * dil_w
             ok = pos_ok & (h >= 0) & (h < H) & (wi >= 0) & (wi < W)
-            rows = x + (n * sxn + h * sxh + wi * sxw)[:, None] + g * CG * sxc
-            for c0 in range(0, CG, BLOCK_C):
-                c = c0 + tl.arange(0, BLOCK_C)
-                c_ok = c < CG
+            rows = x + (n * sxn + h * sxh + wi * sxw)[:, None]
+            for c0 in tl.static_range(0, c_span, BLOCK_C):
+                c = c_first + c0 + tl.arange(0, BLOCK_C)
+                c_ok = (c0 + tl.arange(0, BLOCK_C) < c_span) & (c < C)
                 a = tl.load(rows + c[None, :] * sxc, mask=ok[:, None] & c_ok[None, :], other=0.0)
-                b = tl.load(w + (g * KG + j)[None, :] * swk + c[:, None] * swc + r * swr + s * sws,
-                            mask=c_ok[:, None] & j_ok[None, :], other=0.0)
+                within = c[:, None] - group_start[None, :]  # the input channel's place in the output's group
+                b = tl.load(w + k[None, :] * swk + within * swc + r * swr + s * sws,
+                            mask=c_ok[:, None] & k_ok[None, :] & (within >= 0) & (within < CG), other=0.0)
                 acc = tl.dot(a, b, acc, input_precision="tf32" if TF32 else "ieee")
-    offsets = (n * syn + p * syp + q * syq)[:, None] + (g * KG + j)[None, :] * syk
-    tl.store(y + offsets, acc.to(y.dtype.element_ty), mask=pos_ok[:, None] & j_ok[None, :])
+    offsets = (n * syn + p * syp + q * syq)[:, None] + k[None, :] * syk
+    tl.store(y + offsets, acc.to(y.dtype.element_ty), mask=pos_ok[:, None] & k_ok[None, :])
 
 
 @triton.jit
-def _backward_data(dy, w, dx, total, H, W, P, Q, CG, KG,
+def _backward_data(dy, w, dx, total, H, W, P, Q, K, C,
                    sdn, sdk, sdp, sdq, swk, swc, swr, sws, sxn, sxc, sxh, sxw,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                   R: tl.constexpr, S: tl.constexpr, TF32: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                   CG: tl.constexpr, KG: tl.constexpr, GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+                   TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     pos_ok, n, h, wi = positions(total, H, W, BLOCK_M)
-    g, c, c_ok = _group_tile(CG, BLOCK_N)  # input channels of the group
+    c, c_ok, k_first = _packed_tile(C, CG, KG, GROUPS, BLOCK_N)  # input channels; their groups' first output
+    k_span: tl.constexpr = GROUPS * KG
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r in range(R):
         p, p_ok = gradient_source(h, pad_h, r, dil_h, stride_h, P)
         for s in range(S):
             q, q_ok = gradient_source(wi, pad_w, s, dil_w, stride_w, Q)
             ok = pos_ok & p_ok & q_ok
-            rows = dy + (n * sdn + p * sdp + q * sdq)[:, None] + g * KG * sdk
-            for j0 in range(0, KG, BLOCK_C):
-                j = j0 + tl.arange(0, BLOCK_C)  # output channels of the group: the sum
-                j_ok = j < KG
+            rows = dy + (n * sdn + p * sdp + q * sdq)[:, None]
+            for j0 in tl.static_range(0, k_span, BLOCK_C):
+                j = k_first + j0 + tl.arange(0, BLOCK_C)
+                j_ok = (j0 + tl.arange(0, BLOCK_C) < k_span) & (j < K)
                 a = tl.load(rows + j[None, :] * sdk, mask=ok[:, None] & j_ok[None, :], other=0.0)
-                b = tl.load(w + (g * KG + j)[:, None] * swk + c[None, :] * swc + r * swr + s * sws,
-                            mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+                within = c[None, :] - ((j // KG) * CG)[:, None]  # the input channel's place in the output's group
+                b = tl.load(w + j[:, None] * swk + within * swc + r * swr + s * sws,
+                            mask=j_ok[:, None] & c_ok[None, :] & (within >= 0) & (within < CG), other=0.0)
                 acc = tl.dot(a, b, acc, input_precision="tf32" if TF32 else "ieee")
-    offsets = (n * sxn + h * sxh + wi * sxw)[:, None] + (g * CG + c)[None, :] * sxc
+    offsets = (n * sxn + h * sxh + wi * sxw)[:, None] + c[None, :] * sxc
     tl.store(dx + offsets, acc.to(dx.dtype.element_ty), mask=pos_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
-def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, CG, KG, size,
+def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, C, K, size,
                               sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq, swk, swc, swr, sws,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                              R: tl.constexpr, S: tl.constexpr, TF32: tl.constexpr, BLOCK_P: tl.constexpr,
-                              BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr):
-    # One program: one group and tap, a run of ``chunk`` positions, all of the group's (output, input)
-    # channel pairs in tiles; its partial sum lands where the gradient's element lies (size apart per run).
+                              CG: tl.constexpr, KG: tl.constexpr, GROUPS: tl.constexpr, R: tl.constexpr,
+                              S: tl.constexpr, TF32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr,
+                              BLOCK_C: tl.constexpr):
+    # One program: one tap, a run of ``chunk`` positions, a tile of output channels and every input channel of
+    # their groups, in tiles; its partial sums land where the gradient's elements lie (size apart per run).
     part = tl.program_id(0)  # the first grid axis: it has room for 2**31 - 1 runs (the others 65535)
-    g = tl.program_id(1)
     tap = tl.program_id(2)
     r = tap // S
     s = tap % S
+    j, j_ok, c_first = _packed_tile(K, KG, CG, GROUPS, BLOCK_J)
+    c_span: tl.constexpr = GROUPS * CG
+    group_start = (j // KG) * CG
     start = part * chunk
     stop = tl.minimum(start + chunk, total)
-    for j0 in range(0, KG, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        j_ok = j < KG
-        for c0 in range(0, CG, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            c_ok = c < CG
-            acc = tl.zeros((BLOCK_J, BLOCK_C), dtype=tl.float32)
-            for first in range(start, stop, BLOCK_P):
-                pos = first + tl.arange(0, BLOCK_P)
-                pos_ok = pos < stop
-                q = pos % Q
-                p = (pos // Q) % P
-                n = pos // (P * Q)
-                h = p * stride_h - pad_h + r * dil_h
-                wi = q * stride_w - pad_w + s * dil_w
-                ok = pos_ok & (h >= 0) & (h < H) & (wi >= 0) & (wi < W)
-                grad = tl.load(dy + (n * sdn + p * sdp + q * sdq)[None, :] + (g * KG + j)[:, None] * sdk,
-                               mask=j_ok[:, None] & pos_ok[None, :], other=0.0)
-                inp = tl.load(x + (n * sxn + h * sxh + wi * sxw)[:, None] + (g * CG + c)[None, :] * sxc,
-                              mask=ok[:, None] & c_ok[None, :], other=0.0)
-                acc = tl.dot(grad, inp, acc, input_precision="tf32" if TF32 else "ieee")
-            offsets = (g * KG + j)[:, None] * swk + c[None, :] * swc + r * swr + s * sws
-            tl.store(partials + part * size + offsets, acc, mask=j_ok[:, None] & c_ok[None, :])
+    for c0 in tl.static_range(0, c_span, BLOCK_C):
+        c = c_first + c0 + tl.arange(0, BLOCK_C)
+        c_ok = (c0 + tl.arange(0, BLOCK_C) < c_span) & (c < C)
+        acc = tl.zeros((BLOCK_J, BLOCK_C), dtype=tl.float32)
+        for first in range(start, stop, BLOCK_P):
+            pos = first + tl.arange(0, BLOCK_P)
+            pos_ok = pos < stop
+            q = pos % Q
+            p = (pos // Q) % P
+            n = pos // (P * Q)
+            h = p * stride_h - pad_h + r * dil_h
+            wi = q * stride_w - pad_w + s * dil_w
+            ok = pos_ok & (h >= 0) & (h < H) & (wi >= 0) & (wi < W)
+            grad = tl.load(dy + (n * sdn + p * sdp + q * sdq)[None, :] + j[:, None] * sdk,
+                           mask=j_ok[:, None] & pos_ok[None, :], other=0.0)
+            inp = tl.load(x + (n * sxn + h * sxh + wi * sxw)[:, None] + c[None, :] * sxc,
+                          mask=ok[:, None] & c_ok[None, :], other=0.0)
+            acc = tl.dot(grad, inp, acc, input_precision="tf32" if TF32 else "ieee")
+        within = c[None, :] - group_start[:, None]  # the block diagonal: input channels of the output's group
+        offsets = j[:, None] * swk + within * swc + r * swr + s * sws
+        tl.store(partials + part * size + offsets, acc,
+                 mask=j_ok[:, None] & c_ok[None, :] & (within >= 0) & (within < CG))
 
 
 # -- launches ---------------------------------------------------------------------------------
@@ -154,24 +170,29 @@ def _tf32(problem: ConvProblem) -> bool:
     return problem.dtype != "float32" or problem.allow_tf32
 
 
-def _group_tiles(problem: ConvProblem, tile: GemmTile, channels: int) -> int:
-    """Programs along the second grid axis: every group times the tiles of its ``channels``."""
-    return problem.groups * triton.cdiv(channels, min(tile.channels, _lanes(channels)))
+def _packing(problem: ConvProblem, block: int, width: int) -> tuple[int, int]:
+    """(groups a tile of ``block`` channels holds, programs along the second grid axis) over groups of ``width``
+    (``_packed_tile``)."""
+    groups = max(block // width, 1)
+    return groups, triton.cdiv(problem.groups, groups) * triton.cdiv(width, block)
 
 
 def _direct(kernel, problem: ConvProblem, tile: GemmTile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             computed: tuple[int, int], read: tuple[int, int], channels: int, summed: int) -> None:
     """Launch ``_forward`` or ``_backward_data``: programs over tiles of (positions of ``out``, whose spatial
-    size is ``computed``, × a group's ``channels`` of it), each summing over ``summed`` channels per tap."""
+    size is ``computed``, × ``out``'s channels, ``channels`` a group), each summing over ``summed`` channels a group
+    of ``a`` per tap."""
     a4, w4, out4 = (as_4d(t, problem) for t in (a, w, out))
     r, s, *steps = geometry(problem)
     total = problem.n * computed[0] * computed[1]
-    grid = (triton.cdiv(total, tile.positions), _group_tiles(problem, tile, channels))
+    block = min(tile.channels, _lanes(channels))
+    groups, tiles = _packing(problem, block, channels)
+    grid = (triton.cdiv(total, tile.positions), tiles)
     cg, kg = problem.c // problem.groups, problem.k // problem.groups
-    launch(kernel, grid, a4, w4, out4, total, *computed, *read, cg, kg, *a4.stride(), *w4.stride(), *out4.stride(),
-           *steps,
-           R=r, S=s, TF32=_tf32(problem), BLOCK_M=tile.positions, BLOCK_N=min(tile.channels, _lanes(channels)),
-           BLOCK_C=_lanes(summed), num_warps=tile.warps)
+    launch(kernel, grid, a4, w4, out4, total, *computed, *read, summed * problem.groups, channels * problem.groups,
+           *a4.stride(), *w4.stride(), *out4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups,
+           R=r, S=s, TF32=_tf32(problem), BLOCK_M=tile.positions, BLOCK_N=block,
+           BLOCK_C=_lanes(groups * summed), num_warps=tile.warps)
 
 
 def forward(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -198,8 +219,10 @@ def backward_filter(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, dy: t
     r, s, *steps = geometry(problem)
     total = problem.n * p * q
     parts, size = partials.shape
-    launch(_backward_filter_partials, (parts, problem.groups, r * s),
-           x4, dy4, partials, total, tile.chunk, p, q, h, wd, cg, kg, size, *x4.stride(), *dy4.stride(),
-           *dw4.stride(), *steps, R=r, S=s, TF32=_tf32(problem), BLOCK_P=tile.positions, BLOCK_J=_lanes(kg),
-           BLOCK_C=_lanes(cg), num_warps=tile.warps)
+    block = _lanes(kg)
+    groups, tiles = _packing(problem, block, kg)
+    launch(_backward_filter_partials, (parts, tiles, r * s),
+           x4, dy4, partials, total, tile.chunk, p, q, h, wd, problem.c, problem.k, size, *x4.stride(), *dy4.stride(),
+           *dw4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups, R=r, S=s, TF32=_tf32(problem), BLOCK_P=tile.positions,
+           BLOCK_J=block, BLOCK_C=_lanes(groups * cg), num_warps=tile.warps)
     sum_partials(partials, dw)

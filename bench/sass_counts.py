@@ -1,0 +1,212 @@
+"""What convtune's Triton kernels compile to for a GPU, counted on any machine (no GPU needed).
+
+Each configuration of the chosen families is compiled for the target (default: the H200's sm_90) exactly as a run
+would launch it on the given problems (the same arguments, constants and Triton's own specializations: integers
+equal to 1 as constants, pointers and integers divisible by 16 marked so), then its machine code is read with the
+CUDA tools Triton ships (cuobjdump): registers and spilled bytes per thread, shared memory, and the static
+instruction counts (all, tensor-core products, global loads, shared-memory stores, loops). ``warp instructions``
+multiplies a kernel's static count by its programs and warps: the instructions issued if each loop ran once, exact
+for straight-line kernels (``loops`` 0), a lower bound otherwise. This is a prediction to check against a GPU's
+timing, not a timing: it tells which configurations spill, which never reach the tensor cores, and how much work a
+kernel change removes.
+
+    python bench/sass_counts.py                                  # the default problems of every family
+    python bench/sass_counts.py --families grouped \
+        --problems 'fwd|n32|c128|k128|in56x56|r3x3|s1x1|p1x1|d1x1|g32|float16|channels_last|cuda|tf32=1'
+
+Results: bench/results/sass_counts.json and .md (or --out, --name); rows of other revisions in the file are kept,
+so that two revisions' counts of the same kernels stand side by side (run it at each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from convtune.algorithms.registry import registered  # noqa: E402
+from convtune.algorithms.triton_family import TritonAlgorithm  # noqa: E402
+from convtune.problem import ConvProblem  # noqa: E402
+
+# Per family, the problems counted by default: layers of networks where the family is meant to win (ResNeXt-50's
+# grouped layers; depthwise layers of 3x3 to 31x31), in the three directions.
+GROUPED = ("c128|k128|in56x56|r3x3|s1x1|p1x1|g32", "c256|k256|in28x28|r3x3|s1x1|p1x1|g32",
+           "c512|k512|in14x14|r3x3|s1x1|p1x1|g32")
+DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|p2x2|g672",
+             "c144|k144|in56x56|r3x3|s2x2|p1x1|g144", "c512|k512|in14x14|r31x31|s1x1|p15x15|g512")
+DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": DEPTHWISE}
+TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
+
+
+def problem_keys(family: str, dtype: str, layout: str) -> list[str]:
+    """The default problems of ``family`` (batch 32) as keys, in every direction."""
+    return [f"{d}|n32|{shape.replace('|g', '|d1x1|g')}|{dtype}|{layout}|cuda|tf32=1"
+            for shape in DEFAULTS[family] for d in ("fwd", "bwd_data", "bwd_filter")]
+
+
+def tools() -> Path:
+    """The folder of the CUDA tools Triton's NVIDIA backend ships (cuobjdump)."""
+    import triton.backends.nvidia as nvidia
+
+    return Path(nvidia.__file__).parent / "bin"
+
+
+def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arch: int) -> dict:
+    """Compile one launch ``kernel[grid](*args, **kwargs)`` for sm_<arch> and count its machine code."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(kwargs)
+    warps = kwargs.pop("num_warps", 4)
+    stages = kwargs.pop("num_stages", None)
+    names = kernel.arg_names
+    values = list(args) + [kwargs[n] for n in names[len(args):]]
+    signature, constants, attrs = {}, {}, {}
+    for index, (name, value) in enumerate(zip(names, values)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]  # Triton's specialization of aligned pointers
+        elif name in kwargs or isinstance(value, (bool, str)) or value == 1:
+            signature[name], constants[name] = "constexpr", value  # a constant, or an integer equal to 1
+        else:
+            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": warps, **({"num_stages": stages} if stages is not None else {})}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([tools() / "cuobjdump", "-res-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([tools() / "cuobjdump", "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    return dict(kernel=kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid=list(grid),
+                warps=warps, registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                spilled_bytes=int(re.search(r"LOCAL:(\d+)", usage).group(1)), shared_bytes=compiled.metadata.shared,
+                **instruction_counts(sass))
+
+
+def instruction_counts(sass: str) -> dict:
+    """Static counts of a kernel's machine code (cuobjdump -sass): all instructions, tensor-core products (HMMA,
+    HGMMA), global loads (into registers, or straight into shared memory: LDGSTS, UTMALDG), shared-memory stores, and
+    loops (backward branches)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;", sass)
+    ops = collections.Counter(op for _, op in lines)
+    loops = 0
+    for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*BRA[^;]*);", sass):
+        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
+        if target and target.group(1) and int(target.group(1), 16) < int(address, 16):
+            loops += 1
+    return dict(instructions=len(lines), tensor_core=ops["HMMA"] + ops["HGMMA"],
+                global_loads=ops["LDG"] + ops["LDGSTS"] + ops["UTMALDG"],
+                shared_stores=ops["STS"] + ops["STSM"], loops=loops)
+
+
+def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[dict]:
+    """Every launch one run of ``algorithm`` on ``problem`` makes, compiled and counted (nothing runs)."""
+    from convtune.kernels import recording
+
+    launches: list[dict] = []
+
+    def compile_instead(kernel, grid, *args, **kwargs):
+        launches.append(compile_launch(kernel, tuple(grid), args, kwargs, arch))
+
+    def operand(shape):
+        t = torch.empty(shape, dtype=problem.torch_dtype)
+        return t.to(memory_format=torch.channels_last) if problem.layout == "channels_last" and t.dim() == 4 else t
+
+    algorithm.module()  # imported before its launches are replaced
+    a, b = (operand(s) for s in problem.operand_shapes[:2])
+    out = operand(problem.operand_shapes[2])
+    buffers = {buf.name: torch.empty(buf.shape, dtype=buf.dtype) for buf in algorithm.buffers(problem)}
+    modules = [m for name, m in sys.modules.items() if name.startswith("convtune.kernels.") and hasattr(m, "launch")]
+    with contextlib.ExitStack() as stack:
+        for module in [recording, *modules]:
+            stack.enter_context(mock.patch.object(module, "launch", compile_instead))
+        algorithm._run(problem, a, b, out, buffers)
+    return launches
+
+
+def markdown(env: dict, rows: dict) -> str:
+    lines = []
+    for row in sorted(rows.values(), key=lambda r: (r["problem"], r["algorithm"], r["revision"])):
+        p = ConvProblem.from_key(row["problem"])
+        shape = (f"{p.direction} c{p.c} k{p.k} g{p.groups} {'x'.join(map(str, p.input_size))} "
+                 f"r{'x'.join(map(str, p.kernel_size))} s{p.stride[0]}")
+        for launch in row["launches"]:
+            programs = 1
+            for g in launch["grid"]:
+                programs *= g
+            total = launch["instructions"] * programs * launch["warps"]
+            lines.append([shape, row["algorithm"].removeprefix("triton:"), row["revision"], launch["kernel"],
+                          launch["registers"], launch["spilled_bytes"], launch["shared_bytes"],
+                          launch["instructions"], launch["tensor_core"], launch["global_loads"],
+                          launch["shared_stores"], launch["loops"], programs, f"{total / 1e6:.2f}"])
+    return (f"# convtune's Triton kernels in machine code\n\n{common.env_line(env)}; compiled for sm_{env['arch']} "
+            "and counted with cuobjdump, nothing run (`bench/sass_counts.py`). Per launch: registers and spilled "
+            "bytes per thread, shared memory (bytes), static instruction counts (all, tensor-core products, global "
+            "loads, shared-memory stores, loops), programs, and warp instructions (millions): static count × "
+            "programs × warps, the instructions issued if each loop ran once (exact where loops is 0). Rows of "
+            "several revisions stand side by side.\n\n"
+            + common.md_table(["problem", "configuration", "revision", "kernel", "registers", "spilled", "shared",
+                               "instructions", "tensor core", "loads", "shared stores", "loops", "programs",
+                               "warp instructions (M)"], lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", type=lambda t: t.split(","), default=list(DEFAULTS),
+                        help=f"comma-separated, of {', '.join(DEFAULTS)}")
+    parser.add_argument("--problems", action="append", default=[], help="a problem key (repeatable; default: the "
+                        "families' own problems)")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--layout", default="channels_last")
+    parser.add_argument("--arch", type=int, default=90, help="the target's compute capability (90: H100, H200)")
+    common.result_arguments(parser, "sass_counts")
+    args = parser.parse_args()
+    unknown = set(args.families) - set(DEFAULTS)
+    if unknown:
+        parser.error(f"--families {','.join(sorted(unknown))}: each must be one of {','.join(DEFAULTS)}")
+    os.environ.pop("TRITON_INTERPRET", None)
+    out_dir = Path(args.out or common.RESULTS)
+    json_path = out_dir / f"{args.name}.json"
+    payload = json.loads(json_path.read_text()) if json_path.exists() else {}
+    env = dict(common.environment(), arch=args.arch)
+    rows = payload.get("rows", {})
+    for family in args.families:
+        keys = args.problems or problem_keys(family, args.dtype, args.layout)
+        for key in keys:
+            problem = ConvProblem.from_key(key)
+            for algorithm in registered():
+                if (not isinstance(algorithm, TritonAlgorithm) or algorithm.family != family
+                        or problem.direction not in algorithm.directions):
+                    continue
+                if not algorithm.supports(problem):  # a CUDA problem: its kernels' own refusals, on any machine
+                    continue
+                launches = count(problem, algorithm, args.arch)
+                rows[f"{key}:{algorithm.name}:{env['revision']}"] = dict(
+                    problem=key, algorithm=algorithm.name, revision=env["revision"], launches=launches)
+                first = launches[0]
+                print(f"{algorithm.name} {key}: {first['registers']} registers, {first['instructions']} instructions",
+                      file=sys.stderr, flush=True)
+    payload.update(environment=env, rows=rows)
+    common.write(args.name, payload, markdown(env, rows), out_dir)
+
+
+if __name__ == "__main__":
+    main()
