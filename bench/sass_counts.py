@@ -157,7 +157,8 @@ def markdown(env: dict, rows: dict) -> str:
                           launch["registers"], launch["spilled_bytes"], launch["shared_bytes"],
                           launch["instructions"], launch["tensor_core"], launch["global_loads"],
                           launch["shared_stores"], launch["loops"], programs, f"{total / 1e6:.2f}"])
-    return (f"# convtune's Triton kernels in machine code\n\n{common.env_line(env)}; compiled for sm_{env['arch']} "
+    return (f"# convtune's Triton kernels in machine code\n\n{common.env_line(env)}; compiled by Triton "
+            f"{env.get('triton', '?')} for sm_{env['arch']} "
             "and counted with cuobjdump, nothing run (`bench/sass_counts.py`). Per launch: registers and spilled "
             "bytes per thread, shared memory (bytes), static instruction counts (all, tensor-core products, global "
             "loads, shared-memory stores, loops), programs, and warp instructions (millions): static count × "
@@ -186,7 +187,9 @@ def main() -> None:
     out_dir = Path(args.out or common.RESULTS)
     json_path = out_dir / f"{args.name}.json"
     payload = json.loads(json_path.read_text()) if json_path.exists() else {}
-    env = dict(common.environment(), arch=args.arch)
+    import triton
+
+    env = dict(common.environment(), arch=args.arch, triton=triton.__version__)
     rows = payload.get("rows", {})
     for family in args.families:
         keys = args.problems or problem_keys(family, args.dtype, args.layout)
