@@ -1,9 +1,10 @@
-"""Depthwise benchmark: convtune's Triton kernels against every cuDNN execution plan, PyTorch and the floor.
+"""Depthwise and grouped benchmark: convtune's Triton kernels against every cuDNN execution plan, PyTorch and the
+floor.
 
 For each shape and direction, with one timer (convtune.timing.benchmark) for everything and every
 result checked against float64 first:
 - ours: every configuration of the direction of both depthwise families (triton:depthwise, on the CUDA cores, and
-  triton:depthwise_band, on the tensor cores), the fastest reported;
+  triton:depthwise_band, on the tensor cores), or for a grouped shape of triton:grouped, the fastest reported;
 - the best cuDNN execution plan: every plan of heuristics A + FALLBACK, built, checked and timed;
 - PyTorch's own call with cudnn.benchmark False and True, each in its own process;
 - the floor (hardware.roofline_ms: multiply-adds at the CUDA cores' float32 rate, compulsory bytes).
@@ -12,6 +13,10 @@ result checked against float64 first:
     python bench/depthwise.py --sweep full    # the whole grid, resumable with --missing
     python bench/depthwise.py --shape 96:56:7:1 --batch 128 --dtype bfloat16
     python bench/depthwise.py --ours-again    # after a kernel change: cuDNN's and PyTorch's times kept
+    python bench/depthwise.py --sweep grouped --name grouped   # ResNeXt-50's grouped layers, 8 to 64 channels a group
+
+A shape is channels:spatial:kernel:stride[:channels a group] (1, the default: depthwise; the output has as many
+channels as the input).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from convtune.algorithms.native import native_conv  # noqa: E402
 from convtune.algorithms.registry import registered  # noqa: E402
 from convtune.algorithms.triton_depthwise import TritonDepthwise  # noqa: E402
 from convtune.algorithms.triton_depthwise_band import TritonDepthwiseBand  # noqa: E402
+from convtune.algorithms.triton_grouped import TritonGrouped  # noqa: E402
 from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 from convtune.timing import benchmark  # noqa: E402
 from convtune.verify import reference  # noqa: E402
@@ -43,19 +49,34 @@ from layers import time_algorithm  # noqa: E402
 # layers.
 DEFAULT_SHAPES = ("96:56:7:1", "384:14:7:1", "672:14:5:1", "1152:7:5:1",
                   "32:112:3:1", "144:56:3:2", "960:7:3:1", "128:56:9:1", "256:28:13:1", "512:14:31:1")
+# ResNeXt-50 32x4d's grouped 3x3 layers (4 to 32 channels a group; the strided ones open a stage), then 8, 16, 24
+# and 64 channels a group at ResNet's sizes (RegNet-like widths).
+GROUPED_SHAPES = ("128:56:3:1:4", "256:56:3:2:8", "256:28:3:1:8", "512:28:3:2:16", "512:14:3:1:16", "1024:14:3:2:32",
+                  "1024:7:3:1:32", "128:56:3:1:8", "256:56:3:1:16", "384:28:3:1:24", "512:14:3:1:64")
 FULL = dict(channels=(32, 96, 256, 512, 1536), spatial=(7, 14, 28, 56, 112), kernels=(3, 5, 7, 9, 13, 31),
             strides=(1, 2))
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int]:
-    c, hw, r, s = (int(v) for v in text.split(":"))
-    return c, hw, r, s
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """(channels, spatial size, kernel, stride, channels a group) of channels:spatial:kernel:stride[:per group]."""
+    values = [int(v) for v in text.split(":")]
+    if len(values) not in (4, 5) or (len(values) == 5 and values[0] % values[4]):
+        raise ValueError(f"shape {text!r}: expected channels:spatial:kernel:stride[:channels a group], the channels "
+                         f"a whole number of groups")
+    c, hw, r, s, *per_group = values
+    return c, hw, r, s, (per_group or [1])[0]
 
 
 def make_problem(shape: str, direction: str, batch: int, dtype: str, layout: str) -> ConvProblem:
-    c, hw, r, stride = parse_shape(shape)
+    c, hw, r, stride, per_group = parse_shape(shape)
     return ConvProblem(direction, n=batch, c=c, k=c, input_size=(hw, hw), kernel_size=r, stride=stride,
-                       padding=r // 2, groups=c, dtype=dtype, layout=layout, device="cuda")
+                       padding=r // 2, groups=c // per_group, dtype=dtype, layout=layout, device="cuda")
+
+
+def ours(algorithm, p: ConvProblem) -> bool:
+    """Whether ``algorithm`` is one of convtune's own kernel families for ``p``'s kind (depthwise or grouped)."""
+    families = (TritonDepthwise, TritonDepthwiseBand) if p.groups == p.c else (TritonGrouped,)
+    return isinstance(algorithm, families) and bool(algorithm.supports(p))
 
 
 def full_shapes() -> list[str]:
@@ -71,10 +92,9 @@ def measure(p: ConvProblem, row: dict | None = None) -> dict:
     ref = reference(p, *inputs)
     again = row is not None
     row = dict(row or {}, problem=p.key, floor_ms=hardware.roofline_ms(p))
-    ours = {a.name: time_algorithm(p, a, inputs, ref) for a in registered()
-            if isinstance(a, (TritonDepthwise, TritonDepthwiseBand)) and a.supports(p)}
-    row["ours"] = {n: v[0] for n, v in ours.items()}
-    row["ours_failures"] = {n: v[2] for n, v in ours.items() if v[2] != "ok"}
+    timed_ours = {a.name: time_algorithm(p, a, inputs, ref) for a in registered() if ours(a, p)}
+    row["ours"] = {n: v[0] for n, v in timed_ours.items()}
+    row["ours_failures"] = {n: v[2] for n, v in timed_ours.items() if v[2] != "ok"}
     timed = {n: v for n, v in row["ours"].items() if v is not None}
     row["ours_best"] = min(timed, key=timed.get) if timed else None
     row["ours_ms"] = timed.get(row["ours_best"]) if timed else None
@@ -127,13 +147,14 @@ def markdown(env: dict, rows: dict) -> str:
     def fmt(v, digits=4):
         return "-" if v is None else f"{v:.{digits}f}"
 
-    head = (f"# Depthwise convolutions: convtune's kernels against cuDNN and PyTorch\n\n{common.env_line(env)}; "
-            f"ours: the row's ours_revision in the JSON. Times in ms "
+    head = (f"# Depthwise and grouped convolutions: convtune's kernels against cuDNN and PyTorch\n\n"
+            f"{common.env_line(env)}; ours: the row's ours_revision in the JSON. Times in ms "
             f"(convtune.timing.benchmark, every result checked against "
-            f"float64 first); ours: the fastest configuration of either depthwise family; band: the fastest of "
+            f"float64 first); a group: channels a group (1: depthwise); ours: the fastest configuration of either "
+            f"depthwise family, or of triton:grouped; band: the fastest of "
             f"triton:depthwise_band's (the tensor cores; '-' where the row predates it); cuDNN: the fastest of every "
-            f"plan; floor: multiply-adds at the CUDA cores' float32 rate or compulsory bytes at bandwidth; "
-            f"speed-up: cuDNN's best / ours.\n\n")
+            f"plan; floor: multiply-adds at the CUDA cores' float32 rate (depthwise) or the tensor cores' (grouped), "
+            f"or compulsory bytes at bandwidth; speed-up: cuDNN's best / ours.\n\n")
     body = []
     groups: dict[tuple, list[float]] = {}
     bands: dict[tuple, list[float]] = {}
@@ -141,17 +162,19 @@ def markdown(env: dict, rows: dict) -> str:
         p = ConvProblem.from_key(r["problem"])
         speedup = ratio(r.get("cudnn_ms"), r.get("ours_ms"))
         band = band_ms(r)
-        body.append([p.direction, p.dtype, p.n, p.c, f"{p.input_size[0]}", f"{p.kernel_size[0]}", p.stride[0],
+        body.append([p.direction, p.dtype, p.n, p.c, p.c // p.groups, f"{p.input_size[0]}", f"{p.kernel_size[0]}",
+                     p.stride[0],
                      fmt(r.get("ours_ms")), fmt(band), fmt(r.get("cudnn_ms")), fmt(r.get("torch_bench1_ms")),
                      fmt(r.get("torch_bench0_ms")), fmt(r["floor_ms"]), fmt(speedup, 2),
                      fmt(ratio(r.get("ours_ms"), r["floor_ms"]), 1), r.get("ours_best") or "-"])
         kernel = p.kernel_size[0]
-        family = "≥7" if kernel >= 7 else str(kernel)
+        family = ("≥7" if kernel >= 7 else str(kernel)) if p.groups == p.c else f"grouped, {p.c // p.groups} a group"
         if speedup:
             groups.setdefault((p.direction, family), []).append(speedup)
             if band:
                 bands.setdefault((p.direction, family), []).append(r["cudnn_ms"] / band)
-    table = common.md_table(["direction", "dtype", "batch", "channels", "size", "kernel", "stride", "ours", "band",
+    table = common.md_table(["direction", "dtype", "batch", "channels", "a group", "size", "kernel", "stride", "ours",
+                             "band",
                              "cuDNN best", "torch bm1", "torch bm0", "floor", "speed-up", "ours / floor",
                              "our pick"], body)
     means = common.md_table(["direction", "kernel", "shapes", "geometric mean speed-up over cuDNN's best",
@@ -164,8 +187,9 @@ def markdown(env: dict, rows: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", choices=("default", "full"), default="default")
-    parser.add_argument("--shape", action="append", default=[], help="channels:spatial:kernel:stride (repeatable)")
+    parser.add_argument("--sweep", choices=("default", "full", "grouped"), default="default")
+    parser.add_argument("--shape", action="append", default=[],
+                        help="channels:spatial:kernel:stride[:channels a group] (repeatable)")
     parser.add_argument("--batch", type=lambda t: [int(v) for v in t.split(",")], default=[32])
     parser.add_argument("--dtype", type=lambda t: t.split(","), default=["float16"])
     parser.add_argument("--layout", default="channels_last")
@@ -184,7 +208,13 @@ def main() -> None:
         keys = json.loads(Path(args.torch_only).read_text())
         Path(args.torch_out).write_text(json.dumps(torch_times(keys, bool(args.benchmark_mode))))
         return
-    shapes = args.shape or (full_shapes() if args.sweep == "full" else list(DEFAULT_SHAPES))
+    shapes = args.shape or {"full": full_shapes, "grouped": lambda: list(GROUPED_SHAPES)}.get(
+        args.sweep, lambda: list(DEFAULT_SHAPES))()
+    for shape in shapes:
+        try:
+            parse_shape(shape)
+        except ValueError as exc:
+            parser.error(str(exc))
     out_dir = Path(args.out or common.RESULTS)
     json_path = out_dir / f"{args.name}.json"
     payload = json.loads(json_path.read_text()) if json_path.exists() else {}  # rows measured now replace theirs

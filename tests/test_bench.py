@@ -563,3 +563,24 @@ def test_sass_counts_compiles_a_kernel_for_the_gpu_and_counts_its_machine_code(s
     assert sass_counts.instruction_counts("/*0010*/ HMMA.16816.F32 R0, R1, R2, R3 ;\n"
                                           "/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ LDG.E R4, [R2.64] ;") == dict(
         instructions=3, tensor_core=1, global_loads=1, shared_stores=0, loops=1)
+
+
+def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_family_on_them(depthwise):
+    from convtune.algorithms.registry import registered
+
+    p = depthwise.make_problem("128:56:3:1:4", "fwd", 32, "float16", "channels_last")
+    assert (p.c, p.k, p.groups) == (128, 128, 32)
+    assert {a.name.split("_")[0] for a in registered() if depthwise.ours(a, p)} == {"triton:grouped"}
+    q = depthwise.make_problem("96:56:7:1", "fwd", 32, "float16", "channels_last")
+    assert q.groups == 96
+    assert {a.name.rsplit("_", 2)[0] for a in registered() if depthwise.ours(a, q)} == {
+        "triton:depthwise", "triton:depthwise_band"}
+    with pytest.raises(ValueError, match="whole number of groups"):
+        depthwise.parse_shape("130:56:3:1:4")
+    with pytest.raises(ValueError, match="channels:spatial:kernel:stride"):
+        depthwise.parse_shape("128:56:3")
+    assert all(depthwise.parse_shape(s) for s in depthwise.GROUPED_SHAPES)
+    row = dict(problem=p.key, floor_ms=0.01, cudnn_ms=0.05, ours_ms=0.1, ours_best="triton:grouped_fwd_p64c32w4",
+               ours={"triton:grouped_fwd_p64c32w4": 0.1})
+    text = depthwise.markdown({"date": "d", "gpu": "g"}, {"a": row})
+    assert "| fwd | grouped, 4 a group | 1 | 0.50 | - |" in text and "| 128 | 4 | 56 | 3 | 1 | 0.1000 | - |" in text
