@@ -82,7 +82,7 @@ def test_a_wide_window():
 @needs_triton
 def test_the_family_declares_what_it_supports():
     p = ConvProblem("fwd", n=2, c=8, k=16, input_size=(9, 9), kernel_size=5, padding=2, groups=8, device="cuda")
-    algorithm = get_algorithm("triton:depthwise_band_fwd_r32n16c8w4")
+    algorithm = get_algorithm("triton:depthwise_band_fwd_r64n32c1w4")
     assert algorithm.directions == ("fwd",) and algorithm.is_deterministic(p)
     half = algorithm.notes(p.replace(dtype="float16"))
     assert half.tensor_cores and half.float32_inside and not half.tf32
@@ -93,10 +93,15 @@ def test_the_family_declares_what_it_supports():
         "1-D and 2-D": p.replace(input_size=(5, 5, 5), kernel_size=3, padding=1, stride=1, dilation=1),
         "computes fwd": p.replace(direction="bwd_data"),
         "window of up to 128 columns": p.replace(input_size=(9, 300), kernel_size=(5, 129), padding=(2, 64)),
+        "grid axis that holds 65535": p.replace(c=70000, k=70000, groups=70000, n=1, input_size=(2, 2),
+                                                kernel_size=1, padding=0),
     }
     for words, other in reasons.items():
         support = algorithm.supports(other)
         assert not support and words in support.reason, (other.key, support.reason)
+    # in tiles of 8 channels: 8750 programs along that axis
+    many = p.replace(c=70000, k=70000, groups=70000, n=1, input_size=(2, 2), kernel_size=1, padding=0)
+    assert get_algorithm("triton:depthwise_band_fwd_r32n16c8w4").supports(many)
     # 32 output columns of a 1x97 row read 128 columns: the widest window; 16 of a 1x129 row need 256.
     assert get_algorithm("triton:depthwise_band_fwd_r64n32c1w4").supports(p.replace(kernel_size=(1, 97),
                                                                                     padding=(0, 48)))

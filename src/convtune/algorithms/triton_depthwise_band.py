@@ -53,6 +53,12 @@ class TritonDepthwiseBand(TritonAlgorithm):
             return unsupported(f"reads an input window of up to {module.MAX_WINDOW} columns per row "
                                f"({self.tile.columns} output columns of a kernel row of {problem.kernel_size[-1]} "
                                f"taps need {needed}); the other depthwise kernels, cuDNN or torch:native take it")
+        tiles = module.side_tiles(problem, self.tile)
+        if tiles > module.GRID_AXIS_LIMIT:
+            return unsupported(f"launches {tiles} programs along a grid axis that holds {module.GRID_AXIS_LIMIT} "
+                               f"(tiles of {self.tile.channels} channels or {self.tile.columns} columns); a "
+                               f"configuration with wider tiles, the other depthwise kernels, cuDNN or torch:native "
+                               f"take it")
         return SUPPORTED
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:

@@ -38,6 +38,7 @@ from .recording import launch
 from .shared import as_4d, geometry, sizes, sum_partials
 
 MAX_WINDOW = 128  # the widest input window (BLOCK_J) a configuration reads per row: its band is (BLOCK_J × BLOCK_N)
+GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,14 @@ def window(problem: ConvProblem, tile: BandTile) -> int:
     if problem.direction == "bwd_data":  # dy columns reaching tile.columns input columns
         span = ((tile.columns - 1) + (s - 1) * dil_w) // stride_w + 2
     return max(16, triton.next_power_of_2(span))
+
+
+def side_tiles(problem: ConvProblem, tile: BandTile) -> int:
+    """The most programs a launch puts along its second or third grid axis: tiles of the result's columns, and of
+    its channels."""
+    _, wd, _, q = sizes(problem)
+    columns, channels = (wd, problem.c) if problem.direction == "bwd_data" else (q, problem.k)
+    return max(triton.cdiv(columns, tile.columns), triton.cdiv(channels, tile.channels))
 
 
 @triton.jit
