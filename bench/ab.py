@@ -238,6 +238,8 @@ def main() -> None:
     payload = json.loads(json_path.read_text()) if json_path.exists() else {}
     if args.merge:
         payload = merge(payload, [json.loads(path.read_text()) for path in args.merge])
+        if "environment" not in payload:
+            parser.error(f"--merge: none of {', '.join(map(str, args.merge))} holds a row, and there is no {json_path}")
         common.write(args.name, payload, markdown(payload["environment"], payload["results"]), out_dir)
         print(markdown(payload["environment"], payload["results"]))
         return

@@ -59,10 +59,13 @@ FULL = dict(channels=(32, 96, 256, 512, 1536), spatial=(7, 14, 28, 56, 112), ker
 
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     """(channels, spatial size, kernel, stride, channels a group) of channels:spatial:kernel:stride[:per group]."""
-    values = [int(v) for v in text.split(":")]
-    if len(values) not in (4, 5) or (len(values) == 5 and values[0] % values[4]):
-        raise ValueError(f"shape {text!r}: expected channels:spatial:kernel:stride[:channels a group], the channels "
-                         f"a whole number of groups")
+    try:
+        values = [int(v) for v in text.split(":")]
+    except ValueError:
+        values = []
+    if len(values) not in (4, 5) or min(values) < 1 or (len(values) == 5 and values[0] % values[4]):
+        raise ValueError(f"shape {text!r}: expected channels:spatial:kernel:stride[:channels a group], positive whole "
+                         f"numbers, the channels a whole number of groups")
     c, hw, r, s, *per_group = values
     return c, hw, r, s, (per_group or [1])[0]
 

@@ -5,8 +5,8 @@ would launch it on the given problems (the same arguments, constants and Triton'
 equal to 1 as constants, pointers and integers divisible by 16 marked so), then its machine code is read with the
 CUDA tools Triton ships (cuobjdump): registers and spilled bytes per thread, shared memory, and the static
 instruction counts (all, tensor-core products, global loads, shared-memory stores, loops). ``warp instructions``
-multiplies a kernel's static count by its programs and warps: the instructions issued if each loop ran once, exact
-for straight-line kernels (``loops`` 0), a lower bound otherwise. This is a prediction to check against a GPU's
+multiplies a kernel's static count by its programs and warps: the instructions issued if each loop ran once and
+each branch both ways, exact for straight-line kernels. This is a prediction to check against a GPU's
 timing, not a timing: it tells which configurations spill, which never reach the tensor cores, and how much work a
 kernel change removes.
 
@@ -103,18 +103,22 @@ def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arc
 
 def instruction_counts(sass: str) -> dict:
     """Static counts of a kernel's machine code (cuobjdump -sass): all instructions, tensor-core products (HMMA,
-    HGMMA), global loads (into registers, or straight into shared memory: LDGSTS, UTMALDG), shared-memory stores, and
-    loops (backward branches)."""
-    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;", sass)
+    HGMMA), global loads (into registers, or straight into shared memory: LDGSTS, UTMALDG), shared-memory stores,
+    loops (backward branches), and the innermost loop's instructions and tensor-core products (one turn's work)."""
+    lines = [(int(address, 16), op) for address, op in
+             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;", sass)]
     ops = collections.Counter(op for _, op in lines)
-    loops = 0
+    loops = []  # (first, last) address of each loop's body
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*BRA[^;]*);", sass):
         target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
         if target and target.group(1) and int(target.group(1), 16) < int(address, 16):
-            loops += 1
+            loops.append((int(target.group(1), 16), int(address, 16)))
+    inner = min(loops, key=lambda span: span[1] - span[0], default=None)  # the innermost: the shortest body
+    body = [op for address, op in lines if inner and inner[0] <= address <= inner[1]]
     return dict(instructions=len(lines), tensor_core=ops["HMMA"] + ops["HGMMA"],
                 global_loads=ops["LDG"] + ops["LDGSTS"] + ops["UTMALDG"],
-                shared_stores=ops["STS"] + ops["STSM"], loops=loops)
+                shared_stores=ops["STS"] + ops["STSM"], loops=len(loops), inner_loop=len(body),
+                inner_loop_tensor_core=sum(op in ("HMMA", "HGMMA") for op in body))
 
 
 def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[dict]:
@@ -146,8 +150,8 @@ def markdown(env: dict, rows: dict) -> str:
     lines = []
     for row in sorted(rows.values(), key=lambda r: (r["problem"], r["algorithm"], r["revision"])):
         p = ConvProblem.from_key(row["problem"])
-        shape = (f"{p.direction} c{p.c} k{p.k} g{p.groups} {'x'.join(map(str, p.input_size))} "
-                 f"r{'x'.join(map(str, p.kernel_size))} s{p.stride[0]}")
+        shape = (f"{p.direction} n{p.n} c{p.c} k{p.k} g{p.groups} {'x'.join(map(str, p.input_size))} "
+                 f"r{'x'.join(map(str, p.kernel_size))} s{p.stride[0]} d{p.dilation[0]} {p.dtype} {p.layout}")
         for launch in row["launches"]:
             programs = 1
             for g in launch["grid"]:
@@ -156,17 +160,21 @@ def markdown(env: dict, rows: dict) -> str:
             lines.append([shape, row["algorithm"].removeprefix("triton:"), row["revision"], launch["kernel"],
                           launch["registers"], launch["spilled_bytes"], launch["shared_bytes"],
                           launch["instructions"], launch["tensor_core"], launch["global_loads"],
-                          launch["shared_stores"], launch["loops"], programs, f"{total / 1e6:.2f}"])
+                          launch["shared_stores"], launch["loops"],
+                          f"{launch.get('inner_loop', '-')} / {launch.get('inner_loop_tensor_core', '-')}", programs,
+                          f"{total / 1e6:.2f}"])
     return (f"# convtune's Triton kernels in machine code\n\n{common.env_line(env)}; compiled by Triton "
             f"{env.get('triton', '?')} for sm_{env['arch']} "
             "and counted with cuobjdump, nothing run (`bench/sass_counts.py`). Per launch: registers and spilled "
             "bytes per thread, shared memory (bytes), static instruction counts (all, tensor-core products, global "
-            "loads, shared-memory stores, loops), programs, and warp instructions (millions): static count × "
-            "programs × warps, the instructions issued if each loop ran once (exact where loops is 0). Rows of "
-            "several revisions stand side by side.\n\n"
+            "loads, shared-memory stores, loops; the innermost loop's instructions and tensor-core products: one "
+            "turn a warp), programs, and warp instructions (millions): static count × programs × warps, the "
+            "instructions issued if each loop ran once and every branch ran both ways (an estimate; exact for "
+            "straight-line code). Rows of several revisions stand side by side.\n\n"
             + common.md_table(["problem", "configuration", "revision", "kernel", "registers", "spilled", "shared",
-                               "instructions", "tensor core", "loads", "shared stores", "loops", "programs",
-                               "warp instructions (M)"], lines))
+                               "instructions", "tensor core", "loads", "shared stores", "loops",
+                               "innermost loop: instructions / tensor core", "programs", "warp instructions (M)"],
+                              lines))
 
 
 def main() -> None:

@@ -535,6 +535,13 @@ def test_ab_merges_other_runs_files_row_by_row_newest_first(ab, tmp_path):
     subprocess.run([sys.executable, str(BENCH / "ab.py"), "--out", str(out), "--merge", str(paths[1]), str(paths[2])],
                    check=True, capture_output=True, timeout=120)
     assert json.loads((out / "ab.json").read_text()) == merged
+    # nothing to merge into and nothing taken: a clear error, no file written
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "other.json").write_text(json.dumps({"results": {}}))
+    run = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--out", str(empty), "--merge",
+                          str(empty / "other.json")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "holds a row" in run.stderr and not (empty / "ab.json").exists()
     table = (out / "ab.md").read_text()
     assert "| m | b32 | float16 | eager | inference |" in table and "| m A/A | b32 |" in table
 
@@ -559,10 +566,12 @@ def test_sass_counts_compiles_a_kernel_for_the_gpu_and_counts_its_machine_code(s
     rows = {f"{rev}": dict(problem=p.key, algorithm="triton:grouped_fwd_p64c32w4", revision=rev, launches=launches)
             for rev in ("aaa", "bbb")}
     text = sass_counts.markdown({"date": "d", "cpu": "c", "arch": 90, "revision": "bbb"}, rows)
-    assert text.count("| fwd c16 k16 g4 6x6 r3x3 s1 | grouped_fwd_p64c32w4 |") == 2
-    assert sass_counts.instruction_counts("/*0010*/ HMMA.16816.F32 R0, R1, R2, R3 ;\n"
-                                          "/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ LDG.E R4, [R2.64] ;") == dict(
-        instructions=3, tensor_core=1, global_loads=1, shared_stores=0, loops=1)
+    assert text.count("| fwd n2 c16 k16 g4 6x6 r3x3 s1 d1 float16 channels_last | grouped_fwd_p64c32w4 |") == 2
+    # two nested loops: the innermost (the shorter body) is the turn counted
+    sass = ("/*0000*/ IMAD R0, R1, R2, R3 ;\n/*0010*/ HMMA.16816.F32 R0, R1, R2, R3 ;\n"
+            "/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ LDG.E R4, [R2.64] ;\n/*0040*/ @P1 BRA 0x0 ;")
+    assert sass_counts.instruction_counts(sass) == dict(instructions=5, tensor_core=1, global_loads=1, shared_stores=0,
+                                                        loops=2, inner_loop=2, inner_loop_tensor_core=1)
 
 
 def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_family_on_them(depthwise):
@@ -577,8 +586,9 @@ def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_fami
         "triton:depthwise", "triton:depthwise_band"}
     with pytest.raises(ValueError, match="whole number of groups"):
         depthwise.parse_shape("130:56:3:1:4")
-    with pytest.raises(ValueError, match="channels:spatial:kernel:stride"):
-        depthwise.parse_shape("128:56:3")
+    for bad in ("128:56:3", "128:56:3:1:0", "128:56:3:1:-4", "128:56:x:1"):
+        with pytest.raises(ValueError, match="channels:spatial:kernel:stride"):
+            depthwise.parse_shape(bad)
     assert all(depthwise.parse_shape(s) for s in depthwise.GROUPED_SHAPES)
     row = dict(problem=p.key, floor_ms=0.01, cudnn_ms=0.05, ours_ms=0.1, ours_best="triton:grouped_fwd_p64c32w4",
                ours={"triton:grouped_fwd_p64c32w4": 0.1})

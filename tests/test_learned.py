@@ -196,6 +196,9 @@ def test_another_heuristics_first_choice_moves_to_the_head_of_its_backends_order
     assert learned.analytic_first(rows, "cudnn:eng9").name == "cudnn:eng1"  # not among them: the order as it is
     # a cheaper candidate of no ordering backend still wins
     assert learned.analytic_first([*rows, learned.Sample(p, "gemm:x", 0.5, 1.0, None)], "cudnn:eng2").name == "gemm:x"
+    # another ordering backend's places are its own: its first keeps its place, and wins a tie by name
+    other = learned.Sample(p, "another:first", 1.0, 1.0, 0)
+    assert learned.analytic_first([*rows, other], "cudnn:eng2").name == "another:first"
 
 
 def test_it_learns_from_a_backends_order_what_the_names_do_not_say():

@@ -33,7 +33,8 @@ FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwiseBand)]
 SAMPLED = ("r32n16c8w4", "r64n32c1w4")
 
 SHAPES = DEPTHWISE_SHAPES
-KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # bfloat16 is not run in the interpreter
+# every case but bfloat16's (not run in the interpreter), the wide window, the three wide strided rows
+KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2 + 1 + 3
 
 
 def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
@@ -77,6 +78,41 @@ def test_a_wide_window():
     for name in ("triton:depthwise_band_fwd_r32n16c8w4", "triton:depthwise_band_fwd_r64n32c1w4"):
         run_checked(name, p)
         run_checked(name.replace("fwd", "bwd_filter") + "s256", p.with_direction("bwd_filter"))
+
+
+@kernels
+@pytest.mark.parametrize("stride, dilation, kernel", [((1, 2), (1, 1), (3, 7)), ((1, 3), (1, 2), (3, 5)),
+                                                      ((2, 2), (2, 3), (3, 4))])
+def test_strided_and_dilated_rows_wider_than_a_tile(stride, dilation, kernel):
+    # 75 input columns: several column tiles, so that the data gradient's first dy column is floored from a column
+    # the stride does not divide; a channel multiplier of 2; every configuration, every direction.
+    for direction in DIRECTIONS:
+        p = ConvProblem(direction, n=2, c=3, k=6, input_size=(5, 75), kernel_size=kernel, stride=stride,
+                        dilation=dilation, padding=(1, 3), groups=3, dtype="float32", layout="channels_first",
+                        device=DEVICE)
+        check_supporting(FAMILY, p)
+
+
+@needs_triton
+def test_shared_memory_decides_the_pipeline_stages(monkeypatch):
+    from convtune import hardware
+    from convtune.kernels import banded
+
+    # float32 operands of a 128-column window in tiles of 8 channels: 196,608 bytes a turn (the compiled kernel's
+    # shared memory on sm_90, bench/results/sass_counts.md): one stage on the H200, the default where two fit.
+    p = ConvProblem("fwd", n=2, c=8, k=8, groups=8, input_size=(9, 200), kernel_size=(3, 97), padding=(1, 48),
+                    dtype="float32", device="cuda")
+    tile = get_algorithm("triton:depthwise_band_fwd_r32n16c8w4").tile
+    assert banded.window(p, tile) == 128 and banded.operand_bytes(p, tile) == 196_608
+    assert banded.stages(p, tile, 232_448) == 1 and banded.stages(p, tile, 400_000) == 0
+    assert banded.stages(p, tile, 101_376) is None
+    monkeypatch.setattr(hardware, "shared_memory_per_block", lambda: 101_376)
+    support = get_algorithm("triton:depthwise_band_fwd_r32n16c8w4").supports(p)
+    assert not support and "196608 bytes of operands in shared memory" in support.reason
+    assert get_algorithm("triton:depthwise_band_fwd_r64n32c1w4").supports(p.replace(kernel_size=(3, 9), padding=(1, 4)))
+    # the data gradient reads as many dy columns as the stride needs, from a floored first one
+    q = p.replace(direction="bwd_data", kernel_size=(3, 113), padding=(1, 56), dtype="float16")
+    assert banded.window(q, tile) == 128 and banded.window(q.replace(stride=(1, 4)), tile) == 64  # 33 columns
 
 
 @needs_triton

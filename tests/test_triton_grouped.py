@@ -32,6 +32,10 @@ SHAPES = {  # per group: (input channels, output channels)
                             padding=(2, 1)),
     "24_to_40_1x1": dict(n=2, c=48, k=80, groups=2, input_size=(4, 5), kernel_size=1),
     "1d_4_to_4_stride3": dict(n=2, c=8, k=8, groups=2, input_size=(13,), kernel_size=5, stride=3, padding=2),
+    # several tiles of packed groups: 6 groups of 3 -> 6 (2 groups a tile of 16 outputs; 5 a tile of 16 inputs),
+    # and 9 groups of 2 -> 1 in 1-D (16 a tile of outputs, 8 of inputs: a partial last tile)
+    "3_to_6_six_groups": dict(n=1, c=18, k=36, groups=6, input_size=(5, 4), kernel_size=3, stride=2, padding=1),
+    "1d_2_to_1_nine_groups": dict(n=2, c=18, k=9, groups=9, input_size=(7,), kernel_size=3, padding=1),
 }
 KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # bfloat16 is not run in the interpreter
 

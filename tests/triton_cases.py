@@ -71,24 +71,37 @@ def check_configurations(family: list[str], p: ConvProblem, configurations: int)
         run_checked(name, p)
 
 
-GUARD = 4096  # elements of NaN before and after each operand in a checked run
+GUARD = 4096  # elements before and after each tensor of a checked run
+
+
+def _guarded(t: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a view with ``t``'s values and strides, the whole buffer): ``GUARD`` elements of ``fill`` on either side."""
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    storage = torch.full((span + 2 * GUARD,), fill, dtype=t.dtype, device=t.device)
+    return storage.as_strided(t.shape, t.stride(), GUARD).copy_(t), storage
 
 
 def guarded(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values and strides in the middle of a larger buffer of NaN: a kernel that reads past an operand's
     ends where its mask says the element exists gets NaN, which no product with zero hides (the result fails)."""
-    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    storage = torch.full((span + 2 * GUARD,), math.nan, dtype=t.dtype, device=t.device)
-    view = storage.as_strided(t.shape, t.stride(), GUARD)
-    return view.copy_(t)
+    return _guarded(t, math.nan)[0]
+
+
+def _untouched(storage: torch.Tensor, fill: float) -> bool:
+    """Whether the guards on either side of a ``_guarded`` buffer still hold ``fill``."""
+    ends = torch.cat([storage[:GUARD], storage[-GUARD:]])
+    return bool(ends.isnan().all()) if math.isnan(fill) else bool((ends == fill).all())
 
 
 def run_checked(name: str, p: ConvProblem) -> None:
-    """One run of ``name`` on fresh random operands (``guarded``), its output poisoned with NaN, against float64."""
+    """One run of ``name`` on fresh random operands (``guarded``), its output poisoned with NaN, against float64; the
+    output and the workspace lie between guards too, and a write past their ends fails the check."""
     algorithm = get_algorithm(name)
     a, b = (guarded(t) for t in p.random_inputs(seed=zlib.crc32(p.key.encode()) % 1000))
     ref = verify.reference(p, a, b)
-    out = p.empty(p.operand_shapes[2])
-    err, ok, message = verify.check(algorithm, p, (a, b), ref, out, allocate_workspace(algorithm.buffer_bytes(p),
-                                                                                       p.device))
+    out, out_storage = _guarded(p.empty(p.operand_shapes[2]), math.nan)
+    workspace, workspace_storage = _guarded(allocate_workspace(algorithm.buffer_bytes(p), p.device), 0xA5)
+    err, ok, message = verify.check(algorithm, p, (a, b), ref, out, workspace)
     assert ok, f"{name} on {p.key}: {message}"
+    assert _untouched(out_storage, math.nan), f"{name} on {p.key} wrote past its output's ends"
+    assert _untouched(workspace_storage, 0xA5), f"{name} on {p.key} wrote past its workspace's ends"

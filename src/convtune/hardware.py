@@ -173,6 +173,21 @@ def measured_on(fingerprint: str) -> Iterator[None]:
         costmodel.clear_cache()
 
 
+H200_SHARED_MEMORY_PER_BLOCK = 232_448  # bytes a block may opt in to on the H100 and H200 (sm_90)
+
+
+@functools.cache
+def shared_memory_per_block() -> int:
+    """The shared memory (bytes) a kernel's block may use on this machine's current GPU (opting in beyond the
+    default 48 KiB, as Triton does); where no GPU is visible, or PyTorch does not report it, the H200's."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        optin = getattr(props, "shared_memory_per_block_optin", None)
+        if optin:
+            return int(optin)
+    return H200_SHARED_MEMORY_PER_BLOCK
+
+
 def peaks(device: str, dtype: str, tf32: bool = False) -> tuple[float, float]:
     """(FLOP/s, bytes/s) ceilings of ``device`` for ``dtype``: a table for known GPUs, measured on CPUs."""
     if device == "cuda":

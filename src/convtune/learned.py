@@ -458,9 +458,10 @@ def analytic_first(rows: Sequence[Sample], first: str | None = None) -> Sample:
     from .costmodel import order_factor
 
     head = next((s.order for s in rows if s.name == first and s.order is not None), None)
+    backend = backend_of(first) if first else None
 
     def place(s: Sample) -> int | None:
-        if head is None or s.order is None:
+        if head is None or s.order is None or backend_of(s.name) != backend:
             return s.order
         return 0 if s.name == first else s.order + 1 if s.order < head else s.order
 

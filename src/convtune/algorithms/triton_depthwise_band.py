@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from .. import hardware
 from ..costmodel import Cost
 from ..problem import ConvProblem
 from .base import SUPPORTED, NumericNotes, Support, unsupported
@@ -26,9 +27,9 @@ from .triton_family import TritonAlgorithm, register_family
 
 # (output rows, output columns, channels, warps[, output rows per partial sum]) per program. A tile of channels
 # reads channels_last's rows in vectors (8 channels of float16: 16 bytes), a single channel channels_first's. None
-# is timed on a GPU yet; compiled for the H200 (sm_90) here, the two tiles of channels issue about 0.05 instructions
-# per useful multiply-add of a 7x7 forward in channels_last, the single channel 0.11 (0.17 in channels_first): the
-# CUDA-core kernels issue at least one (docs/algorithms.md). Each is a candidate: find's verified measurement picks.
+# is timed on a GPU yet; compiled for the H200 (sm_90), the two tiles of channels issue about 0.056 warp
+# instructions per useful multiply-add of a 7x7 forward in channels_last, 1.8x what one fused multiply-add per
+# product on the CUDA cores would (docs/algorithms.md). Each is a candidate: find's verified measurement picks.
 TILES = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4))
 # The weight gradient's runs: 256 output rows per partial sum, and 64 for the first tile, for layers with few rows.
 BACKWARD_FILTER_TILES = (*((*tile, 256) for tile in TILES), (*TILES[0], 64))
@@ -53,6 +54,10 @@ class TritonDepthwiseBand(TritonAlgorithm):
             return unsupported(f"reads an input window of up to {module.MAX_WINDOW} columns per row "
                                f"({self.tile.columns} output columns of a kernel row of {problem.kernel_size[-1]} "
                                f"taps need {needed}); the other depthwise kernels, cuDNN or torch:native take it")
+        if module.stages(problem, self.tile, hardware.shared_memory_per_block()) is None:
+            return unsupported(f"stages {module.operand_bytes(problem, self.tile)} bytes of operands in shared memory, "
+                               f"more than this GPU's {hardware.shared_memory_per_block()} (float32 operands of a wide "
+                               f"window); a configuration with a smaller tile, or another algorithm, takes it")
         tiles = module.side_tiles(problem, self.tile)
         if tiles > module.GRID_AXIS_LIMIT:
             return unsupported(f"launches {tiles} programs along a grid axis that holds {module.GRID_AXIS_LIMIT} "
@@ -72,11 +77,14 @@ class TritonDepthwiseBand(TritonAlgorithm):
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # Tensor-core products of the whole band: a window's BLOCK_J products for each output (or, for the data
-        # gradient, input) position and kernel row, where the convolution needs S. Not measured on a GPU yet: priced
-        # at a tenth of the tensor cores' peak on those products (the compiled loop issues about 400 instructions per
-        # 16 tensor-core instructions: at most a sixth of the peak), and three times the compulsory traffic, as the
-        # CUDA-core kernels are.
-        products = problem.flops / problem.kernel_size[-1] * self.module().window(problem, self.tile)
+        # gradient, each input: stride times more positions) position and kernel row, where the convolution needs S.
+        # Not measured on a GPU yet: priced at a tenth of the tensor cores' peak on those products (the compiled loop
+        # issues about 400 instructions per 16 tensor-core instructions: at most a sixth of the peak), and three
+        # times the compulsory traffic, as the CUDA-core kernels are.
+        positions = 1.0
+        if problem.direction == "bwd_data":
+            positions = math.prod(problem.input_size) / math.prod(problem.output_size)
+        products = problem.flops / problem.kernel_size[-1] * self.module().window(problem, self.tile) * positions
         return Cost(products, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
                     composed=False)
 

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import hardware
 from ..problem import ConvProblem
 from .recording import launch
 from .shared import as_4d, geometry, sizes, sum_partials
@@ -58,9 +59,31 @@ def window(problem: ConvProblem, tile: BandTile) -> int:
     power of two (16 at least, for ``tl.dot``)."""
     _, s, _, stride_w, _, _, _, dil_w = geometry(problem)
     span = (tile.columns - 1) * stride_w + (s - 1) * dil_w + 1  # forward and weight gradient: input columns
-    if problem.direction == "bwd_data":  # dy columns reaching tile.columns input columns
-        span = ((tile.columns - 1) + (s - 1) * dil_w) // stride_w + 2
+    if problem.direction == "bwd_data":  # dy columns reaching tile.columns input columns, from the floored first
+        reach = (tile.columns - 1) + (s - 1) * dil_w
+        span = reach // stride_w + 1 + (reach % stride_w != 0)
     return max(16, triton.next_power_of_2(span))
+
+
+def operand_bytes(problem: ConvProblem, tile: BandTile) -> int:
+    """The bytes of one turn's two ``tl.dot`` operands, which the compiled kernel stages in shared memory: the input
+    (or dy) window and the band, or (weight gradient) dy's tile and the input window."""
+    window_columns = window(problem, tile)
+    if problem.direction == "bwd_filter":
+        elements = tile.channels * tile.columns * tile.rows + tile.channels * tile.rows * window_columns
+    else:
+        elements = tile.channels * tile.rows * window_columns + tile.channels * window_columns * tile.columns
+    return elements * problem.torch_dtype.itemsize
+
+
+def stages(problem: ConvProblem, tile: BandTile, shared_bytes: int) -> int | None:
+    """Triton's ``num_stages`` for a launch whose blocks have ``shared_bytes`` of shared memory: the default (0:
+    Triton's own, which keeps two turns' operands in flight) where two turns' operands fit, 1 (none ahead) where
+    one turn's does, None where not even one fits (the configuration cannot run there)."""
+    need = operand_bytes(problem, tile)
+    if 2 * need <= shared_bytes:
+        return 0
+    return 1 if need <= shared_bytes else None
 
 
 def side_tiles(problem: ConvProblem, tile: BandTile) -> int:
@@ -202,6 +225,15 @@ def _tf32(problem: ConvProblem) -> bool:
     return problem.dtype != "float32" or problem.allow_tf32
 
 
+def _stages(problem: ConvProblem, tile: BandTile) -> dict[str, int]:
+    """The launch's ``num_stages`` where Triton's default would not fit this GPU's shared memory (``stages``)."""
+    chosen = stages(problem, tile, hardware.shared_memory_per_block())
+    if chosen is None:
+        raise ValueError(f"{tile} needs {operand_bytes(problem, tile)} bytes of shared memory for {problem.key}, "
+                         f"more than this GPU's {hardware.shared_memory_per_block()}: the algorithm refuses it")
+    return {"num_stages": chosen} if chosen else {}
+
+
 def _launch(kernel, problem: ConvProblem, tile: BandTile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             computed: tuple[int, int], read: tuple[int, int], channels: int) -> None:
     """Launch ``_forward`` or ``_backward_data``: programs over tiles of (rows × columns × ``channels``) of ``out``,
@@ -213,7 +245,7 @@ def _launch(kernel, problem: ConvProblem, tile: BandTile, a: torch.Tensor, w: to
     launch(kernel, grid, a4, w4, out4, rows, *computed, *read, channels, *a4.stride(), w4.stride(0), w4.stride(2),
            w4.stride(3), *out4.stride(), *steps, M=problem.k // problem.c, R=r, S=s, TF32=_tf32(problem),
            BLOCK_C=tile.channels, BLOCK_M=tile.rows, BLOCK_N=tile.columns, BLOCK_J=window(problem, tile),
-           num_warps=tile.warps)
+           num_warps=tile.warps, **_stages(problem, tile))
 
 
 def forward(problem: ConvProblem, tile: BandTile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
@@ -247,6 +279,6 @@ def backward_filter(problem: ConvProblem, tile: BandTile, x: torch.Tensor, dy: t
     launch(_backward_filter_partials, grid, x4, dy4, partials, rows, tile.chunk, p, q, h, wd, problem.k,
            *x4.stride(), *dy4.stride(), *steps, M=problem.k // problem.c, R=r, S=s,
            S_PAD=triton.next_power_of_2(s), TF32=_tf32(problem), BLOCK_C=tile.channels, BLOCK_M=tile.rows,
-           BLOCK_N=tile.columns, BLOCK_J=window(problem, tile), num_warps=tile.warps)
+           BLOCK_N=tile.columns, BLOCK_J=window(problem, tile), num_warps=tile.warps, **_stages(problem, tile))
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
     sum_partials(partials.view(partials.shape[0], -1), dw)
