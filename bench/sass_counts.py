@@ -97,7 +97,9 @@ def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arc
                               check=True).stdout
     return dict(kernel=kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid=list(grid),
                 warps=warps, registers=int(re.search(r"REG:(\d+)", usage).group(1)),
-                spilled_bytes=int(re.search(r"LOCAL:(\d+)", usage).group(1)), shared_bytes=compiled.metadata.shared,
+                # ptxas reports spilled registers in the stack frame (STACK), local arrays in LOCAL
+                spilled_bytes=sum(int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("STACK", "LOCAL")),
+                spill_instructions=len(re.findall(r"\b(?:STL|LDL)\b", sass)), shared_bytes=compiled.metadata.shared,
                 **instruction_counts(sass))
 
 
@@ -158,7 +160,8 @@ def markdown(env: dict, rows: dict) -> str:
                 programs *= g
             total = launch["instructions"] * programs * launch["warps"]
             lines.append([shape, row["algorithm"].removeprefix("triton:"), row["revision"], launch["kernel"],
-                          launch["registers"], launch["spilled_bytes"], launch["shared_bytes"],
+                          launch["registers"], f"{launch['spilled_bytes']} ({launch.get('spill_instructions', '-')})",
+                          launch["shared_bytes"],
                           launch["instructions"], launch["tensor_core"], launch["global_loads"],
                           launch["shared_stores"], launch["loops"],
                           f"{launch.get('inner_loop', '-')} / {launch.get('inner_loop_tensor_core', '-')}", programs,
@@ -166,7 +169,8 @@ def markdown(env: dict, rows: dict) -> str:
     return (f"# convtune's Triton kernels in machine code\n\n{common.env_line(env)}; compiled by Triton "
             f"{env.get('triton', '?')} for sm_{env['arch']} "
             "and counted with cuobjdump, nothing run (`bench/sass_counts.py`). Per launch: registers and spilled "
-            "bytes per thread, shared memory (bytes), static instruction counts (all, tensor-core products, global "
+            "bytes per thread (the stack frame, with the number of spill stores and loads), shared memory (bytes), "
+            "static instruction counts (all, tensor-core products, global "
             "loads, shared-memory stores, loops; the innermost loop's instructions and tensor-core products: one "
             "turn a warp), programs, and warp instructions (millions): static count × programs × warps, the "
             "instructions issued if each loop ran once and every branch ran both ways (an estimate; exact for "

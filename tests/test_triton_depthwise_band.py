@@ -98,8 +98,9 @@ def test_shared_memory_decides_the_pipeline_stages(monkeypatch):
     from convtune import hardware
     from convtune.kernels import banded
 
-    # float32 operands of a 128-column window in tiles of 8 channels: 196,608 bytes a turn (the compiled kernel's
-    # shared memory on sm_90, bench/results/sass_counts.md): one stage on the H200, the default where two fit.
+    # float32 operands of a 128-column window in tiles of 8 channels: 196,608 bytes a turn (what the kernel compiled
+    # for sm_90 with one stage takes, counted with bench/sass_counts.py): one stage on the H200, the default where
+    # two turns fit.
     p = ConvProblem("fwd", n=2, c=8, k=8, groups=8, input_size=(9, 200), kernel_size=(3, 97), padding=(1, 48),
                     dtype="float32", device="cuda")
     tile = get_algorithm("triton:depthwise_band_fwd_r32n16c8w4").tile

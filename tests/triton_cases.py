@@ -17,7 +17,7 @@ import torch
 
 from convtune import problem as problems
 from convtune import verify
-from convtune.algorithms.base import allocate_workspace
+from convtune.algorithms.base import _aligned, allocate_workspace
 from convtune.algorithms.registry import get_algorithm
 from convtune.algorithms.triton_family import interpreting
 from convtune.problem import DIRECTIONS, ConvProblem
@@ -71,7 +71,9 @@ def check_configurations(family: list[str], p: ConvProblem, configurations: int)
         run_checked(name, p)
 
 
-GUARD = 4096  # elements before and after each tensor of a checked run
+GUARD = 1 << 16  # elements before and after each tensor of a checked run: more than a tile's reach past an end
+OUTPUT_GUARD = 7.0  # a finite value no input holds: NaN read past an input and written past the output shows
+WORKSPACE_GUARD = 0xA5  # the byte the workspace and the padding after each of its buffers hold before a run
 
 
 def _guarded(t: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,20 +90,35 @@ def guarded(t: torch.Tensor) -> torch.Tensor:
 
 
 def _untouched(storage: torch.Tensor, fill: float) -> bool:
-    """Whether the guards on either side of a ``_guarded`` buffer still hold ``fill``."""
-    ends = torch.cat([storage[:GUARD], storage[-GUARD:]])
-    return bool(ends.isnan().all()) if math.isnan(fill) else bool((ends == fill).all())
+    """Whether the guards on either side of a ``_guarded`` buffer still hold ``fill`` (a finite value)."""
+    return bool((torch.cat([storage[:GUARD], storage[-GUARD:]]) == fill).all())
+
+
+def _padding(algorithm, p: ConvProblem) -> list[tuple[int, int]]:
+    """The byte ranges of the workspace between each declared buffer's end and the next one's start (``carve``'s
+    alignment): a write past a buffer's own end lands there first."""
+    ranges, offset = [], 0
+    for buffer in algorithm.buffers(p):
+        if buffer.nbytes:
+            ranges.append((offset + buffer.nbytes, offset + _aligned(buffer.nbytes)))
+            offset += _aligned(buffer.nbytes)
+    return ranges
 
 
 def run_checked(name: str, p: ConvProblem) -> None:
     """One run of ``name`` on fresh random operands (``guarded``), its output poisoned with NaN, against float64; the
-    output and the workspace lie between guards too, and a write past their ends fails the check."""
+    output and the workspace lie between guards too, and a write past their ends (or past a workspace buffer's own
+    end, into its alignment padding) fails the check."""
     algorithm = get_algorithm(name)
     a, b = (guarded(t) for t in p.random_inputs(seed=zlib.crc32(p.key.encode()) % 1000))
     ref = verify.reference(p, a, b)
-    out, out_storage = _guarded(p.empty(p.operand_shapes[2]), math.nan)
-    workspace, workspace_storage = _guarded(allocate_workspace(algorithm.buffer_bytes(p), p.device), 0xA5)
+    out, out_storage = _guarded(p.empty(p.operand_shapes[2]), OUTPUT_GUARD)
+    workspace, workspace_storage = _guarded(allocate_workspace(algorithm.buffer_bytes(p), p.device), WORKSPACE_GUARD)
+    workspace.fill_(WORKSPACE_GUARD)
     err, ok, message = verify.check(algorithm, p, (a, b), ref, out, workspace)
     assert ok, f"{name} on {p.key}: {message}"
-    assert _untouched(out_storage, math.nan), f"{name} on {p.key} wrote past its output's ends"
-    assert _untouched(workspace_storage, 0xA5), f"{name} on {p.key} wrote past its workspace's ends"
+    assert _untouched(out_storage, OUTPUT_GUARD), f"{name} on {p.key} wrote past its output's ends"
+    assert _untouched(workspace_storage, WORKSPACE_GUARD), f"{name} on {p.key} wrote past its workspace's ends"
+    for start, stop in _padding(algorithm, p):
+        assert bool((workspace[start:stop] == WORKSPACE_GUARD).all()), (
+            f"{name} on {p.key} wrote past a workspace buffer's end (bytes {start}-{stop} of its padding)")

@@ -179,7 +179,9 @@ H200_SHARED_MEMORY_PER_BLOCK = 232_448  # bytes a block may opt in to on the H10
 @functools.cache
 def shared_memory_per_block() -> int:
     """The shared memory (bytes) a kernel's block may use on this machine's current GPU (opting in beyond the
-    default 48 KiB, as Triton does); where no GPU is visible, or PyTorch does not report it, the H200's."""
+    default 48 KiB, as Triton does); where no GPU is visible, or PyTorch does not report it, the H200's. Read once
+    per process, from the device current then: on a machine whose GPUs differ, a kernel sized for the first may fail
+    to launch on a smaller one (an error find reports, never a wrong result)."""
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         optin = getattr(props, "shared_memory_per_block_optin", None)

@@ -27,8 +27,8 @@ from .triton_family import TritonAlgorithm, register_family
 
 # (output rows, output columns, channels, warps[, output rows per partial sum]) per program. A tile of channels
 # reads channels_last's rows in vectors (8 channels of float16: 16 bytes), a single channel channels_first's. None
-# is timed on a GPU yet; compiled for the H200 (sm_90), the two tiles of channels issue about 0.056 warp
-# instructions per useful multiply-add of a 7x7 forward in channels_last, 1.8x what one fused multiply-add per
+# is timed on a GPU yet; compiled for the H200 (sm_90), r32n16c8w4 issues about 0.056 warp instructions per useful
+# multiply-add of a 7x7 forward in channels_last (r64n16c4w4 0.053), 1.7-1.8x what one fused multiply-add per
 # product on the CUDA cores would (docs/algorithms.md). Each is a candidate: find's verified measurement picks.
 TILES = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4))
 # The weight gradient's runs: 256 output rows per partial sum, and 64 for the first tile, for layers with few rows.
