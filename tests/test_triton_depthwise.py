@@ -20,6 +20,7 @@ from triton_cases import (
     DIRECTIONS,
     check_configurations,
     check_supporting,
+    depthwise_problem,
     every_case,
     kernel_tests,
     kernels,
@@ -45,11 +46,6 @@ SHAPES = DEPTHWISE_SHAPES
 KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # float16 is not run in the interpreter
 
 
-def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
-    spec = SHAPES[shape]
-    return ConvProblem(direction, dtype=dtype, layout=layout, device=DEVICE, groups=spec["c"], **spec)
-
-
 @kernels
 @every_case(SHAPES)
 def test_matches_reference(shape, direction, dtype, layout):
@@ -57,7 +53,7 @@ def test_matches_reference(shape, direction, dtype, layout):
         # float16 and bfloat16 take the same code (loads widened to float32, one rounding at the store): the
         # interpreter, a third of CI's time, runs bfloat16's; the GPU runs both.
         pytest.skip("float16 runs the same kernels as bfloat16: checked on the GPU")
-    p = problem(shape, direction, dtype, layout)
+    p = depthwise_problem(shape, direction, dtype, layout)
     check_configurations(FAMILY, p, configurations(p))
 
 

@@ -20,6 +20,7 @@ from triton_cases import (
     DIRECTIONS,
     check_configurations,
     check_supporting,
+    depthwise_problem,
     every_case,
     kernel_tests,
     kernels,
@@ -37,11 +38,6 @@ SHAPES = DEPTHWISE_SHAPES
 KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2 + 1 + 3
 
 
-def problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
-    spec = SHAPES[shape]
-    return ConvProblem(direction, dtype=dtype, layout=layout, device=DEVICE, groups=spec["c"], **spec)
-
-
 def checked(direction: str) -> list[str]:
     """The configurations of ``direction`` a case runs here: ``SAMPLED`` in the interpreter, every one on a GPU."""
     names = [n for n in FAMILY if get_algorithm(n).directions == (direction,)]
@@ -57,7 +53,8 @@ def test_matches_reference(shape, direction, dtype, layout):
         # the same code there; the GPU runs both.
         pytest.skip("Triton's interpreter computes bfloat16 tl.dot wrongly")
     names = checked(direction)
-    check_configurations(names, problem(shape, direction, dtype, layout), len(names))  # each of them supports it
+    # each of them supports it
+    check_configurations(names, depthwise_problem(shape, direction, dtype, layout), len(names))
 
 
 @kernels

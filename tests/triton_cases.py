@@ -44,6 +44,12 @@ DEPTHWISE_SHAPES = {
 }
 
 
+def depthwise_problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
+    """``DEPTHWISE_SHAPES[shape]`` as a depthwise problem of ``direction``, ``dtype`` and ``layout`` here."""
+    spec = DEPTHWISE_SHAPES[shape]
+    return ConvProblem(direction, dtype=dtype, layout=layout, device=DEVICE, groups=spec["c"], **spec)
+
+
 def every_case(shapes: dict) -> pytest.MarkDecorator:
     """Every (shape, direction, dtype, layout) of ``shapes`` as the test's parameters."""
     return pytest.mark.parametrize("shape,direction,dtype,layout",

@@ -21,7 +21,7 @@ from typing import Any
 from ..costmodel import Cost
 from ..problem import ConvProblem
 from .base import SUPPORTED, Buffer, NumericNotes, Support, unsupported
-from .triton_family import TritonAlgorithm, register_family
+from .triton_family import TritonAlgorithm, depthwise_only, register_family
 
 # Tile configurations per direction: (positions, channels, warps[, chunk[, form[, patch]]]). Wide channel tiles
 # read channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous. One
@@ -68,8 +68,9 @@ class TritonDepthwise(TritonAlgorithm):
                                   as_tile=self.as_tile)
 
     def _family_supports(self, problem: ConvProblem) -> Support:
-        if problem.groups != problem.c:
-            return unsupported(f"needs a depthwise problem (groups == c == {problem.c}), got groups={problem.groups}")
+        depthwise = depthwise_only(problem)
+        if not depthwise:
+            return depthwise
         taps = problem.kernel_size[-1]
         if self.directions == ("bwd_filter",) and 1 << (taps - 1).bit_length() > self.tile_args[0]:
             return unsupported(f"takes kernel rows of up to {self.tile_args[0]} taps (a power of two at least as "

@@ -23,7 +23,7 @@ from .. import hardware
 from ..costmodel import Cost
 from ..problem import ConvProblem
 from .base import SUPPORTED, NumericNotes, Support, unsupported
-from .triton_family import TritonAlgorithm, register_family
+from .triton_family import TritonAlgorithm, depthwise_only, register_family, tensor_core_notes
 
 # (output rows, output columns, channels, warps[, output rows per partial sum]) per program. A tile of channels
 # reads channels_last's rows in vectors (8 channels of float16: 16 bytes), a single channel channels_first's. None
@@ -33,6 +33,7 @@ from .triton_family import TritonAlgorithm, register_family
 TILES = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4))
 # The weight gradient's runs: 256 output rows per partial sum, and 64 for the first tile, for layers with few rows.
 BACKWARD_FILTER_TILES = (*((*tile, 256) for tile in TILES), (*TILES[0], 64))
+
 
 class TritonDepthwiseBand(TritonAlgorithm):
     """One direction of the banded depthwise kernels with one tile configuration."""
@@ -46,8 +47,9 @@ class TritonDepthwiseBand(TritonAlgorithm):
                         f"r{rows}n{columns}c{channels}w{warps}" + (f"s{chunk}" if chunk else ""))
 
     def _family_supports(self, problem: ConvProblem) -> Support:
-        if problem.groups != problem.c:
-            return unsupported(f"needs a depthwise problem (groups == c == {problem.c}), got groups={problem.groups}")
+        depthwise = depthwise_only(problem)
+        if not depthwise:
+            return depthwise
         module = self.module()
         needed = module.window(problem, self.tile)
         if needed > module.MAX_WINDOW:
@@ -71,9 +73,7 @@ class TritonDepthwiseBand(TritonAlgorithm):
         return (self.module().partial_sums(problem, self.tile), problem.k, math.prod(problem.kernel_size))
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
-        half = problem.dtype != "float32"
-        tf32 = not half and problem.allow_tf32
-        return NumericNotes(tensor_cores=half or tf32, tf32=tf32, float32_inside=half)
+        return tensor_core_notes(problem)
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # Tensor-core products of the whole band: a window's BLOCK_J products for each output (or, for the data

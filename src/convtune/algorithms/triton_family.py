@@ -26,6 +26,7 @@ from .base import (
     Buffer,
     NativeRecipe,
     NoNativeRecipe,
+    NumericNotes,
     Support,
     allocate_workspace,
     buffers_bytes,
@@ -149,6 +150,21 @@ class TritonAlgorithm(Algorithm):
             module.backward_data(problem, self.tile, a, b, out, **ws)
         else:
             module.backward_filter(problem, self.tile, a, b, out, ws["partials"])
+
+
+def tensor_core_notes(problem: ConvProblem) -> NumericNotes:
+    """The numeric notes of a family that multiplies on the tensor cores: half operands summed in float32, float32
+    ones rounded to TF32 exactly where the problem allows it."""
+    half = problem.dtype != "float32"
+    tf32 = not half and problem.allow_tf32
+    return NumericNotes(tensor_cores=half or tf32, tf32=tf32, float32_inside=half)
+
+
+def depthwise_only(problem: ConvProblem) -> Support:
+    """What the depthwise families refuse first: a problem that is not depthwise (groups == c)."""
+    if problem.groups != problem.c:
+        return unsupported(f"needs a depthwise problem (groups == c == {problem.c}), got groups={problem.groups}")
+    return SUPPORTED
 
 
 def register_family(family: type[TritonAlgorithm], tiles: dict[str, tuple[tuple[Any, ...], ...]]) -> None:

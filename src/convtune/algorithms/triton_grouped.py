@@ -21,7 +21,7 @@ import math
 from ..costmodel import Cost, gemm_dims, shape_factor
 from ..problem import ConvProblem
 from .base import SUPPORTED, NumericNotes, Support, unsupported
-from .triton_family import TritonAlgorithm, register_family
+from .triton_family import TritonAlgorithm, register_family, tensor_core_notes
 
 MAX_GROUP_CHANNELS = 64
 # (positions, channels, warps[, positions per partial sum]); the channel tile is capped at the group's width.
@@ -50,9 +50,7 @@ class TritonGrouped(TritonAlgorithm):
         return (-(-positions // self.tile_args[3]), math.prod(problem.w_shape))
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
-        half = problem.dtype != "float32"
-        tf32 = not half and problem.allow_tf32
-        return NumericNotes(tensor_cores=half or tf32, tf32=tf32, float32_inside=half)
+        return tensor_core_notes(problem)
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # Tensor-core products of one group's width at a time, each tap's input gathered from cache; a group

@@ -36,7 +36,7 @@ import triton.language as tl
 from .. import hardware
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, geometry, sizes, sum_partials
+from .shared import as_4d, geometry, sizes, sum_partials, tf32
 
 MAX_WINDOW = 128  # the widest input window (BLOCK_J) a configuration reads per row: its band is (BLOCK_J × BLOCK_N)
 GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
@@ -95,6 +95,14 @@ def side_tiles(problem: ConvProblem, tile: BandTile) -> int:
 
 
 @triton.jit
+def _tap(offset, dil, S: tl.constexpr):
+    """The tap whose offset along the row is ``offset`` (s·dilation), and where there is one: whole, 0 <= s < S (a
+    negative offset, never a tap, is masked whatever its division gives)."""
+    s = offset // dil
+    return s, (offset >= 0) & (s * dil == offset) & (s < S)
+
+
+@triton.jit
 def _rows(first, count, P, BLOCK_M: tl.constexpr):
     """BLOCK_M rows from ``first`` of the (N·P) rows of a result: their sample, row, and which exist."""
     row = first + tl.arange(0, BLOCK_M)
@@ -116,9 +124,9 @@ def _forward(x, w, y, rows, P, Q, H, W, K,
     j = tl.arange(0, BLOCK_J)
     wi = q0 * stride_w - pad_w + j  # the input window
     col_ok = (wi >= 0) & (wi < W)
-    offset = j[:, None] - i[None, :] * stride_w  # (BLOCK_J, BLOCK_N): s·dilation where the band holds tap s
-    s = offset // dil_w
-    band_ok = k_ok[:, None, None] & ((offset >= 0) & (s * dil_w == offset) & (s < S))[None, :, :]
+    # (BLOCK_J, BLOCK_N): input column j reaches output column i through tap s where j = i·stride + s·dilation
+    s, on_band = _tap(j[:, None] - i[None, :] * stride_w, dil_w, S)
+    band_ok = k_ok[:, None, None] & on_band[None, :, :]
     taps = w + k[:, None, None] * swk + (s * sws)[None, :, :]
     inputs = x + ((k // M) * sxc)[:, None, None] + (wi * sxw)[None, None, :]
     acc = tl.zeros((BLOCK_C, BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -153,9 +161,7 @@ def _backward_data(dy, w, dx, rows, H, W, P, Q, C,
     q0 = tl.where(first >= 0, first // stride_w, -((stride_w - 1 - first) // stride_w))
     q = q0 + j
     col_ok = (q >= 0) & (q < Q)
-    offset = (w0 + pad_w - q0 * stride_w) + i[None, :] - j[:, None] * stride_w  # (BLOCK_J, BLOCK_N)
-    s = offset // dil_w
-    band = (offset >= 0) & (s * dil_w == offset) & (s < S)
+    s, band = _tap((w0 + pad_w - q0 * stride_w) + i[None, :] - j[:, None] * stride_w, dil_w, S)  # (BLOCK_J, BLOCK_N)
     acc = tl.zeros((BLOCK_C, BLOCK_M, BLOCK_N), dtype=tl.float32)
     for m in range(M):
         k = c * M + m
@@ -220,11 +226,6 @@ def _backward_filter_partials(x, dy, partials, rows, chunk, P, Q, H, W, K,
 
 
 # -- launches ---------------------------------------------------------------------------------
-def _tf32(problem: ConvProblem) -> bool:
-    """Whether the products may round float32 to TF32 (the half dtypes are not affected by the switch)."""
-    return problem.dtype != "float32" or problem.allow_tf32
-
-
 def _stages(problem: ConvProblem, tile: BandTile) -> dict[str, int]:
     """The launch's ``num_stages`` where Triton's default would not fit this GPU's shared memory (``stages``)."""
     chosen = stages(problem, tile, hardware.shared_memory_per_block())
@@ -243,7 +244,7 @@ def _launch(kernel, problem: ConvProblem, tile: BandTile, a: torch.Tensor, w: to
     rows = problem.n * computed[0]
     grid = (triton.cdiv(rows, tile.rows), triton.cdiv(computed[1], tile.columns), triton.cdiv(channels, tile.channels))
     launch(kernel, grid, a4, w4, out4, rows, *computed, *read, channels, *a4.stride(), w4.stride(0), w4.stride(2),
-           w4.stride(3), *out4.stride(), *steps, M=problem.k // problem.c, R=r, S=s, TF32=_tf32(problem),
+           w4.stride(3), *out4.stride(), *steps, M=problem.k // problem.c, R=r, S=s, TF32=tf32(problem),
            BLOCK_C=tile.channels, BLOCK_M=tile.rows, BLOCK_N=tile.columns, BLOCK_J=window(problem, tile),
            num_warps=tile.warps, **_stages(problem, tile))
 
@@ -278,7 +279,7 @@ def backward_filter(problem: ConvProblem, tile: BandTile, x: torch.Tensor, dy: t
     grid = (triton.cdiv(rows, tile.chunk), triton.cdiv(q, tile.columns), triton.cdiv(problem.k, tile.channels))
     launch(_backward_filter_partials, grid, x4, dy4, partials, rows, tile.chunk, p, q, h, wd, problem.k,
            *x4.stride(), *dy4.stride(), *steps, M=problem.k // problem.c, R=r, S=s,
-           S_PAD=triton.next_power_of_2(s), TF32=_tf32(problem), BLOCK_C=tile.channels, BLOCK_M=tile.rows,
+           S_PAD=triton.next_power_of_2(s), TF32=tf32(problem), BLOCK_C=tile.channels, BLOCK_M=tile.rows,
            BLOCK_N=tile.columns, BLOCK_J=window(problem, tile), num_warps=tile.warps, **_stages(problem, tile))
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
     sum_partials(partials.view(partials.shape[0], -1), dw)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials
+from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials, tf32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +165,6 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, C, K, s
 
 
 # -- launches ---------------------------------------------------------------------------------
-def _tf32(problem: ConvProblem) -> bool:
-    """Whether the products may round float32 to TF32 (the half dtypes are not affected by the switch)."""
-    return problem.dtype != "float32" or problem.allow_tf32
-
-
 def _packing(problem: ConvProblem, block: int, width: int) -> tuple[int, int]:
     """(groups a tile of ``block`` channels holds, programs along the second grid axis) over groups of ``width``
     (``_packed_tile``)."""
@@ -191,7 +186,7 @@ def _direct(kernel, problem: ConvProblem, tile: GemmTile, a: torch.Tensor, w: to
     cg, kg = problem.c // problem.groups, problem.k // problem.groups
     launch(kernel, grid, a4, w4, out4, total, *computed, *read, summed * problem.groups, channels * problem.groups,
            *a4.stride(), *w4.stride(), *out4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups,
-           R=r, S=s, TF32=_tf32(problem), BLOCK_M=tile.positions, BLOCK_N=block,
+           R=r, S=s, TF32=tf32(problem), BLOCK_M=tile.positions, BLOCK_N=block,
            BLOCK_C=_lanes(groups * summed), num_warps=tile.warps)
 
 
@@ -223,6 +218,6 @@ def backward_filter(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, dy: t
     groups, tiles = _packing(problem, block, kg)
     launch(_backward_filter_partials, (parts, tiles, r * s),
            x4, dy4, partials, total, tile.chunk, p, q, h, wd, problem.c, problem.k, size, *x4.stride(), *dy4.stride(),
-           *dw4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups, R=r, S=s, TF32=_tf32(problem), BLOCK_P=tile.positions,
+           *dw4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups, R=r, S=s, TF32=tf32(problem), BLOCK_P=tile.positions,
            BLOCK_J=block, BLOCK_C=_lanes(groups * cg), num_warps=tile.warps)
     sum_partials(partials, dw)

@@ -32,6 +32,11 @@ def sizes(problem: ConvProblem) -> tuple[int, int, int, int]:
     return 1, problem.input_size[0], 1, problem.output_size[0]
 
 
+def tf32(problem: ConvProblem) -> bool:
+    """Whether tensor-core products may round float32 operands to TF32 (the half dtypes are not affected)."""
+    return problem.dtype != "float32" or problem.allow_tf32
+
+
 @triton.jit
 def positions(total, rows, cols, BLOCK_POS: tl.constexpr):
     """This program's positions (n, row, col) of an (N, rows, cols) grid, and which exist."""
