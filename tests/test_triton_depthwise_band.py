@@ -114,6 +114,22 @@ def test_shared_memory_decides_the_pipeline_stages(monkeypatch):
 
 
 @needs_triton
+def test_a_result_narrower_than_a_tile_reads_a_narrower_window():
+    from convtune.kernels import banded
+
+    # 5x5 on 7x7 (the last stage of many networks): 7 output columns read 11 input columns, a window of 16 where a
+    # whole tile of 16 columns would read 20 (32); the data gradient's 7 input columns take 11 dy columns. Rows of 28
+    # fill the tile, and read the whole tile's window. (The checked runs of this file's small shapes, all narrower
+    # than a tile, show the narrower window's results.)
+    p = ConvProblem("fwd", n=2, c=8, k=8, groups=8, input_size=(7, 7), kernel_size=5, padding=2, dtype="float16",
+                    device="cuda")
+    tile = get_algorithm("triton:depthwise_band_fwd_r32n16c8w4").tile
+    for direction in DIRECTIONS:
+        assert banded.window(p.with_direction(direction), tile) == 16
+        assert banded.window(p.replace(direction=direction, input_size=(28, 28)), tile) == 32
+
+
+@needs_triton
 def test_the_family_declares_what_it_supports():
     p = ConvProblem("fwd", n=2, c=8, k=16, input_size=(9, 9), kernel_size=5, padding=2, groups=8, device="cuda")
     algorithm = get_algorithm("triton:depthwise_band_fwd_r64n32c1w4")

@@ -55,12 +55,16 @@ class BandTile:
 
 
 def window(problem: ConvProblem, tile: BandTile) -> int:
-    """BLOCK_J: the columns of the operand a program reads per row for ``tile.columns`` columns of its result, a
-    power of two (16 at least, for ``tl.dot``)."""
+    """BLOCK_J: the columns of the operand a program reads per row for ``tile.columns`` columns of its result (or
+    all of them, where the result is narrower than a tile: its other columns are never stored, and the band's
+    entries past the window, which only they would use, are left out), a power of two (16 at least, for
+    ``tl.dot``)."""
+    _, wd, _, q = sizes(problem)
     _, s, _, stride_w, _, _, _, dil_w = geometry(problem)
-    span = (tile.columns - 1) * stride_w + (s - 1) * dil_w + 1  # forward and weight gradient: input columns
-    if problem.direction == "bwd_data":  # dy columns reaching tile.columns input columns, from the floored first
-        reach = (tile.columns - 1) + (s - 1) * dil_w
+    columns = min(tile.columns, wd if problem.direction == "bwd_data" else q)
+    span = (columns - 1) * stride_w + (s - 1) * dil_w + 1  # forward and weight gradient: input columns
+    if problem.direction == "bwd_data":  # dy columns reaching those input columns, from the floored first
+        reach = (columns - 1) + (s - 1) * dil_w
         span = reach // stride_w + 1 + (reach % stride_w != 0)
     return max(16, triton.next_power_of_2(span))
 
