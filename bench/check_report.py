@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 from common import RESULTS, revision
-
 from convtune.cli import main as convtune
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -60,7 +60,8 @@ def end_to_end() -> str:
             "`cudnn.benchmark=True` in the same style divided by convtune, inference / training step (above 1: "
             "convtune is faster), with the revisions of the two rows; where the host sets the pace (eager and "
             "compiled inference at these sizes) the processes of one configuration have differed by up to 1.7x "
-            "([`performance.md`](performance.md)).\n\n" + common.md_table(["network", "CUDA graph", "eager", "torch.compile"], rows))
+            "([`performance.md`](performance.md)).\n\n"
+            + common.md_table(["network", "CUDA graph", "eager", "torch.compile"], rows))
 
 
 def readme_table() -> str:
@@ -88,8 +89,9 @@ def readme_table() -> str:
         warm = [r["tune_s"] for r in tuned if r.get("db") == "warm" and r.get("tune_s") is not None]
         bench = configs.get(f"{group}:eager:torch_bm1") or {}
         first = (bench.get("inference_first_s") or 0) + (bench.get("training_first_s") or 0)
-        tuning = " / ".join([f"{statistics.median(cold):.1f} s" if cold else "-",
-                             f"{statistics.median(warm):.2f} s" if warm else "-"]) + (f" ({first:.1f} s)" if bench else "")
+        tuning = (" / ".join([f"{statistics.median(cold):.1f} s" if cold else "-",
+                              f"{statistics.median(warm):.2f} s" if warm else "-"])
+                  + (f" ({first:.1f} s)" if bench else ""))
         rows.append([title, *cells, f"[{tuning}]({link})"])
     return common.md_table(["network", "CUDA graph", "eager", "torch.compile",
                             "tuning: empty database / warm (benchmark mode's first calls)"], rows)
@@ -231,7 +233,8 @@ def render() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md or README's table is out of date")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when docs/benchmarks.md or README's table is out of date")
     args = parser.parse_args()
     outputs = {DOC: render(), README: readme()}
     if args.check:

@@ -1,7 +1,7 @@
 """End-to-end benchmark: whole networks with convtune.optimize against plain PyTorch.
 
-For each network (torchvision ResNet-50, MobileNetV2, ResNeXt-50 32x4d and ConvNeXt-T, weights=None), batch, autocast dtype
-(channels_last model and inputs) and execution style (eager; eager captured in a CUDA graph;
+For each network (torchvision ResNet-50, MobileNetV2, ResNeXt-50 32x4d and ConvNeXt-T, weights=None), batch,
+autocast dtype (channels_last model and inputs) and execution style (eager; eager captured in a CUDA graph;
 torch.compile, default mode), three ways of running the convolutions, EACH IN ITS OWN PROCESS
 (PyTorch's cudnn.benchmark cache is per process):
 - convtune: ``convtune.optimize(model, x, training=True)`` under autocast, on a tuning database that
@@ -55,7 +55,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 import convtune  # noqa: E402
 from convtune.problem import ConvProblem  # noqa: E402
 from convtune.pytorch import ops  # noqa: E402
@@ -80,7 +79,7 @@ ANCHORS = """Anchors (BENCHMARKING.md, "Measured anchors, whole networks": H200,
 
 benchmark=True's first step: ResNet-50 b128 training 13.1 s, MobileNetV2 b128 training 18.8 s.
 bfloat16 ResNet-50 b128 training step, benchmark=True: 30.5 ms.
-"""
+"""  # noqa: E501
 
 
 class TinyNet(torch.nn.Module):
@@ -515,8 +514,8 @@ def markdown(env: dict, rows: dict) -> str:
     out += (f"convtune's rows ran the library's src/ tree {sources[0]} (`git rev-parse --short <commit>:src`: every "
             "commit that leaves src/ as it is runs the same library).\n\n" if len(sources) == 1 else
             f"convtune's rows ran {len(sources)} versions of the library's src/ tree (last column: "
-            "`git rev-parse --short <commit>:src`); `--missing` measures again the groups of those not of the current one, "
-            "PyTorch's rows with them.\n\n")
+            "`git rev-parse --short <commit>:src`); `--missing` measures again the groups of those not of the current "
+            "one, PyTorch's rows with them.\n\n")
     out += ("Tuning (s): convtune's `optimize(training=True)` on an empty database (cold: the first process of the "
             "network, batch and dtype, whichever its style) and, in a fresh process, on the database it filled "
             "(warm: the median of those processes); bm1 first: benchmark mode's first inference call plus its "

@@ -29,7 +29,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 import convtune as ct  # noqa: E402
 from convtune import hardware, zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
@@ -132,7 +131,7 @@ def torch_layers(cfg: dict, benchmark_mode: bool) -> list[dict]:
         native_conv(p, a, b)
         torch.cuda.synchronize()
         first_s = time.perf_counter() - t0
-        t = benchmark(lambda: native_conv(p, a, b), device="cuda")
+        t = benchmark(lambda p=p, a=a, b=b: native_conv(p, a, b), device="cuda")
         rows.append(dict(layer=layer.name, ms=t.median_ms, first_call_s=first_s))
     return rows
 
@@ -160,7 +159,8 @@ def summarize(cfg_text: str, rows: list[dict]) -> dict:
                                                         "torch_bench0_ms", "torch_bench1_ms")},
         "summed_ms": {k: total(k) for k in ("floor_ms", "get_pick_ms", "find_pick_ms", "heurA_ms", "heurB_ms",
                                             "exhaustive_best_ms", "torch_bench0_ms", "torch_bench1_ms")},
-        "tuning_s": {"find": sum(r["find_wall_s"] for r in rows), "exhaustive": sum(r["exhaustive_wall_s"] for r in rows),
+        "tuning_s": {"find": sum(r["find_wall_s"] for r in rows),
+                     "exhaustive": sum(r["exhaustive_wall_s"] for r in rows),
                      "torch_benchmark_first_calls": sum(r.get("torch_bench1_first_s", 0) for r in rows)},
         "get_ms_max": max(r["get_ms"] for r in rows),
     }
@@ -168,15 +168,15 @@ def summarize(cfg_text: str, rows: list[dict]) -> dict:
 
 def markdown(env: dict, summaries: list[dict]) -> str:
     head = (f"# Layer benchmark\n\n{common.env_line(env)}. Times: CUDA-graph replay, L2 flushed, median.\n"
-            "Ratios: geometric mean over layers of time / exhaustive cuDNN best (1.00 = the best cuDNN execution plan). "
-            "Sums weight each layer by how often the network runs it.\n\n")
+            "Ratios: geometric mean over layers of time / exhaustive cuDNN best (1.00 = the best cuDNN execution "
+            "plan). Sums weight each layer by how often the network runs it.\n\n")
     rows = []
     for s in summaries:
         g, t, w = s["geomean_vs_exhaustive"], s["summed_ms"], s["tuning_s"]
-        rows.append([s["config"], s["layers"], f"{g['get_pick_ms']:.3f}", f"{g['find_pick_ms']:.3f}", f"{g['heurA_ms']:.3f}",
-                     f"{g['heurB_ms']:.3f}", f"{g['torch_bench0_ms']:.3f}", f"{g['torch_bench1_ms']:.3f}",
-                     f"{t['find_pick_ms']:.3f}", f"{t['exhaustive_best_ms']:.3f}", f"{t['floor_ms']:.3f}",
-                     f"{w['find']:.1f}", f"{w['exhaustive']:.1f}"])
+        rows.append([s["config"], s["layers"], f"{g['get_pick_ms']:.3f}", f"{g['find_pick_ms']:.3f}",
+                     f"{g['heurA_ms']:.3f}", f"{g['heurB_ms']:.3f}", f"{g['torch_bench0_ms']:.3f}",
+                     f"{g['torch_bench1_ms']:.3f}", f"{t['find_pick_ms']:.3f}", f"{t['exhaustive_best_ms']:.3f}",
+                     f"{t['floor_ms']:.3f}", f"{w['find']:.1f}", f"{w['exhaustive']:.1f}"])
     return head + common.md_table(
         ["config", "layers", "get", "find", "heur A", "heur B", "torch bm=0", "torch bm=1", "find sum ms",
          "exhaustive sum ms", "floor sum ms", "find s", "exhaustive s"], rows)

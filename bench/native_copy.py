@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 from convtune import zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.algorithms.registry import get_algorithm  # noqa: E402

@@ -25,7 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 import convtune as ct  # noqa: E402
 from convtune.plan import InfeasibleBudgetError, pareto_front  # noqa: E402
 from convtune.units import format_bytes, parse_bytes  # noqa: E402
@@ -94,8 +93,8 @@ def main() -> None:
         [[r["budget"], ms(r["shared_ms"]), ms(r["divided_ms"]), ms(r["even_cap_ms"]),
           format_bytes(r["divided_workspace_bytes"]),
           "-" if not math.isfinite(r["divided_ms"]) else f"{r['divided_ms'] / unconstrained:.3f}x"] for r in rows])
-    text = (f"# Network workspace budgets\n\n{common.env_line(env)}. {config}: {len(layers)} layers, {len(problems)} runs; unconstrained "
-            f"{unconstrained:.3f} ms (sum of measured layer times).\n\n" + table)
+    text = (f"# Network workspace budgets\n\n{common.env_line(env)}. {config}: {len(layers)} layers, "
+            f"{len(problems)} runs; unconstrained {unconstrained:.3f} ms (sum of measured layer times).\n\n" + table)
     common.write(args.name, payload, text, args.out)
     print(text)
 

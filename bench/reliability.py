@@ -162,8 +162,9 @@ def markdown(payload: dict) -> str:
     rows = [[name, *(payload["by_adversary"][name].get(k, 0) for k in KINDS),
              "; ".join(sorted(set(payload["how"][name])))] for name in payload["by_adversary"]]
     totals = payload["totals"]
-    return (f"# Reliability: misbehaving candidates offered to find, and inputs\n\n{common.env_line(payload['environment'])}. "
-            f"{payload['elapsed_s']:.0f} s. Each adversary beside a correct, slower candidate (`bench/reliability.py`); "
+    return (f"# Reliability: misbehaving candidates offered to find, and inputs\n\n"
+            f"{common.env_line(payload['environment'])}. {payload['elapsed_s']:.0f} s. Each adversary beside a "
+            f"correct, slower candidate (`bench/reliability.py`); "
             f"clean: find ran it, went on and selects the correct one; unclean: it selected the adversary or kept "
             f"it as ok; crash: find raised; untested: find did not run it.\n\n"
             f"Totals: {totals['tried']} tried, {totals['clean']} clean, {totals['unclean']} unclean, "
@@ -207,7 +208,8 @@ def _database_markdown(payload: dict) -> str:
     rows = [[kind, t["damages"], t["lost"]] for kind, t in db["lost_by_kind"].items()]
     return ("\n\n## The tuning database damaged\n\n`tests/damage.py`'s corruption suite: copies of a file of "
             f"{db['problems']} stored finds, each damaged once, opened, every problem looked up and a new find "
-            "stored (clean: nothing raised, nothing served that was not stored for that problem, the new find served).\n\n"
+            "stored (clean: nothing raised, nothing served that was not stored for that problem, the new find "
+            "served).\n\n"
             f"Totals: {c['tried']} tried, {c['clean']} clean, {c['unclean']} unclean, {c['crashes']} crashes, "
             f"{c['lost']} of {c['tried'] * db['problems']} lookups lost (measured again, never served wrong)"
             + (f"; of the {c['intact_rows']} rows on pages the damage left as they were (summed over the copies), "

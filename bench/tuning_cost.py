@@ -31,8 +31,8 @@ writes bench/results/tuning_cost.json and .md.
 from __future__ import annotations
 
 import argparse
-import copy
 import concurrent.futures
+import copy
 import cProfile
 import json
 import os
@@ -48,7 +48,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 import convtune as ct  # noqa: E402
 from convtune import extension, zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
@@ -104,8 +103,8 @@ def tuning_rows(problems, threads: int) -> list[dict]:
             graph_s = time.perf_counter() - t0
             build_s, each = build_times(graph, pool) if graph else (0.0, {})
             built = {n: s for n, s in each.items() if s != float("inf")}
-            reference_s = _seconds(lambda: reference_case(p, None))
-            find_s = _seconds(lambda: ct.find(p, db=db))  # plans built: verification, reference and timing
+            reference_s = _seconds(lambda p=p: reference_case(p, None))
+            find_s = _seconds(lambda p=p: ct.find(p, db=db))  # plans built: verification, reference and timing
             results = db.results(p)
             slowest = sorted(built.items(), key=lambda kv: -kv[1])[:3]
             rows.append(dict(problem=p.key, graph_s=graph_s, plans=len(each), built=len(built), build_threads=pool,
@@ -236,11 +235,11 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     cudnn_names = [a.name for a in ct.algorithms(p) if a.name.startswith("cudnn:")]
     with settings.override(native=False):  # the Python path's ops run the Python algorithms (ops.runner)
         for name in ["gemm:1x1", "torch:native"] + cudnn_names[:1]:
-            rows += [(f"ops.compute {name}", _per_call_us(lambda: ops.compute(x, w, p.key, name))),
+            rows += [(f"ops.compute {name}", _per_call_us(lambda name=name: ops.compute(x, w, p.key, name))),
                      (f"torch.ops.convtune.run {name}",
-                      _per_call_us(lambda: torch.ops.convtune.run(x, w, p.key, name))),
+                      _per_call_us(lambda name=name: torch.ops.convtune.run(x, w, p.key, name))),
                      (f"torch.ops.convtune.conv {name}, x needs grad",
-                      _per_call_us(lambda: torch.ops.convtune.conv(xg, w, p.key, name, "", "")))]
+                      _per_call_us(lambda name=name: torch.ops.convtune.conv(xg, w, p.key, name, "", "")))]
     if cudnn_names:
         rows += cudnn_launch_rows(p, x, w, cudnn_names[0])
     conv = torch.nn.Conv2d(8, 8, 1, bias=False).to(device, p.torch_dtype).to(memory_format=torch.channels_last)
@@ -297,7 +296,8 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
             names[d] = next((a.name for a in ct.algorithms(q) if (r := a.native_recipe(q)) and r.kind == kind), "")
         if not all(names.values()):
             continue
-        layer = Conv2d(8, 8, 1, bias=False, mode="get").to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
+        layer = (Conv2d(8, 8, 1, bias=False, mode="get").to(p.device, p.torch_dtype)
+                 .to(memory_format=torch.channels_last))
         layer.weight.data.copy_(conv.weight.data)
         plan = LayerSelection(p.key, **names)
         layer._convtune_select(sig, plan)
@@ -428,7 +428,8 @@ def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
              _per_call_us(lambda: depthwise._forward[grid](*launch_args, **launch))),
             ("Triton: convtune.kernels.depthwise.forward", _per_call_us(lambda: depthwise.forward(p, tile, x, w, y))),
             ("Triton: Algorithm.execute", _per_call_us(lambda: algo.execute(p, x, w, y, {}))),
-            ("Triton: ops.compute (the op path's Runner)", _per_call_us(lambda: ops.compute(x, w, p.key, names["fwd"])))]
+            ("Triton: ops.compute (the op path's Runner)",
+             _per_call_us(lambda: ops.compute(x, w, p.key, names["fwd"])))]
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     xg = x.clone().requires_grad_()
     for native in (True, False):  # the kernels launched from C++ (where they are: CUDA), and the Python path
@@ -465,8 +466,9 @@ def markdown(payload: dict) -> str:
     text += common.md_table(
         ["problem", "graph", "plans built", "build (threads)", "sum of builds", "slowest plan", "reference", "find",
          "timed"],
-        [[r["problem"], f"{r['graph_s']:.3f}", f"{r['built']}/{r['plans']}", f"{r['build_s']:.3f} ({r['build_threads']})",
-          f"{r['build_sum_s']:.3f}", f"{r['slowest'][0][0]} {r['slowest'][0][1]:.3f}" if r["slowest"] else "-",
+        [[r["problem"], f"{r['graph_s']:.3f}", f"{r['built']}/{r['plans']}",
+          f"{r['build_s']:.3f} ({r['build_threads']})", f"{r['build_sum_s']:.3f}",
+          f"{r['slowest'][0][0]} {r['slowest'][0][1]:.3f}" if r["slowest"] else "-",
           f"{r['reference_s']:.3f}", f"{r['find_s']:.3f}", r["timed"]] for r in rows])
     text += ("\nBuild wall seconds per plan, by threads: " + ", ".join(f"{t}: {s:.4f}" for t, s in per_plan.items())
              + " (means over alternate problems, not the same ones; builds of one graph take turns on its lock, "
@@ -493,7 +495,8 @@ def _top_functions(part: dict, top: int = 12) -> str:
     """convtune's costliest functions of a profiled part by cumulative seconds: they show where its time went
     where a phase reads 0 (Python 3.12's cProfile can lose the exits of functions that catch exceptions)."""
     return ("\n\nconvtune's costliest functions, cumulative s (they nest):\n\n"
-            + common.md_table(["function", "s"], [[f"`{name}`", f"{s:.2f}"] for s, name in part["top_cumulative_s"][:top]]))
+            + common.md_table(["function", "s"],
+                              [[f"`{name}`", f"{s:.2f}"] for s, name in part["top_cumulative_s"][:top]]))
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-
 from convtune import ConvProblem, zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.algorithms.registry import algorithms  # noqa: E402
@@ -88,7 +87,8 @@ def measure(problems: list[ConvProblem], minutes: float | None = None) -> tuple[
                 out = p.empty(p.operand_shapes[2])
                 algo.run(p, a, b, workspace=ws, out=out)
                 rel, worst = errors(out, ref)
-                extra = peak_allocated_bytes(lambda: algo.run(p, a, b, workspace=ws, out=out), p.device)
+                extra = peak_allocated_bytes(
+                    lambda algo=algo, p=p, a=a, b=b, ws=ws, out=out: algo.run(p, a, b, workspace=ws, out=out), p.device)
                 declared = algo.workspace_bytes(p)
             except Exception as exc:  # noqa: BLE001  # a plan that does not build here: reported, not measured
                 rows.append(dict(problem=p.key, algorithm=algo.name, error=f"{type(exc).__name__}: {exc}"[:200]))

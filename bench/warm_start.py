@@ -21,7 +21,7 @@ import time
 _STARTED = time.perf_counter()  # before torch is imported: a stage's import time counts from here
 
 import argparse  # noqa: E402
-import cProfile
+import cProfile  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import pstats  # noqa: E402
@@ -125,8 +125,9 @@ def summarize(profiler: cProfile.Profile, top: int = 25) -> dict:
 
 
 def run_stage(stage: str, args: argparse.Namespace, db_path: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", stage, "--db", db_path, "--network", args.network,
-           "--batch", str(args.batch), "--dtype", args.dtype, "--device", args.device] + (["--tiny"] if args.tiny else [])
+    cmd = ([sys.executable, __file__, "--child", stage, "--db", db_path, "--network", args.network,
+            "--batch", str(args.batch), "--dtype", args.dtype, "--device", args.device]
+           + (["--tiny"] if args.tiny else []))
     return common.run_child(cmd, args.timeout)
 
 

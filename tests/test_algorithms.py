@@ -8,16 +8,16 @@ import contextlib
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings as hsettings, strategies as st
-
-from fakes import slack_bytes
+from hypothesis import HealthCheck, assume, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 import convtune as ct
 from convtune.algorithms import registry
 from convtune.algorithms.base import Algorithm, allocate_workspace
 from convtune.algorithms.native import native_conv
-from convtune.verify import (lowered_reference, peak_allocated_bytes, reference, rel_error, tapwise_reference,
-                             tolerance)
+from convtune.verify import lowered_reference, peak_allocated_bytes, reference, rel_error, tapwise_reference, tolerance
+from fakes import slack_bytes
 
 
 @st.composite
@@ -110,7 +110,8 @@ def test_exactly_the_declared_workspace_is_enough_and_nothing_large_is_allocated
         ws = allocate_workspace(need, "cpu")
         out = problem.empty(problem.operand_shapes[2])
         algo.run(problem, a, b, workspace=ws, out=out)  # warm any lazy state first
-        extra = peak_allocated_bytes(lambda: algo.run(problem, a, b, workspace=ws, out=out), "cpu")
+        extra = peak_allocated_bytes(lambda algo=algo, ws=ws, out=out: algo.run(problem, a, b, workspace=ws, out=out),
+                                     "cpu")
         # library_bytes: what a library allocates by itself (torch.fft's results), declared apart.
         assert extra <= algo.library_bytes(problem) + slack_bytes(problem, need), (algo.name, problem.key, need, extra)
 
@@ -189,7 +190,8 @@ def test_run_refuses_an_unsupported_problem_with_the_reason():
     p = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(5, 5), kernel_size=3)
     with registry.isolated(Doubling()):
         with pytest.raises(ValueError, match="does not support"):
-            ct.get_algorithm("test:doubling").run(p.with_direction("bwd_data"), *p.with_direction("bwd_data").random_inputs())
+            ct.get_algorithm("test:doubling").run(p.with_direction("bwd_data"),
+                                                  *p.with_direction("bwd_data").random_inputs())
 
 
 @given(small_problems(), st.integers(0, 2**16), st.sampled_from([None, 1]))

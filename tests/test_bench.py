@@ -62,13 +62,15 @@ def test_dynamic_shapes_times_every_step_of_each_configuration_in_its_own_proces
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     configs = json.loads((tmp_path / "dynamic_shapes_tiny_b2.json").read_text())["configs"]
-    assert [configs[c]["status"] for c in ("torch_bm1", "torch_bm0", "convtune_background", "convtune_hybrid")] == ["ok"] * 4
+    assert [configs[c]["status"]
+            for c in ("torch_bm1", "torch_bm0", "convtune_background", "convtune_hybrid")] == ["ok"] * 4
     for r in configs.values():
         assert [size for size, _ in r["steps"]] == [16, 16, 24, 24, 16, 24, 16, 24]
         assert set(r["summary"]["steady_ms"]) == {"16", "24"} and r["summary"]["worst_ratio"] > 0
     md = (tmp_path / "dynamic_shapes_tiny_b2.md").read_text()
     assert "| convtune_background |" in md and "choices unlike hybrid" in md
-    assert sum(configs["convtune_background"]["runtimes"].values()) == len(configs["convtune_background"]["choices"]) > 0
+    assert (sum(configs["convtune_background"]["runtimes"].values())
+            == len(configs["convtune_background"]["choices"]) > 0)
 
 
 @pytest.mark.slow

@@ -413,7 +413,8 @@ def test_export_import_round_trip_keeps_other_machines(db, tmp_path, monkeypatch
         assert fresh.import_(out) == 8
         assert fresh.entries() == db.entries()  # fingerprints, software and stored_at kept
         assert fresh.results(problem(1)) == FIND
-        assert fresh.lookup(problem(2, dtype="bfloat16", layout="NHWC"), Policy(allow_tf32=False)).algorithm == "cpu:lean"
+        assert fresh.lookup(problem(2, dtype="bfloat16", layout="NHWC"),
+                            Policy(allow_tf32=False)).algorithm == "cpu:lean"
         assert fresh.import_(out) == 8  # idempotent
         assert rows(fresh.path) == 8 and fresh.entries() == db.entries()
 
@@ -446,8 +447,8 @@ class _Evil:
     ("[1, 2, 3]", "JSON object"),
     (pickle.dumps(_Evil()), "not UTF-8"),
 ], ids=["bad_json", "unknown_status", "bad_key", "invalid_problem", "negative_time", "negative_stored_at",
-        "ok_with_infinite_time", "ok_with_infinite_error", "other_schema", "device_mismatch", "pickle_in_json", "unknown_field", "missing_fields", "not_object",
-        "raw_pickle"])
+        "ok_with_infinite_time", "ok_with_infinite_error", "other_schema", "device_mismatch", "pickle_in_json",
+        "unknown_field", "missing_fields", "not_object", "raw_pickle"])
 def test_malformed_import_is_refused_whole(db, tmp_path, bad, message):
     db.store(problem(5), FIND[:1])
     before = db.entries()
@@ -718,7 +719,8 @@ def test_another_machines_measurements_are_read_by_its_fingerprint_and_priced_fo
     if not torch.cuda.is_available():
         assert db.measurements("cuda") == []  # this machine has no such device
     read = db.measurements("cuda", H200)
-    assert {r.algorithm for _, r in read} == {r.algorithm for r in FIND if r.ok} and {p for p, _ in read} == {gpu_problem}
+    assert ({r.algorithm for _, r in read} == {r.algorithm for r in FIND if r.ok}
+            and {p for p, _ in read} == {gpu_problem})
     assert db.measurements("cuda", "cuda|another GPU|sm80|driver1|cuda12") == []
     flops, bandwidth = hardware._GPU_PEAKS["H200"][0]["float32"], hardware._GPU_PEAKS["H200"][1]
     floor = 1e3 * max(gpu_problem.flops / flops, gpu_problem.min_bytes / bandwidth)

@@ -13,10 +13,25 @@ from convtune.find import is_out_of_memory, summary
 from convtune.ranking import best, rank
 from convtune.settings import settings
 from convtune.verify import check, errors, judge, reference_case, tolerance
-from fakes import (CostlyWorkspace, Fake, FakeDB, FakeTimer, FirstCallOnly, HandsOver, InputWriter, Memoising,
-                   NaNResult, NoWrite,
-                   OneWrongElement,
-                   OutOfMemory, PoisonSniffer, Raising, UniformSniffer, UnknownDeterminism, WrongResult)
+from fakes import (
+    CostlyWorkspace,
+    Fake,
+    FakeDB,
+    FakeTimer,
+    FirstCallOnly,
+    HandsOver,
+    InputWriter,
+    Memoising,
+    NaNResult,
+    NoWrite,
+    OneWrongElement,
+    OutOfMemory,
+    PoisonSniffer,
+    Raising,
+    UniformSniffer,
+    UnknownDeterminism,
+    WrongResult,
+)
 
 P = ConvProblem("fwd", n=2, c=4, k=6, input_size=(7, 7), kernel_size=3, padding=1)
 
@@ -371,7 +386,8 @@ def test_a_leaner_candidate_still_runs_after_convergence_and_past_the_prune(nomi
     big = ConvProblem("fwd", n=8, c=64, k=64, input_size=(28, 28), kernel_size=1)
     hungry = [Fake(f"gemm:1x1_h{i}", priced_like="gemm:1x1", time_ms=1.0 + 0.1 * i, workspace_bytes=1 << 20)
               for i in range(4)]
-    lean = Fake("direct:taps_lean", priced_like="direct:taps", time_ms=30.0)  # no workspace; predicted and measured slow
+    # no workspace; predicted and measured slow
+    lean = Fake("direct:taps_lean", priced_like="direct:taps", time_ms=30.0)
     with settings.override(find_patience=1, find_prune_factor=1.0001):
         results = by_name(find(big, timer=FakeTimer(), candidates=[*hungry, lean]))
     assert results["direct:taps_lean"].ok and lean.runs > 0
@@ -425,7 +441,8 @@ def test_a_pruned_candidate_is_not_built_when_nothing_can_be_leaner():
 
 def test_a_budget_skip_builds_only_under_a_workspace_limit():
     def fakes():
-        return [CostlyWorkspace(f"fake:n{i}", time_ms=1.0 + i, workspace_bytes=ws) for i, ws in enumerate([0, 1024, 4096])]
+        return [CostlyWorkspace(f"fake:n{i}", time_ms=1.0 + i, workspace_bytes=ws)
+                for i, ws in enumerate([0, 1024, 4096])]
 
     free = fakes()
     results = by_name(find(P, Policy(max_candidates=1), timer=FakeTimer(), candidates=free))
@@ -547,7 +564,8 @@ def test_one_wrong_element_fails_in_every_dtype(dtype):
         assert err < tolerance(problem, OneWrongElement().notes(problem))
         assert not ok and "elements are wrong" in message
     assert not ok
-    results = by_name(find(problem, timer=FakeTimer(), candidates=[OneWrongElement(time_ms=0.1), Fake("fake:good", time_ms=100.0)]))
+    results = by_name(find(problem, timer=FakeTimer(),
+                           candidates=[OneWrongElement(time_ms=0.1), Fake("fake:good", time_ms=100.0)]))
     assert results["fake:one_wrong"].status is Status.WRONG_RESULT
     _, ok, _ = check(get_algorithm("torch:native"), problem, inputs, ref, out, None)
     assert ok  # and the element bound passes PyTorch's own convolution

@@ -110,7 +110,8 @@ LAYER_VALUES = st.one_of(st.integers(-2, 2**40), st.lists(st.integers(-2, 2**33)
 LAYER = st.fixed_dictionaries({"c": st.integers(1, 8), "k": st.integers(1, 8), "spatial": st.integers(1, 9),
                                "kernel": st.integers(1, 3)},
                               optional={key: LAYER_VALUES for key in LAYER_KEYS[4:]})  # valid where left alone
-SETTING_VALUES = st.one_of(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=10),
+SETTING_VALUES = st.one_of(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+                                   max_size=10),
                            st.sampled_from(["0", "-1", "1e999", "nan", "inf", "-0", "1.5", "3", "true", "off", "all",
                                             "plugins", " 2 ", "0x10"]))
 # (isolate is left out: the tests' fixture overrides it, and an override wins over the environment)

@@ -15,13 +15,12 @@ import zlib
 import pytest
 import torch
 
-from fakes import slack_bytes
-
 from convtune import verify
 from convtune.algorithms.base import ALIGN_BYTES, allocate_workspace
 from convtune.algorithms.gemm import CHUNKS
 from convtune.algorithms.registry import get_algorithm
 from convtune.problem import DIRECTIONS, LAYOUTS, ConvProblem
+from fakes import slack_bytes
 
 ALGORITHMS = ("gemm:1x1", "gemm:1x1_strided", "gemm:im2col", "gemm:im2col_chunk2", "direct:taps")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -65,7 +64,7 @@ def peak_cpu_bytes(fn) -> int:
     return verify.peak_allocated_bytes(fn, "cpu")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(p: ConvProblem) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Random operands (never zeros) and the float64 reference, once per problem for all algorithms."""
     a, b = p.random_inputs(seed=zlib.crc32(p.key.encode()) % 1000)

@@ -5,11 +5,10 @@ import math
 
 import pytest
 
-from convtune import ConvProblem, NoAlgorithmError, PerfResult, Policy, Status, get, select
 import convtune as ct
-from convtune import costmodel, learned
-from convtune.algorithms.base import Backend
+from convtune import ConvProblem, NoAlgorithmError, PerfResult, Policy, Status, costmodel, get, learned, select
 from convtune.algorithms import cudnn_cost, registry
+from convtune.algorithms.base import Backend
 from convtune.algorithms.registry import algorithms, isolated
 from convtune.get import ranked_predictions
 from convtune.settings import settings
@@ -357,7 +356,8 @@ def test_select_no_algorithm_from_the_model():
     ("tolerance", False, TypeError), ("tolerance", float("nan"), ValueError), ("max_candidates", 1.5, TypeError),
     ("max_candidates", True, TypeError), ("budget_s", True, TypeError), ("budget_s", float("inf"), ValueError),
     ("max_rel_error", float("nan"), ValueError), ("workspace_limit", "9" * 400, ValueError),
-    ("workspace_limit", [1], TypeError), ("workspace_limit", float("inf"), ValueError), ("prefer", ["fastest"], ValueError),
+    ("workspace_limit", [1], TypeError), ("workspace_limit", float("inf"), ValueError),
+    ("prefer", ["fastest"], ValueError),
 ])
 def test_a_policy_refuses_values_that_are_not_what_its_fields_mean(field, value, error):
     with pytest.raises(error, match=field if field != "workspace_limit" else "workspace_limit"):

@@ -239,7 +239,8 @@ def test_a_column_constant_in_training_stays_bounded_when_it_varies_later():
     # normalization must not blow the column up (a std clamped to 1e-3 would feed it in at ~5000).
     model = learned.train(samples(30), "test-machine", epochs=20)
     p = problems(1, seed=2)[0]
-    assert abs(math.log2(model.factor(p, "plugin:dw", 1.0, order=30)) - math.log2(model.factor(p, "plugin:dw", 1.0))) < 3
+    assert abs(math.log2(model.factor(p, "plugin:dw", 1.0, order=30))
+               - math.log2(model.factor(p, "plugin:dw", 1.0))) < 3
 
 
 def test_the_listwise_term_sees_each_problems_order_not_its_offset():
@@ -286,8 +287,9 @@ def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeyp
         patience, prune = draw.choice([0, 1, 2, 3]), draw.choice([0.0, 2.0, 10.0])
         fakes = {name: Fake(name, time_ms=measured[name]) for name in names}
         order = sorted(names, key=lambda name: (predicted[name], name))
-        monkeypatch.setattr(find_module, "ranked_predictions", lambda *args, **kwargs: [
-            (fakes[name], PerfResult(name, Status.OK, time_ms=predicted[name])) for name in order])
+        monkeypatch.setattr(find_module, "ranked_predictions",
+                            lambda *args, fakes=fakes, predicted=predicted, order=order, **kwargs: [
+                                (fakes[name], PerfResult(name, Status.OK, time_ms=predicted[name])) for name in order])
         with settings.override(find_patience=patience, find_prune_factor=prune, isolate="off"):
             ran = [r for r in ct.find(p, timer=FakeTimer(), candidates=list(fakes.values())) if r.ok]
         simulated = learned.simulated_find([(learned.Sample(p, name, 1.0, measured[name]), predicted[name])

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from fakes import CLOCK, CostlyWorkspace, Fake, FakeDB, FakeTimer
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -21,6 +20,7 @@ from convtune.algorithms.microbatch import (
 )
 from convtune.algorithms.registry import get_algorithm, isolated
 from convtune.verify import check, reference_case, rel_error, tolerance
+from fakes import CLOCK, CostlyWorkspace, Fake, FakeDB, FakeTimer
 
 
 def aligned(nbytes):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 import itertools
+import math
 import os
 import pickle
 import subprocess
@@ -27,10 +27,10 @@ import torch.nn.functional as F
 import convtune as ct
 from convtune import extension
 from convtune.problem import ConvProblem, explicit_padding, is_in_layout
-from convtune.settings import settings
 from convtune.pytorch import runtime
 from convtune.pytorch.modules import TunedConv, _traced_keys
 from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
+from convtune.settings import settings
 from convtune.verify import reference, rel_error, tolerance
 
 NATIVE_ALGORITHMS = ("torch:native", "gemm:1x1", "gemm:1x1_strided")
@@ -88,8 +88,10 @@ def test_every_native_executable_matches_its_python_algorithm_and_float64(native
 
 LAYERS = {  # (Conv class, constructor arguments, input shape)
     "grouped": (torch.nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, groups=2), (2, 4, 7, 6)),
-    "depthwise": (torch.nn.Conv2d, dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, groups=4), (2, 4, 6, 6)),
-    "dilated": (torch.nn.Conv2d, dict(in_channels=3, out_channels=5, kernel_size=3, padding=2, dilation=2), (2, 3, 8, 7)),
+    "depthwise": (torch.nn.Conv2d, dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, groups=4),
+                  (2, 4, 6, 6)),
+    "dilated": (torch.nn.Conv2d, dict(in_channels=3, out_channels=5, kernel_size=3, padding=2, dilation=2),
+                (2, 3, 8, 7)),
     "strided": (torch.nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=2, padding=1), (2, 3, 9, 9)),
     "1x1": (torch.nn.Conv2d, dict(in_channels=6, out_channels=4, kernel_size=1), (2, 6, 5, 5)),
     "1x1_strided": (torch.nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=1, stride=2), (2, 4, 7, 7)),
@@ -700,7 +702,7 @@ def test_compiled_with_dynamic_shapes_one_graph_runs_and_tunes_every_shape(nativ
     assert _layer_shapes(model[0]) == {(2, 6, 5, 5), (3, 6, 5, 5), (2, 6, 9, 9)}
     assert _layer_shapes(model[2]) == {(2, 8, 5, 5), (3, 8, 5, 5), (2, 8, 9, 9)}
     for module in (model[0], model[2]):  # each new shape selected for in every direction
-        for shape, dtype, device, channels_last, handles, tuned in extension.loaded().layer_entries(
+        for shape, dtype, _device, channels_last, _handles, tuned in extension.loaded().layer_entries(
                 module._convtune_layer):
             assert all(tuned) and channels_last and dtype == "float32", shape
     if backend == "counting":
@@ -733,17 +735,19 @@ def test_a_layer_without_an_answer_runs_torch_convolution_and_passes_opcheck(nat
         for ident in (layer, layer + 10**6):  # the layer, and an id no layer has
             args = (x, conv.weight, conv.bias, *geometry, ident, True, True)
             torch.autograd.gradcheck(
-                lambda x, w, *b: torch.ops.convtune.layer_conv(x, w, b[0] if b else None, *geometry, ident, True,
-                                                               True),
+                lambda x, w, *b, ident=ident: torch.ops.convtune.layer_conv(x, w, b[0] if b else None, *geometry, ident,
+                                                                            True, True),
                 (x, conv.weight) + (() if conv.bias is None else (conv.bias,)))
             torch.testing.assert_close(torch.ops.convtune.layer_conv(*args), conv(x))
             torch.library.opcheck(torch.ops.convtune.layer_conv.default, args)
             # one gradient alone (the input's, the weight's): the op of that direction, not the one of both
             w, xd = conv.weight.detach(), x.detach()
             torch.autograd.gradcheck(
-                lambda x: torch.ops.convtune.layer_conv(x, w, None, *geometry, ident, True, False), (x,))
+                lambda x, w=w, ident=ident: torch.ops.convtune.layer_conv(x, w, None, *geometry, ident, True, False),
+                (x,))
             torch.autograd.gradcheck(
-                lambda w: torch.ops.convtune.layer_conv(xd, w, None, *geometry, ident, False, True), (conv.weight,))
+                lambda w, xd=xd, ident=ident: torch.ops.convtune.layer_conv(xd, w, None, *geometry, ident, False, True),
+                (conv.weight,))
             for operands, op in (((x, w), "layer_backward_data"), ((xd, conv.weight), "layer_backward_filter"),
                                  ((x, conv.weight), "layer_backward")):
                 y = torch.ops.convtune.layer_conv(*operands, None, *geometry, ident, True, True)
@@ -1194,7 +1198,8 @@ def test_a_layer_on_pytorchs_path_checks_its_input_in_cpp_then_calls_pytorchs_co
     (gx,) = torch.autograd.grad(y.square().sum(), xg, create_graph=True)
     gx.sum().backward()
     xt = x.clone().requires_grad_()
-    (gt,) = torch.autograd.grad(F.conv2d(xt, module.weight, module.bias, padding=1).square().sum(), xt, create_graph=True)
+    (gt,) = torch.autograd.grad(F.conv2d(xt, module.weight, module.bias, padding=1).square().sum(), xt,
+                                create_graph=True)
     torch.testing.assert_close(gx, gt)
     # inputs of another layout, device or shape, or unbatched, are other signatures
     xc = x.to(memory_format=torch.channels_last)
@@ -1417,8 +1422,9 @@ def test_a_layer_keeps_a_hot_path_per_input_shape(native):
     x, z = torch.randn(2, 6, 5, 5), torch.randn(1, 6, 3, 3)
     module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
     sig = Signature(tuple(z.shape), z.dtype, z.device, layout_of(z))
-    module._convtune_select(sig, LayerSelection(next(iter(module.selections.values())).problem.replace("n2", "n1").replace(
-        "in5x5", "in3x3"), "gemm:1x1", "gemm:1x1", "gemm:1x1"))
+    module._convtune_select(sig, LayerSelection(
+        next(iter(module.selections.values())).problem.replace("n2", "n1").replace("in5x5", "in3x3"),
+        "gemm:1x1", "gemm:1x1", "gemm:1x1"))
     for t in (x, z, x, z):
         torch.testing.assert_close(module(t), F.conv2d(t, module.weight, module.bias), atol=1e-5, rtol=1e-4)
     assert set(module._convtune_fast) == {x.shape, z.shape}

@@ -20,21 +20,21 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from fakes import Fake, NoWrite, WrongResult
 from rich.console import Console
 from torch.autograd.gradcheck import GradcheckError
 
-from twins import torch_twin
 import convtune
 import convtune.nn
 from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, algorithms
 from convtune.algorithms.base import SUPPORTED, Buffer, buffers_bytes, unsupported
 from convtune.algorithms.registry import isolated
-from convtune.settings import settings
 from convtune.pytorch import ops, workspace
 from convtune.pytorch.explain import explain_table
 from convtune.pytorch.tuning import Signature, Tuning, select_for_layer
+from convtune.settings import settings
 from convtune.verify import rel_error
+from fakes import Fake, NoWrite, WrongResult
+from twins import torch_twin
 
 TIGHT = dict(atol=1e-5, rtol=1e-4)  # float32 against PyTorch's float32: rounding differences only
 
@@ -634,7 +634,8 @@ def test_torch_compile_traces_the_tuned_convolution_without_graph_breaks():
 def test_inductor_compiles_the_tuned_ops_into_one_graph_forward_and_backward():
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                                torch.nn.Conv2d(8, 8, 3, padding=1, groups=2), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+                                torch.nn.Conv2d(8, 8, 3, padding=1, groups=2), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 1))
     twin = torch_twin(model)
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     portfolio = [convtune.get_algorithm(name) for name in ("gemm:im2col", "direct:taps")]  # not torch:native

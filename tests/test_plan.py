@@ -15,7 +15,6 @@ import random
 
 import pytest
 import torch
-from fakes import Fake
 
 import convtune
 from convtune import ConvProblem, PerfResult, Policy, TuningDB
@@ -26,7 +25,7 @@ from convtune.plan import BUDGET_MODES as MODES
 from convtune.plan import InfeasibleBudgetError, Plan, budget_curve, pareto_front, plan
 from convtune.pytorch import tuning as tuning_module
 from convtune.ranking import usable
-
+from fakes import Fake
 
 
 @pytest.fixture(autouse=True)

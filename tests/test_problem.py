@@ -1,6 +1,8 @@
 import pytest
 import torch
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 import convtune as ct
 from convtune.problem import is_in_layout

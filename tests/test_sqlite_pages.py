@@ -15,7 +15,8 @@ def test_every_row_of_every_leaf_page_and_nothing_deleted(tmp_path):
     path = tmp_path / "t.sqlite"
     conn = sqlite3.connect(path)
     conn.execute("CREATE TABLE t (a TEXT, b REAL, c BLOB)")
-    conn.executemany("INSERT INTO t VALUES (?, ?, ?)", [(f"row {i}" * 20, i / 3, bytes([i % 256]) * 50) for i in range(300)])
+    conn.executemany("INSERT INTO t VALUES (?, ?, ?)",
+                     [(f"row {i}" * 20, i / 3, bytes([i % 256]) * 50) for i in range(300)])
     conn.execute("PRAGMA secure_delete=ON")
     conn.execute("DELETE FROM t WHERE b > 50")
     conn.commit()

@@ -5,11 +5,11 @@ Run on a CUDA machine: ``python -m pytest tests/gpu``. Skipped without CUDA.
 
 import pytest
 import torch
-from gpu_cases import case_id, cases
 
 import convtune as ct
 from convtune.algorithms.base import allocate_workspace
 from convtune.verify import element_bound, errors, reference, tolerance
+from gpu_cases import case_id, cases
 
 pytestmark = pytest.mark.gpu
 
@@ -65,8 +65,8 @@ def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
 def test_find_reports_out_of_memory_as_a_status_and_goes_on():
     p = ct.ConvProblem("fwd", n=4, c=64, k=64, input_size=(32, 32), kernel_size=3, padding=1, device="cuda",
                        dtype="float16", layout="NHWC")
-    from convtune.algorithms.base import Algorithm, Buffer
     from convtune.algorithms import registry
+    from convtune.algorithms.base import Algorithm, Buffer
 
     free, _ = torch.cuda.mem_get_info()
 
@@ -149,7 +149,6 @@ def test_find_builds_no_cudnn_plan_that_it_skips_once_a_measured_candidate_needs
 
 def test_find_fails_a_plugin_that_allocates_beyond_its_declared_workspace():
     import adversaries
-
     from convtune import isolation
     from convtune.settings import settings
 
@@ -167,7 +166,6 @@ def test_find_fails_a_plugin_that_allocates_beyond_its_declared_workspace():
 
 def test_in_the_process_the_allocators_statistics_catch_a_hidden_allocation_and_are_left_as_they_were():
     import adversaries
-
     from convtune.settings import settings
     from convtune.verify import allocated_while
 

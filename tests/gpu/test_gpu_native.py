@@ -8,14 +8,14 @@ import threading
 
 import pytest
 import torch
-from gpu_cases import case_id, cases
 
 import convtune as ct
 from convtune import extension
 from convtune.algorithms.base import allocate_workspace
-from convtune.settings import settings
 from convtune.pytorch import runtime
+from convtune.settings import settings
 from convtune.verify import reference, rel_error, tolerance
+from gpu_cases import case_id, cases
 
 pytestmark = pytest.mark.gpu
 
@@ -94,7 +94,8 @@ def test_triton_kernels_launched_from_cpp_compute_what_their_python_launches_do(
         shifted.copy_(a)
         assert torch.equal(torch.ops.convtune.tuned_run(shifted, b, handle), python)
         thread_out: list = []  # and from a thread whose first CUDA call it is (as autograd's backward threads)
-        worker = threading.Thread(target=lambda: thread_out.append(torch.ops.convtune.tuned_run(a, b, handle)))
+        worker = threading.Thread(target=lambda thread_out=thread_out, handle=handle: thread_out.append(
+            torch.ops.convtune.tuned_run(a, b, handle)))
         worker.start()
         worker.join()
         assert torch.equal(thread_out[0], python)
@@ -244,7 +245,8 @@ def test_a_cudnn_plan_is_rebuilt_from_its_serialized_form_and_computes_the_same(
                          list(options["stride"]), list(options["padding"]), list(options["dilation"]), options["tag"],
                          serialized)
         loaded_s = time.perf_counter() - started
-        print(f"{algo.name}: built in {built_s * 1e3:.1f} ms, rebuilt from its serialized form in {loaded_s * 1e3:.1f} ms")
+        print(f"{algo.name}: built in {built_s * 1e3:.1f} ms, rebuilt from its serialized form in "
+              f"{loaded_s * 1e3:.1f} ms")
         first = torch.ops.convtune.tuned_run(a, b, handle)
         assert torch.equal(torch.ops.convtune.tuned_run(a, b, again), first) or algo.is_deterministic(p) is not True
         assert rel_error(torch.ops.convtune.tuned_run(a, b, again), first) < 1e-2
@@ -273,7 +275,7 @@ def test_operands_on_another_device_raise_a_value_error_that_names_the_layer():
                 continue
     assert {"cudnn", "native"} <= set(handles), handles
     layer = re.escape(f"convtune:{p.key}")
-    for kind, handle in handles.items():
+    for handle in handles.values():
         with pytest.raises(ValueError, match=layer + ".*: operand x is on cpu, the tuned problem is on cuda"):
             torch.ops.convtune.tuned_run(x.cpu(), w.cpu(), handle)
         with pytest.raises(ValueError, match="operand w is on cpu.*the same device as the first operand"):

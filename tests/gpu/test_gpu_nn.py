@@ -22,12 +22,12 @@ import copy
 import pytest
 import torch
 
-from twins import torch_twin
 import convtune
 import convtune.nn
 from convtune import TuningDB
 from convtune.settings import settings
 from convtune.verify import rel_error
+from twins import torch_twin
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +62,8 @@ class SmallCNN(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = torch.nn.Conv2d(3, 32, 3, stride=2, padding=1, bias=False)  # a bias before batch norm has zero gradient
+        # a bias before batch norm has zero gradient
+        self.stem = torch.nn.Conv2d(3, 32, 3, stride=2, padding=1, bias=False)
         self.bn = torch.nn.BatchNorm2d(32)
         self.depthwise = torch.nn.Conv2d(32, 32, 3, padding=1, groups=32)
         self.grouped = torch.nn.Conv2d(32, 64, 3, padding=2, dilation=2, groups=4, bias=False)
