@@ -6,9 +6,12 @@ equal to 1 as constants, pointers and integers divisible by 16 marked so), then 
 CUDA tools Triton ships (cuobjdump): registers and spilled bytes per thread, shared memory, and the static
 instruction counts (all, tensor-core products, global loads, shared-memory stores, loops). ``warp instructions``
 multiplies a kernel's static count by its programs and warps: the instructions issued if each loop ran once and
-each branch both ways, exact for straight-line kernels. This is a prediction to check against a GPU's
-timing, not a timing: it tells which configurations spill, which never reach the tensor cores, and how much work a
-kernel change removes.
+each branch both ways, exact for straight-line kernels. For kernels whose loops' turns are known here (the banded
+depthwise kernels: ``TURNS``), ``issue-bound`` counts them: the innermost loop's instructions times its turns and
+the rest times the turns of the loop around it, issued at one warp instruction a clock by each of the target's
+schedulers (``ISSUE_RATE``), the time a kernel limited by nothing but issuing instructions would take. This is a
+prediction to check against a GPU's timing, not a timing: it tells which configurations spill, which never reach
+the tensor cores, and how much work a kernel change removes.
 
     python bench/sass_counts.py                                  # the default problems of every family
     python bench/sass_counts.py --families grouped \
@@ -48,6 +51,29 @@ DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|
              "c144|k144|in56x56|r3x3|s2x2|p1x1|g144", "c512|k512|in14x14|r31x31|s1x1|p15x15|g512")
 DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": DEPTHWISE}
 TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
+# Warp instructions a second the H200 issues: 132 SMs, 4 schedulers each, one a clock at its 1.98 GHz boost clock.
+ISSUE_RATE = 132 * 4 * 1.98e9
+
+
+def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict) -> tuple[int, int] | None:
+    """The turns of a banded kernel's innermost loop, and of the loop around it (``kernels.banded``): the forward
+    turns once per kernel row; the data gradient once per kernel row and channel multiple; the weight gradient's
+    partial sums once per BLOCK_M rows of a run, in a loop over the kernel rows. None for the partials' sum."""
+    from convtune.kernels.shared import geometry, sizes
+
+    r = geometry(problem)[0]
+    if launch["kernel"] == "_forward":
+        return r, 1
+    if launch["kernel"] == "_backward_data":
+        multiple = problem.k // problem.c
+        return (r, multiple) if launch["loops"] == 2 else (r * multiple, 1)
+    if launch["kernel"] == "_backward_filter_partials":
+        rows = problem.n * sizes(problem)[2]
+        return -(-min(algorithm.tile.chunk, rows) // algorithm.tile.rows), r
+    return None
+
+
+TURNS = {"depthwise_band": banded_turns}  # per family, where its loops' turns are known
 
 
 def problem_keys(family: str, dtype: str, layout: str) -> list[str]:
@@ -145,6 +171,15 @@ def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[d
         for module in [recording, *modules]:
             stack.enter_context(mock.patch.object(module, "launch", compile_instead))
         algorithm._run(problem, a, b, out, buffers)
+    for launch in launches:
+        turns = TURNS[algorithm.family](problem, algorithm, launch) if algorithm.family in TURNS else None
+        if turns:
+            inner, outer = turns
+            per_warp = (launch["instructions"] - launch["inner_loop"] + launch["inner_loop"] * inner) * outer
+            programs = 1
+            for g in launch["grid"]:
+                programs *= g
+            launch["issue_bound_us"] = per_warp * programs * launch["warps"] / ISSUE_RATE * 1e6
     return launches
 
 
@@ -165,7 +200,8 @@ def markdown(env: dict, rows: dict) -> str:
                           launch["instructions"], launch["tensor_core"], launch["global_loads"],
                           launch["shared_stores"], launch["loops"],
                           f"{launch.get('inner_loop', '-')} / {launch.get('inner_loop_tensor_core', '-')}", programs,
-                          f"{total / 1e6:.2f}"])
+                          f"{total / 1e6:.2f}",
+                          f"{launch['issue_bound_us']:.1f}" if "issue_bound_us" in launch else "-"])
     return (f"# convtune's Triton kernels in machine code\n\n{common.env_line(env)}; compiled by Triton "
             f"{env.get('triton', '?')} for sm_{env['arch']} "
             "and counted with cuobjdump, nothing run (`bench/sass_counts.py`). Per launch: registers and spilled "
@@ -174,10 +210,15 @@ def markdown(env: dict, rows: dict) -> str:
             "loads, shared-memory stores, loops; the innermost loop's instructions and tensor-core products: one "
             "turn a warp), programs, and warp instructions (millions): static count × programs × warps, the "
             "instructions issued if each loop ran once and every branch ran both ways (an estimate; exact for "
-            "straight-line code). Rows of several revisions stand side by side.\n\n"
+            "straight-line code); for the banded kernels, whose loops' turns are known, the issue-bound time (µs): "
+            "the innermost loop's instructions times its turns and the rest times the turns of the loop around it, "
+            "issued at one warp instruction a clock per scheduler (132 SMs × 4 at 1.98 GHz), the time of a kernel "
+            "that nothing but issuing limits (a prediction, not a timing). Rows of several revisions stand side by "
+            "side.\n\n"
             + common.md_table(["problem", "configuration", "revision", "kernel", "registers", "spilled", "shared",
                                "instructions", "tensor core", "loads", "shared stores", "loops",
-                               "innermost loop: instructions / tensor core", "programs", "warp instructions (M)"],
+                               "innermost loop: instructions / tensor core", "programs", "warp instructions (M)",
+                               "issue-bound (µs)"],
                               lines))
 
 

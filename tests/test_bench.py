@@ -574,6 +574,34 @@ def test_sass_counts_compiles_a_kernel_for_the_gpu_and_counts_its_machine_code(s
             "/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ LDG.E R4, [R2.64] ;\n/*0040*/ @P1 BRA 0x0 ;")
     assert sass_counts.instruction_counts(sass) == dict(instructions=5, tensor_core=1, global_loads=1, shared_stores=0,
                                                         loops=2, inner_loop=2, inner_loop_tensor_core=1)
+    # the grouped kernels' loops' turns are not known: no issue-bound time
+    assert "issue_bound_us" not in launch and text.splitlines()[-1].endswith("| - |")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_sass_counts_bounds_the_banded_kernels_time_by_their_loops_turns(sass_counts):
+    from convtune.algorithms.registry import get_algorithm
+    from convtune.problem import ConvProblem
+
+    # 3 kernel rows; the data gradient of a channel multiplier of 2 turns 6 times (or 3 in a loop over 2); the weight
+    # gradient's run of 256 rows (of 2·40 here: 80) in tiles of 32 rows turns 3 times per kernel row
+    p = ConvProblem("fwd", n=2, c=8, k=16, groups=8, input_size=(40, 40), kernel_size=3, padding=1, dtype="float16",
+                    layout="channels_last", device="cuda")
+    name = "triton:depthwise_band_{}_r32n16c8w4"
+
+    def turns(direction, **launch):
+        return sass_counts.banded_turns(p.with_direction(direction), get_algorithm(name.format(direction) + (
+            "s256" if direction == "bwd_filter" else "")), launch)
+
+    assert turns("fwd", kernel="_forward", loops=1) == (3, 1)
+    assert turns("bwd_data", kernel="_backward_data", loops=1) == (6, 1)
+    assert turns("bwd_data", kernel="_backward_data", loops=2) == (3, 2)
+    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=2) == (3, 3)
+    assert turns("bwd_filter", kernel="_sum_partials", loops=1) is None
+    (launch,) = sass_counts.count(p, get_algorithm(name.format("fwd")), 90)
+    programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
+    issued = (launch["instructions"] + 2 * launch["inner_loop"]) * programs * launch["warps"]
+    assert launch["loops"] == 1 and launch["issue_bound_us"] == pytest.approx(issued / sass_counts.ISSUE_RATE * 1e6)
 
 
 def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_family_on_them(depthwise):
