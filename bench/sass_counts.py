@@ -39,17 +39,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import depthwise  # noqa: E402  (bench/depthwise.py: the layers of its default table)
 from convtune.algorithms.registry import registered  # noqa: E402
 from convtune.algorithms.triton_family import TritonAlgorithm  # noqa: E402
 from convtune.problem import ConvProblem  # noqa: E402
 
 # Per family, the problems counted by default: layers of networks where the family is meant to win (ResNeXt-50's
-# grouped layers; depthwise layers of 3x3 to 31x31), in the three directions.
+# grouped layers; depthwise layers of 3x3 to 31x31; for the banded kernels, whose issue-bound time is counted, every
+# layer of bench/depthwise.py's default table, which holds the best cuDNN plan's time of each), in the three
+# directions.
 GROUPED = ("c128|k128|in56x56|r3x3|s1x1|p1x1|g32", "c256|k256|in28x28|r3x3|s1x1|p1x1|g32",
            "c512|k512|in14x14|r3x3|s1x1|p1x1|g32")
 DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|p2x2|g672",
              "c144|k144|in56x56|r3x3|s2x2|p1x1|g144", "c512|k512|in14x14|r31x31|s1x1|p15x15|g512")
-DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": DEPTHWISE}
+DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": depthwise.DEFAULT_SHAPES}
 TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
 # Warp instructions a second the H200 issues: 132 SMs, 4 schedulers each, one a clock at its 1.98 GHz boost clock.
 ISSUE_RATE = 132 * 4 * 1.98e9
@@ -78,6 +81,9 @@ TURNS = {"depthwise_band": banded_turns}  # per family, where its loops' turns a
 
 def problem_keys(family: str, dtype: str, layout: str) -> list[str]:
     """The default problems of ``family`` (batch 32) as keys, in every direction."""
+    if family == "depthwise_band":
+        return [depthwise.make_problem(shape, d, 32, dtype, layout).key for shape in DEFAULTS[family]
+                for d in ("fwd", "bwd_data", "bwd_filter")]
     return [f"{d}|n32|{shape.replace('|g', '|d1x1|g')}|{dtype}|{layout}|cuda|tf32=1"
             for shape in DEFAULTS[family] for d in ("fwd", "bwd_data", "bwd_filter")]
 
