@@ -54,25 +54,38 @@ DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|
              "c144|k144|in56x56|r3x3|s2x2|p1x1|g144", "c512|k512|in14x14|r31x31|s1x1|p15x15|g512")
 DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": depthwise.DEFAULT_SHAPES}
 TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
-# Warp instructions a second the H200 issues: 132 SMs, 4 schedulers each, one a clock at its 1.98 GHz boost clock.
-ISSUE_RATE = 132 * 4 * 1.98e9
+# Warp instructions a second an sm_90 GPU (H100, H200) issues: 132 SMs, 4 schedulers each, one a clock at its
+# 1.98 GHz boost clock. Other targets get no issue-bound time.
+ISSUE_ARCH, ISSUE_RATE = 90, 132 * 4 * 1.98e9
 
 
-def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict) -> tuple[int, int] | None:
-    """The turns of a banded kernel's innermost loop, and of the loop around it (``kernels.banded``): the forward
-    turns once per kernel row; the data gradient once per kernel row and channel multiple; the weight gradient's
-    partial sums once per BLOCK_M rows of a run, in a loop over the kernel rows. None for the partials' sum."""
+def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict) -> tuple[float, int] | None:
+    """The turns of a banded kernel's innermost loop, and of the loop around it (``kernels.banded``), read against
+    the loops its machine code kept: the forward turns once per kernel row; the data gradient once per kernel row
+    within a loop over the channel multiple (the compiler may unroll the kernel rows, keeping the multiple's loop
+    alone); the weight gradient's partial sums once per BLOCK_M rows of a run (the mean over the runs: the last may
+    be shorter), in a loop over the kernel rows. None for the partials' sum, and where the loops kept are not of a
+    shape the source can give (a loop unrolled into copies, say)."""
     from convtune.kernels.shared import geometry, sizes
 
-    r = geometry(problem)[0]
-    if launch["kernel"] == "_forward":
+    r, (loops, nested) = geometry(problem)[0], (launch["loops"], launch.get("nested", False))
+    kernel = launch["kernel"]
+    if kernel == "_sum_partials":
+        return None
+    if loops == 0:
+        return 1, 1  # straight-line code: each instruction issued once
+    if kernel == "_forward" and loops == 1:
         return r, 1
-    if launch["kernel"] == "_backward_data":
+    if kernel == "_backward_data":
         multiple = problem.k // problem.c
-        return (r, multiple) if launch["loops"] == 2 else (r * multiple, 1)
-    if launch["kernel"] == "_backward_filter_partials":
-        rows = problem.n * sizes(problem)[2]
-        return -(-min(algorithm.tile.chunk, rows) // algorithm.tile.rows), r
+        if loops == 1:  # the kernel rows' loop, or (a multiple of 2 or more) the multiple's with the rows unrolled
+            return (multiple, 1) if multiple > 1 else (r, 1)
+        if loops == 2 and nested:
+            return r, multiple
+    if kernel == "_backward_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
+        rows, chunk, block = problem.n * sizes(problem)[2], algorithm.tile.chunk, algorithm.tile.rows
+        runs = range(0, rows, chunk)
+        return sum(-(-min(chunk, rows - first) // block) for first in runs) / len(runs), r
     return None
 
 
@@ -149,9 +162,10 @@ def instruction_counts(sass: str) -> dict:
             loops.append((int(target.group(1), 16), int(address, 16)))
     inner = min(loops, key=lambda span: span[1] - span[0], default=None)  # the innermost: the shortest body
     body = [op for address, op in lines if inner and inner[0] <= address <= inner[1]]
+    nested = any(span != inner and span[0] <= inner[0] and inner[1] <= span[1] for span in loops)
     return dict(instructions=len(lines), tensor_core=ops["HMMA"] + ops["HGMMA"],
                 global_loads=ops["LDG"] + ops["LDGSTS"] + ops["UTMALDG"],
-                shared_stores=ops["STS"] + ops["STSM"], loops=len(loops), inner_loop=len(body),
+                shared_stores=ops["STS"] + ops["STSM"], loops=len(loops), nested=nested, inner_loop=len(body),
                 inner_loop_tensor_core=sum(op in ("HMMA", "HGMMA") for op in body))
 
 
@@ -178,7 +192,8 @@ def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[d
             stack.enter_context(mock.patch.object(module, "launch", compile_instead))
         algorithm._run(problem, a, b, out, buffers)
     for launch in launches:
-        turns = TURNS[algorithm.family](problem, algorithm, launch) if algorithm.family in TURNS else None
+        known = algorithm.family in TURNS and arch == ISSUE_ARCH
+        turns = TURNS[algorithm.family](problem, algorithm, launch) if known else None
         if turns:
             inner, outer = turns
             per_warp = (launch["instructions"] - launch["inner_loop"] + launch["inner_loop"] * inner) * outer
@@ -187,6 +202,13 @@ def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[d
                 programs *= g
             launch["issue_bound_us"] = per_warp * programs * launch["warps"] / ISSUE_RATE * 1e6
     return launches
+
+
+def family_of(name: str) -> str:
+    """The Triton family of a configuration's name ('triton:depthwise_band_fwd_r32n16c8w4': 'depthwise_band'), as
+    registered or not (a row of an older revision may name one no longer registered)."""
+    match = re.match(r"triton:(\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
+    return match.group(1) if match else ""
 
 
 def markdown(env: dict, rows: dict) -> str:
@@ -237,6 +259,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--layout", default="channels_last")
     parser.add_argument("--arch", type=int, default=90, help="the target's compute capability (90: H100, H200)")
+    parser.add_argument("--replace", action="store_true", help="drop the rows the file holds of the families counted "
+                        "at other revisions (without it they stand beside the new ones)")
     common.result_arguments(parser, "sass_counts")
     args = parser.parse_args()
     unknown = set(args.families) - set(DEFAULTS)
@@ -250,6 +274,9 @@ def main() -> None:
 
     env = dict(common.environment(), arch=args.arch, triton=triton.__version__)
     rows = payload.get("rows", {})
+    if args.replace:
+        rows = {k: row for k, row in rows.items()
+                if row["revision"] == env["revision"] or family_of(row["algorithm"]) not in args.families}
     for family in args.families:
         keys = args.problems or problem_keys(family, args.dtype, args.layout)
         for key in keys:

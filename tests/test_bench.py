@@ -573,7 +573,9 @@ def test_sass_counts_compiles_a_kernel_for_the_gpu_and_counts_its_machine_code(s
     sass = ("/*0000*/ IMAD R0, R1, R2, R3 ;\n/*0010*/ HMMA.16816.F32 R0, R1, R2, R3 ;\n"
             "/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ LDG.E R4, [R2.64] ;\n/*0040*/ @P1 BRA 0x0 ;")
     assert sass_counts.instruction_counts(sass) == dict(instructions=5, tensor_core=1, global_loads=1, shared_stores=0,
-                                                        loops=2, inner_loop=2, inner_loop_tensor_core=1)
+                                                        loops=2, nested=True, inner_loop=2, inner_loop_tensor_core=1)
+    side_by_side = sass.replace("@P1 BRA 0x0", "@P1 BRA 0x30")
+    assert sass_counts.instruction_counts(side_by_side)["nested"] is False
     # the grouped kernels' loops' turns are not known: no issue-bound time
     assert "issue_bound_us" not in launch and text.splitlines()[-1].endswith("| - |")
 
@@ -583,25 +585,39 @@ def test_sass_counts_bounds_the_banded_kernels_time_by_their_loops_turns(sass_co
     from convtune.algorithms.registry import get_algorithm
     from convtune.problem import ConvProblem
 
-    # 3 kernel rows; the data gradient of a channel multiplier of 2 turns 6 times (or 3 in a loop over 2); the weight
-    # gradient's run of 256 rows (of 2·40 here: 80) in tiles of 32 rows turns 3 times per kernel row
+    # 3 kernel rows, read against the loops the machine code kept: the forward turns per kernel row; the data gradient
+    # of a channel multiplier of 2 per kernel row in a loop over the multiple, or over the multiple alone where the
+    # rows are unrolled; the weight gradient's runs of 256 rows (of 2·40 here: 80) in tiles of 32 rows 3 times per
+    # kernel row, and of 15·20 = 300 rows 8 and 2 times (a mean of 5); loops of another shape (copies side by side,
+    # say) are not counted
     p = ConvProblem("fwd", n=2, c=8, k=16, groups=8, input_size=(40, 40), kernel_size=3, padding=1, dtype="float16",
                     layout="channels_last", device="cuda")
     name = "triton:depthwise_band_{}_r32n16c8w4"
 
-    def turns(direction, **launch):
-        return sass_counts.banded_turns(p.with_direction(direction), get_algorithm(name.format(direction) + (
-            "s256" if direction == "bwd_filter" else "")), launch)
+    def turns(direction, problem=p, **launch):
+        algorithm = get_algorithm(name.format(direction) + ("s256" if direction == "bwd_filter" else ""))
+        return sass_counts.banded_turns(problem.with_direction(direction), algorithm, launch)
 
-    assert turns("fwd", kernel="_forward", loops=1) == (3, 1)
-    assert turns("bwd_data", kernel="_backward_data", loops=1) == (6, 1)
-    assert turns("bwd_data", kernel="_backward_data", loops=2) == (3, 2)
-    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=2) == (3, 3)
+    assert turns("fwd", kernel="_forward", loops=1) == (3, 1) and turns("fwd", kernel="_forward", loops=0) == (1, 1)
+    assert turns("fwd", kernel="_forward", loops=2, nested=True) is None
+    assert turns("bwd_data", kernel="_backward_data", loops=1) == (2, 1)
+    assert turns("bwd_data", kernel="_backward_data", loops=2, nested=True) == (3, 2)
+    assert turns("bwd_data", kernel="_backward_data", loops=2, nested=False) is None
+    assert turns("bwd_data", problem=p.replace(k=8), kernel="_backward_data", loops=1) == (3, 1)
+    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=2, nested=True) == (3, 3)
+    longer = p.replace(n=15, input_size=(20, 40))
+    assert turns("bwd_filter", problem=longer, kernel="_backward_filter_partials", loops=2, nested=True) == (5, 3)
+    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=3, nested=True) is None
     assert turns("bwd_filter", kernel="_sum_partials", loops=1) is None
     (launch,) = sass_counts.count(p, get_algorithm(name.format("fwd")), 90)
     programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
     issued = (launch["instructions"] + 2 * launch["inner_loop"]) * programs * launch["warps"]
     assert launch["loops"] == 1 and launch["issue_bound_us"] == pytest.approx(issued / sass_counts.ISSUE_RATE * 1e6)
+    assert "issue_bound_us" not in sass_counts.count(p, get_algorithm(name.format("fwd")), 80)[0]  # not sm_90's rate
+    # --replace drops a family's rows by their configuration's name, registered or not
+    names = ("triton:depthwise_band_fwd_r32n16c8w4", "triton:depthwise_fwd_p64c32w4ut",
+             "triton:grouped_bwd_filter_p32c64w4s1024", "cudnn:eng0")
+    assert [sass_counts.family_of(n) for n in names] == ["depthwise_band", "depthwise", "grouped", ""]
 
 
 def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_family_on_them(depthwise):

@@ -52,9 +52,10 @@ def test_matches_reference(shape, direction, dtype, layout):
         # Triton 3.6's interpreter multiplies bfloat16 matrices wrongly (tests/test_triton_grouped.py): float16 takes
         # the same code there; the GPU runs both.
         pytest.skip("Triton's interpreter computes bfloat16 tl.dot wrongly")
-    names = checked(direction)
-    # each of them supports it
-    check_configurations(names, depthwise_problem(shape, direction, dtype, layout), len(names))
+    problem = depthwise_problem(shape, direction, dtype, layout)
+    # each of them supports it, but for a tile whose float32 operands do not fit a smaller GPU's shared memory
+    names = [n for n in checked(direction) if "shared memory" not in get_algorithm(n).supports(problem).reason]
+    check_configurations(names, problem, len(names))
 
 
 @kernels

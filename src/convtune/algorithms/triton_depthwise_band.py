@@ -11,8 +11,8 @@ Where they run and what every Triton family refuses: ``triton_family``.
     >>> bool(band.supports(p))
     True
     >>> print(band.supports(p.replace(kernel_size=(7, 129), padding=(3, 64))).reason)  # doctest: +NORMALIZE_WHITESPACE
-    reads an input window of up to 128 columns per row (16 output columns of a kernel row of 129 taps need 256);
-    the other depthwise kernels, cuDNN or torch:native take it
+    reads an input window of up to 128 columns per row (16 columns of the result and a kernel row of 129 taps need
+    256); the other depthwise kernels, cuDNN or torch:native take it
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from .triton_family import TritonAlgorithm, depthwise_only, register_family, ten
 # kernel row's band once for twice the rows: its loop issues about a fifth fewer instructions on the forward and
 # the data gradient (not on the weight gradient, which has no band to load). Each is a candidate: find's verified
 # measurement picks.
-TILES = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4), (64, 16, 8, 8))
+FOUR_WARPS = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4))
+TILES = (*FOUR_WARPS, (64, 16, 8, 8))  # the forward's and the data gradient's
 # The weight gradient's runs: 256 output rows per partial sum, and 64 for the first tile, for layers with few rows.
-BACKWARD_FILTER_TILES = (*((*tile, 256) for tile in TILES[:3]), (*TILES[0], 64))
+BACKWARD_FILTER_TILES = (*((*tile, 256) for tile in FOUR_WARPS), (*FOUR_WARPS[0], 64))
 
 
 class TritonDepthwiseBand(TritonAlgorithm):
@@ -57,8 +58,9 @@ class TritonDepthwiseBand(TritonAlgorithm):
         needed = module.window(problem, self.tile)
         if needed > module.MAX_WINDOW:
             return unsupported(f"reads an input window of up to {module.MAX_WINDOW} columns per row "
-                               f"({self.tile.columns} output columns of a kernel row of {problem.kernel_size[-1]} "
-                               f"taps need {needed}); the other depthwise kernels, cuDNN or torch:native take it")
+                               f"({module.columns(problem, self.tile)} columns of the result and a kernel row of "
+                               f"{problem.kernel_size[-1]} taps need {needed}); the other depthwise kernels, cuDNN "
+                               f"or torch:native take it")
         if module.stages(problem, self.tile, hardware.shared_memory_per_block()) is None:
             return unsupported(f"stages {module.operand_bytes(problem, self.tile)} bytes of operands in shared memory, "
                                f"more than this GPU's {hardware.shared_memory_per_block()} (float32 operands of a wide "

@@ -54,17 +54,22 @@ class BandTile:
     chunk: int = 0
 
 
-def window(problem: ConvProblem, tile: BandTile) -> int:
-    """BLOCK_J: the columns of the operand a program reads per row for ``tile.columns`` columns of its result (or
-    all of them, where the result is narrower than a tile: its other columns are never stored, and the band's
-    entries past the window, which only they would use, are left out), a power of two (16 at least, for
-    ``tl.dot``)."""
+def columns(problem: ConvProblem, tile: BandTile) -> int:
+    """The columns of its result a program computes: ``tile.columns``, or all of them where the result is narrower
+    than a tile (its other columns are never stored)."""
     _, wd, _, q = sizes(problem)
+    return min(tile.columns, wd if problem.direction == "bwd_data" else q)
+
+
+def window(problem: ConvProblem, tile: BandTile) -> int:
+    """BLOCK_J: the columns of the operand a program reads per row for the ``columns`` of its result it computes
+    (the band's entries past that window serve only columns that are never stored), a power of two (16 at least,
+    for ``tl.dot``)."""
     _, s, _, stride_w, _, _, _, dil_w = geometry(problem)
-    columns = min(tile.columns, wd if problem.direction == "bwd_data" else q)
-    span = (columns - 1) * stride_w + (s - 1) * dil_w + 1  # forward and weight gradient: input columns
+    computed = columns(problem, tile)
+    span = (computed - 1) * stride_w + (s - 1) * dil_w + 1  # forward and weight gradient: input columns
     if problem.direction == "bwd_data":  # dy columns reaching those input columns, from the floored first
-        reach = (columns - 1) + (s - 1) * dil_w
+        reach = (computed - 1) + (s - 1) * dil_w
         span = reach // stride_w + 1 + (reach % stride_w != 0)
     return max(16, triton.next_power_of_2(span))
 
