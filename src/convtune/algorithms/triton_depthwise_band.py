@@ -30,7 +30,7 @@ from .triton_family import TritonAlgorithm, depthwise_only, register_family, ten
 # is timed on a GPU yet; compiled for the H200 (sm_90), r32n16c8w4 issues about 0.056 warp instructions per useful
 # multiply-add of a 7x7 forward in channels_last (r64n16c4w4 0.053), 1.7-1.8x what one fused multiply-add per
 # product on the CUDA cores would (docs/algorithms.md). r64n16c8w8, the same work a warp on twice the rows, loads a
-# kernel row's band once for twice the rows: its loop issues about a fifth fewer instructions on the forward and
+# kernel row's band once for twice the rows: its loop issues about a sixth fewer instructions on the forward and
 # the data gradient (not on the weight gradient, which has no band to load). Each is a candidate: find's verified
 # measurement picks.
 FOUR_WARPS = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4))
