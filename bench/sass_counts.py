@@ -9,16 +9,18 @@ multiplies a kernel's static count by its programs and warps: the instructions i
 each branch both ways, exact for straight-line kernels. For kernels whose loops' turns are known here (the banded
 depthwise kernels: ``TURNS``), ``issue-bound`` counts them: the innermost loop's instructions times its turns and
 the rest times the turns of the loop around it, issued at one warp instruction a clock by each of the target's
-schedulers (``ISSUE_RATE``), the time a kernel limited by nothing but issuing instructions would take. This is a
-prediction to check against a GPU's timing, not a timing: it tells which configurations spill, which never reach
-the tensor cores, and how much work a kernel change removes.
+schedulers (``ISSUE_RATE``), and no faster than the longest warp's instructions one a clock, times the warps a
+scheduler holds (``issue_bound_us``): the time a kernel limited by nothing but issuing instructions would take. This
+is a prediction to check against a GPU's timing, not a timing: it tells which configurations spill, which never
+reach the tensor cores, and how much work a kernel change removes.
 
     python bench/sass_counts.py                                  # the default problems of every family
     python bench/sass_counts.py --families grouped \
         --problems 'fwd|n32|c128|k128|in56x56|r3x3|s1x1|p1x1|d1x1|g32|float16|channels_last|cuda|tf32=1'
 
 Results: bench/results/sass_counts.json and .md (or --out, --name); rows of other revisions in the file are kept,
-so that two revisions' counts of the same kernels stand side by side (run it at each).
+so that two revisions' counts of the same kernels stand side by side (run it at each), unless --replace drops those
+of the families counted.
 """
 
 from __future__ import annotations
@@ -54,18 +56,36 @@ DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|
              "c144|k144|in56x56|r3x3|s2x2|p1x1|g144", "c512|k512|in14x14|r31x31|s1x1|p15x15|g512")
 DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": depthwise.DEFAULT_SHAPES}
 TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
-# Warp instructions a second an sm_90 GPU (H100, H200) issues: 132 SMs, 4 schedulers each, one a clock at its
-# 1.98 GHz boost clock. Other targets get no issue-bound time.
-ISSUE_ARCH, ISSUE_RATE = 90, 132 * 4 * 1.98e9
+# An sm_90 GPU (H100, H200): 132 SMs of 4 schedulers, each issuing one warp instruction a clock at the 1.98 GHz boost
+# clock. Other targets get no issue-bound time.
+ISSUE_ARCH, SMS, SCHEDULERS, CLOCK = 90, 132, 4, 1.98e9
+ISSUE_RATE = SMS * SCHEDULERS * CLOCK  # warp instructions a second
 
 
-def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict) -> tuple[float, int] | None:
+def issue_bound_us(launch: dict, turns: tuple[float, float, int]) -> float:
+    """The issue-bound time of a launch whose innermost loop turns ``turns[0]`` times on average and ``turns[1]``
+    at most, inside a loop of ``turns[2]``: the longer of all its warps' instructions spread over every scheduler,
+    and of the longest warp's instructions, one a clock, times the warps a scheduler holds (programs share the SMs
+    whole: a launch of fewer programs than SMs leaves schedulers idle)."""
+    mean, longest, outer = turns
+    body, loop = launch["instructions"] - launch["inner_loop"], launch["inner_loop"]
+    programs = 1
+    for g in launch["grid"]:
+        programs *= g
+    warps = launch["warps"]
+    spread = (body + loop * mean) * outer * programs * warps / ISSUE_RATE
+    # the warps the busiest scheduler holds: a program's warps share its SM's schedulers, and programs come whole
+    held = max(-(-programs * warps // (SMS * SCHEDULERS)), -(-programs // SMS) * (warps // SCHEDULERS))
+    return max(spread, (body + loop * longest) * outer * held / CLOCK) * 1e6
+
+
+def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict) -> tuple[float, float, int] | None:
     """The turns of a banded kernel's innermost loop, and of the loop around it (``kernels.banded``), read against
     the loops its machine code kept: the forward turns once per kernel row; the data gradient once per kernel row
     within a loop over the channel multiple (the compiler may unroll the kernel rows, keeping the multiple's loop
     alone); the weight gradient's partial sums once per BLOCK_M rows of a run (the mean over the runs: the last may
-    be shorter), in a loop over the kernel rows. None for the partials' sum, and where the loops kept are not of a
-    shape the source can give (a loop unrolled into copies, say)."""
+    be shorter), in a loop over the kernel rows. As (mean turns, most turns, turns of the loop around); None for
+    the partials' sum, and where the loops kept are not of a shape the source can give (copies side by side, say)."""
     from convtune.kernels.shared import geometry, sizes
 
     r, (loops, nested) = geometry(problem)[0], (launch["loops"], launch.get("nested", False))
@@ -73,19 +93,20 @@ def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict)
     if kernel == "_sum_partials":
         return None
     if loops == 0:
-        return 1, 1  # straight-line code: each instruction issued once
+        return 1, 1, 1  # straight-line code: each instruction issued once
     if kernel == "_forward" and loops == 1:
-        return r, 1
+        return r, r, 1
     if kernel == "_backward_data":
         multiple = problem.k // problem.c
         if loops == 1:  # the kernel rows' loop, or (a multiple of 2 or more) the multiple's with the rows unrolled
-            return (multiple, 1) if multiple > 1 else (r, 1)
+            return (multiple, multiple, 1) if multiple > 1 else (r, r, 1)
         if loops == 2 and nested:
-            return r, multiple
+            return r, r, multiple
     if kernel == "_backward_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
         rows, chunk, block = problem.n * sizes(problem)[2], algorithm.tile.chunk, algorithm.tile.rows
         runs = range(0, rows, chunk)
-        return sum(-(-min(chunk, rows - first) // block) for first in runs) / len(runs), r
+        turns = [-(-min(chunk, rows - first) // block) for first in runs]
+        return sum(turns) / len(turns), max(turns), r
     return None
 
 
@@ -195,12 +216,7 @@ def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[d
         known = algorithm.family in TURNS and arch == ISSUE_ARCH
         turns = TURNS[algorithm.family](problem, algorithm, launch) if known else None
         if turns:
-            inner, outer = turns
-            per_warp = (launch["instructions"] - launch["inner_loop"] + launch["inner_loop"] * inner) * outer
-            programs = 1
-            for g in launch["grid"]:
-                programs *= g
-            launch["issue_bound_us"] = per_warp * programs * launch["warps"] / ISSUE_RATE * 1e6
+            launch["issue_bound_us"] = issue_bound_us(launch, turns)
     return launches
 
 
@@ -240,8 +256,9 @@ def markdown(env: dict, rows: dict) -> str:
             "instructions issued if each loop ran once and every branch ran both ways (an estimate; exact for "
             "straight-line code); for the banded kernels, whose loops' turns are known, the issue-bound time (µs): "
             "the innermost loop's instructions times its turns and the rest times the turns of the loop around it, "
-            "issued at one warp instruction a clock per scheduler (132 SMs × 4 at 1.98 GHz), the time of a kernel "
-            "that nothing but issuing limits (a prediction, not a timing). Rows of several revisions stand side by "
+            "issued at one warp instruction a clock per scheduler (132 SMs × 4 at 1.98 GHz), spread over all of them "
+            "or, where the programs are too few to fill them, at the longest warp's pace: the time of a kernel that "
+            "nothing but issuing limits (a prediction, not a timing). Rows of several revisions stand side by "
             "side.\n\n"
             + common.md_table(["problem", "configuration", "revision", "kernel", "registers", "spilled", "shared",
                                "instructions", "tensor core", "loads", "shared stores", "loops",

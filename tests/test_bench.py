@@ -598,21 +598,33 @@ def test_sass_counts_bounds_the_banded_kernels_time_by_their_loops_turns(sass_co
         algorithm = get_algorithm(name.format(direction) + ("s256" if direction == "bwd_filter" else ""))
         return sass_counts.banded_turns(problem.with_direction(direction), algorithm, launch)
 
-    assert turns("fwd", kernel="_forward", loops=1) == (3, 1) and turns("fwd", kernel="_forward", loops=0) == (1, 1)
+    assert turns("fwd", kernel="_forward", loops=1) == (3, 3, 1)
+    assert turns("fwd", kernel="_forward", loops=0) == (1, 1, 1)
     assert turns("fwd", kernel="_forward", loops=2, nested=True) is None
-    assert turns("bwd_data", kernel="_backward_data", loops=1) == (2, 1)
-    assert turns("bwd_data", kernel="_backward_data", loops=2, nested=True) == (3, 2)
+    assert turns("bwd_data", kernel="_backward_data", loops=1) == (2, 2, 1)
+    assert turns("bwd_data", kernel="_backward_data", loops=2, nested=True) == (3, 3, 2)
     assert turns("bwd_data", kernel="_backward_data", loops=2, nested=False) is None
-    assert turns("bwd_data", problem=p.replace(k=8), kernel="_backward_data", loops=1) == (3, 1)
-    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=2, nested=True) == (3, 3)
+    assert turns("bwd_data", problem=p.replace(k=8), kernel="_backward_data", loops=1) == (3, 3, 1)
+    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=2, nested=True) == (3, 3, 3)
     longer = p.replace(n=15, input_size=(20, 40))
-    assert turns("bwd_filter", problem=longer, kernel="_backward_filter_partials", loops=2, nested=True) == (5, 3)
+    assert turns("bwd_filter", problem=longer, kernel="_backward_filter_partials", loops=2, nested=True) == (5, 8, 3)
     assert turns("bwd_filter", kernel="_backward_filter_partials", loops=3, nested=True) is None
     assert turns("bwd_filter", kernel="_sum_partials", loops=1) is None
     (launch,) = sass_counts.count(p, get_algorithm(name.format("fwd")), 90)
     programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
-    issued = (launch["instructions"] + 2 * launch["inner_loop"]) * programs * launch["warps"]
-    assert launch["loops"] == 1 and launch["issue_bound_us"] == pytest.approx(issued / sass_counts.ISSUE_RATE * 1e6)
+    per_warp = launch["instructions"] + 2 * launch["inner_loop"]  # the loop 3 times
+    # 2·40 rows in tiles of 32 × 40 columns in tiles of 16 × 16 output channels in tiles of 8: 18 programs, fewer
+    # than the SMs, so the bound is one warp's instructions one a clock (not all of them spread over every scheduler)
+    assert launch["loops"] == 1 and programs == 18
+    assert launch["issue_bound_us"] == pytest.approx(per_warp / sass_counts.CLOCK * 1e6)
+    # a warp of 90 instructions and a loop of 10 turning 3 times: 400 programs of 8 warps on 132 SMs put 4 programs
+    # on some, 8 warps a scheduler; 132·80 of them fill every scheduler evenly: the same as spread over all; a mean
+    # of 2 turns where the longest takes 3 (a shorter last run) counts the longest's
+    few, many = (dict(launch, grid=[g, 1, 1], warps=8, instructions=100, inner_loop=10) for g in (400, 132 * 80))
+    assert sass_counts.issue_bound_us(few, (3, 3, 1)) == pytest.approx(120 * 8 / sass_counts.CLOCK * 1e6)
+    spread = 120 * 132 * 80 * 8 / sass_counts.ISSUE_RATE * 1e6
+    assert sass_counts.issue_bound_us(many, (3, 3, 1)) == pytest.approx(spread)
+    assert sass_counts.issue_bound_us(many, (2, 3, 1)) == sass_counts.issue_bound_us(many, (3, 3, 1))
     assert "issue_bound_us" not in sass_counts.count(p, get_algorithm(name.format("fwd")), 80)[0]  # not sm_90's rate
     # --replace drops a family's rows by their configuration's name, registered or not
     names = ("triton:depthwise_band_fwd_r32n16c8w4", "triton:depthwise_fwd_p64c32w4ut",
