@@ -7,10 +7,10 @@ CUDA tools Triton ships (cuobjdump): registers and spilled bytes per thread, sha
 instruction counts (all, tensor-core products, global loads, shared-memory stores, loops). ``warp instructions``
 multiplies a kernel's static count by its programs and warps: the instructions issued if each loop ran once and
 each branch both ways, exact for straight-line kernels. For kernels whose loops' turns are known here (the banded
-depthwise kernels: ``TURNS``), ``issue-bound`` counts them: the innermost loop's instructions times its turns and
-the rest times the turns of the loop around it, issued at one warp instruction a clock by each of the target's
-schedulers (``ISSUE_RATE``), and no faster than the longest warp's instructions one a clock, times the warps a
-scheduler holds (``issue_bound_us``): the time a kernel limited by nothing but issuing instructions would take. This
+depthwise kernels: ``TURNS``), ``issue-bound`` counts them: the innermost loop's instructions times its turns, the
+loop around it's times its own, the rest once, issued at one warp instruction a clock by each of the target's
+schedulers (``ISSUE_RATE``), and no faster than the programs, placed whole on the SMs, leave the busiest scheduler
+(``issue_bound_us``): the time a kernel limited by nothing but issuing instructions would take. This
 is a prediction to check against a GPU's timing, not a timing: it tells which configurations spill, which never
 reach the tensor cores, and how much work a kernel change removes.
 
@@ -62,30 +62,39 @@ ISSUE_ARCH, SMS, SCHEDULERS, CLOCK = 90, 132, 4, 1.98e9
 ISSUE_RATE = SMS * SCHEDULERS * CLOCK  # warp instructions a second
 
 
-def issue_bound_us(launch: dict, turns: tuple[float, float, int]) -> float:
-    """The issue-bound time of a launch whose innermost loop turns ``turns[0]`` times on average and ``turns[1]``
-    at most, inside a loop of ``turns[2]``: the longer of all its warps' instructions spread over every scheduler,
-    and of the longest warp's instructions, one a clock, times the warps a scheduler holds (programs share the SMs
-    whole: a launch of fewer programs than SMs leaves schedulers idle)."""
-    mean, longest, outer = turns
-    body, loop = launch["instructions"] - launch["inner_loop"], launch["inner_loop"]
+def issue_bound_us(launch: dict, turns: tuple[tuple[float, ...], int]) -> float:
+    """The issue-bound time of a launch whose programs' innermost loop turns ``turns[0][i]`` times in the i-th of
+    equal shares of its programs (one share where all turn alike), inside a loop of ``turns[1]`` turns (whose own
+    instructions, ``outer_loop``, repeat with it; those outside every loop run once). One warp instruction a clock
+    per scheduler, and a program's warps spread over its SM's schedulers: the longer of all the warps' instructions
+    spread over every scheduler, and of what the programs, placed whole on the SMs, leave the busiest one (with m
+    SMs, the (k·m+1)-th longest program's share puts k+1 such shares on some scheduler)."""
+    shares, outer = turns
+    loop, around = launch["inner_loop"], launch.get("outer_loop") or launch["inner_loop"]
+    once = launch["instructions"] - around
+    per_warp = [once + ((around - loop) + loop * t) * outer for t in shares]
     programs = 1
     for g in launch["grid"]:
         programs *= g
     warps = launch["warps"]
-    spread = (body + loop * mean) * outer * programs * warps / ISSUE_RATE
-    # the warps the busiest scheduler holds: a program's warps share its SM's schedulers, and programs come whole
-    held = max(-(-programs * warps // (SMS * SCHEDULERS)), -(-programs // SMS) * (warps // SCHEDULERS))
-    return max(spread, (body + loop * longest) * outer * held / CLOCK) * 1e6
+    spread = sum(per_warp) / len(per_warp) * programs * warps / ISSUE_RATE
+    # a program's load on each scheduler of its SM, the programs an SM takes side by side, and the longest first
+    slots = SMS * max(1, SCHEDULERS // warps)
+    load = sorted((w * -(-warps // SCHEDULERS) for w in per_warp for _ in range(programs // len(per_warp))),
+                  reverse=True)
+    busiest = max((k + 1) * load[k * slots] for k in range(-(-len(load) // slots)))
+    return max(spread, busiest / CLOCK) * 1e6
 
 
-def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict) -> tuple[float, float, int] | None:
+def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
+                 launch: dict) -> tuple[tuple[float, ...], int] | None:
     """The turns of a banded kernel's innermost loop, and of the loop around it (``kernels.banded``), read against
     the loops its machine code kept: the forward turns once per kernel row; the data gradient once per kernel row
     within a loop over the channel multiple (the compiler may unroll the kernel rows, keeping the multiple's loop
-    alone); the weight gradient's partial sums once per BLOCK_M rows of a run (the mean over the runs: the last may
-    be shorter), in a loop over the kernel rows. As (mean turns, most turns, turns of the loop around); None for
-    the partials' sum, and where the loops kept are not of a shape the source can give (copies side by side, say)."""
+    alone); the weight gradient's partial sums once per BLOCK_M rows of a run (the last run may be shorter: one
+    count per run, each the turns of an equal share of the programs), in a loop over the kernel rows. As (the
+    innermost loop's turns per share, turns of the loop around); None for the partials' sum, and where the loops
+    kept are not of a shape the source can give (copies side by side, say)."""
     from convtune.kernels.shared import geometry, sizes
 
     r, (loops, nested) = geometry(problem)[0], (launch["loops"], launch.get("nested", False))
@@ -93,20 +102,18 @@ def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm, launch: dict)
     if kernel == "_sum_partials":
         return None
     if loops == 0:
-        return 1, 1, 1  # straight-line code: each instruction issued once
+        return (1,), 1  # straight-line code: each instruction issued once
     if kernel == "_forward" and loops == 1:
-        return r, r, 1
+        return (r,), 1
     if kernel == "_backward_data":
         multiple = problem.k // problem.c
         if loops == 1:  # the kernel rows' loop, or (a multiple of 2 or more) the multiple's with the rows unrolled
-            return (multiple, multiple, 1) if multiple > 1 else (r, r, 1)
+            return ((multiple,) if multiple > 1 else (r,)), 1
         if loops == 2 and nested:
-            return r, r, multiple
+            return (r,), multiple
     if kernel == "_backward_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
         rows, chunk, block = problem.n * sizes(problem)[2], algorithm.tile.chunk, algorithm.tile.rows
-        runs = range(0, rows, chunk)
-        turns = [-(-min(chunk, rows - first) // block) for first in runs]
-        return sum(turns) / len(turns), max(turns), r
+        return tuple(-(-min(chunk, rows - first) // block) for first in range(0, rows, chunk)), r
     return None
 
 
@@ -183,10 +190,14 @@ def instruction_counts(sass: str) -> dict:
             loops.append((int(target.group(1), 16), int(address, 16)))
     inner = min(loops, key=lambda span: span[1] - span[0], default=None)  # the innermost: the shortest body
     body = [op for address, op in lines if inner and inner[0] <= address <= inner[1]]
-    nested = any(span != inner and span[0] <= inner[0] and inner[1] <= span[1] for span in loops)
+    around = [span for span in loops if span != inner and span[0] <= inner[0] and inner[1] <= span[1]]
+    nested = bool(around)
+    outer = min(around, key=lambda span: span[1] - span[0], default=None)  # the loop right around the innermost
+    outer_loop = sum(1 for address, _ in lines if outer and outer[0] <= address <= outer[1])
     return dict(instructions=len(lines), tensor_core=ops["HMMA"] + ops["HGMMA"],
                 global_loads=ops["LDG"] + ops["LDGSTS"] + ops["UTMALDG"],
-                shared_stores=ops["STS"] + ops["STSM"], loops=len(loops), nested=nested, inner_loop=len(body),
+                shared_stores=ops["STS"] + ops["STSM"], loops=len(loops), nested=nested, outer_loop=outer_loop,
+                inner_loop=len(body),
                 inner_loop_tensor_core=sum(op in ("HMMA", "HGMMA") for op in body))
 
 
@@ -255,11 +266,11 @@ def markdown(env: dict, rows: dict) -> str:
             "turn a warp), programs, and warp instructions (millions): static count × programs × warps, the "
             "instructions issued if each loop ran once and every branch ran both ways (an estimate; exact for "
             "straight-line code); for the banded kernels, whose loops' turns are known, the issue-bound time (µs): "
-            "the innermost loop's instructions times its turns and the rest times the turns of the loop around it, "
+            "the innermost loop's instructions times its turns, the loop around it's times its turns, the rest once, "
             "issued at one warp instruction a clock per scheduler (132 SMs × 4 at 1.98 GHz), spread over all of them "
-            "or, where the programs are too few to fill them, at the longest warp's pace: the time of a kernel that "
-            "nothing but issuing limits (a prediction, not a timing). Rows of several revisions stand side by "
-            "side.\n\n"
+            "or, where the programs are too few or too uneven to share them evenly, as they fall on the busiest: the "
+            "time of a kernel that nothing but issuing limits (a prediction, not a timing; both ways of a branch are "
+            "counted). Rows of several revisions stand side by side.\n\n"
             + common.md_table(["problem", "configuration", "revision", "kernel", "registers", "spilled", "shared",
                                "instructions", "tensor core", "loads", "shared stores", "loops",
                                "innermost loop: instructions / tensor core", "programs", "warp instructions (M)",

@@ -573,7 +573,8 @@ def test_sass_counts_compiles_a_kernel_for_the_gpu_and_counts_its_machine_code(s
     sass = ("/*0000*/ IMAD R0, R1, R2, R3 ;\n/*0010*/ HMMA.16816.F32 R0, R1, R2, R3 ;\n"
             "/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ LDG.E R4, [R2.64] ;\n/*0040*/ @P1 BRA 0x0 ;")
     assert sass_counts.instruction_counts(sass) == dict(instructions=5, tensor_core=1, global_loads=1, shared_stores=0,
-                                                        loops=2, nested=True, inner_loop=2, inner_loop_tensor_core=1)
+                                                        loops=2, nested=True, outer_loop=5, inner_loop=2,
+                                                        inner_loop_tensor_core=1)
     side_by_side = sass.replace("@P1 BRA 0x0", "@P1 BRA 0x30")
     assert sass_counts.instruction_counts(side_by_side)["nested"] is False
     # the grouped kernels' loops' turns are not known: no issue-bound time
@@ -598,16 +599,16 @@ def test_sass_counts_bounds_the_banded_kernels_time_by_their_loops_turns(sass_co
         algorithm = get_algorithm(name.format(direction) + ("s256" if direction == "bwd_filter" else ""))
         return sass_counts.banded_turns(problem.with_direction(direction), algorithm, launch)
 
-    assert turns("fwd", kernel="_forward", loops=1) == (3, 3, 1)
-    assert turns("fwd", kernel="_forward", loops=0) == (1, 1, 1)
+    assert turns("fwd", kernel="_forward", loops=1) == ((3,), 1)
+    assert turns("fwd", kernel="_forward", loops=0) == ((1,), 1)
     assert turns("fwd", kernel="_forward", loops=2, nested=True) is None
-    assert turns("bwd_data", kernel="_backward_data", loops=1) == (2, 2, 1)
-    assert turns("bwd_data", kernel="_backward_data", loops=2, nested=True) == (3, 3, 2)
+    assert turns("bwd_data", kernel="_backward_data", loops=1) == ((2,), 1)
+    assert turns("bwd_data", kernel="_backward_data", loops=2, nested=True) == ((3,), 2)
     assert turns("bwd_data", kernel="_backward_data", loops=2, nested=False) is None
-    assert turns("bwd_data", problem=p.replace(k=8), kernel="_backward_data", loops=1) == (3, 3, 1)
-    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=2, nested=True) == (3, 3, 3)
+    assert turns("bwd_data", problem=p.replace(k=8), kernel="_backward_data", loops=1) == ((3,), 1)
+    assert turns("bwd_filter", kernel="_backward_filter_partials", loops=2, nested=True) == ((3,), 3)
     longer = p.replace(n=15, input_size=(20, 40))
-    assert turns("bwd_filter", problem=longer, kernel="_backward_filter_partials", loops=2, nested=True) == (5, 8, 3)
+    assert turns("bwd_filter", problem=longer, kernel="_backward_filter_partials", loops=2, nested=True) == ((8, 2), 3)
     assert turns("bwd_filter", kernel="_backward_filter_partials", loops=3, nested=True) is None
     assert turns("bwd_filter", kernel="_sum_partials", loops=1) is None
     (launch,) = sass_counts.count(p, get_algorithm(name.format("fwd")), 90)
@@ -617,14 +618,22 @@ def test_sass_counts_bounds_the_banded_kernels_time_by_their_loops_turns(sass_co
     # than the SMs, so the bound is one warp's instructions one a clock (not all of them spread over every scheduler)
     assert launch["loops"] == 1 and programs == 18
     assert launch["issue_bound_us"] == pytest.approx(per_warp / sass_counts.CLOCK * 1e6)
-    # a warp of 90 instructions and a loop of 10 turning 3 times: 400 programs of 8 warps on 132 SMs put 4 programs
-    # on some, 8 warps a scheduler; 132·80 of them fill every scheduler evenly: the same as spread over all; a mean
-    # of 2 turns where the longest takes 3 (a shorter last run) counts the longest's
-    few, many = (dict(launch, grid=[g, 1, 1], warps=8, instructions=100, inner_loop=10) for g in (400, 132 * 80))
-    assert sass_counts.issue_bound_us(few, (3, 3, 1)) == pytest.approx(120 * 8 / sass_counts.CLOCK * 1e6)
-    spread = 120 * 132 * 80 * 8 / sass_counts.ISSUE_RATE * 1e6
-    assert sass_counts.issue_bound_us(many, (3, 3, 1)) == pytest.approx(spread)
-    assert sass_counts.issue_bound_us(many, (2, 3, 1)) == sass_counts.issue_bound_us(many, (3, 3, 1))
+
+    def bound(grid, warps, shares, outer=1):
+        # 100 instructions: 40 in the loop around the innermost (the innermost's 10 included), 60 outside both
+        launch = dict(grid=grid, warps=warps, instructions=100, outer_loop=40 if outer > 1 else 0, inner_loop=10)
+        return sass_counts.issue_bound_us(launch, (shares, outer)) * 1e-6 * sass_counts.CLOCK  # in clocks
+
+    # a warp of 90 instructions and a loop of 10 turning 3 times: 120. 400 programs of 8 warps on 132 SMs put 4 on
+    # some, 2 warps a scheduler each: 8 warps; 132·80 fill every scheduler evenly, the same as spread over all
+    assert bound([400, 1, 1], 8, (3,)) == pytest.approx(120 * 8)
+    assert bound([132 * 80, 1, 1], 8, (3,)) == pytest.approx(120 * 132 * 80 * 8 / (132 * 4))
+    # two equal shares turning 3 and 1 times (120 and 100 instructions a warp), 8 warps: evenly spread where there
+    # are many, and where there are 264 (132 of each), an SM takes two: at best one of each, 220 × 2 warps
+    assert bound([132 * 80, 1, 1], 8, (3, 1)) == pytest.approx(110 * 132 * 80 * 8 / (132 * 4))
+    assert bound([2, 66, 2], 8, (3, 1)) == pytest.approx(220 * 2)
+    # the loop around turns 4 times: its own 30 and the innermost's 10 × 3 each time, the other 60 once
+    assert bound([1, 1, 1], 4, (3,), outer=4) == pytest.approx(60 + 4 * (30 + 10 * 3))
     assert "issue_bound_us" not in sass_counts.count(p, get_algorithm(name.format("fwd")), 80)[0]  # not sm_90's rate
     # --replace drops a family's rows by their configuration's name, registered or not
     names = ("triton:depthwise_band_fwd_r32n16c8w4", "triton:depthwise_fwd_p64c32w4ut",
