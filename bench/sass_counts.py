@@ -77,6 +77,7 @@ def issue_bound_us(launch: dict, turns: tuple[tuple[float, ...], int]) -> float:
     for g in launch["grid"]:
         programs *= g
     warps = launch["warps"]
+    assert programs % len(per_warp) == 0 and warps & (warps - 1) == 0, (launch["grid"], warps, shares)
     spread = sum(per_warp) / len(per_warp) * programs * warps / ISSUE_RATE
     # a program's load on each scheduler of its SM, the programs an SM takes side by side, and the longest first
     slots = SMS * max(1, SCHEDULERS // warps)
@@ -183,11 +184,13 @@ def instruction_counts(sass: str) -> dict:
     lines = [(int(address, 16), op) for address, op in
              re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;", sass)]
     ops = collections.Counter(op for _, op in lines)
-    loops = []  # (first, last) address of each loop's body
+    ends: dict[int, int] = {}  # each loop's first address: its last (several branches back to one start: one loop)
     for address, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*BRA[^;]*);", sass):
         target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", text)
         if target and target.group(1) and int(target.group(1), 16) < int(address, 16):
-            loops.append((int(target.group(1), 16), int(address, 16)))
+            start = int(target.group(1), 16)
+            ends[start] = max(ends.get(start, 0), int(address, 16))
+    loops = list(ends.items())  # (first, last) address of each loop's body
     inner = min(loops, key=lambda span: span[1] - span[0], default=None)  # the innermost: the shortest body
     body = [op for address, op in lines if inner and inner[0] <= address <= inner[1]]
     around = [span for span in loops if span != inner and span[0] <= inner[0] and inner[1] <= span[1]]

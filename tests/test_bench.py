@@ -577,6 +577,9 @@ def test_sass_counts_compiles_a_kernel_for_the_gpu_and_counts_its_machine_code(s
                                                         inner_loop_tensor_core=1)
     side_by_side = sass.replace("@P1 BRA 0x0", "@P1 BRA 0x30")
     assert sass_counts.instruction_counts(side_by_side)["nested"] is False
+    one_loop = sass.replace("@P1 BRA 0x0", "@P1 BRA 0x10")  # two branches back to one start: one loop, not nested
+    assert {k: v for k, v in sass_counts.instruction_counts(one_loop).items() if k in ("loops", "nested")} == dict(
+        loops=1, nested=False)
     # the grouped kernels' loops' turns are not known: no issue-bound time
     assert "issue_bound_us" not in launch and text.splitlines()[-1].endswith("| - |")
 

@@ -37,7 +37,7 @@ TILES = ((32, 16, 8, 4), (64, 16, 4, 4), (64, 32, 1, 4), (64, 16, 8, 8))  # the 
 # The weight gradient's: runs of 256 output rows per partial sum, and of 64 for layers with few rows. Its tiles of 16
 # channels on 16 rows issue about a third fewer instructions in all than those of 8, but in fewer programs, which
 # leave schedulers idle on most layers (a run of 256 rows of a 7x7 layer of 96 channels at 56x56 gives 168 programs
-# of 4 warps for the H200's 528 schedulers): compiled for sm_90, their issue bound there is 44 µs against 50, and
+# of 4 warps for the H200's 528 schedulers): compiled for sm_90, their issue bound there is 45 µs against 50, and
 # the shortest on 9 of depthwise.md's 10 layers (sass_counts.md).
 BACKWARD_FILTER_TILES = ((32, 16, 8, 4, 256), (64, 32, 1, 4, 256), (16, 16, 16, 4, 256), (32, 16, 8, 4, 64),
                          (16, 16, 16, 4, 64))
