@@ -29,6 +29,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -44,7 +45,7 @@ import common  # noqa: E402
 import depthwise  # noqa: E402  (bench/depthwise.py: the layers of its default table)
 from convtune.algorithms.registry import registered  # noqa: E402
 from convtune.algorithms.triton_family import TritonAlgorithm  # noqa: E402
-from convtune.problem import ConvProblem  # noqa: E402
+from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 
 # Per family, the problems counted by default: layers of networks where the family is meant to win (ResNeXt-50's
 # grouped layers; depthwise layers of 3x3 to 31x31; for the banded kernels, whose issue-bound time is counted, every
@@ -73,9 +74,7 @@ def issue_bound_us(launch: dict, turns: tuple[tuple[float, ...], int]) -> float:
     loop, around = launch["inner_loop"], launch.get("outer_loop") or launch["inner_loop"]
     once = launch["instructions"] - around
     per_warp = [once + ((around - loop) + loop * t) * outer for t in shares]
-    programs = 1
-    for g in launch["grid"]:
-        programs *= g
+    programs = math.prod(launch["grid"])
     warps = launch["warps"]
     assert programs % len(per_warp) == 0 and warps & (warps - 1) == 0, (launch["grid"], warps, shares)
     spread = sum(per_warp) / len(per_warp) * programs * warps / ISSUE_RATE
@@ -125,9 +124,9 @@ def problem_keys(family: str, dtype: str, layout: str) -> list[str]:
     """The default problems of ``family`` (batch 32) as keys, in every direction."""
     if family == "depthwise_band":
         return [depthwise.make_problem(shape, d, 32, dtype, layout).key for shape in DEFAULTS[family]
-                for d in ("fwd", "bwd_data", "bwd_filter")]
+                for d in DIRECTIONS]
     return [f"{d}|n32|{shape.replace('|g', '|d1x1|g')}|{dtype}|{layout}|cuda|tf32=1"
-            for shape in DEFAULTS[family] for d in ("fwd", "bwd_data", "bwd_filter")]
+            for shape in DEFAULTS[family] for d in DIRECTIONS]
 
 
 def tools() -> Path:
@@ -248,9 +247,7 @@ def markdown(env: dict, rows: dict) -> str:
         shape = (f"{p.direction} n{p.n} c{p.c} k{p.k} g{p.groups} {'x'.join(map(str, p.input_size))} "
                  f"r{'x'.join(map(str, p.kernel_size))} s{p.stride[0]} d{p.dilation[0]} {p.dtype} {p.layout}")
         for launch in row["launches"]:
-            programs = 1
-            for g in launch["grid"]:
-                programs *= g
+            programs = math.prod(launch["grid"])
             total = launch["instructions"] * programs * launch["warps"]
             lines.append([shape, row["algorithm"].removeprefix("triton:"), row["revision"], launch["kernel"],
                           launch["registers"], f"{launch['spilled_bytes']} ({launch.get('spill_instructions', '-')})",

@@ -99,8 +99,8 @@ def side_tiles(problem: ConvProblem, tile: BandTile) -> int:
     """The most programs a launch puts along its second or third grid axis: tiles of the result's columns, and of
     its channels."""
     _, wd, _, q = sizes(problem)
-    columns, channels = (wd, problem.c) if problem.direction == "bwd_data" else (q, problem.k)
-    return max(triton.cdiv(columns, tile.columns), triton.cdiv(channels, tile.channels))
+    width, channels = (wd, problem.c) if problem.direction == "bwd_data" else (q, problem.k)
+    return max(triton.cdiv(width, tile.columns), triton.cdiv(channels, tile.channels))
 
 
 @triton.jit
