@@ -17,7 +17,7 @@ import torch
 
 from convtune import problem as problems
 from convtune import verify
-from convtune.algorithms.base import _aligned, allocate_workspace
+from convtune.algorithms.base import allocate_workspace, buffers_bytes, carve
 from convtune.algorithms.registry import get_algorithm
 from convtune.algorithms.triton_family import interpreting
 from convtune.problem import DIRECTIONS, ConvProblem
@@ -100,15 +100,13 @@ def _untouched(storage: torch.Tensor, fill: float) -> bool:
     return bool((torch.cat([storage[:GUARD], storage[-GUARD:]]) == fill).all())
 
 
-def _padding(algorithm, p: ConvProblem) -> list[tuple[int, int]]:
-    """The byte ranges of the workspace between each declared buffer's end and the next one's start (``carve``'s
-    alignment): a write past a buffer's own end lands there first."""
-    ranges, offset = [], 0
-    for buffer in algorithm.buffers(p):
-        if buffer.nbytes:
-            ranges.append((offset + buffer.nbytes, offset + _aligned(buffer.nbytes)))
-            offset += _aligned(buffer.nbytes)
-    return ranges
+def _padding(algorithm, p: ConvProblem, workspace: torch.Tensor) -> list[tuple[int, int]]:
+    """The byte ranges of ``workspace`` between each declared buffer's end and the next one's start, as ``carve``
+    lays them out (its alignment): a write past a buffer's own end lands there first."""
+    buffers = [buffer for buffer in algorithm.buffers(p) if buffer.nbytes]
+    views = carve(workspace, buffers)
+    starts = [views[b.name].data_ptr() - workspace.data_ptr() for b in buffers] + [buffers_bytes(buffers)]
+    return [(start + b.nbytes, following) for b, start, following in zip(buffers, starts, starts[1:])]
 
 
 def run_checked(name: str, p: ConvProblem) -> None:
@@ -125,6 +123,6 @@ def run_checked(name: str, p: ConvProblem) -> None:
     assert ok, f"{name} on {p.key}: {message}"
     assert _untouched(out_storage, OUTPUT_GUARD), f"{name} on {p.key} wrote past its output's ends"
     assert _untouched(workspace_storage, WORKSPACE_GUARD), f"{name} on {p.key} wrote past its workspace's ends"
-    for start, stop in _padding(algorithm, p):
+    for start, stop in _padding(algorithm, p, workspace):
         assert bool((workspace[start:stop] == WORKSPACE_GUARD).all()), (
             f"{name} on {p.key} wrote past a workspace buffer's end (bytes {start}-{stop} of its padding)")
