@@ -3,8 +3,9 @@ floor.
 
 For each shape and direction, with one timer (convtune.timing.benchmark) for everything and every
 result checked against float64 first:
-- ours: every configuration of the direction of both depthwise families (triton:depthwise, on the CUDA cores, and
-  triton:depthwise_band, on the tensor cores), or for a grouped shape of triton:grouped, the fastest reported;
+- ours: every configuration of the direction of the three depthwise families (triton:depthwise, tap by tap on the
+  CUDA cores, triton:depthwise_strip, by strips of a row on the CUDA cores, and triton:depthwise_band, on the tensor
+  cores), or for a grouped shape of triton:grouped, the fastest reported;
 - the best cuDNN execution plan: every plan of heuristics A + FALLBACK, built, checked and timed;
 - PyTorch's own call with cudnn.benchmark False and True, each in its own process;
 - the floor (hardware.roofline_ms: multiply-adds at the CUDA cores' float32 rate, compulsory bytes).
@@ -39,6 +40,7 @@ from convtune.algorithms.native import native_conv  # noqa: E402
 from convtune.algorithms.registry import registered  # noqa: E402
 from convtune.algorithms.triton_depthwise import TritonDepthwise  # noqa: E402
 from convtune.algorithms.triton_depthwise_band import TritonDepthwiseBand  # noqa: E402
+from convtune.algorithms.triton_depthwise_strip import TritonDepthwiseStrip  # noqa: E402
 from convtune.algorithms.triton_grouped import TritonGrouped  # noqa: E402
 from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 from convtune.timing import benchmark  # noqa: E402
@@ -78,7 +80,7 @@ def make_problem(shape: str, direction: str, batch: int, dtype: str, layout: str
 
 def ours(algorithm, p: ConvProblem) -> bool:
     """Whether ``algorithm`` is one of convtune's own kernel families for ``p``'s kind (depthwise or grouped)."""
-    families = (TritonDepthwise, TritonDepthwiseBand) if p.groups == p.c else (TritonGrouped,)
+    families = (TritonDepthwise, TritonDepthwiseBand, TritonDepthwiseStrip) if p.groups == p.c else (TritonGrouped,)
     return isinstance(algorithm, families) and bool(algorithm.supports(p))
 
 
@@ -140,9 +142,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def band_ms(row: dict) -> float | None:
-    """The fastest triton:depthwise_band configuration's time in ``row`` (None: none timed, or an older row)."""
-    times = [v for n, v in (row.get("ours") or {}).items() if n.startswith("triton:depthwise_band_") and v]
+FAMILIES = ("strip", "band")  # the depthwise families the table shows apart, beside the best of all three
+
+
+def family_ms(row: dict, family: str) -> float | None:
+    """The fastest triton:depthwise_<family> configuration's time in ``row`` (None: none timed, or an older row)."""
+    times = [v for n, v in (row.get("ours") or {}).items() if n.startswith(f"triton:depthwise_{family}_") and v]
     return min(times) if times else None
 
 
@@ -153,37 +158,40 @@ def markdown(env: dict, rows: dict) -> str:
     head = (f"# Depthwise and grouped convolutions: convtune's kernels against cuDNN and PyTorch\n\n"
             f"{common.env_line(env)}; ours: the row's ours_revision in the JSON. Times in ms "
             f"(convtune.timing.benchmark, every result checked against "
-            f"float64 first); a group: channels a group (1: depthwise); ours: the fastest configuration of either "
-            f"depthwise family, or of triton:grouped; band: the fastest of "
-            f"triton:depthwise_band's (the tensor cores; '-' where the row predates it); cuDNN: the fastest of every "
+            f"float64 first); a group: channels a group (1: depthwise); ours: the fastest configuration of the "
+            f"depthwise families, or of triton:grouped; strip, band: the fastest of triton:depthwise_strip's (by "
+            f"strips of a row) and of triton:depthwise_band's (the tensor cores; '-' where the row predates the "
+            f"family or the family does not compute it); cuDNN: the fastest of every "
             f"plan; floor: multiply-adds at the CUDA cores' float32 rate (depthwise) or the tensor cores' (grouped), "
             f"or compulsory bytes at bandwidth; speed-up: cuDNN's best / ours.\n\n")
     body = []
     groups: dict[tuple, list[float]] = {}
-    bands: dict[tuple, list[float]] = {}
+    alone: dict[str, dict[tuple, list[float]]] = {family: {} for family in FAMILIES}
     for r in rows.values():
         p = ConvProblem.from_key(r["problem"])
         speedup = ratio(r.get("cudnn_ms"), r.get("ours_ms"))
-        band = band_ms(r)
+        theirs = {family: family_ms(r, family) for family in FAMILIES}
         body.append([p.direction, p.dtype, p.n, p.c, p.c // p.groups, f"{p.input_size[0]}", f"{p.kernel_size[0]}",
-                     p.stride[0],
-                     fmt(r.get("ours_ms")), fmt(band), fmt(r.get("cudnn_ms")), fmt(r.get("torch_bench1_ms")),
+                     p.stride[0], fmt(r.get("ours_ms")), *(fmt(theirs[family]) for family in FAMILIES),
+                     fmt(r.get("cudnn_ms")), fmt(r.get("torch_bench1_ms")),
                      fmt(r.get("torch_bench0_ms")), fmt(r["floor_ms"]), fmt(speedup, 2),
                      fmt(ratio(r.get("ours_ms"), r["floor_ms"]), 1), r.get("ours_best") or "-"])
         kernel = p.kernel_size[0]
         family = ("≥7" if kernel >= 7 else str(kernel)) if p.groups == p.c else f"grouped, {p.c // p.groups} a group"
         if speedup:
             groups.setdefault((p.direction, family), []).append(speedup)
-            if band:
-                bands.setdefault((p.direction, family), []).append(r["cudnn_ms"] / band)
+            for name, ms in theirs.items():
+                if ms:
+                    alone[name].setdefault((p.direction, family), []).append(r["cudnn_ms"] / ms)
     table = common.md_table(["direction", "dtype", "batch", "channels", "a group", "size", "kernel", "stride", "ours",
-                             "band",
-                             "cuDNN best", "torch bm1", "torch bm0", "floor", "speed-up", "ours / floor",
+                             *FAMILIES, "cuDNN best", "torch bm1", "torch bm0", "floor", "speed-up", "ours / floor",
                              "our pick"], body)
+    def mean(speedups: dict, key: tuple) -> str:
+        return f"{common.geomean(speedups[key]):.2f} ({len(speedups[key])})" if key in speedups else "-"
+
     means = common.md_table(["direction", "kernel", "shapes", "geometric mean speed-up over cuDNN's best",
-                             "band's alone (shapes)"],
-                            [[d, f, len(v), f"{common.geomean(v):.2f}",
-                              f"{common.geomean(bands[d, f]):.2f} ({len(bands[d, f])})" if (d, f) in bands else "-"]
+                             *(f"{family}'s alone (shapes)" for family in FAMILIES)],
+                            [[d, f, len(v), f"{common.geomean(v):.2f}", *(mean(alone[n], (d, f)) for n in FAMILIES)]
                              for (d, f), v in sorted(groups.items())])
     return head + "## Geometric means\n\n" + means + "\n## Every shape\n\n" + table
 

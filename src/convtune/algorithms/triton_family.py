@@ -37,6 +37,7 @@ from .registry import register
 
 log = logging.getLogger(__name__)
 INDEX_LIMIT = 2**31  # the kernels' offsets are 32-bit
+GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
 
 
 def interpreting() -> bool:

@@ -39,7 +39,6 @@ from .recording import launch
 from .shared import as_4d, geometry, sizes, sum_partials, tf32
 
 MAX_WINDOW = 128  # the widest input window (BLOCK_J) a configuration reads per row: its band is (BLOCK_J × BLOCK_N)
-GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
 
 
 @dataclasses.dataclass(frozen=True)

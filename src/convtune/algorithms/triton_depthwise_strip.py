@@ -1,0 +1,100 @@
+"""triton:depthwise_strip_*: convtune's depthwise kernels by strips of a row (``convtune.kernels.strips``: each input
+column loaded once per kernel row for every output of a strip it reaches), one algorithm per direction and tile
+configuration.
+
+Where they run and what every Triton family refuses: ``triton_family``.
+
+    >>> from convtune.problem import ConvProblem
+    >>> from convtune.algorithms.registry import get_algorithm
+    >>> p = ConvProblem("bwd_data", n=8, c=64, k=64, input_size=(28, 28), kernel_size=7, padding=3, groups=64,
+    ...                 dtype="float16", layout="channels_last", device="cuda")
+    >>> strip = get_algorithm("triton:depthwise_strip_bwd_data_t4b32c32w4")
+    >>> bool(strip.supports(p))
+    True
+    >>> print(strip.supports(p.replace(stride=2)).reason)  # doctest: +NORMALIZE_WHITESPACE
+    computes the data gradient of stride 1 only, got stride (2, 2); triton:depthwise_bwd_data_*ph (by stride phase),
+    cuDNN or torch:native take it
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..costmodel import Cost
+from ..problem import ConvProblem
+from .base import SUPPORTED, Buffer, NumericNotes, Support, unsupported
+from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, register_family
+
+# (outputs a strip, strips a program, channels a program, warps[, output rows per partial sum]). 128 threads take
+# strips × channels / 128 channels each: 8 (16 bytes of float16, channels_last's vector) in the tiles of 32 or 64
+# channels, 4 in those of 16 channels on 8-output strips. Compiled for the H200 (sm_90), t4b32c32w4 issues about
+# 0.063 warp instructions per multiply-add of a 7x7 forward in channels_last (96 channels, 56x56, batch 32), a third
+# of the tap-by-tap depthwise_fwd_p64c32w4t's 0.18; 8-output strips a little fewer, with more registers
+# (docs/algorithms.md). Each is a candidate: find's verified measurement picks.
+TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4))
+# The weight gradient's: runs of 8 or 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
+BACKWARD_FILTER_TILES = ((4, 32, 32, 4, 8), (4, 32, 32, 4, 32), (8, 16, 32, 4, 8), (8, 16, 32, 4, 32),
+                         (4, 16, 64, 4, 16))
+MAX_COLUMNS = 128  # the input columns a strip reads per kernel row, each a load unrolled at compile time
+
+
+class TritonDepthwiseStrip(TritonAlgorithm):
+    """One direction of the depthwise kernels by strips with one tile configuration."""
+
+    family = "depthwise_strip"
+    kernels = "strips"
+    tile_type = "StripTile"
+
+    def __init__(self, direction: str, strip: int, strips: int, channels: int, warps: int, chunk: int = 0):
+        self._configure(direction, (strip, strips, channels, warps, chunk),
+                        f"t{strip}b{strips}c{channels}w{warps}" + (f"s{chunk}" if chunk else ""))
+
+    def _family_supports(self, problem: ConvProblem) -> Support:
+        depthwise = depthwise_only(problem)
+        if not depthwise:
+            return depthwise
+        module = self.module()
+        taps = problem.kernel_size[-1]
+        stride, dilation = problem.stride[-1], problem.dilation[-1]
+        if problem.direction == "bwd_data" and any(s != 1 for s in problem.stride):
+            return unsupported(f"computes the data gradient of stride 1 only, got stride {problem.stride}; "
+                               f"triton:depthwise_bwd_data_*ph (by stride phase), cuDNN or torch:native take it")
+        if problem.direction == "bwd_filter" and taps > module.MAX_FILTER_TAPS:
+            return unsupported(f"keeps a weight-gradient sum for each of up to {module.MAX_FILTER_TAPS} taps of a "
+                               f"kernel row, got {taps}; triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")
+        columns = (self.tile_args[0] - 1) * (stride if problem.direction != "bwd_data" else 1) \
+            + (taps - 1) * dilation + 1
+        if columns > MAX_COLUMNS:
+            return unsupported(f"unrolls a load for each of the {columns} input columns a strip reads per kernel row "
+                               f"(kernel row {taps} taps, dilation {dilation}), more than {MAX_COLUMNS}; the other "
+                               f"depthwise kernels, cuDNN or torch:native take it")
+        channels = problem.c if problem.direction == "bwd_data" else problem.k
+        tiles = math.ceil(channels / self.tile_args[2])
+        if tiles > GRID_AXIS_LIMIT:
+            return unsupported(f"launches {tiles} programs along a grid axis that holds {GRID_AXIS_LIMIT} (tiles of "
+                               f"{self.tile_args[2]} channels); torch:native or cuDNN take it")
+        return SUPPORTED
+
+    def buffers(self, problem: ConvProblem) -> list[Buffer]:
+        if problem.direction != "bwd_filter":  # the weights in float32, tap by tap (strips.lay_out_weights)
+            return [Buffer("weights", self.module().weights_shape(problem, self.tile), torch.float32)]
+        return super().buffers(problem)
+
+    def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
+        # One float32 partial sum per (run of output rows, channel, tap).
+        return (self.module().partial_sums(problem, self.tile), problem.k, math.prod(problem.kernel_size))
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        return NumericNotes(float32_inside=problem.dtype != "float32")
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        # Multiply-adds on the CUDA cores in float32. Not measured on a GPU yet: priced at a quarter of the float32
+        # peak (the compiled loops issue about a third of the instructions per multiply-add of the tap-by-tap
+        # kernels, priced at a tenth) and three times the compulsory traffic, as those are.
+        return Cost(problem.flops, 0.25, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
+                    float32_inside=True, composed=False)
+
+
+register_family(TritonDepthwiseStrip, {"fwd": TILES, "bwd_data": TILES, "bwd_filter": BACKWARD_FILTER_TILES})

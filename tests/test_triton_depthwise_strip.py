@@ -1,0 +1,144 @@
+"""triton:depthwise_strip_*: every direction, dtype, layout, stride, dilation and multiplier against float64.
+
+Where the kernels run (a GPU, or Triton's interpreter: tests/test_triton_interpreter.py) and the checked
+run: tests/triton_cases.py.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+
+from convtune.algorithms.registry import get_algorithm, registered
+from convtune.algorithms.triton_depthwise_strip import BACKWARD_FILTER_TILES, TILES, TritonDepthwiseStrip
+from convtune.algorithms.triton_family import interpreting
+from convtune.problem import ConvProblem
+from triton_cases import (
+    DEPTHWISE_SHAPES,
+    DEVICE,
+    DIRECTIONS,
+    check_supporting,
+    depthwise_problem,
+    every_case,
+    kernel_tests,
+    kernels,
+    needs_triton,
+    run_checked,
+)
+
+FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwiseStrip)]
+SHAPES = DEPTHWISE_SHAPES
+KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # float16 is not run in the interpreter
+
+
+def of_direction(direction: str) -> list[str]:
+    names = [n for n in FAMILY if get_algorithm(n).directions == (direction,)]
+    assert len(names) == len(BACKWARD_FILTER_TILES if direction == "bwd_filter" else TILES)
+    return names
+
+
+def computes(p: ConvProblem) -> bool:
+    """Whether the family computes ``p``: the data gradient at stride 1, the weight gradient of kernel rows of up to
+    8 taps, the forward always (of these shapes)."""
+    if p.direction == "bwd_data":
+        return all(s == 1 for s in p.stride)
+    return p.direction == "fwd" or p.kernel_size[-1] <= 8
+
+
+@kernels
+@every_case(SHAPES)
+def test_matches_reference(shape, direction, dtype, layout):
+    if dtype == "float16" and interpreting():
+        # float16 and bfloat16 take the same code (loads widened to float32, one rounding at the store): the
+        # interpreter runs bfloat16's; the GPU runs both.
+        pytest.skip("float16 runs the same kernels as bfloat16: checked on the GPU")
+    p = depthwise_problem(shape, direction, dtype, layout)
+    names = [n for n in of_direction(direction) if get_algorithm(n).supports(p)]
+    assert len(names) == (len(of_direction(direction)) if computes(p) else 0), names
+    if interpreting() and names:  # one configuration a case, a different one from case to case (a CPU, one thread)
+        names = [names[zlib.crc32(p.key.encode()) % len(names)]]
+    for name in names:
+        run_checked(name, p)
+
+
+@kernels
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_partial_tiles_and_many_runs(direction):
+    # 37 output columns (a partial strip of 2, 4 and 8 at a row's end), more strips than a program's (2·9·10 = 180 >
+    # 64), 21 channels (a partial tile of 16 and of 5 after whole ones), 18 output rows in runs of 8 and 16 (the last
+    # partial) and one partial run of 32: every configuration.
+    p = ConvProblem(direction, n=2, c=21, k=21, input_size=(9, 37), kernel_size=5, padding=2, groups=21,
+                    dtype="bfloat16", layout="channels_last", device=DEVICE)
+    assert all(get_algorithm(n).supports(p) for n in of_direction(direction))
+    check_supporting(FAMILY, p)
+
+
+@kernels
+@pytest.mark.parametrize("stride, dilation, kernel", [((1, 2), (1, 1), (3, 7)), ((1, 3), (1, 2), (3, 5)),
+                                                      ((2, 2), (2, 3), (3, 4))])
+def test_strided_and_dilated_rows(stride, dilation, kernel):
+    # A strip's outputs read columns `stride` apart through taps `dilation` apart: the compile-time pairing of
+    # columns with outputs and taps; a channel multiplier of 2; channels_first; every configuration of the forward
+    # and the weight gradient (the data gradient is for stride 1: the first case's dilation at stride 1 too).
+    for direction in ("fwd", "bwd_filter"):
+        p = ConvProblem(direction, n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, stride=stride,
+                        dilation=dilation, padding=(1, 3), groups=3, dtype="float32", layout="channels_first",
+                        device=DEVICE)
+        check_supporting(FAMILY, p)
+    p = ConvProblem("bwd_data", n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, dilation=dilation,
+                    padding=(1, 3), groups=3, dtype="float32", layout="channels_first", device=DEVICE)
+    check_supporting(FAMILY, p)
+
+
+@kernels
+def test_padding_wider_than_the_kernel_reaches():
+    # The data gradient runs the forward's loop with padding dilation·(size - 1) - padding: negative here (padding 4
+    # on a 3-wide kernel), so dx's border positions read no dy at all.
+    p = ConvProblem("bwd_data", n=1, c=8, k=8, input_size=(6, 9), kernel_size=3, padding=4, groups=8,
+                    dtype="float32", layout="channels_last", device=DEVICE)
+    for name in of_direction("bwd_data"):
+        run_checked(name, p)
+
+
+@needs_triton
+def test_the_family_declares_what_it_supports():
+    p = ConvProblem("fwd", n=2, c=8, k=16, input_size=(9, 9), kernel_size=5, padding=2, groups=8, device="cuda")
+    algorithm = get_algorithm("triton:depthwise_strip_fwd_t4b32c32w4")
+    assert algorithm.directions == ("fwd",) and algorithm.is_deterministic(p)
+    half = algorithm.notes(p.replace(dtype="float16"))
+    assert half.float32_inside and not half.tensor_cores and not algorithm.notes(p).float32_inside
+    # the forward's weights in float32, one row a tap, its 16 output channels padded to a tile of 32
+    assert [(b.name, b.shape, str(b.dtype)) for b in algorithm.buffers(p)] == [("weights", (25, 32), "torch.float32")]
+    # the data gradient's grouped by input channel: a row per (multiple, tap), 8 input channels padded to 32
+    data = get_algorithm("triton:depthwise_strip_bwd_data_t4b32c32w4").buffers(p.with_direction("bwd_data"))
+    assert data[0].shape == (2 * 25, 32)
+    reasons = {
+        "groups": p.replace(groups=4),
+        "1-D and 2-D": p.replace(input_size=(5, 5, 5), kernel_size=3, padding=1, stride=1, dilation=1),
+        "computes fwd": p.replace(direction="bwd_data"),
+        "unrolls a load for each of the 130 input columns": p.replace(input_size=(9, 300), kernel_size=(5, 127),
+                                                                      padding=(2, 63)),
+        "grid axis that holds 65535": p.replace(c=3_000_000, k=3_000_000, groups=3_000_000, n=1, input_size=(2, 2),
+                                                kernel_size=1, padding=0),
+    }
+    for words, other in reasons.items():
+        support = algorithm.supports(other)
+        assert not support and words in support.reason, (other.key, support.reason)
+    data = get_algorithm("triton:depthwise_strip_bwd_data_t4b32c32w4")
+    support = data.supports(p.replace(direction="bwd_data", stride=(1, 2)))
+    assert not support and "stride 1 only" in support.reason
+    wgrad = get_algorithm("triton:depthwise_strip_bwd_filter_t4b32c32w4s8")
+    q = p.with_direction("bwd_filter")
+    support = wgrad.supports(q.replace(kernel_size=(3, 9), padding=(1, 4)))
+    assert not support and "up to 8 taps" in support.reason
+    assert wgrad.supports(q.replace(kernel_size=(9, 8), padding=(4, 4)))  # 9 rows of 8 taps
+    # one float32 partial sum per (run of 8 output rows, channel, tap)
+    assert wgrad.buffers(q.replace(n=20))[0].shape == (math.ceil(20 * 9 / 8), 16, 25)
+
+
+@needs_triton
+def test_every_configuration_is_registered_once_per_direction():
+    assert len(FAMILY) == 2 * len(TILES) + len(BACKWARD_FILTER_TILES) == len(set(FAMILY))
+    assert all(tile[0] <= 8 for tile in TILES + BACKWARD_FILTER_TILES)  # the kernels keep up to 8 outputs a strip
