@@ -81,25 +81,30 @@ def test_partial_tiles_and_many_runs(direction):
 def test_strided_and_dilated_rows(stride, dilation, kernel):
     # A strip's outputs read columns `stride` apart through taps `dilation` apart: the compile-time pairing of
     # columns with outputs and taps; a channel multiplier of 2; channels_first; every configuration of the forward
-    # and the weight gradient (the data gradient is for stride 1: the first case's dilation at stride 1 too).
+    # and the weight gradient, and of the data gradient at the same dilation and stride 1.
     for direction in ("fwd", "bwd_filter"):
         p = ConvProblem(direction, n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, stride=stride,
                         dilation=dilation, padding=(1, 3), groups=3, dtype="float32", layout="channels_first",
                         device=DEVICE)
-        check_supporting(FAMILY, p)
+        for name in of_direction(direction):
+            run_checked(name, p)
     p = ConvProblem("bwd_data", n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, dilation=dilation,
                     padding=(1, 3), groups=3, dtype="float32", layout="channels_first", device=DEVICE)
-    check_supporting(FAMILY, p)
+    for name in of_direction("bwd_data"):
+        run_checked(name, p)
 
 
 @kernels
-def test_padding_wider_than_the_kernel_reaches():
-    # The data gradient runs the forward's loop with padding dilation·(size - 1) - padding: negative here (padding 4
-    # on a 3-wide kernel), so dx's border positions read no dy at all.
-    p = ConvProblem("bwd_data", n=1, c=8, k=8, input_size=(6, 9), kernel_size=3, padding=4, groups=8,
-                    dtype="float32", layout="channels_last", device=DEVICE)
-    for name in of_direction("bwd_data"):
-        run_checked(name, p)
+@pytest.mark.parametrize("padding", [0, 4])
+def test_no_padding_and_padding_wider_than_the_kernel_reaches(padding):
+    # The data gradient runs the forward's loop with padding dilation·(size - 1) - padding: 2 without padding, and
+    # negative with padding 4 on a 3-wide kernel (dx's border positions read no dy at all); the forward's outputs at
+    # padding 4 read only zeros at the border. A multiplier of 4: the data gradient sums 4 dy channels a channel.
+    for direction in DIRECTIONS:
+        p = ConvProblem(direction, n=1, c=3, k=12, input_size=(6, 9), kernel_size=3, padding=padding, groups=3,
+                        dtype="float32", layout="channels_last", device=DEVICE)
+        for name in of_direction(direction):
+            run_checked(name, p)
 
 
 @needs_triton
@@ -118,17 +123,33 @@ def test_the_family_declares_what_it_supports():
         "groups": p.replace(groups=4),
         "1-D and 2-D": p.replace(input_size=(5, 5, 5), kernel_size=3, padding=1, stride=1, dilation=1),
         "computes fwd": p.replace(direction="bwd_data"),
-        "unrolls a load for each of the 130 input columns": p.replace(input_size=(9, 300), kernel_size=(5, 127),
-                                                                      padding=(2, 63)),
+        "unrolls a load for each of the 130 input columns a strip of 4": p.replace(
+            input_size=(9, 300), kernel_size=(5, 127), padding=(2, 63)),
         "grid axis that holds 65535": p.replace(c=3_000_000, k=3_000_000, groups=3_000_000, n=1, input_size=(2, 2),
                                                 kernel_size=1, padding=0),
     }
     for words, other in reasons.items():
         support = algorithm.supports(other)
         assert not support and words in support.reason, (other.key, support.reason)
+    # 128 columns, the most a strip unrolls: 4 outputs and 125 taps; the 2-output strips take 127 taps
+    assert algorithm.supports(p.replace(input_size=(9, 300), kernel_size=(5, 125), padding=(2, 62)))
+    assert get_algorithm("triton:depthwise_strip_fwd_t2b64c16w4").supports(p.replace(
+        input_size=(9, 300), kernel_size=(5, 127), padding=(2, 63)))
     data = get_algorithm("triton:depthwise_strip_bwd_data_t4b32c32w4")
     support = data.supports(p.replace(direction="bwd_data", stride=(1, 2)))
     assert not support and "stride 1 only" in support.reason
+    # the data gradient's tiles run over the input channels (8 here: the multiplier of 2 is summed in the kernel)
+    wide = p.replace(direction="bwd_data", c=3_000_000, k=3_000_000, groups=3_000_000, n=1, input_size=(2, 2),
+                     kernel_size=1, padding=0)
+    support = data.supports(wide)
+    assert not support and "grid axis that holds 65535" in support.reason
+    # a float32 copy of the weights of 2**31 elements or more: its offsets would overflow
+    big = p.replace(c=2_147_483, k=2_147_483, groups=2_147_483, n=1, input_size=(1, 1), kernel_size=(1000, 1),
+                    padding=(500, 0))
+    support = get_algorithm("triton:depthwise_strip_fwd_t4b16c64w4").supports(big)
+    assert not support and "float32 buffer of 2147520000 elements" in support.reason
+    with pytest.raises(ValueError, match="1 to 8 outputs a strip"):
+        TritonDepthwiseStrip("fwd", 9, 16, 32, 4)
     wgrad = get_algorithm("triton:depthwise_strip_bwd_filter_t4b32c32w4s8")
     q = p.with_direction("bwd_filter")
     support = wgrad.supports(q.replace(kernel_size=(3, 9), padding=(1, 4)))

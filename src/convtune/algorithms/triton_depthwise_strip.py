@@ -25,11 +25,11 @@ import torch
 from ..costmodel import Cost
 from ..problem import ConvProblem
 from .base import SUPPORTED, Buffer, NumericNotes, Support, unsupported
-from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, register_family
+from .triton_family import GRID_AXIS_LIMIT, INDEX_LIMIT, TritonAlgorithm, depthwise_only, register_family
 
 # (outputs a strip, strips a program, channels a program, warps[, output rows per partial sum]). 128 threads take
-# strips × channels / 128 channels each: 8 (16 bytes of float16, channels_last's vector) in the tiles of 32 or 64
-# channels, 4 in those of 16 channels on 8-output strips. Compiled for the H200 (sm_90), t4b32c32w4 issues about
+# strips × channels / 128 channels each: 8 (16 bytes of float16, channels_last's vector), but 4 in t8b16c32w4.
+# Compiled for the H200 (sm_90), t4b32c32w4 issues about
 # 0.063 warp instructions per multiply-add of a 7x7 forward in channels_last (96 channels, 56x56, batch 32), a third
 # of the tap-by-tap depthwise_fwd_p64c32w4t's 0.18; 8-output strips a little fewer, with more registers
 # (docs/algorithms.md). Each is a candidate: find's verified measurement picks.
@@ -37,6 +37,7 @@ TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64,
 # The weight gradient's: runs of 8 or 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
 BACKWARD_FILTER_TILES = ((4, 32, 32, 4, 8), (4, 32, 32, 4, 32), (8, 16, 32, 4, 8), (8, 16, 32, 4, 32),
                          (4, 16, 64, 4, 16))
+MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (kernels.strips)
 MAX_COLUMNS = 128  # the input columns a strip reads per kernel row, each a load unrolled at compile time
 
 
@@ -48,6 +49,8 @@ class TritonDepthwiseStrip(TritonAlgorithm):
     tile_type = "StripTile"
 
     def __init__(self, direction: str, strip: int, strips: int, channels: int, warps: int, chunk: int = 0):
+        if not 1 <= strip <= MAX_STRIP:
+            raise ValueError(f"strip={strip}: the kernels keep 1 to {MAX_STRIP} outputs a strip")
         self._configure(direction, (strip, strips, channels, warps, chunk),
                         f"t{strip}b{strips}c{channels}w{warps}" + (f"s{chunk}" if chunk else ""))
 
@@ -64,17 +67,25 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         if problem.direction == "bwd_filter" and taps > module.MAX_FILTER_TAPS:
             return unsupported(f"keeps a weight-gradient sum for each of up to {module.MAX_FILTER_TAPS} taps of a "
                                f"kernel row, got {taps}; triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")
-        columns = (self.tile_args[0] - 1) * (stride if problem.direction != "bwd_data" else 1) \
-            + (taps - 1) * dilation + 1
+        strip = self.tile_args[0]
+        columns = (strip - 1) * (stride if problem.direction != "bwd_data" else 1) + (taps - 1) * dilation + 1
         if columns > MAX_COLUMNS:
-            return unsupported(f"unrolls a load for each of the {columns} input columns a strip reads per kernel row "
-                               f"(kernel row {taps} taps, dilation {dilation}), more than {MAX_COLUMNS}; the other "
-                               f"depthwise kernels, cuDNN or torch:native take it")
+            return unsupported(f"unrolls a load for each of the {columns} input columns a strip of {strip} outputs "
+                               f"reads per kernel row (kernel row {taps} taps, dilation {dilation}, stride {stride}), "
+                               f"more than {MAX_COLUMNS}; a configuration with shorter strips, the other depthwise "
+                               f"kernels, cuDNN or torch:native take it")
         channels = problem.c if problem.direction == "bwd_data" else problem.k
         tiles = math.ceil(channels / self.tile_args[2])
         if tiles > GRID_AXIS_LIMIT:
             return unsupported(f"launches {tiles} programs along a grid axis that holds {GRID_AXIS_LIMIT} (tiles of "
-                               f"{self.tile_args[2]} channels); torch:native or cuDNN take it")
+                               f"{self.tile_args[2]} channels); a configuration with wider channel tiles, torch:native "
+                               f"or cuDNN take it")
+        if problem.direction != "bwd_filter":
+            weights = math.prod(module.weights_shape(problem, self.tile))
+            if weights >= INDEX_LIMIT:
+                return unsupported(f"lays the weights out in a float32 buffer of {weights} elements, which needs "
+                                   f"64-bit offsets; these kernels use 32-bit ones (below {INDEX_LIMIT}); torch:native "
+                                   f"and cuDNN take it")
         return SUPPORTED
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:

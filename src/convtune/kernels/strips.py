@@ -7,7 +7,8 @@ once and multiplied into every output of the strip it reaches (an input column c
 where c = t·stride + s·dilation), so a kernel row of S taps costs (T - 1)·stride + (S - 1)·dilation + 1 loads for
 T·S products; the weights of the kernel row (laid out in float32, tap by tap, channels contiguous, by
 ``lay_out_weights``) are loaded once per kernel row. The strip's T accumulators, and the column loop, are unrolled
-at compile time (T, S, the row's stride and dilation are compile-time constants).
+at compile time (T, S, the row's stride and dilation are compile-time constants); the loops over kernel rows and
+over the data gradient's channel multiple run at run time.
 
 - ``forward``: programs over (strips of output rows, tiles of output channels); output channel k reads input
   channel k // M (M: the channel multiplier).
@@ -35,7 +36,6 @@ from ..problem import ConvProblem
 from .recording import launch
 from .shared import as_4d, geometry, sizes, sum_partials
 
-MAX_STRIP = 8  # outputs a strip (accumulators a thread keeps per channel)
 MAX_FILTER_TAPS = 8  # taps of a kernel row the weight gradient keeps accumulators for
 
 
@@ -112,7 +112,7 @@ def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
     zero = tl.zeros((BLOCK_STRIPS, BLOCK_CH), dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
     COLS: tl.constexpr = (T - 1) * STRIDE_W + (S - 1) * DIL_W + 1  # the columns a strip's outputs read
-    for m in tl.static_range(M_IN):
+    for m in range(M_IN):  # a loop at run time: the body is unrolled per kernel row, not per multiple
         base = src + (n * ssn)[:, None] + (((c // DIV) * M_IN + m) * ssc)[None, :]
         for r in range(R):
             h = p * stride_h - pad_h + r * dil_h
