@@ -7,8 +7,8 @@ CUDA tools Triton ships (cuobjdump): registers and spilled bytes per thread, sha
 instruction counts (all, tensor-core products, global loads, shared-memory stores, loops). ``warp instructions``
 multiplies a kernel's static count by its programs and warps: the instructions issued if each loop ran once and
 each branch both ways, exact for straight-line kernels. For kernels whose loops' turns are known here (the banded
-depthwise kernels: ``TURNS``), ``issue-bound`` counts them: the innermost loop's instructions times its turns, the
-loop around it's times its own, the rest once, issued at one warp instruction a clock by each of the target's
+and strip depthwise kernels: ``TURNS``), ``issue-bound`` counts them: the innermost loop's instructions times its
+turns, the loop around it's times its own, the rest once, issued at one warp instruction a clock by each of the target's
 schedulers (``ISSUE_RATE``), and no faster than the programs, placed whole on the SMs, leave the busiest scheduler
 (``issue_bound_us``): the time a kernel limited by nothing but issuing instructions would take. This
 is a prediction to check against a GPU's timing, not a timing: it tells which configurations spill, which never
@@ -55,7 +55,8 @@ GROUPED = ("c128|k128|in56x56|r3x3|s1x1|p1x1|g32", "c256|k256|in28x28|r3x3|s1x1|
            "c512|k512|in14x14|r3x3|s1x1|p1x1|g32")
 DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|p2x2|g672",
              "c144|k144|in56x56|r3x3|s2x2|p1x1|g144", "c512|k512|in14x14|r31x31|s1x1|p15x15|g512")
-DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": depthwise.DEFAULT_SHAPES}
+DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": depthwise.DEFAULT_SHAPES,
+            "depthwise_strip": depthwise.DEFAULT_SHAPES}
 TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
 # An sm_90 GPU (H100, H200): 132 SMs of 4 schedulers, each issuing one warp instruction a clock at the 1.98 GHz boost
 # clock. Other targets get no issue-bound time.
@@ -117,12 +118,41 @@ def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
     return None
 
 
-TURNS = {"depthwise_band": banded_turns}  # per family, where its loops' turns are known
+def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
+                launch: dict) -> tuple[tuple[float, ...], int] | None:
+    """The turns of a strip kernel's loops (``kernels.strips``), as ``banded_turns`` gives them: the forward and
+    the data gradient turn once per kernel row (each turn the row's columns unrolled), the data gradient within a
+    loop over the channel multiple; the weight gradient once per BLOCK_STRIPS strips of a run (one count per run),
+    in a loop over the kernel rows; the weights' layout is straight-line code; None for the partials' sum and for
+    loops of another shape."""
+    from convtune.kernels.shared import geometry, sizes
+
+    r, (loops, nested) = geometry(problem)[0], (launch["loops"], launch.get("nested", False))
+    kernel = launch["kernel"]
+    if kernel == "_sum_partials":
+        return None
+    if loops == 0:
+        return (1,), 1
+    if kernel == "_strips":
+        multiple = problem.k // problem.c if problem.direction == "bwd_data" else 1
+        if loops == 1 and (multiple == 1 or r == 1):
+            return (r * multiple,), 1
+        if loops == 2 and nested:
+            return (r,), multiple
+    if kernel == "_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
+        tile = algorithm.tile
+        rows, strips = problem.n * sizes(problem)[2], -(-sizes(problem)[3] // tile.strip)
+        return tuple(-(-min(tile.chunk, rows - first) * strips // tile.strips)
+                     for first in range(0, rows, tile.chunk)), r
+    return None
+
+
+TURNS = {"depthwise_band": banded_turns, "depthwise_strip": strip_turns}  # per family, where its loops' turns are known
 
 
 def problem_keys(family: str, dtype: str, layout: str) -> list[str]:
     """The default problems of ``family`` (batch 32) as keys, in every direction."""
-    if family == "depthwise_band":
+    if family in ("depthwise_band", "depthwise_strip"):
         return [depthwise.make_problem(shape, d, 32, dtype, layout).key for shape in DEFAULTS[family]
                 for d in DIRECTIONS]
     return [f"{d}|n32|{shape.replace('|g', '|d1x1|g')}|{dtype}|{layout}|cuda|tf32=1"

@@ -645,6 +645,31 @@ def test_sass_counts_bounds_the_banded_kernels_time_by_their_loops_turns(sass_co
     assert [sass_counts.family_of(n) for n in names] == ["depthwise_band", "depthwise", "grouped", ""]
 
 
+def test_sass_counts_reads_the_strip_kernels_loops(sass_counts):
+    from convtune.algorithms.registry import get_algorithm
+    from convtune.problem import ConvProblem
+
+    # 3 kernel rows: the forward and the data gradient turn once per kernel row (within a loop over a multiple of 2
+    # for the data gradient, or over the multiple alone where one kernel row leaves no loop); the weight gradient's
+    # runs of 8 output rows (of 2·40 = 80: ten runs) in steps of 32 strips (10 strips of 4 a row: 80 a run, 3 steps)
+    p = ConvProblem("fwd", n=2, c=8, k=16, groups=8, input_size=(40, 40), kernel_size=3, padding=1, dtype="float16",
+                    layout="channels_last", device="cuda")
+
+    def turns(direction, name, problem=p, **launch):
+        algorithm = get_algorithm(f"triton:depthwise_strip_{direction}_{name}")
+        return sass_counts.strip_turns(problem.with_direction(direction), algorithm, launch)
+
+    assert turns("fwd", "t4b32c32w4", kernel="_strips", loops=1) == ((3,), 1)
+    assert turns("fwd", "t4b32c32w4", kernel="_lay_out_weights", loops=0) == ((1,), 1)
+    assert turns("bwd_data", "t4b32c32w4", kernel="_strips", loops=2, nested=True) == ((3,), 2)
+    assert turns("bwd_data", "t4b32c32w4", kernel="_strips", loops=1) is None  # 3 rows and a multiple of 2: not one
+    one_row = p.replace(kernel_size=(1, 3), padding=(0, 1))
+    assert turns("bwd_data", "t4b32c32w4", problem=one_row, kernel="_strips", loops=1) == ((2,), 1)
+    assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=2, nested=True) == ((3,) * 10, 3)
+    assert turns("bwd_filter", "t4b32c32w4s8", kernel="_sum_partials", loops=1) is None
+    assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=3, nested=True) is None
+
+
 def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_family_on_them(depthwise):
     from convtune.algorithms.registry import registered
 
