@@ -101,10 +101,11 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         return NumericNotes(float32_inside=problem.dtype != "float32")
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        # Multiply-adds on the CUDA cores in float32. Not measured on a GPU yet: priced at a quarter of the float32
-        # peak (the compiled loops issue about a third of the instructions per multiply-add of the tap-by-tap
-        # kernels, priced at a tenth) and three times the compulsory traffic, as those are.
-        return Cost(problem.flops, 0.25, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
+        # Multiply-adds on the CUDA cores in float32. Not measured on a GPU yet, so priced as the tap-by-tap kernels
+        # (a tenth of the float32 peak, three times the compulsory traffic) although their compiled loops issue about
+        # a third of those kernels' instructions per multiply-add: get does not rank them above measured kernels on
+        # a prediction alone (the banded kernels' predictions missed by 4-12x); find measures them.
+        return Cost(problem.flops, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
                     float32_inside=True, composed=False)
 
 
