@@ -48,7 +48,8 @@ from convtune.algorithms.triton_family import TritonAlgorithm  # noqa: E402
 from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 
 # Per family, the problems counted by default: layers of networks where the family is meant to win (ResNeXt-50's
-# grouped layers; depthwise layers of 3x3 to 31x31; for the banded kernels, whose issue-bound time is counted, every
+# grouped layers; depthwise layers of 3x3 to 31x31; for the banded and strip kernels, whose issue-bound time is
+# counted, every
 # layer of bench/depthwise.py's default table, which holds the best cuDNN plan's time of each), in the three
 # directions.
 GROUPED = ("c128|k128|in56x56|r3x3|s1x1|p1x1|g32", "c256|k256|in28x28|r3x3|s1x1|p1x1|g32",
@@ -295,7 +296,8 @@ def markdown(env: dict, rows: dict) -> str:
             "loads, shared-memory stores, loops; the innermost loop's instructions and tensor-core products: one "
             "turn a warp), programs, and warp instructions (millions): static count × programs × warps, the "
             "instructions issued if each loop ran once and every branch ran both ways (an estimate; exact for "
-            "straight-line code); for the banded kernels, whose loops' turns are known, the issue-bound time (µs): "
+            "straight-line code); for the banded and strip kernels, whose loops' turns are known, the issue-bound "
+            "time (µs): "
             "the innermost loop's instructions times its turns, the loop around it's times its turns, the rest once, "
             "issued at one warp instruction a clock per scheduler (132 SMs × 4 at 1.98 GHz), spread over all of them "
             "or, where the programs are too few or too uneven to share them evenly, as they fall on the busiest: the "

@@ -138,9 +138,12 @@ def test_the_family_declares_what_it_supports():
     data = get_algorithm("triton:depthwise_strip_bwd_data_t4b32c32w4")
     support = data.supports(p.replace(direction="bwd_data", stride=(1, 2)))
     assert not support and "stride 1 only" in support.reason
-    # the data gradient's tiles run over the input channels (8 here: the multiplier of 2 is summed in the kernel)
-    wide = p.replace(direction="bwd_data", c=3_000_000, k=3_000_000, groups=3_000_000, n=1, input_size=(2, 2),
+    # the data gradient's tiles run over the input channels (the multiplier of 2 summed in the kernel): 1.5 million
+    # of them (3 million output channels) need 46875 tiles of 32, but 3 million need more than the axis holds
+    fits = p.replace(direction="bwd_data", c=1_500_000, k=3_000_000, groups=1_500_000, n=1, input_size=(2, 2),
                      kernel_size=1, padding=0)
+    assert data.supports(fits)
+    wide = fits.replace(c=3_000_000, groups=3_000_000)
     support = data.supports(wide)
     assert not support and "grid axis that holds 65535" in support.reason
     # a float32 copy of the weights of 2**31 elements or more: its offsets would overflow
@@ -150,6 +153,8 @@ def test_the_family_declares_what_it_supports():
     assert not support and "float32 buffer of 2147520000 elements" in support.reason
     with pytest.raises(ValueError, match="1 to 8 outputs a strip"):
         TritonDepthwiseStrip("fwd", 9, 16, 32, 4)
+    with pytest.raises(ValueError, match="1 to 8 outputs a strip"):
+        algorithm.module().StripTile(9, 16, 32)
     wgrad = get_algorithm("triton:depthwise_strip_bwd_filter_t4b32c32w4s8")
     q = p.with_direction("bwd_filter")
     support = wgrad.supports(q.replace(kernel_size=(3, 9), padding=(1, 4)))

@@ -31,13 +31,13 @@ from .triton_family import GRID_AXIS_LIMIT, INDEX_LIMIT, TritonAlgorithm, depthw
 # strips × channels / 128 channels each: 8 (16 bytes of float16, channels_last's vector), but 4 in t8b16c32w4.
 # Compiled for the H200 (sm_90), t4b32c32w4 issues about
 # 0.063 warp instructions per multiply-add of a 7x7 forward in channels_last (96 channels, 56x56, batch 32), a third
-# of the tap-by-tap depthwise_fwd_p64c32w4t's 0.18; 8-output strips a little fewer, with more registers
-# (docs/algorithms.md). Each is a candidate: find's verified measurement picks.
+# of the tap-by-tap depthwise_fwd_p64c32w4t's 0.18; 8-output strips a little fewer (0.062), with more registers
+# (168 against 145; bench/results/sass_counts.md). Each is a candidate: find's verified measurement picks.
 TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4))
 # The weight gradient's: runs of 8 or 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
 BACKWARD_FILTER_TILES = ((4, 32, 32, 4, 8), (4, 32, 32, 4, 32), (8, 16, 32, 4, 8), (8, 16, 32, 4, 32),
                          (4, 16, 64, 4, 16))
-MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (kernels.strips)
+MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (kernels.strips.MAX_STRIP, the same)
 MAX_COLUMNS = 128  # the input columns a strip reads per kernel row, each a load unrolled at compile time
 
 
@@ -101,10 +101,11 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         return NumericNotes(float32_inside=problem.dtype != "float32")
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        # Multiply-adds on the CUDA cores in float32. Not measured on a GPU yet, so priced as the tap-by-tap kernels
-        # (a tenth of the float32 peak, three times the compulsory traffic) although their compiled loops issue about
-        # a third of those kernels' instructions per multiply-add: get does not rank them above measured kernels on
-        # a prediction alone (the banded kernels' predictions missed by 4-12x); find measures them.
+        # Multiply-adds on the CUDA cores in float32. Not measured on a GPU yet, so given the tap-by-tap kernels' base
+        # price (a tenth of the float32 peak, three times the compulsory traffic) although their compiled loops issue
+        # about a third of those kernels' instructions per multiply-add (the banded kernels' predictions missed by
+        # 4-12x). Where a database holds measured corrections, get scales this by the Triton kernels' mean factor
+        # measured there, as for any name it has not measured; find measures them.
         return Cost(problem.flops, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
                     float32_inside=True, composed=False)
 

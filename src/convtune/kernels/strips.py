@@ -21,7 +21,8 @@ over the data gradient's channel multiple run at run time.
 
 Products are summed in float32 whatever the operands' dtype, in a fixed order. Operands are 4-D (N, C, H, W) views
 with their own strides (a 1-D problem has H = 1), so one kernel serves both layouts: a tile of channels reads
-channels_last's rows in vectors. Offsets are 32-bit: the algorithms refuse operands of 2**31 elements or more.
+channels_last's rows in vectors (not the data gradient's dy where the channel multiplier is above 1: its channels
+c·M + m lie M apart). Offsets are 32-bit: the algorithms refuse operands of 2**31 elements or more.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from .shared import as_4d, geometry, sizes, sum_partials
 MAX_FILTER_TAPS = 8  # taps of a kernel row the weight gradient keeps accumulators for
 
 
+MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (the algorithms refuse longer strips too)
+
+
 @dataclasses.dataclass(frozen=True)
 class StripTile:
     """One configuration: outputs per strip (T), strips and channels per program, warps, and (weight gradient)
@@ -49,6 +53,10 @@ class StripTile:
     channels: int
     warps: int = 4
     chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.strip <= MAX_STRIP:
+            raise ValueError(f"StripTile(strip={self.strip}): the kernels keep 1 to {MAX_STRIP} outputs a strip")
 
 
 @triton.jit
