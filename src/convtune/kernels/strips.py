@@ -38,8 +38,6 @@ from .recording import launch
 from .shared import as_4d, geometry, sizes, sum_partials
 
 MAX_FILTER_TAPS = 8  # taps of a kernel row the weight gradient keeps accumulators for
-
-
 MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (the algorithms refuse longer strips too)
 
 
