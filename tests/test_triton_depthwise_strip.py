@@ -39,6 +39,14 @@ def of_direction(direction: str) -> list[str]:
     return names
 
 
+def sampled(direction: str) -> list[str]:
+    """The configurations of ``direction`` a case of several runs checks here: every one on a GPU; in the interpreter
+    (a CPU, one thread) the first and the last, strips of 4 and of 2 or 8 (the tile sizes are compile-time constants
+    of the same code)."""
+    names = of_direction(direction)
+    return [names[0], names[-1]] if interpreting() else names
+
+
 def computes(p: ConvProblem) -> bool:
     """Whether the family computes ``p``: the data gradient at stride 1, the weight gradient of kernel rows of up to
     8 taps, the forward always (of these shapes)."""
@@ -81,16 +89,17 @@ def test_partial_tiles_and_many_runs(direction):
 def test_strided_and_dilated_rows(stride, dilation, kernel):
     # A strip's outputs read columns `stride` apart through taps `dilation` apart: the compile-time pairing of
     # columns with outputs and taps; a channel multiplier of 2; channels_first; every configuration of the forward
-    # and the weight gradient, and of the data gradient at the same dilation and stride 1.
+    # and the weight gradient, and of the data gradient at the same dilation and stride 1 (two of each in the
+    # interpreter: ``sampled``).
     for direction in ("fwd", "bwd_filter"):
         p = ConvProblem(direction, n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, stride=stride,
                         dilation=dilation, padding=(1, 3), groups=3, dtype="float32", layout="channels_first",
                         device=DEVICE)
-        for name in of_direction(direction):
+        for name in sampled(direction):
             run_checked(name, p)
     p = ConvProblem("bwd_data", n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, dilation=dilation,
                     padding=(1, 3), groups=3, dtype="float32", layout="channels_first", device=DEVICE)
-    for name in of_direction("bwd_data"):
+    for name in sampled("bwd_data"):
         run_checked(name, p)
 
 
@@ -103,7 +112,7 @@ def test_no_padding_and_padding_wider_than_the_kernel_reaches(padding):
     for direction in DIRECTIONS:
         p = ConvProblem(direction, n=1, c=3, k=12, input_size=(6, 9), kernel_size=3, padding=padding, groups=3,
                         dtype="float32", layout="channels_last", device=DEVICE)
-        for name in of_direction(direction):
+        for name in sampled(direction):
             run_checked(name, p)
 
 
