@@ -49,9 +49,8 @@ from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 
 # Per family, the problems counted by default: layers of networks where the family is meant to win (ResNeXt-50's
 # grouped layers; depthwise layers of 3x3 to 31x31; for the banded and strip kernels, whose issue-bound time is
-# counted, every
-# layer of bench/depthwise.py's default table, which holds the best cuDNN plan's time of each), in the three
-# directions.
+# counted, every layer of bench/depthwise.py's default table, which holds the best cuDNN plan's time of each), in the
+# three directions.
 GROUPED = ("c128|k128|in56x56|r3x3|s1x1|p1x1|g32", "c256|k256|in28x28|r3x3|s1x1|p1x1|g32",
            "c512|k512|in14x14|r3x3|s1x1|p1x1|g32")
 DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|p2x2|g672",
@@ -97,7 +96,7 @@ def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
     count per run, each the turns of an equal share of the programs), in a loop over the kernel rows. As (the
     innermost loop's turns per share, turns of the loop around); None for the partials' sum, and where the loops
     kept are not of a shape the source can give (copies side by side, say)."""
-    from convtune.kernels.shared import geometry, sizes
+    from convtune.kernels.shared import geometry
 
     r, (loops, nested) = geometry(problem)[0], (launch["loops"], launch.get("nested", False))
     kernel = launch["kernel"]
@@ -114,9 +113,17 @@ def banded_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
         if loops == 2 and nested:
             return (r,), multiple
     if kernel == "_backward_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
-        rows, chunk, block = problem.n * sizes(problem)[2], algorithm.tile.chunk, algorithm.tile.rows
-        return tuple(-(-min(chunk, rows - first) // block) for first in range(0, rows, chunk)), r
+        return _run_turns(problem, algorithm.tile.chunk, 1, algorithm.tile.rows), r
     return None
+
+
+def _run_turns(problem: ConvProblem, chunk: int, per_row: int, block: int) -> tuple[int, ...]:
+    """A weight gradient's turns per run of ``chunk`` output rows (the last may be shorter), ``per_row`` items a row
+    taken ``block`` at a time: one count per run."""
+    from convtune.kernels.shared import sizes
+
+    rows = problem.n * sizes(problem)[2]
+    return tuple(-(-min(chunk, rows - first) * per_row // block) for first in range(0, rows, chunk))
 
 
 def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
@@ -142,9 +149,7 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
             return (r,), multiple
     if kernel == "_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
         tile = algorithm.tile
-        rows, strips = problem.n * sizes(problem)[2], -(-sizes(problem)[3] // tile.strip)
-        return tuple(-(-min(tile.chunk, rows - first) * strips // tile.strips)
-                     for first in range(0, rows, tile.chunk)), r
+        return _run_turns(problem, tile.chunk, -(-sizes(problem)[3] // tile.strip), tile.strips), r
     return None
 
 
