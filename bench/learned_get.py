@@ -1,9 +1,9 @@
 """Judging get's learned cost model on networks it never saw.
 
 From a tuning database that a sweep filled (``bench/sweep.py``: sampled problems, and with
-``--networks`` the built-in networks' layers), for each built-in network in turn: a model trained on
-everything except that network's layers, judged on those layers (leave one network out); then a
-model trained on most problems and judged on the rest (a random split). For each held-out problem
+``--networks`` the built-in networks' layers), for each built-in network in turn: a model built from
+everything except that network's layers, judged on those layers (leave one network out); then
+models built from most problems and judged on the rest (random splits, three seeds). For each held-out problem
 with two or more measured candidates: the measured time of the candidate each ranking puts first
 over the best measured, for the learned model, the analytic model, PyTorch's own call with
 ``cudnn.benchmark=False`` (``torch:native`` as find measured it) and, on a GPU, cuDNN's heuristics A
@@ -110,10 +110,9 @@ def heuristic_names(problem: ct.ConvProblem, recorded: dict[str, dict] | None) -
     return {mode: BACKEND.heuristic_choice(problem, mode) for mode in ("A", "B")}
 
 
-def judge(samples: list[learned.Sample], held: set, here: str, epochs: int,
-          recorded: dict[str, dict] | None, seed: int = 0) -> list[dict]:
-    """Train (from ``seed``) without the ``held`` problems; one row of ratios per held-out problem."""
-    model = learned.train([s for s in samples if s.problem not in held], here, epochs=epochs, seed=seed)
+def judge(samples: list[learned.Sample], held: set, here: str, recorded: dict[str, dict] | None) -> list[dict]:
+    """Build the model without the ``held`` problems; one row of ratios per held-out problem."""
+    model = learned.train([s for s in samples if s.problem not in held], here)
     by_problem: dict = defaultdict(list)
     for s in samples:
         if s.problem in held:
@@ -266,10 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float16")
     parser.add_argument("--layouts", default="channels_last")
     parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--epochs", type=int, default=400)
-    parser.add_argument("--seed", type=int, default=0,
-                        help="the training's seed (and the random split's): another seed shows how much of a figure "
-                             "is the training's randomness")
+    parser.add_argument("--seed", type=int, default=0, help="the first random split's seed")
+    parser.add_argument("--splits", type=int, default=3,
+                        help="random splits judged, from seeds --seed, --seed + 1, ...")
     parser.add_argument("--orders", default=str(ORDERS) if ORDERS.exists() else "live", metavar="PATH|live",
                         help="cuDNN's plan orders and first choices per problem, as bench/cudnn_order.py recorded "
                              "them (default: bench/data/cudnn_order.json.gz); 'live': this machine's cuDNN")
@@ -310,9 +308,10 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
             print(f"{network}: none of its layers is in {args.db}; run bench/sweep.py --networks {network}",
                   file=sys.stderr)
             continue
-        for row in judge(samples, held, here, args.epochs, recorded, args.seed):
+        for row in judge(samples, held, here, recorded):
             groups[(network, row["direction"], row["dtype"])].append(dict(row, network=network))
-    report = learned.holdout_report(samples, here, epochs=args.epochs, seed=args.seed)
+    reports = [learned.holdout_report(samples, here, seed=args.seed + i) for i in range(max(1, args.splits))]
+    report = reports[0]
     summary, text = table(groups)
     all_groups = {("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
                   for d, t in sorted({k[1:] for k in groups})}
@@ -327,20 +326,22 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     env = common.environment()
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
                "orders": args.orders if recorded is None else str(Path(args.orders).name),
-               "seed": args.seed, "random_split": report, "overall": overall_summary, "rules": rules_summary,
+               "seed": args.seed, "random_split": report, "random_splits": reports, "overall": overall_summary,
+               "rules": rules_summary,
                "find": find_summary, "price_errors": error_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
-    split = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in report.items())
+    split = "; ".join(f"seed {args.seed + i}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
+                      for i, r in enumerate(reports))
     where = f"measured on {measured_on}, judged on " if measured_on else ""
     markdown = (f"# get's learned cost model on networks it never saw\n\n{env['date']}, "
                 f"{where}{env.get('gpu', env.get('cpu'))}, torch {env['torch']}, revision {env['revision']}, "
                 f"seed {args.seed}; "
                 f"{len(samples)} measurements of {len(measured)} problems ({args.db}).\n\n"
-                f"Each row: a model trained without that network's layers, judged on them; per ranking the "
+                f"Each row: a model built without that network's layers, judged on them; per ranking the "
                 f"measured time of its first pick over the best measured: geometric mean / worst / how often "
                 f"it is the best. torch_bm0: PyTorch's own call (cudnn.benchmark=False); cudnn_A/B: cuDNN's "
                 f"heuristics' first plan (cuDNN's order: {payload['orders']}).\n\n{text}\nAll held-out networks "
-                f"together:\n\n{overall}\nA random split (whole problems held out): {split}.\n\n"
+                f"together:\n\n{overall}\nRandom splits (a fifth of the problems held out whole): {split}.\n\n"
                 f"## Other rules for picking from the learned prices\n\nOn the same held-out problems: topK, the "
                 f"cheapest of the candidates of no ranking backend and cuDNN's first K plans in its order; aM, cuDNN's "
                 f"first plan in that order (heuristics A) unless the cheapest is priced M% below it; bM, the same "

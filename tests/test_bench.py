@@ -230,7 +230,7 @@ def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, 
     out = tmp_path / "out"
     assert learned_get.main(["--db", str(db_path), "--device", "cpu", "--networks", "resnet18,mobilenet_v2",
                              "--batch", "1", "--dtypes", "float32", "--layouts", "channels_first", "--layers", "6",
-                             "--epochs", "60", "--out", str(out)]) == 0
+                             "--out", str(out)]) == 0
     payload = json.loads((out / "learned_get.json").read_text())
     assert {key.split("/")[0] for key in payload["by_network"]} == {"resnet18", "mobilenet_v2"}
     for summary in payload["by_network"].values():
@@ -306,14 +306,14 @@ def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, 
         assert db.import_(tmp_path / "h200.jsonl") == len(lines)
     out = tmp_path / "out"
     assert learned_get.main(["--db", str(db_path), "--measured-on", "auto", "--networks", "resnet18", "--layers", "4",
-                             "--epochs", "20", "--out", str(out)]) == 0
+                             "--out", str(out)]) == 0
     payload = json.loads((out / "learned_get.json").read_text())
     assert payload["samples"] == len(lines) and {k.split("/")[0] for k in payload["by_network"]} == {"resnet18"}
     assert f"measured on {h200}" in (out / "learned_get.md").read_text()
     assert hardware.assumed_gpu() is None
     named = tmp_path / "named"  # the fingerprint named, on any machine (this one's --device default included)
     assert learned_get.main(["--db", str(db_path), "--measured-on", h200, "--networks", "resnet18", "--layers", "4",
-                             "--epochs", "5", "--out", str(named)]) == 0
+                             "--out", str(named)]) == 0
     assert json.loads((named / "learned_get.json").read_text())["measured_on"] == h200
     for bad in ("auto", "cpu|AMD EPYC|threads2"):  # no CUDA fingerprint to take; a machine outside the peaks table
         with pytest.raises(SystemExit):

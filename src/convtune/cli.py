@@ -206,7 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose measurements (default: cuda where there is a GPU, else cpu)")
     p.add_argument("--out", default=None, help="the model file (default: learned_get_<device>.pt in the cache "
                                                "folder, where get looks for it)")
-    p.add_argument("--epochs", type=_positive, default=400)
     p.add_argument("--holdout", type=float, default=0.2, help="fraction of the problems held out to judge a "
                                                               "model trained on the rest first (0: none)")
     _add_db_args(p)
@@ -445,8 +444,8 @@ def cmd_train_get(args, out: Console) -> int:
     problems = len({s.problem for s in samples})
     summary: dict[str, float | str] = {"device": here, "measurements": len(samples), "problems": problems}
     if args.holdout and problems >= 5:  # too few to hold some out and still learn from the rest
-        summary.update(learned.holdout_report(samples, here, fraction=args.holdout, epochs=args.epochs))
-    model = learned.train(samples, here, epochs=args.epochs)
+        summary.update(learned.holdout_report(samples, here, fraction=args.holdout))
+    model = learned.train(samples, here)
     path = model.save(args.out or learned.default_path(device))
     summary["model"] = str(path)
     table = Table(title="get's learned cost model")

@@ -1,24 +1,32 @@
-"""A learned correction of the cost model: trained on one device's measurements, used on that device.
+"""A learned correction of the cost model: built from one device's measurements, used on that device.
 
-The analytic model (``costmodel``) prices a candidate from its family's roofline terms. The learned
-model predicts, for a (problem, candidate) pair, how far the measured time lies from that price:
-log2(measured / analytic), from features of the problem (sizes, strides, groups, direction, dtype,
-layout, FLOPs and bytes, all as logarithms or switches), of the candidate (its name's parts, hashed:
-a cuDNN execution plan's engine and knobs, a tile configuration, a family; for a backend that lists its
-candidates best first by its own heuristics, cuDNN's, the candidate's place in that list) and the analytic
-price itself. It is three small multilayer perceptrons in PyTorch (no other dependency; about 30 thousand
-weights in all), trained from different seeds and their predictions averaged, which makes the picks steadier than one
-network's; queried in tens of microseconds. Each is trained on the squared error of its log2 factor and on
-each problem's order of its candidates (a listwise cross-entropy: which is fastest matters more than by
-how much). ``get`` multiplies the analytic price by its correction where a model
-trained on this device (its fingerprint) is installed, and the database's measurement corrections
-apply on top, as before; everywhere else the analytic model serves alone.
+The analytic model (``costmodel``) prices a candidate from its family's roofline terms; on a real GPU its
+order of the candidates is often wrong. The learned model answers from what was measured on problems like
+the one asked: the ``NEIGHBOURS`` measured problems of the same direction nearest to it (by the distance of
+their features: sizes, strides, groups, dtype and layout, as logarithms or switches, each scaled to unit
+spread), weighted by closeness. A candidate's price is the best time the neighbours suggest for the problem
+(their best measured time over the problem's floor, ``hardware.roofline_ms``, carried to this problem's
+floor) times how far from their best the candidate measured on them (a weighted mean of log2(time / best)).
+A candidate is known by its name (a cuDNN execution plan's engine and knobs, a tile configuration) and, for
+a backend that lists its candidates best first by its own heuristics (cuDNN), also by its place in that list
+when it is one of the first ``PLACE_KEYS``: "cuDNN's second plan" is a candidate that means something on
+every problem, where a plan's name may be measured on few. A candidate measured on too few of the
+neighbours (less than ``MIN_SUPPORT`` of their weight) is priced as the neighbours' typical candidate, or
+by its analytic price times their typical correction if that is higher: it is not picked on a guess.
 
-Train one from a tuning database with ``convtune train-get`` (or ``train`` and ``save``): it is
+Why neighbours and not a fitted network: judged on networks left out of the data (bench/learned_get.py,
+docs/performance.md), picking by how candidates fared on the nearest problems beat three multilayer
+perceptrons trained on the same measurements (which priced every candidate, then ranked by the prices)
+and cuDNN's own heuristics; it needs no training (``train`` builds a table in a second, the same for any
+seed) and answers a new problem in about a millisecond. ``get`` multiplies the analytic price by its
+correction where a model built on this device (its fingerprint) is installed, and the database's
+measurement corrections apply on top, as before; everywhere else the analytic model serves alone.
+
+Build one from a tuning database with ``convtune train-get`` (or ``train`` and ``save``): it is
 stored as ``learned_get_<device>.pt`` in the cache folder (beside the default database), or where
 ``settings.learned_model`` points: that is where ``get`` looks. A file that is damaged, of another
-feature version or of another device is ignored with a warning, never used; one trained with other
-software (a new cuDNN) is used, with a warning, until it is trained again.
+feature version or of another device is ignored with a warning, never used; one built with other
+software (a new cuDNN) is used, with a warning, until it is built again.
 """
 
 from __future__ import annotations
@@ -28,8 +36,9 @@ import logging
 import math
 import os
 import random
+import statistics
 import time
-import zlib
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,18 +52,13 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 3  # 2: an ensemble of MEMBERS networks; 3: a candidate's place in its backend's heuristic order
-NAME_BUCKETS = 64
-HIDDEN = 64
-MEMBERS = 3  # networks trained from different seeds, their predictions averaged: steadier picks than one
-ORDER_DROPOUT = 0.2  # of the samples with a known place, trained as if it were not known (the database's
-# corrections price measurements without it), so the model answers both ways
+FEATURE_VERSION = 4  # 4: the nearest measured problems (3 and before: multilayer perceptrons)
+NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
+MIN_SUPPORT = 0.7  # of the neighbours' weight that must have measured a candidate for its own price
+PLACE_KEYS = 4  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place
 MAX_LOG2_FACTOR = 6.0  # a correction of at most 64x either way
-# Training also asks each problem's candidates to come out in their measured order (``_listwise``), beside
-# the squared error, with this weight (what it changed on held-out networks: docs/performance.md).
-LISTWISE_WEIGHT = 1.0
-LISTWISE_TEMPERATURE = 0.1  # log2 units: candidates 7% apart differ by one unit of the softmax
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
+MEMO_PROBLEMS = 4096  # neighbourhoods kept per model
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -74,50 +78,12 @@ def problem_features(p: ConvProblem) -> list[float]:
     ]
 
 
-def name_features(name: str) -> list[float]:
-    """The candidate's identity: its backend and each part of its variant ('eng58', 'k25=1'), hashed."""
-    backend, _, variant = name.partition(":")
-    tokens = [backend, *(f"{backend}:{part}" for part in variant.split("_") if part)]
-    vector = [0.0] * NAME_BUCKETS
-    for token in tokens:
-        vector[zlib.crc32(token.encode()) % NAME_BUCKETS] = 1.0
-    return vector
-
-
-def order_features(order: int | None) -> list[float]:
-    """The candidate's place in its backend's heuristic order (0: the backend's first choice; None: not known,
-    or a candidate of no ranking backend)."""
-    if order is None:
-        return [0.0, 0.0, 0.0]
-    return [1.0, math.log2(1 + order), float(order == 0)]
-
-
-def features(problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> list[float]:
-    return [*problem_features(problem), *name_features(name), *order_features(order),
-            math.log2(max(analytic_ms, 1e-9))]
-
-
-FEATURES = len(features(ConvProblem("fwd", n=1, c=1, k=1, input_size=(1,), kernel_size=1), "x:y", 1.0))
-
-
-def _member() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
-
-
-class _Ensemble(torch.nn.Module):
-    """The mean prediction of several networks of the same shape."""
-
-    def __init__(self, members: Sequence[torch.nn.Module]) -> None:
-        super().__init__()
-        self.members = torch.nn.ModuleList(members)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([member(x) for member in self.members]).mean(0)
-
-
-def _network() -> torch.nn.Module:
-    return _Ensemble([_member() for _ in range(MEMBERS)])
+def keys(name: str, order: int | None) -> list[str]:
+    """What a candidate is known by: its name, and its place in its backend's heuristic order where that is one of
+    the first ``PLACE_KEYS`` ('cudnn@1': cuDNN's second plan)."""
+    if order is None or not 0 <= order < PLACE_KEYS:
+        return [name]
+    return [name, f"{backend_of(name)}@{order}"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,26 +98,109 @@ class Sample:
     order: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Neighbourhood:
+    """The neighbours of one asked problem: their indices and weights, and what they say of it as log2 values:
+    its best time, its typical candidate's distance from the best, and the typical analytic correction."""
+
+    indices: list[int]
+    weights: list[float]
+    best: float
+    typical: float
+    correction: float
+
+
 class LearnedModel:
-    """A trained correction for one device (``fingerprint``); ``log2_factor`` answers a batch of pairs."""
+    """Measured problems of one device (``fingerprint``): per problem its key, log2(best time / floor), the
+    median over its candidates of log2(time / best) and of log2(time / analytic price), and per candidate key
+    (``keys``) log2(time / best). ``log2_factors`` answers a batch of candidates."""
 
-    def __init__(self, network: torch.nn.Module, mean: torch.Tensor, std: torch.Tensor, fingerprint: str,
-                 samples: int, software: str = "") -> None:
-        self.network, self.mean, self.std = network.eval(), mean, std
+    def __init__(self, problem_keys: Sequence[str], best: torch.Tensor, typical: torch.Tensor,
+                 correction: torch.Tensor, names: Sequence[str], entries: torch.Tensor, regrets: torch.Tensor,
+                 fingerprint: str, samples: int, software: str = "") -> None:
+        self.problem_keys, self.names = list(problem_keys), list(names)
+        self.best, self.typical, self.correction = best, typical, correction
+        self.entries, self.regrets = entries, regrets  # (problem index, name index) rows; their log2(time / best)
         self.fingerprint, self.samples, self.software = fingerprint, samples, software
+        problems = [ConvProblem.from_key(k) for k in self.problem_keys]
+        x = torch.tensor([problem_features(p) for p in problems], dtype=torch.float64)
+        spread = x.std(0, unbiased=False) if len(problems) > 1 else torch.ones(x.shape[1], dtype=torch.float64)
+        self._scale = torch.where(spread < 1e-6, torch.ones_like(spread), spread)
+        self._x = x / self._scale
+        self._by_direction = {d: torch.tensor([i for i, p in enumerate(problems) if p.direction == d])
+                              for d in DIRECTIONS}
+        self._name_index = {n: i for i, n in enumerate(self.names)}
+        self._measured: list[dict[int, float]] = [{} for _ in problems]
+        for (problem, name), regret in zip(entries.tolist(), regrets.tolist()):
+            self._measured[problem][name] = regret
+        self._memo: dict[ConvProblem, _Neighbourhood | None] = {}
 
-    def log2_factor(self, rows: Sequence[Sequence[float]]) -> list[float]:
-        """log2(measured / analytic) per row of features, within ±MAX_LOG2_FACTOR (a model far outside what
-        it was trained on says no more than that)."""
-        with torch.no_grad():
-            x = (torch.tensor(rows, dtype=torch.float32) - self.mean) / self.std
-            y = self.network(x).squeeze(1).nan_to_num(0.0).clamp(-MAX_LOG2_FACTOR, MAX_LOG2_FACTOR)
-            return y.tolist()
+    def _neighbourhood(self, problem: ConvProblem) -> _Neighbourhood | None:
+        if problem in self._memo:
+            return self._memo[problem]
+        candidates = self._by_direction.get(problem.direction)
+        found = None
+        if candidates is not None and len(candidates):
+            from .hardware import roofline_ms
+
+            asked = torch.tensor(problem_features(problem), dtype=torch.float64) / self._scale
+            distance = (self._x[candidates] - asked).norm(dim=1)
+            nearest = torch.sort(distance, stable=True).indices[:NEIGHBOURS]
+            indices = candidates[nearest]
+            weights = 1.0 / (1e-3 + distance[nearest])
+            total = float(weights.sum())
+
+            def mean(values: torch.Tensor) -> float:
+                return float((values[indices] * weights).sum()) / total
+
+            floor = math.log2(max(roofline_ms(problem), 1e-9))
+            found = _Neighbourhood(indices.tolist(), weights.tolist(), floor + mean(self.best), mean(self.typical),
+                                   mean(self.correction))
+        if len(self._memo) >= MEMO_PROBLEMS:
+            self._memo.clear()
+        self._memo[problem] = found
+        return found
+
+    def log2_price(self, problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float | None:
+        """log2 of the time in ms the neighbours suggest for ``name`` on ``problem`` (None: no measured problem of
+        this direction to ask)."""
+        near = self._neighbourhood(problem)
+        if near is None:
+            return None
+        total = sum(near.weights)
+        scores = []
+        for key in keys(name, order):
+            index = self._name_index.get(key)
+            if index is None:
+                continue
+            measured = [(self._measured[i][index], w) for i, w in zip(near.indices, near.weights)
+                        if index in self._measured[i]]
+            support = sum(w for _, w in measured)
+            if support >= MIN_SUPPORT * total:
+                scores.append(sum(r * w for r, w in measured) / support)
+        if scores:
+            return near.best + min(scores)
+        from .costmodel import order_factor
+
+        return max(near.best + near.typical, math.log2(max(analytic_ms * order_factor(order), 1e-12)) + near.correction)
+
+    def log2_factors(self, rows: Sequence[tuple[ConvProblem, str, float, int | None]]) -> list[float]:
+        """Per (problem, name, analytic ms, place) row, log2 of the price over the analytic price times
+        ``costmodel.order_factor`` of the place, within ±MAX_LOG2_FACTOR (0 where the model cannot answer)."""
+        from .costmodel import order_factor
+
+        out = []
+        for problem, name, analytic_ms, order in rows:
+            price = self.log2_price(problem, name, analytic_ms, order)
+            base = math.log2(max(analytic_ms * order_factor(order), 1e-12))
+            factor = 0.0 if price is None or not math.isfinite(price) else price - base
+            out.append(min(max(factor, -MAX_LOG2_FACTOR), MAX_LOG2_FACTOR))
+        return out
 
     def factor(self, problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float:
-        """measured / analytic, as predicted for ``name`` on ``problem`` (``order``: its place in its backend's
-        heuristic order, where known)."""
-        return 2.0 ** self.log2_factor([features(problem, name, analytic_ms, order)])[0]
+        """The price over the analytic price (times ``costmodel.order_factor`` of ``order``, ``name``'s place in
+        its backend's heuristic order, where known)."""
+        return 2.0 ** self.log2_factors([(problem, name, analytic_ms, order)])[0]
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the model to ``path`` (written to a temporary name, then renamed)."""
@@ -159,10 +208,11 @@ class LearnedModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         from .hardware import software_versions
 
-        payload = {"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN, "members": MEMBERS,
-                   "fingerprint": self.fingerprint, "software": self.software or software_versions(),
-                   "samples": self.samples, "saved_at": time.time(),
-                   "mean": self.mean, "std": self.std, "state": self.network.state_dict()}
+        payload = {"feature_version": FEATURE_VERSION, "fingerprint": self.fingerprint,
+                   "software": self.software or software_versions(), "samples": self.samples,
+                   "saved_at": time.time(), "problems": self.problem_keys, "names": self.names, "best": self.best,
+                   "typical": self.typical, "correction": self.correction, "entries": self.entries,
+                   "regrets": self.regrets}
         write_whole(path, lambda target: torch.save(payload, target))
         forget()  # this process sees the new file at once
         return path
@@ -176,110 +226,66 @@ def load(path: str | os.PathLike) -> LearnedModel:
         raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a learned cost model")
-    shape = {"feature_version": FEATURE_VERSION, "features": FEATURES, "hidden": HIDDEN, "members": MEMBERS}
-    other = {k: data.get(k) for k, v in shape.items() if data.get(k) != v}
-    if other:
-        raise ValueError(f"{path} holds a model of other features or shape "
-                         f"({', '.join(f'{k} {v!r}' for k, v in other.items())}; this convtune reads "
-                         f"{', '.join(f'{k} {shape[k]}' for k in other)}); train it again with convtune train-get")
-    network = _network()
+    if data.get("feature_version") != FEATURE_VERSION:
+        raise ValueError(f"{path} holds a model of other features (feature_version {data.get('feature_version')!r}; "
+                         f"this convtune reads feature_version {FEATURE_VERSION}); build it again with "
+                         f"convtune train-get")
     try:
-        network.load_state_dict(data["state"])
-        mean, std = data["mean"], data["std"]
-        shapes_ok = tuple(mean.shape) == tuple(std.shape) == (FEATURES,)
-    except (KeyError, RuntimeError, AttributeError, TypeError) as exc:
+        problem_keys, names = list(data["problems"]), list(data["names"])
+        per_problem = [data[k] for k in ("best", "typical", "correction")]
+        entries, regrets = data["entries"], data["regrets"]
+        shapes_ok = (all(t.dtype == torch.float64 and tuple(t.shape) == (len(problem_keys),) for t in per_problem)
+                     and entries.dtype == torch.int64 and regrets.dtype == torch.float64
+                     and tuple(entries.shape) == (len(regrets), 2))
+        values_ok = shapes_ok and all(bool(torch.isfinite(t).all()) for t in (*per_problem, regrets))
+        in_range = values_ok and (not len(entries) or (
+            int(entries.min()) >= 0 and int(entries[:, 0].max()) < len(problem_keys)
+            and int(entries[:, 1].max()) < len(names)))
+        samples, fingerprint = data.get("samples"), data.get("fingerprint")
+        if not in_range or not isinstance(samples, int) or not isinstance(fingerprint, str) \
+                or not all(isinstance(k, str) for k in (*problem_keys, *names)):
+            raise ValueError("non-finite, malformed or out-of-range fields")
+        best, typical, correction = per_problem
+        return LearnedModel(problem_keys, best, typical, correction, names, entries, regrets, fingerprint, samples,
+                            str(data.get("software", "")))
+    except (KeyError, RuntimeError, AttributeError, TypeError, ValueError) as exc:
         raise ValueError(f"{path} is a damaged learned cost model ({type(exc).__name__}: {exc})") from None
-    floats = shapes_ok and mean.dtype == std.dtype == torch.float32
-    finite = floats and all(bool(torch.isfinite(t).all()) for t in (mean, std, *network.state_dict().values()))
-    samples, fingerprint = data.get("samples"), data.get("fingerprint")
-    if not finite or not bool((std > 0).all()) or not isinstance(samples, int) or not isinstance(fingerprint, str):
-        raise ValueError(f"{path} is a damaged learned cost model (non-finite or malformed weights or fields)")
-    return LearnedModel(network, mean, std, fingerprint, samples, str(data.get("software", "")))
 
 
-def train(samples: Sequence[Sample], fingerprint: str, *, epochs: int = 400, seed: int = 0) -> LearnedModel:
-    """A model fitted to ``samples`` (measurements of one device, ``fingerprint``): log2(measured / analytic)
-    by mean squared error, Adam, batches of 1024, each of the ``MEMBERS`` networks from its own seed (seed,
-    seed + 1, ...); deterministic for a seed. ``ValueError`` without samples."""
-    usable = [s for s in samples if s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms)]
+def train(samples: Sequence[Sample], fingerprint: str) -> LearnedModel:
+    """The model of ``samples`` (measurements of one device, ``fingerprint``; each problem's best time is what its
+    candidates are measured against, so a problem counts once it has a timed candidate). Deterministic: the same
+    samples give the same model. ``ValueError`` without usable samples."""
+    from .hardware import roofline_ms
+
+    usable = [s for s in samples if s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms)
+              and math.isfinite(s.analytic_ms)]
     if not usable:
-        raise ValueError("no usable measurements to train on: tune some problems first (convtune tune, find)")
-    dropped = random.Random(seed)
-    known = [s.order if s.order is None or dropped.random() >= ORDER_DROPOUT else None for s in usable]
-    x = torch.tensor([features(s.problem, s.name, s.analytic_ms, order) for s, order in zip(usable, known)],
-                     dtype=torch.float32)
-    y = torch.tensor([math.log2(s.measured_ms / s.analytic_ms) for s in usable], dtype=torch.float32)
-    mean, std = x.mean(0), x.std(0, unbiased=False)
-    std = torch.where(std < 1e-3, torch.ones_like(std), std)  # a column constant here (no places known, say)
-    # stays near 0 when it varies at serving time, instead of growing a thousandfold
-    x = (x - mean) / std
-    keys = {key: i for i, key in enumerate(dict.fromkeys(s.problem.key for s in usable))}
-    group = torch.tensor([keys[s.problem.key] for s in usable])
-    # what ranks a problem's candidates: log2 of the analytic price times the correction
-    base = torch.tensor([math.log2(s.analytic_ms) for s in usable], dtype=torch.float32)
-    members = [_fit(x, y, group, base, epochs, seed + i) for i in range(MEMBERS)]
-    return LearnedModel(_Ensemble(members), mean, std, fingerprint, len(usable))
+        raise ValueError("no usable measurements to build the model from: tune some problems first "
+                         "(convtune tune, find)")
+    by_problem: dict[ConvProblem, list[Sample]] = defaultdict(list)
+    for s in usable:
+        by_problem[s.problem].append(s)
+    names: dict[str, int] = {}
+    best, typical, correction, entries, regrets = [], [], [], [], []
+    for index, (problem, rows) in enumerate(by_problem.items()):
+        fastest = min(s.measured_ms for s in rows)
+        best.append(math.log2(fastest / max(roofline_ms(problem), 1e-9)))
+        regret: dict[str, float] = {}
+        for s in rows:
+            for key in keys(s.name, s.order):
+                regret[key] = min(regret.get(key, math.inf), math.log2(s.measured_ms / fastest))
+        typical.append(statistics.median(math.log2(s.measured_ms / fastest) for s in rows))
+        correction.append(statistics.median(math.log2(s.measured_ms / s.analytic_ms) for s in rows))
+        for key, value in regret.items():
+            entries.append((index, names.setdefault(key, len(names))))
+            regrets.append(value)
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64)
 
-
-def _listwise(predicted: torch.Tensor, measured: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """The cross-entropy, per problem (``group``), between where the measured log2 times put the probability of
-    being fastest and where the predicted ones do (a softmax of each problem's negated log2 times), averaged over
-    the problems: the same for any offset per problem, and least where the prediction is the measurement up to
-    such an offset."""
-    def log_softmax(values: torch.Tensor) -> torch.Tensor:
-        scaled = -values / LISTWISE_TEMPERATURE
-        top = torch.full((int(group.max()) + 1,), -math.inf).scatter_reduce(0, group, scaled.detach(), "amax")
-        shifted = scaled - top[group]
-        sums = torch.zeros_like(top).index_add(0, group, shifted.exp())
-        return shifted - sums.log()[group]
-
-    target = log_softmax(measured).exp()
-    loss = -(target * log_softmax(predicted))
-    problems = torch.unique(group).numel()
-    return loss.sum() / problems
-
-
-def _problem_batches(per_problem: list[torch.Tensor], batch: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """Each problem's sample indices (``per_problem``) in a random order, cut into batches of whole problems of
-    about ``batch`` samples each."""
-    batches, current, size = [], [], 0
-    for i in torch.randperm(len(per_problem), generator=generator).tolist():
-        current.append(per_problem[i])
-        size += len(per_problem[i])
-        if size >= batch:
-            batches.append(torch.cat(current))
-            current, size = [], 0
-    if current:
-        batches.append(torch.cat(current))
-    return batches
-
-
-def _fit(x: torch.Tensor, y: torch.Tensor, group: torch.Tensor, base: torch.Tensor, epochs: int,
-         seed: int) -> torch.nn.Module:
-    """One member network fitted to the normalized features ``x`` and targets ``y`` (mean squared error), and to
-    each problem's order of its candidates (``_listwise``, weighted LISTWISE_WEIGHT; ``group``: each sample's
-    problem, ``base``: its log2 analytic price), in batches of whole problems."""
-    generator = torch.Generator().manual_seed(seed)
-    torch_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        network = _member()
-    finally:
-        torch.random.set_rng_state(torch_state)
-    optimizer = torch.optim.Adam(network.parameters(), lr=3e-3, weight_decay=1e-5)
-    batch = 1024
-    per_problem = [torch.nonzero(group == g).squeeze(1) for g in range(int(group.max()) + 1)]
-    for _ in range(epochs):
-        for rows in _problem_batches(per_problem, batch, generator):
-            optimizer.zero_grad()
-            predicted = network(x[rows]).squeeze(1)
-            loss = torch.nn.functional.mse_loss(predicted, y[rows])
-            if LISTWISE_WEIGHT:
-                _, local = torch.unique(group[rows], return_inverse=True)
-                loss = loss + LISTWISE_WEIGHT * _listwise(base[rows] + predicted, base[rows] + y[rows], local)
-            loss.backward()
-            optimizer.step()
-    return network
+    return LearnedModel([p.key for p in by_problem], column(best), column(typical), column(correction), list(names),
+                        torch.tensor(entries, dtype=torch.int64).reshape(-1, 2), column(regrets), fingerprint,
+                        len(usable))
 
 
 def samples_from(db: Any, device: str, fingerprint: str | None = None,
@@ -418,18 +424,21 @@ def _warn(message: str) -> None:
         log.warning(message)
 
 
-def holdout_report(samples: Sequence[Sample], fingerprint: str, *, fraction: float = 0.2, seed: int = 0,
-                   epochs: int = 400) -> dict[str, float]:
-    """Trained on most problems, judged on the rest (whole problems held out): for each held-out
+def holdout_report(samples: Sequence[Sample], fingerprint: str, *, fraction: float = 0.2,
+                   seed: int = 0) -> dict[str, float]:
+    """Built from most problems (drawn by ``seed``), judged on the rest (whole problems held out): for each held-out
     problem, the time of the candidate each model ranks first over the best measured, as a geometric
     mean and worst case, and how often each picks the best (top-1), learned against analytic."""
     problems = sorted({s.problem for s in samples}, key=lambda p: p.key)
     random.Random(seed).shuffle(problems)
     held = set(problems[:max(1, int(len(problems) * fraction))])
-    model = train([s for s in samples if s.problem not in held], fingerprint, epochs=epochs, seed=seed)
+    model = train([s for s in samples if s.problem not in held], fingerprint)
     scores: dict[str, list[float]] = {"learned": [], "analytic": []}
-    for problem in held:
-        rows = [s for s in samples if s.problem == problem]
+    by_problem: dict[ConvProblem, list[Sample]] = defaultdict(list)
+    for s in samples:
+        if s.problem in held:
+            by_problem[s.problem].append(s)
+    for rows in by_problem.values():
         if len(rows) < 2:
             continue
         best = min(s.measured_ms for s in rows)
@@ -474,7 +483,7 @@ def ranked(model: LearnedModel, rows: Sequence[Sample]) -> list[tuple[Sample, fl
     against the best measured to prune)."""
     from .costmodel import order_factor
 
-    corrections = model.log2_factor([features(s.problem, s.name, s.analytic_ms, s.order) for s in rows])
+    corrections = model.log2_factors([(s.problem, s.name, s.analytic_ms, s.order) for s in rows])
     prices = [math.log2(s.analytic_ms * order_factor(s.order)) + c for s, c in zip(rows, corrections)]
     keyed = sorted(zip(prices, (s.name for s in rows), rows), key=lambda k: (k[0], k[1]))
     return [(s, 2.0 ** price) for price, _, s in keyed]
