@@ -209,19 +209,21 @@ def learned_get() -> str:
     everything = [r for rows in by_network.values() for r in rows]
     table = [[network, len(rows), *(cell(rows, k) for k in rankings)] for network, rows in sorted(by_network.items())]
     table.append(["all held out", len(everything), *(cell(everything, k) for k in rankings)])
-    split = data["random_split"]
+    splits = data.get("random_splits") or [data["random_split"]]
+    seeds = range(data.get("seed", 0), data.get("seed", 0) + len(splits))
     return (f"## get's learned cost model ([`learned_get.md`]({LINK}learned_get.md), `bench/learned_get.py`)\n\n"
             f"{'measured on ' + data['measured_on'] + ', judged on ' if data.get('measured_on') else ''}"
             f"{_env(data['environment'])}; {data['samples']} measurements of {data['problems']} problems. Each "
-            f"network's layers (every direction) judged by a model trained without them: the measured time of "
+            f"network's layers (every direction) judged by a model built without them: the measured time of "
             f"each ranking's first pick over the best measured, geometric mean / worst (targets: 1.05 / 1.5). "
             f"analytic: the analytic model with cuDNN's order of its plans, as `get` ranks without a learned "
             f"model; torch_bm0: PyTorch's own call without benchmark mode; cudnn_A, cudnn_B: the first plan of "
             f"cuDNN's heuristics A and B (recorded on the GPU that measured, `bench/cudnn_order.py`).\n\n"
             + common.md_table(["held out", "problems", *(f"{k}: geomean / worst" for k in rankings)], table)
-            + f"\n\nA random split of whole problems: learned {split['learned_geomean']:.3f} / "
-              f"{split['learned_worst']:.2f}, analytic {split['analytic_geomean']:.3f} / "
-              f"{split['analytic_worst']:.2f}.")
+            + "\n\nRandom splits of whole problems (a fifth held out), learned against analytic: "
+            + "; ".join(f"seed {seed} {split['learned_geomean']:.3f} / {split['learned_worst']:.2f} against "
+                        f"{split['analytic_geomean']:.3f} / {split['analytic_worst']:.2f}"
+                        for seed, split in zip(seeds, splits)) + ".")
 
 
 def render() -> str:
