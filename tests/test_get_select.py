@@ -207,10 +207,10 @@ def test_get_keeps_a_ranking_backends_own_order_among_equal_plans(ranks):
         assert [c.name for c in choices] == ["fakeb:a_listed_second", "fakeb:z_listed_first"]
 
 
-def test_a_measured_plan_is_priced_by_its_measurement_with_its_place_counted_once(tmp_path, monkeypatch):
-    # The database's ratio for an algorithm is to the prediction without a place (the learned model's answer
-    # for an unknown place); where the model says the first place is worth 2x, a measured plan in that place
-    # must not be credited with it a second time: its prediction is its measurement.
+def test_a_measured_plan_is_priced_by_its_measurement_and_a_learned_model_by_its_place(tmp_path, monkeypatch):
+    # Without a learned model, the database's ratio for an algorithm already holds what its place would add: a
+    # measured plan's prediction is its measurement. With one (built from the database, so it answers for the
+    # measured plans itself), the model prices every plan, its place included, and the ratios are left out.
     plan = Fake("fakeb:first")
     plan.place = 0
     later = Fake("fakeb:fifth")
@@ -222,17 +222,21 @@ def test_a_measured_plan_is_priced_by_its_measurement_with_its_place_counted_onc
         def algorithms(self, problem):
             return [plan, later]
 
-    def by_place(problem, name, analytic_ms, order=None):
-        return 0.5 if order == 0 else 1.0
-
-    monkeypatch.setattr(learned, "correction", by_place)
     with isolated(FakeBackend(), builtins=False), ct.TuningDB(tmp_path / "t.sqlite") as db:
-        unmeasured = get(P3, Policy(tolerance=0.0))[0].predicted_ms
         db.store(P3, [PerfResult("fakeb:first", Status.OK, time_ms=2.0), PerfResult("fakeb:fifth", Status.OK,
                                                                                       time_ms=3.0)])
         measured = {c.name: c.predicted_ms for c in get(P3, Policy(tolerance=0.0), db=db)}
-    assert measured == pytest.approx({"fakeb:first": 2.0, "fakeb:fifth": 3.0})
-    assert unmeasured == pytest.approx(0.5 * costmodel.analytic_ms("fakeb:first", P3))  # the place counts there
+        assert measured == pytest.approx({"fakeb:first": 2.0, "fakeb:fifth": 3.0})
+
+        def by_place(problem, name, analytic_ms, order=None):
+            return 0.5 if order == 0 else 1.0
+
+        monkeypatch.setattr(learned, "correction", by_place)
+        monkeypatch.setattr(learned, "version", lambda device: 7)  # a model is installed
+        modelled = {c.name: c.predicted_ms for c in get(P3, Policy(tolerance=0.0), db=db)}
+    analytic = costmodel.analytic_ms("fakeb:first", P3)
+    assert modelled == pytest.approx({"fakeb:first": 0.5 * analytic,
+                                      "fakeb:fifth": analytic * costmodel.order_factor(5)})
 
 
 def test_get_leaves_out_an_algorithm_that_cannot_describe_itself(caplog):

@@ -92,9 +92,58 @@ def test_a_candidate_its_neighbours_did_not_measure_is_not_picked_on_a_guess():
     assert learned.train(only_fwd, "test-machine").factor(other, "plugin:dw", 1.0) == 1.0
 
 
+def placed_samples(count: int, seed: int = 0) -> list[learned.Sample]:
+    """Per problem: 'b:first' in place 0 of backend b's order, 1.0 ms; 'b:x<seed>' in place 1 (a name seen on one
+    problem only), 2.0 ms; 'plugin:rare', measured on every fourth problem, 4.0 ms."""
+    out = []
+    for i, p in enumerate(problems(count, seed)):
+        out += [learned.Sample(p, "b:first", 1.0, 1.0, 0), learned.Sample(p, f"b:x{seed}_{i}", 1.0, 2.0, 1)]
+        if i % 4 == 0:
+            out.append(learned.Sample(p, "plugin:rare", 1.0, 4.0))
+    return out
+
+
+def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
+    model = learned.train(placed_samples(80), "test-machine")
+    p = problems(1, seed=11)[0]
+    near = model._neighbourhood(p)
+    # its factor is to the analytic price times its place's factor, so that get's price is the model's
+    analytic = 2.0 ** near.best  # a price within the factor's bounds
+    for name, order in (("b:first", 0), ("b:new", 1), ("b:new", None), ("b:new", 9)):
+        price = analytic * costmodel.order_factor(order) * model.factor(p, name, analytic, order)
+        assert math.isclose(math.log2(price), model.log2_price(p, name, analytic, order), abs_tol=1e-9)
+    # a name never measured, in place 1: priced as the plans in place 1 were, one step from the best
+    assert model.log2_price(p, "b:new", analytic, 1) == pytest.approx(near.best + 1.0)
+    assert model.log2_price(p, "b:first", analytic, 0) == pytest.approx(near.best)
+    # known by name (the best everywhere) and by a later place: the better of the two
+    assert model.log2_price(p, "b:first", analytic, 1) == pytest.approx(near.best)
+
+
+def test_a_name_too_few_neighbours_measured_is_priced_as_their_typical_candidate_or_its_analytic_price():
+    model = learned.train(placed_samples(80), "test-machine")
+    p = problems(1, seed=11)[0]
+    near = model._neighbourhood(p)
+    # 'plugin:rare' was measured on about a quarter of the problems (always 2 steps from the best): no price of its own
+    typical = near.best + near.typical
+    assert model.log2_price(p, "plugin:rare", 1e-6) == pytest.approx(typical)
+    assert model.log2_price(p, "plugin:rare", 1e-6) != pytest.approx(near.best + 2.0)
+    # an analytic price far above: that (times the neighbours' typical correction) is the price instead
+    assert model.log2_price(p, "plugin:rare", 1e6) == pytest.approx(math.log2(1e6) + near.correction)
+
+
+def test_get_prices_with_the_model_and_the_candidates_place(tmp_path):
+    model = learned.train(placed_samples(80), fingerprint("cpu"))
+    p = problems(1, seed=11)[0]
+    with settings.override(learned_model=str(tmp_path / "get_{device}.pt")):
+        model.save(tmp_path / "get_cpu.pt")
+        table, analytic = costmodel.Corrections(), 2.0 ** model._neighbourhood(p).best
+        first, later = (table.price("b:unseen", p, analytic, place) for place in (0, 1))
+    assert later == pytest.approx(2 * first)  # place 1 measured twice place 0's time on every neighbour
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_regrets", "not_a_dict",
                                     "samples_none", "float32_best", "short_best", "index_out_of_range",
-                                    "bad_problem_key"])
+                                    "bad_problem_key", "empty", "names_a_string", "samples_bool"])
 def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
     path = learned.train(samples(10), "test-machine").save(tmp_path / "m.pt")
     data = torch.load(path, weights_only=True)
@@ -121,6 +170,14 @@ def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
         torch.save(dict(data, entries=entries), path)
     elif damage == "bad_problem_key":
         torch.save(dict(data, problems=["not a problem", *data["problems"][1:]]), path)
+    elif damage == "empty":
+        nothing = torch.zeros(0, dtype=torch.float64)
+        torch.save(dict(data, problems=[], names=[], best=nothing, typical=nothing, correction=nothing,
+                        regrets=nothing, entries=torch.zeros((0, 2), dtype=torch.int64)), path)
+    elif damage == "names_a_string":
+        torch.save(dict(data, names="".join(data["names"])), path)
+    elif damage == "samples_bool":
+        torch.save(dict(data, samples=True), path)
     else:
         torch.save([1, 2, 3], path)
     with pytest.raises(ValueError, match="m.pt"):
@@ -142,7 +199,9 @@ def test_get_uses_a_model_of_this_machine_and_ignores_others_with_a_warning(tmp_
         saved = torch.load(tmp_path / "get_cpu.pt", weights_only=True)
         assert learned.active("cpu") is not None
         assert first_of_two() == "plugin:dw"
-        assert costmodel.predict_ms("plugin:dw", p) < costmodel.analytic_ms("plugin:dw", p)
+        # priced alike by the analytic model, 4x apart here by what the neighbours measured
+        assert costmodel.analytic_ms("plugin:dw", p) == costmodel.analytic_ms("plugin:dense", p)
+        assert costmodel.predict_ms("plugin:dw", p) < 0.75 * costmodel.predict_ms("plugin:dense", p)
         # the same model, but trained on another machine: not used, said once
         torch.save(dict(saved, fingerprint="cuda|some other GPU"), tmp_path / "get_cpu.pt")
         learned.forget()

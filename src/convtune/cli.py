@@ -201,13 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("settings", help="every setting, its environment variable and current value")
 
-    p = sub.add_parser("train-get", help="train get's learned cost model on this device's measurements")
+    p = sub.add_parser("train-get", help="build get's learned cost model from this device's measurements")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="whose measurements (default: cuda where there is a GPU, else cpu)")
     p.add_argument("--out", default=None, help="the model file (default: learned_get_<device>.pt in the cache "
                                                "folder, where get looks for it)")
     p.add_argument("--holdout", type=float, default=0.2, help="fraction of the problems held out to judge a "
-                                                              "model trained on the rest first (0: none)")
+                                                              "model built from the rest first (0: none)")
     _add_db_args(p)
     p.add_argument("--json", action="store_true")
 

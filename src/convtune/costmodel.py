@@ -10,7 +10,8 @@ bytes it moves, the operations it launches); a backend whose algorithms depend o
 - the helpers families share (``shape_factor``, ``gemm_dims``, ``taps``);
 - the database corrections: for every (algorithm, direction, dtype) measured on this device, the
   geometric mean of measured / predicted multiplies later predictions; an algorithm never
-  measured takes its backend's factor.
+  measured takes its backend's factor. Where this device has a learned model (``learned``, built
+  from a database's measurements with ``convtune train-get``), it prices instead.
 
 convtune's own algorithms, chains of PyTorch operations, reach a fraction of what one vendor
 kernel does (``COMPOSED_FACTOR``); FFT and Winograd compute in float32 whatever the dtype, so
@@ -189,15 +190,17 @@ class Corrections:
         return self.by_algorithm.get((name, problem.direction, problem.dtype))
 
     def price(self, name: str, problem: ConvProblem, base_ms: float, place: int | None = None) -> float:
-        """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the learned correction, then
-        this table's. A name measured in this direction and dtype takes its own factor, which already holds what
-        its place in its backend's heuristic order would add (stored results are priced without one); any other
-        is priced by its ``place`` and its backend's factor."""
+        """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``. Where this device has a learned
+        model (``learned``, built from a database's measurements, which it answers for), its price alone, with the
+        candidate's ``place`` in its backend's heuristic order. Otherwise this table's: a name measured in this
+        direction and dtype takes its own factor, which already holds what its place would add (stored results are
+        priced without one); any other is priced by its ``place`` and its backend's factor."""
+        if learned.version(problem.device):  # built from the database: it answers for its measurements itself
+            return base_ms * learned.correction(problem, name, base_ms, place) * order_factor(place)
         measured = self.measured(name, problem)
         if measured is not None:
-            return base_ms * learned.correction(problem, name, base_ms) * measured
-        return (base_ms * learned.correction(problem, name, base_ms, place) * order_factor(place)
-                * self.by_backend.get(backend_of(name), 1.0))
+            return base_ms * measured
+        return base_ms * order_factor(place) * self.by_backend.get(backend_of(name), 1.0)
 
     @staticmethod
     def of(measurements: Iterable[tuple[ConvProblem, Any]]) -> Corrections:

@@ -17,10 +17,12 @@ by its analytic price times their typical correction if that is higher: it is no
 Why neighbours and not a fitted network: judged on networks left out of the data (bench/learned_get.py,
 docs/performance.md), picking by how candidates fared on the nearest problems beat three multilayer
 perceptrons trained on the same measurements (which priced every candidate, then ranked by the prices)
-and cuDNN's own heuristics; it needs no training (``train`` builds a table in a second, the same for any
-seed) and answers a new problem in about a millisecond. ``get`` multiplies the analytic price by its
-correction where a model built on this device (its fingerprint) is installed, and the database's
-measurement corrections apply on top, as before; everywhere else the analytic model serves alone.
+and cuDNN's own heuristics; it needs no training (``train`` builds a table in a second, deterministically)
+and answers a new problem in about a millisecond. Where a model built on this device (its fingerprint) is
+installed, ``get`` prices every candidate with it (the analytic price times its correction) and leaves out
+the database's per-name corrections: the model is built from the database's measurements and answers for
+them, places in cuDNN's order included (build it again after tuning more). Everywhere else the analytic
+model serves, corrected by the database (``costmodel.Corrections``).
 
 Build one from a tuning database with ``convtune train-get`` (or ``train`` and ``save``): it is
 stored as ``learned_get_<device>.pt`` in the cache folder (beside the default database), or where
@@ -98,6 +100,9 @@ class Sample:
     order: int | None = None
 
 
+_MISSING = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Neighbourhood:
     """The neighbours of one asked problem: their indices and weights, and what they say of it as log2 values:
@@ -133,11 +138,15 @@ class LearnedModel:
         self._measured: list[dict[int, float]] = [{} for _ in problems]
         for (problem, name), regret in zip(entries.tolist(), regrets.tolist()):
             self._measured[problem][name] = regret
-        self._memo: dict[ConvProblem, _Neighbourhood | None] = {}
+        self._memo: dict[tuple[ConvProblem, Any], Any] = {}
 
     def _neighbourhood(self, problem: ConvProblem) -> _Neighbourhood | None:
-        if problem in self._memo:
-            return self._memo[problem]
+        from .hardware import assumed_gpu
+
+        key = (problem, assumed_gpu())  # the floors are the priced GPU's
+        known = self._memo.get(key, _MISSING)
+        if known is not _MISSING:
+            return known
         candidates = self._by_direction.get(problem.direction)
         found = None
         if candidates is not None and len(candidates):
@@ -157,8 +166,8 @@ class LearnedModel:
             found = _Neighbourhood(indices.tolist(), weights.tolist(), floor + mean(self.best), mean(self.typical),
                                    mean(self.correction))
         if len(self._memo) >= MEMO_PROBLEMS:
-            self._memo.clear()
-        self._memo[problem] = found
+            self._memo = {}  # a new dict, not cleared: another thread may be reading the old one
+        self._memo[key] = found
         return found
 
     def log2_price(self, problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float | None:
@@ -231,6 +240,8 @@ def load(path: str | os.PathLike) -> LearnedModel:
                          f"this convtune reads feature_version {FEATURE_VERSION}); build it again with "
                          f"convtune train-get")
     try:
+        if not isinstance(data["problems"], list) or not isinstance(data["names"], list) or not data["problems"]:
+            raise ValueError("'problems' and 'names' must be lists, and 'problems' not empty")
         problem_keys, names = list(data["problems"]), list(data["names"])
         per_problem = [data[k] for k in ("best", "typical", "correction")]
         entries, regrets = data["entries"], data["regrets"]
@@ -242,13 +253,13 @@ def load(path: str | os.PathLike) -> LearnedModel:
             int(entries.min()) >= 0 and int(entries[:, 0].max()) < len(problem_keys)
             and int(entries[:, 1].max()) < len(names)))
         samples, fingerprint = data.get("samples"), data.get("fingerprint")
-        if not in_range or not isinstance(samples, int) or not isinstance(fingerprint, str) \
+        if not in_range or type(samples) is not int or not isinstance(fingerprint, str) \
                 or not all(isinstance(k, str) for k in (*problem_keys, *names)):
             raise ValueError("non-finite, malformed or out-of-range fields")
         best, typical, correction = per_problem
         return LearnedModel(problem_keys, best, typical, correction, names, entries, regrets, fingerprint, samples,
                             str(data.get("software", "")))
-    except (KeyError, RuntimeError, AttributeError, TypeError, ValueError) as exc:
+    except (KeyError, RuntimeError, AttributeError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"{path} is a damaged learned cost model ({type(exc).__name__}: {exc})") from None
 
 
@@ -356,10 +367,11 @@ def forget() -> None:
 def _current(device: str) -> tuple[LearnedModel | None, int]:
     now = time.monotonic()
     known = _loaded.get(device)
-    if known is not None and now - _checked_at.get(device, -math.inf) < RECHECK_S:
+    path = default_path(device)
+    # the file is looked at again at most once a second, at once where the setting names another one
+    if known is not None and known[0][0] == str(path) and now - _checked_at.get(device, -math.inf) < RECHECK_S:
         return known[1], known[2]
     _checked_at[device] = now
-    path = default_path(device)
     try:
         stat = path.stat()
         identity: Any = (str(path), stat.st_mtime_ns, stat.st_size)
@@ -375,15 +387,15 @@ def _current(device: str) -> tuple[LearnedModel | None, int]:
 
             here = fingerprint(device)
             if model.fingerprint != here:
-                _warn(f"{path} was trained on another machine ({model.fingerprint}, this one is {here}); "
-                      f"the analytic cost model serves instead; train one here with convtune train-get")
+                _warn(f"{path} was built on another machine ({model.fingerprint}, this one is {here}); "
+                      f"the analytic cost model serves instead; build one here with convtune train-get")
                 model = None
             else:
                 from .hardware import software_versions
 
                 if model.software != software_versions():
-                    _warn(f"{path} was trained with other software ({model.software or 'unknown'}; now "
-                          f"{software_versions()}): used until convtune train-get trains it again")
+                    _warn(f"{path} was built with other software ({model.software or 'unknown'}; now "
+                          f"{software_versions()}): used until convtune train-get builds it again")
         except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, the analytic model serves
             _warn(f"{exc}; the analytic cost model serves instead")
             model = None
