@@ -443,12 +443,14 @@ class _Evil:
     (_line(fingerprint="cuda|H200|sm90|cuda12"), "not of a cpu device"),
     (_line(result=base64.b64encode(pickle.dumps(_Evil())).decode()), "JSON object"),
     (_line(result={**FIND[0].to_dict(), "py/reduce": "os.system"}), "unknown PerfResult field"),
+    (_line(result={**FIND[0].to_dict(), "place": -1}), "place=-1"),
+    (_line(result={**FIND[0].to_dict(), "place": True}), "place=True"),
     (json.dumps({"schema": 1, "result": FIND[0].to_dict()}), "missing"),
     ("[1, 2, 3]", "JSON object"),
     (pickle.dumps(_Evil()), "not UTF-8"),
 ], ids=["bad_json", "unknown_status", "bad_key", "invalid_problem", "negative_time", "negative_stored_at",
         "ok_with_infinite_time", "ok_with_infinite_error", "other_schema", "device_mismatch", "pickle_in_json",
-        "unknown_field", "missing_fields", "not_object", "raw_pickle"])
+        "unknown_field", "negative_place", "boolean_place", "missing_fields", "not_object", "raw_pickle"])
 def test_malformed_import_is_refused_whole(db, tmp_path, bad, message):
     db.store(problem(5), FIND[:1])
     before = db.entries()

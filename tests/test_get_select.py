@@ -443,3 +443,24 @@ def test_an_argument_of_the_wrong_type_is_named_with_what_it_got(call, message):
     with pytest.raises(TypeError) as raised:
         call()
     assert str(raised.value) == message
+
+
+def test_find_stores_each_plans_place_in_its_backends_order_and_the_learned_model_reads_it(tmp_path, monkeypatch):
+    first, second = Fake("fakeb:one", time_ms=2.0), Fake("fakeb:two", time_ms=1.0)
+    first.place, second.place = 0, 1
+
+    class FakeBackend(Backend):
+        prefix = "fakeb"
+
+        def algorithms(self, problem):
+            return [first, second]
+
+    with isolated(FakeBackend(), Fake("plugin:other", time_ms=3.0), builtins=False), \
+            ct.TuningDB(tmp_path / "t.sqlite") as db:
+        ct.find(P3, db=db)
+        stored = {r.algorithm: r.place for r in db.results(P3)}
+        assert stored == {"fakeb:one": 0, "fakeb:two": 1, "plugin:other": None}
+        assert "place" not in PerfResult("plugin:x", "ok", time_ms=1.0).to_dict()  # left out where there is none
+        # the stored places are read back, not asked of the backends again
+        monkeypatch.setattr(registry, "backend_places", lambda problem: pytest.fail("asked again"))
+        assert {s.name: s.order for s in learned.samples_from(db, P3.device)} == stored

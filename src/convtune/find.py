@@ -591,6 +591,8 @@ def _search(search: _Search, ranked: list[Algorithm], head_size: int, predicted_
         converged = bool(patience and without_gain >= patience)
         best_before = search.best_ms
         result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf), converged=converged)
+        if algorithm.place is not None:  # kept with the result: get's learned model reads it
+            result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)
         if result.ok and index > head_size:  # the first try of each backend does not count
             gained = cast(float, result.time_ms) < best_before * (1 - policy.tolerance)  # ok: timed

@@ -305,14 +305,20 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
     names: price them within ``hardware.measured_on``), with the analytic model's price and its place in
     its backend's heuristic order: from ``orders`` (problem key: the backend's candidates in its order, as
     recorded on the machine that measured, ``bench/cudnn_order.py``; a problem not in it has no places),
-    else asked of this machine's backends for its own measurements (``registry.backend_places``) and none
-    for another machine's (only the machine that measured knows its heuristics' order)."""
+    else as ``find`` stored it with the result (``PerfResult.place``), else, for a problem none of whose
+    results has one (measured by an earlier version), asked of this machine's backends for its own
+    measurements (``registry.backend_places``) and none for another machine's (only the machine that
+    measured knows its heuristics' order)."""
     from .algorithms.registry import backend_places
     from .costmodel import analytic_ms
 
+    measured = list(db.measurements(device, fingerprint))
+    stored = {problem.key for problem, result in measured if result.place is not None}
     places: dict[str, dict[str, int]] = {}
 
-    def place(problem: ConvProblem, name: str) -> int | None:
+    def place(problem: ConvProblem, result: Any) -> int | None:
+        if orders is None and problem.key in stored:
+            return result.place
         if problem.key not in places:
             if orders is not None:
                 places[problem.key] = positions(orders.get(problem.key, ()))
@@ -320,14 +326,14 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
                 places[problem.key] = backend_places(problem)
             else:  # another machine's order is not this one's to tell
                 places[problem.key] = {}
-        return places[problem.key].get(name)
+        return places[problem.key].get(result.algorithm)
 
     out = []
-    for problem, result in db.measurements(device, fingerprint):
+    for problem, result in measured:
         if result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms):
             out.append(Sample(problem, result.algorithm,
                               analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32),
-                              result.time_ms, place(problem, result.algorithm)))
+                              result.time_ms, place(problem, result)))
     return out
 
 

@@ -39,7 +39,9 @@ class PerfResult:
     """One candidate of one problem: how it fared, how fast, how much workspace, how exact.
 
     time_ms is the median (None when it was not timed); spread_ms the interquartile range;
-    rel_error the relative L2 error against the float64 reference (None when not checked).
+    rel_error the relative L2 error against the float64 reference (None when not checked); place: for a
+    candidate of a backend that ranks its candidates by its own heuristics (cuDNN), its place in that order
+    for this problem (0: the backend's first choice; None: no such backend), which get's learned model reads.
     """
 
     algorithm: str
@@ -52,6 +54,7 @@ class PerfResult:
     reduced_precision: bool = False
     rel_error: float | None = None
     message: str = ""
+    place: int | None = None
 
     if TYPE_CHECKING:
         # The signature dataclasses generates at runtime, with the status value __post_init__ converts.
@@ -59,7 +62,7 @@ class PerfResult:
             self, algorithm: str, status: Status | str, time_ms: float | None = None,
             spread_ms: float | None = None, workspace_bytes: int = 0, deterministic: bool = True,
             uses_tf32: bool = False, reduced_precision: bool = False, rel_error: float | None = None,
-            message: str = "",
+            message: str = "", place: int | None = None,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -72,6 +75,8 @@ class PerfResult:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["status"] = self.status.value
+        if d["place"] is None:  # most results have none: left out, as an earlier version wrote them
+            del d["place"]
         return d
 
     @classmethod
@@ -105,6 +110,9 @@ class PerfResult:
                 raise ValueError(f"PerfResult {name}={data[name]!r} must be true or false")
         if not isinstance(data.get("message", ""), str):
             raise ValueError("PerfResult message must be a string")
+        place = data.get("place")
+        if place is not None and (isinstance(place, bool) or not isinstance(place, int) or place < 0):
+            raise ValueError(f"PerfResult place={place!r} must be an int >= 0 or null")
         return cls(**{**data, "status": status})
 
 
