@@ -1,25 +1,28 @@
 """Does a tuning database of other problems make get's picks better? Judged on networks it never saw.
 
-``get`` prices an unmeasured problem with the analytic model, each candidate's place in its backend's heuristic
-order and the database's corrections (``costmodel.Corrections``: measured / predicted per algorithm name,
-direction and dtype, and per backend, from every problem the database holds). For each built-in network in
-turn, from a database that a sweep filled (``bench/sweep.py``), this prices that network's layers' measured
-candidates twice with ``Corrections.price``, get's own formula: without corrections and with those of every
-other problem of the database (leave one network out), and takes the measured time of each first pick over
-the best measured; cuDNN's heuristics A and B beside them (their first plan, where it was measured).
+``get`` prices an unmeasured problem with the analytic model and each candidate's place in its backend's heuristic
+order, or, where the database holds measurements, with the learned model of them (``costmodel.Corrections``: the
+nearest measured problems, ``learned``). For each built-in network in turn, from a database that a sweep filled
+(``bench/sweep.py``), this prices that network's layers' measured candidates with ``Corrections.price``, get's own
+formula: without a database, and with every other problem of the database (leave one network out), its results
+carrying their places in cuDNN's order as ``find`` now stores them (the sweep's results predate that: the places
+come from the recorded order) and, as a database of an earlier version holds them, without; and takes the measured
+time of each first pick over the best measured; cuDNN's heuristics A and B beside them (their first plan, where it
+was measured).
 
     convtune cache --db /tmp/sweep.sqlite import bench/data/sweep.jsonl.gz
     python bench/get_corrections.py --db /tmp/sweep.sqlite
 
 The database's rows are priced for the GPU that measured them (``hardware.measured_on``), so this runs on any
 machine; cuDNN's order and first choices come from ``bench/data/cudnn_order.json.gz`` (``bench/cudnn_order.py``).
-No learned model is trained; ``price`` would apply one that this machine holds for that GPU (none ships), and the
+No model is installed; ``price`` would build on one that this machine holds for that GPU (none ships), and the
 report says whether one was active. A layer that several networks share is judged once per network.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -31,10 +34,10 @@ from convtune import costmodel, hardware, learned, zoo  # noqa: E402
 from learned_get import ORDERS, database_gpu, heuristic_names, recorded_orders, table  # noqa: E402
 from sweep import network_problems  # noqa: E402
 
-RANKINGS = ("without", "with_db", "cudnn_A", "cudnn_B")
+RANKINGS = ("without", "with_db", "with_db_no_places", "cudnn_A", "cudnn_B")
 
 
-def first_picks(rows: list[learned.Sample], corrections: costmodel.Corrections,
+def first_picks(rows: list[learned.Sample], corrections: costmodel.Corrections, unplaced: costmodel.Corrections,
                 heuristics: dict[str, str | None]) -> dict[str, float | None]:
     """Measured time over the best measured of each ranking's first pick (None: its pick was not measured)."""
     best = min(s.measured_ms for s in rows)
@@ -44,13 +47,15 @@ def first_picks(rows: list[learned.Sample], corrections: costmodel.Corrections,
         return min(rows, key=lambda s: table.price(s.name, s.problem, s.analytic_ms, s.order)).name
 
     chosen = {"without": pick(costmodel.NO_CORRECTIONS), "with_db": pick(corrections),
-              "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")}
+              "with_db_no_places": pick(unplaced), "cudnn_A": heuristics.get("A"), "cudnn_B": heuristics.get("B")}
     return {r: (by_name[n] / best if n in by_name else None) for r, n in chosen.items()}
 
 
 def judge(db: ct.TuningDB, fingerprint: str, networks: list[str], batch: int, dtypes: list[str]) -> dict:
     recorded = recorded_orders(ORDERS)
-    pairs = db.measurements("cuda", fingerprint)
+    places = {key: learned.positions(entry["plans"]) for key, entry in recorded.items()}
+    unplaced = db.measurements("cuda", fingerprint)
+    pairs = [(p, dataclasses.replace(r, place=places.get(p.key, {}).get(r.algorithm))) for p, r in unplaced]
     samples = learned.samples_from(db, "cuda", fingerprint, {k: e["plans"] for k, e in recorded.items()})
     by_problem: dict = defaultdict(list)
     for s in samples:
@@ -60,8 +65,9 @@ def judge(db: ct.TuningDB, fingerprint: str, networks: list[str], batch: int, dt
     for network in networks:
         held = {p for n, p in members if n == network}  # every layer of it out of the database, judged or not
         corrections = costmodel.Corrections.of((p, r) for p, r in pairs if p not in held)
+        without_places = costmodel.Corrections.of((p, r) for p, r in unplaced if p not in held)
         for p in sorted((p for p in held if len(by_problem.get(p, ())) >= 2), key=lambda p: p.key):
-            ratios = first_picks(by_problem[p], corrections, heuristic_names(p, recorded))
+            ratios = first_picks(by_problem[p], corrections, without_places, heuristic_names(p, recorded))
             groups[(p.direction, p.dtype)].append(dict(network=network, problem=p.key, **ratios))
     return groups
 
@@ -90,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             f"each network held out of the database in turn ({len(distinct)} distinct layer directions; {model}).\n\n"
             f"Per ranking, the measured time of its first pick over "
             f"the best measured: geometric mean / worst / how often it is the best. without: get's analytic price and "
-            f"cuDNN's order, no database; with_db: the same with the corrections of every other problem of the "
-            f"database; cudnn_A/B: cuDNN's heuristics' first plan.\n\n" + table_text)
+            f"cuDNN's order, no database; with_db: the learned model of every other problem of the database, each "
+            f"result with its place in cuDNN's order; with_db_no_places: the same without the places (a database of an "
+            f"earlier version); cudnn_A/B: cuDNN's heuristics' first plan.\n\n" + table_text)
     common.write(args.name, {"environment": env, "measured_on": fingerprint, "summary": summary,
                              "rows": {"/".join(k): rows for k, rows in groups.items()}}, text, args.out)
     print(text)

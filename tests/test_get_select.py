@@ -1,7 +1,6 @@
 """get (the cost model: runs nothing, ranks sensibly, learns from the database) and select's modes."""
 
 import logging
-import math
 
 import pytest
 
@@ -11,6 +10,7 @@ from convtune.algorithms import cudnn_cost, registry
 from convtune.algorithms.base import Backend
 from convtune.algorithms.registry import algorithms, isolated
 from convtune.get import ranked_predictions
+from convtune.hardware import roofline_ms
 from convtune.settings import settings
 from fakes import CostlyWorkspace, Fake, FakeDB, Raising, WrongResult
 
@@ -89,26 +89,28 @@ def test_corrections_are_read_once_per_db_and_follow_what_find_stores():
         after = costmodel.corrections(db, P3.device)
         assert db.measurement_calls == 1  # updated from the stored results, not read again
         (new,) = [r for r in db.results(P3) if r.ok]
-        # P3's ratio is now the new measurement's; P1's is kept
-        expected = math.exp((math.log(new.time_ms / costmodel.predict_ms("fake:a", P3, new.workspace_bytes))
-                             + math.log(1.0 / costmodel.predict_ms("fake:a", P1))) / 2)
-        key = ("fake:a", P3.direction, P3.dtype)
-        assert after is not before and after.by_algorithm[key] == pytest.approx(expected)
+        # the model holds P3's new measurement in place of its old one, and P1's
+        assert after is not before and {r.problem for r in after.model.rows} == {P1, P3}
+        base = costmodel.analytic_ms("fake:a", P3)
+        assert after.price("fake:a", P3, base) == pytest.approx(new.time_ms, rel=0.01)  # its own measurement
+        assert before.price("fake:a", P3, base) == pytest.approx(1.0, rel=0.01)
 
 
-def test_a_table_of_measurements_prices_a_measured_name_by_its_ratio_and_others_by_place_and_backend():
-    base = costmodel.predict_ms("direct:taps", P3)
-    table = costmodel.Corrections.of([measured(P1, "direct:taps", 4 * costmodel.predict_ms("direct:taps", P1)),
-                                      measured(P1, "direct:other", costmodel.predict_ms("direct:other", P1))])
-    assert table.by_algorithm[("direct:taps", "fwd", P3.dtype)] == pytest.approx(4.0)
-    assert table.by_backend["direct"] == pytest.approx(2.0)  # the geometric mean of 4 and 1
-    # a measured name: its own ratio, in place of its place in the heuristic order
-    assert table.price("direct:taps", P3, base, place=3) == pytest.approx(4 * base)
-    # an unmeasured name: its place, then its backend's ratio
-    assert table.price("direct:new", P3, base, place=3) == pytest.approx(2 * base * costmodel.order_factor(3))
-    assert costmodel.NO_CORRECTIONS.price("direct:new", P3, base, place=3) == pytest.approx(
-        base * costmodel.order_factor(3))
-    assert costmodel.Corrections.of([]).price("direct:taps", P3, base) == pytest.approx(base)
+def test_a_table_of_measurements_prices_each_candidate_as_the_nearest_measured_problems_ran_it():
+    # Measured on P1 only: direct:taps 4x slower than direct:other. On P3 (its nearest measured problem is P1)
+    # the two keep that ratio, and their time is P1's best carried to P3's floor.
+    table = costmodel.Corrections.of([measured(P1, "direct:taps", 4.0), measured(P1, "direct:other", 1.0)])
+    taps, other = (table.price(name, P3, 1.0, place=None) for name in ("direct:taps", "direct:other"))
+    assert taps == pytest.approx(4 * other)
+    floors = [roofline_ms(p) for p in (P1, P3)]
+    assert other == pytest.approx(1.0 * floors[1] / floors[0])
+    # a name never measured: priced as the neighbours' typical candidate (the median of 1 and 4), at least
+    assert table.price("direct:new", P3, 1e-3) == pytest.approx(2 * other)
+    # no measurements: the analytic price and the place
+    for empty in (costmodel.NO_CORRECTIONS, costmodel.Corrections.of([])):
+        assert empty.price("direct:new", P3, 1.0, place=3) == pytest.approx(costmodel.order_factor(3))
+    # another direction: nothing measured there, the analytic price
+    assert table.price("direct:taps", P3.replace(direction="bwd_data"), 1.0) == pytest.approx(1.0)
 
 
 def test_ties_go_to_the_smaller_workspace():
@@ -207,14 +209,14 @@ def test_get_keeps_a_ranking_backends_own_order_among_equal_plans(ranks):
         assert [c.name for c in choices] == ["fakeb:a_listed_second", "fakeb:z_listed_first"]
 
 
-def test_a_measured_plan_is_priced_by_its_measurement_and_a_learned_model_by_its_place(tmp_path, monkeypatch):
-    # Without a learned model, the database's ratio for an algorithm already holds what its place would add: a
-    # measured plan's prediction is its measurement. With one (built from the database, so it answers for the
-    # measured plans itself), the model prices every plan, its place included, and the ratios are left out.
+def test_a_measured_plan_is_priced_by_its_measurement_its_place_counted_once(tmp_path):
+    # The database's model prices a measured plan at its measurement, whatever its place in the heuristic order
+    # (order_factor, which get multiplies in, is divided out of the model's factor); an unmeasured problem's
+    # plans by how the plans of their places ran on the measured one.
     plan = Fake("fakeb:first")
     plan.place = 0
-    later = Fake("fakeb:fifth")
-    later.place = 5
+    later = Fake("fakeb:second")
+    later.place = 1
 
     class FakeBackend(Backend):
         prefix = "fakeb"
@@ -223,20 +225,13 @@ def test_a_measured_plan_is_priced_by_its_measurement_and_a_learned_model_by_its
             return [plan, later]
 
     with isolated(FakeBackend(), builtins=False), ct.TuningDB(tmp_path / "t.sqlite") as db:
-        db.store(P3, [PerfResult("fakeb:first", Status.OK, time_ms=2.0), PerfResult("fakeb:fifth", Status.OK,
-                                                                                      time_ms=3.0)])
-        measured = {c.name: c.predicted_ms for c in get(P3, Policy(tolerance=0.0), db=db)}
-        assert measured == pytest.approx({"fakeb:first": 2.0, "fakeb:fifth": 3.0})
-
-        def by_place(problem, name, analytic_ms, order=None):
-            return 0.5 if order == 0 else 1.0
-
-        monkeypatch.setattr(learned, "correction", by_place)
-        monkeypatch.setattr(learned, "version", lambda device: 7)  # a model is installed
-        modelled = {c.name: c.predicted_ms for c in get(P3, Policy(tolerance=0.0), db=db)}
-    analytic = costmodel.analytic_ms("fakeb:first", P3)
-    assert modelled == pytest.approx({"fakeb:first": 0.5 * analytic,
-                                      "fakeb:fifth": analytic * costmodel.order_factor(5)})
+        db.store(P3, [PerfResult("fakeb:first", Status.OK, time_ms=2.0, place=0),
+                      PerfResult("fakeb:second", Status.OK, time_ms=3.0, place=1)])
+        on_p3 = {c.name: c.predicted_ms for c in get(P3, Policy(tolerance=0.0), db=db)}
+        other = P3.replace(n=4)  # never measured: P3 is its only neighbour
+        on_other = {c.name: c.predicted_ms for c in get(other, Policy(tolerance=0.0), db=db)}
+    assert on_p3 == pytest.approx({"fakeb:first": 2.0, "fakeb:second": 3.0})
+    assert on_other["fakeb:second"] == pytest.approx(1.5 * on_other["fakeb:first"])
 
 
 def test_get_leaves_out_an_algorithm_that_cannot_describe_itself(caplog):

@@ -8,10 +8,9 @@ bytes it moves, the operations it launches); a backend whose algorithms depend o
 - the roofline arithmetic: the longer of compute (``hardware.peaks``) and traffic, plus fixed
   per-call costs that decide small problems (``roofline_ms``);
 - the helpers families share (``shape_factor``, ``gemm_dims``, ``taps``);
-- the database corrections: for every (algorithm, direction, dtype) measured on this device, the
-  geometric mean of measured / predicted multiplies later predictions; an algorithm never
-  measured takes its backend's factor. Where this device has a learned model (``learned``, built
-  from a database's measurements with ``convtune train-get``), it prices instead.
+- the prices from measurements (``Corrections``): where a database holds measurements on this
+  device, the learned model of them (``learned``: how each candidate ran on the nearest measured
+  problems) prices, on top of the model installed for this device where there is one.
 
 convtune's own algorithms, chains of PyTorch operations, reach a fraction of what one vendor
 kernel does (``COMPOSED_FACTOR``); FFT and Winograd compute in float32 whatever the dtype, so
@@ -31,13 +30,11 @@ import functools
 import logging
 import math
 import weakref
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, cast
 
 from . import hardware, learned
 from .problem import ConvProblem
-from .results import backend_of
 
 log = logging.getLogger(__name__)
 
@@ -177,89 +174,71 @@ def clear_cache() -> None:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Corrections:
-    """measured / predicted factors: per (algorithm, direction, dtype), and per backend.
+    """What ``get`` prices with beside the analytic model: the learned model (``learned``) of a database's
+    measurements on this device, on top of the device's installed model where there is one; ``model`` None:
+    the installed model alone, or nothing.
 
     Compared and hashed by identity: each table built is a new version (``get`` keys on it).
     """
 
-    by_algorithm: dict[tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
-    by_backend: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def measured(self, name: str, problem: ConvProblem) -> float | None:
-        """The factor of ``name``'s own measurements in this direction and dtype (None: none measured)."""
-        return self.by_algorithm.get((name, problem.direction, problem.dtype))
+    model: learned.LearnedModel | None = None
 
     def price(self, name: str, problem: ConvProblem, base_ms: float, place: int | None = None) -> float:
-        """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``. Where this device has a learned
-        model (``learned``, built from a database's measurements, which it answers for), its price alone, with the
-        candidate's ``place`` in its backend's heuristic order. Otherwise this table's: a name measured in this
-        direction and dtype takes its own factor, which already holds what its place would add (stored results are
-        priced without one); any other is priced by its ``place`` and its backend's factor."""
-        if learned.version(problem.device):  # built from the database: it answers for its measurements itself
-            return base_ms * learned.correction(problem, name, base_ms, place) * order_factor(place)
-        measured = self.measured(name, problem)
-        if measured is not None:
-            return base_ms * measured
-        return base_ms * order_factor(place) * self.by_backend.get(backend_of(name), 1.0)
+        """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the model's price (with
+        ``place``, the candidate's place in its backend's heuristic order), else ``base_ms`` times
+        ``order_factor(place)``."""
+        return base_ms * learned.correction(problem, name, base_ms, place, self.model) * order_factor(place)
 
     @staticmethod
     def of(measurements: Iterable[tuple[ConvProblem, Any]]) -> Corrections:
-        """The table that ``measurements`` ((problem, result) pairs, as ``TuningDB.measurements`` gives them) make,
-        priced for the GPU being priced now (``hardware.measured_on``)."""
-        return _aggregate(_ratios(measurements))
+        """The table that ``measurements`` ((problem, result) pairs, as ``TuningDB.measurements`` gives them) make
+        alone, priced for the GPU being priced now (``hardware.measured_on``)."""
+        return Corrections(_extended(None, _samples(measurements)))
 
 
 NO_CORRECTIONS = Corrections()
 _tables: weakref.WeakKeyDictionary[Any, dict[str, _Table]] = weakref.WeakKeyDictionary()
 
 
-def _log_ratios(problem: ConvProblem, results: Any) -> list[tuple[str, float]]:
-    """(algorithm, log(measured / predicted)) of each timed ok result of ``problem``."""
+def _samples(measurements: Iterable[tuple[ConvProblem, Any]]) -> list[learned.Sample]:
+    """The timed ok results of ``measurements`` as the learned model's samples, each with the place ``find``
+    stored with it (``PerfResult.place``)."""
     out = []
-    for result in results:
-        if not result.ok or not result.time_ms or result.time_ms <= 0 or not math.isfinite(result.time_ms):
-            continue
-        predicted = predict_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32)
-        out.append((result.algorithm, math.log(result.time_ms / predicted)))
+    for problem, result in measurements:
+        if result.ok and result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms):
+            out.append(learned.Sample(problem, result.algorithm,
+                                      analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32),
+                                      result.time_ms, result.place))
     return out
 
 
-def _ratios(measurements: Iterable[tuple[ConvProblem, Any]]) -> dict[ConvProblem, list[tuple[str, float]]]:
-    """Each problem's (algorithm, log(measured / predicted)) pairs."""
-    by_problem: dict[ConvProblem, list[Any]] = defaultdict(list)
-    for problem, result in measurements:
-        by_problem[problem].append(result)
-    return {p: _log_ratios(p, results) for p, results in by_problem.items()}
-
-
 class _Table:
-    """A device's measurements as log ratios per problem, and the corrections they make: the
-    geometric means of measured / predicted time per (algorithm, direction, dtype) and per backend."""
+    """A device's measurements as the learned model of them (on top of the device's installed model, ``base``),
+    kept up to date with what this process stores."""
 
-    def __init__(self, measurements: list[tuple[ConvProblem, Any]], model: int = 0) -> None:
-        self.model = model  # the learned model's version the ratios were taken against
-        self.ratios = _ratios(measurements)
-        self.corrections = _aggregate(self.ratios)
+    def __init__(self, measurements: list[tuple[ConvProblem, Any]], base: learned.LearnedModel | None,
+                 version: int = 0) -> None:
+        self.version = version  # the installed model's version the table was built on
+        self.corrections = Corrections(_extended(base, _samples(measurements)))
 
     def replace(self, problem: ConvProblem, results: Any) -> None:
-        """``problem``'s measurements are now ``results`` (a find stored them): the corrections follow."""
-        self.ratios[problem] = _log_ratios(problem, results)
-        self.corrections = _aggregate(self.ratios)
+        """``problem``'s measurements are now ``results`` (a find stored them): the model follows."""
+        self.corrections = Corrections(_extended(self.corrections.model, _samples((problem, r) for r in results),
+                                                 problem))
 
 
-def _aggregate(ratios: Mapping[ConvProblem, list[tuple[str, float]]]) -> Corrections:
-    """Geometric means of the problems' (algorithm, log ratio) pairs per (algorithm, direction, dtype), per backend."""
-    logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
-    backend_logs: dict[str, list[float]] = defaultdict(list)
-    for problem, pairs in ratios.items():
-        for algorithm, ratio in pairs:
-            logs[(algorithm, problem.direction, problem.dtype)].append(ratio)
-            backend_logs[backend_of(algorithm)].append(ratio)
-
-    def geomean(values: list[float]) -> float:
-        return math.exp(sum(values) / len(values))
-
-    return Corrections({k: geomean(v) for k, v in logs.items()}, {k: geomean(v) for k, v in backend_logs.items()})
+def _extended(model: learned.LearnedModel | None, samples: list[learned.Sample],
+              replaced: ConvProblem | None = None) -> learned.LearnedModel | None:
+    """``model`` with ``samples`` (in place of its rows of their problems and of ``replaced``); a new model of
+    ``samples`` without one; None where no measured problem is left."""
+    if model is None:
+        return learned.train(samples, "") if any(learned.usable(s) for s in samples) else None
+    if not samples and replaced is None:
+        return model
+    try:
+        return model.extended(samples, replaced=() if replaced is None else [replaced])
+    except ValueError:  # its only problem measured again, nothing timed
+        return None
 
 
 def _table(db: Any, device: str, *, build: bool) -> _Table | None:
@@ -269,16 +248,17 @@ def _table(db: Any, device: str, *, build: bool) -> _Table | None:
         per_device = {}
     # Ratios measured / predicted hold for the prices they were taken against: one table per priced GPU.
     slot = device if _priced_gpu(device) is None else f"{device}@{_priced_gpu(device)}"
-    if slot in per_device and per_device[slot].model != learned.version(device):
-        del per_device[slot]  # measured / predicted ratios taken against another model
+    if slot in per_device and per_device[slot].version != learned.version(device):
+        del per_device[slot]  # built on another installed model
     if slot not in per_device:
         if not build:
             return None
+        base, version = learned.active(device), learned.version(device)
         try:
-            per_device[slot] = _Table(list(db.measurements(device)), learned.version(device))
+            per_device[slot] = _Table(list(db.measurements(device)), base, version)
         except Exception as exc:  # noqa: BLE001 - a broken database must not stop a heuristic answer
             log.warning("cost model: no corrections from the tuning database (%s: %s)", type(exc).__name__, exc)
-            per_device[slot] = _Table([], learned.version(device))
+            per_device[slot] = _Table([], base, version)
     return per_device[slot]
 
 

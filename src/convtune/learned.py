@@ -18,14 +18,14 @@ Why neighbours and not a fitted network: judged on networks left out of the data
 docs/performance.md), picking by how candidates fared on the nearest problems beat three multilayer
 perceptrons trained on the same measurements (which priced every candidate, then ranked by the prices)
 and cuDNN's own heuristics; it needs no training (``train`` builds a table in a second, deterministically)
-and answers a new problem in about a millisecond. Where a model built on this device (its fingerprint) is
-installed, ``get`` prices every candidate with it (the analytic price times its correction) and leaves out
-the database's per-name corrections: the model is built from the database's measurements and answers for
-them, places in cuDNN's order included (build it again after tuning more). Everywhere else the analytic
-model serves, corrected by the database (``costmodel.Corrections``).
+and answers a new problem in about a millisecond. ``get`` prices with the model of the database it is given
+(``costmodel.Corrections``: built from the database's measurements on this device when first asked, then
+extended with each problem ``find`` stores), on top of the model installed for this device (its fingerprint)
+where there is one; with neither, the analytic model serves alone.
 
-Build one from a tuning database with ``convtune train-get`` (or ``train`` and ``save``): it is
-stored as ``learned_get_<device>.pt`` in the cache folder (beside the default database), or where
+Install one built from a tuning database with ``convtune train-get`` (or ``train`` and ``save``), so that
+``get`` without that database (another process, another database) answers from it too: it is stored as
+``learned_get_<device>.pt`` in the cache folder (beside the default database), or where
 ``settings.learned_model`` points: that is where ``get`` looks. A file that is damaged, of another
 feature version or of another device is ignored with a warning, never used; one built with other
 software (a new cuDNN) is used, with a warning, until it is built again.
@@ -41,7 +41,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ FEATURE_VERSION = 4  # 4: the nearest measured problems (3 and before: multilaye
 NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
 MIN_SUPPORT = 0.7  # of the neighbours' weight that must have measured a candidate for its own price
 PLACE_KEYS = 4  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place
-MAX_LOG2_FACTOR = 6.0  # a correction of at most 64x either way
+MAX_LOG2_FACTOR = 20.0  # a price at most a million times the analytic one either way (a guard, not a model)
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
 MEMO_PROBLEMS = 4096  # neighbourhoods kept per model
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -115,30 +115,77 @@ class _Neighbourhood:
     correction: float
 
 
-class LearnedModel:
-    """Measured problems of one device (``fingerprint``): per problem its key, log2(best time / floor), the
-    median over its candidates of log2(time / best) and of log2(time / analytic price), and per candidate key
-    (``keys``) log2(time / best). ``log2_factors`` answers a batch of candidates."""
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """One measured problem as the model keeps it: log2(best time / floor), the medians over its candidates of
+    log2(time / best) and of log2(time / analytic price), and per candidate key (``keys``) log2(time / best)."""
 
-    def __init__(self, problem_keys: Sequence[str], best: torch.Tensor, typical: torch.Tensor,
-                 correction: torch.Tensor, names: Sequence[str], entries: torch.Tensor, regrets: torch.Tensor,
-                 fingerprint: str, samples: int, software: str = "") -> None:
-        self.problem_keys, self.names = list(problem_keys), list(names)
-        self.best, self.typical, self.correction = best, typical, correction
-        self.entries, self.regrets = entries, regrets  # (problem index, name index) rows; their log2(time / best)
+    problem: ConvProblem
+    best: float
+    typical: float
+    correction: float
+    regrets: dict[str, float]
+    features: list[float] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", problem_features(self.problem))
+
+
+def usable(s: Sample) -> bool:
+    """Whether a sample can be learned from: positive, finite times."""
+    return s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms) and math.isfinite(s.analytic_ms)
+
+
+def _rows(samples: Sequence[Sample]) -> list[_Row]:
+    """One row per problem of ``samples`` with a timed candidate (the usable ones: positive, finite times)."""
+    from .hardware import roofline_ms
+
+    by_problem: dict[ConvProblem, list[Sample]] = defaultdict(list)
+    for s in samples:
+        if usable(s):
+            by_problem[s.problem].append(s)
+    out = []
+    for problem, rows in by_problem.items():
+        fastest = min(s.measured_ms for s in rows)
+        regrets: dict[str, float] = {}
+        for s in rows:
+            for key in keys(s.name, s.order):
+                regrets[key] = min(regrets.get(key, math.inf), math.log2(s.measured_ms / fastest))
+        out.append(_Row(problem, math.log2(fastest / max(roofline_ms(problem), 1e-9)),
+                        statistics.median(math.log2(s.measured_ms / fastest) for s in rows),
+                        statistics.median(math.log2(s.measured_ms / s.analytic_ms) for s in rows), regrets))
+    return out
+
+
+class LearnedModel:
+    """Measured problems of one device (``fingerprint``), a ``_Row`` each. ``log2_factors`` answers a batch of
+    candidates; ``extended`` gives the model with more measurements, cheaply (a tuning run adds one problem at a
+    time). ``samples``: how many measurements it was built from."""
+
+    def __init__(self, rows: Sequence[_Row], fingerprint: str, samples: int, software: str = "") -> None:
+        if not rows:
+            raise ValueError("a learned model needs at least one measured problem")
+        self.rows = list(rows)
         self.fingerprint, self.samples, self.software = fingerprint, samples, software
-        problems = [ConvProblem.from_key(k) for k in self.problem_keys]
-        x = torch.tensor([problem_features(p) for p in problems], dtype=torch.float64)
-        spread = x.std(0, unbiased=False) if len(problems) > 1 else torch.ones(x.shape[1], dtype=torch.float64)
+        self.problems = [r.problem for r in self.rows]
+        self.best, self.typical, self.correction = (torch.tensor([getattr(r, f) for r in self.rows],
+                                                                 dtype=torch.float64)
+                                                    for f in ("best", "typical", "correction"))
+        x = torch.tensor([r.features for r in self.rows], dtype=torch.float64)
+        spread = x.std(0, unbiased=False) if len(self.rows) > 1 else torch.ones(x.shape[1], dtype=torch.float64)
         self._scale = torch.where(spread < 1e-6, torch.ones_like(spread), spread)
         self._x = x / self._scale
-        self._by_direction = {d: torch.tensor([i for i, p in enumerate(problems) if p.direction == d])
-                              for d in DIRECTIONS}
-        self._name_index = {n: i for i, n in enumerate(self.names)}
-        self._measured: list[dict[int, float]] = [{} for _ in problems]
-        for (problem, name), regret in zip(entries.tolist(), regrets.tolist()):
-            self._measured[problem][name] = regret
+        self._by_direction = {d: torch.tensor([i for i, p in enumerate(self.problems) if p.direction == d],
+                                              dtype=torch.int64) for d in DIRECTIONS}
         self._memo: dict[tuple[ConvProblem, Any], Any] = {}
+
+    def extended(self, samples: Sequence[Sample], replaced: Iterable[ConvProblem] = ()) -> LearnedModel:
+        """This model with ``samples``' problems in place of its own rows of them, and without the problems of
+        ``replaced`` that ``samples`` does not hold (measured again, nothing timed)."""
+        new = _rows(samples)
+        gone = {r.problem for r in new} | set(replaced)
+        return LearnedModel([r for r in self.rows if r.problem not in gone] + new, self.fingerprint,
+                            self.samples + sum(map(usable, samples)), self.software)
 
     def _neighbourhood(self, problem: ConvProblem) -> _Neighbourhood | None:
         from .hardware import assumed_gpu
@@ -179,11 +226,8 @@ class LearnedModel:
         total = sum(near.weights)
         scores = []
         for key in keys(name, order):
-            index = self._name_index.get(key)
-            if index is None:
-                continue
-            measured = [(self._measured[i][index], w) for i, w in zip(near.indices, near.weights)
-                        if index in self._measured[i]]
+            measured = [(self.rows[i].regrets[key], w) for i, w in zip(near.indices, near.weights)
+                        if key in self.rows[i].regrets]
             support = sum(w for _, w in measured)
             if support >= MIN_SUPPORT * total:
                 scores.append(sum(r * w for r, w in measured) / support)
@@ -217,11 +261,18 @@ class LearnedModel:
         path.parent.mkdir(parents=True, exist_ok=True)
         from .hardware import software_versions
 
+        names: dict[str, int] = {}
+        entries, regrets = [], []
+        for index, row in enumerate(self.rows):
+            for key, value in row.regrets.items():
+                entries.append((index, names.setdefault(key, len(names))))
+                regrets.append(value)
         payload = {"feature_version": FEATURE_VERSION, "fingerprint": self.fingerprint,
                    "software": self.software or software_versions(), "samples": self.samples,
-                   "saved_at": time.time(), "problems": self.problem_keys, "names": self.names, "best": self.best,
-                   "typical": self.typical, "correction": self.correction, "entries": self.entries,
-                   "regrets": self.regrets}
+                   "saved_at": time.time(), "problems": [p.key for p in self.problems], "names": list(names),
+                   "best": self.best, "typical": self.typical, "correction": self.correction,
+                   "entries": torch.tensor(entries, dtype=torch.int64).reshape(-1, 2),
+                   "regrets": torch.tensor(regrets, dtype=torch.float64)}
         write_whole(path, lambda target: torch.save(payload, target))
         forget()  # this process sees the new file at once
         return path
@@ -256,9 +307,13 @@ def load(path: str | os.PathLike) -> LearnedModel:
         if not in_range or type(samples) is not int or not isinstance(fingerprint, str) \
                 or not all(isinstance(k, str) for k in (*problem_keys, *names)):
             raise ValueError("non-finite, malformed or out-of-range fields")
-        best, typical, correction = per_problem
-        return LearnedModel(problem_keys, best, typical, correction, names, entries, regrets, fingerprint, samples,
-                            str(data.get("software", "")))
+        measured: list[dict[str, float]] = [{} for _ in problem_keys]
+        for (problem, name), regret in zip(entries.tolist(), regrets.tolist()):
+            measured[problem][names[name]] = regret
+        best, typical, correction = (t.tolist() for t in per_problem)
+        rows = [_Row(ConvProblem.from_key(key), *row) for key, *row in zip(problem_keys, best, typical, correction,
+                                                                           measured)]
+        return LearnedModel(rows, fingerprint, samples, str(data.get("software", "")))
     except (KeyError, RuntimeError, AttributeError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"{path} is a damaged learned cost model ({type(exc).__name__}: {exc})") from None
 
@@ -267,36 +322,11 @@ def train(samples: Sequence[Sample], fingerprint: str) -> LearnedModel:
     """The model of ``samples`` (measurements of one device, ``fingerprint``; each problem's best time is what its
     candidates are measured against, so a problem counts once it has a timed candidate). Deterministic: the same
     samples give the same model. ``ValueError`` without usable samples."""
-    from .hardware import roofline_ms
-
-    usable = [s for s in samples if s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms)
-              and math.isfinite(s.analytic_ms)]
-    if not usable:
+    rows = _rows(samples)
+    if not rows:
         raise ValueError("no usable measurements to build the model from: tune some problems first "
                          "(convtune tune, find)")
-    by_problem: dict[ConvProblem, list[Sample]] = defaultdict(list)
-    for s in usable:
-        by_problem[s.problem].append(s)
-    names: dict[str, int] = {}
-    best, typical, correction, entries, regrets = [], [], [], [], []
-    for index, (problem, rows) in enumerate(by_problem.items()):
-        fastest = min(s.measured_ms for s in rows)
-        best.append(math.log2(fastest / max(roofline_ms(problem), 1e-9)))
-        regret: dict[str, float] = {}
-        for s in rows:
-            for key in keys(s.name, s.order):
-                regret[key] = min(regret.get(key, math.inf), math.log2(s.measured_ms / fastest))
-        typical.append(statistics.median(math.log2(s.measured_ms / fastest) for s in rows))
-        correction.append(statistics.median(math.log2(s.measured_ms / s.analytic_ms) for s in rows))
-        for key, value in regret.items():
-            entries.append((index, names.setdefault(key, len(names))))
-            regrets.append(value)
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float64)
-
-    return LearnedModel([p.key for p in by_problem], column(best), column(typical), column(correction), list(names),
-                        torch.tensor(entries, dtype=torch.int64).reshape(-1, 2), column(regrets), fingerprint,
-                        len(usable))
+    return LearnedModel(rows, fingerprint, sum(map(usable, samples)))
 
 
 def samples_from(db: Any, device: str, fingerprint: str | None = None,
@@ -416,11 +446,13 @@ def active(device: str) -> LearnedModel | None:
     return _current(device)[0]
 
 
-def correction(problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float:
-    """measured / analytic for ``name`` on ``problem`` as this device's model predicts it (``order``: its place
-    in its backend's heuristic order, where known); 1 without a model (or where the model cannot answer,
-    with a warning)."""
-    model = active(problem.device)
+def correction(problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None,
+               model: LearnedModel | None = None) -> float:
+    """The price over the analytic price times ``costmodel.order_factor`` of ``order`` (``name``'s place in its
+    backend's heuristic order, where known) for ``name`` on ``problem``, as ``model`` (default: this device's
+    installed model, ``active``) prices it; 1 without a model (or where the model cannot answer, with a
+    warning)."""
+    model = active(problem.device) if model is None else model
     if model is None:
         return 1.0
     try:
