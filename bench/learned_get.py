@@ -122,8 +122,24 @@ def judge(samples: list[learned.Sample], held: set, here: str, recorded: dict[st
         if len(rows) >= 2:
             heuristics, order = heuristic_names(problem, recorded), learned.ranked(model, rows)
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
-                            **picks(order, heuristics), find=searches(order), **prices(order, heuristics.get("B"))))
+                            nearest=model.nearest_distance(problem), **picks(order, heuristics), find=searches(order),
+                            **prices(order, heuristics.get("B"))))
     return out
+
+
+DISTANCES = (0.5, 1.0, 2.0, 4.0)  # the bounds of by_distance's groups
+
+
+def by_distance(groups: dict[tuple, list[dict]]) -> dict[tuple, list[dict]]:
+    """The rows of every group, by the distance from their problem to the nearest measured one (``DISTANCES``)."""
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for rows in groups.values():
+        for row in rows:
+            if row.get("nearest") is not None:
+                low = max((d for d in (0.0, *DISTANCES) if row["nearest"] >= d), default=0.0)
+                high = next((d for d in DISTANCES if d > low), None)
+                out[(f"{low:g} to {high:g}" if high else f"{low:g} and more",)].append(row)
+    return dict(sorted(out.items(), key=lambda item: float(item[0][0].split()[0])))
 
 
 def family(name: str) -> str:
@@ -317,6 +333,8 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                   for d, t in sorted({k[1:] for k in groups})}
     overall_summary, overall = table(all_groups)
     rules_summary, rules = table(all_groups, ("learned", "cudnn_B", *RULES))
+    distance_summary, distances = table(by_distance(groups), ("learned", "analytic", "cudnn_B"),
+                                        ("nearest measured problem",))
     find_summary, find_text = find_table(all_groups)
     error_summary, errors = error_table(all_groups)
     worst = worst_table(all_groups)
@@ -327,7 +345,7 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
                "orders": args.orders if recorded is None else str(Path(args.orders).name),
                "seed": args.seed, "random_split": report, "random_splits": reports, "overall": overall_summary,
-               "rules": rules_summary,
+               "rules": rules_summary, "by_distance": distance_summary,
                "find": find_summary, "price_errors": error_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = "; ".join(f"seed {args.seed + i}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
@@ -342,6 +360,9 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"it is the best. torch_bm0: PyTorch's own call (cudnn.benchmark=False); cudnn_A/B: cuDNN's "
                 f"heuristics' first plan (cuDNN's order: {payload['orders']}).\n\n{text}\nAll held-out networks "
                 f"together:\n\n{overall}\nRandom splits (a fifth of the problems held out whole): {split}.\n\n"
+                f"## By how far the nearest measured problem lies\n\nThe same held-out problems, by the distance "
+                f"from each to the nearest problem of its direction the model was built from (features scaled to "
+                f"unit spread, `LearnedModel.nearest_distance`):\n\n{distances}\n"
                 f"## Other rules for picking from the learned prices\n\nOn the same held-out problems: topK, the "
                 f"cheapest of the candidates of no ranking backend and cuDNN's first K plans in its order; aM, cuDNN's "
                 f"first plan in that order (heuristics A) unless the cheapest is priced M% below it; bM, the same "

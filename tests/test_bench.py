@@ -238,6 +238,9 @@ def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, 
         assert summary["cudnn_A"] == {}  # no GPU here: cuDNN's heuristics are not asked
     split = payload["random_split"]
     assert split["analytic_geomean"] > 1.1 and split["learned_geomean"] < split["analytic_geomean"], split
+    # every judged problem in one group by the distance to its nearest measured problem
+    judged = sum(s["learned"]["problems"] for s in payload["by_network"].values() if s["learned"])
+    assert sum(s["learned"]["problems"] for s in payload["by_distance"].values() if s["learned"]) == judged
     assert "geomean / worst / top-1" in (out / "learned_get.md").read_text()
     # what the prices got wrong, per family of the candidates (error_table, tested on its own below)
     errors = payload["price_errors"]

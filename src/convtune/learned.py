@@ -217,6 +217,12 @@ class LearnedModel:
         self._memo[key] = found
         return found
 
+    def nearest_distance(self, problem: ConvProblem) -> float | None:
+        """How far ``problem`` lies from the nearest measured problem of its direction (features scaled to unit
+        spread; 0: measured itself), None where none of its direction is."""
+        near = self._neighbourhood(problem)
+        return None if near is None else max(1.0 / max(near.weights) - 1e-3, 0.0)
+
     def log2_price(self, problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float | None:
         """log2 of the time in ms the neighbours suggest for ``name`` on ``problem`` (None: no measured problem of
         this direction to ask)."""
