@@ -128,6 +128,7 @@ def judge(samples: list[learned.Sample], held: set, here: str, recorded: dict[st
 
 
 DISTANCES = (0.5, 1.0, 2.0, 4.0)  # the bounds of by_distance's groups
+NO_ANSWER = f"no answer (fewer than {learned.NEIGHBOURS} of its direction measured)"
 
 
 def by_distance(groups: dict[tuple, list[dict]]) -> dict[tuple, list[dict]]:
@@ -135,11 +136,16 @@ def by_distance(groups: dict[tuple, list[dict]]) -> dict[tuple, list[dict]]:
     out: dict[tuple, list[dict]] = defaultdict(list)
     for rows in groups.values():
         for row in rows:
-            if row.get("nearest") is not None:
-                low = max((d for d in (0.0, *DISTANCES) if row["nearest"] >= d), default=0.0)
-                high = next((d for d in DISTANCES if d > low), None)
-                out[(f"{low:g} to {high:g}" if high else f"{low:g} and more",)].append(row)
-    return dict(sorted(out.items(), key=lambda item: float(item[0][0].split()[0])))
+            if row.get("nearest") is None:
+                out[(NO_ANSWER,)].append(row)
+                continue
+            low = max((d for d in (0.0, *DISTANCES) if row["nearest"] >= d), default=0.0)
+            high = next((d for d in DISTANCES if d > low), None)
+            out[(f"{low:g} to {high:g}" if high else f"{low:g} and more",)].append(row)
+    def lower_bound(key: tuple) -> float:
+        return math.inf if key[0] == NO_ANSWER else float(key[0].split()[0])
+
+    return dict(sorted(out.items(), key=lambda item: lower_bound(item[0])))
 
 
 def family(name: str) -> str:

@@ -337,7 +337,7 @@ def test_get_corrections_prices_held_out_layers_with_and_without_the_other_probl
 
     h200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"
     held = [p for _, p in sweep.network_problems(["resnet18"], 32, ["float16"], ["channels_last"], "cuda", 6)]
-    problems = held + [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(20)]
+    problems = held + [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(150)]
     lines = []
     with hardware.measured_on(h200):
         for p in problems:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import doctest
 import gzip
 import json
@@ -399,6 +400,19 @@ def test_rows_of_another_machine_or_software_are_listed_never_used(db, monkeypat
 
 
 # -- export and import ----------------------------------------------------------------------------
+def test_a_results_place_in_its_backends_order_round_trips_through_the_database_and_an_export(db, tmp_path):
+    placed = [dataclasses.replace(FIND[0], place=2), *FIND[1:]]
+    db.store(problem(1), placed)
+    places = {r.algorithm: r.place for r in placed}
+    assert {r.algorithm: r.place for r in db.results(problem(1))} == places
+    out = tmp_path / "export.jsonl"
+    db.export(out)
+    assert sum('"place"' in line for line in out.read_text().splitlines()) == 1  # left out where there is none
+    with TuningDB(tmp_path / "other.sqlite") as fresh:
+        fresh.import_(out)
+        assert {r.algorithm: r.place for r in fresh.results(problem(1))} == places
+
+
 def test_export_import_round_trip_keeps_other_machines(db, tmp_path, monkeypatch):
     db.store(problem(1), FIND)
     db.store(problem(2, dtype="bfloat16", layout="NHWC"), FIND[1:3])

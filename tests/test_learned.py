@@ -15,20 +15,22 @@ import convtune as ct
 from convtune import costmodel, learned
 from convtune.algorithms import registry
 from convtune.cli import main as cli_main
-from convtune.hardware import fingerprint
+from convtune.hardware import fingerprint, roofline_ms
 from convtune.problem import ConvProblem
 from convtune.settings import settings
 from fakes import Fake
 
 
 def problems(count: int, seed: int = 0) -> list[ConvProblem]:
+    """``count`` random problems, the directions in turn (the model answers for a direction once
+    ``learned.NEIGHBOURS`` of it are measured)."""
     rng = random.Random(seed)
     out = []
-    for _ in range(count):
+    for i in range(count):
         c = rng.choice((8, 16, 32, 64, 128))
         groups = c if rng.random() < 0.4 else 1
         r = rng.choice((1, 3, 5, 7))
-        out.append(ConvProblem(rng.choice(("fwd", "bwd_data", "bwd_filter")), n=rng.choice((1, 8, 32)), c=c,
+        out.append(ConvProblem(("fwd", "bwd_data", "bwd_filter")[i % 3], n=rng.choice((1, 8, 32)), c=c,
                                k=c, input_size=(rng.choice((7, 14, 28, 56)),) * 2, kernel_size=r, padding=r // 2,
                                groups=groups, dtype=rng.choice(("float32", "float16"))))
     return out
@@ -52,25 +54,25 @@ def samples(count: int, seed: int = 0) -> list[learned.Sample]:
 
 
 def test_it_learns_what_the_analytic_model_cannot_see_on_problems_it_never_saw():
-    report = learned.holdout_report(samples(120), "test-machine", fraction=0.25)
+    report = learned.holdout_report(samples(200), "test-machine", fraction=0.25)
     # the analytic model prices both families alike: its pick is right about half the time
     assert report["analytic_top1"] < 0.8 and report["analytic_geomean"] > 1.5
-    assert report["learned_top1"] >= 0.9 and report["learned_geomean"] < 1.1, report
+    assert report["learned_top1"] >= 0.9 and report["learned_geomean"] < 1.2, report
 
 
 def test_a_saved_model_loads_and_answers_the_same(tmp_path):
-    model = learned.train(samples(40), "test-machine")
+    model = learned.train(samples(120), "test-machine")
     p = problems(1, seed=5)[0]
     path = model.save(tmp_path / "m.pt")
     again = learned.load(path)
-    assert again.fingerprint == "test-machine" and again.samples == 80
+    assert again.fingerprint == "test-machine" and again.samples == model.samples == 240
     assert math.isclose(again.factor(p, "plugin:dw", 1.0), model.factor(p, "plugin:dw", 1.0), rel_tol=1e-9)
     # built again from the same measurements: the same model (no seed, no training run)
-    assert learned.train(samples(40), "test-machine").factor(p, "plugin:dw", 1.0) == model.factor(p, "plugin:dw", 1.0)
+    assert learned.train(samples(120), "test-machine").factor(p, "plugin:dw", 1.0) == model.factor(p, "plugin:dw", 1.0)
 
 
 def test_on_a_problem_it_was_built_from_a_price_is_the_measured_time():
-    rows = samples(40)
+    rows = samples(120)
     model = learned.train(rows, "test-machine")
     for s in rows[:10]:
         price = s.analytic_ms * model.factor(s.problem, s.name, s.analytic_ms)
@@ -80,31 +82,32 @@ def test_on_a_problem_it_was_built_from_a_price_is_the_measured_time():
 def test_a_candidate_its_neighbours_did_not_measure_is_not_picked_on_a_guess():
     # Measured everywhere: 'plugin:dw' and 'plugin:dense'. 'plugin:new' was never measured: its analytic price may
     # be the lowest, but it is priced at least as the neighbours' typical candidate, never below the best known.
-    model = learned.train(samples(60), "test-machine")
+    model = learned.train(samples(120), "test-machine")
     p = problems(1, seed=7)[0]
     known = min(costmodel.analytic_ms(n, p) * model.factor(p, n, costmodel.analytic_ms(n, p))
                 for n in ("plugin:dw", "plugin:dense"))
     guessed = 0.5 * known
     assert guessed * model.factor(p, "plugin:new", guessed) >= known
     # a direction with no measured problem: no correction at all
-    only_fwd = [s for s in samples(60) if s.problem.direction == "fwd"]
+    only_fwd = [s for s in samples(120) if s.problem.direction == "fwd"]
     other = problems(1, seed=7)[0].replace(direction="bwd_data")
     assert learned.train(only_fwd, "test-machine").factor(other, "plugin:dw", 1.0) == 1.0
 
 
 def placed_samples(count: int, seed: int = 0) -> list[learned.Sample]:
-    """Per problem: 'b:first' in place 0 of backend b's order, 1.0 ms; 'b:x<seed>' in place 1 (a name seen on one
-    problem only), 2.0 ms; 'plugin:rare', measured on every fourth problem, 4.0 ms."""
+    """Per problem: 'b:first' in place 0 of backend b's order, twice the problem's floor; 'b:x<seed>' in place 1 (a
+    name seen on one problem only), 4 floors; 'plugin:rare', measured on every fourth problem, 8 floors."""
     out = []
     for i, p in enumerate(problems(count, seed)):
-        out += [learned.Sample(p, "b:first", 1.0, 1.0, 0), learned.Sample(p, f"b:x{seed}_{i}", 1.0, 2.0, 1)]
+        floor = roofline_ms(p)
+        out += [learned.Sample(p, "b:first", 1.0, 2 * floor, 0), learned.Sample(p, f"b:x{seed}_{i}", 1.0, 4 * floor, 1)]
         if i % 4 == 0:
-            out.append(learned.Sample(p, "plugin:rare", 1.0, 4.0))
+            out.append(learned.Sample(p, "plugin:rare", 1.0, 8 * floor))
     return out
 
 
 def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
-    model = learned.train(placed_samples(80), "test-machine")
+    model = learned.train(placed_samples(120), "test-machine")
     p = problems(1, seed=11)[0]
     near = model._neighbourhood(p)
     # its factor is to the analytic price times its place's factor, so that get's price is the model's
@@ -120,7 +123,7 @@ def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
 
 
 def test_a_name_too_few_neighbours_measured_is_priced_as_their_typical_candidate_or_its_analytic_price():
-    model = learned.train(placed_samples(80), "test-machine")
+    model = learned.train(placed_samples(120), "test-machine")
     p = problems(1, seed=11)[0]
     near = model._neighbourhood(p)
     # 'plugin:rare' was measured on about a quarter of the problems (always 2 steps from the best): no price of its own
@@ -132,7 +135,7 @@ def test_a_name_too_few_neighbours_measured_is_priced_as_their_typical_candidate
 
 
 def test_get_prices_with_the_model_and_the_candidates_place(tmp_path):
-    model = learned.train(placed_samples(80), fingerprint("cpu"))
+    model = learned.train(placed_samples(120), fingerprint("cpu"))
     p = problems(1, seed=11)[0]
     with settings.override(learned_model=str(tmp_path / "get_{device}.pt")):
         model.save(tmp_path / "get_cpu.pt")
@@ -141,9 +144,43 @@ def test_get_prices_with_the_model_and_the_candidates_place(tmp_path):
     assert later == pytest.approx(2 * first)  # place 1 measured twice place 0's time on every neighbour
 
 
+def test_an_extended_model_replaces_removes_and_restores_rows():
+    rows = samples(120)
+    model = learned.train(rows, "test-machine")
+    p = rows[0].problem
+    (old,) = [r for r in model.rows if r.problem == p]
+    slower = model.extended([dataclasses.replace(s, measured_ms=2 * s.measured_ms) for s in rows if s.problem == p])
+    (row,) = [r for r in slower.rows if r.problem == p]
+    assert len(slower.rows) == len(model.rows) and slower.samples == model.samples
+    assert row.best == pytest.approx(old.best + 1) and row.regrets == pytest.approx(old.regrets)
+    gone = model.extended([], replaced=[p])  # measured again, nothing timed
+    assert p not in [r.problem for r in gone.rows] and gone.samples == model.samples - old.count
+    back = gone.extended([], replaced=[p], fallback=model)
+    assert [r for r in back.rows if r.problem == p] == [old]
+
+
+def test_a_database_builds_on_the_installed_model_and_keeps_its_places(tmp_path):
+    rows = placed_samples(120)
+    p = rows[0].problem
+    with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), ct.TuningDB(tmp_path / "t.sqlite") as db:
+        learned.train(rows, fingerprint("cpu")).save(tmp_path / "get_cpu.pt")
+        # p stored again by an earlier version (no places), and a problem the model does not hold
+        db.store(p, [ct.PerfResult(s.name, "ok", time_ms=s.measured_ms) for s in rows if s.problem == p])
+        new = p.replace(n=p.n + 1)
+        db.store(new, [ct.PerfResult("b:first", "ok", time_ms=1.0, place=0)])
+        model = costmodel.corrections(db, "cpu").model
+        assert len(model.rows) == len({s.problem for s in rows}) + 1
+        (row,) = [r for r in model.rows if r.problem == p]
+        assert "b@0" in row.regrets  # the installed model's row, with its places
+        costmodel.stored(db, p, [])  # measured again, nothing timed: the installed model's row still
+        assert [r for r in costmodel.corrections(db, "cpu").model.rows if r.problem == p] == [row]
+        costmodel.stored(db, new, [])
+        assert new not in [r.problem for r in costmodel.corrections(db, "cpu").model.rows]
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_regrets", "not_a_dict",
-                                    "samples_none", "float32_best", "short_best", "index_out_of_range",
-                                    "bad_problem_key", "empty", "names_a_string", "samples_bool"])
+                                    "zero_count", "float32_best", "short_best", "index_out_of_range",
+                                    "bad_problem_key", "empty", "names_a_string", "float_counts"])
 def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
     path = learned.train(samples(10), "test-machine").save(tmp_path / "m.pt")
     data = torch.load(path, weights_only=True)
@@ -158,8 +195,8 @@ def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
             learned.load(path)
     elif damage == "nan_regrets":
         torch.save(dict(data, regrets=data["regrets"].clone().fill_(float("nan"))), path)
-    elif damage == "samples_none":
-        torch.save(dict(data, samples=None), path)
+    elif damage == "zero_count":
+        torch.save(dict(data, counts=data["counts"].clone().fill_(0)), path)
     elif damage == "float32_best":
         torch.save(dict(data, best=data["best"].float()), path)
     elif damage == "short_best":
@@ -173,11 +210,12 @@ def test_a_damaged_or_foreign_file_is_refused_with_the_reason(tmp_path, damage):
     elif damage == "empty":
         nothing = torch.zeros(0, dtype=torch.float64)
         torch.save(dict(data, problems=[], names=[], best=nothing, typical=nothing, correction=nothing,
-                        regrets=nothing, entries=torch.zeros((0, 2), dtype=torch.int64)), path)
+                        regrets=nothing, entries=torch.zeros((0, 2), dtype=torch.int64),
+                        counts=torch.zeros(0, dtype=torch.int64)), path)
     elif damage == "names_a_string":
         torch.save(dict(data, names="".join(data["names"])), path)
-    elif damage == "samples_bool":
-        torch.save(dict(data, samples=True), path)
+    elif damage == "float_counts":
+        torch.save(dict(data, counts=data["counts"].double()), path)
     else:
         torch.save([1, 2, 3], path)
     with pytest.raises(ValueError, match="m.pt"):
@@ -201,7 +239,7 @@ def test_get_uses_a_model_of_this_machine_and_ignores_others_with_a_warning(tmp_
         assert first_of_two() == "plugin:dw"
         # priced alike by the analytic model, 4x apart here by what the neighbours measured
         assert costmodel.analytic_ms("plugin:dw", p) == costmodel.analytic_ms("plugin:dense", p)
-        assert costmodel.predict_ms("plugin:dw", p) < 0.75 * costmodel.predict_ms("plugin:dense", p)
+        assert costmodel.predict_ms("plugin:dw", p) < 0.9 * costmodel.predict_ms("plugin:dense", p)
         # the same model, but trained on another machine: not used, said once
         torch.save(dict(saved, fingerprint="cuda|some other GPU"), tmp_path / "get_cpu.pt")
         learned.forget()
@@ -238,9 +276,9 @@ def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, cap
 
 def test_a_correction_is_bounded_and_the_corrections_follow_the_model(tmp_path):
     p = problems(1, seed=9)[0]
-    absurd = [dataclasses.replace(s, measured_ms=s.analytic_ms * 1e9) for s in samples(30)]  # a machine 1e9x off
+    absurd = [dataclasses.replace(s, measured_ms=s.analytic_ms * 1e9) for s in samples(120)]  # a machine 1e9x off
     assert learned.train(absurd, fingerprint("cpu")).factor(p, "plugin:dw", 1.0) == 2.0 ** learned.MAX_LOG2_FACTOR
-    model = learned.train(samples(30), fingerprint("cpu"))
+    model = learned.train(samples(120), fingerprint("cpu"))
     # the database's corrections are ratios to the prediction of the model in use: a new model, a new table
     with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), ct.TuningDB(tmp_path / "t.sqlite") as db:
         before = costmodel.corrections(db, "cpu")
@@ -302,10 +340,10 @@ def test_it_learns_from_a_backends_order_what_the_names_do_not_say():
                 out.append(learned.Sample(p, name, analytic, analytic * (0.5 if place == 0 else 2.0), place))
         return out
 
-    report = learned.holdout_report(ranked_samples(120, 1), "test-machine", fraction=0.25)
+    report = learned.holdout_report(ranked_samples(200, 1), "test-machine", fraction=0.25)
     assert report["learned_top1"] >= 0.9, report
     # without the places (the order unknown to the model), ties fall by name: the first-listed is the best 1 in 4
-    unplaced = [dataclasses.replace(s, order=None) for s in ranked_samples(120, 1)]
+    unplaced = [dataclasses.replace(s, order=None) for s in ranked_samples(200, 1)]
     report = learned.holdout_report(unplaced, "test-machine", fraction=0.25)
     assert report["learned_top1"] < 0.6, report
 

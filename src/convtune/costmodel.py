@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any, cast
@@ -149,7 +151,7 @@ def analytic_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32:
     return _analytic_ms(name, problem, workspace_bytes, bool(tf32), generation())
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=65536)  # a database's tens of thousands of results are priced when get first reads it
 def _analytic_ms(name: str, problem: ConvProblem, workspace_bytes: int, tf32: bool, generation: int) -> float:
     from .algorithms.registry import declared_cost
 
@@ -172,16 +174,20 @@ def clear_cache() -> None:
 
 # -- corrections from the database -------------------------------------------------------------
 
+_versions = itertools.count(1)  # of the tables built (Corrections.version)
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Corrections:
     """What ``get`` prices with beside the analytic model: the learned model (``learned``) of a database's
     measurements on this device, on top of the device's installed model where there is one; ``model`` None:
     the installed model alone, or nothing.
 
-    Compared and hashed by identity: each table built is a new version (``get`` keys on it).
+    Compared and hashed by identity; ``version`` is a number of its own, which ``get`` keys its answers on (an
+    answer kept must not keep a replaced table's model alive).
     """
 
     model: learned.LearnedModel | None = None
+    version: int = dataclasses.field(default_factory=lambda: next(_versions))
 
     def price(self, name: str, problem: ConvProblem, base_ms: float, place: int | None = None) -> float:
         """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the model's price (with
@@ -193,11 +199,12 @@ class Corrections:
     def of(measurements: Iterable[tuple[ConvProblem, Any]]) -> Corrections:
         """The table that ``measurements`` ((problem, result) pairs, as ``TuningDB.measurements`` gives them) make
         alone, priced for the GPU being priced now (``hardware.measured_on``)."""
-        return Corrections(_extended(None, _samples(measurements)))
+        return Corrections(_extended(None, _samples(measurements), None, None))
 
 
 NO_CORRECTIONS = Corrections()
 _tables: weakref.WeakKeyDictionary[Any, dict[str, _Table]] = weakref.WeakKeyDictionary()
+_tables_lock = threading.RLock()  # find may store from a background thread while get reads
 
 
 def _samples(measurements: Iterable[tuple[ConvProblem, Any]]) -> list[learned.Sample]:
@@ -213,30 +220,37 @@ def _samples(measurements: Iterable[tuple[ConvProblem, Any]]) -> list[learned.Sa
 
 
 class _Table:
-    """A device's measurements as the learned model of them (on top of the device's installed model, ``base``),
+    """A device's measurements as the learned model of them, on top of the device's installed model (``base``),
     kept up to date with what this process stores."""
 
     def __init__(self, measurements: list[tuple[ConvProblem, Any]], base: learned.LearnedModel | None,
                  version: int = 0) -> None:
-        self.version = version  # the installed model's version the table was built on
-        self.corrections = Corrections(_extended(base, _samples(measurements)))
+        self.version, self.base = version, base  # the installed model the table was built on, and its version
+        samples = _samples(measurements)
+        if base is not None:  # where this database has no places of a problem the model has, the model's row holds
+            placed = {s.problem for s in samples if s.order is not None}
+            known = {r.problem for r in base.rows}
+            samples = [s for s in samples if s.problem in placed or s.problem not in known]
+        self.corrections = Corrections(_extended(base, samples, None, base))
 
     def replace(self, problem: ConvProblem, results: Any) -> None:
         """``problem``'s measurements are now ``results`` (a find stored them): the model follows."""
         self.corrections = Corrections(_extended(self.corrections.model, _samples((problem, r) for r in results),
-                                                 problem))
+                                                 problem, self.base))
 
 
-def _extended(model: learned.LearnedModel | None, samples: list[learned.Sample],
-              replaced: ConvProblem | None = None) -> learned.LearnedModel | None:
-    """``model`` with ``samples`` (in place of its rows of their problems and of ``replaced``); a new model of
-    ``samples`` without one; None where no measured problem is left."""
+def _extended(model: learned.LearnedModel | None, samples: list[learned.Sample], replaced: ConvProblem | None,
+              base: learned.LearnedModel | None) -> learned.LearnedModel | None:
+    """``model`` (else ``base``) with ``samples``, in place of its rows of their problems and of ``replaced`` (where
+    ``base`` has a row of a problem measured again with nothing timed, that row); a new model of ``samples``
+    without either; None where no measured problem is left."""
+    model = base if model is None else model
     if model is None:
         return learned.train(samples, "") if any(learned.usable(s) for s in samples) else None
     if not samples and replaced is None:
         return model
     try:
-        return model.extended(samples, replaced=() if replaced is None else [replaced])
+        return model.extended(samples, replaced=() if replaced is None else [replaced], fallback=base)
     except ValueError:  # its only problem measured again, nothing timed
         return None
 
@@ -249,7 +263,7 @@ def _table(db: Any, device: str, *, build: bool) -> _Table | None:
     # Ratios measured / predicted hold for the prices they were taken against: one table per priced GPU.
     slot = device if _priced_gpu(device) is None else f"{device}@{_priced_gpu(device)}"
     if slot in per_device and per_device[slot].version != learned.version(device):
-        del per_device[slot]  # built on another installed model
+        per_device.pop(slot, None)  # built on another installed model
     if slot not in per_device:
         if not build:
             return None
@@ -263,20 +277,22 @@ def _table(db: Any, device: str, *, build: bool) -> _Table | None:
 
 
 def corrections(db: Any, device: str) -> Corrections:
-    """The correction table of ``db`` for ``device``: read from it once per db object (and again when the
-    learned model changes: its ratios are to the model's prediction), then kept up to date with what this
-    process stores (``stored``)."""
+    """The prices of ``db``'s measurements on ``device``: read from it once per db object (and again when the
+    installed model changes: the table is built on it), then kept up to date with what this process stores
+    (``stored``)."""
     if db is None:
         return NO_CORRECTIONS
-    return cast(_Table, _table(db, device, build=True)).corrections  # build=True always gives a table
+    with _tables_lock:
+        return cast(_Table, _table(db, device, build=True)).corrections  # build=True always gives a table
 
 
 def stored(db: Any, problem: ConvProblem, results: Any) -> None:
-    """``results`` of ``problem`` were just stored in ``db`` (replacing its earlier ones): update the corrections.
+    """``results`` of ``problem`` were just stored in ``db`` (replacing its earlier ones): update the prices.
 
-    Only this problem's ratios are recomputed: a tuning run that stores after every find would
-    otherwise re-read and decode the whole database each time (quadratic in the problems tuned).
+    Only this problem's row is replaced: a tuning run that stores after every find would otherwise
+    re-read and decode the whole database each time (quadratic in the problems tuned).
     """
-    table = _table(db, problem.device, build=False)
-    if table is not None:
-        table.replace(problem, [r for r in results if r.ok])
+    with _tables_lock:
+        table = _table(db, problem.device, build=False)
+        if table is not None:
+            table.replace(problem, [r for r in results if r.ok])

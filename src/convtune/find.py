@@ -578,7 +578,11 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
             log.warning("find: could not store the results of %s in the tuning database (%s: %s); they are used "
                         "but not remembered", problem.key, type(exc).__name__, exc)
         else:
-            costmodel.stored(db, problem, kept)
+            try:
+                costmodel.stored(db, problem, kept)
+            except Exception as exc:  # noqa: BLE001 - the answer stands; get prices without this problem until reread
+                log.warning("find: get's prices could not take in the results of %s (%s: %s)", problem.key,
+                            type(exc).__name__, exc)
     return order(results, policy, problem.dtype)
 
 

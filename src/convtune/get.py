@@ -130,7 +130,7 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     # registry's content, the correction table (a new object once the db gets measurements) and the
     # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares; so
     # does the GPU that hardware.measured_on prices for.
-    key = (problem, policy, tuple(registered()), tuple(backends()), costmodel.corrections(db, problem.device),
+    key = (problem, policy, tuple(registered()), tuple(backends()), costmodel.corrections(db, problem.device).version,
            learned.version(problem.device), torch.backends.cudnn.deterministic, hardware.assumed_gpu())
     choices = _memo.get(key)
     if choices is None:

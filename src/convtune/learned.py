@@ -55,7 +55,9 @@ from .settings import settings
 log = logging.getLogger(__name__)
 
 FEATURE_VERSION = 4  # 4: the nearest measured problems (3 and before: multilayer perceptrons)
-NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
+NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md); with
+# fewer of a direction measured, the model does not answer for it (a database of a few problems picked far worse
+# than the analytic model)
 MIN_SUPPORT = 0.7  # of the neighbours' weight that must have measured a candidate for its own price
 PLACE_KEYS = 4  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place
 MAX_LOG2_FACTOR = 20.0  # a price at most a million times the analytic one either way (a guard, not a model)
@@ -110,6 +112,7 @@ class _Neighbourhood:
 
     indices: list[int]
     weights: list[float]
+    floor: float
     best: float
     typical: float
     correction: float
@@ -125,6 +128,7 @@ class _Row:
     typical: float
     correction: float
     regrets: dict[str, float]
+    count: int  # the measurements it was made of
     features: list[float] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -153,7 +157,7 @@ def _rows(samples: Sequence[Sample]) -> list[_Row]:
                 regrets[key] = min(regrets.get(key, math.inf), math.log2(s.measured_ms / fastest))
         out.append(_Row(problem, math.log2(fastest / max(roofline_ms(problem), 1e-9)),
                         statistics.median(math.log2(s.measured_ms / fastest) for s in rows),
-                        statistics.median(math.log2(s.measured_ms / s.analytic_ms) for s in rows), regrets))
+                        statistics.median(math.log2(s.measured_ms / s.analytic_ms) for s in rows), regrets, len(rows)))
     return out
 
 
@@ -162,11 +166,12 @@ class LearnedModel:
     candidates; ``extended`` gives the model with more measurements, cheaply (a tuning run adds one problem at a
     time). ``samples``: how many measurements it was built from."""
 
-    def __init__(self, rows: Sequence[_Row], fingerprint: str, samples: int, software: str = "") -> None:
+    def __init__(self, rows: Sequence[_Row], fingerprint: str, software: str = "") -> None:
         if not rows:
             raise ValueError("a learned model needs at least one measured problem")
         self.rows = list(rows)
-        self.fingerprint, self.samples, self.software = fingerprint, samples, software
+        self.fingerprint, self.software = fingerprint, software
+        self.samples = sum(r.count for r in self.rows)
         self.problems = [r.problem for r in self.rows]
         self.best, self.typical, self.correction = (torch.tensor([getattr(r, f) for r in self.rows],
                                                                  dtype=torch.float64)
@@ -179,13 +184,17 @@ class LearnedModel:
                                               dtype=torch.int64) for d in DIRECTIONS}
         self._memo: dict[tuple[ConvProblem, Any], Any] = {}
 
-    def extended(self, samples: Sequence[Sample], replaced: Iterable[ConvProblem] = ()) -> LearnedModel:
+    def extended(self, samples: Sequence[Sample], replaced: Iterable[ConvProblem] = (),
+                 fallback: LearnedModel | None = None) -> LearnedModel:
         """This model with ``samples``' problems in place of its own rows of them, and without the problems of
-        ``replaced`` that ``samples`` does not hold (measured again, nothing timed)."""
+        ``replaced`` that ``samples`` does not hold (measured again, nothing timed), unless ``fallback`` has a row of
+        such a problem: that row then. ``ValueError`` where no row is left."""
         new = _rows(samples)
         gone = {r.problem for r in new} | set(replaced)
-        return LearnedModel([r for r in self.rows if r.problem not in gone] + new, self.fingerprint,
-                            self.samples + sum(map(usable, samples)), self.software)
+        emptied = gone - {r.problem for r in new}
+        restored = [] if fallback is None else [r for r in fallback.rows if r.problem in emptied]
+        return LearnedModel([r for r in self.rows if r.problem not in gone] + new + restored, self.fingerprint,
+                            self.software)
 
     def _neighbourhood(self, problem: ConvProblem) -> _Neighbourhood | None:
         from .hardware import assumed_gpu
@@ -196,7 +205,7 @@ class LearnedModel:
             return known
         candidates = self._by_direction.get(problem.direction)
         found = None
-        if candidates is not None and len(candidates):
+        if candidates is not None and len(candidates) >= NEIGHBOURS:  # fewer measured: no answer for the direction
             from .hardware import roofline_ms
 
             asked = torch.tensor(problem_features(problem), dtype=torch.float64) / self._scale
@@ -210,8 +219,8 @@ class LearnedModel:
                 return float((values[indices] * weights).sum()) / total
 
             floor = math.log2(max(roofline_ms(problem), 1e-9))
-            found = _Neighbourhood(indices.tolist(), weights.tolist(), floor + mean(self.best), mean(self.typical),
-                                   mean(self.correction))
+            found = _Neighbourhood(indices.tolist(), weights.tolist(), floor, floor + mean(self.best),
+                                   mean(self.typical), mean(self.correction))
         if len(self._memo) >= MEMO_PROBLEMS:
             self._memo = {}  # a new dict, not cleared: another thread may be reading the old one
         self._memo[key] = found
@@ -219,7 +228,7 @@ class LearnedModel:
 
     def nearest_distance(self, problem: ConvProblem) -> float | None:
         """How far ``problem`` lies from the nearest measured problem of its direction (features scaled to unit
-        spread; 0: measured itself), None where none of its direction is."""
+        spread; 0: measured itself), None where the model does not answer for its direction."""
         near = self._neighbourhood(problem)
         return None if near is None else max(1.0 / max(near.weights) - 1e-3, 0.0)
 
@@ -237,11 +246,12 @@ class LearnedModel:
             support = sum(w for _, w in measured)
             if support >= MIN_SUPPORT * total:
                 scores.append(sum(r * w for r, w in measured) / support)
-        if scores:
-            return near.best + min(scores)
+        if scores:  # never below the problem's floor: what the neighbours suggest, held to what is possible
+            return max(near.best + min(scores), near.floor)
         from .costmodel import order_factor
 
-        return max(near.best + near.typical, math.log2(max(analytic_ms * order_factor(order), 1e-12)) + near.correction)
+        guess = math.log2(max(analytic_ms * order_factor(order), 1e-12)) + near.correction
+        return max(near.best + near.typical, guess, near.floor)
 
     def log2_factors(self, rows: Sequence[tuple[ConvProblem, str, float, int | None]]) -> list[float]:
         """Per (problem, name, analytic ms, place) row, log2 of the price over the analytic price times
@@ -278,7 +288,8 @@ class LearnedModel:
                    "saved_at": time.time(), "problems": [p.key for p in self.problems], "names": list(names),
                    "best": self.best, "typical": self.typical, "correction": self.correction,
                    "entries": torch.tensor(entries, dtype=torch.int64).reshape(-1, 2),
-                   "regrets": torch.tensor(regrets, dtype=torch.float64)}
+                   "regrets": torch.tensor(regrets, dtype=torch.float64),
+                   "counts": torch.tensor([r.count for r in self.rows], dtype=torch.int64)}
         write_whole(path, lambda target: torch.save(payload, target))
         forget()  # this process sees the new file at once
         return path
@@ -301,16 +312,18 @@ def load(path: str | os.PathLike) -> LearnedModel:
             raise ValueError("'problems' and 'names' must be lists, and 'problems' not empty")
         problem_keys, names = list(data["problems"]), list(data["names"])
         per_problem = [data[k] for k in ("best", "typical", "correction")]
-        entries, regrets = data["entries"], data["regrets"]
+        entries, regrets, counts = data["entries"], data["regrets"], data["counts"]
         shapes_ok = (all(t.dtype == torch.float64 and tuple(t.shape) == (len(problem_keys),) for t in per_problem)
                      and entries.dtype == torch.int64 and regrets.dtype == torch.float64
-                     and tuple(entries.shape) == (len(regrets), 2))
+                     and tuple(entries.shape) == (len(regrets), 2)
+                     and counts.dtype == torch.int64 and tuple(counts.shape) == (len(problem_keys),)
+                     and bool((counts > 0).all()))
         values_ok = shapes_ok and all(bool(torch.isfinite(t).all()) for t in (*per_problem, regrets))
         in_range = values_ok and (not len(entries) or (
             int(entries.min()) >= 0 and int(entries[:, 0].max()) < len(problem_keys)
             and int(entries[:, 1].max()) < len(names)))
-        samples, fingerprint = data.get("samples"), data.get("fingerprint")
-        if not in_range or type(samples) is not int or not isinstance(fingerprint, str) \
+        fingerprint = data.get("fingerprint")
+        if not in_range or not isinstance(fingerprint, str) \
                 or not all(isinstance(k, str) for k in (*problem_keys, *names)):
             raise ValueError("non-finite, malformed or out-of-range fields")
         measured: list[dict[str, float]] = [{} for _ in problem_keys]
@@ -318,8 +331,8 @@ def load(path: str | os.PathLike) -> LearnedModel:
             measured[problem][names[name]] = regret
         best, typical, correction = (t.tolist() for t in per_problem)
         rows = [_Row(ConvProblem.from_key(key), *row) for key, *row in zip(problem_keys, best, typical, correction,
-                                                                           measured)]
-        return LearnedModel(rows, fingerprint, samples, str(data.get("software", "")))
+                                                                           measured, counts.tolist())]
+        return LearnedModel(rows, fingerprint, str(data.get("software", "")))
     except (KeyError, RuntimeError, AttributeError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"{path} is a damaged learned cost model ({type(exc).__name__}: {exc})") from None
 
@@ -332,7 +345,7 @@ def train(samples: Sequence[Sample], fingerprint: str) -> LearnedModel:
     if not rows:
         raise ValueError("no usable measurements to build the model from: tune some problems first "
                          "(convtune tune, find)")
-    return LearnedModel(rows, fingerprint, sum(map(usable, samples)))
+    return LearnedModel(rows, fingerprint)
 
 
 def samples_from(db: Any, device: str, fingerprint: str | None = None,
