@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -51,7 +52,33 @@ def first_picks(rows: list[learned.Sample], corrections: costmodel.Corrections, 
     return {r: (by_name[n] / best if n in by_name else None) for r, n in chosen.items()}
 
 
-def judge(db: ct.TuningDB, fingerprint: str, networks: list[str], batch: int, dtypes: list[str]) -> dict:
+SIZES = (1, 3, 10, 30, 100, 300)  # problems in small_databases' databases
+
+
+def small_databases(pairs: list, by_problem: dict, draws: int = 4, judged: int = 120, seed: int = 0) -> dict:
+    """get with a database of a few random problems of the sweep, judged on others drawn at random: per size (``SIZES``)
+    and ranking ('without', 'with_db'), the pick-over-best ratios of ``draws`` databases of ``judged`` problems each."""
+    rng = random.Random(seed)
+    candidates = sorted((p for p, rows in by_problem.items() if len(rows) >= 2), key=lambda p: p.key)
+    results: dict = defaultdict(list)
+    for p, r in pairs:
+        results[p].append((p, r))
+    out: dict = {}
+    for size in (size for size in SIZES if size < len(candidates)):
+        ratios: dict = defaultdict(list)
+        for _ in range(draws):
+            chosen = rng.sample(candidates, size)
+            table = costmodel.Corrections.of([pair for p in chosen for pair in results[p]])
+            others = [p for p in candidates if p not in set(chosen)]
+            for p in rng.sample(others, min(judged, len(others))):
+                picked = first_picks(by_problem[p], table, table, {})
+                ratios["without"].append(picked["without"])
+                ratios["with_db"].append(picked["with_db"])
+        out[(f"{size:>3}",)] = [dict(without=a, with_db=b) for a, b in zip(ratios["without"], ratios["with_db"])]
+    return out
+
+
+def judge(db: ct.TuningDB, fingerprint: str, networks: list[str], batch: int, dtypes: list[str]) -> tuple[dict, dict]:
     recorded = recorded_orders(ORDERS)
     places = {key: learned.positions(entry["plans"]) for key, entry in recorded.items()}
     unplaced = db.measurements("cuda", fingerprint)
@@ -69,7 +96,7 @@ def judge(db: ct.TuningDB, fingerprint: str, networks: list[str], batch: int, dt
         for p in sorted((p for p in held if len(by_problem.get(p, ())) >= 2), key=lambda p: p.key):
             ratios = first_picks(by_problem[p], corrections, without_places, heuristic_names(p, recorded))
             groups[(p.direction, p.dtype)].append(dict(network=network, problem=p.key, **ratios))
-    return groups
+    return groups, small_databases(pairs, by_problem)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         fingerprint = database_gpu(parser, db, args.db, args.measured_on)
         with hardware.measured_on(fingerprint):
             networks = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
-            groups = judge(db, fingerprint, networks, args.batch, args.dtypes.split(","))
+            groups, small = judge(db, fingerprint, networks, args.batch, args.dtypes.split(","))
             model = "a learned model active" if learned.version("cuda") else "no learned model"
     summary, table_text = table(groups, RANKINGS, ("direction", "dtype"), "judged (per network)")
+    small_summary, small_text = table(small, ("without", "with_db"), ("problems in the database",), "judged")
     env = common.environment()
     distinct = {row["problem"] for rows in groups.values() for row in rows}
     text = (f"# get with and without a database of other problems\n\n{common.env_line(env)}; judged on the "
@@ -98,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             f"the best measured: geometric mean / worst / how often it is the best. without: get's analytic price and "
             f"cuDNN's order, no database; with_db: the learned model of every other problem of the database, each "
             f"result with its place in cuDNN's order; with_db_no_places: the same without the places (a database of an "
-            f"earlier version); cudnn_A/B: cuDNN's heuristics' first plan.\n\n" + table_text)
+            f"earlier version); cudnn_A/B: cuDNN's heuristics' first plan.\n\n" + table_text
+            + "\n## A database of a few problems\n\nA database of k problems of the sweep drawn at random (4 draws "
+              "each, the places as above), judged on 120 other problems each, every direction and dtype:\n\n"
+              + small_text)
     common.write(args.name, {"environment": env, "measured_on": fingerprint, "summary": summary,
+                             "small_databases": small_summary,
                              "rows": {"/".join(k): rows for k, rows in groups.items()}}, text, args.out)
     print(text)
     return 0

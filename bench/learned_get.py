@@ -128,7 +128,7 @@ def judge(samples: list[learned.Sample], held: set, here: str, recorded: dict[st
 
 
 DISTANCES = (0.5, 1.0, 2.0, 4.0)  # the bounds of by_distance's groups
-NO_ANSWER = f"no answer (fewer than {learned.NEIGHBOURS} of its direction measured)"
+NO_ANSWER = f"no answer (fewer than {learned.MIN_MEASURED} of its direction measured)"
 
 
 def by_distance(groups: dict[tuple, list[dict]]) -> dict[tuple, list[dict]]:

@@ -220,7 +220,7 @@ def test_learned_get_holds_each_network_out_and_reports_every_ranking(tmp_path, 
     layers = sweep.seeds()
     problems = [p for _, p in sweep.network_problems(["resnet18", "mobilenet_v2"], 1, ["float32"], ["channels_first"],
                                                      "cpu", 6)]
-    problems += [sweep.sample(i, 0, "cpu", True, layers) for i in range(60)]
+    problems += [sweep.sample(i, 0, "cpu", True, layers) for i in range(300)]
     with ct.TuningDB(db_path) as db:
         for p in problems:
             three = p.kernel_size[0] == 3
@@ -331,13 +331,13 @@ def test_get_corrections_prices_held_out_layers_with_and_without_the_other_probl
     # Another machine's rows: torch:native runs at its price, gemm:im2col in half that time everywhere. With the
     # other problems' measurements get always picks gemm:im2col; without, by price alone, it misses some.
     import convtune as ct
-    from convtune import costmodel, hardware
+    from convtune import costmodel, hardware, learned
     from convtune.db import SCHEMA_VERSION
     from convtune.results import PerfResult
 
     h200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"
     held = [p for _, p in sweep.network_problems(["resnet18"], 32, ["float16"], ["channels_last"], "cuda", 6)]
-    problems = held + [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(150)]
+    problems = held + [sweep.sample(i, 0, "cuda", False, sweep.seeds()) for i in range(250)]
     lines = []
     with hardware.measured_on(h200):
         for p in problems:
@@ -357,6 +357,8 @@ def test_get_corrections_prices_held_out_layers_with_and_without_the_other_probl
         seen.extend(pairs)
         return made_of(pairs)
 
+    small_databases = get_corrections.small_databases
+    monkeypatch.setattr(get_corrections, "small_databases", lambda pairs, by_problem: {})  # judged below
     monkeypatch.setattr(costmodel.Corrections, "of", staticmethod(recording))
     assert get_corrections.main(["--db", str(tmp_path / "h200.sqlite"), "--networks", "resnet18",
                                  "--out", str(out)]) == 0
@@ -370,6 +372,17 @@ def test_get_corrections_prices_held_out_layers_with_and_without_the_other_probl
     assert any(cells["without"]["geomean"] > 1.0 for cells in summary.values())  # the price alone misses some
     assert "| fwd | float16 |" in (out / "get_corrections.md").read_text()
     assert hardware.assumed_gpu() is None
+    # databases of a few random problems: each size below the problems there are, every ratio of a timed pick
+    monkeypatch.setattr(costmodel.Corrections, "of", made_of)
+    with ct.TuningDB(tmp_path / "h200.sqlite") as db, hardware.measured_on(h200):
+        pairs = db.measurements("cuda", h200)
+        by_problem: dict = {}
+        for p, r in pairs:
+            by_problem.setdefault(p, []).append(learned.Sample(p, r.algorithm, costmodel.analytic_ms(r.algorithm, p),
+                                                               r.time_ms))
+        small = small_databases(pairs, by_problem, draws=1, judged=10)
+    assert [k[0].strip() for k in small] == [str(n) for n in get_corrections.SIZES if n < len(by_problem)]
+    assert all(r["without"] >= 1.0 and r["with_db"] >= 1.0 for rows in small.values() for r in rows)
 
 
 verification_margins = _bench_script("verification_margins")

@@ -30,7 +30,7 @@ def measured(problem, name, time_ms, workspace_bytes=0):
     return problem, PerfResult(name, Status.OK, time_ms=time_ms, workspace_bytes=workspace_bytes, rel_error=0.0)
 
 
-def like(problem, times, count=learned.NEIGHBOURS, workspace=None):
+def like(problem, times, count=learned.MIN_MEASURED, workspace=None):
     """(problem, result) pairs: ``times`` (name: ms) measured on ``problem`` and on ``count`` problems like it (its
     batch times 2, 3, ...), scaled by their floors, so that every measured problem says the same (get's learned
     model answers for a direction once a full neighbourhood of it is measured)."""
@@ -82,7 +82,7 @@ def test_database_measurements_change_the_ranking():
                  "gemm:1x1": costmodel.analytic_ms("gemm:1x1", other)}
         assert get(P1, db=db_with(*like(other, times)))[0].name == "direct:taps"
         # fewer measured problems than a neighbourhood: too little to go by, the analytic model's pick
-        assert get(P1, db=db_with(*like(other, times, count=learned.NEIGHBOURS - 2)))[0].name == "gemm:1x1"
+        assert get(P1, db=db_with(*like(other, times, count=learned.MIN_MEASURED - 2)))[0].name == "gemm:1x1"
         assert gemm.runs == direct.runs == 0
 
 
@@ -105,7 +105,7 @@ def test_corrections_are_read_once_per_db_and_follow_what_find_stores():
         assert db.measurement_calls == 1  # updated from the stored results, not read again
         (new,) = [r for r in db.results(P3) if r.ok]
         # the model holds P3's new measurement in place of its old one, beside the others
-        assert after is not before and len(after.model.rows) == len(before.model.rows) == learned.NEIGHBOURS + 2
+        assert after is not before and len(after.model.rows) == len(before.model.rows) == learned.MIN_MEASURED + 2
         (row,) = [r for r in after.model.rows if r.problem == P3]
         assert row.best == pytest.approx(math.log2(new.time_ms / roofline_ms(P3)))
         base = costmodel.analytic_ms("fake:a", P3)

@@ -23,7 +23,7 @@ from fakes import Fake
 
 def problems(count: int, seed: int = 0) -> list[ConvProblem]:
     """``count`` random problems, the directions in turn (the model answers for a direction once
-    ``learned.NEIGHBOURS`` of it are measured)."""
+    ``learned.MIN_MEASURED`` of it are measured)."""
     rng = random.Random(seed)
     out = []
     for i in range(count):
@@ -54,25 +54,25 @@ def samples(count: int, seed: int = 0) -> list[learned.Sample]:
 
 
 def test_it_learns_what_the_analytic_model_cannot_see_on_problems_it_never_saw():
-    report = learned.holdout_report(samples(200), "test-machine", fraction=0.25)
+    report = learned.holdout_report(samples(300), "test-machine", fraction=0.25)
     # the analytic model prices both families alike: its pick is right about half the time
     assert report["analytic_top1"] < 0.8 and report["analytic_geomean"] > 1.5
     assert report["learned_top1"] >= 0.9 and report["learned_geomean"] < 1.2, report
 
 
 def test_a_saved_model_loads_and_answers_the_same(tmp_path):
-    model = learned.train(samples(120), "test-machine")
+    model = learned.train(samples(200), "test-machine")
     p = problems(1, seed=5)[0]
     path = model.save(tmp_path / "m.pt")
     again = learned.load(path)
-    assert again.fingerprint == "test-machine" and again.samples == model.samples == 240
+    assert again.fingerprint == "test-machine" and again.samples == model.samples == 400
     assert math.isclose(again.factor(p, "plugin:dw", 1.0), model.factor(p, "plugin:dw", 1.0), rel_tol=1e-9)
     # built again from the same measurements: the same model (no seed, no training run)
-    assert learned.train(samples(120), "test-machine").factor(p, "plugin:dw", 1.0) == model.factor(p, "plugin:dw", 1.0)
+    assert learned.train(samples(200), "test-machine").factor(p, "plugin:dw", 1.0) == model.factor(p, "plugin:dw", 1.0)
 
 
 def test_on_a_problem_it_was_built_from_a_price_is_the_measured_time():
-    rows = samples(120)
+    rows = samples(200)
     model = learned.train(rows, "test-machine")
     for s in rows[:10]:
         price = s.analytic_ms * model.factor(s.problem, s.name, s.analytic_ms)
@@ -82,14 +82,14 @@ def test_on_a_problem_it_was_built_from_a_price_is_the_measured_time():
 def test_a_candidate_its_neighbours_did_not_measure_is_not_picked_on_a_guess():
     # Measured everywhere: 'plugin:dw' and 'plugin:dense'. 'plugin:new' was never measured: its analytic price may
     # be the lowest, but it is priced at least as the neighbours' typical candidate, never below the best known.
-    model = learned.train(samples(120), "test-machine")
+    model = learned.train(samples(200), "test-machine")
     p = problems(1, seed=7)[0]
     known = min(costmodel.analytic_ms(n, p) * model.factor(p, n, costmodel.analytic_ms(n, p))
                 for n in ("plugin:dw", "plugin:dense"))
     guessed = 0.5 * known
     assert guessed * model.factor(p, "plugin:new", guessed) >= known
     # a direction with no measured problem: no correction at all
-    only_fwd = [s for s in samples(120) if s.problem.direction == "fwd"]
+    only_fwd = [s for s in samples(200) if s.problem.direction == "fwd"]
     other = problems(1, seed=7)[0].replace(direction="bwd_data")
     assert learned.train(only_fwd, "test-machine").factor(other, "plugin:dw", 1.0) == 1.0
 
@@ -107,7 +107,7 @@ def placed_samples(count: int, seed: int = 0) -> list[learned.Sample]:
 
 
 def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
-    model = learned.train(placed_samples(120), "test-machine")
+    model = learned.train(placed_samples(200), "test-machine")
     p = problems(1, seed=11)[0]
     near = model._neighbourhood(p)
     # its factor is to the analytic price times its place's factor, so that get's price is the model's
@@ -123,7 +123,7 @@ def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
 
 
 def test_a_name_too_few_neighbours_measured_is_priced_as_their_typical_candidate_or_its_analytic_price():
-    model = learned.train(placed_samples(120), "test-machine")
+    model = learned.train(placed_samples(200), "test-machine")
     p = problems(1, seed=11)[0]
     near = model._neighbourhood(p)
     # 'plugin:rare' was measured on about a quarter of the problems (always 2 steps from the best): no price of its own
@@ -135,7 +135,7 @@ def test_a_name_too_few_neighbours_measured_is_priced_as_their_typical_candidate
 
 
 def test_get_prices_with_the_model_and_the_candidates_place(tmp_path):
-    model = learned.train(placed_samples(120), fingerprint("cpu"))
+    model = learned.train(placed_samples(200), fingerprint("cpu"))
     p = problems(1, seed=11)[0]
     with settings.override(learned_model=str(tmp_path / "get_{device}.pt")):
         model.save(tmp_path / "get_cpu.pt")
@@ -145,7 +145,7 @@ def test_get_prices_with_the_model_and_the_candidates_place(tmp_path):
 
 
 def test_an_extended_model_replaces_removes_and_restores_rows():
-    rows = samples(120)
+    rows = samples(200)
     model = learned.train(rows, "test-machine")
     p = rows[0].problem
     (old,) = [r for r in model.rows if r.problem == p]
@@ -160,7 +160,7 @@ def test_an_extended_model_replaces_removes_and_restores_rows():
 
 
 def test_a_database_builds_on_the_installed_model_and_keeps_its_places(tmp_path):
-    rows = placed_samples(120)
+    rows = placed_samples(200)
     p = rows[0].problem
     with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), ct.TuningDB(tmp_path / "t.sqlite") as db:
         learned.train(rows, fingerprint("cpu")).save(tmp_path / "get_cpu.pt")
@@ -232,7 +232,7 @@ def test_get_uses_a_model_of_this_machine_and_ignores_others_with_a_warning(tmp_
 
         assert math.isclose(costmodel.predict_ms("plugin:dw", p), costmodel.analytic_ms("plugin:dw", p))
         # trained here on the machine above: the depthwise family wins depthwise problems
-        model = learned.train(samples(150), fingerprint("cpu"))
+        model = learned.train(samples(200), fingerprint("cpu"))
         model.save(tmp_path / "get_cpu.pt")
         saved = torch.load(tmp_path / "get_cpu.pt", weights_only=True)
         assert learned.active("cpu") is not None
@@ -276,9 +276,9 @@ def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, cap
 
 def test_a_correction_is_bounded_and_the_corrections_follow_the_model(tmp_path):
     p = problems(1, seed=9)[0]
-    absurd = [dataclasses.replace(s, measured_ms=s.analytic_ms * 1e9) for s in samples(120)]  # a machine 1e9x off
+    absurd = [dataclasses.replace(s, measured_ms=s.analytic_ms * 1e9) for s in samples(200)]  # a machine 1e9x off
     assert learned.train(absurd, fingerprint("cpu")).factor(p, "plugin:dw", 1.0) == 2.0 ** learned.MAX_LOG2_FACTOR
-    model = learned.train(samples(120), fingerprint("cpu"))
+    model = learned.train(samples(200), fingerprint("cpu"))
     # the database's corrections are ratios to the prediction of the model in use: a new model, a new table
     with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), ct.TuningDB(tmp_path / "t.sqlite") as db:
         before = costmodel.corrections(db, "cpu")
@@ -340,10 +340,10 @@ def test_it_learns_from_a_backends_order_what_the_names_do_not_say():
                 out.append(learned.Sample(p, name, analytic, analytic * (0.5 if place == 0 else 2.0), place))
         return out
 
-    report = learned.holdout_report(ranked_samples(200, 1), "test-machine", fraction=0.25)
+    report = learned.holdout_report(ranked_samples(300, 1), "test-machine", fraction=0.25)
     assert report["learned_top1"] >= 0.9, report
     # without the places (the order unknown to the model), ties fall by name: the first-listed is the best 1 in 4
-    unplaced = [dataclasses.replace(s, order=None) for s in ranked_samples(200, 1)]
+    unplaced = [dataclasses.replace(s, order=None) for s in ranked_samples(300, 1)]
     report = learned.holdout_report(unplaced, "test-machine", fraction=0.25)
     assert report["learned_top1"] < 0.6, report
 

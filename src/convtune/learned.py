@@ -55,9 +55,9 @@ from .settings import settings
 log = logging.getLogger(__name__)
 
 FEATURE_VERSION = 4  # 4: the nearest measured problems (3 and before: multilayer perceptrons)
-NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md); with
-# fewer of a direction measured, the model does not answer for it (a database of a few problems picked far worse
-# than the analytic model)
+NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
+MIN_MEASURED = 2 * NEIGHBOURS  # with fewer problems of a direction measured, no answer for it: a database of a few
+# problems picked far worse than the analytic model, one of about 30 a direction a little worse (docs/performance.md)
 MIN_SUPPORT = 0.7  # of the neighbours' weight that must have measured a candidate for its own price
 PLACE_KEYS = 4  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place
 MAX_LOG2_FACTOR = 20.0  # a price at most a million times the analytic one either way (a guard, not a model)
@@ -205,7 +205,7 @@ class LearnedModel:
             return known
         candidates = self._by_direction.get(problem.direction)
         found = None
-        if candidates is not None and len(candidates) >= NEIGHBOURS:  # fewer measured: no answer for the direction
+        if candidates is not None and len(candidates) >= MIN_MEASURED:
             from .hardware import roofline_ms
 
             asked = torch.tensor(problem_features(problem), dtype=torch.float64) / self._scale
