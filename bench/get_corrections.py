@@ -52,7 +52,7 @@ def first_picks(rows: list[learned.Sample], corrections: costmodel.Corrections, 
     return {r: (by_name[n] / best if n in by_name else None) for r, n in chosen.items()}
 
 
-SIZES = (1, 3, 10, 30, 100, 300)  # problems in small_databases' databases
+SIZES = (1, 3, 10, 30, 100, 150, 200, 300)  # problems in small_databases' databases
 
 
 def small_databases(pairs: list, by_problem: dict, draws: int = 4, judged: int = 120, seed: int = 0) -> dict:

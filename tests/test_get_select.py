@@ -81,7 +81,9 @@ def test_database_measurements_change_the_ranking():
         times = {"direct:taps": costmodel.analytic_ms("direct:taps", other) / 100,
                  "gemm:1x1": costmodel.analytic_ms("gemm:1x1", other)}
         assert get(P1, db=db_with(*like(other, times)))[0].name == "direct:taps"
-        # fewer measured problems than a neighbourhood: too little to go by, the analytic model's pick
+        # exactly MIN_MEASURED problems of the direction measured: enough; one fewer: too little to go by, the
+        # analytic model's pick
+        assert get(P1, db=db_with(*like(other, times, count=learned.MIN_MEASURED - 1)))[0].name == "direct:taps"
         assert get(P1, db=db_with(*like(other, times, count=learned.MIN_MEASURED - 2)))[0].name == "gemm:1x1"
         assert gemm.runs == direct.runs == 0
 
@@ -110,6 +112,11 @@ def test_corrections_are_read_once_per_db_and_follow_what_find_stores():
         assert row.best == pytest.approx(math.log2(new.time_ms / roofline_ms(P3)))
         base = costmodel.analytic_ms("fake:a", P3)
         assert before.price("fake:a", P3, base) == pytest.approx(1.0, rel=0.05)  # mostly its own measurement
+        # measured 8x slower: the price follows (its own row weighs most)
+        slower = [dataclasses.replace(new, time_ms=8.0)]
+        db.store(P3, slower)
+        costmodel.stored(db, P3, slower)
+        assert costmodel.corrections(db, P3.device).price("fake:a", P3, base) == pytest.approx(8.0, rel=0.1)
 
 
 def test_a_table_of_measurements_prices_each_candidate_as_the_nearest_measured_problems_ran_it():

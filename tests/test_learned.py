@@ -178,6 +178,18 @@ def test_a_database_builds_on_the_installed_model_and_keeps_its_places(tmp_path)
         assert new not in [r.problem for r in costmodel.corrections(db, "cpu").model.rows]
 
 
+def test_a_price_is_never_below_the_problems_floor():
+    # A machine that measured everything at a tenth of its floor (a wrong peak, a broken timer): the prices stop
+    # at the floor, whatever the neighbours say.
+    rows = [dataclasses.replace(s, measured_ms=0.1 * roofline_ms(s.problem) * (2 if s.name == "plugin:dense" else 1))
+            for s in samples(200)]
+    model = learned.train(rows, "test-machine")
+    p = problems(1, seed=7)[0]
+    floor = math.log2(roofline_ms(p))
+    assert model.log2_price(p, "plugin:dw", 1.0) == pytest.approx(floor)
+    assert model.log2_price(p, "plugin:never", 1.0) == pytest.approx(floor)
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_regrets", "not_a_dict",
                                     "zero_count", "float32_best", "short_best", "index_out_of_range",
                                     "bad_problem_key", "empty", "names_a_string", "float_counts"])
@@ -271,7 +283,9 @@ def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, cap
             ct.find(p.replace(n=1, input_size=(6, 6)), db=db)
     assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--out", str(out), "--json"]) == 0
     assert learned.load(out).fingerprint == fingerprint("cpu")
-    assert '"learned_geomean"' in capsys.readouterr().out  # judged on held-out problems first
+    printed = capsys.readouterr().out
+    assert '"learned_geomean"' in printed  # judged on held-out problems first
+    assert '"too few measured"' in printed and '"answers for": "no direction yet"' in printed  # 6 problems
 
 
 def test_a_correction_is_bounded_and_the_corrections_follow_the_model(tmp_path):

@@ -448,6 +448,12 @@ def cmd_train_get(args, out: Console) -> int:
     model = learned.train(samples, here)
     path = model.save(args.out or learned.default_path(device))
     summary["model"] = str(path)
+    counts = {d: sum(r.problem.direction == d for r in model.rows) for d in DIRECTIONS}
+    summary["answers for"] = ", ".join(d for d, n in counts.items() if n >= learned.MIN_MEASURED) or "no direction yet"
+    short = {d: n for d, n in counts.items() if n < learned.MIN_MEASURED}
+    if short:
+        summary["too few measured"] = (", ".join(f"{d} {n}" for d, n in short.items()) + " (it answers for a "
+                                       f"direction from {learned.MIN_MEASURED} problems measured: tune more)")
     table = Table(title="get's learned cost model")
     table.add_column("")
     table.add_column("")

@@ -187,7 +187,7 @@ class Corrections:
     """
 
     model: learned.LearnedModel | None = None
-    version: int = dataclasses.field(default_factory=lambda: next(_versions))
+    version: int = dataclasses.field(default_factory=lambda: next(_versions), init=False)
 
     def price(self, name: str, problem: ConvProblem, base_ms: float, place: int | None = None) -> float:
         """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the model's price (with
@@ -227,10 +227,10 @@ class _Table:
                  version: int = 0) -> None:
         self.version, self.base = version, base  # the installed model the table was built on, and its version
         samples = _samples(measurements)
-        if base is not None:  # where this database has no places of a problem the model has, the model's row holds
+        if base is not None:  # where the model knows a problem's places and this database does not, its row holds
             placed = {s.problem for s in samples if s.order is not None}
-            known = {r.problem for r in base.rows}
-            samples = [s for s in samples if s.problem in placed or s.problem not in known]
+            with_places = {r.problem for r in base.rows if any("@" in key for key in r.regrets)}
+            samples = [s for s in samples if s.problem in placed or s.problem not in with_places]
         self.corrections = Corrections(_extended(base, samples, None, base))
 
     def replace(self, problem: ConvProblem, results: Any) -> None:
@@ -267,7 +267,7 @@ def _table(db: Any, device: str, *, build: bool) -> _Table | None:
     if slot not in per_device:
         if not build:
             return None
-        base, version = learned.active(device), learned.version(device)
+        base, version = learned.installed(device)
         try:
             per_device[slot] = _Table(list(db.measurements(device)), base, version)
         except Exception as exc:  # noqa: BLE001 - a broken database must not stop a heuristic answer

@@ -580,7 +580,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         else:
             try:
                 costmodel.stored(db, problem, kept)
-            except Exception as exc:  # noqa: BLE001 - the answer stands; get prices without this problem until reread
+            except Exception as exc:  # noqa: BLE001 - the answer stands; get keeps pricing with this problem's
+                # earlier measurements in this process (the database holds the new ones for the next)
                 log.warning("find: get's prices could not take in the results of %s (%s: %s)", problem.key,
                             type(exc).__name__, exc)
     return order(results, policy, problem.dtype)

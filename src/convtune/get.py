@@ -36,7 +36,7 @@ _memo: dict[tuple, list[Choice]] = {}
 
 
 def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
-            learn_workspace: bool = True) -> PerfResult:
+            learn_workspace: bool = True, prices: costmodel.Corrections | None = None) -> PerfResult:
     """The cost model's guess for ``algorithm`` on ``problem`` as an unmeasured ``PerfResult``.
 
     time_ms is the predicted time (for a candidate with a place in its backend's heuristic order,
@@ -45,14 +45,16 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
     determinism, TF32, reduced precision) are the algorithm's own. learn_workspace=False takes the
     workspace only if it is known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt
     cuDNN execution plan's is not) and counts an unknown one as 0, in the cost model and in the result.
-    Exceptions of the algorithm's description methods propagate.
+    prices: the table to price with (default: ``db``'s, ``costmodel.corrections``). Exceptions of the algorithm's
+    description methods propagate.
     """
     workspace = algorithm.workspace_bytes(problem) if learn_workspace else algorithm.known_workspace_bytes(problem)
     unknown = workspace is None
     workspace = workspace or 0
     notes = algorithm.notes(problem)
     base_ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32)
-    ms = costmodel.corrections(db, problem.device).price(algorithm.name, problem, base_ms, algorithm.place)
+    prices = costmodel.corrections(db, problem.device) if prices is None else prices
+    ms = prices.price(algorithm.name, problem, base_ms, algorithm.place)
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
                       reduced_precision=notes.reduced_precision,
@@ -70,8 +72,8 @@ def _ranking_policy(policy: Policy, keep_filters: bool) -> Policy:
 
 
 def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], policy: Policy,
-                       db: Any = None, *, keep_filters: bool = True,
-                       learn_workspaces: bool | None = None) -> list[tuple[Algorithm, PerfResult]]:
+                       db: Any = None, *, keep_filters: bool = True, learn_workspaces: bool | None = None,
+                       prices: costmodel.Corrections | None = None) -> list[tuple[Algorithm, PerfResult]]:
     """``candidates`` with their predictions, ranked like ``ranking.rank`` ranks measurements.
 
     keep_filters=True leaves out what the policy forbids (get); False keeps every candidate in
@@ -86,6 +88,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     prefer='least_memory'), with the filters kept: a pick wanted at once, whose workspace is learned
     when it is built (select's 'background' mode).
     """
+    prices = costmodel.corrections(db, problem.device) if prices is None else prices  # one table throughout
     decides = policy.workspace_limit is not None or policy.prefer == "least_memory"
     learn_workspace = decides or (keep_filters if learn_workspaces is None else learn_workspaces)
     by_name: dict[str, Algorithm] = {}
@@ -93,7 +96,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     broken = []
     for algorithm in candidates:
         try:
-            guess = predict(problem, algorithm, db, learn_workspace=learn_workspace)
+            guess = predict(problem, algorithm, db, learn_workspace=learn_workspace, prices=prices)
         except CANDIDATE_FAULTS as exc:  # a broken plug-in must not break the ranking
             log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key,
                         type(exc).__name__, exc)
@@ -130,12 +133,13 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     # registry's content, the correction table (a new object once the db gets measurements) and the
     # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares; so
     # does the GPU that hardware.measured_on prices for.
-    key = (problem, policy, tuple(registered()), tuple(backends()), costmodel.corrections(db, problem.device).version,
+    prices = costmodel.corrections(db, problem.device)  # one table for the whole ranking (find may store meanwhile)
+    key = (problem, policy, tuple(registered()), tuple(backends()), prices.version,
            learned.version(problem.device), torch.backends.cudnn.deterministic, hardware.assumed_gpu())
     choices = _memo.get(key)
     if choices is None:
         settings.check()
-        ranked = ranked_predictions(problem, algorithms(problem), policy, db)
+        ranked = ranked_predictions(problem, algorithms(problem), policy, db, prices=prices)
         choices = [Choice(g.algorithm, cast(float, g.time_ms), g.workspace_bytes)  # rank keeps timed ones
                    for _, g in ranked]
         if len(_memo) >= MEMO_SIZE:

@@ -54,7 +54,7 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 4  # 4: the nearest measured problems (3 and before: multilayer perceptrons)
+FEATURE_VERSION = 5  # 4-5: the nearest measured problems (5: each row's count); 3 and before: multilayer perceptrons
 NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
 MIN_MEASURED = 2 * NEIGHBOURS  # with fewer problems of a direction measured, no answer for it: a database of a few
 # problems picked far worse than the analytic model, one of about 30 a direction a little worse (docs/performance.md)
@@ -457,6 +457,11 @@ def _current(device: str) -> tuple[LearnedModel | None, int]:
     version = 0 if model is None else next(_versions)
     _loaded[device] = (identity, model, version)
     return model, version
+
+
+def installed(device: str) -> tuple[LearnedModel | None, int]:
+    """``active``'s model and ``version``'s number, read together (the file may change between two reads)."""
+    return _current(device)
 
 
 def active(device: str) -> LearnedModel | None:
