@@ -12,16 +12,20 @@ a backend that lists its candidates best first by its own heuristics (cuDNN), al
 when it is one of the first ``PLACE_KEYS``: "cuDNN's second plan" is a candidate that means something on
 every problem, where a plan's name may be measured on few. A candidate measured on too few of the
 neighbours (less than ``MIN_SUPPORT`` of their weight) is priced as the neighbours' typical candidate, or
-by its analytic price times their typical correction if that is higher: it is not picked on a guess.
+by its analytic price times their typical correction if that is higher: it is not picked on a guess. No price
+is below the problem's floor, and the model answers for a direction only once ``MIN_MEASURED`` problems of it
+are measured (fewer said less than the analytic model).
 
 Why neighbours and not a fitted network: judged on networks left out of the data (bench/learned_get.py,
 docs/performance.md), picking by how candidates fared on the nearest problems beat three multilayer
 perceptrons trained on the same measurements (which priced every candidate, then ranked by the prices)
-and cuDNN's own heuristics; it needs no training (``train`` builds a table in a second, deterministically)
-and answers a new problem in about a millisecond. ``get`` prices with the model of the database it is given
-(``costmodel.Corrections``: built from the database's measurements on this device when first asked, then
-extended with each problem ``find`` stores), on top of the model installed for this device (its fingerprint)
-where there is one; with neither, the analytic model serves alone.
+and, over all directions together, cuDNN's own heuristics; it needs no training (``train`` builds a table
+in a second, deterministically) and answers a new problem in about a millisecond.
+
+``get`` prices with the model of the database it is given (``costmodel.Corrections``: built from the
+database's measurements on this device when first asked, then extended with each problem ``find`` stores), on
+top of the model installed for this device (its fingerprint) where there is one; with neither, the analytic
+model serves alone.
 
 Install one built from a tuning database with ``convtune train-get`` (or ``train`` and ``save``), so that
 ``get`` without that database (another process, another database) answers from it too: it is stored as
