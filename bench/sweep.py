@@ -1,6 +1,6 @@
 """Measurement sweep: every candidate timed on problems sampled from what real networks contain.
 
-The data a learned cost model for ``get`` is trained on. Problem i of a sweep is drawn from a
+The data a learned cost model for ``get`` is built from. Problem i of a sweep is drawn from a
 generator seeded with (seed, i): a seed layer (the built-in networks' layer tables and DeepBench),
 then random perturbations of it (channels, spatial size, kernel including 1xN and Nx1, stride,
 dilation, groups from dense to depthwise, batch; now and then a network's first layer, an image's

@@ -278,6 +278,8 @@ def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, cap
     out = tmp_path / "model.pt"
     assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--out", str(out)]) == 2
     assert "no measurements" in capsys.readouterr().err
+    assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--epochs", "400"]) == 2
+    assert "no longer trained" in capsys.readouterr().err
     with ct.TuningDB(db_path) as db, settings.override(find_patience=0, find_prune_factor=0):
         for p in problems(6, seed=3):  # every candidate timed: several measurements per problem
             ct.find(p.replace(n=1, input_size=(6, 6)), db=db)

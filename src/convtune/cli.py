@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "folder, where get looks for it)")
     p.add_argument("--holdout", type=float, default=0.2, help="fraction of the problems held out to judge a "
                                                               "model built from the rest first (0: none)")
+    p.add_argument("--epochs", default=None, help=argparse.SUPPRESS)  # of the fitted networks the model once was
     _add_db_args(p)
     p.add_argument("--json", action="store_true")
 
@@ -435,6 +436,9 @@ def cmd_train_get(args, out: Console) -> int:
         raise UsageError("--device cuda: no CUDA device is visible to PyTorch here")
     if not 0 <= args.holdout < 1:
         raise UsageError(f"--holdout {args.holdout} must be at least 0 and below 1")
+    if args.epochs is not None:
+        raise UsageError("--epochs: get's learned model is no longer trained (it is built from the nearest measured "
+                         "problems, in about a second); leave the option out")
     with _db(args) as db:
         samples = learned.samples_from(db, device)
     if not samples:

@@ -260,7 +260,7 @@ def _table(db: Any, device: str, *, build: bool) -> _Table | None:
         per_device = _tables.setdefault(db, {})
     except TypeError:  # an object that cannot be weakly referenced: no caching
         per_device = {}
-    # Ratios measured / predicted hold for the prices they were taken against: one table per priced GPU.
+    # A table's floors and analytic prices are the priced GPU's: one table per priced GPU.
     slot = device if _priced_gpu(device) is None else f"{device}@{_priced_gpu(device)}"
     if slot in per_device and per_device[slot].version != learned.version(device):
         per_device.pop(slot, None)  # built on another installed model
