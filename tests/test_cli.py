@@ -28,6 +28,21 @@ def test_get_prints_a_ranking_and_json(capsys):
     assert code == 0 and data["choices"] and all(c["predicted_ms"] > 0 for c in data["choices"])
 
 
+def test_get_says_what_it_priced_from(capsys, tmp_path):
+    from convtune import ConvProblem, PerfResult, TuningDB, learned
+
+    db = str(tmp_path / "t.sqlite")
+    code, out, _ = run(capsys, "get", *SMALL, "--db", db)
+    assert code == 0 and "priced from the analytic model" in out and "(0 of this direction's problems" in out
+    p = ConvProblem("fwd", n=2, c=8, k=8, input_size=(10, 10), kernel_size=3, padding=1)
+    with TuningDB(db) as tuning:  # enough problems of the direction measured: priced from them
+        for i in range(learned.MIN_MEASURED):
+            tuning.store(p.replace(n=3 + i), [PerfResult("torch:native", "ok", time_ms=1.0 + i),
+                                              PerfResult("direct:taps", "ok", time_ms=2.0 + i)])
+    code, out, _ = run(capsys, "get", *SMALL, "--db", db, "--json")
+    assert code == 0 and json.loads(out)["priced_from"].startswith("how each candidate ran on the 30 measured")
+
+
 def test_find_measures_checks_and_stores(capsys, tmp_path):
     db = str(tmp_path / "t.sqlite")
     code, out, _ = run(capsys, "find", *SMALL, "--db", db, "--json")

@@ -251,10 +251,15 @@ def cmd_get(args, out: Console) -> int:
 
     problem = _problem(args)
     _check_device(problem.device)
+    from .costmodel import basis
+
     with _db(args) as db:
         choices = get(problem, _policy(args), db=db)
-    payload = {"problem": problem.key, "choices": [c.__dict__ for c in choices]}
+        priced_from = basis(db, problem)
+    payload = {"problem": problem.key, "priced_from": priced_from, "choices": [c.__dict__ for c in choices]}
     _print(out, args, choices_table(problem, choices), payload)
+    if not args.json:
+        out.print(f"priced from {priced_from}")
     return 0
 
 

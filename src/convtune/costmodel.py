@@ -286,6 +286,18 @@ def corrections(db: Any, device: str) -> Corrections:
         return cast(_Table, _table(db, device, build=True)).corrections  # build=True always gives a table
 
 
+def basis(db: Any, problem: ConvProblem) -> str:
+    """What ``get`` prices ``problem`` from, in words: the measured problems nearest to it, or the analytic model."""
+    model = corrections(db, problem.device).model or learned.active(problem.device)
+    distance = None if model is None else model.nearest_distance(problem)
+    if distance is None:
+        measured = 0 if model is None else sum(r.problem.direction == problem.direction for r in model.rows)
+        return (f"the analytic model and cuDNN's order ({measured} of this direction's problems measured here; "
+                f"{learned.MIN_MEASURED} are needed to price from measurements)")
+    return (f"how each candidate ran on the {learned.NEIGHBOURS} measured problems of this direction nearest to it "
+            f"(the nearest at a distance of {distance:.2f}; 0: this one)")
+
+
 def stored(db: Any, problem: ConvProblem, results: Any) -> None:
     """``results`` of ``problem`` were just stored in ``db`` (replacing its earlier ones): update the prices.
 
