@@ -210,13 +210,8 @@ _tables_lock = threading.RLock()  # find may store from a background thread whil
 def _samples(measurements: Iterable[tuple[ConvProblem, Any]]) -> list[learned.Sample]:
     """The timed ok results of ``measurements`` as the learned model's samples, each with the place ``find``
     stored with it (``PerfResult.place``)."""
-    out = []
-    for problem, result in measurements:
-        if result.ok and result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms):
-            out.append(learned.Sample(problem, result.algorithm,
-                                      analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32),
-                                      result.time_ms, result.place))
-    return out
+    return [learned.sample_of(problem, result, result.place) for problem, result in measurements
+            if result.ok and learned.timed(result)]
 
 
 class _Table:
@@ -229,7 +224,7 @@ class _Table:
         samples = _samples(measurements)
         if base is not None:  # where the model knows a problem's places and this database does not, its row holds
             placed = {s.problem for s in samples if s.order is not None}
-            with_places = {r.problem for r in base.rows if any("@" in key for key in r.regrets)}
+            with_places = {r.problem for r in base.rows if r.placed}
             samples = [s for s in samples if s.problem in placed or s.problem not in with_places]
         self.corrections = Corrections(_extended(base, samples, None, base))
 

@@ -135,6 +135,11 @@ class _Row:
     count: int  # the measurements it was made of
     features: list[float] = dataclasses.field(init=False, repr=False, compare=False)
 
+    @property
+    def placed(self) -> bool:
+        """Whether any of its candidates is known by its place in its backend's order (``keys``)."""
+        return any("@" in key for key in self.regrets)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", problem_features(self.problem))
 
@@ -363,7 +368,6 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
     measurements (``registry.backend_places``) and none for another machine's (only the machine that
     measured knows its heuristics' order)."""
     from .algorithms.registry import backend_places
-    from .costmodel import analytic_ms
 
     measured = list(db.measurements(device, fingerprint))
     stored = {problem.key for problem, result in measured if result.place is not None}
@@ -381,13 +385,21 @@ def samples_from(db: Any, device: str, fingerprint: str | None = None,
                 places[problem.key] = {}
         return places[problem.key].get(result.algorithm)
 
-    out = []
-    for problem, result in measured:
-        if result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms):
-            out.append(Sample(problem, result.algorithm,
-                              analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32),
-                              result.time_ms, place(problem, result)))
-    return out
+    return [sample_of(p, r, place(p, r)) for p, r in measured if timed(r)]
+
+
+def timed(result: Any) -> bool:
+    """Whether a stored result has a positive, finite time to learn from."""
+    return bool(result.time_ms and result.time_ms > 0 and math.isfinite(result.time_ms))
+
+
+def sample_of(problem: ConvProblem, result: Any, order: int | None) -> Sample:
+    """A ``timed`` result of ``problem`` as a sample, priced by the analytic model, at its place ``order``."""
+    from .costmodel import analytic_ms
+
+    return Sample(problem, result.algorithm,
+                  analytic_ms(result.algorithm, problem, result.workspace_bytes, result.uses_tf32), result.time_ms,
+                  order)
 
 
 def positions(names: Sequence[str]) -> dict[str, int]:
