@@ -101,12 +101,13 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         return NumericNotes(float32_inside=problem.dtype != "float32")
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        # Multiply-adds on the CUDA cores in float32. Not measured on a GPU yet, so given the tap-by-tap kernels' base
-        # price (a tenth of the float32 peak, three times the compulsory traffic) although their compiled loops issue
-        # about a third of those kernels' instructions per multiply-add (the banded kernels' predictions missed by
-        # 4-12x). Where a database holds measured corrections, get scales this by the Triton kernels' mean factor
-        # measured there, as for any name it has not measured; find measures them.
-        return Cost(problem.flops, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
+        # Multiply-adds on the CUDA cores in float32. Measured on an H100 (bench/results/depthwise_h100.md: six
+        # layers of 3x3 to 7x7, batch 32, float16, channels_last, every direction) the fastest strip configuration
+        # took 0.43-0.74x the tap-by-tap kernels' fastest (geometric mean 0.62 forward, 0.61 data gradient, 0.54
+        # weight gradient), so their price (a tenth of the float32 peak, three times the compulsory traffic) at
+        # 0.6x: 0.16 of the peak and 1.8 times the traffic. Where get's learned model (or a database) has not
+        # measured them near a problem, it prices them no better than the neighbours' typical candidate (learned.py).
+        return Cost(problem.flops, 0.16, 1.8 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
                     float32_inside=True, composed=False)
 
 
