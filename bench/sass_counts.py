@@ -129,7 +129,8 @@ def _run_turns(problem: ConvProblem, chunk: int, per_row: int, block: int) -> tu
 def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
                 launch: dict) -> tuple[tuple[float, ...], int] | None:
     """The turns of a strip kernel's loops (``kernels.strips``), as ``banded_turns`` gives them: the forward and
-    the data gradient turn once per kernel row (each turn the row's columns unrolled), the data gradient within a
+    the data gradient turn once per kernel row (each turn the row's columns unrolled; a strided data gradient's
+    launch, one per phase of dx's rows, once per kernel row that meets dy's rows from it), the data gradient within a
     loop over the channel multiple; the weight gradient once per BLOCK_STRIPS strips of a run (one count per run),
     in a loop over the kernel rows; the weights' layout is straight-line code; None for the partials' sum and for
     loops of another shape."""
@@ -143,10 +144,12 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
         return (1,), 1
     if kernel == "_strips":
         multiple = problem.k // problem.c if problem.direction == "bwd_data" else 1
-        if loops == 1 and (multiple == 1 or r == 1):
-            return (r * multiple,), 1
+        ints = launch.get("integers", {})
+        rows = len(range(ints.get("r_first", 0), r, ints.get("r_step", 1)))  # the kernel rows this launch meets
+        if loops == 1 and (multiple == 1 or rows == 1):
+            return (rows * multiple,), 1
         if loops == 2 and nested:
-            return (r,), multiple
+            return (rows,), multiple
     if kernel == "_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
         tile = algorithm.tile
         return _run_turns(problem, tile.chunk, -(-sizes(problem)[3] // tile.strip), tile.strips), r
@@ -205,6 +208,8 @@ def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arc
         sass = subprocess.run([tools() / "cuobjdump", "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
     return dict(kernel=kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid=list(grid),
+                integers={n: v for n, v in zip(names, values) if n not in kwargs and isinstance(v, int)
+                          and not isinstance(v, bool)},  # the run-time integers (for TURNS; not kept)
                 warps=warps, registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                 # ptxas reports spilled registers in the stack frame (STACK), local arrays in LOCAL
                 spilled_bytes=sum(int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("STACK", "LOCAL")),
@@ -266,6 +271,7 @@ def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[d
         turns = TURNS[algorithm.family](problem, algorithm, launch) if known else None
         if turns:
             launch["issue_bound_us"] = issue_bound_us(launch, turns)
+        del launch["integers"]
     return launches
 
 

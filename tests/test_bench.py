@@ -681,6 +681,12 @@ def test_sass_counts_reads_the_strip_kernels_loops(sass_counts):
     assert turns("bwd_data", "t4b32c32w4", kernel="_strips", loops=1) is None  # 3 rows and a multiple of 2: not one
     one_row = p.replace(kernel_size=(1, 3), padding=(0, 1))
     assert turns("bwd_data", "t4b32c32w4", problem=one_row, kernel="_strips", loops=1) == ((2,), 1)
+    # a stride-2 data gradient: one launch per phase of dx's rows, each meeting kernel rows 0 and 2, or 1 alone
+    strided = p.replace(stride=2)
+    assert turns("bwd_data", "t4b32c32w4", problem=strided, kernel="_strips", loops=2, nested=True,
+                 integers=dict(r_first=0, r_step=2)) == ((2,), 2)
+    assert turns("bwd_data", "t4b32c32w4", problem=strided, kernel="_strips", loops=2, nested=True,
+                 integers=dict(r_first=1, r_step=2)) == ((1,), 2)
     assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=2, nested=True) == ((3,) * 10, 3)
     assert turns("bwd_filter", "t4b32c32w4s8", kernel="_sum_partials", loops=1) is None
     assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=3, nested=True) is None

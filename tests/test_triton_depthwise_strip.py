@@ -39,20 +39,21 @@ def of_direction(direction: str) -> list[str]:
     return names
 
 
-def sampled(direction: str) -> list[str]:
-    """The configurations of ``direction`` a case of several runs checks here: every one on a GPU; in the interpreter
-    (a CPU, one thread) the first and the last, strips of 4 and of 2 or 8 (the tile sizes are compile-time constants
-    of the same code)."""
-    names = of_direction(direction)
-    return [names[0], names[-1]] if interpreting() else names
+def sampled(p: ConvProblem) -> list[str]:
+    """The configurations a case of several runs checks here: every one that computes ``p`` on a GPU; in the
+    interpreter (a CPU, one thread) the first and the last, strips of 4 and of 2 or 8 (the tile sizes are
+    compile-time constants of the same code)."""
+    names = computing(p)
+    return [names[0], names[-1]] if interpreting() and names else names
 
 
-def computes(p: ConvProblem) -> bool:
-    """Whether the family computes ``p``: the data gradient at stride 1, the weight gradient of kernel rows of up to
-    8 taps, the forward always (of these shapes)."""
+def computing(p: ConvProblem) -> list[str]:
+    """The configurations that compute ``p`` (of these shapes): the data gradient's whose strips are a multiple of the
+    row's stride long, the weight gradient's of kernel rows of up to 8 taps, the forward's always."""
+    names = of_direction(p.direction)
     if p.direction == "bwd_data":
-        return all(s == 1 for s in p.stride)
-    return p.direction == "fwd" or p.kernel_size[-1] <= 8
+        return [n for n in names if get_algorithm(n).tile_args[0] % p.stride[-1] == 0]
+    return names if p.direction == "fwd" or p.kernel_size[-1] <= 8 else []
 
 
 @kernels
@@ -64,7 +65,7 @@ def test_matches_reference(shape, direction, dtype, layout):
         pytest.skip("float16 runs the same kernels as bfloat16: checked on the GPU")
     p = depthwise_problem(shape, direction, dtype, layout)
     names = [n for n in of_direction(direction) if get_algorithm(n).supports(p)]
-    assert len(names) == (len(of_direction(direction)) if computes(p) else 0), names
+    assert names == computing(p), names
     if interpreting() and names:  # one configuration a case, a different one from case to case (a CPU, one thread)
         names = [names[zlib.crc32(p.key.encode()) % len(names)]]
     for name in names:
@@ -88,18 +89,32 @@ def test_partial_tiles_and_many_runs(direction):
                                                       ((2, 2), (2, 3), (3, 4))])
 def test_strided_and_dilated_rows(stride, dilation, kernel):
     # A strip's outputs read columns `stride` apart through taps `dilation` apart: the compile-time pairing of
-    # columns with outputs and taps; a channel multiplier of 2; channels_first; every configuration of the forward
-    # and the weight gradient, and of the data gradient at the same dilation and stride 1 (two of each in the
-    # interpreter: ``sampled``).
-    for direction in ("fwd", "bwd_filter"):
+    # columns with outputs and taps; the data gradient reads dy's columns as spread `stride` apart, and its rows in
+    # one launch per phase; a channel multiplier of 2; channels_first; every configuration (two of each direction
+    # in the interpreter: ``sampled``).
+    for direction in DIRECTIONS:
         p = ConvProblem(direction, n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, stride=stride,
                         dilation=dilation, padding=(1, 3), groups=3, dtype="float32", layout="channels_first",
                         device=DEVICE)
-        for name in sampled(direction):
+        for name in sampled(p):
             run_checked(name, p)
-    p = ConvProblem("bwd_data", n=1, c=3, k=6, input_size=(4, 45), kernel_size=kernel, dilation=dilation,
-                    padding=(1, 3), groups=3, dtype="float32", layout="channels_first", device=DEVICE)
-    for name in sampled("bwd_data"):
+
+
+@kernels
+@pytest.mark.parametrize("stride, dilation, kernel, padding, size", [
+    ((3, 2), (2, 1), (5, 7), (4, 3), (10, 23)),  # three row phases, one meeting kernel rows 1 and 4 only
+    ((2, 4), (1, 3), (3, 3), (1, 5), (9, 30)),  # strips of 4 and 8 over four column phases; padding past the reach
+    ((4, 2), (1, 1), (2, 5), (0, 2), (3, 11)),  # fewer rows than the row stride: a phase without rows
+])
+def test_strided_data_gradient_by_phases(stride, dilation, kernel, padding, size):
+    # dx's rows one stride phase a launch, each looping over the kernel rows that meet dy's rows from it, and its
+    # columns in strips that span whole phases: every configuration whose strips the row stride divides (the
+    # others are refused), channels_last with a multiplier of 3.
+    p = ConvProblem("bwd_data", n=2, c=5, k=15, input_size=size, kernel_size=kernel, stride=stride,
+                    dilation=dilation, padding=padding, groups=5, dtype="float32", layout="channels_last",
+                    device=DEVICE)
+    assert computing(p) and [n for n in of_direction("bwd_data") if get_algorithm(n).supports(p)] == computing(p)
+    for name in sampled(p):
         run_checked(name, p)
 
 
@@ -112,7 +127,7 @@ def test_no_padding_and_padding_wider_than_the_kernel_reaches(padding):
     for direction in DIRECTIONS:
         p = ConvProblem(direction, n=1, c=3, k=12, input_size=(6, 9), kernel_size=3, padding=padding, groups=3,
                         dtype="float32", layout="channels_last", device=DEVICE)
-        for name in sampled(direction):
+        for name in sampled(p):
             run_checked(name, p)
 
 
@@ -145,8 +160,11 @@ def test_the_family_declares_what_it_supports():
     assert get_algorithm("triton:depthwise_strip_fwd_t2b64c16w4").supports(p.replace(
         input_size=(9, 300), kernel_size=(5, 127), padding=(2, 63)))
     data = get_algorithm("triton:depthwise_strip_bwd_data_t4b32c32w4")
-    support = data.supports(p.replace(direction="bwd_data", stride=(1, 2)))
-    assert not support and "stride 1 only" in support.reason
+    assert data.supports(p.replace(direction="bwd_data", stride=(3, 2))) and \
+        data.supports(p.replace(direction="bwd_data", stride=(1, 4)))
+    support = data.supports(p.replace(direction="bwd_data", stride=(1, 3)))
+    assert not support and "row stride 3 with strips of a multiple of 3 outputs only, its strips have 4" in \
+        support.reason
     # the data gradient's tiles run over the input channels (the multiplier of 2 summed in the kernel): 1.5 million
     # of them (3 million output channels) need 46875 tiles of 32, but 3 million need more than the axis holds
     fits = p.replace(direction="bwd_data", c=1_500_000, k=3_000_000, groups=1_500_000, n=1, input_size=(2, 2),

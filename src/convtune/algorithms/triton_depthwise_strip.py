@@ -11,9 +11,11 @@ Where they run and what every Triton family refuses: ``triton_family``.
     >>> strip = get_algorithm("triton:depthwise_strip_bwd_data_t4b32c32w4")
     >>> bool(strip.supports(p))
     True
-    >>> print(strip.supports(p.replace(stride=2)).reason)  # doctest: +NORMALIZE_WHITESPACE
-    computes the data gradient of stride 1 only, got stride (2, 2); triton:depthwise_bwd_data_*ph (by stride phase),
-    cuDNN or torch:native take it
+    >>> bool(strip.supports(p.replace(stride=2)))
+    True
+    >>> print(strip.supports(p.replace(stride=3)).reason)  # doctest: +NORMALIZE_WHITESPACE
+    computes the data gradient of row stride 3 with strips of a multiple of 3 outputs only, its strips have 4; a
+    configuration with such strips, triton:depthwise_bwd_data_*ph (by stride phase), cuDNN or torch:native take it
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from .triton_family import GRID_AXIS_LIMIT, INDEX_LIMIT, TritonAlgorithm, depthw
 
 # (outputs a strip, strips a program, channels a program, warps[, output rows per partial sum]). 128 threads take
 # strips × channels / 128 channels each: 8 (16 bytes of float16, channels_last's vector), but 4 in t8b16c32w4.
-# Compiled for the H200 (sm_90), t4b32c32w4 issues about
-# 0.063 warp instructions per multiply-add of a 7x7 forward in channels_last (96 channels, 56x56, batch 32), a third
-# of the tap-by-tap depthwise_fwd_p64c32w4t's 0.18; 8-output strips a little fewer (0.062), with more registers
-# (168 against 145; bench/results/sass_counts.md). Each is a candidate: find's verified measurement picks.
-TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4))
+# Compiled for the H200 (sm_90), t4b32c32w4 issues about 0.063 warp instructions per multiply-add of a 7x7 forward
+# in channels_last (96 channels, 56x56, batch 32), a third of the tap-by-tap depthwise_fwd_p64c32w4t's 0.18
+# (bench/results/sass_counts.md). Timed on an H100 (bench/results/depthwise_h100.md), t8b16c32w4 was the fastest
+# forward and data gradient of every 5x5 and 7x7 layer there, at 0.63-0.85x t4b32c32w4's time, although both issue
+# the same instructions: longer strips load fewer columns an output. t8b32c32w4 (8 channels a thread, as t4b32c32w4;
+# 253 registers, no spills at 7x7) is not timed yet. Each is a candidate: find's verified measurement picks.
+TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4), (8, 32, 32, 4))
 # The weight gradient's: runs of 8 or 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
 BACKWARD_FILTER_TILES = ((4, 32, 32, 4, 8), (4, 32, 32, 4, 32), (8, 16, 32, 4, 8), (8, 16, 32, 4, 32),
                          (4, 16, 64, 4, 16))
@@ -61,13 +65,14 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         module = self.module()
         taps = problem.kernel_size[-1]
         stride, dilation = problem.stride[-1], problem.dilation[-1]
-        if problem.direction == "bwd_data" and any(s != 1 for s in problem.stride):
-            return unsupported(f"computes the data gradient of stride 1 only, got stride {problem.stride}; "
+        strip = self.tile_args[0]
+        if problem.direction == "bwd_data" and strip % stride:
+            return unsupported(f"computes the data gradient of row stride {stride} with strips of a multiple of "
+                               f"{stride} outputs only, its strips have {strip}; a configuration with such strips, "
                                f"triton:depthwise_bwd_data_*ph (by stride phase), cuDNN or torch:native take it")
         if problem.direction == "bwd_filter" and taps > module.MAX_FILTER_TAPS:
             return unsupported(f"keeps a weight-gradient sum for each of up to {module.MAX_FILTER_TAPS} taps of a "
                                f"kernel row, got {taps}; triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")
-        strip = self.tile_args[0]
         columns = (strip - 1) * (stride if problem.direction != "bwd_data" else 1) + (taps - 1) * dilation + 1
         if columns > MAX_COLUMNS:
             return unsupported(f"unrolls a load for each of the {columns} input columns a strip of {strip} outputs "

@@ -12,8 +12,12 @@ over the data gradient's channel multiple run at run time.
 
 - ``forward``: programs over (strips of output rows, tiles of output channels); output channel k reads input
   channel k // M (M: the channel multiplier).
-- ``backward_data`` (stride 1 only): the forward's loop over dy with the kernel turned around (tap R-1-r, S-1-s),
-  padding dilation·(size - 1) - padding, summed over the M output channels c·M + m that each input channel c feeds.
+- ``backward_data``: the forward's loop over dy with the kernel turned around (tap R-1-r, S-1-s), padding
+  dilation·(size - 1) - padding, summed over the M output channels c·M + m that each input channel c feeds. A strided
+  problem's dy is read as if spread ``stride`` apart with zeros between, without the zeros: dx's rows one stride phase
+  (row mod stride) a launch, each looping over only the kernel rows that meet dy's rows from it, and its columns in
+  strips whose length the row's stride divides, so that which of a strip's columns are dy's is known at compile time
+  (a stride-2 7x7 layer: about a quarter of the stride-1 loop's loads and products a dx element).
 - ``backward_filter`` (kernel rows of up to 8 taps): per kernel row, a program sums x·dy over a run of output rows
   (``tile.chunk``), strip by strip: the strip's T dy values and each input column once, one float32 accumulator
   per tap; each run's sums land in float32 partials that ``shared.sum_partials`` adds in a fixed order: no atomics,
@@ -28,6 +32,7 @@ c·M + m lie M apart). Offsets are 32-bit: the algorithms refuse operands of 2**
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -101,18 +106,24 @@ def _store(dst, acc, t: tl.constexpr, T: tl.constexpr, n, p, q0, ok, c, c_ok, Q,
 
 @triton.jit
 def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
-            ssn, ssc, ssh, ssw, sdn, sdc, sdh, sdw, stride_h, pad_h, pad_w, dil_h,
+            ssn, ssc, ssh, ssw, sdn, sdc, sdh, sdw, stride_h, pad_h, pad_w, dil_h, p_first, r_first, r_step,
             DIV: tl.constexpr, M_IN: tl.constexpr, R: tl.constexpr, S: tl.constexpr, STRIDE_W: tl.constexpr,
-            DIL_W: tl.constexpr, T: tl.constexpr, BLOCK_STRIPS: tl.constexpr, BLOCK_CH: tl.constexpr):
-    # dst[n, c, p, q] = Σ over m < M_IN, r, s of src[n, (c // DIV)·M_IN + m, p·stride_h - pad_h + r·dil_h,
-    # q·STRIDE_W - pad_w + s·DIL_W] · wts[(m·R + r)·S + s, c]; a program: BLOCK_STRIPS strips of T outputs
-    # ((N·P) rows × ``strips`` a row) × BLOCK_CH channels, each thread a strip's channels.
+            DIL_W: tl.constexpr, UP_H: tl.constexpr, UP_W: tl.constexpr, PHASE_W: tl.constexpr, T: tl.constexpr,
+            BLOCK_STRIPS: tl.constexpr, BLOCK_CH: tl.constexpr):
+    # dst[n, c, p, q] = Σ over m < M_IN, r, s of src'[n, (c // DIV)·M_IN + m, p·stride_h - pad_h + r·dil_h,
+    # q·STRIDE_W - pad_w + s·DIL_W] · wts[(m·R + r)·S + s, c], where src' is src spread UP_H rows and UP_W columns
+    # apart with zeros between (src'[.., u, v] = src[.., u / UP_H, v / UP_W] where both divide, else 0: a strided
+    # problem's data gradient); a program: BLOCK_STRIPS strips of T outputs ((N·P) rows × ``strips`` a row) ×
+    # BLOCK_CH channels, each thread a strip's channels. Its rows are p_first + UP_H·j (j < P): one launch a
+    # phase of the rows, where only the kernel rows r_first, r_first + r_step, ... < R meet src's rows; T is a
+    # multiple of UP_W, so that whether a column of src' is one of src's (PHASE_W: pad_w mod UP_W) is known at
+    # compile time.
     i = tl.program_id(0) * BLOCK_STRIPS + tl.arange(0, BLOCK_STRIPS)
     ok = i < total
     row = i // strips
     q0 = (i - row * strips) * T
     n = row // P
-    p = row - n * P
+    p = p_first + (row - n * P) * UP_H
     c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     c_ok = c < C
     zero = tl.zeros((BLOCK_STRIPS, BLOCK_CH), dtype=tl.float32)
@@ -120,25 +131,26 @@ def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
     COLS: tl.constexpr = (T - 1) * STRIDE_W + (S - 1) * DIL_W + 1  # the columns a strip's outputs read
     for m in range(M_IN):  # a loop at run time: the body is unrolled per kernel row, not per multiple
         base = src + (n * ssn)[:, None] + (((c // DIV) * M_IN + m) * ssc)[None, :]
-        for r in range(R):
-            h = p * stride_h - pad_h + r * dil_h
+        for r in range(r_first, R, r_step):
+            h = (p * stride_h - pad_h + r * dil_h) // UP_H  # whole: the launch's phase of the rows meets row r
             h_ok = ok & (h >= 0) & (h < H)
             rows = base + (h * ssh)[:, None]
             # the kernel row's weights as the tile is (each thread its own channels' from the cache; padded to
             # whole channel tiles, so unmasked); the compiler loads each tap's once however many outputs it serves
             weights = wts + ((m * R + r) * S) * C_PAD + c[None, :] + (i * 0)[:, None]
             for col in tl.static_range(COLS):
-                wi = q0 * STRIDE_W - pad_w + col
-                values = tl.load(rows + (wi * ssw)[:, None], mask=(h_ok & (wi >= 0) & (wi < W))[:, None]
-                                 & c_ok[None, :], other=0.0).to(tl.float32)
-                a0 = _add_tap(a0, values, weights, C_PAD, col, 0, T, S, STRIDE_W, DIL_W)
-                a1 = _add_tap(a1, values, weights, C_PAD, col, 1, T, S, STRIDE_W, DIL_W)
-                a2 = _add_tap(a2, values, weights, C_PAD, col, 2, T, S, STRIDE_W, DIL_W)
-                a3 = _add_tap(a3, values, weights, C_PAD, col, 3, T, S, STRIDE_W, DIL_W)
-                a4 = _add_tap(a4, values, weights, C_PAD, col, 4, T, S, STRIDE_W, DIL_W)
-                a5 = _add_tap(a5, values, weights, C_PAD, col, 5, T, S, STRIDE_W, DIL_W)
-                a6 = _add_tap(a6, values, weights, C_PAD, col, 6, T, S, STRIDE_W, DIL_W)
-                a7 = _add_tap(a7, values, weights, C_PAD, col, 7, T, S, STRIDE_W, DIL_W)
+                if (col + UP_W - PHASE_W) % UP_W == 0:  # a column of src (q0 is a multiple of UP_W); else zeros
+                    wi = (q0 * STRIDE_W - pad_w + col) // UP_W  # whole
+                    values = tl.load(rows + (wi * ssw)[:, None], mask=(h_ok & (wi >= 0) & (wi < W))[:, None]
+                                     & c_ok[None, :], other=0.0).to(tl.float32)
+                    a0 = _add_tap(a0, values, weights, C_PAD, col, 0, T, S, STRIDE_W, DIL_W)
+                    a1 = _add_tap(a1, values, weights, C_PAD, col, 1, T, S, STRIDE_W, DIL_W)
+                    a2 = _add_tap(a2, values, weights, C_PAD, col, 2, T, S, STRIDE_W, DIL_W)
+                    a3 = _add_tap(a3, values, weights, C_PAD, col, 3, T, S, STRIDE_W, DIL_W)
+                    a4 = _add_tap(a4, values, weights, C_PAD, col, 4, T, S, STRIDE_W, DIL_W)
+                    a5 = _add_tap(a5, values, weights, C_PAD, col, 5, T, S, STRIDE_W, DIL_W)
+                    a6 = _add_tap(a6, values, weights, C_PAD, col, 6, T, S, STRIDE_W, DIL_W)
+                    a7 = _add_tap(a7, values, weights, C_PAD, col, 7, T, S, STRIDE_W, DIL_W)
     _store(dst, a0, 0, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
     _store(dst, a1, 1, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
     _store(dst, a2, 2, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
@@ -249,17 +261,28 @@ def lay_out_weights(problem: ConvProblem, w: torch.Tensor, out: torch.Tensor) ->
 
 def _run(problem: ConvProblem, tile: StripTile, src: torch.Tensor, w: torch.Tensor, dst: torch.Tensor,
          weights: torch.Tensor, read: tuple[int, int], made: tuple[int, int], channels: int, pads: tuple[int, int],
-         stride_h: int, stride_w: int, divisor: int, sources: int) -> None:
+         stride_h: int, stride_w: int, divisor: int, sources: int, spread: tuple[int, int] = (1, 1)) -> None:
+    """``_strips`` from ``src`` into ``dst``, ``src`` spread ``spread`` apart (rows, columns) with zeros between:
+    one launch per phase of ``dst``'s rows (row mod spread[0]) that has rows."""
     src4, dst4 = as_4d(src, problem), as_4d(dst, problem)
     lay_out_weights(problem, w, weights)
     r, s, _, _, _, _, dil_h, dil_w = geometry(problem)
+    up_h, up_w = spread
+    assert tile.strip % up_w == 0, "a strip's outputs must span whole phases of the spread columns"
     strips = triton.cdiv(made[1], tile.strip)
-    total = problem.n * made[0] * strips
-    grid = (triton.cdiv(total, tile.strips), triton.cdiv(channels, tile.channels))
-    launch(_strips, grid, src4, weights, dst4, total, strips, *made, *read, channels, weights.shape[1],
-           *src4.stride(), *dst4.stride(), stride_h, pads[0], pads[1], dil_h, DIV=divisor, M_IN=sources, R=r, S=s,
-           STRIDE_W=stride_w, DIL_W=dil_w, T=tile.strip, BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels,
-           num_warps=tile.warps)
+    for first in range(min(up_h, made[0])):
+        rows = triton.cdiv(made[0] - first, up_h)
+        # the kernel rows that meet src's rows from this phase: (first·stride_h - pad_h + r·dil_h) divisible by up_h
+        # (every up_h / gcd(dil_h, up_h)-th from the first)
+        meet = [k for k in range(r) if (first * stride_h - pads[0] + k * dil_h) % up_h == 0]
+        step = up_h // math.gcd(dil_h, up_h)
+        total = problem.n * rows * strips
+        grid = (triton.cdiv(total, tile.strips), triton.cdiv(channels, tile.channels))
+        launch(_strips, grid, src4, weights, dst4, total, strips, rows, made[1], *read, channels, weights.shape[1],
+               *src4.stride(), *dst4.stride(), stride_h, pads[0], pads[1], dil_h, first, meet[0] if meet else r, step,
+               DIV=divisor, M_IN=sources, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, UP_H=up_h, UP_W=up_w,
+               PHASE_W=pads[1] % up_w, T=tile.strip, BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels,
+               num_warps=tile.warps)
 
 
 def forward(problem: ConvProblem, tile: StripTile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
@@ -273,12 +296,12 @@ def forward(problem: ConvProblem, tile: StripTile, x: torch.Tensor, w: torch.Ten
 
 def backward_data(problem: ConvProblem, tile: StripTile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor,
                   weights: torch.Tensor) -> None:
-    """dx = the gradient of the input from dy and w (stride 1), into ``dx``."""
+    """dx = the gradient of the input from dy and w, into ``dx``: the forward of dy spread ``stride`` apart (the
+    strip's length a multiple of the row's stride)."""
     h, wd, p, q = sizes(problem)
     r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
-    assert stride_h == stride_w == 1, "the strips' data gradient is for stride 1"
     _run(problem, tile, dy, w, dx, weights, (p, q), (h, wd), problem.c,
-         (dil_h * (r - 1) - pad_h, dil_w * (s - 1) - pad_w), 1, 1, 1, problem.k // problem.c)
+         (dil_h * (r - 1) - pad_h, dil_w * (s - 1) - pad_w), 1, 1, 1, problem.k // problem.c, (stride_h, stride_w))
 
 
 def partial_sums(problem: ConvProblem, tile: StripTile) -> int:
