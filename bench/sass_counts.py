@@ -187,15 +187,16 @@ def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arc
     names = kernel.arg_names
     values = list(args) + [kwargs[n] for n in names[len(args):]]
     signature, constants, attrs = {}, {}, {}
+    fixed = {p.name for p in kernel.params if p.do_not_specialize}  # compiled as run-time values whatever they are
     for index, (name, value) in enumerate(zip(names, values)):
         if isinstance(value, torch.Tensor):
             signature[name] = TYPES[value.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]  # Triton's specialization of aligned pointers
-        elif name in kwargs or isinstance(value, (bool, str)) or value == 1:
+        elif name in kwargs or isinstance(value, (bool, str)) or value == 1 and name not in fixed:
             signature[name], constants[name] = "constexpr", value  # a constant, or an integer equal to 1
         else:
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
-            if value % 16 == 0:
+            if value % 16 == 0 and name not in fixed:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     options = {"num_warps": warps, **({"num_stages": stages} if stages is not None else {})}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),

@@ -13,9 +13,10 @@ Where they run and what every Triton family refuses: ``triton_family``.
     True
     >>> bool(strip.supports(p.replace(stride=2)))
     True
-    >>> print(strip.supports(p.replace(stride=3)).reason)  # doctest: +NORMALIZE_WHITESPACE
-    computes the data gradient of row stride 3 with strips of a multiple of 3 outputs only, its strips have 4; a
-    configuration with such strips, triton:depthwise_bwd_data_*ph (by stride phase), cuDNN or torch:native take it
+    >>> print(strip.supports(p.replace(stride=(1, 8))).reason)  # doctest: +NORMALIZE_WHITESPACE
+    computes the data gradient of column stride 8 (the stride's last entry) only with strips of a multiple of 8
+    outputs, this configuration's have 4; triton:depthwise_strip_bwd_data_t8*, triton:depthwise_bwd_data_*ph (by
+    stride phase), cuDNN or torch:native take it
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         stride, dilation = problem.stride[-1], problem.dilation[-1]
         strip = self.tile_args[0]
         if problem.direction == "bwd_data" and strip % stride:
-            return unsupported(f"computes the data gradient of row stride {stride} with strips of a multiple of "
-                               f"{stride} outputs only, its strips have {strip}; a configuration with such strips, "
-                               f"triton:depthwise_bwd_data_*ph (by stride phase), cuDNN or torch:native take it")
+            fitting = sorted({f"triton:depthwise_strip_bwd_data_t{t[0]}*" for t in TILES if t[0] % stride == 0})
+            return unsupported(f"computes the data gradient of column stride {stride} (the stride's last entry) only "
+                               f"with strips of a multiple of {stride} outputs, this configuration's have {strip}; "
+                               f"{', '.join(fitting + ['triton:depthwise_bwd_data_*ph (by stride phase)'])}, cuDNN "
+                               f"or torch:native take it")
         if problem.direction == "bwd_filter" and taps > module.MAX_FILTER_TAPS:
             return unsupported(f"keeps a weight-gradient sum for each of up to {module.MAX_FILTER_TAPS} taps of a "
                                f"kernel row, got {taps}; triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")
@@ -112,8 +115,11 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         # weight gradient), so their price (a tenth of the float32 peak, three times the compulsory traffic) at
         # 0.6x: 0.16 of the peak and 1.8 times the traffic. Where get's learned model (or a database) has not
         # measured them near a problem, it prices them no better than the neighbours' typical candidate (learned.py).
-        return Cost(problem.flops, 0.16, 1.8 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
-                    float32_inside=True, composed=False)
+        # A strided 2-D data gradient launches once per phase of dx's rows.
+        rows = problem.direction == "bwd_data" and len(problem.stride) == 2
+        phases = min(problem.stride[0], problem.input_size[0]) if rows else 1
+        return Cost(problem.flops, 0.16, 1.8 * problem.min_bytes + 2 * workspace_bytes,
+                    phases + bool(workspace_bytes), float32_inside=True, composed=False)
 
 
 register_family(TritonDepthwiseStrip, {"fwd": TILES, "bwd_data": TILES, "bwd_filter": BACKWARD_FILTER_TILES})

@@ -16,7 +16,7 @@ over the data gradient's channel multiple run at run time.
   dilation·(size - 1) - padding, summed over the M output channels c·M + m that each input channel c feeds. A strided
   problem's dy is read as if spread ``stride`` apart with zeros between, without the zeros: dx's rows one stride phase
   (row mod stride) a launch, each looping over only the kernel rows that meet dy's rows from it, and its columns in
-  strips whose length the row's stride divides, so that which of a strip's columns are dy's is known at compile time
+  strips whose length the column stride divides, so that which of a strip's columns are dy's is known at compile time
   (a stride-2 7x7 layer: about a quarter of the stride-1 loop's loads and products a dx element).
 - ``backward_filter`` (kernel rows of up to 8 taps): per kernel row, a program sums x·dy over a run of output rows
   (``tile.chunk``), strip by strip: the strip's T dy values and each input column once, one float32 accumulator
@@ -104,7 +104,9 @@ def _store(dst, acc, t: tl.constexpr, T: tl.constexpr, n, p, q0, ok, c, c_ok, Q,
                  mask=(ok & (q < Q))[:, None] & c_ok[None, :])
 
 
-@triton.jit
+# The phase arguments are compiled as run-time integers whatever their value (Triton would make a constant of a 1 and
+# mark a multiple of 16): one binary for every phase of a layer.
+@triton.jit(do_not_specialize=["p_first", "r_first", "r_step"])
 def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
             ssn, ssc, ssh, ssw, sdn, sdc, sdh, sdw, stride_h, pad_h, pad_w, dil_h, p_first, r_first, r_step,
             DIV: tl.constexpr, M_IN: tl.constexpr, R: tl.constexpr, S: tl.constexpr, STRIDE_W: tl.constexpr,
@@ -297,7 +299,7 @@ def forward(problem: ConvProblem, tile: StripTile, x: torch.Tensor, w: torch.Ten
 def backward_data(problem: ConvProblem, tile: StripTile, dy: torch.Tensor, w: torch.Tensor, dx: torch.Tensor,
                   weights: torch.Tensor) -> None:
     """dx = the gradient of the input from dy and w, into ``dx``: the forward of dy spread ``stride`` apart (the
-    strip's length a multiple of the row's stride)."""
+    strip's length a multiple of the column stride, ``stride[-1]``)."""
     h, wd, p, q = sizes(problem)
     r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
     _run(problem, tile, dy, w, dx, weights, (p, q), (h, wd), problem.c,
