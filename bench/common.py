@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,13 @@ def network_arguments(parser, device_help: str | None = None) -> None:
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--layout", default="NHWC")
     parser.add_argument("--device", default="cuda", help=device_help)
+
+
+def family_of(name: str) -> str:
+    """The Triton family of a configuration's name ('triton:depthwise_band_fwd_r32n16c8w4': 'depthwise_band'), as
+    registered or not (a row of an older revision may name one no longer registered); '' for another algorithm."""
+    match = re.match(r"triton:(\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
+    return match.group(1) if match else ""
 
 
 def md_table(header: list[str], rows: list[list]) -> str:

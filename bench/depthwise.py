@@ -14,6 +14,7 @@ result checked against float64 first:
     python bench/depthwise.py --sweep full    # the whole grid, resumable with --missing
     python bench/depthwise.py --shape 96:56:7:1 --batch 128 --dtype bfloat16
     python bench/depthwise.py --ours-again    # after a kernel change: cuDNN's and PyTorch's times kept
+    python bench/depthwise.py --ours-again --families depthwise_strip   # one family's again, the others' kept
     python bench/depthwise.py --sweep grouped --name grouped   # ResNeXt-50's grouped layers, 8 to 64 channels a group
 
 A shape is channels:spatial:kernel:stride[:channels a group] (1, the default: depthwise; the output has as many
@@ -78,34 +79,49 @@ def make_problem(shape: str, direction: str, batch: int, dtype: str, layout: str
                        padding=r // 2, groups=c // per_group, dtype=dtype, layout=layout, device="cuda")
 
 
-def ours(algorithm, p: ConvProblem) -> bool:
-    """Whether ``algorithm`` is one of convtune's own kernel families for ``p``'s kind (depthwise or grouped)."""
-    families = (TritonDepthwise, TritonDepthwiseBand, TritonDepthwiseStrip) if p.groups == p.c else (TritonGrouped,)
-    return isinstance(algorithm, families) and bool(algorithm.supports(p))
+OUR_FAMILIES = (TritonDepthwise, TritonDepthwiseBand, TritonDepthwiseStrip, TritonGrouped)
+
+
+def ours(algorithm, p: ConvProblem, families: tuple[str, ...] | None = None) -> bool:
+    """Whether ``algorithm`` is one of convtune's own kernel families for ``p``'s kind (depthwise or grouped), and
+    one of ``families`` (their names, as ``depthwise_strip``; None: any)."""
+    kinds = OUR_FAMILIES[:3] if p.groups == p.c else OUR_FAMILIES[3:]
+    return (isinstance(algorithm, kinds) and (families is None or algorithm.family in families)
+            and bool(algorithm.supports(p)))
 
 
 def full_shapes() -> list[str]:
     return [f"{c}:{hw}:{r}:{s}" for c, hw, r, s in itertools.product(*FULL.values()) if r <= hw]
 
 
-def measure(p: ConvProblem, row: dict | None = None) -> dict:
+def measure(p: ConvProblem, row: dict | None = None, families: tuple[str, ...] | None = None) -> dict:
     """The row of ``p``; given an earlier ``row``, only our kernels are measured again (cuDNN's and
-    PyTorch's times do not depend on this code), and the row says at which revision."""
-    from convtune.algorithms.cudnn import BACKEND
-
+    PyTorch's times do not depend on this code), only those of ``families`` if given (the others' times kept), and
+    the row says at which revision each family was measured (``ours_revisions``)."""
     inputs = p.random_inputs(seed=0)
     ref = reference(p, *inputs)
     again = row is not None
     row = dict(row or {}, problem=p.key, floor_ms=hardware.roofline_ms(p))
-    timed_ours = {a.name: time_algorithm(p, a, inputs, ref) for a in registered() if ours(a, p)}
-    row["ours"] = {n: v[0] for n, v in timed_ours.items()}
-    row["ours_failures"] = {n: v[2] for n, v in timed_ours.items() if v[2] != "ok"}
+    timed_ours = {a.name: time_algorithm(p, a, inputs, ref) for a in registered() if ours(a, p, families)}
+    old, now = row.get("ours") or {}, common.revision()
+    earlier = row.get("ours_revisions") or {common.family_of(n): row.get("ours_revision") for n in old}
+
+    def kept(times: dict) -> dict:  # an earlier row's entries of the families not measured now
+        return {n: v for n, v in times.items() if families is not None and common.family_of(n) not in families}
+
+    row["ours"] = {**kept(old), **{n: v[0] for n, v in timed_ours.items()}}
+    row["ours_failures"] = {**kept(row.get("ours_failures") or {}),
+                            **{n: v[2] for n, v in timed_ours.items() if v[2] != "ok"}}
+    row["ours_revisions"] = {common.family_of(n): now if n in timed_ours else earlier.get(common.family_of(n))
+                             for n in row["ours"]}
     timed = {n: v for n, v in row["ours"].items() if v is not None}
     row["ours_best"] = min(timed, key=timed.get) if timed else None
     row["ours_ms"] = timed.get(row["ours_best"]) if timed else None
-    row["ours_revision"] = common.revision()
+    row["ours_revision"] = now  # the latest of ours_revisions
     if again:
         return row
+    from convtune.algorithms.cudnn import BACKEND
+
     t0 = time.perf_counter()
     plans = {a.name: time_algorithm(p, a, inputs, ref) for a in BACKEND.algorithms(p)}
     row["cudnn_wall_s"] = time.perf_counter() - t0
@@ -156,7 +172,7 @@ def markdown(env: dict, rows: dict) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
     head = (f"# Depthwise and grouped convolutions: convtune's kernels against cuDNN and PyTorch\n\n"
-            f"{common.env_line(env)}; ours: the row's ours_revision in the JSON. Times in ms "
+            f"{common.env_line(env)}; ours: measured at the row's ours_revisions in the JSON (per family). Times in ms "
             f"(convtune.timing.benchmark, every result checked against "
             f"float64 first); a group: channels a group (1: depthwise); ours: the fastest configuration of the "
             f"depthwise families, or of triton:grouped; strip, band: the fastest of triton:depthwise_strip's (by "
@@ -211,6 +227,9 @@ def main() -> None:
     parser.add_argument("--ours-again", action="store_true", help="measure only our kernels again in the rows the "
                         "results file has (cuDNN's and PyTorch's times kept)")
     common.result_arguments(parser, "depthwise")
+    parser.add_argument("--families", type=lambda t: tuple(t.split(",")), default=None,
+                        help="only these of convtune's families (comma-separated: "
+                        + ",".join(f.family for f in OUR_FAMILIES) + "); with --ours-again the others' times are kept")
     parser.add_argument("--torch-only")
     parser.add_argument("--benchmark-mode", type=int, default=0)
     parser.add_argument("--torch-out")
@@ -221,6 +240,10 @@ def main() -> None:
         return
     shapes = args.shape or {"full": full_shapes, "grouped": lambda: list(GROUPED_SHAPES)}.get(
         args.sweep, lambda: list(DEFAULT_SHAPES))()
+    unknown = sorted(set(args.families or ()) - {f.family for f in OUR_FAMILIES})
+    if unknown:
+        parser.error(f"--families {','.join(unknown)}: each must be one of "
+                     f"{','.join(f.family for f in OUR_FAMILIES)}")
     for shape in shapes:
         try:
             parse_shape(shape)
@@ -235,7 +258,7 @@ def main() -> None:
         p = make_problem(shape, direction, batch, dtype, args.layout)
         if p.key in rows and args.missing:
             continue
-        rows[p.key] = measure(p, rows.get(p.key) if args.ours_again else None)
+        rows[p.key] = measure(p, rows.get(p.key) if args.ours_again else None, args.families)
         r = rows[p.key]
         print(f"{p.key}: ours {r['ours_ms']} ({r['ours_best']}) cuDNN {r['cudnn_ms']} floor {r['floor_ms']:.4f}",
               file=sys.stderr, flush=True)

@@ -276,13 +276,6 @@ def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[d
     return launches
 
 
-def family_of(name: str) -> str:
-    """The Triton family of a configuration's name ('triton:depthwise_band_fwd_r32n16c8w4': 'depthwise_band'), as
-    registered or not (a row of an older revision may name one no longer registered)."""
-    match = re.match(r"triton:(\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
-    return match.group(1) if match else ""
-
-
 def markdown(env: dict, rows: dict) -> str:
     lines = []
     for row in sorted(rows.values(), key=lambda r: (r["problem"], r["algorithm"], r["revision"])):
@@ -348,7 +341,7 @@ def main() -> None:
     rows = payload.get("rows", {})
     if args.replace:
         rows = {k: row for k, row in rows.items()
-                if row["revision"] == env["revision"] or family_of(row["algorithm"]) not in args.families}
+                if row["revision"] == env["revision"] or common.family_of(row["algorithm"]) not in args.families}
     for family in args.families:
         keys = args.problems or problem_keys(family, args.dtype, args.layout)
         for key in keys:

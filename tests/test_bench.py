@@ -658,7 +658,7 @@ def test_sass_counts_bounds_the_banded_kernels_time_by_their_loops_turns(sass_co
     # --replace drops a family's rows by their configuration's name, registered or not
     names = ("triton:depthwise_band_fwd_r32n16c8w4", "triton:depthwise_fwd_p64c32w4ut",
              "triton:grouped_bwd_filter_p32c64w4s1024", "cudnn:eng0")
-    assert [sass_counts.family_of(n) for n in names] == ["depthwise_band", "depthwise", "grouped", ""]
+    assert [sass_counts.common.family_of(n) for n in names] == ["depthwise_band", "depthwise", "grouped", ""]
 
 
 def test_sass_counts_reads_the_strip_kernels_loops(sass_counts):
@@ -690,6 +690,32 @@ def test_sass_counts_reads_the_strip_kernels_loops(sass_counts):
     assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=2, nested=True) == ((3,) * 10, 3)
     assert turns("bwd_filter", "t4b32c32w4s8", kernel="_sum_partials", loops=1) is None
     assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=3, nested=True) is None
+
+
+def test_the_depthwise_benchmark_times_one_family_again_and_keeps_the_others(depthwise, monkeypatch):
+    from convtune.problem import ConvProblem
+
+    # Times made up per family (no GPU here): measure's bookkeeping, not the kernels, is under test.
+    made_up = {"depthwise": 3.0, "depthwise_band": 5.0, "depthwise_strip": 2.0}
+    monkeypatch.setattr(depthwise, "time_algorithm", lambda p, a, inputs, ref: (made_up[a.family], 0.0, "ok"))
+    monkeypatch.setattr(depthwise, "reference", lambda p, *inputs: None)
+    monkeypatch.setattr(ConvProblem, "random_inputs", lambda self, seed=0: (None, None))
+    monkeypatch.setattr(depthwise.hardware, "roofline_ms", lambda p: 0.5)
+    p = depthwise.make_problem("96:56:7:1", "fwd", 32, "float16", "channels_last")
+    monkeypatch.setattr(depthwise.common, "revision", lambda: "r1")
+    first = depthwise.measure(p, {"cudnn_ms": 4.0})  # an earlier row: cuDNN's time kept, every family of ours timed
+    assert {depthwise.common.family_of(n) for n in first["ours"]} == set(made_up)
+    assert first["ours_best"].startswith("triton:depthwise_strip_") and first["ours_ms"] == 2.0
+    assert first["ours_revisions"] == {f: "r1" for f in made_up} and first["cudnn_ms"] == 4.0
+    made_up["depthwise_strip"] = 4.0  # the strips measured again, slower now: the tap-by-tap kernels' 3.0 is best
+    monkeypatch.setattr(depthwise.common, "revision", lambda: "r2")
+    again = depthwise.measure(p, first, ("depthwise_strip",))
+    assert again["ours"] == {n: 4.0 if "strip" in n else t for n, t in first["ours"].items()}
+    assert again["ours_best"].startswith("triton:depthwise_fwd_") and again["ours_ms"] == 3.0
+    assert again["ours_revisions"] == {"depthwise": "r1", "depthwise_band": "r1", "depthwise_strip": "r2"}
+    script = subprocess.run([sys.executable, str(BENCH / "depthwise.py"), "--families", "depthwise_strips"],
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == 2 and "--families depthwise_strips: each must be one of depthwise," in script.stderr
 
 
 def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_family_on_them(depthwise):
