@@ -169,7 +169,7 @@ def test_the_family_declares_what_it_supports():
     support = data.supports(p.replace(direction="bwd_data", stride=(1, 3)))
     assert not support and support.reason.startswith(
         "computes the data gradient of column stride 3 (the stride's last entry) only with strips of a multiple of 3 "
-        "outputs, this configuration's have 4; triton:depthwise_bwd_data_*ph (by stride phase), cuDNN")
+        "outputs, this configuration's strips have 4; triton:depthwise_bwd_data_*ph (by stride phase), cuDNN")
     # the data gradient's tiles run over the input channels (the multiplier of 2 summed in the kernel): 1.5 million
     # of them (3 million output channels) need 46875 tiles of 32, but 3 million need more than the axis holds
     fits = p.replace(direction="bwd_data", c=1_500_000, k=3_000_000, groups=1_500_000, n=1, input_size=(2, 2),

@@ -15,8 +15,8 @@ Where they run and what every Triton family refuses: ``triton_family``.
     True
     >>> print(strip.supports(p.replace(stride=(1, 8))).reason)  # doctest: +NORMALIZE_WHITESPACE
     computes the data gradient of column stride 8 (the stride's last entry) only with strips of a multiple of 8
-    outputs, this configuration's have 4; triton:depthwise_strip_bwd_data_t8*, triton:depthwise_bwd_data_*ph (by
-    stride phase), cuDNN or torch:native take it
+    outputs, this configuration's strips have 4; triton:depthwise_strip_bwd_data_t8*, triton:depthwise_bwd_data_*ph
+    (by stride phase), cuDNN or torch:native take it
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         strip = self.tile_args[0]
         if problem.direction == "bwd_data" and strip % stride:
             fitting = sorted({f"triton:depthwise_strip_bwd_data_t{t[0]}*" for t in TILES if t[0] % stride == 0})
-            return unsupported(f"computes the data gradient of column stride {stride} (the stride's last entry) only "
-                               f"with strips of a multiple of {stride} outputs, this configuration's have {strip}; "
-                               f"{', '.join(fitting + ['triton:depthwise_bwd_data_*ph (by stride phase)'])}, cuDNN "
-                               f"or torch:native take it")
+            others = ", ".join([*fitting, "triton:depthwise_bwd_data_*ph (by stride phase)"])
+            return unsupported(f"computes the data gradient of column stride {stride} (the stride's last entry) "
+                               f"only with strips of a multiple of {stride} outputs, this configuration's strips "
+                               f"have {strip}; {others}, cuDNN or torch:native take it")
         if problem.direction == "bwd_filter" and taps > module.MAX_FILTER_TAPS:
             return unsupported(f"keeps a weight-gradient sum for each of up to {module.MAX_FILTER_TAPS} taps of a "
                                f"kernel row, got {taps}; triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")
