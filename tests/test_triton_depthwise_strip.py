@@ -76,8 +76,8 @@ def test_matches_reference(shape, direction, dtype, layout):
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_partial_tiles_and_many_runs(direction):
     # 37 output columns (a partial strip of 2, 4 and 8 at a row's end), more strips than a program's (2·9·10 = 180 >
-    # 64), 21 channels (a partial tile of 16 and of 5 after whole ones), 18 output rows in runs of 8 and 16 (the last
-    # partial) and one partial run of 32: every configuration.
+    # 64), 21 channels (a partial tile of 16 and of 5 after whole ones), 18 output rows in runs of 2, of 4, 8 and 16
+    # (the last partial) and one partial run of 32: every configuration.
     p = ConvProblem(direction, n=2, c=21, k=21, input_size=(9, 37), kernel_size=5, padding=2, groups=21,
                     dtype="bfloat16", layout="channels_last", device=DEVICE)
     assert all(get_algorithm(n).supports(p) for n in of_direction(direction))

@@ -39,9 +39,14 @@ from .triton_family import GRID_AXIS_LIMIT, INDEX_LIMIT, TritonAlgorithm, depthw
 # the same instructions: longer strips load fewer columns an output. t8b32c32w4 (8 channels a thread, as t4b32c32w4;
 # 253 registers, no spills at 7x7) is not timed yet. Each is a candidate: find's verified measurement picks.
 TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4), (8, 32, 32, 4))
-# The weight gradient's: runs of 8 or 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
+# The weight gradient's: runs of 2 to 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
+# A program reads its run's dy rows again for every kernel row: on the H100 the 7x7 layer above took 142 µs with runs
+# of 8 rows and 149 with 32, about 2.5x its issue-bound time (56 µs) where the forward took 1.65x; a run of 8 rows
+# of 32 channels there reads 28 KB of dy and 50 KB of x, so the 5 programs an SM holds do not keep them in its 256 KB
+# cache. Runs of 2 rows (36 KB a program) would, and of 4 (50 KB) nearly, at the price of more partial sums; not
+# timed yet.
 BACKWARD_FILTER_TILES = ((4, 32, 32, 4, 8), (4, 32, 32, 4, 32), (8, 16, 32, 4, 8), (8, 16, 32, 4, 32),
-                         (4, 16, 64, 4, 16))
+                         (4, 16, 64, 4, 16), (8, 16, 32, 4, 2), (8, 16, 32, 4, 4))
 MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (kernels.strips.MAX_STRIP, the same)
 MAX_COLUMNS = 128  # the input columns a strip reads per kernel row, each a load unrolled at compile time
 
