@@ -79,6 +79,26 @@ def test_strided_data_gradient_over_many_tiles_and_phases(stride, dilation):
     check_supporting(FAMILY, p)
 
 
+@kernels
+@pytest.mark.parametrize("parts, size", [(1, 5), (16, 128), (37, 300), (0, 7)])
+def test_the_weight_gradients_partial_sums_add_up_the_same_every_time(parts, size):
+    # shared.sum_partials, which every family's weight gradient ends with: 16 rows a turn (37: two whole turns and a
+    # partial one), elements beyond whole blocks of 128 (300), no rows at all (zeros), rounded once into float16.
+    import torch
+
+    from convtune.kernels.shared import sum_partials
+
+    partials = torch.randn(parts, size, generator=torch.Generator().manual_seed(parts), dtype=torch.float32).to(DEVICE)
+    outs = [torch.full((size,), float("nan"), dtype=dtype, device=DEVICE) for dtype in (torch.float32, torch.float32,
+                                                                                        torch.float16)]
+    for out in outs:
+        sum_partials(partials, out)
+    expected = partials.double().sum(0)
+    assert torch.equal(outs[0], outs[1])  # deterministic: the same order every run
+    assert torch.allclose(outs[0].double(), expected, rtol=1e-6, atol=1e-5)
+    assert torch.allclose(outs[2].double(), expected, rtol=1e-3, atol=1e-3)  # one rounding into float16
+
+
 @needs_triton
 def test_the_family_declares_what_it_supports():
     p = ConvProblem("fwd", n=2, c=8, k=16, input_size=(9, 9), kernel_size=5, padding=2, groups=8, device="cuda")
