@@ -7,7 +7,6 @@ import json
 import math
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 import convtune
-from convtune import hardware
+from convtune import hardware, results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -126,8 +125,8 @@ def network_arguments(parser, device_help: str | None = None) -> None:
 def family_of(name: str) -> str:
     """The Triton family of a configuration's name ('triton:depthwise_band_fwd_r32n16c8w4': 'depthwise_band'), as
     registered or not (a row of an older revision may name one no longer registered); '' for another algorithm."""
-    match = re.match(r"triton:(\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
-    return match.group(1) if match else ""
+    family = results.family_of(name)
+    return family.removeprefix("triton:") if family.startswith("triton:") else ""
 
 
 def md_table(header: list[str], rows: list[list]) -> str:

@@ -376,7 +376,7 @@ def test_samples_take_their_places_from_the_recorded_orders(tmp_path):
         assert {s.order for s in learned.samples_from(db, "cpu")} == {None}
 
 
-def test_a_simulated_find_tries_each_backend_first_then_stops_as_find_does():
+def test_a_simulated_find_tries_each_family_first_then_stops_as_find_does():
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
     measured = {"cudnn:a": 1.0, "gemm:x": 3.0, "cudnn:b": 1.2, "cudnn:c": 1.1, "cudnn:d": 1.3, "cudnn:e": 0.5,
                 "fft:y": 40.0}
@@ -392,7 +392,8 @@ def test_a_simulated_find_tries_each_backend_first_then_stops_as_find_does():
 
 
 def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeypatch):
-    # find itself, on fake candidates of three backends in a given order, against the simulation of it
+    # find itself, on fake candidates of three backends in a given order (one of them with two families, as
+    # convtune's Triton kernels: each family tried once early), against the simulation of it
     import importlib
 
     from convtune.results import PerfResult, Status
@@ -402,7 +403,7 @@ def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeyp
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3, padding=1)
     draw = random.Random(1)
     for _ in range(40):
-        names = [f"{draw.choice(['aa', 'bb', 'cc'])}:v{i}" for i in range(draw.randint(3, 12))]
+        names = [f"{draw.choice(['aa:', 'bb:', 'cc:one_fwd_', 'cc:two_fwd_'])}v{i}" for i in range(draw.randint(3, 12))]
         measured = {name: round(draw.uniform(0.5, 3), 2) for name in names}
         predicted = {name: measured[name] * draw.choice([0.3, 0.8, 1, 1.2, 5, 30]) for name in names}
         patience, prune = draw.choice([0, 1, 2, 3]), draw.choice([0.0, 2.0, 10.0])

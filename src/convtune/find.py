@@ -36,7 +36,7 @@ from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import order
-from .results import PerfResult, Status
+from .results import PerfResult, Status, family_of
 from .settings import settings
 from .timing import Timer, benchmark
 from .units import format_bytes, format_ms
@@ -457,20 +457,24 @@ def _log_result(index: int, total: int, result: PerfResult, best_ms: float) -> N
 
 
 def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
-    """``get``'s ranking with the best-ranked candidate of every backend first, and how many those are.
+    """``get``'s ranking with the best-ranked candidate of every family (``results.family_of``: a backend, or one
+    of convtune's Triton kernel families) first, and how many those are.
 
     The cost model ranks families against each other less surely than candidates within one
-    family, so each family gets one early try; the rest follow in ``get``'s order.
+    family (and a family its measurements have not met yet no better than their typical candidate), so each
+    family gets one early try; the rest follow in ``get``'s order.
 
         >>> class A:
-        ...     def __init__(self, name): self.name, self.backend = name, name.split(":")[0]
-        >>> order, head = search_order([A("cudnn:1"), A("cudnn:2"), A("gemm:1x1"), A("cudnn:3")])
-        >>> [a.name for a in order], head
-        (['cudnn:1', 'gemm:1x1', 'cudnn:2', 'cudnn:3'], 2)
+        ...     def __init__(self, name): self.name = name
+        >>> order, head = search_order([A("cudnn:1"), A("triton:depthwise_fwd_p64"), A("cudnn:2"), A("gemm:1x1"),
+        ...                             A("triton:depthwise_fwd_p32"), A("triton:depthwise_strip_fwd_t8")])
+        >>> [a.name for a in order], head  # doctest: +NORMALIZE_WHITESPACE
+        (['cudnn:1', 'triton:depthwise_fwd_p64', 'gemm:1x1', 'triton:depthwise_strip_fwd_t8', 'cudnn:2',
+          'triton:depthwise_fwd_p32'], 4)
     """
     firsts: dict[str, Algorithm] = {}
     for algorithm in ranked:
-        firsts.setdefault(algorithm.backend, algorithm)
+        firsts.setdefault(family_of(algorithm.name), algorithm)
     head = list(firsts.values())
     return head + [a for a in ranked if a not in head], len(head)
 
@@ -497,7 +501,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     supporting the problem; given ones that do not support it come back ``unsupported``).
     seed: of the random verification inputs (default ``settings.verify_seed``).
 
-    Candidates run in ``search_order``: the best-ranked of each backend first, then ``get``'s
+    Candidates run in ``search_order``: the best-ranked of each family first, then ``get``'s
     order; once ``settings.find_patience`` candidates after those were no faster than the best
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
@@ -599,7 +603,7 @@ def _search(search: _Search, ranked: list[Algorithm], head_size: int, predicted_
         if algorithm.place is not None:  # kept with the result: get's learned model reads it
             result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)
-        if result.ok and index > head_size:  # the first try of each backend does not count
+        if result.ok and index > head_size:  # the first try of each family does not count
             gained = cast(float, result.time_ms) < best_before * (1 - policy.tolerance)  # ok: timed
             without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)

@@ -53,7 +53,7 @@ import torch
 
 from .files import write_whole
 from .problem import DIRECTIONS, ConvProblem
-from .results import backend_of
+from .results import backend_of, family_of
 from .settings import settings
 
 log = logging.getLogger(__name__)
@@ -404,8 +404,6 @@ def sample_of(problem: ConvProblem, result: Any, order: int | None) -> Sample:
 
 def positions(names: Sequence[str]) -> dict[str, int]:
     """Each name's place among the names of its own backend ('cudnn:eng3' second of 'cudnn:...' names: 1)."""
-    from .results import backend_of
-
     seen: dict[str, int] = {}
     out = {}
     for name in names:
@@ -582,7 +580,7 @@ def ranked(model: LearnedModel, rows: Sequence[Sample]) -> list[tuple[Sample, fl
 def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, tolerance: float,
                    prune_factor: float) -> tuple[float, int, float]:
     """(best time found, candidates run, their summed times) of ``find``'s search over ``order`` (``ranked``'s
-    answer), from the candidates' measured times: each backend's best-ranked candidate first, then the rest in
+    answer), from the candidates' measured times: each family's best-ranked candidate first, then the rest in
     order; a candidate predicted over ``prune_factor`` times the best measured is skipped, and once ``patience``
     candidates in a row after the first tries gained nothing beyond ``tolerance``, the rest are (0: never). Two
     of find's rules are left out: a skipped candidate still runs where it may need less workspace than every
@@ -590,7 +588,7 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     to the smaller workspace, then to torch:native) does not reorder ``order``."""
     firsts: dict[str, tuple[Sample, float]] = {}
     for entry in order:
-        firsts.setdefault(backend_of(entry[0].name), entry)
+        firsts.setdefault(family_of(entry[0].name), entry)
     head = list(firsts.values())
     best, run, spent, without_gain = math.inf, 0, 0.0, 0
     for index, (sample, predicted) in enumerate(head + [e for e in order if e not in head], 1):

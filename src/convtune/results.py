@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 MICRO_BATCH_BACKEND = "mb"  # the backend of micro-batched algorithms: 'mb:<inner backend>.<variant>_s<split>'
@@ -18,6 +19,18 @@ def backend_of(name: str) -> str:
         ('cudnn', 'mb')
     """
     return name.split(":", 1)[0]
+
+
+def family_of(name: str) -> str:
+    """The family an algorithm's name says it belongs to, which ``find`` tries once early whatever ``get`` thinks
+    of it: its backend, or, where the name is 'backend:<family>_<direction>_<configuration>' (convtune's Triton
+    kernels, one algorithm per direction and configuration), 'backend:<family>'.
+
+        >>> family_of("cudnn:eng58_k25=0"), family_of("triton:depthwise_strip_bwd_data_t8b16c32w4")
+        ('cudnn', 'triton:depthwise_strip')
+    """
+    kernels = re.match(r"([^:]+:\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
+    return kernels.group(1) if kernels else backend_of(name)
 
 
 class Status(str, enum.Enum):
