@@ -376,7 +376,7 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"B's first plan moved to the head of cuDNN's order (what `get` would rank, were it to ask heuristics "
                 f"B as well).\n\n{rules}\n"
                 f"## find in the learned order, on the held-out networks\n\nfind's search simulated on each held-out "
-                f"problem's measurements (`learned.simulated_find`: each backend's first-ranked candidate, then the "
+                f"problem's measurements (`learned.simulated_find`: each family's first-ranked candidate, then the "
                 f"learned order; a candidate predicted over `prune factor` times the best measured is skipped; after "
                 f"`patience` candidates in a row without a gain beyond the default tolerance "
                 f"({Policy().tolerance:g}) the rest are): the best found over the best measured (geometric mean, "
