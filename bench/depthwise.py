@@ -96,11 +96,12 @@ def full_shapes() -> list[str]:
 
 def measure(p: ConvProblem, row: dict | None = None, families: tuple[str, ...] | None = None) -> dict:
     """The row of ``p``; given an earlier ``row``, only our kernels are measured again (cuDNN's and
-    PyTorch's times do not depend on this code), only those of ``families`` if given (the others' times kept), and
-    the row says at which revision each family was measured (``ours_revisions``)."""
+    PyTorch's times do not depend on this code), only those of ``families`` if given (the others' times kept; a new
+    row has every family's), and the row says at which revision each family was measured (``ours_revisions``)."""
+    again = row is not None
+    families = families if again else None  # a new row has every family's times (ours: the fastest of them all)
     inputs = p.random_inputs(seed=0)
     ref = reference(p, *inputs)
-    again = row is not None
     row = dict(row or {}, problem=p.key, floor_ms=hardware.roofline_ms(p))
     timed_ours = {a.name: time_algorithm(p, a, inputs, ref) for a in registered() if ours(a, p, families)}
     old, now = row.get("ours") or {}, common.revision()
@@ -117,7 +118,7 @@ def measure(p: ConvProblem, row: dict | None = None, families: tuple[str, ...] |
     timed = {n: v for n, v in row["ours"].items() if v is not None}
     row["ours_best"] = min(timed, key=timed.get) if timed else None
     row["ours_ms"] = timed.get(row["ours_best"]) if timed else None
-    row["ours_revision"] = now  # the latest of ours_revisions
+    row["ours_revision"] = now if timed_ours else row.get("ours_revision")  # the latest of ours_revisions
     if again:
         return row
     from convtune.algorithms.cudnn import BACKEND
@@ -228,8 +229,8 @@ def main() -> None:
                         "results file has (cuDNN's and PyTorch's times kept)")
     common.result_arguments(parser, "depthwise")
     parser.add_argument("--families", type=lambda t: tuple(t.split(",")), default=None,
-                        help="only these of convtune's families (comma-separated: "
-                        + ",".join(f.family for f in OUR_FAMILIES) + "); with --ours-again the others' times are kept")
+                        help="with --ours-again, only these of convtune's families (comma-separated: "
+                        + ",".join(f.family for f in OUR_FAMILIES) + "), the others' times kept")
     parser.add_argument("--torch-only")
     parser.add_argument("--benchmark-mode", type=int, default=0)
     parser.add_argument("--torch-out")
@@ -241,6 +242,9 @@ def main() -> None:
     shapes = args.shape or {"full": full_shapes, "grouped": lambda: list(GROUPED_SHAPES)}.get(
         args.sweep, lambda: list(DEFAULT_SHAPES))()
     unknown = sorted(set(args.families or ()) - {f.family for f in OUR_FAMILIES})
+    if args.families and not args.ours_again:
+        parser.error("--families needs --ours-again: a row measured anew has every family's times (a row the "
+                     "results file lacks is, with --ours-again too)")
     if unknown:
         parser.error(f"--families {','.join(unknown)}: each must be one of "
                      f"{','.join(f.family for f in OUR_FAMILIES)}")

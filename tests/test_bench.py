@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -713,9 +714,21 @@ def test_the_depthwise_benchmark_times_one_family_again_and_keeps_the_others(dep
     assert again["ours"] == {n: 4.0 if "strip" in n else t for n, t in first["ours"].items()}
     assert again["ours_best"].startswith("triton:depthwise_fwd_") and again["ours_ms"] == 3.0
     assert again["ours_revisions"] == {"depthwise": "r1", "depthwise_band": "r1", "depthwise_strip": "r2"}
-    script = subprocess.run([sys.executable, str(BENCH / "depthwise.py"), "--families", "depthwise_strips"],
-                            capture_output=True, text=True, timeout=120)
-    assert script.returncode == 2 and "--families depthwise_strips: each must be one of depthwise," in script.stderr
+    nothing = depthwise.measure(p, again, ("grouped",))  # no grouped kernel computes a depthwise layer: all kept
+    assert nothing["ours"] == again["ours"] and nothing["ours_revision"] == "r2"
+    no_cudnn = types.SimpleNamespace(BACKEND=types.SimpleNamespace(algorithms=lambda p: []))  # none here
+    monkeypatch.setitem(sys.modules, "convtune.algorithms.cudnn", no_cudnn)
+    assert depthwise.measure(p, None, ("depthwise_band",))["ours"].keys() == first["ours"].keys()  # a new row: all
+    legacy = {k: v for k, v in first.items() if k != "ours_revisions"} | {"ours_revision": "r0"}
+    monkeypatch.setattr(depthwise.common, "revision", lambda: "r3")
+    assert depthwise.measure(p, legacy, ("depthwise",))["ours_revisions"] == {
+        "depthwise": "r3", "depthwise_band": "r0", "depthwise_strip": "r0"}
+    for arguments, words in ((["--ours-again", "--families", "depthwise_strips"],
+                              "--families depthwise_strips: each must be one of depthwise,"),
+                             (["--families", "depthwise_strip"], "--families needs --ours-again")):
+        script = subprocess.run([sys.executable, str(BENCH / "depthwise.py"), *arguments], capture_output=True,
+                                text=True, timeout=120)
+        assert script.returncode == 2 and words in script.stderr, script.stderr
 
 
 def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_family_on_them(depthwise):

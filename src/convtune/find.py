@@ -462,7 +462,8 @@ def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
 
     The cost model ranks families against each other less surely than candidates within one
     family (and a family its measurements have not met yet no better than their typical candidate), so each
-    family gets one early try; the rest follow in ``get``'s order.
+    family gets one early try (skipped like any candidate where ``get`` predicts it over the prune factor times
+    the best measured); the rest follow in ``get``'s order.
 
         >>> class A:
         ...     def __init__(self, name): self.name = name

@@ -22,12 +22,14 @@ def backend_of(name: str) -> str:
 
 
 def family_of(name: str) -> str:
-    """The family an algorithm's name says it belongs to, which ``find`` tries once early whatever ``get`` thinks
-    of it: its backend, or, where the name is 'backend:<family>_<direction>_<configuration>' (convtune's Triton
-    kernels, one algorithm per direction and configuration), 'backend:<family>'.
+    """The family an algorithm's name says it belongs to, whose best-ranked candidate ``find`` tries early
+    (``find.search_order``): its backend, or, where the name is 'backend:<family>_<direction>_<configuration>'
+    (convtune's Triton kernels, one algorithm per direction and configuration), 'backend:<family>'.
 
         >>> family_of("cudnn:eng58_k25=0"), family_of("triton:depthwise_strip_bwd_data_t8b16c32w4")
         ('cudnn', 'triton:depthwise_strip')
+        >>> family_of("mb:triton.depthwise_fwd_p64c32w4_s2"), family_of("gemm:1x1_strided")
+        ('mb', 'gemm')
     """
     kernels = re.match(r"([^:]+:\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
     return kernels.group(1) if kernels else backend_of(name)

@@ -91,8 +91,9 @@ def _sum_partials(partials, out, parts, size, BLOCK_PARTS: tl.constexpr, BLOCK: 
 
 def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` (dense) = the sum over the first axis of ``partials`` (float32, (parts, out.numel()), each row
-    laid out as ``out``'s memory), in a fixed order (every 16th row in order into one of 16 sums, those added as a
-    tree) and rounded once: deterministic."""
+    laid out as ``out``'s memory), in an order fixed for a given problem (every 16th row in order into one of 16
+    sums, those added in an order the compiled layout fixes; no atomics) and rounded once: deterministic, though
+    the bits may differ with Triton's version or the GPU."""
     size = out.numel()
     block = 128
     launch(_sum_partials, (triton.cdiv(size, block),), partials, out, partials.shape[0], size, BLOCK_PARTS=16,
