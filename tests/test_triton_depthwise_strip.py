@@ -66,7 +66,10 @@ def test_matches_reference(shape, direction, dtype, layout):
     p = depthwise_problem(shape, direction, dtype, layout)
     names = [n for n in of_direction(direction) if get_algorithm(n).supports(p)]
     assert names == computing(p), names
-    if interpreting() and names:  # one configuration a case, a different one from case to case (a CPU, one thread)
+    # One configuration a case, a different one from case to case, in the interpreter (a CPU, one thread) and, on a
+    # GPU, for every dtype and layout but float16 channels_last, which runs them all: the tile sizes are compile-time
+    # constants of one code, and compiling each for every case took most of a GPU run's time.
+    if names and (interpreting() or (dtype, layout) != ("float16", "channels_last")):
         names = [names[zlib.crc32(p.key.encode()) % len(names)]]
     for name in names:
         run_checked(name, p)
