@@ -457,7 +457,7 @@ def cmd_train_get(args, out: Console) -> int:
     model = learned.train(samples, here)
     path = model.save(args.out or learned.default_path(device))
     summary["model"] = str(path)
-    counts = {d: sum(r.problem.direction == d for r in model.rows) for d in DIRECTIONS}
+    counts = {d: model.measured(d) for d in DIRECTIONS}
     summary["answers for"] = ", ".join(d for d, n in counts.items() if n >= learned.MIN_MEASURED) or "no direction yet"
     short = {d: n for d, n in counts.items() if n < learned.MIN_MEASURED}
     if short:

@@ -286,7 +286,7 @@ def basis(db: Any, problem: ConvProblem) -> str:
     model = corrections(db, problem.device).model or learned.active(problem.device)
     distance = None if model is None else model.nearest_distance(problem)
     if distance is None:
-        measured = 0 if model is None else sum(r.problem.direction == problem.direction for r in model.rows)
+        measured = 0 if model is None else model.measured(problem.direction)
         return (f"the analytic model and cuDNN's order ({measured} of this direction's problems measured here; "
                 f"{learned.MIN_MEASURED} are needed to price from measurements)")
     return (f"how each candidate ran on the {learned.NEIGHBOURS} measured problems of this direction nearest to it "

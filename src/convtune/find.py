@@ -36,7 +36,7 @@ from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import order
-from .results import PerfResult, Status, family_of
+from .results import PerfResult, Status, families_first
 from .settings import settings
 from .timing import Timer, benchmark
 from .units import format_bytes, format_ms
@@ -473,11 +473,7 @@ def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
         (['cudnn:1', 'triton:depthwise_fwd_p64', 'gemm:1x1', 'triton:depthwise_strip_fwd_t8', 'cudnn:2',
           'triton:depthwise_fwd_p32'], 4)
     """
-    firsts: dict[str, Algorithm] = {}
-    for algorithm in ranked:
-        firsts.setdefault(family_of(algorithm.name), algorithm)
-    head = list(firsts.values())
-    return head + [a for a in ranked if a not in head], len(head)
+    return families_first(ranked, lambda algorithm: algorithm.name)
 
 
 def _refuse_what_cannot_fit(problem: ConvProblem) -> None:

@@ -53,7 +53,7 @@ import torch
 
 from .files import write_whole
 from .problem import DIRECTIONS, ConvProblem
-from .results import backend_of, family_of
+from .results import backend_of, families_first
 from .settings import settings
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class LearnedModel:
             return known
         candidates = self._by_direction.get(problem.direction)
         found = None
-        if candidates is not None and len(candidates) >= MIN_MEASURED:
+        if candidates is not None and len(candidates) >= MIN_MEASURED:  # fewer measured: no answer for it
             from .hardware import roofline_ms
 
             asked = torch.tensor(problem_features(problem), dtype=torch.float64) / self._scale
@@ -234,6 +234,10 @@ class LearnedModel:
             self._memo = {}  # a new dict, not cleared: another thread may be reading the old one
         self._memo[key] = found
         return found
+
+    def measured(self, direction: str) -> int:
+        """How many problems of ``direction`` the model was made of (it answers for it from ``MIN_MEASURED``)."""
+        return len(self._by_direction.get(direction, ()))
 
     def nearest_distance(self, problem: ConvProblem) -> float | None:
         """How far ``problem`` lies from the nearest measured problem of its direction (features scaled to unit
@@ -433,7 +437,8 @@ def forget() -> None:
     _checked_at.clear()
 
 
-def _current(device: str) -> tuple[LearnedModel | None, int]:
+def installed(device: str) -> tuple[LearnedModel | None, int]:
+    """``active``'s model and ``version``'s number, read together (the file may change between two reads)."""
     now = time.monotonic()
     known = _loaded.get(device)
     path = default_path(device)
@@ -473,15 +478,10 @@ def _current(device: str) -> tuple[LearnedModel | None, int]:
     return model, version
 
 
-def installed(device: str) -> tuple[LearnedModel | None, int]:
-    """``active``'s model and ``version``'s number, read together (the file may change between two reads)."""
-    return _current(device)
-
-
 def active(device: str) -> LearnedModel | None:
     """The model ``get`` uses on ``device``: the file at ``default_path`` if it is a model of this machine
     (looked at again at most once a second)."""
-    return _current(device)[0]
+    return installed(device)[0]
 
 
 def correction(problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None,
@@ -503,7 +503,7 @@ def correction(problem: ConvProblem, name: str, analytic_ms: float, order: int |
 
 def version(device: str) -> int:
     """A number that changes when the model ``get`` uses on ``device`` changes (caches key on it; 0: none)."""
-    return _current(device)[1]
+    return installed(device)[1]
 
 
 def _warn(message: str) -> None:
@@ -586,12 +586,9 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     of find's rules are left out: a skipped candidate still runs where it may need less workspace than every
     one measured (samples carry no workspace), and ``get``'s tie rule (times within the policy's tolerance go
     to the smaller workspace, then to torch:native) does not reorder ``order``."""
-    firsts: dict[str, tuple[Sample, float]] = {}
-    for entry in order:
-        firsts.setdefault(family_of(entry[0].name), entry)
-    head = list(firsts.values())
+    searched, head = families_first(order, lambda entry: entry[0].name)
     best, run, spent, without_gain = math.inf, 0, 0.0, 0
-    for index, (sample, predicted) in enumerate(head + [e for e in order if e not in head], 1):
+    for index, (sample, predicted) in enumerate(searched, 1):
         if patience and without_gain >= patience:
             break
         if prune_factor and math.isfinite(best) and predicted > prune_factor * best:
@@ -600,7 +597,7 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
         spent += sample.measured_ms
         before = best
         best = min(best, sample.measured_ms)
-        if index > len(head):
+        if index > head:
             gained = sample.measured_ms < before * (1 - tolerance)
             without_gain = 0 if gained or not math.isfinite(before) else without_gain + 1
     return best, run, spent

@@ -6,8 +6,10 @@ import dataclasses
 import enum
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
+T = TypeVar("T")
 MICRO_BATCH_BACKEND = "mb"  # the backend of micro-batched algorithms: 'mb:<inner backend>.<variant>_s<split>'
 
 
@@ -33,6 +35,20 @@ def family_of(name: str) -> str:
     """
     kernels = re.match(r"([^:]+:\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
     return kernels.group(1) if kernels else backend_of(name)
+
+
+def families_first(items: Sequence[T], name: Callable[[T], str]) -> tuple[list[T], int]:
+    """``items`` (ranked best first) with the first of every ``family_of`` family ahead of the rest, and how many
+    those are: the order ``find`` searches in (``find.search_order``), and its simulation (``learned``).
+
+        >>> families_first(["cudnn:a", "triton:depthwise_fwd_p64", "cudnn:b", "gemm:1x1"], str)
+        (['cudnn:a', 'triton:depthwise_fwd_p64', 'gemm:1x1', 'cudnn:b'], 3)
+    """
+    firsts: dict[str, T] = {}
+    for item in items:
+        firsts.setdefault(family_of(name(item)), item)
+    head = list(firsts.values())
+    return head + [item for item in items if item not in head], len(head)
 
 
 class Status(str, enum.Enum):
