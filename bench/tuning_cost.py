@@ -11,7 +11,8 @@ so they do not say what concurrent building would gain.
 Part 2, the whole network (``--whole``): every distinct problem of the network's training step
 (forward; bwd_data except the first layer's; bwd_filter) selected in 'hybrid' mode on an empty
 database, as ``optimize(training=True)`` does, under cProfile: the wall time and the cumulative
-seconds of each phase (cuDNN graphs, plan builds, references, verification, timing, the database).
+seconds of each phase (cuDNN graphs, plan builds, Triton's compiles, references, verification, timing, the
+database).
 
 Then the same problems warm, in a fresh process on the database the cold run filled: each one
 selected from it and its algorithm's workspace learned (a cuDNN execution plan built), as a warm ``optimize``
@@ -123,6 +124,7 @@ PHASES = (
     ("cuDNN graphs (heuristics query)", "algorithms/cudnn.py", "__init__"),
     ("cuDNN execution plan builds", "algorithms/cudnn.py", "build"),
     ("cost-model ranking (get)", "convtune/get.py", "ranked_predictions"),
+    ("Triton kernels compiled", "triton/compiler/compiler.py", "compile"),
     ("float64 references", "convtune/verify.py", "reference_case"),
     ("verification runs", "convtune/verify.py", "check"),
     ("timing (timer)", "convtune/timing.py", "benchmark"),
