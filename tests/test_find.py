@@ -1,5 +1,6 @@
 """find: every status from fakes, policy filters, ranking, early stop, budgets, storage; check()."""
 
+import importlib
 import logging
 import math
 import time
@@ -676,3 +677,72 @@ def test_a_problem_whose_operands_exceed_the_devices_memory_is_refused_before_an
     assert fake.runs == 0
     small = huge.replace(n=1, c=4, k=4, input_size=(8, 8))
     assert find(small, candidates=[fake])[0].ok  # and a problem that fits runs as before
+
+
+class Preparing(Fake):
+    """A fake with one-time work to do ahead (``Algorithm.prepare``), logged with its runs in ``log``."""
+
+    def __init__(self, name: str, log: list, fails: bool = False, **kw):
+        super().__init__(name, **kw)
+        self.log, self.fails = log, fails
+
+    def prepare(self, problem):
+        self.log.append(("prepare", self.name))
+        if self.fails:
+            raise RuntimeError("a compiler fault")
+
+    def _run(self, problem, a, b, out, ws):
+        self.log.append(("run", self.name))
+        return super()._run(problem, a, b, out, ws)
+
+
+def test_find_prepares_the_next_candidates_ahead_of_their_runs_and_not_those_it_will_skip(monkeypatch):
+    pytest.importorskip("triton")
+    find_module = importlib.import_module("convtune.find")
+    monkeypatch.setattr(find_module._Ahead, "_wanted", lambda self: True)  # on CUDA only; the CPU stands in
+    log: list = []
+    fakes = [Preparing(f"fake:p{i}", log, time_ms=1.0 + 0.1 * i) for i in range(8)]
+    with settings.override(find_patience=3, find_compile_threads=2):
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+    ran = [name for name, r in results.items() if r.status is Status.OK]
+    prepared = [name for kind, name in log if kind == "prepare"]
+    assert len(ran) == 4 and len(prepared) == len(set(prepared))  # each at most once
+    for name in ran:  # each before its first run
+        assert log.index(("prepare", name)) < log.index(("run", name))
+    # two ahead of the one running: p0-p2 before p0 runs; none the converged search skips
+    assert [kind for kind, _ in log[:4]] == ["prepare", "prepare", "prepare", "run"]
+    assert set(prepared) == {f"fake:p{i}" for i in range(6)}
+    with settings.override(find_patience=3, find_compile_threads=0):
+        log.clear()
+        find(P, timer=FakeTimer(), candidates=fakes)
+    assert all(kind == "run" for kind, _ in log)
+    import concurrent.futures
+
+    import triton
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, triton.AsyncCompileMode(pool):
+        pass  # find left no mode of its own behind
+
+
+def test_a_failing_prepare_or_a_callers_compile_mode_changes_no_result(monkeypatch):
+    pytest.importorskip("triton")
+    import concurrent.futures
+
+    import triton
+
+    find_module = importlib.import_module("convtune.find")
+    log: list = []
+    plain = [Fake(f"fake:r{i}", time_ms=1.0 + i) for i in range(3)]
+    expected = [(r.algorithm, r.status) for r in find(P, timer=FakeTimer(), candidates=plain)]
+    failing = [Preparing(f"fake:r{i}", log, fails=True, time_ms=1.0 + i) for i in range(3)]
+    monkeypatch.setattr(find_module._Ahead, "_wanted", lambda self: True)
+    assert [(r.algorithm, r.status) for r in find(P, timer=FakeTimer(), candidates=failing)] == expected
+    assert ("prepare", "fake:r2") in log
+    log.clear()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, triton.AsyncCompileMode(pool):
+        assert [(r.algorithm, r.status) for r in find(P, timer=FakeTimer(), candidates=failing)] == expected
+    assert log and all(kind == "run" for kind, _ in log)  # the caller's mode is theirs: no head start
+    monkeypatch.undo()
+    log.clear()
+    find(P, timer=FakeTimer(), candidates=failing)  # a CPU problem: Triton compiles nothing for it
+    assert all(kind == "run" for kind, _ in log)

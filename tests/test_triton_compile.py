@@ -35,6 +35,16 @@ PROBLEMS = [  # 2-D strided, dilated, 1-D, a channel multiplier; grouped: 4 chan
 caught = []
 
 
+def run_on_the_cpu(algorithm, p):
+    # algorithm's launches on CPU operands of the CUDA problem p (caught, not run, by JITFunction.run)
+    cpu = p.replace(device="cpu")
+    a, b = cpu.random_inputs()
+    out = cpu.empty(cpu.operand_shapes[2])
+    ws = {buffer.name: torch.empty(buffer.shape, dtype=buffer.dtype) for buffer in algorithm.buffers(p)}
+    caught.clear()
+    algorithm._run(p, a, b, out, ws)
+
+
 def catch(self, *args, grid, warmup, **kwargs):
     caught.append((self, args, kwargs))
 
@@ -50,12 +60,7 @@ for algorithm in ct.registered():
             p = ct.ConvProblem(algorithm.directions[0], dtype=dtype, layout="channels_last", device="cuda", **spec)
             if not algorithm.supports(p):
                 continue
-            cpu = p.replace(device="cpu")
-            a, b = cpu.random_inputs()
-            out = cpu.empty(cpu.operand_shapes[2])
-            ws = {buffer.name: torch.empty(buffer.shape, dtype=buffer.dtype) for buffer in algorithm.buffers(p)}
-            caught.clear()
-            algorithm._run(p, a, b, out, ws)
+            run_on_the_cpu(algorithm, p)
             assert caught, f"{algorithm.name} launched no kernel"
             launched.add(algorithm.name)
             for kernel, args, kwargs in caught:
@@ -100,3 +105,53 @@ def test_every_triton_configuration_compiles_for_the_gpu():
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     compiled = int(done.stdout.split("compiled ")[1].split()[0])
     assert compiled >= 20, done.stdout
+
+
+PREPARE_SCRIPT = SCRIPT.split("JITFunction.run = catch")[0] + r"""
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.nvidia.compiler import CUDABackend
+
+
+def catch_both(self, *args, grid, warmup, **kwargs):
+    caught.append((self, grid, warmup, args, kwargs))
+
+
+JITFunction.run = catch_both
+
+
+def as_compiled(args):
+    # what Triton specializes an argument on: a tensor's dtype, alignment, shape and strides; a number's value
+    return [(tuple(arg.shape), arg.stride(), native_specialize_impl(CUDABackend, arg, False, True, True))
+            if isinstance(arg, torch.Tensor) else arg for arg in args]
+
+
+checked = 0
+for algorithm in ct.registered():
+    if not isinstance(algorithm, TritonAlgorithm):
+        continue
+    for spec in PROBLEMS:
+        for layout in ("channels_last", "channels_first"):
+            p = ct.ConvProblem(algorithm.directions[0], dtype="float16", layout=layout, device="cuda", **spec)
+            if not algorithm.supports(p):
+                continue
+            run_on_the_cpu(algorithm, p)
+            ran = [(k, tuple(g), as_compiled(args), kw) for k, g, warm, args, kw in caught if not warm]
+            caught.clear()
+            algorithm.prepare(p)
+            prepared = [(k, tuple(g), as_compiled(args), kw) for k, g, warm, args, kw in caught if warm]
+            assert len(prepared) == len(caught) and prepared == ran, (algorithm.name, p.key, prepared, ran)
+            checked += 1
+print(f"checked {checked}")
+"""
+
+
+def test_prepare_compiles_what_a_run_launches_and_runs_nothing():
+    # find compiles the next candidates ahead (Algorithm.prepare): on operands of PyTorch's meta device, each launch
+    # must reach Triton as a run's would (the same kernels, grids, constants and specialization), as a warm-up
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CONVTUNE_TRITON"] = "1"
+    done = subprocess.run([sys.executable, "-c", PREPARE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert int(done.stdout.split("checked ")[1].split()[0]) >= 50, done.stdout
+

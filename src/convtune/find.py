@@ -588,13 +588,86 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     return order(results, policy, problem.dtype)
 
 
+class _Ahead:
+    """The next candidates' one-time work (``Algorithm.prepare``: Triton's compiles) done on
+    ``settings.find_compile_threads`` threads, under Triton's ``AsyncCompileMode``, while the search measures the
+    current one; a candidate's own run waits for its compile. On CUDA, where a candidate has something to prepare;
+    any fault here costs only the head start (each run compiles what it lacks)."""
+
+    def __init__(self, search: _Search, ranked: list[Algorithm], predicted_ms: dict[str, float]) -> None:
+        self.search, self.ranked, self.predicted_ms = search, ranked, predicted_ms
+        self.threads = settings.find_compile_threads
+        self.prepared = 0  # ranked[:prepared] were looked at
+        self._pool: Any = None
+        self._mode: Any = None
+
+    def _wanted(self) -> bool:
+        return self.search.problem.device == "cuda"  # Triton compiles for the GPU; its interpreter compiles nothing
+
+    def __enter__(self) -> _Ahead:
+        if not (self.threads and self._wanted() and any(type(a).prepare is not Algorithm.prepare for a in self.ranked)):
+            return self
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            import triton
+
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="convtune-compile")
+            self._mode = triton.AsyncCompileMode(self._pool, ignore_errors=True)
+            self._mode.__enter__()  # RuntimeError where the caller has one active: then no head start
+        except Exception as exc:  # noqa: BLE001 - only the head start is lost
+            log.debug("find %s: no compiles ahead (%s: %s)", self.search.problem.key, type(exc).__name__, exc)
+            self._close()
+        return self
+
+    def __call__(self, index: int, converged: bool) -> None:
+        """Before ``ranked[index]`` runs: prepare it and the next candidates, ``threads`` ahead of it, each once
+        (not those that the search would skip as things stand)."""
+        if self._mode is None:
+            return
+        for algorithm in self.ranked[self.prepared:index + self.threads + 1]:
+            self.prepared += 1
+            if self.search._skip(self.predicted_ms.get(algorithm.name, math.inf), converged) is not None:
+                continue
+            try:
+                algorithm.prepare(self.search.problem)
+            except Exception as exc:  # noqa: BLE001 - its run compiles what it lacks, and fails there if it must
+                log.debug("%s: prepare failed on %s (%s: %s)", algorithm.name, self.search.problem.key,
+                          type(exc).__name__, exc)
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        """The compiles not started are dropped, the running ones waited for (Triton's mode keeps what they made)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._mode is not None:
+            try:
+                self._mode.__exit__(None, None, None)
+            except Exception as exc:  # noqa: BLE001 - ignore_errors: only its own faults reach here
+                log.debug("find %s: compiles ahead ended with %s: %s", self.search.problem.key,
+                          type(exc).__name__, exc)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._pool = self._mode = None
+
+
 def _search(search: _Search, ranked: list[Algorithm], head_size: int, predicted_ms: dict[str, float],
             policy: Policy, patience: int) -> list[PerfResult]:
-    """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules)."""
+    """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules), the next ones'
+    compiles started ahead of them (``_Ahead``)."""
+    with _Ahead(search, ranked, predicted_ms) as ahead:
+        return _search_in_order(search, ranked, head_size, predicted_ms, policy, patience, ahead)
+
+
+def _search_in_order(search: _Search, ranked: list[Algorithm], head_size: int, predicted_ms: dict[str, float],
+                     policy: Policy, patience: int, ahead: _Ahead) -> list[PerfResult]:
     results = []
     without_gain = 0
     for index, algorithm in enumerate(ranked, 1):
         converged = bool(patience and without_gain >= patience)
+        ahead(index - 1, converged)
         best_before = search.best_ms
         result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf), converged=converged)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it

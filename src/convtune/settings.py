@@ -32,6 +32,10 @@ def _extension_dir_default() -> str:
     return str(Path(platformdirs.user_cache_dir("convtune")) / "extension")
 
 
+def _compile_threads_default() -> int:
+    return min(8, (os.cpu_count() or 2) // 2)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setting:
     name: str
@@ -87,6 +91,10 @@ _SETTINGS = (
     _Setting("find_patience", _at_least(0, int), 8, "candidates in a row without a new best that end a find"),
     # a candidate predicted this many times slower than the best measured is not run (0: never)
     _Setting("find_prune_factor", _at_least(0), 10.0, "predicted slowdown that skips a candidate"),
+    # threads compiling the next candidates' Triton kernels while find measures the current one (0: none, each
+    # compiles when it first runs)
+    _Setting("find_compile_threads", _at_least(0, int), _compile_threads_default,
+             "threads that compile Triton candidates ahead"),
     # a candidate still running its checks past this is a timeout, not timed; the timing ends at it (0: none)
     _Setting("candidate_deadline_s", _at_least(0), 60.0, "seconds a candidate's measurement may take"),
     # a candidate whose time exceeds the best so far by this factor stops being timed

@@ -8,6 +8,7 @@ import torch
 
 import convtune as ct
 from convtune.algorithms.base import allocate_workspace
+from convtune.settings import settings
 from convtune.verify import element_bound, errors, reference, tolerance
 from gpu_cases import case_id, cases
 
@@ -212,3 +213,20 @@ def test_the_cuda_references_equal_the_cpus_float64_convolution_and_leave_cudnns
         torch.backends.cudnn.flags = flags
     want = reference(p.replace(device="cpu"), a.cpu(), b.cpu())
     assert errors(got.cpu(), want)[0] < 1e-12
+
+
+@pytest.mark.parametrize("direction", ("fwd", "bwd_data", "bwd_filter"))
+def test_find_compiling_ahead_verifies_and_picks_as_compiling_on_first_run(direction):
+    # find compiles the next Triton candidates on threads while it measures (settings.find_compile_threads): every
+    # candidate is still checked against float64 and the same ones come out right; a prepared kernel runs as is
+    p = ct.ConvProblem(direction, n=8, c=96, k=96, input_size=(28, 28), kernel_size=5, padding=2, groups=96,
+                       dtype="float16", layout="channels_last", device="cuda")
+    triton_names = [a.name for a in ct.algorithms(p) if a.name.startswith("triton:")]
+    assert triton_names
+    statuses = {}
+    for threads in (4, 0):
+        with settings.override(find_compile_threads=threads, find_patience=0, find_prune_factor=0):
+            results = ct.find(p)
+        statuses[threads] = {r.algorithm: r.status for r in results}
+        assert all(statuses[threads][n] is ct.Status.OK for n in triton_names), statuses[threads]
+    assert statuses[4] == statuses[0]

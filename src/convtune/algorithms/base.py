@@ -269,6 +269,12 @@ class Algorithm(abc.ABC):
         """
         return self.workspace_bytes(problem)
 
+    def prepare(self, problem: ConvProblem) -> None:
+        """Do, ahead of the first run on ``problem``, the work that needs neither its operands nor the GPU's time
+        (a Triton kernel's compile), so that ``find`` can have it done while it measures another candidate. Nothing
+        by default; whatever it raises, the run does the work itself."""
+        return None
+
     def scratch_bytes(self, problem: ConvProblem) -> int:
         """Deprecated: ``workspace_bytes``, the name ``PerfResult`` and ``Policy`` use for the same figure."""
         warnings.warn("Algorithm.scratch_bytes is now Algorithm.workspace_bytes (the whole workspace a run needs; "

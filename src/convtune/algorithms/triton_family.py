@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..problem import ConvProblem
+from ..problem import ConvProblem, empty_in_layout
 from ..settings import settings
 from .base import (
     SUPPORTED,
@@ -142,6 +142,20 @@ class TritonAlgorithm(Algorithm):
                         self.name, problem.key, type(exc).__name__, exc)
             raise NoNativeRecipe(f"its launches could not be recorded ({type(exc).__name__}: {exc})") from None
         return NativeRecipe("cubin", (("launches", launches),))
+
+    def prepare(self, problem: ConvProblem) -> None:
+        """On CUDA (not in Triton's interpreter): compile the kernels one run on ``problem`` launches, for its
+        operands' dtypes, shapes and strides, running nothing (operands on PyTorch's meta device, which hold no data
+        and which Triton specializes as aligned, as the caching allocator's are)."""
+        if problem.device != "cuda" or interpreting() or not self.supports(problem):
+            return
+        from ..kernels import recording
+
+        a, b, out = (empty_in_layout(shape, problem.layout, problem.torch_dtype, "meta")
+                     for shape in problem.operand_shapes)
+        buffers = self.buffers(problem)
+        with recording.compiling_only():
+            self._run(problem, a, b, out, carve(allocate_workspace(buffers_bytes(buffers), "meta"), buffers))
 
     def _run(self, problem, a, b, out, ws) -> None:
         module = self.module()

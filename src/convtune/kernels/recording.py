@@ -1,7 +1,8 @@
 """Triton launches recorded as data, so that convtune's C++ runtime launches the same compiled kernels with no
-Python on the call (``TritonAlgorithm.native_recipe``).
+Python on the call (``TritonAlgorithm.native_recipe``), or compiled without running (``TritonAlgorithm.prepare``).
 
-Every launch of convtune's kernels goes through ``launch``. Inside ``recording()`` each launch runs as usual and
+Every launch of convtune's kernels goes through ``launch``. Inside ``compiling_only()`` a launch compiles its
+kernel and runs nothing. Inside ``recording()`` each launch runs as usual and
 is also kept; ``describe`` then turns the kept launches into JSON types: per launch the compiled binary (cubin),
 the kernel's name, its shared memory, warps and grid, and each argument the compiled kernel takes at run time
 (Triton's launcher passes those in order, then its two scratch pointers): a tensor, named by the operand or
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-_active = threading.local()  # .records: the launches kept in this thread, or None
+_active = threading.local()  # .records: the launches kept in this thread, or None; .compiling_only: compile, not run
 _INTEGER = {"i32": "i32", "i64": "i64"}  # Triton's argument types the C++ launcher passes as they are
 _FLOAT = {"fp32": "f32"}
 
@@ -31,7 +32,10 @@ class NotRecordable(Exception):
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
-    """``kernel[grid](*args, **kwargs)`` (and, inside ``recording()``, kept)."""
+    """``kernel[grid](*args, **kwargs)`` (and, inside ``recording()``, kept); inside ``compiling_only()``, Triton's
+    ``kernel.warmup`` with the same arguments: compiled for them, nothing run."""
+    if getattr(_active, "compiling_only", False):
+        return kernel.warmup(*args, grid=grid, **kwargs)
     compiled = kernel[grid](*args, **kwargs)
     records = getattr(_active, "records", None)
     if records is not None:
@@ -49,6 +53,19 @@ def recording() -> Iterator[list[tuple]]:
         yield records
     finally:
         _active.records = outer
+
+
+@contextlib.contextmanager
+def compiling_only() -> Iterator[None]:
+    """Every ``launch`` of this thread compiles its kernel for its arguments (``kernel.warmup``) and runs nothing:
+    a run on operands that hold no data (PyTorch's meta device, whose tensors Triton specializes as aligned) compiles
+    what a run on real ones would launch. Under Triton's ``AsyncCompileMode`` the compiles go to its threads."""
+    outer = getattr(_active, "compiling_only", False)
+    _active.compiling_only = True
+    try:
+        yield
+    finally:
+        _active.compiling_only = outer
 
 
 def describe(records: list[tuple], tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
