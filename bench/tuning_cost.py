@@ -162,21 +162,33 @@ def _phases(stats: dict, phases=None) -> tuple[dict, list]:
     return out, ours
 
 
-def whole_network(network: str, batch: int, dtype: str, layout: str, device: str) -> dict:
-    """The network's distinct training problems selected cold in 'hybrid' mode, under cProfile; then warm,
-    in a fresh process on the database the cold run filled (``warm_child``)."""
+def whole_network(network: str, batch: int, dtype: str, layout: str, device: str,
+                  compile_threads: int | None = None) -> dict:
+    """The network's distinct training problems selected cold in 'hybrid' mode, under cProfile (Triton's disk
+    cache empty: a folder of its own; ``compile_threads``: find's, default the setting's); then warm, in a fresh
+    process on the database and Triton cache the cold run filled (``warm_child``)."""
     problems = _training_problems(network, batch, dtype, layout, device)
+    threads = settings.find_compile_threads if compile_threads is None else compile_threads
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "whole.sqlite")
-        with ct.TuningDB(path) as db:
-            wall, stats = _profiled(lambda: [ct.select(p, mode="hybrid", db=db) for p in problems])
-        phases, ours = _phases(stats)
-        out_json = os.path.join(tmp, "warm.json")
-        subprocess.run([sys.executable, __file__, "--network", network, "--batch", str(batch), "--dtype", dtype,
-                        "--layout", layout, "--device", device, "--warm-child", path, "--child-out", out_json],
-                       check=True)
+        before = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")  # read by Triton at each lookup
+        try:
+            with ct.TuningDB(path) as db, settings.override(find_compile_threads=threads):
+                wall, stats = _profiled(lambda: [ct.select(p, mode="hybrid", db=db) for p in problems])
+            phases, ours = _phases(stats)
+            out_json = os.path.join(tmp, "warm.json")
+            subprocess.run([sys.executable, __file__, "--network", network, "--batch", str(batch), "--dtype", dtype,
+                            "--layout", layout, "--device", device, "--warm-child", path, "--child-out", out_json],
+                           check=True)
+        finally:
+            if before is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = before
         warm = json.loads(Path(out_json).read_text())
-    return dict(problems=len(problems), wall_s=wall, phases_s=phases, top_cumulative_s=ours, warm=warm)
+    return dict(problems=len(problems), wall_s=wall, phases_s=phases, top_cumulative_s=ours, warm=warm,
+                compile_threads=threads)
 
 
 WARM_PHASES = (
@@ -477,7 +489,9 @@ def markdown(payload: dict) -> str:
              "so this does not measure what threads gain)")
     if whole:
         text += (f"\n\n## The whole network, cold (every distinct training problem, 'hybrid' on an empty database)"
-                 f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s. Cumulative seconds by phase "
+                 f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s (Triton's disk cache empty; "
+                 f"{whole.get('compile_threads', 'no')} threads compiling Triton candidates ahead). Cumulative "
+                 f"seconds by phase "
                  f"(cProfile; phases nest: measuring holds verification and timing, find holds them all):\n\n")
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
         text += _top_functions(whole)
@@ -506,7 +520,10 @@ def main() -> None:
     common.network_arguments(parser, device_help="cpu: a quick check of the script itself")
     parser.add_argument("--layers", type=int, default=6, help="the first N layers, each in three directions")
     parser.add_argument("--threads", type=int, default=8, help="plan-building threads on every second problem")
-    parser.add_argument("--whole", action="store_true", help="also profile a cold tuning of the whole network")
+    parser.add_argument("--whole", action="store_true", help="also profile a cold tuning of the whole network "
+                        "(with --layers 0, nothing compiled before it in this process)")
+    parser.add_argument("--compile-threads", type=int, default=None,
+                        help="find_compile_threads for the whole network's cold tuning (default: the setting's)")
     common.result_arguments(parser, "tuning_cost")
     parser.add_argument("--warm-child", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -520,7 +537,8 @@ def main() -> None:
                 for d in ("fwd", "bwd_data", "bwd_filter")]
     host = host_rows(args.device, args.dtype)
     rows = tuning_rows(problems, args.threads)
-    whole = whole_network(args.network, args.batch, args.dtype, args.layout, args.device) if args.whole else None
+    whole = (whole_network(args.network, args.batch, args.dtype, args.layout, args.device, args.compile_threads)
+             if args.whole else None)
     env = common.environment()
     by_threads = {t: [r for r in rows if r["build_threads"] == t] for t in sorted({r["build_threads"] for r in rows})}
     per_plan = {t: statistics.mean(r["build_s"] / max(r["plans"], 1) for r in rs) for t, rs in by_threads.items()}

@@ -36,10 +36,12 @@ def test_tuning_cost_profiles_a_whole_network_cold_and_warm_on_the_cpu(tmp_path,
     env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
     subprocess.run([sys.executable, str(BENCH / "tuning_cost.py"), "--device", "cpu", "--network", "resnet18",
                     "--batch", "1", "--dtype", "float32", "--layout", "nchw", "--layers", "1", "--whole",
-                    "--out", str(tmp_path), "--name", "t"], check=True, env=env, capture_output=True, timeout=300)
+                    "--compile-threads", "3", "--out", str(tmp_path), "--name", "t"], check=True, env=env,
+                   capture_output=True, timeout=300)
     payload = json.loads((tmp_path / "t.json").read_text())
     whole = payload["whole"]
     assert whole["problems"] > 0 and whole["phases_s"]["find, in all"] > 0
+    assert whole["compile_threads"] == 3 and "Triton kernels compiled" in whole["phases_s"]
     assert whole["warm"]["wall_s"] > 0 and whole["warm"]["top_cumulative_s"]
     assert len(payload["tuning"]) == 3  # the first layer in three directions
     text = (tmp_path / "t.md").read_text()
