@@ -736,13 +736,55 @@ def test_a_failing_prepare_or_a_callers_compile_mode_changes_no_result(monkeypat
     expected = [(r.algorithm, r.status) for r in find(P, timer=FakeTimer(), candidates=plain)]
     failing = [Preparing(f"fake:r{i}", log, fails=True, time_ms=1.0 + i) for i in range(3)]
     monkeypatch.setattr(find_module._Ahead, "_wanted", lambda self: True)
-    assert [(r.algorithm, r.status) for r in find(P, timer=FakeTimer(), candidates=failing)] == expected
-    assert ("prepare", "fake:r2") in log
-    log.clear()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool, triton.AsyncCompileMode(pool):
+    with settings.override(find_compile_threads=2):
         assert [(r.algorithm, r.status) for r in find(P, timer=FakeTimer(), candidates=failing)] == expected
-    assert log and all(kind == "run" for kind, _ in log)  # the caller's mode is theirs: no head start
-    monkeypatch.undo()
-    log.clear()
-    find(P, timer=FakeTimer(), candidates=failing)  # a CPU problem: Triton compiles nothing for it
+        assert ("prepare", "fake:r2") in log
+        log.clear()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, triton.AsyncCompileMode(pool):
+            assert [(r.algorithm, r.status) for r in find(P, timer=FakeTimer(), candidates=failing)] == expected
+            with pytest.raises(RuntimeError):  # the caller's mode is still the active one
+                triton.AsyncCompileMode(pool).__enter__()
+        assert log and all(kind == "run" for kind, _ in log)  # the caller's mode is theirs: no head start
+        monkeypatch.undo()
+        log.clear()
+        find(P, timer=FakeTimer(), candidates=failing)  # a CPU problem: Triton compiles nothing for it
     assert all(kind == "run" for kind, _ in log)
+
+
+def test_find_ends_with_compiles_still_queued_and_waits_only_for_the_running_one(monkeypatch):
+    # A converged search leaves compiles of candidates it will not run queued on the compile threads: find cancels
+    # them and returns; a compile already running is waited for (its kernel is kept).
+    pytest.importorskip("triton")
+    import threading
+
+    import triton
+
+    find_module = importlib.import_module("convtune.find")
+    monkeypatch.setattr(find_module._Ahead, "_wanted", lambda self: True)
+    modes, compiled = [], []
+
+    class Recorded(triton.AsyncCompileMode):
+        def __enter__(self):
+            modes.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(triton, "AsyncCompileMode", Recorded)
+
+    class Compiling(Fake):
+        def prepare(self, problem):  # what a Triton warm-up does under the mode: one compile submitted
+            def compile_it(name=self.name):
+                time.sleep(0.3)
+                compiled.append(name)
+                return name
+
+            modes[-1].submit(self.name, compile_it, lambda kernel: None)
+
+    fakes = [Compiling(f"fake:c{i}", time_ms=1.0 + 0.1 * i) for i in range(12)]
+    done: list = []
+    with settings.override(find_patience=2, find_compile_threads=1):
+        worker = threading.Thread(target=lambda: done.append(find(P, timer=FakeTimer(), candidates=fakes)), daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+    assert not worker.is_alive(), "find waited on compiles it had cancelled"
+    assert len([r for r in done[0] if r.status is Status.OK]) == 3  # converged after 2 without gain
+    assert compiled[:1] == ["fake:c0"] and len(compiled) < 3 + 1  # the one running at the end, none queued

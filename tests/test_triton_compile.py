@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 import convtune as ct
+from convtune.algorithms.base import allocate_workspace, buffers_bytes, carve
 from convtune.algorithms.triton_family import TritonAlgorithm
 
 PROBLEMS = [  # 2-D strided, dilated, 1-D, a channel multiplier; grouped: 4 channels per group
@@ -40,7 +41,8 @@ def run_on_the_cpu(algorithm, p):
     cpu = p.replace(device="cpu")
     a, b = cpu.random_inputs()
     out = cpu.empty(cpu.operand_shapes[2])
-    ws = {buffer.name: torch.empty(buffer.shape, dtype=buffer.dtype) for buffer in algorithm.buffers(p)}
+    buffers = algorithm.buffers(p)
+    ws = carve(allocate_workspace(buffers_bytes(buffers), "cpu"), buffers)  # as a run carves its buffers
     caught.clear()
     algorithm._run(p, a, b, out, ws)
 
@@ -108,10 +110,6 @@ def test_every_triton_configuration_compiles_for_the_gpu():
 
 
 PREPARE_SCRIPT = SCRIPT.split("JITFunction.run = catch")[0] + r"""
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.nvidia.compiler import CUDABackend
-
-
 def catch_both(self, *args, grid, warmup, **kwargs):
     caught.append((self, grid, warmup, args, kwargs))
 
@@ -120,8 +118,9 @@ JITFunction.run = catch_both
 
 
 def as_compiled(args):
-    # what Triton specializes an argument on: a tensor's dtype, alignment, shape and strides; a number's value
-    return [(tuple(arg.shape), arg.stride(), native_specialize_impl(CUDABackend, arg, False, True, True))
+    # what Triton specializes an argument on: a tensor's dtype and 16-byte alignment (and, for the launches'
+    # other arguments, its shape and strides); a number's value
+    return [(arg.dtype, arg.data_ptr() % 16 == 0, tuple(arg.shape), arg.stride())
             if isinstance(arg, torch.Tensor) else arg for arg in args]
 
 

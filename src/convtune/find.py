@@ -17,6 +17,7 @@ to learn (an unbuilt cuDNN execution plan's) unless the decision depends on it (
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
@@ -588,44 +589,80 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     return order(results, policy, problem.dtype)
 
 
+class _Compiles:
+    """A pool of compile threads that keeps its futures, so that the ones not started can be cancelled the way a
+    waiter hears of (``Future.cancel``: the thread that takes one up marks it done)."""
+
+    def __init__(self, threads: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="convtune-compile")
+        self._futures: list[Any] = []
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        future = self._pool.submit(fn, *args, **kwargs)
+        self._futures.append(future)
+        return future
+
+    def cancel_waiting(self) -> None:
+        for future in self._futures:
+            future.cancel()  # False for one running or done: it is waited for
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 class _Ahead:
     """The next candidates' one-time work (``Algorithm.prepare``: Triton's compiles) done on
     ``settings.find_compile_threads`` threads, under Triton's ``AsyncCompileMode``, while the search measures the
-    current one; a candidate's own run waits for its compile. On CUDA, where a candidate has something to prepare;
-    any fault here costs only the head start (each run compiles what it lacks)."""
+    current one; a candidate's own run waits for its compile. On CUDA, where a candidate has something to prepare,
+    not in the background worker (beside the user's training); entered in a copy of the caller's context
+    (``contextvars``), so that the mode is the search's own and a mode of the caller's stays as it was (the search
+    then has no head start). Any fault here costs only the head start: each run compiles what it lacks."""
 
     def __init__(self, search: _Search, ranked: list[Algorithm], predicted_ms: dict[str, float]) -> None:
         self.search, self.ranked, self.predicted_ms = search, ranked, predicted_ms
         self.threads = settings.find_compile_threads
         self.prepared = 0  # ranked[:prepared] were looked at
-        self._pool: Any = None
+        self._pool: _Compiles | None = None
         self._mode: Any = None
 
     def _wanted(self) -> bool:
-        return self.search.problem.device == "cuda"  # Triton compiles for the GPU; its interpreter compiles nothing
+        # Triton compiles for the GPU (its interpreter compiles nothing); in the background worker the compiles
+        # would take the CPUs of the user's training
+        return self.search.problem.device == "cuda" and not background.in_worker()
 
     def __enter__(self) -> _Ahead:
         if not (self.threads and self._wanted() and any(type(a).prepare is not Algorithm.prepare for a in self.ranked)):
             return self
-        from concurrent.futures import ThreadPoolExecutor
-
         try:
             import triton
 
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="convtune-compile")
-            self._mode = triton.AsyncCompileMode(self._pool, ignore_errors=True)
-            self._mode.__enter__()  # RuntimeError where the caller has one active: then no head start
-        except Exception as exc:  # noqa: BLE001 - only the head start is lost
+            pool = _Compiles(self.threads)
+            mode = triton.AsyncCompileMode(pool, ignore_errors=True)
+        except Exception as exc:  # noqa: BLE001 - a Triton without it: only the head start is lost
             log.debug("find %s: no compiles ahead (%s: %s)", self.search.problem.key, type(exc).__name__, exc)
+            return self
+        self._pool = pool
+        try:
+            mode.__enter__()  # RuntimeError where the caller has one active: then no head start
+        except RuntimeError as exc:
+            log.debug("find %s: no compiles ahead (%s)", self.search.problem.key, exc)
             self._close()
+        else:
+            self._mode = mode
         return self
 
     def __call__(self, index: int, converged: bool) -> None:
-        """Before ``ranked[index]`` runs: prepare it and the next candidates, ``threads`` ahead of it, each once
-        (not those that the search would skip as things stand)."""
+        """Before ``ranked[index]`` runs: prepare it and the next candidates, ``threads`` ahead of it, each once (not
+        those that the search would skip as things stand, nor more than the budget has candidates left)."""
         if self._mode is None:
             return
-        for algorithm in self.ranked[self.prepared:index + self.threads + 1]:
+        budget = self.search.budget
+        end = index + self.threads + 1
+        if budget.max_candidates:
+            end = min(end, index + max(budget.max_candidates - budget.timed, 0))
+        for algorithm in self.ranked[self.prepared:end]:
             self.prepared += 1
             if self.search._skip(self.predicted_ms.get(algorithm.name, math.inf), converged) is not None:
                 continue
@@ -639,17 +676,18 @@ class _Ahead:
         self._close()
 
     def _close(self) -> None:
-        """The compiles not started are dropped, the running ones waited for (Triton's mode keeps what they made)."""
+        """The compiles not started are cancelled, the running ones waited for (Triton's mode keeps what they
+        made); the mode is left and the threads end."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.cancel_waiting()
         if self._mode is not None:
             try:
                 self._mode.__exit__(None, None, None)
-            except Exception as exc:  # noqa: BLE001 - ignore_errors: only its own faults reach here
+            except Exception as exc:  # noqa: BLE001 - ignore_errors: a compile's own fault does not reach here
                 log.debug("find %s: compiles ahead ended with %s: %s", self.search.problem.key,
                           type(exc).__name__, exc)
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
         self._pool = self._mode = None
 
 
@@ -657,8 +695,11 @@ def _search(search: _Search, ranked: list[Algorithm], head_size: int, predicted_
             policy: Policy, patience: int) -> list[PerfResult]:
     """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules), the next ones'
     compiles started ahead of them (``_Ahead``)."""
-    with _Ahead(search, ranked, predicted_ms) as ahead:
-        return _search_in_order(search, ranked, head_size, predicted_ms, policy, patience, ahead)
+    def in_order() -> list[PerfResult]:
+        with _Ahead(search, ranked, predicted_ms) as ahead:
+            return _search_in_order(search, ranked, head_size, predicted_ms, policy, patience, ahead)
+
+    return contextvars.copy_context().run(in_order)
 
 
 def _search_in_order(search: _Search, ranked: list[Algorithm], head_size: int, predicted_ms: dict[str, float],

@@ -8,7 +8,6 @@ import torch
 
 import convtune as ct
 from convtune.algorithms.base import allocate_workspace
-from convtune.settings import settings
 from convtune.verify import element_bound, errors, reference, tolerance
 from gpu_cases import case_id, cases
 
@@ -215,18 +214,41 @@ def test_the_cuda_references_equal_the_cpus_float64_convolution_and_leave_cudnns
     assert errors(got.cpu(), want)[0] < 1e-12
 
 
+COMPILING_AHEAD = r"""
+import json, sys
+import triton
+import convtune as ct
+from convtune.settings import settings
+
+compiled = []
+triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(1)  # once a kernel is kept
+p = ct.ConvProblem(sys.argv[1], n=8, c=96, k=96, input_size=(28, 28), kernel_size=5, padding=2, groups=96,
+                   dtype="float16", layout="channels_last", device="cuda")
+with settings.override(find_compile_threads=int(sys.argv[2]), find_patience=0, find_prune_factor=0):
+    results = ct.find(p, candidates=[a for a in ct.algorithms(p) if a.name.startswith("triton:")])
+print(json.dumps(dict(statuses={r.algorithm: r.status.value for r in results}, compiled=len(compiled))))
+"""
+
+
 @pytest.mark.parametrize("direction", ("fwd", "bwd_data", "bwd_filter"))
-def test_find_compiling_ahead_verifies_and_picks_as_compiling_on_first_run(direction):
-    # find compiles the next Triton candidates on threads while it measures (settings.find_compile_threads): every
-    # candidate is still checked against float64 and the same ones come out right; a prepared kernel runs as is
-    p = ct.ConvProblem(direction, n=8, c=96, k=96, input_size=(28, 28), kernel_size=5, padding=2, groups=96,
-                       dtype="float16", layout="channels_last", device="cuda")
-    triton_names = [a.name for a in ct.algorithms(p) if a.name.startswith("triton:")]
-    assert triton_names
-    statuses = {}
+def test_find_compiling_ahead_verifies_and_compiles_as_compiling_on_first_run(direction, tmp_path):
+    # find compiles the next Triton candidates on threads while it measures (settings.find_compile_threads). Each
+    # setting in a fresh process with an empty Triton cache: every Triton candidate is still checked against float64
+    # and comes out right, and the prepared compiles are the ones the runs use (as many kernels kept either way: a
+    # warm-up on meta operands that missed a run's specialization would make the run compile again)
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = {}
     for threads in (4, 0):
-        with settings.override(find_compile_threads=threads, find_patience=0, find_prune_factor=0):
-            results = ct.find(p)
-        statuses[threads] = {r.algorithm: r.status for r in results}
-        assert all(statuses[threads][n] is ct.Status.OK for n in triton_names), statuses[threads]
-    assert statuses[4] == statuses[0]
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / f"triton{threads}"),
+                   CONVTUNE_CACHE_DIR=str(tmp_path / f"cache{threads}"), CONVTUNE_PROGRESS="0")
+        done = subprocess.run([sys.executable, "-c", COMPILING_AHEAD, direction, str(threads)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[threads] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out[4]["statuses"] and all(status == "ok" for status in out[4]["statuses"].values()), out[4]
+    assert out[4]["statuses"] == out[0]["statuses"]
+    assert out[4]["compiled"] == out[0]["compiled"] > 0
