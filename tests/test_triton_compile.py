@@ -141,16 +141,31 @@ for algorithm in ct.registered():
             assert len(prepared) == len(caught) and prepared == ran, (algorithm.name, p.key, prepared, ran)
             checked += 1
 print(f"checked {checked}")
+
+# triton_cases.compile_ahead, as the families' test files call it on a GPU: every pair's launches warmed up, on the
+# threads of Triton's AsyncCompileMode (caught here before they compile)
+sys.path.insert(0, TESTS)
+from triton_cases import compile_ahead
+
+caught.clear()
+pairs = [(a.name, ct.ConvProblem(a.directions[0], dtype="float16", device="cuda", **PROBLEMS[0]))
+         for a in ct.registered() if isinstance(a, TritonAlgorithm)]
+pairs = [(name, p) for name, p in pairs if ct.get_algorithm(name).supports(p)]
+compile_ahead(pairs + [(pairs[0][0], pairs[0][1].replace(device="cpu"))])  # the CPU problem: nothing
+warmed = {kernel.fn.__name__ for kernel, _, warm, _, _ in caught if warm}
+assert len(caught) >= len(pairs) and all(warm for _, _, warm, _, _ in caught), (len(caught), len(pairs))
+print(f"compiled ahead {len(pairs)} pairs, kernels {sorted(warmed)}")
 """
 
 
 def test_prepare_compiles_what_a_run_launches_and_runs_nothing():
     # find compiles the next candidates ahead (Algorithm.prepare): on operands of PyTorch's meta device, each launch
-    # must reach Triton as a run's would (the same kernels, grids, constants and specialization), as a warm-up
+    # must reach Triton as a run's would (the same kernels, grids, constants and specialization), as a warm-up; the
+    # families' GPU tests compile their cases ahead the same way (triton_cases.compile_ahead)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CONVTUNE_TRITON"] = "1"
-    done = subprocess.run([sys.executable, "-c", PREPARE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=600)
+    script = f"import sys\nTESTS = {os.path.dirname(os.path.abspath(__file__))!r}\n" + PREPARE_SCRIPT
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert int(done.stdout.split("checked ")[1].split()[0]) >= 50, done.stdout
 

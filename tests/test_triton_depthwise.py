@@ -18,8 +18,10 @@ from triton_cases import (
     DEPTHWISE_SHAPES,
     DEVICE,
     DIRECTIONS,
+    case_problems,
     check_configurations,
     check_supporting,
+    compile_ahead,
     depthwise_problem,
     every_case,
     kernel_tests,
@@ -44,6 +46,11 @@ def configurations(p: ConvProblem) -> int:
 
 SHAPES = DEPTHWISE_SHAPES
 KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # float16 is not run in the interpreter
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_ahead():  # what test_matches_reference runs (triton_cases.compile_ahead)
+    compile_ahead((n, p) for p in case_problems(SHAPES, depthwise_problem) for n in FAMILY)
 
 
 @kernels

@@ -19,8 +19,10 @@ from triton_cases import (
     DEPTHWISE_SHAPES,
     DEVICE,
     DIRECTIONS,
+    case_problems,
     check_configurations,
     check_supporting,
+    compile_ahead,
     depthwise_problem,
     every_case,
     kernel_tests,
@@ -44,6 +46,11 @@ def checked(direction: str) -> list[str]:
     names = [n for n in FAMILY if get_algorithm(n).directions == (direction,)]
     assert len(names) == len(BACKWARD_FILTER_TILES if direction == "bwd_filter" else TILES)
     return [n for n in names if n.rsplit("_", 1)[1].startswith(SAMPLED)] if interpreting() else names
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_ahead():  # what test_matches_reference runs (triton_cases.compile_ahead)
+    compile_ahead((n, p) for p in case_problems(SHAPES, depthwise_problem) for n in checked(p.direction))
 
 
 @kernels

@@ -19,7 +19,9 @@ from triton_cases import (
     DEPTHWISE_SHAPES,
     DEVICE,
     DIRECTIONS,
+    case_problems,
     check_supporting,
+    compile_ahead,
     depthwise_problem,
     every_case,
     kernel_tests,
@@ -66,13 +68,24 @@ def test_matches_reference(shape, direction, dtype, layout):
     p = depthwise_problem(shape, direction, dtype, layout)
     names = [n for n in of_direction(direction) if get_algorithm(n).supports(p)]
     assert names == computing(p), names
-    # One configuration a case, a different one from case to case, in the interpreter (a CPU, one thread) and, on a
-    # GPU, for every dtype and layout but float16 channels_last, which runs them all: the tile sizes are compile-time
-    # constants of one code, and compiling each for every case took most of a GPU run's time.
-    if names and (interpreting() or (dtype, layout) != ("float16", "channels_last")):
-        names = [names[zlib.crc32(p.key.encode()) % len(names)]]
-    for name in names:
+    for name in reference_checked(p, names):
         run_checked(name, p)
+
+
+def reference_checked(p: ConvProblem, names: list[str]) -> list[str]:
+    """Which of ``names`` (the configurations computing ``p``) test_matches_reference runs: one a case, a different
+    one from case to case, in the interpreter (a CPU, one thread) and, on a GPU, for every dtype and layout but
+    float16 channels_last, which runs them all: the tile sizes are compile-time constants of one code, and compiling
+    each for every case took most of a GPU run's time."""
+    if names and (interpreting() or (p.dtype, p.layout) != ("float16", "channels_last")):
+        return [names[zlib.crc32(p.key.encode()) % len(names)]]
+    return names
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_ahead():
+    compile_ahead((n, p) for p in case_problems(SHAPES, depthwise_problem)
+                  for n in reference_checked(p, computing(p)))
 
 
 @kernels

@@ -16,8 +16,10 @@ from convtune.problem import ConvProblem
 from triton_cases import (
     DEVICE,
     DIRECTIONS,
+    case_problems,
     check_configurations,
     check_supporting,
+    compile_ahead,
     every_case,
     kernel_tests,
     kernels,
@@ -40,6 +42,16 @@ SHAPES = {  # per group: (input channels, output channels)
 KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # bfloat16 is not run in the interpreter
 
 
+def reference_problem(shape: str, direction: str, dtype: str, layout: str) -> ConvProblem:
+    """The problem test_matches_reference checks for one case of ``every_case(SHAPES)``."""
+    return ConvProblem(direction, dtype=dtype, layout=layout, device=DEVICE, allow_tf32=False, **SHAPES[shape])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_ahead():  # what test_matches_reference runs (triton_cases.compile_ahead)
+    compile_ahead((n, p) for p in case_problems(SHAPES, reference_problem) for n in FAMILY)
+
+
 @kernels
 @every_case(SHAPES)
 def test_matches_reference(shape, direction, dtype, layout):
@@ -47,8 +59,7 @@ def test_matches_reference(shape, direction, dtype, layout):
         # Triton 3.6's interpreter multiplies bfloat16 matrices wrongly (tl.dot of two random 16x16 bfloat16
         # matrices is off by 1e10 there, right in float16): checked on the GPU only.
         pytest.skip("Triton's interpreter computes bfloat16 tl.dot wrongly")
-    p = ConvProblem(direction, dtype=dtype, layout=layout, device=DEVICE, allow_tf32=False, **SHAPES[shape])
-    check_configurations(FAMILY, p, 2)
+    check_configurations(FAMILY, reference_problem(shape, direction, dtype, layout), 2)
 
 
 @kernels

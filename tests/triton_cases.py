@@ -11,6 +11,7 @@ import importlib.util
 import itertools
 import math
 import zlib
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -75,6 +76,35 @@ def check_configurations(family: list[str], p: ConvProblem, configurations: int)
     assert len(names) == configurations, names
     for name in names:
         run_checked(name, p)
+
+
+def case_problems(shapes: dict, make) -> list[ConvProblem]:
+    """``make(shape, direction, dtype, layout)`` for every case of ``every_case(shapes)``."""
+    return [make(*case) for case in itertools.product(shapes, DIRECTIONS, DTYPES, LAYOUTS)]
+
+
+def compile_ahead(pairs: Iterable[tuple[str, ConvProblem]]) -> None:
+    """On a GPU: the kernels of every (configuration, problem) of ``pairs`` compiled at once on threads, through
+    ``Algorithm.prepare`` under Triton's ``AsyncCompileMode``, before the tests run them one by one (compiled one
+    after another, they took most of a GPU run of these files). It checks nothing, the tests do; a fault here is a
+    warning and costs only the head start. Nothing in the interpreter, nor for a problem off CUDA."""
+    if interpreting() or not HAS_TRITON:
+        return
+    import concurrent.futures
+    import os
+    import warnings
+
+    import triton
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
+            triton.AsyncCompileMode(pool, ignore_errors=True):
+        for name, p in pairs:
+            if p.device != "cuda":
+                continue
+            try:
+                get_algorithm(name).prepare(p)
+            except Exception as exc:  # noqa: BLE001 - the test's own run compiles it, and fails there if it must
+                warnings.warn(f"{name} on {p.key}: not compiled ahead ({type(exc).__name__}: {exc})", stacklevel=2)
 
 
 GUARD = 1 << 16  # elements before and after each tensor of a checked run: more than a tile's reach past an end
