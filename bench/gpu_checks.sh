@@ -12,6 +12,9 @@
 # bench/data/sweep.jsonl.gz where it exists: the measurements get's learned model is trained on; e.g.
 # sweep:8:--networks+all measures the built-in networks' layers, which bench/learned_get.py holds out one at a
 # time; the whole dataset comes back as $OUT/sweep.jsonl.gz).
+# coldtune:<network>:<batch>[:<threads>] (bench/tuning_cost.py --whole --layers 0: a cold tuning of the network's
+# training problems profiled, Triton's disk cache empty, find compiling ahead on <threads> threads, default the
+# setting's; written as tuning_cost_<network>_b<batch>[_t<threads>]).
 # layerhost:<network>:<batch>[:<dtype>[:grad]] (bench/layer_host.py: each tuned layer's host and GPU time per call
 # against PyTorch's).
 # compileprofile:<compile_profile.py arguments joined by +> (bench/compile_profile.py, Inductor's generated code
@@ -48,13 +51,17 @@ header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c '
 # Exit-time lines of the cuDNN frontend's bindings (objects it reports as leaked), not test output.
 quiet() { grep -v -E 'nanobind|^ - (leaked|\.\.\. skipped)|refleaks'; }
 # pytest into its log file directly (a run cut short by a time limit keeps what it wrote), then its last lines.
-tests() { local log=$1; shift; header "$*" > "$log"; python3 -m pytest -q -p no:cacheprovider "$@" >> "$log" 2>&1
+tests() { local log=$1; shift; header "$*" > "$log"; python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" >> "$log" 2>&1
           quiet < "$log" | tail -25; }
 for step in "$@"; do
   case "$step" in
     native) tests "$OUT/gpu_tests_native.txt" -rP tests/gpu/test_gpu_native.py ;;
     gpu) tests "$OUT/gpu_tests.txt" tests/gpu ;;
     host) python3 bench/tuning_cost.py --layers 1 --out "$OUT" --name tuning_cost_native 2>&1 | tail -40 ;;
+    coldtune:*) IFS=: read -r _ network batch threads <<< "$step"
+                python3 bench/tuning_cost.py --network "$network" --batch "$batch" --layers 0 --whole \
+                  ${threads:+--compile-threads "$threads"} --out "$OUT" \
+                  --name "tuning_cost_${network}_b${batch}${threads:+_t$threads}" 2>&1 | sed -n '/whole network, cold/,/Host cost/p' ;;
     e2e:*) [ -e "$OUT/e2e.json" ] || cp bench/results/e2e.json "$OUT/" 2>/dev/null; args=${step#e2e:}
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name e2e 2>&1 | tail -30 ;;
     ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}

@@ -41,7 +41,7 @@ def test_tuning_cost_profiles_a_whole_network_cold_and_warm_on_the_cpu(tmp_path,
     payload = json.loads((tmp_path / "t.json").read_text())
     whole = payload["whole"]
     assert whole["problems"] > 0 and whole["phases_s"]["find, in all"] > 0
-    assert whole["compile_threads"] == 3 and "Triton kernels compiled" in whole["phases_s"]
+    assert whole["compile_threads"] == 3 and any(k.startswith("Triton kernels compiled") for k in whole["phases_s"])
     assert whole["warm"]["wall_s"] > 0 and whole["warm"]["top_cumulative_s"]
     assert len(payload["tuning"]) == 3  # the first layer in three directions
     text = (tmp_path / "t.md").read_text()
