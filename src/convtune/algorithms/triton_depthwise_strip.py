@@ -37,17 +37,18 @@ from .triton_family import GRID_AXIS_LIMIT, INDEX_LIMIT, TritonAlgorithm, depthw
 # (bench/results/sass_counts.md). Timed on an H100 (bench/results/depthwise_h100.md), t8b16c32w4 was the fastest
 # forward and data gradient of every 5x5 and 7x7 layer there at ba19f07, at 0.63-0.85x t4b32c32w4's time, although
 # both issue the same instructions: longer strips load fewer columns an output. t8b32c32w4 (8 channels a thread, as
-# t4b32c32w4; 236 registers, no spills at 7x7) took 0.85-1.0x t8b16c32w4's time on those layers at 4d335f1, when
-# t8b16c32w4 ran up to 21% slower than before (docs/algorithms.md): not compared with the restored kernel yet. Each
-# is a candidate: find's verified measurement picks.
+# t4b32c32w4; 236 registers, no spills at 7x7) took 0.89-0.98x t8b16c32w4's time on the stride-1 5x5 and 7x7
+# layers' forward and data gradient at 4d335f1 (1.06x on the 3x3 layer, 1.16x at stride 2), when t8b16c32w4 ran up
+# to 21% slower than before (docs/algorithms.md): not compared with the restored kernel yet. Each is a candidate:
+# find's verified measurement picks.
 TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4), (8, 32, 32, 4))
 # The weight gradient's: runs of 4 to 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
 # A program reads its run's dy rows again for every kernel row: on the H100 the 7x7 layer above took 134 µs with runs
-# of 8 rows and 151 with 32 (4d335f1), about 2.4x its issue-bound time (56 µs) where the forward took 1.65x. A run of
-# 8 rows of 32 channels there reads 28 KB of dy and 50 KB of x, more than the 5 programs an SM holds keep in its
-# 256 KB cache; runs of 4 rows (149 µs) and of 2 (229 µs), which would fit, were slower on all six layers timed
-# there (1.1-3.3x and 1.7-6x the best run): the extra partial sums cost more than the cache saves. Runs of 2 are no
-# longer a candidate.
+# of 8 rows and 151 with 32 (4d335f1), about 2.4x its issue-bound time (56 µs) where the forward took 1.65x (47 µs
+# at ba19f07). A run of 8 rows of 32 channels there reads 28 KB of dy and 50 KB of x, more than the 5 programs an SM
+# holds keep in its 256 KB cache; runs of 4 rows (149 µs) and of 2 (229 µs), which would fit, were slower on all six
+# layers timed there (1.1-3.3x and 1.7-6x the best run): the extra partial sums cost more than the cache saves.
+# Runs of 2 are no longer a candidate.
 BACKWARD_FILTER_TILES = ((4, 32, 32, 4, 8), (4, 32, 32, 4, 32), (8, 16, 32, 4, 8), (8, 16, 32, 4, 32),
                          (4, 16, 64, 4, 16), (8, 16, 32, 4, 4))
 MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (kernels.strips.MAX_STRIP, the same)
