@@ -66,6 +66,16 @@ TRITON_LAYERS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _triton_compiled_ahead():
+    # the Triton configurations the test below launches, compiled at once on threads (triton_cases.compile_ahead)
+    from triton_cases import compile_ahead
+
+    problems = [ct.ConvProblem(direction, dtype="float16", layout="channels_last", device="cuda", **layer)
+                for layer in TRITON_LAYERS for direction in ("fwd", "bwd_data", "bwd_filter")]
+    compile_ahead((a.name, p) for p in problems for a in ct.algorithms(p) if a.host_kind == "triton")
+
+
 @pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_filter"])
 @pytest.mark.parametrize("layer", TRITON_LAYERS, ids=lambda layer: "x".join(map(str, layer["input_size"])) +
                          f"r{layer['kernel_size']}g{layer['groups']}s{layer.get('stride', 1)}")
