@@ -175,12 +175,11 @@ def tools() -> Path:
     return Path(nvidia.__file__).parent / "bin"
 
 
-def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arch: int) -> dict:
-    """Compile one launch ``kernel[grid](*args, **kwargs)`` for sm_<arch> and count its machine code."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def specialized(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """(signature, constants, attrs, options) of what Triton's launcher compiles for ``kernel(*args, **kwargs)``:
+    keywords (and integers equal to 1) as constants, every (PyTorch-allocated, so aligned) pointer and integer
+    divisible by 16 marked so, but not the kernel's ``do_not_specialize`` parameters; num_warps/num_stages as
+    options."""
     kwargs = dict(kwargs)
     warps = kwargs.pop("num_warps", 4)
     stages = kwargs.pop("num_stages", None)
@@ -198,9 +197,20 @@ def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arc
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
             if value % 16 == 0 and name not in fixed:
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    options = {"num_warps": warps, **({"num_stages": stages} if stages is not None else {})}
+    return signature, constants, attrs, {"num_warps": warps, **({"num_stages": stages} if stages is not None else {})}
+
+
+def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arch: int) -> dict:
+    """Compile one launch ``kernel[grid](*args, **kwargs)`` for sm_<arch> and count its machine code."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constants, attrs, options = specialized(kernel, args, kwargs)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)
+    names = kernel.arg_names
+    values = list(args) + [kwargs[n] for n in names[len(args):]]
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -211,7 +221,7 @@ def compile_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, arc
     return dict(kernel=kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, grid=list(grid),
                 integers={n: v for n, v in zip(names, values) if n not in kwargs and isinstance(v, int)
                           and not isinstance(v, bool)},  # the run-time integers (for TURNS; not kept)
-                warps=warps, registers=int(re.search(r"REG:(\d+)", usage).group(1)),
+                warps=options["num_warps"], registers=int(re.search(r"REG:(\d+)", usage).group(1)),
                 # ptxas reports spilled registers in the stack frame (STACK), local arrays in LOCAL
                 spilled_bytes=sum(int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("STACK", "LOCAL")),
                 spill_instructions=len(re.findall(r"\b(?:STL|LDL)\b", sass)), shared_bytes=compiled.metadata.shared,

@@ -2,9 +2,10 @@
 no GPU: Triton's interpreter, which runs the kernels in the other tests, accepts code its GPU compiler refuses
 (a ``return`` inside a compile-time branch, say). Each configuration's launch on a few problems is caught before
 it runs (the arguments, the compile-time constants and warps it would launch with) and compiled to a cubin by
-Triton's own compiler and ptxas, its arguments specialized as Triton's launcher does: an integer equal to 1 as a
-constant, one divisible by 16 and every (PyTorch-allocated, so aligned) pointer as such. It runs in a process of
-its own: the interpreter's kernels are other objects."""
+Triton's own compiler and ptxas, its arguments specialized as Triton's launcher does (``bench/sass_counts.py``'s
+``specialized``: an integer equal to 1 as a constant, one divisible by 16 and every PyTorch-allocated, so aligned,
+pointer as such, a kernel's ``do_not_specialize`` parameters left alone). It runs in a process of its own: the
+interpreter's kernels are other objects."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from triton.runtime.jit import JITFunction
 import convtune as ct
 from convtune.algorithms.base import allocate_workspace, buffers_bytes, carve
 from convtune.algorithms.triton_family import TritonAlgorithm
+
+sys.path.insert(0, BENCH)
+from sass_counts import specialized
 
 PROBLEMS = [  # 2-D strided, dilated, 1-D, a channel multiplier; grouped: 4 channels per group
     dict(n=2, c=8, k=8, input_size=(9, 10), kernel_size=5, stride=2, padding=2, groups=8),
@@ -52,7 +56,6 @@ def catch(self, *args, grid, warmup, **kwargs):
 
 
 JITFunction.run = catch
-POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 compiled, launches, launched = set(), 0, set()
 for algorithm in ct.registered():
     if not isinstance(algorithm, TritonAlgorithm):
@@ -67,25 +70,11 @@ for algorithm in ct.registered():
             launched.add(algorithm.name)
             for kernel, args, kwargs in caught:
                 launches += 1
-                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-                names = [n for n in kernel.arg_names if n not in kwargs]
-                signature, constants, aligned = {}, dict(kwargs), []
-                for index, (name, value) in enumerate(zip(names, args)):
-                    if isinstance(value, torch.Tensor):
-                        signature[name] = POINTER[value.dtype]
-                        aligned.append(index)
-                    elif value == 1:
-                        signature[name], constants[name] = "constexpr", 1
-                    else:
-                        signature[name] = "i32"
-                        if value % 16 == 0:
-                            aligned.append(index)
-                signature.update({n: "constexpr" for n in kwargs})
+                signature, constants, attrs, options = specialized(kernel, args, kwargs)  # as Triton's launcher
                 key = (kernel.fn.__name__, kernel.fn.__module__, tuple(sorted(signature.items())),
-                       tuple(sorted(constants.items())), tuple(aligned), tuple(sorted(options.items())))
+                       tuple(sorted(constants.items())), tuple(sorted(attrs)), tuple(sorted(options.items())))
                 if key in compiled:
                     continue
-                attrs = {(index,): [["tt.divisibility", 16]] for index in aligned}
                 try:
                     triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=options)
@@ -99,11 +88,19 @@ print(f"compiled {len(compiled)} kernels of {launches} launches")
 """
 
 
+def _script(body: str) -> str:
+    """``body`` with the folders of the tests and of the bench scripts (whose ``sass_counts.specialized`` it
+    imports) named, to run in a process of its own."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return f"import sys\nTESTS = {tests!r}\nBENCH = {os.path.join(os.path.dirname(tests), 'bench')!r}\n" + body
+
+
 @pytest.mark.slow  # about 25 s on a 2-core CPU
 def test_every_triton_configuration_compiles_for_the_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CONVTUNE_TRITON"] = "1"
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-c", _script(SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     compiled = int(done.stdout.split("compiled ")[1].split()[0])
     assert compiled >= 20, done.stdout
@@ -164,8 +161,8 @@ def test_prepare_compiles_what_a_run_launches_and_runs_nothing():
     # families' GPU tests compile their cases ahead the same way (triton_cases.compile_ahead)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CONVTUNE_TRITON"] = "1"
-    script = f"import sys\nTESTS = {os.path.dirname(os.path.abspath(__file__))!r}\n" + PREPARE_SCRIPT
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _script(PREPARE_SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert int(done.stdout.split("checked ")[1].split()[0]) >= 50, done.stdout
 
