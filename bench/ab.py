@@ -244,6 +244,7 @@ def main() -> None:
         print(markdown(payload["environment"], payload["results"]))
         return
     env = common.environment()
+    payload = common.extendable(json_path, env, args.name)
     payload["environment"] = env
     results = payload.setdefault("results", {})
     for model in ["tiny"] if args.tiny else args.models:

@@ -42,6 +42,25 @@ def environment() -> dict:
     return env
 
 
+def where(env: dict) -> str:
+    """The machine an environment measured on: its GPU's name, or its CPU's."""
+    return env.get("gpu") or env.get("cpu") or "CPU"
+
+
+def extendable(path: Path, env: dict, name: str) -> dict:
+    """The results file at ``path`` that this run (of ``env``) adds its rows to, empty where there is none. Exits with
+    a message where its rows were measured on another machine: rows of two GPUs never share one file, whose tables
+    compare its rows with each other."""
+    payload = json.loads(path.read_text()) if path.exists() else {}
+    theirs = payload.get("environment")
+    if theirs and where(theirs) != where(env):
+        words = where(env).split()
+        example = f" (e.g. --name {name}_{words[1].lower()})" if env.get("gpu") and len(words) > 1 else ""
+        sys.exit(f"{path} holds results measured on {where(theirs)}, and this run is on {where(env)}: write them to "
+                 f"another results file with --name{example}")
+    return payload
+
+
 def env_line(env: dict) -> str:
     """A result file's provenance in one line: when, where, which software and which revision measured it, and
     the library's src/ tree where recorded (it names the code measured even when the commit is not on main)."""

@@ -255,8 +255,9 @@ def main() -> None:
             parser.error(str(exc))
     out_dir = Path(args.out or common.RESULTS)
     json_path = out_dir / f"{args.name}.json"
-    payload = json.loads(json_path.read_text()) if json_path.exists() else {}  # rows measured now replace theirs
-    env = payload["environment"] = common.environment()
+    env = common.environment()
+    payload = common.extendable(json_path, env, args.name)  # rows measured now replace theirs
+    payload["environment"] = env
     rows = payload.setdefault("rows", {})
     for shape, batch, dtype, direction in itertools.product(shapes, args.batch, args.dtype, args.directions):
         p = make_problem(shape, direction, batch, dtype, args.layout)

@@ -662,7 +662,7 @@ def main() -> None:
         common.write(args.name, payload, markdown(payload["environment"], payload["configs"]), out_dir)
         return
     env = common.environment()
-    payload = json.loads(json_path.read_text()) if json_path.exists() else {}
+    payload = common.extendable(json_path, env, args.name)
     payload["environment"] = env
     rows = payload.setdefault("configs", {})
     with tempfile.TemporaryDirectory() as tmp:

@@ -50,8 +50,10 @@ python3 -m convtune.cli native --json 2>&1
 header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c 'import platform, torch; g = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"; print(g + ", torch", torch.__version__ + ", cuDNN", str(torch.backends.cudnn.version()) + ", CUDA", str(torch.version.cuda) + ", Python", platform.python_version())'); revision ${BENCH_REVISION:-unknown} (bench/gpu_checks.sh)"; }
 # Exit-time lines of the cuDNN frontend's bindings (objects it reports as leaked), not test output.
 quiet() { grep -v -E 'nanobind|^ - (leaked|\.\.\. skipped)|refleaks'; }
-# pytest into its log file directly (a run cut short by a time limit keeps what it wrote), then its last lines.
-tests() { local log=$1; shift; header "$*" > "$log"; python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" >> "$log" 2>&1
+# pytest into its log file directly (a run cut short by a time limit keeps what it wrote), each test's phases timed as
+# they end into <log>_times.txt (tests/conftest.py: CONVTUNE_TEST_TIMES), then the log's last lines.
+tests() { local log=$1; shift; header "$*" > "$log"
+          CONVTUNE_TEST_TIMES="${log%.txt}_times.txt" python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" >> "$log" 2>&1
           quiet < "$log" | tail -25; }
 for step in "$@"; do
   case "$step" in

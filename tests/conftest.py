@@ -86,3 +86,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or os.sep + "gpu" + os.sep in str(item.fspath):
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """Where CONVTUNE_TEST_TIMES names a file (bench/gpu_checks.sh names one beside each GPU test log), each test's
+    setup, call and teardown append their seconds, outcome and test id to it as they end: a run cut by its time limit
+    still says where its time went, where pytest's ``--durations`` prints only at the end."""
+    path = os.environ.get("CONVTUNE_TEST_TIMES")
+    if path:
+        with open(path, "a", encoding="utf-8") as times:
+            times.write(f"{report.duration:9.2f} s  {report.when:8}  {report.outcome:7}  {report.nodeid}\n")

@@ -753,3 +753,38 @@ def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_fami
                ours={"triton:grouped_fwd_p64c32w4": 0.1})
     text = depthwise.markdown({"date": "d", "gpu": "g"}, {"a": row})
     assert "| fwd | grouped, 4 a group | 1 | 0.50 | - |" in text and "| 128 | 4 | 56 | 3 | 1 | 0.1000 | - |" in text
+
+
+def test_a_test_runs_phases_are_logged_as_they_end_where_a_times_file_is_named(tmp_path, monkeypatch):
+    # bench/gpu_checks.sh names a times file beside each GPU test log: a run its time limit cuts still shows where
+    # its time went (pytest's --durations print only at the end)
+    import conftest
+
+    times = tmp_path / "times.txt"
+    report = types.SimpleNamespace(duration=63.9, when="setup", outcome="passed", nodeid="tests/gpu/t.py::test[a]")
+    monkeypatch.delenv("CONVTUNE_TEST_TIMES", raising=False)
+    conftest.pytest_runtest_logreport(report)
+    assert not times.exists()
+    monkeypatch.setenv("CONVTUNE_TEST_TIMES", str(times))
+    conftest.pytest_runtest_logreport(report)
+    conftest.pytest_runtest_logreport(types.SimpleNamespace(duration=1.5, when="call", outcome="failed",
+                                                            nodeid="tests/gpu/t.py::test[a]"))
+    assert times.read_text().splitlines() == ["    63.90 s  setup     passed   tests/gpu/t.py::test[a]",
+                                              "     1.50 s  call      failed   tests/gpu/t.py::test[a]"]
+    assert "CONVTUNE_TEST_TIMES" in (Path(__file__).parents[1] / "bench" / "gpu_checks.sh").read_text()
+
+
+def test_results_of_another_gpu_are_never_merged_into_a_results_file(tmp_path, common):
+    # e2e.py, ab.py and depthwise.py add their rows to a results file; its tables compare those rows, so a run on
+    # another GPU (an H100 where the file's rows are the H200's) must write elsewhere, told how
+    path = tmp_path / "e2e.json"
+    assert common.extendable(path, dict(gpu="NVIDIA H200"), "e2e") == {}
+    path.write_text(json.dumps(dict(environment=dict(gpu="NVIDIA H200"), configs={"a": 1})))
+    assert common.extendable(path, dict(gpu="NVIDIA H200"), "e2e")["configs"] == {"a": 1}
+    with pytest.raises(SystemExit, match=r"measured on NVIDIA H200, and this run is on NVIDIA H100 80GB HBM3: .*"
+                                         r"--name \(e\.g\. --name e2e_h100\)"):
+        common.extendable(path, dict(gpu="NVIDIA H100 80GB HBM3"), "e2e")
+    with pytest.raises(SystemExit, match=r"this run is on AMD EPYC: write them to another results file with --name$"):
+        common.extendable(path, dict(cpu="AMD EPYC"), "e2e")
+    for script in ("e2e.py", "ab.py", "depthwise.py"):
+        assert "common.extendable(json_path, env, args.name)" in (Path(common.__file__).parent / script).read_text()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -142,15 +143,22 @@ print(f"checked {checked}")
 # triton_cases.compile_ahead, as the families' test files call it on a GPU: every pair's launches warmed up, on the
 # threads of Triton's AsyncCompileMode (caught here before they compile)
 sys.path.insert(0, TESTS)
+import types
+
 from triton_cases import compile_ahead
+
+said = []
+REQUEST = types.SimpleNamespace(module=types.SimpleNamespace(__name__="script"), config=types.SimpleNamespace(
+    pluginmanager=types.SimpleNamespace(get_plugin=lambda name: types.SimpleNamespace(write_line=said.append))))
 
 caught.clear()
 pairs = [(a.name, ct.ConvProblem(a.directions[0], dtype="float16", device="cuda", **PROBLEMS[0]))
          for a in ct.registered() if isinstance(a, TritonAlgorithm)]
 pairs = [(name, p) for name, p in pairs if ct.get_algorithm(name).supports(p)]
-compile_ahead(pairs + [(pairs[0][0], pairs[0][1].replace(device="cpu"))])  # the CPU problem: nothing
+compile_ahead(REQUEST, pairs + [(pairs[0][0], pairs[0][1].replace(device="cpu"))])  # the CPU problem: nothing
 warmed = {kernel.fn.__name__ for kernel, _, warm, _, _ in caught if warm}
 assert len(caught) >= len(pairs) and all(warm for _, _, warm, _, _ in caught), (len(caught), len(pairs))
+assert len(said) == 1 and said[0].startswith(f"script: {len(pairs)} (configuration, problem) pairs compiled"), said
 print(f"compiled ahead {len(pairs)} pairs, kernels {sorted(warmed)}")
 """
 
@@ -166,3 +174,22 @@ def test_prepare_compiles_what_a_run_launches_and_runs_nothing():
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert int(done.stdout.split("checked ")[1].split()[0]) >= 50, done.stdout
 
+
+
+def test_the_test_files_compile_ahead_only_the_cases_pytest_selected():
+    # a GPU run of some tests by id (the rest of a run cut at its time limit) compiles only their cases ahead: at
+    # 5e58cc6 the strip file's last 44 tests never started, its fixture compiling every case of the file first
+    from triton_cases import depthwise_problem, selected_problems
+
+    here, elsewhere = types.SimpleNamespace(name="here"), types.SimpleNamespace(name="elsewhere")
+
+    def item(module, name, **params):
+        return types.SimpleNamespace(module=module, originalname=name, callspec=types.SimpleNamespace(params=params))
+
+    case = dict(shape="3x3_pad1", direction="bwd_data", dtype="bfloat16", layout="channels_last")
+    items = [item(here, "test_matches_reference", **case), item(here, "test_other", direction="fwd"),
+             item(elsewhere, "test_matches_reference", **dict(case, direction="fwd"))]
+    request = types.SimpleNamespace(module=here, session=types.SimpleNamespace(items=items))
+    assert selected_problems(request, depthwise_problem) == [depthwise_problem(*case.values())]
+    request.session.items = items[1:3]
+    assert selected_problems(request, depthwise_problem) == []

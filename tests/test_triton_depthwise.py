@@ -18,7 +18,6 @@ from triton_cases import (
     DEPTHWISE_SHAPES,
     DEVICE,
     DIRECTIONS,
-    case_problems,
     check_configurations,
     check_supporting,
     compile_ahead,
@@ -27,6 +26,7 @@ from triton_cases import (
     kernel_tests,
     kernels,
     needs_triton,
+    selected_problems,
 )
 
 FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwise)]
@@ -49,8 +49,8 @@ KERNEL_TESTS = kernel_tests(SHAPES) - len(SHAPES) * len(DIRECTIONS) * 2  # float
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiled_ahead():  # what test_matches_reference runs (triton_cases.compile_ahead)
-    compile_ahead((n, p) for p in case_problems(SHAPES, depthwise_problem) for n in FAMILY)
+def _compiled_ahead(request):  # what test_matches_reference runs (triton_cases.compile_ahead)
+    compile_ahead(request, ((n, p) for p in selected_problems(request, depthwise_problem) for n in FAMILY))
 
 
 @kernels

@@ -19,7 +19,6 @@ from triton_cases import (
     DEPTHWISE_SHAPES,
     DEVICE,
     DIRECTIONS,
-    case_problems,
     check_configurations,
     check_supporting,
     compile_ahead,
@@ -29,6 +28,7 @@ from triton_cases import (
     kernels,
     needs_triton,
     run_checked,
+    selected_problems,
 )
 
 FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwiseBand)]
@@ -49,8 +49,9 @@ def checked(direction: str) -> list[str]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiled_ahead():  # what test_matches_reference runs (triton_cases.compile_ahead)
-    compile_ahead((n, p) for p in case_problems(SHAPES, depthwise_problem) for n in checked(p.direction))
+def _compiled_ahead(request):  # what test_matches_reference runs (triton_cases.compile_ahead)
+    compile_ahead(request, ((n, p) for p in selected_problems(request, depthwise_problem)
+                            for n in checked(p.direction)))
 
 
 @kernels

@@ -16,7 +16,6 @@ from convtune.problem import ConvProblem
 from triton_cases import (
     DEVICE,
     DIRECTIONS,
-    case_problems,
     check_configurations,
     check_supporting,
     compile_ahead,
@@ -24,6 +23,7 @@ from triton_cases import (
     kernel_tests,
     kernels,
     needs_triton,
+    selected_problems,
 )
 
 FAMILY = [a.name for a in registered() if isinstance(a, TritonGrouped)]
@@ -48,8 +48,8 @@ def reference_problem(shape: str, direction: str, dtype: str, layout: str) -> Co
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _compiled_ahead():  # what test_matches_reference runs (triton_cases.compile_ahead)
-    compile_ahead((n, p) for p in case_problems(SHAPES, reference_problem) for n in FAMILY)
+def _compiled_ahead(request):  # what test_matches_reference runs (triton_cases.compile_ahead)
+    compile_ahead(request, ((n, p) for p in selected_problems(request, reference_problem) for n in FAMILY))
 
 
 @kernels

@@ -78,33 +78,49 @@ def check_configurations(family: list[str], p: ConvProblem, configurations: int)
         run_checked(name, p)
 
 
-def case_problems(shapes: dict, make) -> list[ConvProblem]:
-    """``make(shape, direction, dtype, layout)`` for every case of ``every_case(shapes)``."""
-    return [make(*case) for case in itertools.product(shapes, DIRECTIONS, DTYPES, LAYOUTS)]
+def selected_params(request: pytest.FixtureRequest, test: str) -> list[dict]:
+    """The parameters of each case of the requesting module's ``test`` that pytest will run: a run of some tests by
+    id (or by ``-k``) compiles ahead only theirs."""
+    return [item.callspec.params for item in request.session.items
+            if getattr(item, "module", None) is request.module and getattr(item, "originalname", None) == test]
 
 
-def compile_ahead(pairs: Iterable[tuple[str, ConvProblem]]) -> None:
+def selected_problems(request: pytest.FixtureRequest, make) -> list[ConvProblem]:
+    """``make(shape, direction, dtype, layout)`` for each case of ``every_case`` of the requesting module's
+    ``test_matches_reference`` that pytest will run."""
+    return [make(c["shape"], c["direction"], c["dtype"], c["layout"])
+            for c in selected_params(request, "test_matches_reference")]
+
+
+def compile_ahead(request: pytest.FixtureRequest, pairs: Iterable[tuple[str, ConvProblem]]) -> None:
     """On a GPU: the kernels of every (configuration, problem) of ``pairs`` compiled at once on threads, through
     ``Algorithm.prepare`` under Triton's ``AsyncCompileMode``, before the tests run them one by one (compiled one
     after another, they took most of a GPU run of these files). It checks nothing, the tests do; a fault here is a
-    warning and costs only the head start. Nothing in the interpreter, nor for a problem off CUDA."""
+    warning and costs only the head start. Nothing in the interpreter, nor for a problem off CUDA. How many pairs
+    and how long goes to pytest's terminal at once (a run cut by a time limit shows where its time went)."""
     if interpreting() or not HAS_TRITON:
         return
     import concurrent.futures
     import os
+    import time
     import warnings
 
     import triton
 
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool, \
+    start = time.perf_counter()
+    pairs = [(name, p) for name, p in pairs if p.device == "cuda"]
+    with concurrent.futures.ThreadPoolExecutor(min(32, os.cpu_count() or 1)) as pool, \
             triton.AsyncCompileMode(pool, ignore_errors=True):
         for name, p in pairs:
-            if p.device != "cuda":
-                continue
             try:
                 get_algorithm(name).prepare(p)
             except Exception as exc:  # noqa: BLE001 - the test's own run compiles it, and fails there if it must
                 warnings.warn(f"{name} on {p.key}: not compiled ahead ({type(exc).__name__}: {exc})", stacklevel=2)
+    if pairs:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"{request.module.__name__}: {len(pairs)} (configuration, problem) pairs compiled "
+                                f"ahead in {time.perf_counter() - start:.1f} s")
 
 
 GUARD = 1 << 16  # elements before and after each tensor of a checked run: more than a tile's reach past an end

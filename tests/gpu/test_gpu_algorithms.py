@@ -24,12 +24,27 @@ LAYERS = [
     dict(n=2, c=16, k=16, input_size=(12, 12, 12), kernel_size=3, padding=1),
 ]
 CASES = cases(LAYERS)
+EVERY_ALGORITHM = "test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace"
+
+
+def gpu_problem(case) -> ct.ConvProblem:
+    layer, direction, dtype, layout = case
+    return ct.ConvProblem(direction=direction, dtype=dtype, layout=layout, device="cuda", allow_tf32=False, **layer)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _triton_compiled_ahead(request):
+    # the Triton configurations of the cases the test below runs, compiled at once on threads; compiled one after
+    # another, they took most of its time (triton_cases.compile_ahead)
+    from triton_cases import compile_ahead, selected_params
+
+    problems = [gpu_problem(c["case"]) for c in selected_params(request, EVERY_ALGORITHM)]
+    compile_ahead(request, ((a.name, p) for p in problems for a in ct.algorithms(p) if a.host_kind == "triton"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace(case):
-    layer, direction, dtype, layout = case
-    p = ct.ConvProblem(direction=direction, dtype=dtype, layout=layout, device="cuda", allow_tf32=False, **layer)
+    p = gpu_problem(case)
     a, b = p.random_inputs(seed=11)
     ref = reference(p, a, b)
     algos = ct.algorithms(p)

@@ -67,13 +67,14 @@ TRITON_LAYERS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _triton_compiled_ahead():
+def _triton_compiled_ahead(request):
     # the Triton configurations the test below launches, compiled at once on threads (triton_cases.compile_ahead)
-    from triton_cases import compile_ahead
+    from triton_cases import compile_ahead, selected_params
 
-    problems = [ct.ConvProblem(direction, dtype="float16", layout="channels_last", device="cuda", **layer)
-                for layer in TRITON_LAYERS for direction in ("fwd", "bwd_data", "bwd_filter")]
-    compile_ahead((a.name, p) for p in problems for a in ct.algorithms(p) if a.host_kind == "triton")
+    problems = [ct.ConvProblem(c["direction"], dtype="float16", layout="channels_last", device="cuda", **c["layer"])
+                for c in selected_params(request, "test_triton_kernels_launched_from_cpp_compute_what_their_python_"
+                                                  "launches_do")]
+    compile_ahead(request, ((a.name, p) for p in problems for a in ct.algorithms(p) if a.host_kind == "triton"))
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd_data", "bwd_filter"])
