@@ -639,6 +639,10 @@ def main() -> None:
                         "results file lacks an ok row of, convtune's counting only where it ran the current src/ tree, "
                         "each measured again whole, PyTorch's rows too (a run in parts goes on where the last one "
                         "stopped, over several runs while src/ stays as it is)")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no group (network, batch, dtype, "
+                        "style) once this many seconds are spent or the longest group so far would not end within "
+                        "them (a run on a machine lent for a limited time ends between groups, which --missing "
+                        "then goes on from)")
     parser.add_argument("--report", action="store_true", help="write the markdown again from the results file "
                         "(runs nothing)")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
@@ -665,6 +669,7 @@ def main() -> None:
     payload = common.extendable(json_path, env, args.name)
     payload["environment"] = env
     rows = payload.setdefault("configs", {})
+    started, longest = time.monotonic(), 0.0
     with tempfile.TemporaryDirectory() as tmp:
         db_dir = Path(args.db_dir or tmp)
         db_dir.mkdir(parents=True, exist_ok=True)
@@ -678,6 +683,12 @@ def main() -> None:
             # again whole, its modes taking turns, so that each of its ratios compares rows of one run.
             if args.missing and all(current(rows.get(config_id(c), {}), c["mode"], env) for c in cfgs):
                 cfgs = []
+            spent = time.monotonic() - started
+            if cfgs and args.budget_s is not None and spent + longest > args.budget_s:
+                print(f"{model}:b{batch}:{dtype}:{style} and the groups after it not started: {spent:.0f} s spent, "
+                      f"the longest group took {longest:.0f} s, --budget-s {args.budget_s:g}", file=sys.stderr)
+                break
+            group_start = time.monotonic()
             runs: dict[str, list[dict]] = {config_id(c): [] for c in cfgs}
             for turn in range(args.processes if cfgs else 0):  # the modes take turns, in a rotated order
                 for cfg in cfgs[turn % len(cfgs):] + cfgs[:turn % len(cfgs)]:
@@ -688,6 +699,8 @@ def main() -> None:
                     row["date"], row["revision"], row["source"] = env["date"], env["revision"], env["source"]
                     rows[config_id(cfg)] = row
                     common.write(args.name, payload, markdown(env, rows), out_dir)  # a cut run keeps what it did
+            if cfgs:
+                longest = max(longest, time.monotonic() - group_start)
     print(markdown(env, rows))
 
 

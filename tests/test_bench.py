@@ -128,6 +128,14 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     assert moved["tiny:b4:bfloat16:eager:torch_bm1"]["source"] == "another" != ours["source"]
     assert moved["tiny:b4:bfloat16:eager:convtune"]["source"] == "another"
     assert "convtune's src/" in (tmp_path / "e2e.md").read_text()
+    # --budget-s: a run on a machine lent for a limited time starts no group the longest one so far would carry past
+    # the budget, and --missing goes on from there
+    two_groups = (*grid, "--batches", "4,2")  # the last --batches counts
+    cut = _run("e2e.py", tmp_path, *two_groups, "--budget-s", "1", env={"BENCH_SOURCE": "third"})["configs"]
+    assert cut["tiny:b4:bfloat16:eager:convtune"]["source"] == "third" and "tiny:b2:bfloat16:eager:convtune" not in cut
+    rest = _run("e2e.py", tmp_path, *two_groups, env={"BENCH_SOURCE": "third"})["configs"]
+    assert rest["tiny:b2:bfloat16:eager:convtune"]["source"] == "third"
+    assert rest["tiny:b4:bfloat16:eager:convtune"] == cut["tiny:b4:bfloat16:eager:convtune"]
 
     results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
                    "--batches", "4", "--profile")["results"]
