@@ -52,7 +52,7 @@ RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
 PRICE_RULES = ("top2", "top3", "a10", "a20", "a30", "b10", "b20")
 RULES = (*PRICE_RULES, "analytic_b")
 # find's settings simulated: (find_patience, find_prune_factor); 0: that rule off
-FIND_SETTINGS = tuple((patience, prune) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8))
+FIND_SETTINGS = tuple((patience, prune) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8, 16))
 
 
 def picks(order: list[tuple[learned.Sample, float]], heuristics: dict[str, str | None]) -> dict:
