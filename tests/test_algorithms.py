@@ -234,3 +234,26 @@ def test_the_cpu_reference_leaves_cudnns_flags_alone(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "flags", lambda *a, **k: seen.append(k) or contextlib.nullcontext())
     reference(p, *p.random_inputs())
     assert seen == []
+
+
+def test_an_algorithm_that_assumes_aligned_operands_refuses_a_view_at_another_address():
+    # cuDNN's plans assume 16-byte aligned operands (their tensors are declared so): run and a tuned layer's Python
+    # path refuse a view that starts elsewhere, naming the operand, as the native plans do; an aligned one runs
+    from convtune.pytorch import ops
+    from fakes import Fake
+
+    aligned = Fake("fake:aligned")
+    aligned.alignment = 16
+    registry.register(aligned)
+    try:
+        p = ct.ConvProblem("fwd", n=2, c=4, k=4, input_size=(5, 5), kernel_size=3, padding=1)
+        x, w = p.random_inputs()
+        storage = torch.empty(x.numel() + 1)
+        shifted = storage[1:].view_as(x).copy_(x)  # 4 bytes past an aligned address
+        for run in (lambda a: aligned.run(p, a, w), lambda a: ops.Runner(p.key, "fake:aligned")(a, w)):
+            with pytest.raises(ValueError, match=r"by fake:aligned: operand x starts at an address not aligned to 16"):
+                run(shifted)
+            torch.testing.assert_close(run(shifted.clone()), native_conv(p, x, w))
+        assert aligned.runs == 2
+    finally:
+        registry.unregister("fake:aligned")

@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -178,6 +179,53 @@ def test_bad_input_raises_a_value_error_that_names_the_layer_and_the_mismatch(na
         torch.ops.convtune.tuned_conv(x.requires_grad_(), w, None, h, 0, 0)
     with pytest.raises(ValueError, match="already taken"):
         native.add_native(h, "another description", runtime._geometry(native, p, ct.get_algorithm("torch:native", p)))
+    # a handle in another direction's slot: on a 1x1 layer of as many channels in as out, its operands fit, and it
+    # would compute another thing without a word
+    square = ConvProblem("fwd", n=2, c=4, k=4, input_size=(5, 5), kernel_size=1)
+    handles = {d: runtime.executable(square.replace(direction=d), ct.get_algorithm("gemm:1x1", square))
+               for d in ("fwd", "bwd_data", "bwd_filter")}
+    xs, ws = square.random_inputs()
+    for slots, wrong in (((handles["bwd_data"], 0, 0), "forward's, but its executable computes the data gradient"),
+                         ((handles["fwd"], handles["fwd"], 0), "data gradient's, but its executable computes the forw"),
+                         ((handles["fwd"], 0, handles["bwd_data"]), "weight gradient's, but its executable computes")):
+        with pytest.raises(ValueError, match=wrong):
+            torch.ops.convtune.tuned_conv(xs.requires_grad_(), ws.requires_grad_(), None, *slots)
+
+
+@pytest.mark.parametrize("path", ["executable", "layer op", "module, native", "module, python"])
+def test_a_bias_torch_refuses_is_refused_never_broadcast(native, path):
+    # torch's convolution refuses a bias that is not 1-dimensional with the output's channels, or of another dtype;
+    # adding it by broadcasting (as the ops did) gave a wrong result, or another result dtype, without a word
+    p = ConvProblem("fwd", n=2, c=4, k=6, input_size=(5, 5), kernel_size=1)
+    x, w = p.random_inputs()
+    good = torch.randn(6)
+    if path == "executable":
+        h = runtime.executable(p, ct.get_algorithm("gemm:1x1", p))
+        def conv(bias):
+            return torch.ops.convtune.tuned_conv(x, w, bias, h, 0, 0)
+        label = re.escape(p.key)
+    elif path == "layer op":
+        layer = native.layer_new([1, 1], [0, 0], [1, 1], 1, list(w.shape))
+        def conv(bias):
+            return torch.ops.convtune.layer_conv(x, w, bias, [1, 1], [0, 0], [1, 1], 1, layer, False, False)
+        label = f"convtune: layer {layer}"
+    else:
+        with settings.override(native=path == "module, native"):
+            module = _forced(x, "gemm:1x1", in_channels=4, out_channels=6, kernel_size=1)
+            module(x)
+            assert next(iter(module.selections.values())).runtime == path.split(", ")[1]
+        module.weight.data.copy_(w)
+
+        def conv(bias):
+            module.bias = torch.nn.Parameter(bias, requires_grad=False)
+            with settings.override(native=path == "module, native"), torch.no_grad():
+                return module(x)
+        label = re.escape(p.key) if path == "module, native" else re.escape("Conv2d(4, 6, kernel_size=(1, 1)")
+    torch.testing.assert_close(conv(good), F.conv2d(x, w, good), atol=1e-5, rtol=1e-4)
+    for bad in (torch.randn(1), torch.randn(6, 1), torch.randn(3), good.double()):
+        with pytest.raises(ValueError, match=f"{label}.*bias of shape {re.escape(str(list(bad.shape)))}.*give a "
+                                             f"1-dimensional bias of 6 elements"):
+            conv(bad)
 
 
 # -- modules on the native path ------------------------------------------------------------------
@@ -447,6 +495,31 @@ def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, m
     assert len(messages) == 1 and "Install a C++ compiler" in messages[0], messages
     plan = next(iter(module.selections.values()))
     assert plan.runtime == "python" and "extension is not available" in plan.python_reason
+    torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fault", ["folder is a file", "no build tools"])
+def test_a_build_folder_that_cannot_be_written_or_missing_build_tools_fall_back_too(native, monkeypatch, tmp_path,
+                                                                                     fault):
+    # a read-only cache (or a file where the folder should be) and a torch without setuptools used to raise from the
+    # layer's first call, again on every call, instead of warning once and keeping the Python path
+    monkeypatch.setattr(extension, "_state", {"module": None, "error": None, "build_s": None})
+    (tmp_path / "file").write_text("")
+    folder = tmp_path / "file" / "ext" if fault == "folder is a file" else tmp_path / "ext"
+    if fault == "no build tools":
+        monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # its import fails, as without setuptools
+        monkeypatch.delattr(torch.utils, "cpp_extension", raising=False)
+    x = torch.randn(2, 6, 5, 5)
+    with settings.override(extension_dir=str(folder)), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = _forced(x, "gemm:1x1", in_channels=6, out_channels=4, kernel_size=1)
+        y = module(x)
+        module(x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    fix = "CONVTUNE_EXTENSION_DIR to a folder this user can write" if fault == "folder is a file" else \
+        "Install a C++ compiler"
+    assert len(messages) == 1 and fix in messages[0] and "CONVTUNE_NATIVE=0" in messages[0], messages
+    assert next(iter(module.selections.values())).runtime == "python"
     torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
 
 
@@ -1266,6 +1339,37 @@ def test_the_database_keeps_what_rebuilds_an_executable_and_forgets_it_on_clear(
         assert db.executable(p, "cudnn:eng0") is None
     with pytest.raises(ValueError, match="no cuda device"):
         ct.TuningDB(tmp_path / "u.sqlite").store_executable(p.replace(device="cuda"), "cudnn:eng0", recipe, b"")
+
+
+def test_a_damaged_stored_executable_is_rebuilt_never_run(tmp_path, caplog):
+    # an executable's row says what a warm start runs without checking it again (a GEMM's buffer offsets, a Triton
+    # launch's grid and offsets, a cuDNN plan): a row changed on disk that still reads as valid JSON was run as it
+    # was; its checksum now binds the recipe and serialized form, and a damaged row is rebuilt
+    import sqlite3
+
+    p = ConvProblem("fwd", n=1, c=2, k=3, input_size=(5, 5), kernel_size=3)
+    recipe = {"kind": "gemm_1x1_strided", "options": {"buffers": [["slice", [2, 4, 4, 0], "float32"]]}}
+    path = tmp_path / "t.sqlite"
+    with ct.TuningDB(path) as db:
+        db.store_executable(p, "gemm:1x1_strided", recipe, b"plan")
+        assert db.executable(p, "gemm:1x1_strided") == (recipe, b"plan")
+    damages = {"a digit of the recipe": ("UPDATE executables SET recipe = replace(recipe, '4, 0', '8, 0')", "checksum"),
+               "the serialized form": ("UPDATE executables SET serialized = x'706c616f'", "checksum"),
+               "not JSON": ("UPDATE executables SET recipe = substr(recipe, 2)", "Extra data"),
+               "a row of before checksums": ("UPDATE executables SET recipe = '{\"kind\": \"gemm_1x1\"}'", None)}
+    for damage, (statement, reason) in damages.items():
+        with ct.TuningDB(path) as db:
+            db.store_executable(p, "gemm:1x1_strided", recipe, b"plan")
+        with sqlite3.connect(path) as conn:
+            conn.execute(statement)
+        caplog.clear()
+        with ct.TuningDB(path) as db, caplog.at_level("INFO", logger="convtune.db"):
+            assert db.executable(p, "gemm:1x1_strided") is None, damage
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        if reason is None:  # no warning for what an upgrade leaves: it is rebuilt and stored again
+            assert not warnings and any("before its rows had checksums" in r.getMessage() for r in caplog.records)
+        else:
+            assert len(warnings) == 1 and reason in warnings[0] and "it is rebuilt" in warnings[0], (damage, warnings)
 
 
 def test_an_executable_is_prepared_once_per_process(native, tmp_path):

@@ -9,6 +9,7 @@ interpreter's kernels are other objects."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -17,6 +18,10 @@ import types
 import pytest
 
 pytest.importorskip("triton")
+
+import convtune as ct  # noqa: E402
+from convtune.algorithms.base import allocate_workspace, buffers_bytes, carve  # noqa: E402
+from convtune.algorithms.triton_family import GRID_AXIS_LIMIT, TritonAlgorithm  # noqa: E402
 
 SCRIPT = r"""
 import torch
@@ -193,3 +198,50 @@ def test_the_test_files_compile_ahead_only_the_cases_pytest_selected():
     assert selected_problems(request, depthwise_problem) == [depthwise_problem(*case.values())]
     request.session.items = items[1:3]
     assert selected_problems(request, depthwise_problem) == []
+
+
+def _launch_grids(algorithm: TritonAlgorithm, p: ct.ConvProblem) -> list[tuple[int, ...]]:
+    """The grid of every launch one run of ``algorithm`` on ``p`` makes, on operands of PyTorch's meta device with
+    every kernels module's ``launch`` replaced: nothing compiles, nothing runs."""
+    from unittest import mock
+
+    from convtune.kernels import recording
+    from convtune.problem import empty_in_layout
+
+    grids: list[tuple[int, ...]] = []
+    algorithm.module()  # imported before its launches are replaced
+    modules = [m for name, m in sys.modules.items() if name.startswith("convtune.kernels.") and hasattr(m, "launch")]
+    a, b, out = (empty_in_layout(s, p.layout, p.torch_dtype, "meta") for s in p.operand_shapes)
+    buffers = algorithm.buffers(p)
+    with contextlib.ExitStack() as stack:
+        for module in {recording, *modules}:
+            stack.enter_context(mock.patch.object(module, "launch", lambda kernel, grid, *args, **kw: grids.append(
+                tuple(grid))))
+        algorithm._run(p, a, b, out, carve(allocate_workspace(buffers_bytes(buffers), "meta"), buffers))
+    return grids
+
+
+@pytest.mark.parametrize("case", ["many channels, depthwise", "many groups", "a long kernel, grouped",
+                                  "many stride phases", "an ordinary layer"])
+def test_a_supported_problem_never_asks_a_grid_axis_for_more_programs_than_cuda_holds(case):
+    # CUDA holds 65535 programs on a grid's second and third axes: a configuration that would launch more must say
+    # unsupported (with the reason), never fail at launch; the depthwise and grouped families did not say it
+    spec = {"many channels, depthwise": dict(n=1, c=300000, k=300000, groups=300000, input_size=(8,), kernel_size=3),
+            "many groups": dict(n=1, c=2400000, k=2400000, groups=1200000, input_size=(4,), kernel_size=3),
+            "a long kernel, grouped": dict(n=1, c=4, k=4, groups=2, input_size=(66000,), kernel_size=66000),
+            "many stride phases": dict(n=1, c=2, k=2, groups=2, input_size=(600, 600), kernel_size=3, stride=300),
+            "an ordinary layer": dict(n=2, c=64, k=64, groups=64, input_size=(14, 14), kernel_size=3, padding=1)}[case]
+    refused = checked = 0
+    for algorithm in ct.registered():
+        if not isinstance(algorithm, TritonAlgorithm):
+            continue
+        for direction in algorithm.directions:
+            p = ct.ConvProblem(direction, dtype="float16", layout="channels_last", device="cuda", **spec)
+            support = algorithm.supports(p)
+            if not support:
+                refused += "grid axis" in support.reason
+                continue
+            grids = _launch_grids(algorithm, p)
+            assert grids and all(g <= GRID_AXIS_LIMIT for grid in grids for g in grid[1:]), (algorithm.name, grids)
+            checked += 1
+    assert (checked and not refused) if case == "an ordinary layer" else refused, (checked, refused)

@@ -295,7 +295,12 @@ class TuningDB:
         here = _here(problem.device)
         if here is None:
             raise ValueError(f"cannot store an executable of {problem.key}: no {problem.device} device on this machine")
-        row = (*here, problem.key, algorithm, time.time(), json.dumps(recipe), bytes(serialized))
+        text = json.dumps(recipe)
+        # the recipe column holds the recipe's JSON text with a checksum binding it and the serialized form to
+        # this machine, software, problem and algorithm: a damaged row is rebuilt, never run
+        sealed = json.dumps({"recipe": text, "checksum": _executable_checksum(*here, problem.key, algorithm, text,
+                                                                              bytes(serialized))})
+        row = (*here, problem.key, algorithm, time.time(), sealed, bytes(serialized))
         self._write(lambda conn: conn.execute("INSERT OR REPLACE INTO executables VALUES (?, ?, ?, ?, ?, ?, ?)", row))
 
     def store_host_costs(self, device: str, costs: dict[str, float]) -> None:
@@ -330,12 +335,24 @@ class TuningDB:
                           "AND algorithm=?", (*here, problem.key, algorithm))
         if not rows:
             return None
+        serialized = bytes(rows[0][1])
         try:
-            return json.loads(rows[0][0]), bytes(rows[0][1])
-        except ValueError:
-            self._warn_once(f"executable:{problem.key}:{algorithm}", "ignoring an unreadable stored executable of %s "
-                            "by %s; it is rebuilt", problem.key, algorithm)
+            sealed = json.loads(rows[0][0])
+            if isinstance(sealed, dict) and "kind" in sealed and "checksum" not in sealed:
+                log.info("rebuilding the executable of %s by %s: stored before its rows had checksums", problem.key,
+                         algorithm)
+                return None
+            text = sealed["recipe"]
+            if sealed["checksum"] != _executable_checksum(*here, problem.key, algorithm, text, serialized):
+                raise ValueError("its checksum does not match (a damaged row)")
+            recipe = json.loads(text)
+            if not isinstance(recipe, dict):
+                raise ValueError("its recipe is not a JSON object")
+        except (ValueError, TypeError, KeyError) as exc:
+            self._warn_once(f"executable:{problem.key}:{algorithm}", "ignoring a stored executable of %s by %s (%s); "
+                            "it is rebuilt", problem.key, algorithm, exc)
             return None
+        return recipe, serialized
 
     def close(self) -> None:
         """Close this process's connection; the object reopens it if used again."""
@@ -563,6 +580,13 @@ def _checksum(fingerprint: str, software: str, problem: str, algorithm: str, tex
     for part in (fingerprint, software, problem, algorithm, text):
         digest.update(part.encode("utf-8", errors="surrogatepass") + b"\0")
     return digest.hexdigest()
+
+
+def _executable_checksum(fingerprint: str, software: str, problem: str, algorithm: str, recipe: str,
+                         serialized: bytes) -> str:
+    """What binds a stored executable's recipe (its JSON text) and serialized form to its machine, software, problem
+    and algorithm."""
+    return _checksum(fingerprint, software, problem, algorithm, recipe + "\0" + hashlib.blake2b(serialized).hexdigest())
 
 
 def _encode(result: PerfResult) -> tuple[str, str]:

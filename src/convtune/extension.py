@@ -133,17 +133,22 @@ def _build(verbose: bool = False) -> ModuleType:
     folder = build_dir()
     if (module := _load_finished(folder)) is not None:
         return module
-    from torch.utils import cpp_extension
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / BUILT).unlink(missing_ok=True)
-    cflags, ldflags, includes = _flags(cudnn)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / BUILT).unlink(missing_ok=True)
+    except OSError as exc:  # a read-only cache, a file where the folder should be
+        raise BuildError(f"convtune's C++ extension cannot be built in {folder}: {_first_line(exc)}. Set "
+                         f"CONVTUNE_EXTENSION_DIR to a folder this user can write, then run `convtune native "
+                         f"--rebuild`; CONVTUNE_NATIVE=0 silences this and keeps the Python path") from exc
+    try:
+        from torch.utils import cpp_extension
+
+        cflags, ldflags, includes = _flags(cudnn)
         module = cpp_extension.load(
             name=LIBRARY, sources=[str(SOURCE_DIR / s) for s in SOURCES], extra_cflags=cflags,
             extra_ldflags=ldflags, extra_include_paths=includes, build_directory=str(folder),
             with_cuda=cudnn is not None, verbose=verbose)
-    except Exception as exc:  # compiler missing or failing, ninja missing, headers missing: all say the same
+    except Exception as exc:  # compiler, ninja, headers or setuptools missing, compiler failing: all say the same
         raise BuildError(f"building convtune's C++ extension in {folder} failed: {_first_line(exc)}. Install a C++ "
                          f"compiler and ninja (apt-get install g++; pip install ninja) and the headers of your "
                          f"torch build, then run `convtune native --rebuild`; CONVTUNE_NATIVE=0 silences this "

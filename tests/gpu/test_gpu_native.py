@@ -297,12 +297,12 @@ def test_a_misaligned_operand_or_a_stale_handle_raises_a_value_error_not_a_crash
     p = ct.ConvProblem("fwd", n=2, c=64, k=64, input_size=(8, 8), kernel_size=3, padding=1, dtype="float16",
                        layout="channels_last", device="cuda")
     x, w = p.random_inputs(seed=4)
-    handle = None
+    handle = plan = None
     for algo in ct.algorithms(p):
         recipe = algo.native_recipe(p)
         if recipe is not None and recipe.kind == "cudnn":
             try:
-                handle = runtime.executable(p, algo)
+                handle, plan = runtime.executable(p, algo), algo
                 break
             except RuntimeError:  # an execution plan cuDNN does not build here
                 continue
@@ -312,6 +312,9 @@ def test_a_misaligned_operand_or_a_stale_handle_raises_a_value_error_not_a_crash
     shifted.copy_(x)
     with pytest.raises(ValueError, match="operand x starts at an address not aligned to 16 bytes"):
         torch.ops.convtune.tuned_run(shifted, w, handle)
+    # the Python path's run of the same plan (no extension, a frontend-only engine) refuses it alike
+    with pytest.raises(ValueError, match=re.escape(f"by {plan.name}: operand x starts at an address not aligned")):
+        plan.run(p, shifted, w, workspace=allocate_workspace(plan.buffer_bytes(p), "cuda"))
     with pytest.raises(ValueError, match="no executable has handle 12345"):
         torch.ops.convtune.tuned_run(x, w, 12345)
     torch.testing.assert_close(torch.ops.convtune.tuned_run(shifted.clone(), w, handle),

@@ -156,6 +156,17 @@ def allocate_workspace(nbytes: int, device: str | torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def check_aligned(algorithm: Algorithm, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Raises ValueError naming the operand where ``a`` or ``b`` starts at an address ``algorithm`` does not take
+    (its ``alignment``: a view into another tensor may start anywhere)."""
+    if algorithm.alignment > 1:
+        for name, t in zip(OPERAND_NAMES[problem.direction], (a, b)):
+            if t.data_ptr() % algorithm.alignment:
+                raise ValueError(f"convtune:{problem.key} by {algorithm.name}: operand {name} starts at an address "
+                                 f"not aligned to {algorithm.alignment} bytes, which it assumes; pass a fresh tensor "
+                                 f"(clone it)")
+
+
 class Algorithm(abc.ABC):
     """Base of every algorithm. Subclasses set the class attributes and implement ``_run``.
 
@@ -166,7 +177,8 @@ class Algorithm(abc.ABC):
     (0: the heuristics' first choice), which get prices (``costmodel.order_factor``) and its learned
     model reads; None for everything else. host_kind: which of the host costs the Python path's runs of it pay
     (``convtune.pytorch.runtime.host_overheads_us``; where it has no native executable): 'python', or
-    'triton' for a Triton kernel, whose launcher costs more host time.
+    'triton' for a Triton kernel, whose launcher costs more host time. alignment: the bytes to which its operands'
+    first elements must be aligned (1: any address), which ``run`` and a tuned layer's Python path check.
     """
 
     name: str = ""
@@ -176,6 +188,7 @@ class Algorithm(abc.ABC):
     splits_batch: bool = False
     place: int | None = None
     host_kind: str = "python"
+    alignment: int = 1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -302,6 +315,7 @@ class Algorithm(abc.ABC):
         a_shape, b_shape, out_shape = problem.operand_shapes
         check_tensor(problem, a_name, a, a_shape)
         check_tensor(problem, b_name, b, b_shape)
+        check_aligned(self, problem, a, b)
         if out is None:
             out = problem.empty(out_shape)
         else:

@@ -205,6 +205,7 @@ class CudnnExecutionPlan(Algorithm):
 
     devices = ("cuda",)
     deterministic = True  # unknown per plan: see is_deterministic
+    alignment = 16  # what the frontend's tensors declare, and so the tuned plans assume (csrc/cudnn.cpp too)
 
     def __init__(self, graph: ProblemGraph, index: int, name: str) -> None:
         self.name = name

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,6 +50,28 @@ struct Geometry {
 // and the process's C++ runtime differ (the H200 machine's), streaming an integer crashes the process.
 std::string text(int64_t value);
 std::string text(at::IntArrayRef values);  // "[2, 64, 8, 8]"
+
+// A convolution's bias added to its result ``y`` in place (broadcast over the channel dimension), where there is one;
+// a bias torch's own convolution refuses (not 1-dimensional with y's channels, another dtype or device) is refused
+// here too, with a ValueError that starts with ``layer()``: a broadcast would give a wrong result without a word.
+template <typename Label>
+void add_bias(at::Tensor& y, const std::optional<at::Tensor>& bias, const Label& layer) {
+  if (!bias.has_value() || !bias->defined()) return;
+  const at::Tensor& b = *bias;
+  // sym_size: under torch.compile or export the sizes may be symbolic, and size() would make them constants
+  const bool fits = b.dim() == 1 && b.sym_size(0) == y.sym_size(1);
+  if (!fits || b.scalar_type() != y.scalar_type() || b.device() != y.device()) {
+    const int64_t channels = y.sym_size(1).guard_int(__FILE__, __LINE__);
+    TORCH_CHECK_VALUE(false, layer(), ": bias of shape ", text(b.sizes()), " and dtype ",
+                      c10::toString(b.scalar_type()), " on ", b.device(), " for a result of ", text(channels),
+                      " channels and dtype ", c10::toString(y.scalar_type()), " on ", y.device(),
+                      ": give a 1-dimensional bias of ", text(channels),
+                      " elements of the result's dtype and device, as torch's convolution requires");
+  }
+  std::vector<int64_t> shape(y.dim(), 1);
+  shape[1] = b.size(0);  // a layer's parameter: its size is a constant
+  y.add_(b.view(shape));
+}
 
 // The names of the operands of a direction, for error messages.
 const char* operand_name(Direction d, int index);

@@ -305,11 +305,7 @@ at::Tensor forward_below_autograd(const at::Tensor& x, const at::Tensor& w, cons
                                   Arrays stride, Arrays padding, Arrays dilation, int64_t groups, int64_t id,
                                   bool need_dx, bool need_dw) {
   at::Tensor y = call_run(x, w, stride, padding, dilation, groups, id, need_dx, need_dw);
-  if (bias.has_value() && bias->defined()) {
-    std::vector<int64_t> shape(y.dim(), 1);
-    shape[1] = bias->size(0);
-    y.add_(bias->view(shape));
-  }
+  add_bias(y, bias, [id] { return "convtune: layer " + text(id); });
   return y;
 }
 

@@ -54,17 +54,11 @@ at::Tensor run_meta(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
   return exe->empty_result(a);
 }
 
-at::Tensor bias_view(const at::Tensor& bias, int64_t dims) {
-  std::vector<int64_t> shape(dims, 1);
-  shape[1] = bias.size(0);
-  return bias.view(shape);
-}
-
 // The forward: the convolution (tuned_run checks the operands, then lays them out as the problem needs,
 // the weight as torch's own convolution converts it), then the bias.
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
   at::Tensor y = run_tuned(x, w, fwd);
-  if (bias.has_value() && bias->defined()) y.add_(bias_view(*bias, y.dim()));
+  add_bias(y, bias, [fwd] { return find_executable(fwd)->geometry.label; });
   return y;
 }
 
@@ -111,13 +105,28 @@ void check_gradient_tuned(const char* name, bool needed, int64_t handle, int64_t
                     "requires_grad inputs, or convtune.optimize(..., training=True))");
 }
 
+// Each of tuned_conv's handles must be an executable of its slot's direction (0: an untuned gradient): one of
+// another direction on operands of the same shapes (a 1x1 layer with as many channels in as out) would compute
+// another thing without a word.
+void check_direction(int64_t handle, Direction slot) {
+  static const char* names[3] = {"forward", "data gradient", "weight gradient"};
+  if (handle == 0 && slot != Direction::Fwd) return;
+  const Geometry& g = find_executable(handle)->geometry;
+  TORCH_CHECK_VALUE(g.direction == slot, g.label, ": handle ", text(handle), " is given as the ",
+                    names[static_cast<int>(slot)], "'s, but its executable computes the ",
+                    names[static_cast<int>(g.direction)]);
+}
+
 at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                          int64_t bwd_data, int64_t bwd_filter) {
+  check_direction(fwd, Direction::Fwd);
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || w.requires_grad() || bias_grad)) {
     at::AutoDispatchBelowADInplaceOrView below;
     return conv_forward(x, w, bias, fwd);
   }
+  check_direction(bwd_data, Direction::BwdData);
+  check_direction(bwd_filter, Direction::BwdFilter);
   check_gradient_tuned("the input", x.requires_grad(), bwd_data, fwd);
   check_gradient_tuned("the weight", w.requires_grad(), bwd_filter, fwd);
   return TunedConv::apply(x, w, bias, fwd, bwd_data, bwd_filter);

@@ -172,6 +172,17 @@ def _packing(problem: ConvProblem, block: int, width: int) -> tuple[int, int]:
     return groups, triton.cdiv(problem.groups, groups) * triton.cdiv(width, block)
 
 
+def grid_axes(problem: ConvProblem, tile: GemmTile) -> tuple[int, int]:
+    """Programs along the second and third axes of the launch grid of ``problem``'s direction (CUDA holds 65535 on
+    each): tiles of channels (``_packing``, as the launches below take them), and the weight gradient's taps."""
+    cg, kg = problem.c // problem.groups, problem.k // problem.groups
+    if problem.direction == "bwd_filter":
+        r, s = geometry(problem)[:2]
+        return _packing(problem, _lanes(kg), kg)[1], r * s
+    width = kg if problem.direction == "fwd" else cg
+    return _packing(problem, min(tile.channels, _lanes(width)), width)[1], 1
+
+
 def _direct(kernel, problem: ConvProblem, tile: GemmTile, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
             computed: tuple[int, int], read: tuple[int, int], channels: int, summed: int) -> None:
     """Launch ``_forward`` or ``_backward_data``: programs over tiles of (positions of ``out``, whose spatial

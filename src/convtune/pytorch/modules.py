@@ -366,6 +366,13 @@ class TunedConv(_ConvBase):
         weight = to_layout(weight, sig.layout)
         y = ops.conv_call(x, weight, call)  # type: ignore[arg-type]  # not None: handled above when it is
         if bias is not None:
+            if bias.shape != (y.shape[1],) or bias.dtype != y.dtype or bias.device != y.device:
+                # the native ops refuse it alike (csrc/executable.h: add_bias); a broadcast would be wrong silently
+                raise ValueError(f"convtune: {self._get_name()}({self.extra_repr()}): bias of shape "
+                                 f"{list(bias.shape)} and dtype {bias.dtype} on {bias.device} for a result of "
+                                 f"{y.shape[1]} channels and dtype {y.dtype} on {y.device}: give a 1-dimensional bias "
+                                 f"of {y.shape[1]} elements of the result's dtype and device, as torch's convolution "
+                                 f"requires")
             y = y + bias.view(1, -1, *([1] * nd))
         return y if batched else y.squeeze(0)
 
