@@ -1341,6 +1341,16 @@ def test_the_database_keeps_what_rebuilds_an_executable_and_forgets_it_on_clear(
         ct.TuningDB(tmp_path / "u.sqlite").store_executable(p.replace(device="cuda"), "cudnn:eng0", recipe, b"")
 
 
+def test_stored_host_costs_that_no_measurement_gives_are_measured_again(tmp_path):
+    # JSON reads NaN and Infinity: a host cost like that would make the host-cost rule's comparisons meaningless
+    with ct.TuningDB(tmp_path / "t.sqlite") as db:
+        db.store_host_costs("cpu", {"native": 3.5, "method": 7})
+        assert db.host_costs("cpu") == {"native": 3.5, "method": 7.0}
+        for bad in (float("nan"), float("inf"), "3.5"):
+            db.store_host_costs("cpu", {"native": bad, "method": 7})
+            assert db.host_costs("cpu") is None, bad
+
+
 def test_a_damaged_stored_executable_is_rebuilt_never_run(tmp_path, caplog):
     # an executable's row says what a warm start runs without checking it again (a GEMM's buffer offsets, a Triton
     # launch's grid and offsets, a cuDNN plan): a row changed on disk that still reads as valid JSON was run as it

@@ -322,8 +322,9 @@ class TuningDB:
             costs = json.loads(rows[0][0]) if rows else None
         except ValueError:
             return None
-        if not isinstance(costs, dict) or not all(isinstance(v, (int, float)) for v in costs.values()):
-            return None
+        if not isinstance(costs, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v)
+                                                  for v in costs.values()):
+            return None  # measured again (JSON reads NaN and Infinity, which no measurement gives)
         return {str(k): float(v) for k, v in costs.items()}
 
     def executable(self, problem: ConvProblem, algorithm: str) -> tuple[dict[str, Any], bytes] | None:
