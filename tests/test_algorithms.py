@@ -5,6 +5,7 @@ user meets it: whatever ``algorithms(problem)`` offers must be right and honest 
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -236,24 +237,36 @@ def test_the_cpu_reference_leaves_cudnns_flags_alone(monkeypatch):
     assert seen == []
 
 
-def test_an_algorithm_that_assumes_aligned_operands_refuses_a_view_at_another_address():
-    # cuDNN's plans assume 16-byte aligned operands (their tensors are declared so): run and a tuned layer's Python
-    # path refuse a view that starts elsewhere, naming the operand, as the native plans do; an aligned one runs
+def test_an_algorithm_that_assumes_aligned_operands_gets_them():
+    # cuDNN's plans assume 16-byte aligned operands (their tensors are declared so): a tuned layer's Python path
+    # copies a view that starts elsewhere (x[1:]), as torch's convolution takes it and the native plans copy it;
+    # run, the library's call on the caller's own tensors, refuses one (out too) naming the operand
     from convtune.pytorch import ops
     from fakes import Fake
 
-    aligned = Fake("fake:aligned")
-    aligned.alignment = 16
+    seen = []
+
+    class Aligned(Fake):
+        alignment = 16
+
+        def compute(self, problem, a, b, out):
+            seen.append(a.data_ptr() % 16)
+            super().compute(problem, a, b, out)
+
+    aligned = Aligned("fake:aligned")
     registry.register(aligned)
     try:
         p = ct.ConvProblem("fwd", n=2, c=4, k=4, input_size=(5, 5), kernel_size=3, padding=1)
         x, w = p.random_inputs()
-        storage = torch.empty(x.numel() + 1)
-        shifted = storage[1:].view_as(x).copy_(x)  # 4 bytes past an aligned address
-        for run in (lambda a: aligned.run(p, a, w), lambda a: ops.Runner(p.key, "fake:aligned")(a, w)):
-            with pytest.raises(ValueError, match=r"by fake:aligned: operand x starts at an address not aligned to 16"):
-                run(shifted)
-            torch.testing.assert_close(run(shifted.clone()), native_conv(p, x, w))
-        assert aligned.runs == 2
+        shifted = torch.empty(x.numel() + 1)[1:].view_as(x).copy_(x)  # 4 bytes past an aligned address
+        torch.testing.assert_close(ops.Runner(p.key, "fake:aligned")(shifted, w), native_conv(p, x, w))
+        assert seen == [0]
+        with pytest.raises(ValueError, match=r"by fake:aligned: operand x starts at an address not aligned to 16"):
+            aligned.run(p, shifted, w)
+        out = torch.empty(math.prod(p.operand_shapes[2]) + 1)[1:]
+        with pytest.raises(ValueError, match=r"by fake:aligned: operand y starts at an address not aligned to 16"):
+            aligned.run(p, x, w, out=out.view(p.operand_shapes[2]))
+        torch.testing.assert_close(aligned.run(p, shifted.clone(), w), native_conv(p, x, w))
+        assert seen == [0, 0]
     finally:
         registry.unregister("fake:aligned")

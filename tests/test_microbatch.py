@@ -385,3 +385,18 @@ def test_a_micro_batched_candidate_given_to_find_always_comes_back_with_a_status
         allowed = {r.algorithm: r for r in ct.find(problem, ct.Policy(micro_batching=True, workspace_limit="1MiB"),
                                                    candidates=[split, get_algorithm("torch:native")])}
     assert allowed[split.name].status is Status.OK and allowed[split.name].time_ms is not None
+
+
+def test_a_split_whose_sub_batches_start_where_the_inner_algorithm_cannot_take_them_is_unsupported():
+    # an inner algorithm that assumes aligned operands (cuDNN's plans: 16 bytes) gets each sub-batch as a view
+    # starting its first sample's bytes into the batch: a split that lands elsewhere says so instead of failing
+    class Aligned(Fake):
+        alignment = 16
+
+    inner = Aligned("fake:aligned16")
+    odd = ConvProblem("fwd", n=3, c=1, k=4, input_size=(5, 5), kernel_size=1)  # x: 100 bytes a sample
+    support = MicroBatch(inner, [(1, 3)]).supports(odd)
+    assert not support and "starts 4 bytes past an address aligned to the 16 bytes" in support.reason
+    even = odd.replace(c=4)  # 400 bytes a sample of x, 400 of y
+    assert MicroBatch(inner, [(1, 3)]).supports(even)
+    assert MicroBatch(Fake("fake:any"), [(1, 3)]).supports(odd)  # no alignment assumed: any split

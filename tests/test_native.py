@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,11 +186,15 @@ def test_bad_input_raises_a_value_error_that_names_the_layer_and_the_mismatch(na
     handles = {d: runtime.executable(square.replace(direction=d), ct.get_algorithm("gemm:1x1", square))
                for d in ("fwd", "bwd_data", "bwd_filter")}
     xs, ws = square.random_inputs()
-    for slots, wrong in (((handles["bwd_data"], 0, 0), "forward's, but its executable computes the data gradient"),
+    for slots, wrong in (((handles["bwd_data"], handles["bwd_data"], handles["bwd_filter"]),
+                          "forward's, but its executable computes the data gradient"),
                          ((handles["fwd"], handles["fwd"], 0), "data gradient's, but its executable computes the forw"),
                          ((handles["fwd"], 0, handles["bwd_data"]), "weight gradient's, but its executable computes")):
         with pytest.raises(ValueError, match=wrong):
             torch.ops.convtune.tuned_conv(xs.requires_grad_(), ws.requires_grad_(), None, *slots)
+    for mode in (torch.no_grad, torch.inference_mode):  # inference_mode skips the autograd kernel: checked below it
+        with mode(), pytest.raises(ValueError, match="forward's, but its executable computes the data gradient"):
+            torch.ops.convtune.tuned_conv(xs, ws, None, handles["bwd_data"], 0, 0)
 
 
 @pytest.mark.parametrize("path", ["executable", "layer op", "module, native", "module, python"])
@@ -498,7 +503,7 @@ def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, m
     torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fault", ["folder is a file", "no build tools"])
+@pytest.mark.parametrize("fault", ["folder is a file", "folder not writable", "no build tools"])
 def test_a_build_folder_that_cannot_be_written_or_missing_build_tools_fall_back_too(native, monkeypatch, tmp_path,
                                                                                      fault):
     # a read-only cache (or a file where the folder should be) and a torch without setuptools used to raise from the
@@ -506,6 +511,9 @@ def test_a_build_folder_that_cannot_be_written_or_missing_build_tools_fall_back_
     monkeypatch.setattr(extension, "_state", {"module": None, "error": None, "build_s": None})
     (tmp_path / "file").write_text("")
     folder = tmp_path / "file" / "ext" if fault == "folder is a file" else tmp_path / "ext"
+    if fault == "folder not writable":  # another user's folder (chmod would not stop root, who runs CI)
+        folder.mkdir()
+        monkeypatch.setattr(extension, "_writable", lambda path: not Path(path).is_relative_to(folder))
     if fault == "no build tools":
         monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", None)  # its import fails, as without setuptools
         monkeypatch.delattr(torch.utils, "cpp_extension", raising=False)
@@ -516,8 +524,7 @@ def test_a_build_folder_that_cannot_be_written_or_missing_build_tools_fall_back_
         y = module(x)
         module(x)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    fix = "CONVTUNE_EXTENSION_DIR to a folder this user can write" if fault == "folder is a file" else \
-        "Install a C++ compiler"
+    fix = "Install a C++ compiler" if fault == "no build tools" else "CONVTUNE_EXTENSION_DIR to a folder this user can"
     assert len(messages) == 1 and fix in messages[0] and "CONVTUNE_NATIVE=0" in messages[0], messages
     assert next(iter(module.selections.values())).runtime == "python"
     torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
@@ -1342,12 +1349,20 @@ def test_the_database_keeps_what_rebuilds_an_executable_and_forgets_it_on_clear(
 
 
 def test_stored_host_costs_that_no_measurement_gives_are_measured_again(tmp_path):
-    # JSON reads NaN and Infinity: a host cost like that would make the host-cost rule's comparisons meaningless
-    with ct.TuningDB(tmp_path / "t.sqlite") as db:
+    # JSON reads NaN and Infinity (and integers no float holds): a host cost like that would make the host-cost
+    # rule's comparisons meaningless; none is stored, and one found in the file is measured again
+    import sqlite3
+
+    path = tmp_path / "t.sqlite"
+    with ct.TuningDB(path) as db:
         db.store_host_costs("cpu", {"native": 3.5, "method": 7})
         assert db.host_costs("cpu") == {"native": 3.5, "method": 7.0}
-        for bad in (float("nan"), float("inf"), "3.5"):
-            db.store_host_costs("cpu", {"native": bad, "method": 7})
+        with pytest.raises(ValueError):
+            db.store_host_costs("cpu", {"native": float("nan"), "method": 7})
+    for bad in ("NaN", "Infinity", '"3.5"', "1" + "0" * 400):
+        with sqlite3.connect(path) as conn:
+            conn.execute("UPDATE host_costs SET costs = ?", (f'{{"native": {bad}, "method": 7}}',))
+        with ct.TuningDB(path) as db:
             assert db.host_costs("cpu") is None, bad
 
 
@@ -1366,6 +1381,8 @@ def test_a_damaged_stored_executable_is_rebuilt_never_run(tmp_path, caplog):
     damages = {"a digit of the recipe": ("UPDATE executables SET recipe = replace(recipe, '4, 0', '8, 0')", "checksum"),
                "the serialized form": ("UPDATE executables SET serialized = x'706c616f'", "checksum"),
                "not JSON": ("UPDATE executables SET recipe = substr(recipe, 2)", "Extra data"),
+               "the serialized form stored as text": ("UPDATE executables SET serialized = CAST(serialized AS TEXT)",
+                                                       "string argument without an encoding"),
                "a row of before checksums": ("UPDATE executables SET recipe = '{\"kind\": \"gemm_1x1\"}'", None)}
     for damage, (statement, reason) in damages.items():
         with ct.TuningDB(path) as db:

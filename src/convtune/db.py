@@ -308,7 +308,7 @@ class TuningDB:
         here = _here(normalize_device(device))
         if here is None:
             raise ValueError(f"cannot store host costs: no {device} device on this machine")
-        row = (*here, normalize_device(device), time.time(), json.dumps(costs))
+        row = (*here, normalize_device(device), time.time(), json.dumps(costs, allow_nan=False))
         self._write(lambda conn: conn.execute("INSERT OR REPLACE INTO host_costs VALUES (?, ?, ?, ?, ?)", row))
 
     def host_costs(self, device: str) -> dict[str, float] | None:
@@ -322,8 +322,13 @@ class TuningDB:
             costs = json.loads(rows[0][0]) if rows else None
         except ValueError:
             return None
-        if not isinstance(costs, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v)
-                                                  for v in costs.values()):
+        if not isinstance(costs, dict):
+            return None
+        try:
+            finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in costs.values())
+        except OverflowError:  # an integer too large for a float
+            finite = False
+        if not finite:
             return None  # measured again (JSON reads NaN and Infinity, which no measurement gives)
         return {str(k): float(v) for k, v in costs.items()}
 
@@ -336,8 +341,8 @@ class TuningDB:
                           "AND algorithm=?", (*here, problem.key, algorithm))
         if not rows:
             return None
-        serialized = bytes(rows[0][1])
         try:
+            serialized = bytes(rows[0][1])  # a damaged row may hold text there: TypeError
             sealed = json.loads(rows[0][0])
             if isinstance(sealed, dict) and "kind" in sealed and "checksum" not in sealed:
                 log.info("rebuilding the executable of %s by %s: stored before its rows had checksums", problem.key,

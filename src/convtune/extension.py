@@ -136,6 +136,8 @@ def _build(verbose: bool = False) -> ModuleType:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / BUILT).unlink(missing_ok=True)
+        if not _writable(folder):  # a folder another user made: the compiler could not write there
+            raise PermissionError(f"[Errno 13] Permission denied: '{folder}'")
     except OSError as exc:  # a read-only cache, a file where the folder should be
         raise BuildError(f"convtune's C++ extension cannot be built in {folder}: {_first_line(exc)}. Set "
                          f"CONVTUNE_EXTENSION_DIR to a folder this user can write, then run `convtune native "
@@ -150,14 +152,22 @@ def _build(verbose: bool = False) -> ModuleType:
             with_cuda=cudnn is not None, verbose=verbose)
     except Exception as exc:  # compiler, ninja, headers or setuptools missing, compiler failing: all say the same
         raise BuildError(f"building convtune's C++ extension in {folder} failed: {_first_line(exc)}. Install a C++ "
-                         f"compiler and ninja (apt-get install g++; pip install ninja) and the headers of your "
+                         f"compiler, ninja and setuptools (apt-get install g++; pip install ninja setuptools) and the "
+                         f"headers of your "
                          f"torch build, then run `convtune native --rebuild`; CONVTUNE_NATIVE=0 silences this "
                          f"and keeps the Python path") from exc
     library = Path(module.__file__ or "")
     if library.parent == folder and library.exists():  # written last: a build cut short leaves no such file
-        (folder / BUILT).write_text(library.name)
+        try:
+            (folder / BUILT).write_text(library.name)
+        except OSError as exc:  # a full disk, say: this process has the module; the next one builds it again
+            log.warning("could not mark the build in %s finished (%s); the next process builds it again", folder, exc)
     sys.modules[MODULE_NAME] = module
     return module
+
+
+def _writable(folder: Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def _load_finished(folder: Path) -> ModuleType | None:

@@ -156,11 +156,11 @@ def allocate_workspace(nbytes: int, device: str | torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def check_aligned(algorithm: Algorithm, problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> None:
-    """Raises ValueError naming the operand where ``a`` or ``b`` starts at an address ``algorithm`` does not take
-    (its ``alignment``: a view into another tensor may start anywhere)."""
+def check_aligned(algorithm: Algorithm, problem: ConvProblem, *tensors: torch.Tensor) -> None:
+    """Raises ValueError naming the operand where one of ``tensors`` (a, b[, out]) starts at an address
+    ``algorithm`` does not take (its ``alignment``: a view into another tensor may start anywhere)."""
     if algorithm.alignment > 1:
-        for name, t in zip(OPERAND_NAMES[problem.direction], (a, b)):
+        for name, t in zip(OPERAND_NAMES[problem.direction], tensors):
             if t.data_ptr() % algorithm.alignment:
                 raise ValueError(f"convtune:{problem.key} by {algorithm.name}: operand {name} starts at an address "
                                  f"not aligned to {algorithm.alignment} bytes, which it assumes; pass a fresh tensor "
@@ -320,6 +320,7 @@ class Algorithm(abc.ABC):
             out = problem.empty(out_shape)
         else:
             check_tensor(problem, out_name, out, out_shape)
+            check_aligned(self, problem, a, b, out)
         buffers = self.buffers(problem)
         need = buffers_bytes(buffers)
         if workspace is None:

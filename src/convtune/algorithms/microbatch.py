@@ -210,6 +210,15 @@ class MicroBatch(Algorithm):
                 return unsupported(f"{self.inner_name} is not offered for a sub-batch of {b}: {exc}")
             if not support:
                 return unsupported(f"{self.inner_name} on a sub-batch of {b}: {support.reason}")
+        alignment = max(self.inner_for(sub_problem(problem, b)).alignment for b in self.sizes)
+        if alignment > 1:  # a sub-batch's operands start its first sample's bytes into the batch's
+            batched = [problem.operand_shapes[i] for i in ((0, 1) if problem.direction == "bwd_filter" else (0, 2))]
+            for start, _ in self.slices():
+                offset = max(start * math.prod(shape[1:]) * problem.torch_dtype.itemsize % alignment
+                             for shape in batched)
+                if offset:
+                    return unsupported(f"the sub-batch from sample {start} starts {offset} bytes past an address "
+                                       f"aligned to the {alignment} bytes {self.inner_name} assumes")
         return SUPPORTED
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:

@@ -96,18 +96,16 @@ class CudnnPlan final : public Executable {
   }
   int64_t workspace_bytes() const override { return workspace_bytes_; }
 
-  at::Tensor run(const at::Tensor& a, const at::Tensor& b) const override {
+  at::Tensor run(const at::Tensor& a_in, const at::Tensor& b_in) const override {
     const std::string& label = geometry.label;
+    // The plan assumes operands aligned to kAlignment bytes: a view that starts elsewhere (x[1:]) is copied, as
+    // torch's convolution takes it.
+    const at::Tensor a = aligned(a_in), b = aligned(b_in);
     const int64_t device = a.device().index();  // another GPU than the build's gets the plan from its serialized form
     at::Tensor out = empty_result(a);
     at::Tensor workspace;
     if (workspace_bytes_) workspace = at::empty({workspace_bytes_}, a.options().dtype(at::kByte));
     void* pointers[3] = {a.data_ptr(), b.data_ptr(), out.data_ptr()};
-    for (int i = 0; i < 2; ++i) {
-      TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(pointers[i]) % kAlignment == 0, label, ": operand ",
-                        operand_name(geometry.direction, i), " starts at an address not aligned to ", text(kAlignment),
-                        " bytes, which the plan assumes; pass a fresh tensor (clone it)");
-    }
     cudnnHandle_t handle = thread_handle(device);
     CONVTUNE_CUDNN(label, "set stream",
                    cudnnSetStream(handle, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
@@ -126,6 +124,10 @@ class CudnnPlan final : public Executable {
 
  private:
   static constexpr int64_t kAlignment = 16;  // what the frontend's tensors declare, and so the tuned plans assume
+
+  static at::Tensor aligned(const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0 ? t : t.clone(at::MemoryFormat::Preserve);
+  }
   static constexpr int64_t kUids[3] = {1, 2, 3};  // a, b, result
 
   // The plan made with ``handle``: a plan belongs to the handle it was finalized with, and each thread

@@ -54,9 +54,23 @@ at::Tensor run_meta(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
   return exe->empty_result(a);
 }
 
+// Each of tuned_conv's handles must be an executable of its slot's direction (0: an untuned gradient): one of
+// another direction on operands of the same shapes (a 1x1 layer with as many channels in as out) would compute
+// another thing without a word.
+void check_direction(int64_t handle, Direction slot) {
+  static const char* names[3] = {"forward", "data gradient", "weight gradient"};
+  if (handle == 0 && slot != Direction::Fwd) return;
+  const ExecutablePtr exe = find_executable(handle);
+  const Geometry& g = exe->geometry;
+  TORCH_CHECK_VALUE(g.direction == slot, g.label, ": handle ", text(handle), " is given as the ",
+                    names[static_cast<int>(slot)], "'s, but its executable computes the ",
+                    names[static_cast<int>(g.direction)]);
+}
+
 // The forward: the convolution (tuned_run checks the operands, then lays them out as the problem needs,
 // the weight as torch's own convolution converts it), then the bias.
 at::Tensor conv_forward(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd) {
+  check_direction(fwd, Direction::Fwd);  // here, where every path passes (inference_mode skips the autograd kernel)
   at::Tensor y = run_tuned(x, w, fwd);
   add_bias(y, bias, [fwd] { return find_executable(fwd)->geometry.label; });
   return y;
@@ -105,21 +119,8 @@ void check_gradient_tuned(const char* name, bool needed, int64_t handle, int64_t
                     "requires_grad inputs, or convtune.optimize(..., training=True))");
 }
 
-// Each of tuned_conv's handles must be an executable of its slot's direction (0: an untuned gradient): one of
-// another direction on operands of the same shapes (a 1x1 layer with as many channels in as out) would compute
-// another thing without a word.
-void check_direction(int64_t handle, Direction slot) {
-  static const char* names[3] = {"forward", "data gradient", "weight gradient"};
-  if (handle == 0 && slot != Direction::Fwd) return;
-  const Geometry& g = find_executable(handle)->geometry;
-  TORCH_CHECK_VALUE(g.direction == slot, g.label, ": handle ", text(handle), " is given as the ",
-                    names[static_cast<int>(slot)], "'s, but its executable computes the ",
-                    names[static_cast<int>(g.direction)]);
-}
-
 at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                          int64_t bwd_data, int64_t bwd_filter) {
-  check_direction(fwd, Direction::Fwd);
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || w.requires_grad() || bias_grad)) {
     at::AutoDispatchBelowADInplaceOrView below;
