@@ -315,12 +315,11 @@ class Algorithm(abc.ABC):
         a_shape, b_shape, out_shape = problem.operand_shapes
         check_tensor(problem, a_name, a, a_shape)
         check_tensor(problem, b_name, b, b_shape)
-        check_aligned(self, problem, a, b)
         if out is None:
             out = problem.empty(out_shape)
         else:
             check_tensor(problem, out_name, out, out_shape)
-            check_aligned(self, problem, a, b, out)
+        check_aligned(self, problem, a, b, out)
         buffers = self.buffers(problem)
         need = buffers_bytes(buffers)
         if workspace is None:
