@@ -482,3 +482,21 @@ def test_find_stores_each_plans_place_in_its_backends_order_and_the_learned_mode
         # the stored places are read back, not asked of the backends again
         monkeypatch.setattr(registry, "backend_places", lambda problem: pytest.fail("asked again"))
         assert {s.name: s.order for s in learned.samples_from(db, P3.device)} == stored
+
+
+def test_a_database_that_fails_to_read_leaves_get_the_installed_and_analytic_prices(caplog):
+    # the cost model reads a database's measurements once to correct its prices; a database that fails there (a
+    # damaged file, a locked one) must not stop get from answering: one warning, and no corrections from it
+    import sqlite3
+
+    class Broken:
+        def measurements(self, device):
+            raise sqlite3.DatabaseError("database disk image is malformed")
+
+    broken = Broken()
+    with caplog.at_level("WARNING", logger="convtune.costmodel"):
+        corrections = costmodel.corrections(broken, "cpu")
+    assert "no corrections from the tuning database (DatabaseError: database disk image is malformed)" in caplog.text
+    assert corrections.model is learned.installed("cpu")[0]  # the installed model alone (none for a CPU here)
+    p = ConvProblem("fwd", n=2, c=8, k=8, input_size=(8, 8), kernel_size=3, padding=1)
+    assert ct.get(p, db=broken)[0].name == ct.get(p)[0].name  # answered, as without a database
