@@ -101,15 +101,21 @@ def _script(body: str) -> str:
     return f"import sys\nTESTS = {tests!r}\nBENCH = {os.path.join(os.path.dirname(tests), 'bench')!r}\n" + body
 
 
-@pytest.mark.slow  # about 25 s on a 2-core CPU
-def test_every_triton_configuration_compiles_for_the_gpu():
+def _run_script(body: str, timeout: int) -> str:
+    """``body`` run in a process of its own with Triton's compiler, not its interpreter; its standard output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CONVTUNE_TRITON"] = "1"
-    done = subprocess.run([sys.executable, "-c", _script(SCRIPT)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([sys.executable, "-c", _script(body)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    compiled = int(done.stdout.split("compiled ")[1].split()[0])
-    assert compiled >= 20, done.stdout
+    return done.stdout
+
+
+@pytest.mark.slow  # about 25 s on a 2-core CPU
+def test_every_triton_configuration_compiles_for_the_gpu():
+    out = _run_script(SCRIPT, timeout=900)
+    compiled = int(out.split("compiled ")[1].split()[0])
+    assert compiled >= 20, out
 
 
 PREPARE_SCRIPT = SCRIPT.split("JITFunction.run = catch")[0] + r"""
@@ -172,13 +178,8 @@ def test_prepare_compiles_what_a_run_launches_and_runs_nothing():
     # find compiles the next candidates ahead (Algorithm.prepare): on operands of PyTorch's meta device, each launch
     # must reach Triton as a run's would (the same kernels, grids, constants and specialization), as a warm-up; the
     # families' GPU tests compile their cases ahead the same way (triton_cases.compile_ahead)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CONVTUNE_TRITON"] = "1"
-    done = subprocess.run([sys.executable, "-c", _script(PREPARE_SCRIPT)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert int(done.stdout.split("checked ")[1].split()[0]) >= 50, done.stdout
-
+    out = _run_script(PREPARE_SCRIPT, timeout=600)
+    assert int(out.split("checked ")[1].split()[0]) >= 50, out
 
 
 def test_the_test_files_compile_ahead_only_the_cases_pytest_selected():
