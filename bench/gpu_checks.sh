@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A GPU machine's checks, in order: build the C++ extension (timed), then each step named on the
-# command line: native (the native runtime's GPU tests), gpu (every GPU test), gpu:<n> (every GPU test, shared out among
-# n pytest processes at once: the time is mostly compiling on the host), host (the host-cost table),
+# command line: native (the native runtime's GPU tests), gpu (every GPU test), gpu:<n>[:<test paths joined by +>] (every GPU test, or
+# those paths' tests, shared out among n pytest processes at once: the time is mostly compiling on the host), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json, or of
 # $E2E_NAME.json where E2E_NAME is set, e.g. e2e_h100 on another GPU; several e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
 # on the GPU; triton:depthwise, triton:depthwise_band, triton:depthwise_strip or triton:grouped one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
@@ -60,16 +60,18 @@ for step in "$@"; do
   case "$step" in
     native) tests "$OUT/gpu_tests_native.txt" -rP tests/gpu/test_gpu_native.py ;;
     gpu) tests "$OUT/gpu_tests.txt" tests/gpu ;;
-    gpu:*) parts=${step#gpu:}; log="$OUT/gpu_tests.txt"; header "tests/gpu in $parts processes" > "$log"
-           mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>/dev/null | grep '::')
+    gpu:*) IFS=: read -r _ parts paths <<< "$step"; paths=${paths:-tests/gpu}; log="$OUT/gpu_tests.txt"
+           [ "$paths" = tests/gpu ] || log="$OUT/gpu_tests_$(basename "${paths%%+*}" .py).txt"
+           header "${paths//+/ } in $parts processes" > "$log"
+           mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider ${paths//+/ } 2>/dev/null | grep '::')
            echo "# ${#ids[@]} tests collected; process i runs the tests whose place in the collection is i modulo $parts" >> "$log"
            for ((i = 0; i < parts; i++)); do
              share=(); for j in "${!ids[@]}"; do (( j % parts == i )) && share+=("${ids[j]}"); done
-             CONVTUNE_TEST_TIMES="$OUT/gpu_tests_${i}_times.txt" python3 -m pytest -q -p no:cacheprovider --durations=10 \
-               "${share[@]}" > "$OUT/gpu_tests_$i.txt" 2>&1 &
+             CONVTUNE_TEST_TIMES="${log%.txt}_${i}_times.txt" python3 -m pytest -q -p no:cacheprovider --durations=10 \
+               "${share[@]}" > "${log%.txt}_$i.txt" 2>&1 &
            done; wait
-           for ((i = 0; i < parts; i++)); do echo "## process $i"; quiet < "$OUT/gpu_tests_$i.txt"; done >> "$log"
-           for ((i = 0; i < parts; i++)); do quiet < "$OUT/gpu_tests_$i.txt" | grep -E '^(FAILED|ERROR)|passed|failed|skipped' | tail -8; done ;;
+           for ((i = 0; i < parts; i++)); do echo "## process $i"; quiet < "${log%.txt}_$i.txt"; done >> "$log"
+           for ((i = 0; i < parts; i++)); do quiet < "${log%.txt}_$i.txt" | grep -E '^(FAILED|ERROR)|passed|failed|skipped' | tail -8; done ;;
     host) python3 bench/tuning_cost.py --layers 1 --out "$OUT" --name tuning_cost_native 2>&1 | tail -40 ;;
     coldtune:*) IFS=: read -r _ network batch threads <<< "$step"
                 python3 bench/tuning_cost.py --network "$network" --batch "$batch" --layers 0 --whole \
