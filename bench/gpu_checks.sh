@@ -70,8 +70,11 @@ for step in "$@"; do
              CONVTUNE_TEST_TIMES="${log%.txt}_${i}_times.txt" python3 -m pytest -q -p no:cacheprovider --durations=10 \
                "${share[@]}" > "${log%.txt}_$i.txt" 2>&1 &
            done; wait
+           for ((i = 0; i < parts; i++)); do quiet < "${log%.txt}_$i.txt" | grep -E '^(FAILED|ERROR)|passed|failed|skipped' | tail -8; done
+           # one log and one times file a step: the device sends back at most 8 files
            for ((i = 0; i < parts; i++)); do echo "## process $i"; quiet < "${log%.txt}_$i.txt"; done >> "$log"
-           for ((i = 0; i < parts; i++)); do quiet < "${log%.txt}_$i.txt" | grep -E '^(FAILED|ERROR)|passed|failed|skipped' | tail -8; done ;;
+           for ((i = 0; i < parts; i++)); do cat "${log%.txt}_${i}_times.txt" 2>/dev/null; done > "${log%.txt}_times.txt"
+           for ((i = 0; i < parts; i++)); do rm -f "${log%.txt}_$i.txt" "${log%.txt}_${i}_times.txt"; done ;;
     host) python3 bench/tuning_cost.py --layers 1 --out "$OUT" --name tuning_cost_native 2>&1 | tail -40 ;;
     coldtune:*) IFS=: read -r _ network batch threads <<< "$step"
                 python3 bench/tuning_cost.py --network "$network" --batch "$batch" --layers 0 --whole \
