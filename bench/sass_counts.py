@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import math
 import os
@@ -36,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -268,14 +266,10 @@ def count(problem: ConvProblem, algorithm: TritonAlgorithm, arch: int) -> list[d
         t = torch.empty(shape, dtype=problem.torch_dtype)
         return t.to(memory_format=torch.channels_last) if problem.layout == "channels_last" and t.dim() == 4 else t
 
-    algorithm.module()  # imported before its launches are replaced
     a, b = (operand(s) for s in problem.operand_shapes[:2])
     out = operand(problem.operand_shapes[2])
     buffers = {buf.name: torch.empty(buf.shape, dtype=buf.dtype) for buf in algorithm.buffers(problem)}
-    modules = [m for name, m in sys.modules.items() if name.startswith("convtune.kernels.") and hasattr(m, "launch")]
-    with contextlib.ExitStack() as stack:
-        for module in [recording, *modules]:
-            stack.enter_context(mock.patch.object(module, "launch", compile_instead))
+    with recording.intercepted(compile_instead):
         algorithm._run(problem, a, b, out, buffers)
     for launch in launches:
         known = algorithm.family in TURNS and arch == ISSUE_ARCH

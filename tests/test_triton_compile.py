@@ -9,7 +9,6 @@ interpreter's kernels are other objects."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -203,21 +202,14 @@ def test_the_test_files_compile_ahead_only_the_cases_pytest_selected():
 
 def _launch_grids(algorithm: TritonAlgorithm, p: ct.ConvProblem) -> list[tuple[int, ...]]:
     """The grid of every launch one run of ``algorithm`` on ``p`` makes, on operands of PyTorch's meta device with
-    every kernels module's ``launch`` replaced: nothing compiles, nothing runs."""
-    from unittest import mock
-
+    every launch intercepted (``recording.intercepted``): nothing compiles, nothing runs."""
     from convtune.kernels import recording
     from convtune.problem import empty_in_layout
 
     grids: list[tuple[int, ...]] = []
-    algorithm.module()  # imported before its launches are replaced
-    modules = [m for name, m in sys.modules.items() if name.startswith("convtune.kernels.") and hasattr(m, "launch")]
     a, b, out = (empty_in_layout(s, p.layout, p.torch_dtype, "meta") for s in p.operand_shapes)
     buffers = algorithm.buffers(p)
-    with contextlib.ExitStack() as stack:
-        for module in {recording, *modules}:
-            stack.enter_context(mock.patch.object(module, "launch", lambda kernel, grid, *args, **kw: grids.append(
-                tuple(grid))))
+    with recording.intercepted(lambda kernel, grid, *args, **kw: grids.append(grid)):
         algorithm._run(p, a, b, out, carve(allocate_workspace(buffers_bytes(buffers), "meta"), buffers))
     return grids
 

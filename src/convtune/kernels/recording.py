@@ -2,7 +2,9 @@
 Python on the call (``TritonAlgorithm.native_recipe``), or compiled without running (``TritonAlgorithm.prepare``).
 
 Every launch of convtune's kernels goes through ``launch``. Inside ``compiling_only()`` a launch compiles its
-kernel and runs nothing. Inside ``recording()`` each launch runs as usual and
+kernel and runs nothing; inside ``intercepted(instead)`` it calls ``instead`` in its place (what a run would launch,
+seen without running it: a test checks the grids, a benchmark compiles and counts the binaries). Inside
+``recording()`` each launch runs as usual and
 is also kept; ``describe`` then turns the kept launches into JSON types: per launch the compiled binary (cubin),
 the kernel's name, its shared memory, warps and grid, and each argument the compiled kernel takes at run time
 (Triton's launcher passes those in order, then its two scratch pointers): a tensor, named by the operand or
@@ -17,12 +19,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-_active = threading.local()  # .records: the launches kept in this thread, or None; .compiling_only: compile, not run
+_active = threading.local()  # .records: the launches kept in this thread, or None; .compiling_only: compile, not run;
+# .instead: what a launch calls in its place, or None
 _INTEGER = {"i32": "i32", "i64": "i64"}  # Triton's argument types the C++ launcher passes as they are
 _FLOAT = {"fp32": "f32"}
 
@@ -33,7 +36,11 @@ class NotRecordable(Exception):
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
     """``kernel[grid](*args, **kwargs)`` (and, inside ``recording()``, kept); inside ``compiling_only()``, Triton's
-    ``kernel.warmup`` with the same arguments: compiled for them, nothing run."""
+    ``kernel.warmup`` with the same arguments: compiled for them, nothing run; inside ``intercepted(instead)``,
+    ``instead(kernel, grid, *args, **kwargs)``."""
+    instead = getattr(_active, "instead", None)
+    if instead is not None:
+        return instead(kernel, tuple(grid), *args, **kwargs)
     if getattr(_active, "compiling_only", False):
         return kernel.warmup(*args, grid=grid, **kwargs)
     compiled = kernel[grid](*args, **kwargs)
@@ -66,6 +73,18 @@ def compiling_only() -> Iterator[None]:
         yield
     finally:
         _active.compiling_only = outer
+
+
+@contextlib.contextmanager
+def intercepted(instead: Callable[..., Any]) -> Iterator[None]:
+    """Every ``launch`` of this thread calls ``instead(kernel, grid, *args, **kwargs)`` in its place and returns what it
+    returns: nothing is compiled or run (operands of PyTorch's meta device or the CPU will do)."""
+    outer = getattr(_active, "instead", None)
+    _active.instead = instead
+    try:
+        yield
+    finally:
+        _active.instead = outer
 
 
 def describe(records: list[tuple], tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
