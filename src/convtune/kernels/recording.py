@@ -51,40 +51,32 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple]]:
-    """Keep every ``launch`` of this thread in the list it yields."""
-    records: list[tuple] = []
-    outer = getattr(_active, "records", None)
-    _active.records = records
+def _in_this_thread(attribute: str, value: Any) -> Iterator[Any]:
+    """``_active.<attribute>`` is ``value`` in this thread for the block (it yields it), then what it was."""
+    outer = getattr(_active, attribute, None)
+    setattr(_active, attribute, value)
     try:
-        yield records
+        yield value
     finally:
-        _active.records = outer
+        setattr(_active, attribute, outer)
 
 
-@contextlib.contextmanager
-def compiling_only() -> Iterator[None]:
+def recording() -> contextlib.AbstractContextManager[list[tuple]]:
+    """Keep every ``launch`` of this thread in the list it yields."""
+    return _in_this_thread("records", [])
+
+
+def compiling_only() -> contextlib.AbstractContextManager[bool]:
     """Every ``launch`` of this thread compiles its kernel for its arguments (``kernel.warmup``) and runs nothing:
     a run on operands that hold no data (PyTorch's meta device, whose tensors Triton specializes as aligned) compiles
     what a run on real ones would launch. Under Triton's ``AsyncCompileMode`` the compiles go to its threads."""
-    outer = getattr(_active, "compiling_only", False)
-    _active.compiling_only = True
-    try:
-        yield
-    finally:
-        _active.compiling_only = outer
+    return _in_this_thread("compiling_only", True)
 
 
-@contextlib.contextmanager
-def intercepted(instead: Callable[..., Any]) -> Iterator[None]:
+def intercepted(instead: Callable[..., Any]) -> contextlib.AbstractContextManager[Callable[..., Any]]:
     """Every ``launch`` of this thread calls ``instead(kernel, grid, *args, **kwargs)`` in its place and returns what it
     returns: nothing is compiled or run (operands of PyTorch's meta device or the CPU will do)."""
-    outer = getattr(_active, "instead", None)
-    _active.instead = instead
-    try:
-        yield
-    finally:
-        _active.instead = outer
+    return _in_this_thread("instead", instead)
 
 
 def describe(records: list[tuple], tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
