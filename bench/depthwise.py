@@ -3,9 +3,10 @@ floor.
 
 For each shape and direction, with one timer (convtune.timing.benchmark) for everything and every
 result checked against float64 first:
-- ours: every configuration of the direction of the three depthwise families (triton:depthwise, tap by tap on the
-  CUDA cores, triton:depthwise_strip, by strips of a row on the CUDA cores, and triton:depthwise_band, on the tensor
-  cores), or for a grouped shape of triton:grouped, the fastest reported;
+- ours: every configuration of the direction of the depthwise families (triton:depthwise, tap by tap on the
+  CUDA cores, triton:depthwise_strip, by strips of a row on the CUDA cores, triton:depthwise_band, on the tensor
+  cores, and for the weight gradient triton:depthwise_rows, by input rows on the tensor cores), or for a grouped
+  shape of triton:grouped, the fastest reported;
 - the best cuDNN execution plan: every plan of heuristics A + FALLBACK, built, checked and timed;
 - PyTorch's own call with cudnn.benchmark False and True, each in its own process;
 - the floor (hardware.roofline_ms: multiply-adds at the CUDA cores' float32 rate, compulsory bytes).
@@ -41,6 +42,7 @@ from convtune.algorithms.native import native_conv  # noqa: E402
 from convtune.algorithms.registry import registered  # noqa: E402
 from convtune.algorithms.triton_depthwise import TritonDepthwise  # noqa: E402
 from convtune.algorithms.triton_depthwise_band import TritonDepthwiseBand  # noqa: E402
+from convtune.algorithms.triton_depthwise_rows import TritonDepthwiseRows  # noqa: E402
 from convtune.algorithms.triton_depthwise_strip import TritonDepthwiseStrip  # noqa: E402
 from convtune.algorithms.triton_grouped import TritonGrouped  # noqa: E402
 from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
@@ -79,13 +81,14 @@ def make_problem(shape: str, direction: str, batch: int, dtype: str, layout: str
                        padding=r // 2, groups=c // per_group, dtype=dtype, layout=layout, device="cuda")
 
 
-OUR_FAMILIES = (TritonDepthwise, TritonDepthwiseBand, TritonDepthwiseStrip, TritonGrouped)
+DEPTHWISE_FAMILIES = (TritonDepthwise, TritonDepthwiseBand, TritonDepthwiseStrip, TritonDepthwiseRows)
+OUR_FAMILIES = (*DEPTHWISE_FAMILIES, TritonGrouped)
 
 
 def ours(algorithm, p: ConvProblem, families: tuple[str, ...] | None = None) -> bool:
     """Whether ``algorithm`` is one of convtune's own kernel families for ``p``'s kind (depthwise or grouped), and
     one of ``families`` (their names, as ``depthwise_strip``; None: any)."""
-    kinds = OUR_FAMILIES[:3] if p.groups == p.c else OUR_FAMILIES[3:]
+    kinds = DEPTHWISE_FAMILIES if p.groups == p.c else (TritonGrouped,)
     return (isinstance(algorithm, kinds) and (families is None or algorithm.family in families)
             and bool(algorithm.supports(p)))
 
@@ -159,7 +162,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-FAMILIES = ("strip", "band")  # the depthwise families the table shows apart, beside the best of all three
+FAMILIES = ("strip", "band", "rows")  # the depthwise families the table shows apart, beside the best of them all
 
 
 def family_ms(row: dict, family: str) -> float | None:
@@ -176,9 +179,10 @@ def markdown(env: dict, rows: dict) -> str:
             f"{common.env_line(env)}; ours: measured at the row's ours_revisions in the JSON (per family). Times in ms "
             f"(convtune.timing.benchmark, every result checked against "
             f"float64 first); a group: channels a group (1: depthwise); ours: the fastest configuration of the "
-            f"depthwise families, or of triton:grouped; strip, band: the fastest of triton:depthwise_strip's (by "
-            f"strips of a row) and of triton:depthwise_band's (the tensor cores; '-' where the row predates the "
-            f"family or the family does not compute it); cuDNN: the fastest of every "
+            f"depthwise families, or of triton:grouped; strip, band, rows: the fastest of triton:depthwise_strip's (by "
+            f"strips of a row), of triton:depthwise_band's (the tensor cores) and of triton:depthwise_rows' (the "
+            f"weight gradient by input rows; '-' where the row predates the family or the family does not compute "
+            f"it); cuDNN: the fastest of every "
             f"plan; floor: multiply-adds at the CUDA cores' float32 rate (depthwise) or the tensor cores' (grouped), "
             f"or compulsory bytes at bandwidth; speed-up: cuDNN's best / ours.\n\n")
     body = []
@@ -207,7 +211,7 @@ def markdown(env: dict, rows: dict) -> str:
         return f"{common.geomean(speedups[key]):.2f} ({len(speedups[key])})" if key in speedups else "-"
 
     means = common.md_table(["direction", "kernel", "shapes", "geometric mean speed-up over cuDNN's best",
-                             *(f"{family}'s alone (shapes)" for family in FAMILIES)],
+                             *(f"{family} alone (shapes)" for family in FAMILIES)],
                             [[d, f, len(v), f"{common.geomean(v):.2f}", *(mean(alone[n], (d, f)) for n in FAMILIES)]
                              for (d, f), v in sorted(groups.items())])
     return head + "## Geometric means\n\n" + means + "\n## Every shape\n\n" + table

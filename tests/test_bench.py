@@ -507,7 +507,7 @@ def test_the_medians_interval_is_the_order_statistics_whose_coverage_reaches_the
 depthwise = _bench_script("depthwise")
 
 
-def test_the_depthwise_table_shows_the_strip_and_banded_families_beside_the_best_of_all(depthwise):
+def test_the_depthwise_table_shows_the_strip_banded_and_rows_families_beside_the_best_of_all(depthwise):
     key = "fwd|n32|c96|k96|in56x56|r7x7|s1x1|p3x3|d1x1|g96|float16|channels_last|cuda|tf32=1"
     row = dict(problem=key, floor_ms=0.0157, cudnn_ms=0.07, ours_ms=0.035,
                ours_best="triton:depthwise_band_fwd_r32n16c8w4",
@@ -515,11 +515,18 @@ def test_the_depthwise_table_shows_the_strip_and_banded_families_beside_the_best
                      "triton:depthwise_band_fwd_r64n32c1w4": None, "triton:depthwise_strip_fwd_t4b32c32w4": 0.05})
     older = dict(row, problem=key.replace("fwd", "bwd_data"), ours={"triton:depthwise_bwd_data_p64c32w4": 0.05},
                  ours_best="triton:depthwise_bwd_data_p64c32w4", ours_ms=0.05)
+    wgrad = dict(row, problem=key.replace("fwd", "bwd_filter"),
+                 ours_best="triton:depthwise_rows_bwd_filter_r8q16c16w4",
+                 ours={"triton:depthwise_strip_bwd_filter_t8b16c32w4s8": 0.14,
+                       "triton:depthwise_rows_bwd_filter_r8q16c16w4": 0.035}, ours_ms=0.035)
     assert depthwise.family_ms(row, "band") == 0.035 and depthwise.family_ms(older, "band") is None
-    assert depthwise.family_ms(row, "strip") == 0.05
-    text = depthwise.markdown({"date": "d", "gpu": "g"}, {"a": row, "b": older})
-    assert "| fwd | ≥7 | 1 | 2.00 | 1.40 (1) | 2.00 (1) |" in text and "| bwd_data | ≥7 | 1 | 1.40 | - | - |" in text
-    assert "| 0.0350 | 0.0500 | 0.0350 | 0.0700 |" in text and "| 0.0500 | - | - | 0.0700 |" in text
+    assert depthwise.family_ms(row, "strip") == 0.05 and depthwise.family_ms(wgrad, "rows") == 0.035
+    text = depthwise.markdown({"date": "d", "gpu": "g"}, {"a": row, "b": older, "c": wgrad})
+    assert "| fwd | ≥7 | 1 | 2.00 | 1.40 (1) | 2.00 (1) | - |" in text
+    assert "| bwd_data | ≥7 | 1 | 1.40 | - | - | - |" in text
+    assert "| bwd_filter | ≥7 | 1 | 2.00 | 0.50 (1) | - | 2.00 (1) |" in text
+    assert "| 0.0350 | 0.0500 | 0.0350 | - | 0.0700 |" in text and "| 0.0500 | - | - | - | 0.0700 |" in text
+    assert "| 0.0350 | 0.1400 | - | 0.0350 | 0.0700 |" in text
 
 
 ab = _bench_script("ab")

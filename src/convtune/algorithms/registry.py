@@ -35,6 +35,7 @@ BUILTIN_MODULES = (
     "convtune.algorithms.triton_depthwise",
     "convtune.algorithms.triton_depthwise_band",
     "convtune.algorithms.triton_depthwise_strip",
+    "convtune.algorithms.triton_depthwise_rows",
     "convtune.algorithms.triton_grouped",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged. Each with

@@ -77,10 +77,6 @@ class TritonDepthwiseBand(TritonAlgorithm):
                                f"take it")
         return SUPPORTED
 
-    def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
-        # One float32 partial sum per (run of output rows and tile of output columns, channel, tap).
-        return (self.module().partial_sums(problem, self.tile), problem.k, math.prod(problem.kernel_size))
-
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return tensor_core_notes(problem)
 

@@ -110,10 +110,6 @@ class TritonDepthwiseStrip(TritonAlgorithm):
             return [Buffer("weights", self.module().weights_shape(problem, self.tile), torch.float32)]
         return super().buffers(problem)
 
-    def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
-        # One float32 partial sum per (run of output rows, channel, tap).
-        return (self.module().partial_sums(problem, self.tile), problem.k, math.prod(problem.kernel_size))
-
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return NumericNotes(float32_inside=problem.dtype != "float32")
 

@@ -51,7 +51,8 @@ class TritonAlgorithm(Algorithm):
     Subclasses set ``family`` (the name's stem), ``kernels`` (the module under ``convtune.kernels``, with
     ``forward``, ``backward_data`` and ``backward_filter``) and ``tile_type`` (its configuration class's
     name there), refuse what their kernels do not compute in ``_family_supports``, and give the shape of
-    the weight gradient's float32 partial sums in ``partials_shape``.
+    the weight gradient's float32 partial sums in ``partials_shape`` where it is not (the kernels module's
+    ``partial_sums``, channels, taps).
     """
 
     devices = ("cuda", "cpu")
@@ -105,7 +106,9 @@ class TritonAlgorithm(Algorithm):
         return SUPPORTED
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
-        raise NotImplementedError(f"{type(self).__name__} declares no partial sums")
+        """The shape of the weight gradient's float32 partial sums: one per (run of the kernels module's
+        ``partial_sums``, channel, tap); a family whose partial sums are laid out otherwise says so here."""
+        return (self.module().partial_sums(problem, self.tile), problem.k, math.prod(problem.kernel_size))
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         if problem.direction != "bwd_filter":

@@ -1,0 +1,76 @@
+"""triton:depthwise_rows_bwd_filter_*: convtune's depthwise weight gradient by input rows on the tensor cores
+(``convtune.kernels.rows``), one algorithm per tile configuration.
+
+Where they run and what every Triton family refuses: ``triton_family``.
+
+    >>> from convtune.problem import ConvProblem
+    >>> from convtune.algorithms.registry import get_algorithm
+    >>> p = ConvProblem("bwd_filter", n=8, c=64, k=64, input_size=(28, 28), kernel_size=7, padding=3, groups=64,
+    ...                 dtype="float16", layout="channels_last", device="cuda")
+    >>> rows = get_algorithm("triton:depthwise_rows_bwd_filter_r8q16c16w4")
+    >>> bool(rows.supports(p)), bool(rows.supports(p.replace(stride=2, dilation=2)))
+    (True, True)
+    >>> print(rows.supports(p.replace(kernel_size=(33, 3), padding=(16, 1))).reason)  # doctest: +NORMALIZE_WHITESPACE
+    keeps 16 channels × 64 × 16 taps (the kernel's, padded) = 16384 float32 sums a program, more than 8192;
+    triton:depthwise_bwd_filter_*, cuDNN or torch:native take it
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..costmodel import Cost
+from ..problem import ConvProblem
+from .base import SUPPORTED, NumericNotes, Support, unsupported
+from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, register_family, tensor_core_notes
+
+# (input rows a program runs down, output columns a product, channels a program, warps). Compiled for sm_90 on a CPU
+# (96 channels, 56x56, 7x7, batch 32, float16, channels_last), r8q16c16w4 takes 126 registers and 32 KB of shared
+# memory, no spills, and issues about as many instructions a multiply-add as the strips' weight gradient (the loads
+# and the operands' way into the tensor cores, not the products, are most of them); what it should gain is the cache:
+# a program's dy rows stay in it from one input row to the next. Not yet timed on a GPU; find's measurement picks.
+# Two configurations until then (each is compiled and measured in every cold tuning of a depthwise weight gradient):
+# runs of 8 rows, and of 32 (fewer partial sums). Products over 32 columns (r8q32c16w4: 166 registers, twice the
+# instructions a turn for twice the work) are left out for now.
+TILES = ((8, 16, 16, 4), (32, 16, 16, 4))
+
+
+class TritonDepthwiseRows(TritonAlgorithm):
+    """The depthwise weight gradient by input rows with one tile configuration."""
+
+    family = "depthwise_rows"
+    kernels = "rows"
+    tile_type = "RowsTile"
+
+    def __init__(self, direction: str, rows: int, block_q: int, channels: int, warps: int):
+        self._configure(direction, (rows, block_q, channels, warps), f"r{rows}q{block_q}c{channels}w{warps}")
+
+    def _family_supports(self, problem: ConvProblem) -> Support:
+        depthwise = depthwise_only(problem)
+        if not depthwise:
+            return depthwise
+        module = self.module()
+        r_pad, s_pad = module.padded_taps(problem)
+        sums = self.tile_args[2] * r_pad * s_pad
+        if sums > module.MAX_ACCUMULATORS:
+            return unsupported(f"keeps {self.tile_args[2]} channels × {r_pad} × {s_pad} taps (the kernel's, padded) = "
+                               f"{sums} float32 sums a program, more than {module.MAX_ACCUMULATORS}; "
+                               f"triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")
+        tiles = math.ceil(problem.k / self.tile_args[2])
+        if tiles > GRID_AXIS_LIMIT:
+            return unsupported(f"launches {tiles} programs along a grid axis that holds {GRID_AXIS_LIMIT} (tiles of "
+                               f"{self.tile_args[2]} channels); torch:native or cuDNN take it")
+        return SUPPORTED
+
+    def notes(self, problem: ConvProblem) -> NumericNotes:
+        return tensor_core_notes(problem)
+
+    def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
+        # Tensor-core products whose taps are padded to 16 a side (a 7x7 kernel: 256 products for 49 taps), their
+        # operands gathered from cache. Not yet measured on a GPU: priced as the strips (0.16 of the float32 peak,
+        # 1.8 times the compulsory traffic; triton_depthwise_strip), so that get does not put it first on a guess.
+        return Cost(problem.flops, 0.16, 1.8 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
+                    float32_inside=True, composed=False)
+
+
+register_family(TritonDepthwiseRows, {"bwd_filter": TILES})
