@@ -62,17 +62,19 @@ ISSUE_ARCH, SMS, SCHEDULERS, CLOCK = 90, 132, 4, 1.98e9
 ISSUE_RATE = SMS * SCHEDULERS * CLOCK  # warp instructions a second
 
 
-def issue_bound_us(launch: dict, turns: tuple[tuple[float, ...], int]) -> float:
+def issue_bound_us(launch: dict, turns: tuple[tuple[float, ...], int | tuple[int, ...]]) -> float:
     """The issue-bound time of a launch whose programs' innermost loop turns ``turns[0][i]`` times in the i-th of
-    equal shares of its programs (one share where all turn alike), inside a loop of ``turns[1]`` turns (whose own
-    instructions, ``outer_loop``, repeat with it; those outside every loop run once). One warp instruction a clock
+    equal shares of its programs (one share where all turn alike), inside a loop of ``turns[1]`` turns, or of
+    ``turns[1][i]`` in the i-th share (whose own instructions, ``outer_loop``, repeat with it; those outside every
+    loop run once). One warp instruction a clock
     per scheduler, and a program's warps spread over its SM's schedulers: the longer of all the warps' instructions
     spread over every scheduler, and of what the programs, placed whole on the SMs, leave the busiest one (with m
     SMs, the (k·m+1)-th longest program's share puts k+1 such shares on some scheduler)."""
     shares, outer = turns
+    outers = outer if isinstance(outer, tuple) else (outer,) * len(shares)
     loop, around = launch["inner_loop"], launch.get("outer_loop") or launch["inner_loop"]
     once = launch["instructions"] - around
-    per_warp = [once + ((around - loop) + loop * t) * outer for t in shares]
+    per_warp = [once + ((around - loop) + loop * t) * o for t, o in zip(shares, outers)]
     programs = math.prod(launch["grid"])
     warps = launch["warps"]
     assert programs % len(per_warp) == 0 and warps & (warps - 1) == 0, (launch["grid"], warps, shares)
@@ -154,7 +156,23 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
     return None
 
 
-TURNS = {"depthwise_band": banded_turns, "depthwise_strip": strip_turns}  # per family, where its loops' turns are known
+def rows_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
+               launch: dict) -> tuple[tuple[float, ...], tuple[int, ...]] | None:
+    """The turns of the weight gradient by rows' loops (``kernels.rows``): once per block of output columns, within a
+    loop over a run's input rows (one share per run of an image: the last may be shorter); None for the partials' sum
+    and for loops of another shape."""
+    from convtune.kernels.shared import sizes
+
+    if launch["kernel"] != "_row_products" or launch["loops"] != 2 or not launch.get("nested", False):
+        return None
+    h, _, _, q = sizes(problem)
+    rows, blocks = algorithm.tile.rows, -(-q // algorithm.tile.block_q)
+    runs = tuple(min(rows, h - first) for first in range(0, h, rows))
+    return (blocks,) * len(runs), runs
+
+
+TURNS = {"depthwise_band": banded_turns, "depthwise_strip": strip_turns,
+         "depthwise_rows": rows_turns}  # per family, where its loops' turns are known
 
 
 def problem_keys(family: str, dtype: str, layout: str) -> list[str]:

@@ -33,8 +33,9 @@ from triton_cases import (
 FAMILY = [a.name for a in registered() if isinstance(a, TritonDepthwiseRows)]
 SHAPES = DEPTHWISE_SHAPES
 CASES = list(itertools.product(SHAPES, DTYPES, LAYOUTS))
-# test_matches_reference's (bfloat16 is not run in the interpreter), and test_partial_tiles_and_many_runs'
-KERNEL_TESTS = len(SHAPES) * (len(DTYPES) - 1) * len(LAYOUTS) + len(LAYOUTS)
+# test_matches_reference's (bfloat16 is not run in the interpreter), test_partial_tiles_and_many_runs' and
+# test_strided_and_dilated_rows'
+KERNEL_TESTS = len(SHAPES) * (len(DTYPES) - 1) * len(LAYOUTS) + len(LAYOUTS) + 5
 
 
 def checked(p: ConvProblem) -> list[str]:
@@ -80,6 +81,7 @@ def test_partial_tiles_and_many_runs(layout):
     ((2, 4), (1, 3), (3, 3), (1, 5), (9, 30)),  # dilated columns four apart
     ((4, 2), (1, 1), (2, 5), (0, 2), (3, 11)),  # fewer rows than the row stride
     ((1, 1), (1, 1), (16, 3), (7, 1), (20, 9)),  # 16 kernel rows: no padding of the rows
+    ((1, 1), (1, 1), (17, 3), (8, 1), (20, 9)),  # 17 kernel rows, padded to 32
 ])
 def test_strided_and_dilated_rows(stride, dilation, kernel, padding, size):
     # The dy rows an input row meets (p·stride_h = h + pad_h - r·dil_h, where it divides), and the windows' columns
@@ -108,7 +110,7 @@ def test_the_family_declares_what_it_supports():
         "groups": p.replace(groups=4),
         "1-D and 2-D": p.replace(input_size=(5, 5, 5), kernel_size=3, padding=1, stride=1, dilation=1),
         "computes bwd_filter": p.replace(direction="fwd"),
-        "16 channels × 64 × 16 taps (the kernel's, padded) = 16384 float32 sums a program, more than 8192":
+        "16 channels × 64 × 16 taps (the 33x3 kernel's, padded) = 16384 float32 sums a program, more than 8192":
             p.replace(kernel_size=(33, 3), padding=(16, 1), input_size=(40, 9)),
         "grid axis that holds 65535": p.replace(c=3_000_000, k=3_000_000, groups=3_000_000, n=1, input_size=(2, 2),
                                                 kernel_size=1, padding=0),

@@ -1,5 +1,5 @@
-"""triton:depthwise_rows_bwd_filter_*: convtune's depthwise weight gradient by input rows on the tensor cores
-(``convtune.kernels.rows``), one algorithm per tile configuration.
+"""triton:depthwise_rows_bwd_filter_*: convtune's depthwise weight gradient by input rows on the tensor cores (float32
+without TF32: the same products on the CUDA cores; ``convtune.kernels.rows``), one algorithm per tile configuration.
 
 Where they run and what every Triton family refuses: ``triton_family``.
 
@@ -11,8 +11,8 @@ Where they run and what every Triton family refuses: ``triton_family``.
     >>> bool(rows.supports(p)), bool(rows.supports(p.replace(stride=2, dilation=2)))
     (True, True)
     >>> print(rows.supports(p.replace(kernel_size=(33, 3), padding=(16, 1))).reason)  # doctest: +NORMALIZE_WHITESPACE
-    keeps 16 channels × 64 × 16 taps (the kernel's, padded) = 16384 float32 sums a program, more than 8192;
-    triton:depthwise_bwd_filter_*, cuDNN or torch:native take it
+    keeps 16 channels × 64 × 16 taps (the 33x3 kernel's, padded) = 16384 float32 sums a program, more than 8192;
+    triton:depthwise_bwd_filter_* (kernel rows of up to 256 taps), cuDNN or torch:native take it
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, reg
 
 # (input rows a program runs down, output columns a product, channels a program, warps). Compiled for sm_90 on a CPU
 # (96 channels, 56x56, 7x7, batch 32, float16, channels_last), r8q16c16w4 takes 126 registers and 32 KB of shared
-# memory, no spills, and issues about as many instructions a multiply-add as the strips' weight gradient (the loads
-# and the operands' way into the tensor cores, not the products, are most of them); what it should gain is the cache:
-# a program's dy rows stay in it from one input row to the next. Not yet timed on a GPU; find's measurement picks.
+# memory, no spills, and issues about 0.7x the strips' weight gradient's instructions (bench/results/sass_counts.md:
+# the loads and the operands' way into the tensor cores, not the products, are most of them); what it may gain is
+# the cache:
+# a program's dy rows may stay in it from one input row to the next. Not yet timed on a GPU; find's measurement picks.
 # Two configurations until then (each is compiled and measured in every cold tuning of a depthwise weight gradient):
-# runs of 8 rows, and of 32 (fewer partial sums). Products over 32 columns (r8q32c16w4: 166 registers, twice the
-# instructions a turn for twice the work) are left out for now.
+# runs of 8 rows, and of 32 (fewer partial sums). Products over 32 columns are left out until these are timed.
 TILES = ((8, 16, 16, 4), (32, 16, 16, 4))
 
 
@@ -53,13 +53,16 @@ class TritonDepthwiseRows(TritonAlgorithm):
         r_pad, s_pad = module.padded_taps(problem)
         sums = self.tile_args[2] * r_pad * s_pad
         if sums > module.MAX_ACCUMULATORS:
-            return unsupported(f"keeps {self.tile_args[2]} channels × {r_pad} × {s_pad} taps (the kernel's, padded) = "
-                               f"{sums} float32 sums a program, more than {module.MAX_ACCUMULATORS}; "
-                               f"triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")
+            kernel = "x".join(map(str, problem.kernel_size))
+            return unsupported(f"keeps {self.tile_args[2]} channels × {r_pad} × {s_pad} taps (the {kernel} kernel's, "
+                               f"padded) = {sums} float32 sums a program, more than {module.MAX_ACCUMULATORS}; "
+                               f"triton:depthwise_bwd_filter_* (kernel rows of up to 256 taps), cuDNN or torch:native "
+                               f"take it")
         tiles = math.ceil(problem.k / self.tile_args[2])
         if tiles > GRID_AXIS_LIMIT:
             return unsupported(f"launches {tiles} programs along a grid axis that holds {GRID_AXIS_LIMIT} (tiles of "
-                               f"{self.tile_args[2]} channels); torch:native or cuDNN take it")
+                               f"{self.tile_args[2]} channels); the other depthwise kernels (wider channel tiles), "
+                               f"torch:native or cuDNN take it")
         return SUPPORTED
 
     def notes(self, problem: ConvProblem) -> NumericNotes:

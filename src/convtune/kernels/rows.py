@@ -7,14 +7,15 @@ r·dil_h, and the row's share is a matrix product per channel: A (S × Q) = the 
 tap (A[s, q] = x[h, q·stride_w - pad_w + s·dil_w]: the same few columns, loaded again from the cache) times B (Q × R)
 = those dy rows side by side, so that dw[c] (S × R) += A·B. A program runs down a run of input rows (``tile.rows``)
 of one image for a tile of channels, the channels the batch of a 3-D ``tl.dot``; the rows' columns in blocks of
-``tile.block_q``. Neighbouring input rows share R - 1 of their dy rows, so a program's dy stays in its SM's cache
-while it runs down its rows, and x is loaded once a row and tap (where the CUDA-core kernels, ``kernels.strips``,
-load dy again for every kernel row).
+``tile.block_q``. At stride and dilation 1, neighbouring input rows share R - 1 of their dy rows, so a program's dy
+may stay in its SM's cache while it runs down its rows (not measured yet), and x is loaded once a row and tap (where
+the CUDA-core kernels, ``kernels.strips``, load dy again for every kernel row).
 
 The products are the tensor cores' (M, N and K of at least 16: the kernel's rows and taps padded to powers of two of
 at least 16, whose lanes multiply zeros; a program keeps channels × padded taps float32 sums, at most
 ``MAX_ACCUMULATORS``): float16 and bfloat16 operands summed in
-float32; float32 ones rounded to TF32 where the problem allows it, else multiplied in float32 (``ieee``). Each run's
+float32; float32 ones rounded to TF32 where the problem allows it, else multiplied in float32 (``ieee``: on the CUDA
+cores). Each run's
 sums land in float32 partials, one row (channel, tap) a run, that ``shared.sum_partials`` adds in a fixed order: no
 atomics, deterministic. Operands are 4-D (N, C, H, W) views with their own strides (a 1-D problem has H = 1), so one
 kernel serves both layouts; channels_last's channels are contiguous, the tile's first axis. Offsets are 32-bit: the
