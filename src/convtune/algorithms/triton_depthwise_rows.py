@@ -31,8 +31,9 @@ from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, reg
 # the cache:
 # a program's dy rows may stay in it from one input row to the next. Not yet timed on a GPU; find's measurement picks.
 # Two configurations until then (each is compiled and measured in every cold tuning of a depthwise weight gradient):
-# runs of 8 rows, and of 32 (fewer partial sums). Products over 32 columns are left out until these are timed.
-TILES = ((8, 16, 16, 4), (32, 16, 16, 4))
+# runs of 8 rows, and of 32 (fewer partial sums); and tiles of 8 channels, whose 8192 sums hold kernels padded to
+# 32x32 (up to 31x31, RepLKNet's). Products over 32 columns are left out until these are timed.
+TILES = ((8, 16, 16, 4), (32, 16, 16, 4), (8, 16, 8, 4))
 
 
 class TritonDepthwiseRows(TritonAlgorithm):
