@@ -70,11 +70,14 @@ class TritonDepthwiseRows(TritonAlgorithm):
         return tensor_core_notes(problem)
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        # Tensor-core products whose taps are padded to 16 a side (a 7x7 kernel: 256 products for 49 taps), their
-        # operands gathered from cache. Not yet measured on a GPU: priced as the strips (0.16 of the float32 peak,
-        # 1.8 times the compulsory traffic; triton_depthwise_strip), so that get does not put it first on a guess.
-        return Cost(problem.flops, 0.16, 1.8 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
-                    float32_inside=True, composed=False)
+        # The padded products (a 7x7 kernel: 256 for its 49 taps; a 3x3 one: 256 for 9) at 0.08 of the tensor cores'
+        # peak (the float32 one without TF32), 1.8 times the compulsory traffic as the strips. Not measured on a GPU
+        # yet: 0.08 makes the price follow the issue-bound times counted from the machine code
+        # (bench/results/sass_counts.md), about 0.8x the strips' at 7x7 and 4x at 3x3 on the H200's peaks.
+        r_pad, s_pad = self.module().padded_taps(problem)
+        padded = problem.flops * r_pad * s_pad / math.prod(problem.kernel_size)
+        return Cost(padded, 0.08, 1.8 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
+                    composed=False)
 
 
 register_family(TritonDepthwiseRows, {"bwd_filter": TILES})
