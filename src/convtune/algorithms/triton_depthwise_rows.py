@@ -25,14 +25,14 @@ from .base import SUPPORTED, NumericNotes, Support, unsupported
 from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, register_family, tensor_core_notes
 
 # (input rows a program runs down, output columns a product, channels a program, warps). Compiled for sm_90 on a CPU
-# (96 channels, 56x56, 7x7, batch 32, float16, channels_last), r8q16c16w4 takes 126 registers and 32 KB of shared
-# memory, no spills, and issues about 0.7x the strips' weight gradient's instructions (bench/results/sass_counts.md:
-# the loads and the operands' way into the tensor cores, not the products, are most of them); what it may gain is
-# the cache:
-# a program's dy rows may stay in it from one input row to the next. Not yet timed on a GPU; find's measurement picks.
-# Two configurations until then (each is compiled and measured in every cold tuning of a depthwise weight gradient):
-# runs of 8 rows, and of 32 (fewer partial sums); and tiles of 8 channels, whose 8192 sums hold kernels padded to
-# 32x32 (up to 31x31, RepLKNet's). Products over 32 columns are left out until these are timed.
+# (bench/results/sass_counts.md), r8q16c16w4 on the 96-channel 56x56 7x7 layer (batch 32, float16, channels_last)
+# takes 126 registers and 32 KB of shared memory, no spills, and its issue-bound time is about 0.8x the strips' (the
+# loads and the operands' way into the tensor cores, not the products, are most of its instructions); what it may
+# gain is the cache, a program's dy rows staying in it from one input row to the next. Not yet timed on a GPU; find's
+# measurement picks. Three configurations until then (each is compiled and measured in a cold tuning of a depthwise
+# weight gradient unless find stops before it): runs of 8 input rows, and of 32 (fewer partial sums), in tiles of 16
+# channels; and runs of 8 in tiles of 8 channels, whose 8192 sums hold kernels padded to 32x32 (up to 31x31,
+# RepLKNet's). Products over 32 columns are left out until these are timed.
 TILES = ((8, 16, 16, 4), (32, 16, 16, 4), (8, 16, 8, 4))
 
 

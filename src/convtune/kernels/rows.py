@@ -13,11 +13,10 @@ the CUDA-core kernels, ``kernels.strips``, load dy again for every kernel row).
 
 The products are the tensor cores' (M, N and K of at least 16: the kernel's rows and taps padded to powers of two of
 at least 16, whose lanes multiply zeros; a program keeps channels × padded taps float32 sums, at most
-``MAX_ACCUMULATORS``): float16 and bfloat16 operands summed in
-float32; float32 ones rounded to TF32 where the problem allows it, else multiplied in float32 (``ieee``: on the CUDA
-cores). Each run's
-sums land in float32 partials, one row (channel, tap) a run, that ``shared.sum_partials`` adds in a fixed order: no
-atomics, deterministic. Operands are 4-D (N, C, H, W) views with their own strides (a 1-D problem has H = 1), so one
+``MAX_ACCUMULATORS``): float16 and bfloat16 operands summed in float32; float32 ones rounded to TF32 where the
+problem allows it, else multiplied in float32 (``ieee``: on the CUDA cores). Each run's sums land in float32
+partials, one row (channel, tap) a run, that ``shared.sum_partials`` adds in a fixed order: no atomics,
+deterministic. Operands are 4-D (N, C, H, W) views with their own strides (a 1-D problem has H = 1), so one
 kernel serves both layouts; channels_last's channels are contiguous, the tile's first axis. Offsets are 32-bit: the
 algorithm refuses operands of 2**31 elements or more.
 """
