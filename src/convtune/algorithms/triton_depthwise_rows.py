@@ -26,7 +26,7 @@ from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, reg
 
 # (input rows a program runs down, output columns a product, channels a program, warps). Compiled for sm_90 on a CPU
 # (bench/results/sass_counts.md), r8q16c16w4 on the 96-channel 56x56 7x7 layer (batch 32, float16, channels_last)
-# takes 126 registers and 32 KB of shared memory, no spills, and its issue-bound time is about 0.8x the strips' (the
+# takes 126 registers and 32 KB of shared memory, no spills, and its issue-bound time is 0.85x the strips' (the
 # loads and the operands' way into the tensor cores, not the products, are most of its instructions); what it may
 # gain is the cache, a program's dy rows staying in it from one input row to the next. Not yet timed on a GPU; find's
 # measurement picks. Three configurations until then (each is compiled and measured in a cold tuning of a depthwise
@@ -73,7 +73,9 @@ class TritonDepthwiseRows(TritonAlgorithm):
         # The padded products (a 7x7 kernel: 256 for its 49 taps; a 3x3 one: 256 for 9) at 0.08 of the tensor cores'
         # peak (the float32 one without TF32), 1.8 times the compulsory traffic as the strips. Not measured on a GPU
         # yet: 0.08 makes the price follow the issue-bound times counted from the machine code
-        # (bench/results/sass_counts.md), about 0.8x the strips' at 7x7 and 4x at 3x3 on the H200's peaks.
+        # (bench/results/sass_counts.md) on the 7x7 layers (0.81-0.84x the strips' price on the H200's peaks) and the
+        # 112x112 3x3 one (3.5x); on smaller 3x3 and 5x5 layers the launches weigh more (1.3-1.9x, where the counts
+        # say 1.8-9x).
         r_pad, s_pad = self.module().padded_taps(problem)
         padded = problem.flops * r_pad * s_pad / math.prod(problem.kernel_size)
         return Cost(padded, 0.08, 1.8 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
