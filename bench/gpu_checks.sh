@@ -13,9 +13,10 @@
 # bench/data/sweep.jsonl.gz where it exists: the measurements get's learned model is trained on; e.g.
 # sweep:8:--networks+all measures the built-in networks' layers, which bench/learned_get.py holds out one at a
 # time; the whole dataset comes back as $OUT/sweep.jsonl.gz).
-# coldtune:<network>:<batch>[:<threads>] (bench/tuning_cost.py --whole --layers 0: a cold tuning of the network's
-# training problems profiled, Triton's disk cache empty, find compiling ahead on <threads> threads, default the
-# setting's; written as tuning_cost_<network>_b<batch>[_t<threads>]).
+# coldtune:<network>:<batch>[:<threads>[:<tag>]] (bench/tuning_cost.py --whole --layers 0: a cold tuning of the
+# network's training problems profiled, Triton's disk cache empty, find compiling ahead on <threads> threads, default
+# the setting's; written as tuning_cost_<network>_b<batch>[_t<threads>][_<tag>]: steps with threads 8 and 0 taking
+# turns in one call, tagged a and b, compare what the threads save on one host).
 # layerhost:<network>:<batch>[:<dtype>[:grad]] (bench/layer_host.py: each tuned layer's host and GPU time per call
 # against PyTorch's).
 # compileprofile:<compile_profile.py arguments joined by +> (bench/compile_profile.py, Inductor's generated code
@@ -76,10 +77,10 @@ for step in "$@"; do
            for ((i = 0; i < parts; i++)); do cat "${log%.txt}_${i}_times.txt" 2>/dev/null; done > "${log%.txt}_times.txt"
            for ((i = 0; i < parts; i++)); do rm -f "${log%.txt}_$i.txt" "${log%.txt}_${i}_times.txt"; done ;;
     host) python3 bench/tuning_cost.py --layers 1 --out "$OUT" --name tuning_cost_native 2>&1 | tail -40 ;;
-    coldtune:*) IFS=: read -r _ network batch threads <<< "$step"
+    coldtune:*) IFS=: read -r _ network batch threads tag <<< "$step"
                 python3 bench/tuning_cost.py --network "$network" --batch "$batch" --layers 0 --whole \
                   ${threads:+--compile-threads "$threads"} --out "$OUT" \
-                  --name "tuning_cost_${network}_b${batch}${threads:+_t$threads}" 2>&1 | sed -n '/whole network, cold/,/Host cost/p' ;;
+                  --name "tuning_cost_${network}_b${batch}${threads:+_t$threads}${tag:+_$tag}" 2>&1 | sed -n '/whole network, cold/,/Host cost/p' ;;
     e2e:*) name=${E2E_NAME:-e2e}; [ -e "$OUT/$name.json" ] || cp "bench/results/$name.json" "$OUT/" 2>/dev/null; args=${step#e2e:}
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name "$name" 2>&1 | tail -30 ;;
     ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}
