@@ -28,6 +28,7 @@
 # exhaustive best and PyTorch per layer; a run cut short keeps the configurations it finished). budgets
 # (bench/plan_budgets.py's committed configuration: network workspace plans under budgets). heuristics
 # (bench/heuristics_cost.py: the host time of asking cuDNN's heuristics A and B for a new problem's plans).
+# getlatency (bench/get_latency.py: how long get takes on a problem new to the process, and on it again).
 # Everything lands in $OUT (default /tmp/out), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=<revision> BENCH_SOURCE=<src tree> bash bench/gpu_checks.sh ...` with both values
 # written out as `git rev-parse --short HEAD` and `git rev-parse --short HEAD:src` give them where the tree was
@@ -115,6 +116,7 @@ for step in "$@"; do
     layers:*) args=${step#layers:}; python3 bench/layers.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -14 ;;
     budgets) python3 bench/plan_budgets.py --out "$OUT" 2>&1 | quiet | tail -12 ;;
     heuristics) python3 bench/heuristics_cost.py --out "$OUT" 2>&1 | quiet | tail -12 ;;
+    getlatency) python3 bench/get_latency.py --out "$OUT" 2>&1 | quiet | tail -12 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done

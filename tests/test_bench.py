@@ -803,3 +803,24 @@ def test_results_of_another_gpu_are_never_merged_into_a_results_file(tmp_path, c
         common.extendable(path, dict(cpu="AMD EPYC"), "e2e")
     for script in ("e2e.py", "ab.py", "depthwise.py"):
         assert "common.extendable(json_path, env, args.name)" in (Path(common.__file__).parent / script).read_text()
+
+
+get_latency = _bench_script("get_latency")
+
+
+def test_get_latency_times_each_distinct_problem_once_cold_and_warm(get_latency, tmp_path):
+    # ResNet-18's layers at batch 1 on the CPU: each distinct problem timed twice (its first get, then again), once
+    # across the networks named (a network that repeats another's problems adds none), and the file says so
+    import json
+
+    from sweep import network_problems
+
+    assert get_latency.main(["--networks", "resnet18,resnet18", "--batch", "1", "--dtypes", "float32", "--device",
+                             "cpu", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "get_latency.json").read_text())
+    distinct = len(set(p for _, p in network_problems(["resnet18"], 1, ["float32"], ["channels_last"], "cpu")))
+    assert list(payload["results"]) == ["resnet18"]
+    for kind in ("cold", "warm"):
+        row = payload["results"]["resnet18"][kind]
+        assert row["problems"] == distinct and 0 < row["median_ms"] <= row["p90_ms"] <= row["max_ms"]
+    assert "| resnet18 | warm |" in (tmp_path / "get_latency.md").read_text()

@@ -1,0 +1,92 @@
+"""How long ``get`` takes to answer: a problem never seen in the process, and the same problem again.
+
+Per distinct problem of the networks named (every layer, every direction; batch, dtypes and channels_last as given),
+in one process: the wall time of the first ``convtune.get(problem)`` (cold: every candidate listed and priced, on
+CUDA cuDNN's graph and list of plans made), then of a second one (warm: the answer remembered). Before any is timed,
+one ``get`` of a problem of none of the networks makes what a process makes once (cuDNN's handle, the registry, the
+learned model's file read). Targets (the learned-GET issue): at most 5 ms cold and 1 ms warm. On a CPU the problems
+are the CPU's (no cuDNN): a check of the script, not of the targets.
+
+    python bench/get_latency.py --networks resnet50,mobilenet_v2,resnext50_32x4d --batch 32
+
+Results: bench/results/get_latency.json and .md (or --out, --name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import e2e  # noqa: E402
+from sweep import network_problems  # noqa: E402
+
+TARGETS_MS = {"cold": 5.0, "warm": 1.0}
+
+
+def summary(times_ms: list[float]) -> dict:
+    """Median, 90th percentile and worst of ``times_ms``, and how many."""
+    p90 = statistics.quantiles(times_ms, n=10, method="inclusive")[-1] if len(times_ms) > 1 else times_ms[0]
+    return dict(problems=len(times_ms), median_ms=statistics.median(times_ms), p90_ms=p90, max_ms=max(times_ms))
+
+
+def timed(problems: list) -> dict[str, list[float]]:
+    """Per problem, the ms of its first ``get`` (cold) and of its second (warm)."""
+    import convtune as ct
+
+    out: dict[str, list[float]] = {"cold": [], "warm": []}
+    for problem in problems:
+        for kind in ("cold", "warm"):
+            start = time.perf_counter()
+            ct.get(problem)
+            out[kind].append(1e3 * (time.perf_counter() - start))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--networks", type=e2e.split, default=["resnet50", "mobilenet_v2", "resnext50_32x4d"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtypes", type=e2e.split, default=["float16"])
+    parser.add_argument("--device", default=None, help="cuda where there is a GPU, else cpu")
+    common.result_arguments(parser, "get_latency")
+    args = parser.parse_args(argv)
+    import torch
+
+    import convtune as ct
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    per_network = {network: list(dict.fromkeys(p for _, p in network_problems([network], args.batch, args.dtypes,
+                                                                              ["channels_last"], device)))
+                   for network in args.networks}
+    seen: set = set()
+    for network, problems in per_network.items():  # each problem timed once, with the first network that has it
+        per_network[network] = [p for p in problems if p not in seen]
+        seen.update(problems)
+    if not seen:
+        parser.error(f"{','.join(args.networks)}: no problems")
+    ct.get(ct.ConvProblem("fwd", n=3, c=5, k=7, input_size=(11, 13), kernel_size=3, dtype=args.dtypes[0],
+                          layout="channels_last", device=device))  # what a process makes once, untimed
+    results = {network: {kind: summary(t) for kind, t in timed(problems).items()}
+               for network, problems in per_network.items() if problems}
+    env = common.environment()
+    rows = [[network, kind, r[kind]["problems"], f"{r[kind]['median_ms']:.3f}", f"{r[kind]['p90_ms']:.3f}",
+             f"{r[kind]['max_ms']:.3f}", f"{TARGETS_MS[kind]:g}"] for network, r in results.items() for kind in r]
+    markdown = (f"# How long get takes to answer\n\n{common.env_line(env)}. The layers of {', '.join(args.networks)} "
+                f"(batch {args.batch}, {', '.join(args.dtypes)}, channels_last, every direction, on {device}; each "
+                f"distinct problem once, with the first network that has it): the wall time of a problem's first "
+                f"`get` in the process (cold) and of its second (warm), ms. `bench/get_latency.py`.\n\n"
+                + common.md_table(["network", "get", "problems", "median", "90th percentile", "worst", "target"],
+                                  rows))
+    common.write(args.name, {"environment": env, "device": device, "networks": args.networks, "batch": args.batch,
+                             "results": results}, markdown, args.out)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
