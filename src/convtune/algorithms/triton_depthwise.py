@@ -20,8 +20,8 @@ from typing import Any
 
 from ..costmodel import Cost
 from ..problem import ConvProblem
-from .base import SUPPORTED, Buffer, NumericNotes, Support, unsupported
-from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, register_family
+from .base import Buffer, NumericNotes, Support, unsupported
+from .triton_family import TritonAlgorithm, depthwise_only, grid_axis_fits, register_family
 
 # Tile configurations per direction: (positions, channels, warps[, chunk[, form[, patch]]]). Wide channel tiles
 # read channels_last rows whole; wide position tiles suit channels_first, where positions are contiguous. One
@@ -83,11 +83,8 @@ class TritonDepthwise(TritonAlgorithm):
         # the launches' second grid axis runs over tiles of channels, the phases form's third over stride phases
         tiles = math.ceil((problem.c if problem.direction == "bwd_data" else problem.k) / self.tile_args[1])
         phases = math.prod(problem.stride) if self.form == "phases" else 1
-        if max(tiles, phases) > GRID_AXIS_LIMIT:
-            return unsupported(f"launches {max(tiles, phases)} programs along a grid axis that holds "
-                               f"{GRID_AXIS_LIMIT} ({tiles} tiles of {self.tile_args[1]} channels, {phases} stride "
-                               f"phases); a configuration with wider channel tiles, torch:native or cuDNN take it")
-        return SUPPORTED
+        return grid_axis_fits(max(tiles, phases), f"{tiles} tiles of {self.tile_args[1]} channels, {phases} stride "
+                              f"phases", "a configuration with wider channel tiles, torch:native or cuDNN")
 
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         if self.as_tile and problem.direction != "bwd_filter":  # the weights laid out tap by tap (tap_weights)

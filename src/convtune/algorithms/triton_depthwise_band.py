@@ -22,8 +22,14 @@ import math
 from .. import hardware
 from ..costmodel import Cost
 from ..problem import ConvProblem
-from .base import SUPPORTED, NumericNotes, Support, unsupported
-from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, register_family, tensor_core_notes
+from .base import NumericNotes, Support, unsupported
+from .triton_family import (
+    TritonAlgorithm,
+    depthwise_only,
+    grid_axis_fits,
+    register_family,
+    tensor_core_notes,
+)
 
 # (output rows, output columns, channels, warps[, output rows per partial sum]) per program. A tile of channels
 # reads channels_last's rows in vectors (8 channels of float16: 16 bytes), a single channel channels_first's. None
@@ -69,13 +75,9 @@ class TritonDepthwiseBand(TritonAlgorithm):
             return unsupported(f"stages {module.operand_bytes(problem, self.tile)} bytes of operands in shared memory, "
                                f"more than this GPU's {hardware.shared_memory_per_block()} (float32 operands of a wide "
                                f"window); a configuration with a smaller tile, or another algorithm, takes it")
-        tiles = module.side_tiles(problem, self.tile)
-        if tiles > GRID_AXIS_LIMIT:
-            return unsupported(f"launches {tiles} programs along a grid axis that holds {GRID_AXIS_LIMIT} "
-                               f"(tiles of {self.tile.channels} channels or {self.tile.columns} columns); a "
-                               f"configuration with wider tiles, the other depthwise kernels, cuDNN or torch:native "
-                               f"take it")
-        return SUPPORTED
+        return grid_axis_fits(module.side_tiles(problem, self.tile),
+                              f"tiles of {self.tile.channels} channels or {self.tile.columns} columns",
+                              "a configuration with wider tiles, the other depthwise kernels, cuDNN or torch:native")
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return tensor_core_notes(problem)

@@ -21,8 +21,14 @@ import math
 
 from ..costmodel import Cost
 from ..problem import ConvProblem
-from .base import SUPPORTED, NumericNotes, Support, unsupported
-from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, depthwise_only, register_family, tensor_core_notes
+from .base import NumericNotes, Support, unsupported
+from .triton_family import (
+    TritonAlgorithm,
+    depthwise_only,
+    grid_axis_fits,
+    register_family,
+    tensor_core_notes,
+)
 
 # (input rows a program runs down, output columns a product, channels a program, warps). Compiled for sm_90 on a CPU
 # (bench/results/sass_counts.md), r8q16c16w4 on the 96-channel 56x56 7x7 layer (batch 32, float16, channels_last)
@@ -59,12 +65,8 @@ class TritonDepthwiseRows(TritonAlgorithm):
                                f"padded) = {sums} float32 sums a program, more than {module.MAX_ACCUMULATORS}; "
                                f"triton:depthwise_bwd_filter_* (kernel rows of up to 256 taps), cuDNN or torch:native "
                                f"take it")
-        tiles = math.ceil(problem.k / self.tile_args[2])
-        if tiles > GRID_AXIS_LIMIT:
-            return unsupported(f"launches {tiles} programs along a grid axis that holds {GRID_AXIS_LIMIT} (tiles of "
-                               f"{self.tile_args[2]} channels); the other depthwise kernels (wider channel tiles), "
-                               f"torch:native or cuDNN take it")
-        return SUPPORTED
+        return grid_axis_fits(math.ceil(problem.k / self.tile_args[2]), f"tiles of {self.tile_args[2]} channels",
+                              "the other depthwise kernels (wider channel tiles), torch:native or cuDNN")
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return tensor_core_notes(problem)

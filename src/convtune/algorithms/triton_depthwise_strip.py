@@ -28,7 +28,13 @@ import torch
 from ..costmodel import Cost
 from ..problem import ConvProblem
 from .base import SUPPORTED, Buffer, NumericNotes, Support, unsupported
-from .triton_family import GRID_AXIS_LIMIT, INDEX_LIMIT, TritonAlgorithm, depthwise_only, register_family
+from .triton_family import (
+    INDEX_LIMIT,
+    TritonAlgorithm,
+    depthwise_only,
+    grid_axis_fits,
+    register_family,
+)
 
 # (outputs a strip, strips a program, channels a program, warps[, output rows per partial sum]). 128 threads take
 # strips × channels / 128 channels each: 8 (16 bytes of float16, channels_last's vector), but 4 in t8b16c32w4.
@@ -92,11 +98,10 @@ class TritonDepthwiseStrip(TritonAlgorithm):
                                f"more than {MAX_COLUMNS}; a configuration with shorter strips, the other depthwise "
                                f"kernels, cuDNN or torch:native take it")
         channels = problem.c if problem.direction == "bwd_data" else problem.k
-        tiles = math.ceil(channels / self.tile_args[2])
-        if tiles > GRID_AXIS_LIMIT:
-            return unsupported(f"launches {tiles} programs along a grid axis that holds {GRID_AXIS_LIMIT} (tiles of "
-                               f"{self.tile_args[2]} channels); a configuration with wider channel tiles, torch:native "
-                               f"or cuDNN take it")
+        fits = grid_axis_fits(math.ceil(channels / self.tile_args[2]), f"tiles of {self.tile_args[2]} channels",
+                              "a configuration with wider channel tiles, torch:native or cuDNN")
+        if not fits:
+            return fits
         if problem.direction != "bwd_filter":
             weights = math.prod(module.weights_shape(problem, self.tile))
             if weights >= INDEX_LIMIT:

@@ -178,6 +178,15 @@ def tensor_core_notes(problem: ConvProblem) -> NumericNotes:
     return NumericNotes(tensor_cores=half or tf32, tf32=tf32, float32_inside=half)
 
 
+def grid_axis_fits(programs: int, what: str, others: str) -> Support:
+    """Whether ``programs`` fit a launch grid's second or third axis (CUDA's ``GRID_AXIS_LIMIT``); if not, the reason,
+    naming ``what`` the programs are and ``others``, what takes the problem instead."""
+    if programs > GRID_AXIS_LIMIT:
+        return unsupported(f"launches {programs} programs along a grid axis that holds {GRID_AXIS_LIMIT} ({what}); "
+                           f"{others} take it")
+    return SUPPORTED
+
+
 def depthwise_only(problem: ConvProblem) -> Support:
     """What the depthwise families refuse first: a problem that is not depthwise (groups == c)."""
     if problem.groups != problem.c:

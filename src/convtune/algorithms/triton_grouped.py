@@ -20,8 +20,8 @@ import math
 
 from ..costmodel import Cost, gemm_dims, shape_factor
 from ..problem import ConvProblem
-from .base import SUPPORTED, NumericNotes, Support, unsupported
-from .triton_family import GRID_AXIS_LIMIT, TritonAlgorithm, register_family, tensor_core_notes
+from .base import NumericNotes, Support, unsupported
+from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes
 
 MAX_GROUP_CHANNELS = 64
 # (positions, channels, warps[, positions per partial sum]); the channel tile is capped at the group's width.
@@ -42,11 +42,8 @@ class TritonGrouped(TritonAlgorithm):
         if problem.groups == 1 or not 2 <= per_group <= MAX_GROUP_CHANNELS:
             return unsupported(f"needs a grouped problem with 2 to {MAX_GROUP_CHANNELS} input channels per group, "
                                f"got {per_group} (groups={problem.groups})")
-        programs = max(self.module().grid_axes(problem, self.tile))
-        if programs > GRID_AXIS_LIMIT:
-            return unsupported(f"launches {programs} programs along a grid axis that holds {GRID_AXIS_LIMIT} (tiles "
-                               f"of groups' channels, or the weight gradient's taps); torch:native or cuDNN take it")
-        return SUPPORTED
+        return grid_axis_fits(max(self.module().grid_axes(problem, self.tile)),
+                              "tiles of groups' channels, or the weight gradient's taps", "torch:native or cuDNN")
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
         # One float32 partial sum of the whole gradient per run of output positions.
