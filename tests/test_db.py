@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, hardware
+from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, hardware, salvage
 from convtune import db as db_module
 from convtune.settings import settings
 from damage import FIND, corruption_suite, problem, stored_file
@@ -571,8 +571,8 @@ def test_the_rows_of_a_file_that_still_reads_are_salvaged_into_a_fresh_one(tmp_p
     with TuningDB(damaged) as tdb:
         for n in (1, 2, 3):
             tdb.store(problem(n), FIND)
-    rows = db_module._salvage(damaged)
-    assert len(rows["results"]) == 3 * len(FIND)
+    rows = salvage.results(damaged, db_module._intact, timeout_s=1.0)
+    assert len(rows) == 3 * len(FIND)
     with caplog.at_level(logging.WARNING, logger="convtune.db"):
         db_module._restore(fresh, rows)
     assert "salvaged" in caplog.text
@@ -593,7 +593,7 @@ def test_salvage_keeps_only_rows_whose_checksum_holds(tmp_path):
                  "checksum FROM results LIMIT 1")
     conn.commit()
     conn.close()
-    rows = db_module._salvage(path)["results"]
+    rows = salvage.results(path, db_module._intact, timeout_s=1.0)
     assert len(rows) == len(FIND) and {row[2] for row in rows} == {problem(1).key}
 
 

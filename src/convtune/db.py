@@ -44,7 +44,7 @@ from typing import Any, cast
 
 import torch
 
-from . import hardware, sqlite_pages
+from . import hardware, salvage
 from .errors import check_type
 from .files import write_whole
 from .policy import Policy
@@ -690,9 +690,9 @@ def _open(path: Path) -> sqlite3.Connection:
             fault = _check(conn)
             conn.close()
             if fault is not None:
-                rows = _salvage(path) if fault[0] == "corrupt" else {}
+                rows = salvage.results(path, _intact, BUSY_TIMEOUT_MS / 1000) if fault[0] == "corrupt" else []
                 _move_aside(path, *fault)
-                if any(rows.values()):
+                if rows:
                     _restore(path, rows)
     raise RuntimeError(f"could not open a fresh tuning database at {path}; remove the file or set CONVTUNE_CACHE_DIR")
 
@@ -729,7 +729,7 @@ def _connect(path: Path, uri: bool = False) -> sqlite3.Connection:
     conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
     conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
     # What is deleted (a find stored again, a cleared cache) is overwritten with zeros: salvaging a damaged
-    # file reads its pages' rows straight (_salvage), and must not bring deleted rows back.
+    # file reads its pages' rows straight (salvage.results), and must not bring deleted rows back.
     conn.execute("PRAGMA secure_delete=ON")
     return conn
 
@@ -817,75 +817,11 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-# table -> columns of this schema: the results alone, which carry checksums (executables and host costs
-# are made again where they are missing)
-_SALVAGED_TABLES = {"results": 8}
-
-
-def _salvage(path: Path) -> dict[str, list[tuple]]:
-    """The rows of a damaged database that can still be read, table by table: every rowid that some path
-    still reaches (``_rowids``), each row then read on its own, so a damaged page loses its rows only; and
-    every row of the file's leaf pages read straight from them, its write-ahead log applied
-    (``sqlite_pages``), which finds the rows below a damaged root or interior page too. Each row's checksum
-    is checked (``_intact``). The rows SQLite reaches are the table as it stands; a row only the pages show
-    is added where its key is not there, and never an earlier find's of a problem (a find replaces a
-    problem's rows as a whole). In the order they were stored."""
-    rows = _salvage_through_sqlite(path)
-    try:
-        data = path.read_bytes()
-        wal = Path(f"{path}-wal")
-        if wal.exists():
-            data = sqlite_pages.with_wal(data, wal.read_bytes())
-    except OSError:
-        data = b""
-    live = rows["results"]  # what SQLite still reaches is the table as it stands: kept whole
-    keys = {row[:4] for row in live}
-    earliest: dict[tuple, float] = {}  # (fingerprint, software, problem), what one find stores: its rows' time
-    for row in live:
-        earliest[row[:3]] = min(earliest.get(row[:3], row[5]), row[5])
-    found = [row for row in sqlite_pages.leaf_rows(data, _SALVAGED_TABLES["results"])
-             if _intact("results", row) and row[:4] not in keys]
-    latest: dict[tuple, float] = {}
-    for row in found:
-        latest[row[:3]] = max(latest.get(row[:3], row[5]), row[5])
-    extra = {row[:4]: row for row in found
-             if row[5] >= earliest.get(row[:3], latest[row[:3]])}  # never an earlier find's row
-    rows["results"] = sorted([*live, *extra.values()], key=lambda row: row[5])  # stable: live rows in rowid order
-    return rows
-
-
-def _salvage_through_sqlite(path: Path) -> dict[str, list[tuple]]:
-    """``_salvage``'s rows that SQLite itself still reaches."""
-    rows: dict[str, list[tuple]] = {table: [] for table in _SALVAGED_TABLES}
-    try:
-        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000)
-    except sqlite3.Error:
-        return rows
-    try:
-        # A file cut short: read the pages it still has (SQLite refuses to read a file shorter than its
-        # header says unless the schema is writable; salvage only reads).
-        conn.execute("PRAGMA writable_schema=ON")
-        conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
-        for table, width in _SALVAGED_TABLES.items():
-            for rowid in sorted(_rowids(conn, table)):
-                try:
-                    row = conn.execute(f"SELECT * FROM {table} WHERE rowid = ?", (rowid,)).fetchone()
-                except sqlite3.Error:
-                    continue  # on a damaged page
-                if row is not None and len(row) == width and _intact(table, row):
-                    rows[table].append(tuple(row))
-    except sqlite3.Error:
-        pass  # keep what was read
-    finally:
-        conn.close()
-    return rows
-
-
-def _intact(table: str, row: tuple) -> bool:
+def _intact(row: tuple) -> bool:
     """Whether a results row read from a damaged file is what was written: its checksum binds the machine,
     software, problem, algorithm and result (a page of zeros or garbage that still parses fails it); the
     two fields it does not bind must agree with the problem (the device) and be a time (stored_at)."""
-    if table != "results" or len(row) != 8:
+    if len(row) != salvage.COLUMNS:
         return False
     fingerprint, software, problem, algorithm, device, stored_at, text, checksum = row
     try:
@@ -896,100 +832,15 @@ def _intact(table: str, row: tuple) -> bool:
     return bound and sane_time and device in ("cpu", "cuda") and f"|{device}|" in problem
 
 
-def _rowids(conn: sqlite3.Connection, table: str) -> set[int]:
-    """The rowids of ``table`` that can still be reached: from each of its indexes (which hold the rowids
-    apart from the rows' pages), read as far as it goes, and from the table itself, scanned in rowid
-    order and, where the scan meets a damaged page, sought past it."""
-    ids: set[int] = set()
-    try:
-        indexes = [name for (name,) in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table,))]
-    except sqlite3.Error:
-        indexes = []
-    for index in indexes:
-        try:
-            for (rowid,) in conn.execute(f'SELECT rowid FROM {table} INDEXED BY "{index}"'):
-                ids.add(rowid)
-        except sqlite3.Error:
-            continue  # this index is damaged from here on: keep what was read
-    start: int | None = 1  # the scan reads the rowids from here on (SQLite numbers rows from 1)
-    while start is not None:
-        begin = following = start  # following: the rowid after the last one read
-        try:
-            for (rowid,) in conn.execute(f"SELECT rowid FROM {table} WHERE rowid >= ? ORDER BY rowid", (begin,)):
-                if rowid < following:  # out of order: a damaged page that still parses
-                    raise sqlite3.DatabaseError(f"rowid {rowid} after {following - 1}")
-                ids.add(rowid)
-                following = rowid + 1
-            start = None  # the end of the table
-        except sqlite3.Error:
-            # The cursor fails stepping past the row it was about to return: read that one alone.
-            try:
-                one = conn.execute(f"SELECT rowid FROM {table} WHERE rowid >= ? ORDER BY rowid LIMIT 1",
-                                   (following,)).fetchone()
-            except sqlite3.Error:
-                one = None
-            if one is not None and one[0] >= following:
-                ids.add(one[0])
-                following = one[0] + 1
-            start = _past_damage(conn, table, max(following, begin + 1))  # always onwards
-    return ids
-
-
-def _past_damage(conn: sqlite3.Connection, table: str, start: int) -> int | None:
-    """The first rowid from ``start`` on that a seek reaches, or None when none can be reached. A seek to
-    rowid >= m fails while m lies on a damaged page and succeeds past it: found by stepping (the step
-    doubles up to a page's worth of rows, so an intact page between two damaged runs is not jumped
-    over), then halving the interval between the last failure and the first success."""
-
-    def reaches(m: int) -> tuple[bool, int | None]:
-        try:
-            found = conn.execute(f"SELECT rowid FROM {table} WHERE rowid >= ? ORDER BY rowid LIMIT 1", (m,)).fetchone()
-        except sqlite3.Error:
-            return False, None
-        if found is not None and found[0] < m:  # a damaged page that still parses
-            return False, None
-        return True, None if found is None else found[0]
-
-    try:
-        end = conn.execute(f"SELECT max(rowid) FROM {table}").fetchone()[0]  # the last page may be intact
-    except sqlite3.Error:
-        end = None
-    step, failed = 1, start - 1  # every seek up to ``failed`` failed (or was not tried: before ``start``)
-    while True:
-        ok, _ = reaches(failed + step)
-        if ok:
-            break
-        failed += step
-        # doubling, but not past a page of small rows where the end of the table is known
-        step = min(2 * step, _ROWS_PER_PAGE) if end is not None else 2 * step
-        if failed + step > (end if end is not None else _MAX_ROWID):
-            return None
-    good = failed + step
-    while good - failed > 1:  # the first rowid a seek reaches, between the last failure and the first success
-        middle = (failed + good) // 2
-        if reaches(middle)[0]:
-            good = middle
-        else:
-            failed = middle
-    return reaches(good)[1]
-
-
-_ROWS_PER_PAGE = 16  # a result row takes 300-600 bytes: a 4 KiB page holds about 8
-_MAX_ROWID = 2**63 - 1
-
-
-def _restore(path: Path, rows: dict[str, list[tuple]]) -> None:
-    """A fresh database at ``path`` holding the salvaged ``rows`` (each one's checksum checked by ``_intact``)."""
+def _restore(path: Path, rows: list[tuple]) -> None:
+    """A fresh database at ``path`` holding the salvaged results ``rows`` (each one checked by ``_intact``)."""
     conn = _connect(path)
     try:
         if _check(conn) is None:
             with _transaction(conn):
-                for table, table_rows in rows.items():
-                    marks = ", ".join("?" * _SALVAGED_TABLES[table])
-                    conn.executemany(f"INSERT OR IGNORE INTO {table} VALUES ({marks})", table_rows)
-            log.warning("tuning database %s: %s salvaged from the damaged file", path,
-                        ", ".join(f"{len(v)} {k} rows" for k, v in rows.items() if v))
+                marks = ", ".join("?" * salvage.COLUMNS)
+                conn.executemany(f"INSERT OR IGNORE INTO results VALUES ({marks})", rows)
+            log.warning("tuning database %s: %d results rows salvaged from the damaged file", path, len(rows))
     finally:
         conn.close()
 
