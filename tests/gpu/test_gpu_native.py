@@ -4,6 +4,8 @@ torch.compile of a tuned model. Skipped without CUDA.
 """
 
 import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -270,6 +272,32 @@ def test_a_cudnn_plan_is_rebuilt_from_its_serialized_form_and_computes_the_same(
     assert kind == "cudnn" and db.executable(p, name) is not None
     runtime._prepared.clear()
     assert runtime.prepare(p, name, db) == (handle, kind)
+    # a stored form that cuDNN does not take (damaged, or made by another cuDNN or GPU): asked directly, the
+    # extension raises naming what it was making, never crashes; a fresh process that finds it in the database
+    # rebuilds the plan from cuDNN's heuristics, computes what the plan did, and stores the good form in its place
+    # (in this process the plan's handle is made already, so the stored form is not read again)
+    expected = torch.ops.convtune.tuned_run(a, b, handle)
+    recipe, stored = db.executable(p, name)
+    options = recipe["options"]
+    for damaged in (stored[: len(stored) // 2], b"{}", b"\x00" * 64):
+        label = f"damaged {name} {len(damaged)}"
+        with pytest.raises(RuntimeError, match="execution plan from its serialized form"):
+            module.add_cudnn(runtime.handle_of(label), label, runtime._geometry(module, p, name), 0,
+                             [list(s) for s in options["shapes"]], [list(s) for s in options["strides"]],
+                             list(options["stride"]), list(options["padding"]), list(options["dilation"]),
+                             options["tag"], damaged)
+    damaged = stored[: len(stored) // 2]
+    db.store_executable(p, name, recipe, damaged)
+    script = (f"import torch, convtune as ct\nfrom convtune.pytorch import runtime\n"
+              f"p = ct.ConvProblem.from_key({p.key!r})\n"
+              f"handle, kind = runtime.prepare(p, {name!r}, ct.TuningDB({str(db.path)!r}))\n"
+              f"a, b = p.random_inputs(seed=3)\n"
+              f"torch.save(torch.ops.convtune.tuned_run(a, b, handle).cpu(), {str(tmp_path / 'out.pt')!r})\n"
+              f"print(kind)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.split()[-1:] == ["cudnn"], done.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected.cpu(), rtol=1e-2, atol=1e-2)
+    assert db.executable(p, name)[1] not in (damaged, b"")
 
 
 def test_operands_on_another_device_raise_a_value_error_that_names_the_layer():
