@@ -130,10 +130,10 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
                 launch: dict) -> tuple[tuple[float, ...], int] | None:
     """The turns of a strip kernel's loops (``kernels.strips``), as ``banded_turns`` gives them: the forward and
     the data gradient turn once per kernel row (each turn the row's columns unrolled; a strided data gradient's
-    launch, one per phase of dx's rows, once per kernel row that meets dy's rows from it), the data gradient within a
-    loop over the channel multiple; the weight gradient once per BLOCK_STRIPS strips of a run (one count per run),
-    in a loop over the kernel rows; the weights' layout is straight-line code; None for the partials' sum and for
-    loops of another shape."""
+    launch, one per phase of dx's rows, once per kernel row that meets dy's rows from it; strips of two rows once per
+    input row both rows read), the data gradient within a loop over the channel multiple; the weight gradient once
+    per BLOCK_STRIPS strips of a run (one count per run), in a loop over the kernel rows; the weights' layout is
+    straight-line code; None for the partials' sum and for loops of another shape."""
     from convtune.kernels.shared import geometry, sizes
 
     r, (loops, nested) = geometry(problem)[0], (launch["loops"], launch.get("nested", False))
@@ -142,6 +142,13 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
         return None
     if loops == 0:
         return (1,), 1
+    if kernel == "_strips" and algorithm.tile.rows == 2:
+        # two output rows a strip: a loop over the input rows both rows read (r - shift turns); the rows only one of
+        # them reads (shift each) are unrolled when the shift is 1, loops of their own otherwise (not counted here)
+        _, _, stride_h, _, _, _, dil_h, _ = geometry(problem)
+        shift = 1 if problem.direction == "bwd_data" else stride_h // dil_h
+        multiple = problem.k // problem.c if problem.direction == "bwd_data" else 1
+        return ((r - shift,), 1) if loops == 1 and shift == 1 and multiple == 1 else None
     if kernel == "_strips":
         multiple = problem.k // problem.c if problem.direction == "bwd_data" else 1
         ints = launch.get("integers", {})

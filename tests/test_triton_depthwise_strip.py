@@ -51,8 +51,14 @@ def sampled(p: ConvProblem) -> list[str]:
 
 def computing(p: ConvProblem) -> list[str]:
     """The configurations that compute ``p`` (of these shapes): the data gradient's whose strip length the column
-    stride (``stride[-1]``) divides, the weight gradient's of kernel rows of up to 8 taps, the forward's always."""
+    stride (``stride[-1]``) divides, the weight gradient's of kernel rows of up to 8 taps, the forward's always; of
+    two output rows a strip, only where the rows' kernel rows read the same input rows (a row stride that is a
+    whole number of row dilations; the data gradient: a row stride and dilation of 1)."""
     names = of_direction(p.direction)
+    if p.direction != "bwd_filter":
+        stride_h, dilation_h = (p.stride[0], p.dilation[0]) if len(p.stride) == 2 else (1, 1)
+        shared = stride_h == dilation_h == 1 if p.direction == "bwd_data" else stride_h % dilation_h == 0
+        names = [n for n in names if get_algorithm(n).tile_args[5] == 1 or shared]
     if p.direction == "bwd_data":
         return [n for n in names if get_algorithm(n).tile_args[0] % p.stride[-1] == 0]
     return names if p.direction == "fwd" or p.kernel_size[-1] <= 8 else []
@@ -201,6 +207,23 @@ def test_the_family_declares_what_it_supports():
     assert not support and "float32 buffer of 2147520000 elements" in support.reason
     with pytest.raises(ValueError, match="1 to 8 outputs a strip"):
         TritonDepthwiseStrip("fwd", 9, 16, 32, 4)
+    with pytest.raises(ValueError, match="the weight gradient's 1"):
+        TritonDepthwiseStrip("bwd_filter", 8, 16, 32, 4, 8, 2)
+    with pytest.raises(ValueError, match="1 or 2 output rows"):
+        algorithm.module().StripTile(8, 16, 32, rows=3)
+    # two output rows a strip share their input rows only where the row stride is a whole number of row dilations
+    # (the data gradient's: 1); 1-D problems (one row) take them
+    two = get_algorithm("triton:depthwise_strip_fwd_t8x2b16c32w4")
+    assert two.supports(p) and two.supports(p.replace(stride=2)) and two.supports(p.replace(stride=4, dilation=2))
+    assert two.supports(p.replace(input_size=(50,), kernel_size=5, padding=2, stride=1, dilation=1))
+    support = two.supports(p.replace(stride=3, dilation=2))
+    assert not support and "row stride 3 is not a whole number of row dilations (2)" in support.reason
+    data_two = get_algorithm("triton:depthwise_strip_bwd_data_t8x2b16c32w4")
+    assert data_two.supports(p.replace(direction="bwd_data", stride=(1, 2)))
+    support = data_two.supports(p.replace(direction="bwd_data", stride=(2, 2)))
+    assert not support and "row stride 2: the data gradient of a row stride above 1 runs a launch" in support.reason
+    support = data_two.supports(p.replace(direction="bwd_data", dilation=2, padding=4))
+    assert not support and "row stride 1 is not a whole number of row dilations (2)" in support.reason
     with pytest.raises(ValueError, match="1 to 8 outputs a strip"):
         algorithm.module().StripTile(9, 16, 32)
     wgrad = get_algorithm("triton:depthwise_strip_bwd_filter_t4b32c32w4s8")
@@ -216,3 +239,4 @@ def test_the_family_declares_what_it_supports():
 def test_every_configuration_is_registered_once_per_direction():
     assert len(FAMILY) == 2 * len(TILES) + len(BACKWARD_FILTER_TILES) == len(set(FAMILY))
     assert all(tile[0] <= 8 for tile in TILES + BACKWARD_FILTER_TILES)  # the kernels keep up to 8 outputs a strip
+    assert {tile[5] if len(tile) > 5 else 1 for tile in TILES} == {1, 2}  # one and two output rows a strip

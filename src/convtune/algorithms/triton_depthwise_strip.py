@@ -46,8 +46,12 @@ from .triton_family import (
 # t4b32c32w4; 236 registers, no spills at 7x7) took 0.89-0.98x t8b16c32w4's time on the stride-1 5x5 and 7x7
 # layers' forward and data gradient at 4d335f1 (1.06x on the 3x3 layer, 1.16x at stride 2), when t8b16c32w4 ran up
 # to 21% slower than before (docs/algorithms.md): not compared with the restored kernel yet. Each is a candidate:
-# find's verified measurement picks.
-TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4), (8, 32, 32, 4))
+# find's verified measurement picks. The x2 tiles (strips of two output rows, kernels.strips) load each input row once
+# for both rows: 8 of 14 kernel rows' loads at 7x7. Counted for sm_90 on a CPU at the 7x7 forward above, t8x2b16c32w4
+# issues t8b32c32w4's instructions (and has its registers) with 0.57x its loads; t8x2b8c32w4 (147 registers, 2
+# channels a thread) 1.08x t8b16c32w4's instructions an output. Not timed on a GPU yet.
+TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4), (8, 32, 32, 4),
+         (8, 16, 32, 4, 0, 2), (8, 8, 32, 4, 0, 2))
 # The weight gradient's: runs of 4 to 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
 # A program reads its run's dy rows again for every kernel row: on the H100 the 7x7 layer above took 134 µs with runs
 # of 8 rows and 151 with 32 (4d335f1), about 2.4x its issue-bound time (56 µs) where the forward took 1.65x (47 µs
@@ -68,11 +72,16 @@ class TritonDepthwiseStrip(TritonAlgorithm):
     kernels = "strips"
     tile_type = "StripTile"
 
-    def __init__(self, direction: str, strip: int, strips: int, channels: int, warps: int, chunk: int = 0):
+    def __init__(self, direction: str, strip: int, strips: int, channels: int, warps: int, chunk: int = 0,
+                 rows: int = 1):
         if not 1 <= strip <= MAX_STRIP:
             raise ValueError(f"strip={strip}: the kernels keep 1 to {MAX_STRIP} outputs a strip")
-        self._configure(direction, (strip, strips, channels, warps, chunk),
-                        f"t{strip}b{strips}c{channels}w{warps}" + (f"s{chunk}" if chunk else ""))
+        if rows not in (1, 2) or (rows == 2 and direction == "bwd_filter"):
+            raise ValueError(f"rows={rows}: a strip of the forward or the data gradient spans 1 or 2 output rows, "
+                             f"the weight gradient's 1")
+        self._configure(direction, (strip, strips, channels, warps, chunk, rows),
+                        f"t{strip}" + (f"x{rows}" if rows > 1 else "") + f"b{strips}c{channels}w{warps}"
+                        + (f"s{chunk}" if chunk else ""))
 
     def _family_supports(self, problem: ConvProblem) -> Support:
         depthwise = depthwise_only(problem)
@@ -88,6 +97,10 @@ class TritonDepthwiseStrip(TritonAlgorithm):
             return unsupported(f"computes the data gradient of column stride {stride} (the stride's last entry) "
                                f"only with strips of a multiple of {stride} outputs, this configuration's strips "
                                f"have {strip}; {others}, cuDNN or torch:native take it")
+        if self.tile_args[5] == 2 and (why := module.two_rows_reason(problem)):
+            return unsupported(f"computes strips of two output rows only where both rows read the same input rows; "
+                               f"{why}; the configurations of one row a strip (triton:depthwise_strip_"
+                               f"{problem.direction}_t*b*), cuDNN or torch:native take it")
         if problem.direction == "bwd_filter" and taps > module.MAX_FILTER_TAPS:
             return unsupported(f"keeps a weight-gradient sum for each of up to {module.MAX_FILTER_TAPS} taps of a "
                                f"kernel row, got {taps}; triton:depthwise_bwd_filter_*, cuDNN or torch:native take it")

@@ -12,6 +12,11 @@ over the data gradient's channel multiple run at run time.
 
 - ``forward``: programs over (strips of output rows, tiles of output channels); output channel k reads input
   channel k // M (M: the channel multiplier).
+- Strips of two rows (``StripTile.rows`` = 2; the forward and the data gradient): a strip is T outputs of two
+  neighbouring rows p and p + 1, whose kernel rows r and r - shift read the same input row where the row stride is a
+  whole number of row dilations (shift = stride / dilation; the data gradient: row stride and dilation 1). Each
+  input row is loaded and converted once for both rows: R + shift rows' loads for 2·R kernel rows' products, about
+  half the loads an output, for twice the accumulators.
 - ``backward_data``: the forward's loop over dy with the kernel turned around (tap R-1-r, S-1-s), padding
   dilation·(size - 1) - padding, summed over the M output channels c·M + m that each input channel c feeds. A strided
   problem's dy is read as if spread ``stride`` apart with zeros between, without the zeros: dx's rows one stride phase
@@ -56,10 +61,27 @@ class StripTile:
     channels: int
     warps: int = 4
     chunk: int = 0
+    rows: int = 1  # output rows a strip (forward and data gradient): 2 loads each input row once for two rows
 
     def __post_init__(self) -> None:
         if not 1 <= self.strip <= MAX_STRIP:
             raise ValueError(f"StripTile(strip={self.strip}): the kernels keep 1 to {MAX_STRIP} outputs a strip")
+        if self.rows not in (1, 2):
+            raise ValueError(f"StripTile(rows={self.rows}): a strip spans 1 or 2 output rows")
+
+
+def two_rows_reason(problem: ConvProblem) -> str | None:
+    """Why strips of two output rows cannot compute ``problem`` (None: they can). The rows p and p + 1 share their
+    input rows when the row stride is a whole number of the row dilation (kernel row r of p + 1 reads what kernel row
+    r + stride / dilation of p reads); a strided data gradient reads dy's rows spread apart, one phase a launch."""
+    _, _, stride_h, _, _, _, dil_h, _ = geometry(problem)
+    if problem.direction == "bwd_data":
+        if stride_h > 1:
+            return f"row stride {stride_h}: the data gradient of a row stride above 1 runs a launch per row phase"
+        stride_h = 1  # the data gradient is a forward of stride 1 over dy
+    if stride_h % dil_h:
+        return f"row stride {stride_h} is not a whole number of row dilations ({dil_h})"
+    return None
 
 
 @triton.jit
@@ -96,12 +118,49 @@ def _add_tap(acc, values, weights, tap_stride, COL: tl.constexpr, t: tl.constexp
 
 
 @triton.jit
+def _add_taps(a0, a1, a2, a3, a4, a5, a6, a7, values, weights, tap_stride, COL: tl.constexpr, T: tl.constexpr,
+              S: tl.constexpr, STRIDE_W: tl.constexpr, DIL_W: tl.constexpr):
+    """The strip's outputs (a<t>) + column COL's values times the weights of the taps joining them (``_add_tap``)."""
+    a0 = _add_tap(a0, values, weights, tap_stride, COL, 0, T, S, STRIDE_W, DIL_W)
+    a1 = _add_tap(a1, values, weights, tap_stride, COL, 1, T, S, STRIDE_W, DIL_W)
+    a2 = _add_tap(a2, values, weights, tap_stride, COL, 2, T, S, STRIDE_W, DIL_W)
+    a3 = _add_tap(a3, values, weights, tap_stride, COL, 3, T, S, STRIDE_W, DIL_W)
+    a4 = _add_tap(a4, values, weights, tap_stride, COL, 4, T, S, STRIDE_W, DIL_W)
+    a5 = _add_tap(a5, values, weights, tap_stride, COL, 5, T, S, STRIDE_W, DIL_W)
+    a6 = _add_tap(a6, values, weights, tap_stride, COL, 6, T, S, STRIDE_W, DIL_W)
+    a7 = _add_tap(a7, values, weights, tap_stride, COL, 7, T, S, STRIDE_W, DIL_W)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
 def _store(dst, acc, t: tl.constexpr, T: tl.constexpr, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw):
     """Output t of the strips (where T has one), rounded into ``dst``'s dtype."""
     if t < T:
         q = q0 + t
         tl.store(dst + (n * sdn + p * sdh + q * sdw)[:, None] + c[None, :] * sdc, acc.to(dst.dtype.element_ty),
                  mask=(ok & (q < Q))[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _columns(rows, q0, h_ok, c_ok, W, ssw, pad_w, wa, wb, C_PAD, a0, a1, a2, a3, a4, a5, a6, a7,
+             b0, b1, b2, b3, b4, b5, b6, b7, COLS: tl.constexpr, T: tl.constexpr, S: tl.constexpr,
+             STRIDE_W: tl.constexpr, DIL_W: tl.constexpr, UP_W: tl.constexpr, PHASE_W: tl.constexpr,
+             DO_A: tl.constexpr, DO_B: tl.constexpr):
+    """One input row's columns (``rows``: its start, for the strips' channels) into the strips' outputs: into the
+    a accumulators through the kernel row of weights ``wa`` (DO_A), into the b accumulators (the output row below,
+    two-row strips) through ``wb`` (DO_B); each column loaded and converted once for both."""
+    for col in tl.static_range(COLS):
+        if (col + UP_W - PHASE_W) % UP_W == 0:  # a column of src (q0 is a multiple of UP_W); else zeros
+            wi = (q0 * STRIDE_W - pad_w + col) // UP_W  # whole
+            values = tl.load(rows + (wi * ssw)[:, None], mask=(h_ok & (wi >= 0) & (wi < W))[:, None]
+                             & c_ok[None, :], other=0.0).to(tl.float32)
+            if DO_A:
+                a0, a1, a2, a3, a4, a5, a6, a7 = _add_taps(a0, a1, a2, a3, a4, a5, a6, a7, values, wa, C_PAD, col,
+                                                           T, S, STRIDE_W, DIL_W)
+            if DO_B:
+                b0, b1, b2, b3, b4, b5, b6, b7 = _add_taps(b0, b1, b2, b3, b4, b5, b6, b7, values, wb, C_PAD, col,
+                                                           T, S, STRIDE_W, DIL_W)
+    return a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
 
 
 # The phase arguments are compiled as run-time integers whatever their value (Triton would make a constant of a 1 and
@@ -111,7 +170,7 @@ def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
             ssn, ssc, ssh, ssw, sdn, sdc, sdh, sdw, stride_h, pad_h, pad_w, dil_h, p_first, r_first, r_step,
             DIV: tl.constexpr, M_IN: tl.constexpr, R: tl.constexpr, S: tl.constexpr, STRIDE_W: tl.constexpr,
             DIL_W: tl.constexpr, UP_H: tl.constexpr, UP_W: tl.constexpr, PHASE_W: tl.constexpr, T: tl.constexpr,
-            BLOCK_STRIPS: tl.constexpr, BLOCK_CH: tl.constexpr):
+            U: tl.constexpr, SHIFT: tl.constexpr, BLOCK_STRIPS: tl.constexpr, BLOCK_CH: tl.constexpr):
     # dst[n, c, p, q] = Σ over m < M_IN, r, s of src'[n, (c // DIV)·M_IN + m, p·stride_h - pad_h + r·dil_h,
     # q·STRIDE_W - pad_w + s·DIL_W] · wts[(m·R + r)·S + s, c], where src' is src spread UP_H rows and UP_W columns
     # apart with zeros between (src'[.., u, v] = src[.., u / UP_H, v / UP_W] where both divide, else 0: a strided
@@ -119,45 +178,66 @@ def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
     # BLOCK_CH channels, each thread a strip's channels. Its rows are p_first + UP_H·j (j < P): one launch a
     # phase of the rows, where only the kernel rows r_first, r_first + r_step, ... < R meet src's rows; T is a
     # multiple of UP_W, so that whether a column of src' is one of src's (PHASE_W: pad_w mod UP_W) is known at
-    # compile time.
+    # compile time. U = 2 (UP_H = 1 only): a strip is T outputs of two rows, p and p + 1, whose kernel rows r and
+    # r - SHIFT read the same input row (SHIFT = stride_h / dil_h, a whole number): each input row is loaded once for
+    # both, R + SHIFT rows for 2·R kernel rows' products.
     i = tl.program_id(0) * BLOCK_STRIPS + tl.arange(0, BLOCK_STRIPS)
     ok = i < total
     row = i // strips
     q0 = (i - row * strips) * T
-    n = row // P
+    blocks = (P + U - 1) // U  # of a strip's rows in an image's
+    n = row // blocks
     if UP_H == 1:  # every row, every kernel row: a loop of compile-time bounds (the run-time ones cost ~20% on an
-        p = row - n * P  # H100, the compiler leaving loads among the products), whatever p_first, r_first, r_step
-        r_lo, r_inc = 0, 1
+        p = (row - n * blocks) * U  # H100, the compiler leaving loads among the products), whatever p_first, r_first,
+        r_lo, r_inc = 0, 1  # r_step
     else:
-        p = p_first + (row - n * P) * UP_H
+        p = p_first + (row - n * blocks) * UP_H
         r_lo, r_inc = r_first, r_step
     c = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     c_ok = c < C
     zero = tl.zeros((BLOCK_STRIPS, BLOCK_CH), dtype=tl.float32)
     a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
+    b0, b1, b2, b3, b4, b5, b6, b7 = zero, zero, zero, zero, zero, zero, zero, zero
     COLS: tl.constexpr = (T - 1) * STRIDE_W + (S - 1) * DIL_W + 1  # the columns a strip's outputs read
+    # two-row strips: the input rows j that only row p's kernel rows read (j < SHIFT), both rows' (SHIFT <= j < R),
+    # only row p + 1's (j >= R, j - SHIFT < R)
+    ONLY_A: tl.constexpr = SHIFT if SHIFT < R else R
+    ONLY_B: tl.constexpr = R if R > SHIFT else SHIFT
     for m in range(M_IN):  # a loop at run time: the body is unrolled per kernel row, not per multiple
         base = src + (n * ssn)[:, None] + (((c // DIV) * M_IN + m) * ssc)[None, :]
-        for r in range(r_lo, R, r_inc):
-            h = (p * stride_h - pad_h + r * dil_h) // UP_H  # whole: the launch's phase of the rows meets row r
-            h_ok = ok & (h >= 0) & (h < H)
-            rows = base + (h * ssh)[:, None]
-            # the kernel row's weights as the tile is (each thread its own channels' from the cache; padded to
-            # whole channel tiles, so unmasked); the compiler loads each tap's once however many outputs it serves
-            weights = wts + ((m * R + r) * S) * C_PAD + c[None, :] + (i * 0)[:, None]
-            for col in tl.static_range(COLS):
-                if (col + UP_W - PHASE_W) % UP_W == 0:  # a column of src (q0 is a multiple of UP_W); else zeros
-                    wi = (q0 * STRIDE_W - pad_w + col) // UP_W  # whole
-                    values = tl.load(rows + (wi * ssw)[:, None], mask=(h_ok & (wi >= 0) & (wi < W))[:, None]
-                                     & c_ok[None, :], other=0.0).to(tl.float32)
-                    a0 = _add_tap(a0, values, weights, C_PAD, col, 0, T, S, STRIDE_W, DIL_W)
-                    a1 = _add_tap(a1, values, weights, C_PAD, col, 1, T, S, STRIDE_W, DIL_W)
-                    a2 = _add_tap(a2, values, weights, C_PAD, col, 2, T, S, STRIDE_W, DIL_W)
-                    a3 = _add_tap(a3, values, weights, C_PAD, col, 3, T, S, STRIDE_W, DIL_W)
-                    a4 = _add_tap(a4, values, weights, C_PAD, col, 4, T, S, STRIDE_W, DIL_W)
-                    a5 = _add_tap(a5, values, weights, C_PAD, col, 5, T, S, STRIDE_W, DIL_W)
-                    a6 = _add_tap(a6, values, weights, C_PAD, col, 6, T, S, STRIDE_W, DIL_W)
-                    a7 = _add_tap(a7, values, weights, C_PAD, col, 7, T, S, STRIDE_W, DIL_W)
+        # the kernel row's weights as the tile is (each thread its own channels' from the cache; padded to whole
+        # channel tiles, so unmasked); the compiler loads each tap's once however many outputs it serves
+        weights = wts + (m * R * S) * C_PAD + c[None, :] + (i * 0)[:, None]
+        if U == 1:
+            for r in range(r_lo, R, r_inc):
+                h = (p * stride_h - pad_h + r * dil_h) // UP_H  # whole: the launch's phase of the rows meets row r
+                wr = weights + (r * S) * C_PAD
+                a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _columns(
+                    base + (h * ssh)[:, None], q0, ok & (h >= 0) & (h < H), c_ok, W, ssw, pad_w, wr, wr, C_PAD,
+                    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                    COLS, T, S, STRIDE_W, DIL_W, UP_W, PHASE_W, True, False)
+        else:
+            for j in range(0, ONLY_A):
+                h = p * stride_h - pad_h + j * dil_h
+                wr = weights + (j * S) * C_PAD
+                a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _columns(
+                    base + (h * ssh)[:, None], q0, ok & (h >= 0) & (h < H), c_ok, W, ssw, pad_w, wr, wr, C_PAD,
+                    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                    COLS, T, S, STRIDE_W, DIL_W, UP_W, PHASE_W, True, False)
+            for j in range(SHIFT, R):
+                h = p * stride_h - pad_h + j * dil_h
+                a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _columns(
+                    base + (h * ssh)[:, None], q0, ok & (h >= 0) & (h < H), c_ok, W, ssw, pad_w,
+                    weights + (j * S) * C_PAD, weights + ((j - SHIFT) * S) * C_PAD, C_PAD,
+                    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                    COLS, T, S, STRIDE_W, DIL_W, UP_W, PHASE_W, True, True)
+            for j in range(ONLY_B, R + SHIFT):
+                h = p * stride_h - pad_h + j * dil_h
+                wr = weights + ((j - SHIFT) * S) * C_PAD
+                a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7 = _columns(
+                    base + (h * ssh)[:, None], q0, ok & (h >= 0) & (h < H), c_ok, W, ssw, pad_w, wr, wr, C_PAD,
+                    a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                    COLS, T, S, STRIDE_W, DIL_W, UP_W, PHASE_W, False, True)
     _store(dst, a0, 0, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
     _store(dst, a1, 1, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
     _store(dst, a2, 2, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
@@ -166,6 +246,16 @@ def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
     _store(dst, a5, 5, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
     _store(dst, a6, 6, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
     _store(dst, a7, 7, T, n, p, q0, ok, c, c_ok, Q, sdn, sdc, sdh, sdw)
+    if U == 2:
+        ok_b = ok & (p + 1 < P)
+        _store(dst, b0, 0, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
+        _store(dst, b1, 1, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
+        _store(dst, b2, 2, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
+        _store(dst, b3, 3, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
+        _store(dst, b4, 4, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
+        _store(dst, b5, 5, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
+        _store(dst, b6, 6, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
+        _store(dst, b7, 7, T, n, p + 1, q0, ok_b, c, c_ok, Q, sdn, sdc, sdh, sdw)
 
 
 @triton.jit
@@ -277,18 +367,22 @@ def _run(problem: ConvProblem, tile: StripTile, src: torch.Tensor, w: torch.Tens
     up_h, up_w = spread
     assert tile.strip % up_w == 0, "a strip's outputs must span whole phases of the spread columns"
     strips = triton.cdiv(made[1], tile.strip)
+    if tile.rows == 2:
+        reason = two_rows_reason(problem)
+        assert reason is None and up_h == 1, reason  # the algorithms refuse it (two_rows_reason)
     for first in range(min(up_h, made[0])):
         rows = triton.cdiv(made[0] - first, up_h)
         # the kernel rows that meet src's rows from this phase: (first·stride_h - pad_h + r·dil_h) divisible by up_h
         # (every up_h / gcd(dil_h, up_h)-th from the first)
         meet = [k for k in range(r) if (first * stride_h - pads[0] + k * dil_h) % up_h == 0]
         step = up_h // math.gcd(dil_h, up_h)
-        total = problem.n * rows * strips
+        total = problem.n * triton.cdiv(rows, tile.rows) * strips
         grid = (triton.cdiv(total, tile.strips), triton.cdiv(channels, tile.channels))
         launch(_strips, grid, src4, weights, dst4, total, strips, rows, made[1], *read, channels, weights.shape[1],
                *src4.stride(), *dst4.stride(), stride_h, pads[0], pads[1], dil_h, first, meet[0] if meet else r, step,
                DIV=divisor, M_IN=sources, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, UP_H=up_h, UP_W=up_w,
-               PHASE_W=pads[1] % up_w, T=tile.strip, BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels,
+               PHASE_W=pads[1] % up_w, T=tile.strip, U=tile.rows, SHIFT=stride_h // dil_h if tile.rows == 2 else 1,
+               BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels,
                num_warps=tile.warps)
 
 
