@@ -116,11 +116,29 @@ def test_nan_never_passes_even_with_a_huge_max_rel_error():
     assert results["fake:wrong"].status is Status.OK  # 100% off is within a 1e30 bound
 
 
-def test_policy_max_rel_error_tightens_the_check():
-    results = by_name(find(P, Policy(max_rel_error=1e-3), timer=FakeTimer(),
-                           candidates=[WrongResult(scale=1.0 + 1e-4), WrongResult("fake:wronger", scale=1.01)]))
-    assert results["fake:wrong"].status is Status.OK
-    assert results["fake:wronger"].status is Status.WRONG_RESULT
+def test_policy_max_rel_error_tightens_the_choice_and_keeps_what_other_policies_can_use(tmp_path):
+    # float32's default bound is 1e-4: 1e-5 off is right by it, too inexact for a policy asking 1e-6; 1% off is wrong
+    from convtune import TuningDB
+
+    strict = Policy(max_rel_error=1e-6)
+    near = WrongResult("fake:near", scale=1.0 + 1e-5, time_ms=1.0)
+    exact, wronger = Fake("fake:exact", time_ms=3.0), WrongResult("fake:wronger", scale=1.01, time_ms=0.5)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        results = find(P, strict, db=db, timer=FakeTimer(), candidates=[near, exact, wronger])
+        named = by_name(results)
+        assert named["fake:near"].status is Status.OK and 1e-6 < named["fake:near"].rel_error < 1e-4
+        assert "above Policy.max_rel_error=1e-06: kept for other policies" in named["fake:near"].message
+        assert named["fake:wronger"].status is Status.WRONG_RESULT
+        assert results[0].algorithm == "fake:exact"  # the policy's choice: what it can use
+        # the search's bar is what the policy can use: the exact one was timed to the end, not stopped early
+        assert named["fake:exact"].time_ms == pytest.approx(3.0) and not named["fake:exact"].message
+        # stored: each policy answered from the same measurements
+        assert db.lookup(P, Policy()).algorithm == "fake:near"
+        assert db.lookup(P, strict).algorithm == "fake:exact"
+        assert db.lookup(P, Policy(max_rel_error=1e-3)).algorithm == "fake:near"
+        # a stricter find later loses nothing the default policy had
+        find(P, Policy(max_rel_error=1e-30), db=db, timer=FakeTimer(), candidates=[near, exact])
+        assert db.lookup(P, Policy()).algorithm == "fake:near" and db.lookup(P, strict) is not None
 
 
 @pytest.mark.parametrize("policy, fake, status", [

@@ -285,9 +285,14 @@ class _Search:
                 status, why = Status.FAILED, WROTE_INPUTS
             if status is not None:
                 return PerfResult(algorithm.name, status, **props, message=why)
+        # Checked against the looser of the policy's bound and the default one: a result the policy finds too
+        # inexact is still right, and stored ok with its error for other policies (ranking.usable holds each
+        # policy's bound), rather than recorded wrong in place of a measurement a later policy could use.
+        bound = tolerance(problem, algorithm.notes(problem))
+        if self.policy.max_rel_error is not None:
+            bound = max(bound, self.policy.max_rel_error)
         first = time.perf_counter()
-        err, ok, message = check(algorithm, problem, inputs, ref, out, workspace,
-                                 max_rel_error=self.policy.max_rel_error)
+        err, ok, message = check(algorithm, problem, inputs, ref, out, workspace, max_rel_error=bound)
         runs_s = [time.perf_counter() - first]
         if self.restore_inputs():  # after each stage: a candidate that writes into its inputs later fails too
             return _failed(algorithm, props, err, WROTE_INPUTS)
@@ -299,7 +304,7 @@ class _Search:
         inputs2, ref2 = self.case(1)
         second = time.perf_counter()
         err2, ok, message = check(algorithm, problem, inputs2, ref2, problem.empty(problem.operand_shapes[2]),
-                                  workspace, max_rel_error=self.policy.max_rel_error, poison=_finite_poison(problem))
+                                  workspace, max_rel_error=bound, poison=_finite_poison(problem))
         runs_s.append(time.perf_counter() - second)
         if self.restore_inputs():
             return _failed(algorithm, props, err, WROTE_INPUTS)
@@ -349,18 +354,22 @@ class _Search:
         if wrote:
             return _failed(algorithm, props, err, WROTE_INPUTS)
         timed_err, timed_worst = errors(out, ref)  # what the timed calls left in the output: the same answer
-        bound = self.policy.max_rel_error or tolerance(problem, algorithm.notes(problem))
         ok, message = judge(timed_err, timed_worst, bound)
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=timed_err, **props,
                               message=f"the timed calls' result differs from the reference: {message}")
+        err = max(err, err2, timed_err)  # its error: the largest of its checked results
         if timing.stopped_early:
             message = (f"timing stopped early: over {settings.early_stop_factor:g}x the best so far "
                        f"({self.best_ms:.4g} ms)")
         else:
             message = ""  # the error has its own field; an ok result's message is for what is unusual
-        self.best_ms = min(self.best_ms, timing.median_ms)
-        self.leanest_bytes = min(self.leanest_bytes, props["workspace_bytes"])
+        if self.policy.max_rel_error is not None and err > self.policy.max_rel_error:
+            message = (f"relative error {err:.3g} above Policy.max_rel_error={self.policy.max_rel_error:g}: kept for "
+                       f"other policies; {message}".rstrip("; "))
+        else:  # only what this policy can use sets the bar for the rest of its search
+            self.best_ms = min(self.best_ms, timing.median_ms)
+            self.leanest_bytes = min(self.leanest_bytes, props["workspace_bytes"])
         return PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
                           rel_error=err, message=message, **props)
 
@@ -513,8 +522,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     finds on sub-batches) are tried last, verified and timed by ``timer`` like any candidate.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
-    early and says so), out_of_memory, failed ("ExceptionType: message"), wrong_result (beyond
-    tolerance, NaN or Inf: never selected), or a policy/budget status. Returns
+    early and says so; one beyond the policy's ``max_rel_error`` but within the default tolerance is ok, kept
+    for other policies and not used by this one), out_of_memory, failed ("ExceptionType: message"),
+    wrong_result (beyond the looser of the two bounds, NaN or Inf: never selected), or a policy/budget status. Returns
     ``ranking.order(results, policy)``: usable results ranked (ties within ``policy.tolerance``
     to the smaller workspace), then the rest. Raises ``TypeError`` for a bad problem, policy or
     candidate, ``ValueError`` for a candidate given twice.
@@ -715,7 +725,7 @@ def _search_in_order(search: _Search, ranked: list[Algorithm], head_size: int, p
             result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)
         if result.ok and index > head_size:  # the first try of each family does not count
-            gained = cast(float, result.time_ms) < best_before * (1 - policy.tolerance)  # ok: timed
+            gained = search.best_ms < best_before * (1 - policy.tolerance)  # what this policy can use
             without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)
     return results
