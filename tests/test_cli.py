@@ -1,6 +1,7 @@
 """The command line end to end, on the CPU portfolio, in a temporary tuning database."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_get_says_what_it_priced_from(capsys, tmp_path):
     from convtune import ConvProblem, PerfResult, TuningDB, learned
 
     db = str(tmp_path / "t.sqlite")
+    TuningDB(db).close()  # an empty database: get only reads one
     code, out, _ = run(capsys, "get", *SMALL, "--db", db)
     assert code == 0 and "priced from the analytic model" in out and "(0 of this direction's problems" in out
     p = ConvProblem("fwd", n=2, c=8, k=8, input_size=(10, 10), kernel_size=3, padding=1)
@@ -41,6 +43,21 @@ def test_get_says_what_it_priced_from(capsys, tmp_path):
                                               PerfResult("direct:taps", "ok", time_ms=2.0 + i)])
     code, out, _ = run(capsys, "get", *SMALL, "--db", db, "--json")
     assert code == 0 and json.loads(out)["priced_from"].startswith("how each candidate ran on the 30 measured")
+
+
+def test_a_command_that_only_reads_refuses_a_missing_database_and_none_takes_over_a_file_that_is_not_one(
+        capsys, tmp_path):
+    missing = tmp_path / "typo" / "t.sqlite"
+    for command in (["get", *SMALL], ["cache", "ls"], ["cache", "export", str(tmp_path / "out.jsonl")]):
+        code, _, err = run(capsys, *command, "--db", str(missing))
+        assert code == 2 and f"--db {missing}: no such file" in err, (command, err)
+    assert not missing.parent.exists()  # nothing made in its place
+    script = tmp_path / "mine.py"
+    script.write_text("print(1)\n")
+    for command in (["cache", "ls"], ["find", *SMALL]):
+        code, _, err = run(capsys, *command, "--db", str(script))
+        assert code == 2 and "is not a tuning database (not a SQLite file: it starts with b'print(1)')" in err
+    assert script.read_text() == "print(1)\n" and sorted(p.name for p in tmp_path.iterdir()) == ["mine.py"]
 
 
 def test_find_measures_checks_and_stores(capsys, tmp_path):
@@ -86,6 +103,25 @@ def test_tune_a_layer_file(capsys, tmp_path):
     code, out, _ = run(capsys, "tune", str(path), "--batch", "2", "--device", "cpu", "--mode", "get", "--json")
     rows = json.loads(out)["layers"]
     assert code == 0 and rows[0]["count"] == 2 and rows[0]["algorithm"]
+
+
+def test_the_layer_file_of_the_docs_loads_and_empty_or_binary_files_are_refused_by_name(capsys, tmp_path):
+    import re
+
+    text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    example = re.search(r"## Layer files.*?```json\n(.*?)```", text, re.S).group(1)
+    path = tmp_path / "net.json"
+    path.write_text(example)
+    code, out, _ = run(capsys, "tune", str(path), "--batch", "2", "--device", "cpu", "--mode", "get", "--json")
+    rows = json.loads(out)["layers"]
+    assert code == 0 and [r["count"] for r in rows] == [1, 3]
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "header.csv").write_text("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h\n")
+    (tmp_path / "noise.json").write_bytes(bytes(range(250, 256)) * 40)
+    for name, words in (("empty.json", "holds no layers"), ("header.csv", "holds no layers"),
+                        ("noise.json", "is not text (byte 0 is not UTF-8)")):
+        code, _, err = run(capsys, "tune", str(tmp_path / name), "--batch", "2", "--mode", "get")
+        assert code == 2 and f"layer file {tmp_path / name} {words}" in err, err
 
 
 def test_cache_export_import_clear(capsys, tmp_path):

@@ -3,14 +3,16 @@
 import dataclasses
 import logging
 import math
+import re
 
 import pytest
+import torch
 
 import convtune as ct
 from convtune import ConvProblem, NoAlgorithmError, PerfResult, Policy, Status, costmodel, get, learned, select
 from convtune.algorithms import cudnn_cost, registry
 from convtune.algorithms.base import Backend
-from convtune.algorithms.registry import algorithms, isolated
+from convtune.algorithms.registry import algorithms, get_algorithm, isolated
 from convtune.get import ranked_predictions
 from convtune.hardware import roofline_ms
 from convtune.settings import settings
@@ -500,3 +502,27 @@ def test_a_database_that_fails_to_read_leaves_get_the_installed_and_analytic_pri
     assert corrections.model is learned.installed("cpu")[0]  # the installed model alone (none for a CPU here)
     p = ConvProblem("fwd", n=2, c=8, k=8, input_size=(8, 8), kernel_size=3, padding=1)
     assert ct.get(p, db=broken)[0].name == ct.get(p)[0].name  # answered, as without a database
+
+
+def test_find_select_plan_and_get_take_a_database_path_and_refuse_what_is_not_a_database(tmp_path):
+    p = ConvProblem("fwd", n=2, c=4, k=4, input_size=(8, 8), kernel_size=3)
+    path = tmp_path / "t.sqlite"
+    measured = ct.find(p, db=str(path), candidates=[get_algorithm("torch:native")])[0]
+    assert measured.ok and ct.TuningDB(path).lookup(p).algorithm == "torch:native"  # stored there
+    assert ct.select(p, db=path).algorithm == "torch:native"  # a Path too, answered from the file
+    assert ct.plan([p], "1MiB", db=str(path)).choices[0].algorithm == "torch:native"
+    assert ct.get(p, db=str(path))
+    for call, who in ((lambda: ct.find(p, db=3), "find()"), (lambda: ct.select(p, db=3.5), "select()"),
+                      (lambda: ct.get(p, db=object()), "get()"), (lambda: ct.plan([p], None, db=[]), "plan()")):
+        with pytest.raises(TypeError, match=re.escape(f"{who}'s db must be a TuningDB, a database file's path")):
+            call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_problem_without_cuda_is_refused_by_what_runs_it_and_ranked_by_get():
+    p = ConvProblem("fwd", n=2, c=3, k=3, input_size=(8, 8), kernel_size=3, device="cuda")
+    for call, who in ((lambda: ct.find(p), "find()"), (lambda: ct.select(p, mode="find"), "find()"),
+                      (lambda: p.random_inputs(0), "ConvProblem.random_inputs()")):
+        with pytest.raises(ValueError, match=re.escape(f"{who}: {p.key} is a CUDA problem, but PyTorch sees no CUDA")):
+            call()
+    assert ct.get(p)

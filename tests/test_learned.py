@@ -277,6 +277,9 @@ def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, cap
     db_path = tmp_path / "t.sqlite"
     out = tmp_path / "model.pt"
     assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err  # it only reads the database
+    ct.TuningDB(db_path).close()
+    assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--out", str(out)]) == 2
     assert "no measurements" in capsys.readouterr().err
     assert cli_main(["train-get", "--db", str(db_path), "--device", "cpu", "--epochs", "400"]) == 2
     assert "no longer trained" in capsys.readouterr().err
@@ -417,3 +420,17 @@ def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeyp
         simulated = learned.simulated_find([(learned.Sample(p, name, 1.0, measured[name]), predicted[name])
                                             for name in order], patience, ct.Policy().tolerance, prune)
         assert simulated[:2] == (pytest.approx(min(r.time_ms for r in ran)), len(ran)), (order, patience, prune)
+
+
+def test_a_configured_model_path_where_no_file_is_is_warned_once_and_the_analytic_model_serves(tmp_path, caplog):
+    missing = tmp_path / "nothing_{device}.pt"
+    with settings.override(learned_model=str(missing)), caplog.at_level("WARNING", logger="convtune.learned"):
+        learned.forget()
+        assert learned.active("cpu") is None
+        learned.forget()
+        assert learned.active("cpu") is None
+    learned.forget()
+    warned = [r.message for r in caplog.records if "where no file is" in r.message]
+    assert warned == [f"settings.learned_model (CONVTUNE_LEARNED_MODEL) names {tmp_path / 'nothing_cpu.pt'}, where no "
+                      f"file is; the analytic cost model serves; build one with convtune train-get, or unset it for "
+                      f"the cache folder's"]

@@ -838,3 +838,14 @@ def test_a_layer_on_torch_native_in_cpu_bfloat16_runs_it_through_the_op_and_gets
         conv(x).double().sum().backward()
     reference(x.double()).sum().backward()
     torch.testing.assert_close(conv.weight.grad.double(), reference.weight.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_optimize_warns_when_the_example_runs_no_convolution_it_tunes(caplog):
+    with caplog.at_level("WARNING", logger="convtune.pytorch.optimize"):
+        linear = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        assert convtune.optimize(linear, torch.randn(2, 4), mode="get") is linear
+        up = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 4, 3))
+        assert convtune.optimize(up, torch.randn(1, 4, 8, 8), mode="get") is up
+    warned = [r.getMessage() for r in caplog.records if "ran no convolution that convtune tunes" in r.getMessage()]
+    assert len(warned) == 2 and "transposed convolutions ('0') are left on torch's path" in warned[1]
+    assert convtune.explain(up) == []

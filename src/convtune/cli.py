@@ -13,6 +13,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
@@ -143,9 +144,23 @@ def _check_device(device: str) -> None:
         raise UsageError("--device cuda was asked for, but PyTorch sees no CUDA device here; use --device cpu")
 
 
-def _db(args):
+def _db(args, reads_only: bool = False):
+    """The database of ``--db`` (default: the cache folder's). A command that only reads it refuses a path where
+    no file is (rather than make one, and its folder); any command refuses a file that is not a SQLite database
+    (rather than move it aside as a damaged database, as the library does)."""
     from .db import TuningDB
 
+    if args.db is not None:
+        path = Path(args.db).expanduser()
+        if reads_only and not path.exists():
+            raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
+                             f"for the default one")
+        if path.is_file() and path.stat().st_size:
+            with open(path, "rb") as f:
+                head = f.read(16)
+            if head != b"SQLite format 3\x00":
+                raise UsageError(f"--db {args.db} is not a tuning database (not a SQLite file: it starts with "
+                                 f"{head[:8]!r}); give a database file's path, or a new one")
     return TuningDB(args.db)
 
 
@@ -199,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db_args(p)
     p.add_argument("--json", action="store_true")
 
-    sub.add_parser("settings", help="every setting, its environment variable and current value")
+    p = sub.add_parser("settings", help="every setting, its environment variable and current value")
+    p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("train-get", help="build get's learned cost model from this device's measurements")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
@@ -253,7 +269,7 @@ def cmd_get(args, out: Console) -> int:
     _check_device(problem.device)
     from .costmodel import basis
 
-    with _db(args) as db:
+    with _db(args, reads_only=True) as db:
         choices = get(problem, _policy(args), db=db)
         priced_from = basis(db, problem)
     payload = {"problem": problem.key, "priced_from": priced_from, "choices": [c.__dict__ for c in choices]}
@@ -393,7 +409,7 @@ def cmd_report(args, out: Console, err: Console) -> int:
 
 
 def cmd_cache(args, out: Console) -> int:
-    with _db(args) as db:
+    with _db(args, reads_only=args.action in ("ls", "export")) as db:
         if args.action in ("export", "import") and not args.path:
             raise UsageError(f"cache {args.action} needs a file path: convtune cache {args.action} FILE.jsonl")
         if args.action == "export":
@@ -420,12 +436,17 @@ def cmd_cache(args, out: Console) -> int:
 
 
 def cmd_settings(args, out: Console) -> int:
-    table = Table(title="convtune settings")
-    for column in ("setting", "environment variable", "value", "meaning"):
-        table.add_column(column)
-    for name, env, value, doc in settings.describe():
-        table.add_row(name, env, str(value), doc)
-    out.print(table)
+    rows = settings.describe()
+    if args.json:
+        out.print_json(json.dumps([{"setting": name, "environment_variable": env, "value": str(value),
+                                    "meaning": doc} for name, env, value, doc in rows]))
+    else:
+        table = Table(title="convtune settings")
+        for column in ("setting", "environment variable", "value", "meaning"):
+            table.add_column(column)
+        for name, env, value, doc in rows:
+            table.add_row(name, env, str(value), doc)
+        out.print(table)
     settings.check()  # shown first: the table is how one finds the setting the error names
     return 0
 
@@ -444,7 +465,7 @@ def cmd_train_get(args, out: Console) -> int:
     if args.epochs is not None:
         raise UsageError("--epochs: get's learned model is no longer trained (it is built from the nearest measured "
                          "problems, in about a second); leave the option out")
-    with _db(args) as db:
+    with _db(args, reads_only=True) as db:
         samples = learned.samples_from(db, device)
     if not samples:
         raise UsageError(f"the database holds no measurements of this machine's {device}: tune first "

@@ -540,6 +540,24 @@ def open_db(path: str | os.PathLike) -> TuningDB | None:
             return _temporary()
 
 
+_opened: dict[str, TuningDB] = {}  # the databases find, select, plan and get opened from a path, once per path
+
+
+def as_db(db: Any, who: str) -> Any:
+    """``db`` as find, select, plan and get take it: a ``TuningDB`` (or an object with its methods), None, or a
+    path, opened here once per path and process (``TuningDB(path)``, which raises where it cannot be opened: the
+    caller named that file). ``TypeError`` for anything else, naming ``who`` (the function asked)."""
+    if isinstance(db, (str, os.PathLike)):
+        where = str(Path(db).expanduser().resolve())
+        with _fallback_lock:
+            if where not in _opened:
+                _opened[where] = TuningDB(db)
+            return _opened[where]
+    if db is not None and not any(callable(getattr(db, m, None)) for m in ("results", "lookup", "measurements")):
+        raise TypeError(f"{who}'s db must be a TuningDB, a database file's path or None, got {type(db).__name__}")
+    return db
+
+
 def _warn_unopened(where: str, exc: BaseException, fix: str) -> None:
     log.warning("the tuning database at %s cannot be opened (%s: %s); this process remembers its choices in a "
                 "temporary database, removed when it ends. %s", where, type(exc).__name__, exc, fix)

@@ -31,6 +31,9 @@ def write_whole(path: str | os.PathLike, write: Callable[[Path], object]) -> Pat
     if mode is not None and not stat.S_ISREG(mode):  # a device, a pipe, a socket: written into, never replaced
         write(path)
         return path
+    if not path.parent.is_dir():
+        what = "is not a folder" if path.parent.exists() else "does not exist"
+        raise ValueError(f"cannot write {path}: {path.parent} {what}; give a path in an existing folder")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)

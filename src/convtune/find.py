@@ -32,6 +32,7 @@ from . import background, costmodel, hardware, isolation
 from .algorithms.base import Algorithm, allocate_workspace, into
 from .algorithms.microbatch import micro_batch_offers
 from .algorithms.registry import candidates as registered_candidates
+from .db import as_db
 from .errors import CANDIDATE_FAULTS, check_type
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
@@ -535,7 +536,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         ['ok']
     """
     check_type(problem, ConvProblem, "find()'s problem")
+    problem.require_device("find()")
     check_type(policy, Policy, "find()'s policy", optional=True)
+    db = as_db(db, "find()")
     policy = DEFAULT_POLICY if policy is None else policy
     settings.check()
     _refuse_what_cannot_fit(problem)

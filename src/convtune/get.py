@@ -21,6 +21,7 @@ import torch
 from . import costmodel, hardware, learned
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, backends, registered
+from .db import as_db
 from .errors import CANDIDATE_FAULTS, check_type
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
@@ -127,6 +128,7 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
         True
     """
     check_type(policy, Policy, "get()'s policy", optional=True)
+    db = as_db(db, "get()")
     check_type(problem, ConvProblem, "get()'s problem")
     policy = DEFAULT_POLICY if policy is None else policy
     # Everything the answer depends on: a repeated question costs a dictionary lookup. The

@@ -454,6 +454,9 @@ def installed(device: str) -> tuple[LearnedModel | None, int]:
     if known is not None and known[0] == identity:
         return known[1], known[2]
     model = None
+    if identity[1] is None and settings.learned_model:
+        _warn(f"settings.learned_model (CONVTUNE_LEARNED_MODEL) names {path}, where no file is; the analytic cost "
+              f"model serves; build one with convtune train-get, or unset it for the cache folder's")
     if identity[1] is not None:
         try:
             model = load(path)

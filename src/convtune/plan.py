@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .db import as_db
 from .errors import NoAlgorithmError, check_one_of, check_type
 from .find import find
 from .policy import DEFAULT_POLICY, Policy
@@ -218,6 +219,7 @@ def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any) -> tupl
 def _fronts(problems: Sequence[ConvProblem], db: Any, policy: Policy,
             find_missing: bool) -> dict[ConvProblem, list[PerfResult]]:
     """Each distinct problem's Pareto front, measuring the ones the database cannot answer."""
+    db = as_db(db, "plan()")
     if db is None:
         from .db import TuningDB
 

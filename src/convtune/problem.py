@@ -350,6 +350,14 @@ class ConvProblem:
         )
 
     # -- tensors ---------------------------------------------------------------------------
+    def require_device(self, who: str) -> None:
+        """Raise ``ValueError`` naming ``who`` (what was asked) where this problem's device is not here: a CUDA
+        problem where PyTorch sees no CUDA device (``get`` still ranks it, running nothing)."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{who}: {self.key} is a CUDA problem, but PyTorch sees no CUDA device here; run it "
+                             f"where there is one, or give device='cpu' (convtune.get ranks it without running "
+                             f"anything)")
+
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         """An uninitialised tensor of logical ``shape`` in this problem's layout, dtype and device."""
         return empty_in_layout(shape, self.layout, dtype or self.torch_dtype, self.device)
@@ -362,6 +370,7 @@ class ConvProblem:
         copying them over took 0.2-0.7 s on the GPU machine, on the GPU a few milliseconds
         (bench/results/tuning_cost_v2.md against tuning_cost.md, at revision bcebd49, in git history).
         """
+        self.require_device("ConvProblem.random_inputs()")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         a_shape, b_shape, _ = self.operand_shapes
         out = []

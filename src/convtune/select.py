@@ -14,6 +14,7 @@ from typing import Any
 from . import background
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, unsupported_reasons
+from .db import as_db
 from .errors import CANDIDATE_FAULTS, NoAlgorithmError, check_one_of, check_type
 from .find import find
 from .get import ranked_predictions
@@ -49,6 +50,7 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     check_one_of("mode", mode, SELECTION_MODES, "select()")
     check_type(problem, ConvProblem, "select()'s problem")
     check_type(policy, Policy, "select()'s policy", optional=True)
+    db = as_db(db, "select()")
     policy = DEFAULT_POLICY if policy is None else policy
     if mode in READS_DB:
         if db is None:

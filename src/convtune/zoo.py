@@ -111,16 +111,23 @@ def load_layers(path: str | Path, batch: int | None = None, **fields: Any) -> li
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"cannot read layer file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"layer file {path} is not text (byte {exc.start} is not UTF-8): give a JSON or CSV "
+                         f"layer file") from None
     if path.suffix.lower() == ".csv":
-        return _from_deepbench_csv(text, str(path), batch, **fields)
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"layer file {path} is not valid JSON: {exc}") from None
-    entries = data.get("layers") if isinstance(data, dict) else data
-    if not isinstance(entries, list):
-        raise ValueError(f"layer file {path} must hold a list of layers, or an object with a 'layers' list")
-    return _from_entries(entries, str(path), batch, **fields)
+        layers = _from_deepbench_csv(text, str(path), batch, **fields)
+    else:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"layer file {path} is not valid JSON: {exc}") from None
+        entries = data.get("layers") if isinstance(data, dict) else data
+        if not isinstance(entries, list):
+            raise ValueError(f"layer file {path} must hold a list of layers, or an object with a 'layers' list")
+        layers = _from_entries(entries, str(path), batch, **fields)
+    if not layers:
+        raise ValueError(f"layer file {path} holds no layers; give at least one (docs/api.md, 'Layer files')")
+    return layers
 
 
 def resolve(name_or_path: str, batch: int | None = None, **fields: Any) -> list[Layer]:

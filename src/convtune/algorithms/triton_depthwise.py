@@ -67,10 +67,10 @@ class TritonDepthwise(TritonAlgorithm):
         return self.module().Tile(*self.tile_args, form=self.form, patch=self.patch, unroll=self.unroll,
                                   as_tile=self.as_tile)
 
+    def kind(self, problem: ConvProblem) -> Support:
+        return depthwise_only(problem)
+
     def _family_supports(self, problem: ConvProblem) -> Support:
-        depthwise = depthwise_only(problem)
-        if not depthwise:
-            return depthwise
         taps = problem.kernel_size[-1]
         if self.directions == ("bwd_filter",) and 1 << (taps - 1).bit_length() > self.tile_args[0]:
             return unsupported(f"takes kernel rows of up to {self.tile_args[0]} taps (a power of two at least as "

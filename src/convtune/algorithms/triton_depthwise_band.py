@@ -60,10 +60,10 @@ class TritonDepthwiseBand(TritonAlgorithm):
         self._configure(direction, (rows, columns, channels, warps, chunk),
                         f"r{rows}n{columns}c{channels}w{warps}" + (f"s{chunk}" if chunk else ""))
 
+    def kind(self, problem: ConvProblem) -> Support:
+        return depthwise_only(problem)
+
     def _family_supports(self, problem: ConvProblem) -> Support:
-        depthwise = depthwise_only(problem)
-        if not depthwise:
-            return depthwise
         module = self.module()
         needed = module.window(problem, self.tile)
         if needed > module.MAX_WINDOW:

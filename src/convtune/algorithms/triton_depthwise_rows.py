@@ -52,10 +52,10 @@ class TritonDepthwiseRows(TritonAlgorithm):
     def __init__(self, direction: str, rows: int, block_q: int, channels: int, warps: int):
         self._configure(direction, (rows, block_q, channels, warps), f"r{rows}q{block_q}c{channels}w{warps}")
 
+    def kind(self, problem: ConvProblem) -> Support:
+        return depthwise_only(problem)
+
     def _family_supports(self, problem: ConvProblem) -> Support:
-        depthwise = depthwise_only(problem)
-        if not depthwise:
-            return depthwise
         module = self.module()
         r_pad, s_pad = module.padded_taps(problem)
         sums = self.tile_args[2] * r_pad * s_pad

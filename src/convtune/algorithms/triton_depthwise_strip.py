@@ -83,10 +83,10 @@ class TritonDepthwiseStrip(TritonAlgorithm):
                         f"t{strip}" + (f"x{rows}" if rows > 1 else "") + f"b{strips}c{channels}w{warps}"
                         + (f"s{chunk}" if chunk else ""))
 
+    def kind(self, problem: ConvProblem) -> Support:
+        return depthwise_only(problem)
+
     def _family_supports(self, problem: ConvProblem) -> Support:
-        depthwise = depthwise_only(problem)
-        if not depthwise:
-            return depthwise
         module = self.module()
         taps = problem.kernel_size[-1]
         stride, dilation = problem.stride[-1], problem.dilation[-1]

@@ -84,6 +84,9 @@ class TritonAlgorithm(Algorithm):
     def _supports(self, problem: ConvProblem) -> Support:
         if not settings.triton:
             return unsupported("convtune's Triton kernels are off (settings.triton, CONVTUNE_TRITON=0)")
+        kind = self.kind(problem)  # first: the kind of problem a family computes says most (not the machine)
+        if not kind:
+            return kind
         if problem.device == "cpu" and not interpreting():
             return unsupported("Triton kernels run on the CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
         if importlib.util.find_spec("triton") is None:
@@ -100,6 +103,10 @@ class TritonAlgorithm(Algorithm):
         if biggest >= INDEX_LIMIT:
             return unsupported(f"a tensor of {biggest} elements needs 64-bit offsets; these kernels use 32-bit "
                                f"ones (below {INDEX_LIMIT}); torch:native and cuDNN take it")
+        return SUPPORTED
+
+    def kind(self, problem: ConvProblem) -> Support:
+        """Whether ``problem`` is of the kind the family computes (depthwise, grouped): checked first."""
         return SUPPORTED
 
     def _family_supports(self, problem: ConvProblem) -> Support:

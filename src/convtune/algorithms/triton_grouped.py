@@ -20,7 +20,7 @@ import math
 
 from ..costmodel import Cost, gemm_dims, shape_factor
 from ..problem import ConvProblem
-from .base import NumericNotes, Support, unsupported
+from .base import SUPPORTED, NumericNotes, Support, unsupported
 from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes
 
 MAX_GROUP_CHANNELS = 64
@@ -37,11 +37,14 @@ class TritonGrouped(TritonAlgorithm):
     kernels = "grouped"
     tile_type = "GemmTile"
 
-    def _family_supports(self, problem: ConvProblem) -> Support:
+    def kind(self, problem: ConvProblem) -> Support:
         per_group = problem.c // problem.groups
         if problem.groups == 1 or not 2 <= per_group <= MAX_GROUP_CHANNELS:
             return unsupported(f"needs a grouped problem with 2 to {MAX_GROUP_CHANNELS} input channels per group, "
                                f"got {per_group} (groups={problem.groups})")
+        return SUPPORTED
+
+    def _family_supports(self, problem: ConvProblem) -> Support:
         return grid_axis_fits(max(self.module().grid_axes(problem, self.tile)),
                               "tiles of groups' channels, or the weight gradient's taps", "torch:native or cuDNN")
 

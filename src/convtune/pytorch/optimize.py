@@ -269,6 +269,13 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
                         "torch's path", name or "the model", type(module).__name__)
     jobs = [(name, module, sig, needs) for name, (module, calls) in seen.items()
             if isinstance(module, TunedConv) or type(module) in TUNED for sig, needs in calls.items()]
+    if not jobs:
+        transposes = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
+        transposed = [name or "the model" for name, module in model.named_modules() if isinstance(module, transposes)]
+        log.warning("optimize: the example inputs ran no convolution that convtune tunes (torch.nn.Conv1d, Conv2d or "
+                    "Conv3d, or convtune.nn's)%s; the model is returned as it was",
+                    f"; transposed convolutions ({', '.join(map(repr, transposed[:3]))}) are left on torch's path"
+                    if transposed else "")
     # A network is tuned one way (convtune.network): every layer's directions selected (a module's
     # backward ones only while its forward is served), each module's selection made of them (checked,
     # judged by the host-cost rule), and under a budget the layers that run convtune's algorithms
