@@ -526,3 +526,13 @@ def test_a_cuda_problem_without_cuda_is_refused_by_what_runs_it_and_ranked_by_ge
         with pytest.raises(ValueError, match=re.escape(f"{who}: {p.key} is a CUDA problem, but PyTorch sees no CUDA")):
             call()
     assert ct.get(p)
+
+
+def test_a_database_path_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    from convtune.db import as_db
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path / "..")
+    db = as_db("~/t.sqlite", "find()")
+    assert (tmp_path / "t.sqlite").is_file() and not (tmp_path.parent / "~").exists()
+    assert as_db(str(tmp_path / "t.sqlite"), "get()") is db  # opened once per file

@@ -52,12 +52,16 @@ def sampled(p: ConvProblem) -> list[str]:
 def computing(p: ConvProblem) -> list[str]:
     """The configurations that compute ``p`` (of these shapes): the data gradient's whose strip length the column
     stride (``stride[-1]``) divides, the weight gradient's of kernel rows of up to 8 taps, the forward's always; of
-    two output rows a strip, only where the rows' kernel rows read the same input rows (a row stride that is a
-    whole number of row dilations; the data gradient: a row stride and dilation of 1)."""
+    two output rows a strip, only where there are two rows whose kernel rows read the same input rows (a row stride
+    that is a whole number of row dilations, below the kernel's rows; the data gradient: a row stride and dilation
+    of 1)."""
     names = of_direction(p.direction)
     if p.direction != "bwd_filter":
-        stride_h, dilation_h = (p.stride[0], p.dilation[0]) if len(p.stride) == 2 else (1, 1)
-        shared = stride_h == dilation_h == 1 if p.direction == "bwd_data" else stride_h % dilation_h == 0
+        two_d = len(p.stride) == 2
+        shift = 1 if p.direction == "bwd_data" else (p.stride[0] // p.dilation[0] if two_d else 0)
+        rows = (p.input_size if p.direction == "bwd_data" else p.output_size)[0] if two_d else 1
+        shared = two_d and rows >= 2 and shift < p.kernel_size[0] and (
+            p.stride[0] == p.dilation[0] == 1 if p.direction == "bwd_data" else p.stride[0] % p.dilation[0] == 0)
         names = [n for n in names if get_algorithm(n).tile_args[5] == 1 or shared]
     if p.direction == "bwd_data":
         return [n for n in names if get_algorithm(n).tile_args[0] % p.stride[-1] == 0]
@@ -212,10 +216,13 @@ def test_the_family_declares_what_it_supports():
     with pytest.raises(ValueError, match="1 or 2 output rows"):
         algorithm.module().StripTile(8, 16, 32, rows=3)
     # two output rows a strip share their input rows only where the row stride is a whole number of row dilations
-    # (the data gradient's: 1); 1-D problems (one row) take them
+    # (the data gradient's: 1) below the kernel's rows, and where there are two rows
     two = get_algorithm("triton:depthwise_strip_fwd_t8x2b16c32w4")
     assert two.supports(p) and two.supports(p.replace(stride=2)) and two.supports(p.replace(stride=4, dilation=2))
-    assert two.supports(p.replace(input_size=(50,), kernel_size=5, padding=2, stride=1, dilation=1))
+    support = two.supports(p.replace(input_size=(50,), kernel_size=5, padding=2, stride=1, dilation=1))
+    assert not support and "1 output row: no second row" in support.reason
+    support = two.supports(p.replace(stride=(5, 1)))
+    assert not support and "row stride 5 reaches past the kernel's 5 rows (dilation 1)" in support.reason
     support = two.supports(p.replace(stride=3, dilation=2))
     assert not support and "row stride 3 is not a whole number of row dilations (2)" in support.reason
     data_two = get_algorithm("triton:depthwise_strip_bwd_data_t8x2b16c32w4")

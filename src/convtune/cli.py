@@ -150,8 +150,8 @@ def _db(args, reads_only: bool = False):
     (rather than move it aside as a damaged database, as the library does)."""
     from .db import TuningDB
 
-    if args.db is not None:
-        path = Path(args.db).expanduser()
+    path = None if args.db is None else Path(args.db).expanduser()
+    if path is not None:
         if reads_only and not path.exists():
             raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
                              f"for the default one")
@@ -161,7 +161,7 @@ def _db(args, reads_only: bool = False):
             if head != b"SQLite format 3\x00":
                 raise UsageError(f"--db {args.db} is not a tuning database (not a SQLite file: it starts with "
                                  f"{head[:8]!r}); give a database file's path, or a new one")
-    return TuningDB(args.db)
+    return TuningDB(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -287,7 +287,8 @@ def basis(db: Any, problem: ConvProblem) -> str:
     distance = None if model is None else model.nearest_distance(problem)
     if distance is None:
         measured = 0 if model is None else model.measured(problem.direction)
-        return (f"the analytic model and cuDNN's order ({measured} of this direction's problems measured here; "
+        order = " and cuDNN's order" if problem.device == "cuda" else ""  # cuDNN ranks only CUDA problems' plans
+        return (f"the analytic model{order} ({measured} of this direction's problems measured here; "
                 f"{learned.MIN_MEASURED} are needed to price from measurements)")
     return (f"how each candidate ran on the {learned.NEIGHBOURS} measured problems of this direction nearest to it "
             f"(the nearest at a distance of {distance:.2f}; 0: this one)")

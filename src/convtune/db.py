@@ -541,6 +541,7 @@ def open_db(path: str | os.PathLike) -> TuningDB | None:
 
 
 _opened: dict[str, TuningDB] = {}  # the databases find, select, plan and get opened from a path, once per path
+_opened_lock = threading.Lock()
 
 
 def as_db(db: Any, who: str) -> Any:
@@ -548,10 +549,11 @@ def as_db(db: Any, who: str) -> Any:
     path, opened here once per path and process (``TuningDB(path)``, which raises where it cannot be opened: the
     caller named that file). ``TypeError`` for anything else, naming ``who`` (the function asked)."""
     if isinstance(db, (str, os.PathLike)):
-        where = str(Path(db).expanduser().resolve())
-        with _fallback_lock:
+        path = Path(db).expanduser()
+        where = str(path.resolve())
+        with _opened_lock:
             if where not in _opened:
-                _opened[where] = TuningDB(db)
+                _opened[where] = TuningDB(path)
             return _opened[where]
     if db is not None and not any(callable(getattr(db, m, None)) for m in ("results", "lookup", "measurements")):
         raise TypeError(f"{who}'s db must be a TuningDB, a database file's path or None, got {type(db).__name__}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 def write_whole(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Have ``write`` fill ``path`` (see the module docstring); returns the path written."""
-    path = Path(os.path.realpath(path))  # through symbolic links: a link given stays a link
+    given, path = path, Path(os.path.realpath(path))  # through symbolic links: a link given stays a link
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
@@ -33,7 +33,7 @@ def write_whole(path: str | os.PathLike, write: Callable[[Path], object]) -> Pat
         return path
     if not path.parent.is_dir():
         what = "is not a folder" if path.parent.exists() else "does not exist"
-        raise ValueError(f"cannot write {path}: {path.parent} {what}; give a path in an existing folder")
+        raise ValueError(f"cannot write {given}: {path.parent} {what}; give a path in an existing folder")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)

@@ -176,8 +176,7 @@ class _Search:
             else:
                 self.isolated = True
                 if result.ok:
-                    self.best_ms = min(self.best_ms, cast(float, result.time_ms))
-                    self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
+                    self._record(result)
                 return result
         if not isolation.in_worker() and not isolation.vouched_for(algorithm):
             if self._must_fit() and problem.device != "cuda":
@@ -365,14 +364,22 @@ class _Search:
                        f"({self.best_ms:.4g} ms)")
         else:
             message = ""  # the error has its own field; an ok result's message is for what is unusual
-        if self.policy.max_rel_error is not None and err > self.policy.max_rel_error:
-            message = (f"relative error {err:.3g} above Policy.max_rel_error={self.policy.max_rel_error:g}: kept for "
-                       f"other policies; {message}".rstrip("; "))
-        else:  # only what this policy can use sets the bar for the rest of its search
-            self.best_ms = min(self.best_ms, timing.median_ms)
-            self.leanest_bytes = min(self.leanest_bytes, props["workspace_bytes"])
-        return PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
-                          rel_error=err, message=message, **props)
+        measured = PerfResult(algorithm.name, Status.OK, time_ms=timing.median_ms, spread_ms=timing.spread_ms,
+                              rel_error=err, message=message, **props)
+        if not within_error(measured, self.policy):
+            measured = dataclasses.replace(measured, message=(
+                f"relative error {err:.3g} above Policy.max_rel_error={self.policy.max_rel_error:g}: kept for other "
+                f"policies; {message}").rstrip("; "))
+        self._record(measured)
+        return measured
+
+    def _record(self, result: PerfResult) -> None:
+        """A timed result sets the bar for the rest of the search (its best time, its leanest workspace) where this
+        policy can use it (``within_error``): one too inexact for it is kept for other policies, not measured
+        against."""
+        if within_error(result, self.policy):
+            self.best_ms = min(self.best_ms, cast(float, result.time_ms))
+            self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
 
 
 WROTE_INPUTS = "wrote into its input operands (they must stay read-only)"
@@ -436,10 +443,16 @@ def _over_deadline(algorithm: Algorithm, props: _Props, err: float, runs_s: list
                               f"(Policy.deadline_s, CONVTUNE_CANDIDATE_DEADLINE_S); not timed")
 
 
-def _slow_but_right(results: list[PerfResult]) -> list[PerfResult]:
-    """Where no candidate finished within the deadline, the fastest of those right on both input sets, as ``ok``
-    (its slower checked run's time): a slow answer rather than none."""
-    slow = [r for r in results if r.status is Status.TIMEOUT and r.time_ms is not None]
+def within_error(result: PerfResult, policy: Policy) -> bool:
+    """Whether ``result``'s relative error is within ``policy.max_rel_error`` (any result where it sets none: the
+    checks held the default tolerance)."""
+    return policy.max_rel_error is None or (result.rel_error is not None and result.rel_error <= policy.max_rel_error)
+
+
+def _slow_but_right(results: list[PerfResult], policy: Policy) -> list[PerfResult]:
+    """Where no candidate finished within the deadline, the fastest of those right on both input sets (and within
+    ``policy``'s error), as ``ok`` (its slower checked run's time): a slow answer rather than none."""
+    slow = [r for r in results if r.status is Status.TIMEOUT and r.time_ms is not None and within_error(r, policy)]
     if not slow:
         return results
     best = min(slow, key=lambda r: cast(float, r.time_ms))  # slow holds timed results only
@@ -577,8 +590,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     try:
         results += _search(search, ranked, head_size, predicted_ms, policy, settings.find_patience)
-        if not any(r.ok for r in results):
-            results = _slow_but_right(results)
+        if not any(r.ok and within_error(r, policy) for r in results):
+            results = _slow_but_right(results, policy)
         if policy.micro_batching:
             results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given,
                                       seed=seed)

@@ -180,7 +180,7 @@ def budget_curve(problems: Sequence[ConvProblem], budgets: Iterable[int | str], 
     """
     _, policy = _check(problems, None, mode, policy)
     sizes = [parse_bytes(b, "budget_curve(budgets=...)") for b in budgets]
-    fronts = _fronts(problems, db, policy, find_missing)
+    fronts = _fronts(problems, db, policy, find_missing, "budget_curve()")
     per_problem = [fronts[p] for p in problems]
     if mode == "divided":
         ws, times, _ = _merge(per_problem, None)
@@ -217,9 +217,10 @@ def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any) -> tupl
 
 
 def _fronts(problems: Sequence[ConvProblem], db: Any, policy: Policy,
-            find_missing: bool) -> dict[ConvProblem, list[PerfResult]]:
-    """Each distinct problem's Pareto front, measuring the ones the database cannot answer."""
-    db = as_db(db, "plan()")
+            find_missing: bool, who: str = "plan()") -> dict[ConvProblem, list[PerfResult]]:
+    """Each distinct problem's Pareto front, measuring the ones the database cannot answer (``who``: the function
+    asked, for errors)."""
+    db = as_db(db, who)
     if db is None:
         from .db import TuningDB
 

@@ -15,8 +15,9 @@ over the data gradient's channel multiple run at run time.
 - Strips of two rows (``StripTile.rows`` = 2; the forward and the data gradient): a strip is T outputs of two
   neighbouring rows p and p + 1, whose kernel rows r and r - shift read the same input row where the row stride is a
   whole number of row dilations (shift = stride / dilation; the data gradient: row stride and dilation 1). Each
-  input row is loaded and converted once for both rows: R + shift rows' loads for 2·R kernel rows' products, about
-  half the loads an output, for twice the accumulators.
+  input row is loaded and converted once for both rows: R + shift rows' loads for 2·R kernel rows' products where
+  shift < R (about half the loads an output at stride 1), for twice the accumulators; where shift >= R the rows
+  share nothing (2·R loads) and the tile only adds work.
 - ``backward_data``: the forward's loop over dy with the kernel turned around (tap R-1-r, S-1-s), padding
   dilation·(size - 1) - padding, summed over the M output channels c·M + m that each input channel c feeds. A strided
   problem's dy is read as if spread ``stride`` apart with zeros between, without the zeros: dx's rows one stride phase
@@ -71,16 +72,24 @@ class StripTile:
 
 
 def two_rows_reason(problem: ConvProblem) -> str | None:
-    """Why strips of two output rows cannot compute ``problem`` (None: they can). The rows p and p + 1 share their
+    """Why strips of two output rows do not take ``problem`` (None: they do). The rows p and p + 1 share their
     input rows when the row stride is a whole number of the row dilation (kernel row r of p + 1 reads what kernel row
-    r + stride / dilation of p reads); a strided data gradient reads dy's rows spread apart, one phase a launch."""
-    _, _, stride_h, _, _, _, dil_h, _ = geometry(problem)
+    r + stride / dilation of p reads) below the kernel's rows; a strided data gradient reads dy's rows spread apart,
+    one phase a launch. A problem of one output row (1-D) or whose rows share no input row would only add work."""
+    r, _, stride_h, _, _, _, dil_h, _ = geometry(problem)
+    h, _, p, _ = sizes(problem)
+    rows = h if problem.direction == "bwd_data" else p  # the rows the kernel makes
+    if rows < 2:
+        return f"{rows} output row: no second row to share input rows with (a 1-D problem has one)"
     if problem.direction == "bwd_data":
         if stride_h > 1:
             return f"row stride {stride_h}: the data gradient of a row stride above 1 runs a launch per row phase"
         stride_h = 1  # the data gradient is a forward of stride 1 over dy
     if stride_h % dil_h:
         return f"row stride {stride_h} is not a whole number of row dilations ({dil_h})"
+    if stride_h // dil_h >= r:
+        return (f"row stride {stride_h} reaches past the kernel's {r} rows (dilation {dil_h}): the two rows share no "
+                f"input row")
     return None
 
 
@@ -180,7 +189,7 @@ def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
     # multiple of UP_W, so that whether a column of src' is one of src's (PHASE_W: pad_w mod UP_W) is known at
     # compile time. U = 2 (UP_H = 1 only): a strip is T outputs of two rows, p and p + 1, whose kernel rows r and
     # r - SHIFT read the same input row (SHIFT = stride_h / dil_h, a whole number): each input row is loaded once for
-    # both, R + SHIFT rows for 2·R kernel rows' products.
+    # both, R + SHIFT rows for 2·R kernel rows' products (2·R where SHIFT >= R: nothing shared).
     i = tl.program_id(0) * BLOCK_STRIPS + tl.arange(0, BLOCK_STRIPS)
     ok = i < total
     row = i // strips
