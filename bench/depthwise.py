@@ -13,6 +13,7 @@ result checked against float64 first:
 
     python bench/depthwise.py                 # the default sweep (float16, batch 32, the three directions)
     python bench/depthwise.py --sweep full    # the whole grid, resumable with --missing
+    python bench/depthwise.py --sweep sample --per-kernel 4 --missing   # 4 shapes of the grid a kernel size, by turns
     python bench/depthwise.py --shape 96:56:7:1 --batch 128 --dtype bfloat16
     python bench/depthwise.py --ours-again    # after a kernel change: cuDNN's and PyTorch's times kept
     python bench/depthwise.py --ours-again --families depthwise_strip   # one family's again, the others' kept
@@ -95,6 +96,20 @@ def ours(algorithm, p: ConvProblem, families: tuple[str, ...] | None = None) -> 
 
 def full_shapes() -> list[str]:
     return [f"{c}:{hw}:{r}:{s}" for c, hw, r, s in itertools.product(*FULL.values()) if r <= hw]
+
+
+def sampled_shapes(per_kernel: int, seed: int = 0) -> list[str]:
+    """``per_kernel`` shapes of the full grid for each of its kernels, drawn by ``seed``, taken kernel by kernel in
+    turns (3, 5, 7, ... then again), so that a run cut short still holds every kernel: the grid's geometric means
+    within a session's GPU time."""
+    import random
+
+    rng = random.Random(seed)
+    drawn = []
+    for kernel in FULL["kernels"]:
+        pool = [s for s in full_shapes() if parse_shape(s)[2] == kernel]
+        drawn.append(rng.sample(pool, min(per_kernel, len(pool))))
+    return [shape for turn in itertools.zip_longest(*drawn) for shape in turn if shape]
 
 
 def measure(p: ConvProblem, row: dict | None = None, families: tuple[str, ...] | None = None) -> dict:
@@ -219,7 +234,10 @@ def markdown(env: dict, rows: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", choices=("default", "full", "grouped"), default="default")
+    parser.add_argument("--sweep", choices=("default", "full", "sample", "grouped"), default="default",
+                        help="sample: --per-kernel shapes of the full grid for each kernel, drawn by --seed")
+    parser.add_argument("--per-kernel", type=int, default=4, help="with --sweep sample: shapes a kernel size")
+    parser.add_argument("--seed", type=int, default=0, help="with --sweep sample: which shapes are drawn")
     parser.add_argument("--shape", action="append", default=[],
                         help="channels:spatial:kernel:stride[:channels a group] (repeatable)")
     parser.add_argument("--batch", type=lambda t: [int(v) for v in t.split(",")], default=[32])
@@ -243,7 +261,10 @@ def main() -> None:
         keys = json.loads(Path(args.torch_only).read_text())
         Path(args.torch_out).write_text(json.dumps(torch_times(keys, bool(args.benchmark_mode))))
         return
-    shapes = args.shape or {"full": full_shapes, "grouped": lambda: list(GROUPED_SHAPES)}.get(
+    if args.per_kernel < 1:
+        parser.error(f"--per-kernel {args.per_kernel}: draw at least 1 shape a kernel size")
+    shapes = args.shape or {"full": full_shapes, "grouped": lambda: list(GROUPED_SHAPES),
+                            "sample": lambda: sampled_shapes(args.per_kernel, args.seed)}.get(
         args.sweep, lambda: list(DEFAULT_SHAPES))()
     unknown = sorted(set(args.families or ()) - {f.family for f in OUR_FAMILIES})
     if args.families and not args.ours_again:

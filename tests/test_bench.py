@@ -824,3 +824,12 @@ def test_get_latency_times_each_distinct_problem_once_cold_and_warm(get_latency,
         row = payload["results"]["resnet18"][kind]
         assert row["problems"] == distinct and 0 < row["median_ms"] <= row["p90_ms"] <= row["max_ms"]
     assert "| resnet18 | warm |" in (tmp_path / "get_latency.md").read_text()
+
+
+def test_the_sampled_depthwise_sweep_takes_every_kernel_in_turns_and_the_same_shapes_each_time(depthwise):
+    shapes = depthwise.sampled_shapes(3, seed=1)
+    kernels = [depthwise.parse_shape(s)[2] for s in shapes]
+    grid = depthwise.FULL["kernels"]
+    assert kernels[:len(grid)] == list(grid) and len(shapes) == 3 * len(grid) == len(set(shapes))
+    assert set(shapes) <= set(depthwise.full_shapes()) and shapes == depthwise.sampled_shapes(3, seed=1)
+    assert shapes != depthwise.sampled_shapes(3, seed=2)
