@@ -818,3 +818,27 @@ def test_find_ends_with_compiles_still_queued_and_waits_only_for_the_running_one
     assert not worker.is_alive(), "find waited on compiles it had cancelled"
     assert len([r for r in done[0] if r.status is Status.OK]) == 3  # converged after 2 without gain
     assert compiled[:1] == ["fake:c0"] and len(compiled) < 3 + 1  # the one running at the end, none queued
+
+
+def test_on_the_cpu_a_winner_is_timed_again_against_pytorchs_call_in_alternating_rounds():
+    # As if PyTorch's call had been timed while another process loaded the CPU (5 ms) and the winner not (1 ms):
+    # timed again in turns, each known by the median of its rounds (the fake timer: 3 ms and about 0)
+    from convtune.find import CONFIRM_ROUNDS, _Search
+
+    native, winner = get_algorithm("torch:native"), Fake("fake:winner", time_ms=3.0)
+    first = [PerfResult("fake:winner", Status.OK, time_ms=1.0, rel_error=0.0),
+             PerfResult("torch:native", Status.OK, time_ms=5.0, rel_error=0.0),
+             PerfResult("fake:other", Status.WRONG_RESULT, rel_error=1.0)]
+    timer = FakeTimer()
+    again = _Search(P, Policy(), timer, None).confirm(first, {a.name: a for a in (native, winner)})
+    assert len(timer.calls) == 2 * CONFIRM_ROUNDS and again[2] is first[2]
+    named = by_name(again)
+    assert named["fake:winner"].time_ms == pytest.approx(3.0) and named["torch:native"].time_ms < 1.0
+    assert "timed again against torch:native in alternating rounds (first 1 ms)" in named["fake:winner"].message
+    assert rank(again, Policy())[0].algorithm == "torch:native"
+    # nothing to confirm where PyTorch's call wins, or is not a usable result
+    for results in (first[1:], [first[0], first[2]]):
+        assert _Search(P, Policy(), FakeTimer(), None).confirm(results, {"torch:native": native}) == results
+    # find confirms with its own timer on the CPU only: a fake or another timer is left as it measured
+    assert "timed again" not in by_name(find(P, timer=FakeTimer(), candidates=[Fake("fake:fast", time_ms=0.0),
+                                                                               native]))["fake:fast"].message
