@@ -378,13 +378,16 @@ class _Search:
         """On the CPU, where the load of other processes can slow one candidate's timing and not the next one's: a
         winner that is not PyTorch's own call timed again against it, in ``CONFIRM_ROUNDS`` alternating rounds, each
         then known by the median of its rounds (so that both are timed under the same load). Nothing changes where
-        PyTorch's call wins, is not a usable result, or either one was measured in a worker."""
+        PyTorch's call wins, is not a usable result, either one was measured in a worker, or their calls are so slow
+        that the rounds would take over ``CONFIRM_LIMIT_S``."""
         usable = sorted((r for r in results if r.ok and within_error(r, self.policy)),
                         key=lambda r: cast(float, r.time_ms))
         native = next((r for r in usable if r.algorithm == NATIVE), None)
         if not usable or native is None or usable[0] is native:
             return results
         pair = [usable[0], native]
+        if 2 * CONFIRM_ROUNDS * sum(cast(float, r.time_ms) for r in pair) > 1e3 * CONFIRM_LIMIT_S:
+            return results  # slow calls: a sample holds many of the CPU's time slices, and the rounds would cost much
         chosen = [algorithms.get(r.algorithm) for r in pair]
         if any(a is None or isolation.wanted(a, self.timer) for a in chosen):
             return results
@@ -395,7 +398,8 @@ class _Search:
         rounds: list[list[float]] = [[], []]
         for _ in range(CONFIRM_ROUNDS):
             for times, launch in zip(rounds, launches):
-                times.append(self.timer(launch, device=problem.device, budget_s=CONFIRM_BUDGET_S).median_ms)
+                times.append(self.timer(launch, device=problem.device, budget_s=CONFIRM_BUDGET_S, min_repeats=1,
+                                        max_repeats=3).median_ms)
         if self.restore_inputs():  # checked when they were measured; a candidate that differs now is not confirmed
             return results
         again = {r.algorithm: statistics.median(times) for r, times in zip(pair, rounds)}
@@ -422,7 +426,8 @@ class _Search:
 
 WROTE_INPUTS = "wrote into its input operands (they must stay read-only)"
 CONFIRM_ROUNDS = 3  # a CPU winner's alternating rounds against PyTorch's call (_Search.confirm)
-CONFIRM_BUDGET_S = 0.02  # each round's timing budget (the timer's minimum repeats still run)
+CONFIRM_BUDGET_S = 0.02  # each round's timing budget (a warm-up call and at least one sample still run)
+CONFIRM_LIMIT_S = 1.0  # no rounds where the two's calls in them would take longer (a warm-up and a sample each)
 _UNCHECKED: set[str] = set()  # plug-ins already warned of being measured in the process
 
 
