@@ -821,26 +821,46 @@ def test_find_ends_with_compiles_still_queued_and_waits_only_for_the_running_one
     assert compiled[:1] == ["fake:c0"] and len(compiled) < 3 + 1  # the one running at the end, none queued
 
 
-def test_on_the_cpu_a_winner_is_timed_again_against_pytorchs_call_in_alternating_rounds():
-    # As if PyTorch's call had been timed while another process loaded the CPU (5 ms) and the winner not (1 ms):
-    # timed again in turns, each known by the median of its rounds (the fake timer: 3 ms and about 0)
+def test_on_the_cpu_the_pick_is_timed_again_against_pytorchs_call_in_alternating_rounds():
+    # As if PyTorch's call had been timed while another process loaded the CPU (5 ms) and the others not: the pick
+    # timed again in turns with it, each known by the median of its rounds (the fake timer gives each fake's own time;
+    # a fake stands in for PyTorch's call), and again while the pick changes to one not timed so
     from convtune.find import CONFIRM_ROUNDS, _Search
 
-    native, winner = get_algorithm("torch:native"), Fake("fake:winner", time_ms=3.0)
-    first = [PerfResult("fake:winner", Status.OK, time_ms=1.0, rel_error=0.0),
+    fakes = {f.name: f for f in (Fake("fake:a", time_ms=3.0), Fake("fake:b", time_ms=1.2),
+                                 Fake("torch:native", time_ms=2.0))}
+    first = [PerfResult("fake:a", Status.OK, time_ms=1.0, rel_error=0.0),
+             PerfResult("fake:b", Status.OK, time_ms=1.5, rel_error=0.0),
              PerfResult("torch:native", Status.OK, time_ms=5.0, rel_error=0.0),
-             PerfResult("fake:other", Status.WRONG_RESULT, rel_error=1.0)]
+             PerfResult("fake:wrong", Status.WRONG_RESULT, rel_error=1.0)]
     timer = FakeTimer()
-    again = _Search(P, Policy(), timer, None).confirm(first, {a.name: a for a in (native, winner)})
-    assert len(timer.calls) == 2 * CONFIRM_ROUNDS and again[2] is first[2]
+    search = _Search(P, Policy(), timer, None)
+    again = search.confirm(first, fakes)
+    assert len(timer.calls) == 2 * 2 * CONFIRM_ROUNDS and again[3] is first[3]  # a, then b, each against native
     named = by_name(again)
-    assert named["fake:winner"].time_ms == pytest.approx(3.0) and named["torch:native"].time_ms < 1.0
-    assert "timed again against torch:native in alternating rounds (first 1 ms)" in named["fake:winner"].message
-    assert rank(again, Policy())[0].algorithm == "torch:native"
-    # nothing to confirm where PyTorch's call wins, is not a usable result, or the rounds would take over a second
-    slow = [dataclasses.replace(r, time_ms=r.time_ms * 100) if r.ok else r for r in first]
-    for results in (first[1:], [first[0], first[2]], slow):
-        assert _Search(P, Policy(), FakeTimer(), None).confirm(results, {"torch:native": native}) == results
+    assert [named[n].time_ms for n in ("fake:a", "fake:b", "torch:native")] == pytest.approx([3.0, 1.2, 2.0])
+    assert "timed again against torch:native in alternating rounds (first 1 ms)" in named["fake:a"].message
+    assert "timed again against fake:b" in named["torch:native"].message
+    assert rank(again, Policy())[0].algorithm == "fake:b" and search.best_ms == pytest.approx(1.2)
+    # left as measured: the policy's pick is PyTorch's call (a tie within the tolerance goes to it), PyTorch's call is
+    # not usable, the rounds would take over a second, a time budget or a deadline, or a pick that fails now
+    slow = [dataclasses.replace(r, time_ms=r.time_ms * 300) if r.ok else r for r in first]
+    tie = [dataclasses.replace(first[0], time_ms=4.95), first[2]]  # within 2%: the tie goes to PyTorch's call
+    failing = Fake("fake:a", time_ms=3.0)
+    failing.launcher = lambda *args: (_ for _ in ()).throw(RuntimeError("flaky"))
+    cases = [(tie, Policy(), fakes), (first[:2] + first[3:], Policy(), fakes), (slow, Policy(), fakes),
+             (first, Policy(budget_s=60), fakes), (first, Policy(deadline_s=60), fakes),
+             (first, Policy(), {**fakes, "fake:a": failing})]
+    for results, policy, named_algorithms in cases:
+        assert _Search(P, policy, FakeTimer(), None).confirm(results, named_algorithms) == results
     # find confirms with its own timer on the CPU only: a fake or another timer is left as it measured
     assert "timed again" not in by_name(find(P, timer=FakeTimer(), candidates=[Fake("fake:fast", time_ms=0.0),
-                                                                               native]))["fake:fast"].message
+                                                                               get_algorithm("torch:native")]))["fake:fast"].message
+
+
+def test_a_result_cut_short_before_its_determinism_was_probed_promises_none():
+    # an algorithm that does not know whether it is deterministic, past the deadline before its two runs were compared:
+    # the slow answer a deterministic policy gets must not be it
+    noisy = UnknownDeterminism("fake:noisy", noisy=True, time_ms=100, sleep=True)
+    results = find(P, Policy(deterministic=True, deadline_s=0.05), timer=FakeTimer(), candidates=[noisy])
+    assert results[0].deterministic is False and not rank(results, Policy(deterministic=True))

@@ -38,7 +38,7 @@ from .errors import CANDIDATE_FAULTS, check_type
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import NATIVE, order
+from .ranking import NATIVE, best, order, usable
 from .results import PerfResult, Status, families_first
 from .settings import settings
 from .timing import Timer, benchmark
@@ -269,6 +269,8 @@ class _Search:
     def _measure(self, algorithm: Algorithm, props: _Props, probe_determinism: bool,
                  timer_budget_s: float | None) -> PerfResult:
         problem = self.problem
+        if probe_determinism:  # no promise until two runs compare equal (a result cut short by the deadline has none)
+            props = cast(_Props, dict(props, deterministic=False))
         inputs, ref = self.case()
         workspace = allocate_workspace(algorithm.buffer_bytes(problem), problem.device)
         out = problem.empty(problem.operand_shapes[2])
@@ -375,44 +377,66 @@ class _Search:
         return measured
 
     def confirm(self, results: list[PerfResult], algorithms: dict[str, Algorithm]) -> list[PerfResult]:
-        """On the CPU, where the load of other processes can slow one candidate's timing and not the next one's: a
-        winner that is not PyTorch's own call timed again against it, in ``CONFIRM_ROUNDS`` alternating rounds, each
-        then known by the median of its rounds (so that both are timed under the same load). Nothing changes where
-        PyTorch's call wins, is not a usable result, either one was measured in a worker, or their calls are so slow
-        that the rounds would take over ``CONFIRM_LIMIT_S``."""
-        usable = sorted((r for r in results if r.ok and within_error(r, self.policy)),
-                        key=lambda r: cast(float, r.time_ms))
-        native = next((r for r in usable if r.algorithm == NATIVE), None)
-        if not usable or native is None or usable[0] is native:
+        """On the CPU, where the load of other processes can slow one candidate's timing and not the next one's: the
+        policy's pick, where it is not PyTorch's own call, timed again against it in ``CONFIRM_ROUNDS`` alternating
+        rounds, each then known by the median of its rounds; again while the pick changes to one not timed so
+        (``CONFIRM_PICKS`` at most). Left as measured: a search with a time budget or a deadline, PyTorch's call not
+        usable, either measured in a worker, calls so slow that the rounds would take over ``CONFIRM_LIMIT_S``, or one
+        that fails now (logged)."""
+        if self.policy.budget_s is not None or self.policy.deadline_s is not None or self.budget.exhausted():
             return results
-        pair = [usable[0], native]
+        timed_again: set[str] = set()
+        for _ in range(CONFIRM_PICKS):
+            pick = best(results, self.policy, self.problem.dtype)
+            native = next((r for r in results if r.algorithm == NATIVE and usable(r, self.policy, self.problem.dtype)),
+                          None)
+            if pick is None or native is None or pick.algorithm in (NATIVE, *timed_again):
+                break
+            again = self._rounds(pick, native, algorithms)
+            if again is None:
+                break
+            timed_again.add(pick.algorithm)
+            results = [again.get(r.algorithm, r) if r is pick or r is native else r for r in results]
+        self.best_ms = min((cast(float, r.time_ms) for r in results if r.ok and within_error(r, self.policy)),
+                           default=math.inf)
+        return results
+
+    def _rounds(self, pick: PerfResult, native: PerfResult,
+                algorithms: dict[str, Algorithm]) -> dict[str, PerfResult] | None:
+        """``pick`` and ``native`` timed in alternating rounds, as ``confirm`` takes them; None where they are not."""
+        pair = [pick, native]
         if 2 * CONFIRM_ROUNDS * sum(cast(float, r.time_ms) for r in pair) > 1e3 * CONFIRM_LIMIT_S:
-            return results  # slow calls: a sample holds many of the CPU's time slices, and the rounds would cost much
+            return None  # slow calls: a sample spans many of the CPU's time slices, and the rounds would cost much
         chosen = [algorithms.get(r.algorithm) for r in pair]
         if any(a is None or isolation.wanted(a, self.timer) for a in chosen):
-            return results
+            return None
         problem, (inputs, _) = self.problem, self.case()
-        launches = [a.launcher(problem, *inputs, problem.empty(problem.operand_shapes[2]),  # type: ignore[union-attr]
-                               allocate_workspace(a.buffer_bytes(problem), problem.device))  # type: ignore[union-attr]
-                    for a in chosen]
         rounds: list[list[float]] = [[], []]
-        for _ in range(CONFIRM_ROUNDS):
-            for times, launch in zip(rounds, launches):
-                times.append(self.timer(launch, device=problem.device, budget_s=CONFIRM_BUDGET_S, min_repeats=1,
-                                        max_repeats=3).median_ms)
-        if self.restore_inputs():  # checked when they were measured; a candidate that differs now is not confirmed
-            return results
-        again = {r.algorithm: statistics.median(times) for r, times in zip(pair, rounds)}
-        log.info("find %s: %s and %s timed again in %d alternating rounds: %.4g and %.4g ms (first %.4g and %.4g)",
-                 problem.key, *again, CONFIRM_ROUNDS, *again.values(), *(r.time_ms for r in pair))
-        out = []
-        for r in results:
-            if r is pair[0] or r is pair[1]:
-                other = pair[1] if r is pair[0] else pair[0]
-                note = f"timed again against {other.algorithm} in alternating rounds (first {r.time_ms:.4g} ms)"
-                r = dataclasses.replace(r, time_ms=again[r.algorithm],
-                                        message="; ".join(filter(None, (r.message, note))))
-            out.append(r)
+        try:
+            launches = [a.launcher(problem, *inputs, problem.empty(problem.operand_shapes[2]),  # type: ignore[union-attr]
+                                   allocate_workspace(a.buffer_bytes(problem), problem.device))  # type: ignore[union-attr]
+                        for a in chosen]
+            for _ in range(CONFIRM_ROUNDS):
+                for times, launch in zip(rounds, launches):
+                    times.append(self.timer(launch, device=problem.device, budget_s=CONFIRM_BUDGET_S, min_repeats=1,
+                                            max_repeats=1).median_ms)
+        except CANDIDATE_FAULTS as exc:  # measured before; its first timing stands
+            log.info("find %s: %s and %s could not be timed again (%s)", problem.key, pick.algorithm, native.algorithm,
+                     _describe(exc))
+            self.restore_inputs()
+            return None
+        if self.restore_inputs():  # checked when they were measured; one that writes its inputs now is not confirmed
+            return None
+        log.info("find %s: %s and %s timed again in %d alternating rounds: %s and %s ms (first %.4g and %.4g)",
+                 problem.key, pick.algorithm, native.algorithm, CONFIRM_ROUNDS, rounds[0], rounds[1], pick.time_ms,
+                 native.time_ms)
+        out = {}
+        for r, times, other in zip(pair, rounds, reversed(pair)):
+            note = f"timed again against {other.algorithm} in alternating rounds (first {r.time_ms:.4g} ms)"
+            kept = "" if r.message.startswith("timing stopped early") else r.message
+            out[r.algorithm] = dataclasses.replace(r, time_ms=statistics.median(times),
+                                                   spread_ms=max(times) - min(times),
+                                                   message="; ".join(filter(None, (kept, note))))
         return out
 
     def _record(self, result: PerfResult) -> None:
@@ -425,8 +449,9 @@ class _Search:
 
 
 WROTE_INPUTS = "wrote into its input operands (they must stay read-only)"
-CONFIRM_ROUNDS = 3  # a CPU winner's alternating rounds against PyTorch's call (_Search.confirm)
-CONFIRM_BUDGET_S = 0.02  # each round's timing budget (a warm-up call and at least one sample still run)
+CONFIRM_ROUNDS = 3  # a CPU pick's alternating rounds against PyTorch's call (_Search.confirm): a warm-up, a sample
+CONFIRM_PICKS = 3  # picks timed so, at most, where each round changes the pick
+CONFIRM_BUDGET_S = 0.02  # each round's timing budget (its warm-up call and one sample run whatever it is)
 CONFIRM_LIMIT_S = 1.0  # no rounds where the two's calls in them would take longer (a warm-up and a sample each)
 _UNCHECKED: set[str] = set()  # plug-ins already warned of being measured in the process
 
