@@ -883,3 +883,13 @@ def test_results_of_another_measurement_method_are_not_reused(tmp_path, monkeypa
         monkeypatch.undo()
         hardware.software_versions.cache_clear()
     assert tdb.lookup(p) is not None
+
+
+def test_a_path_with_a_tilde_and_a_cache_folder_with_one_are_the_home_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with TuningDB("~/t.sqlite") as db:
+        assert db.path == tmp_path / "t.sqlite" and db.path.is_file()
+    with settings.override(cache_dir="~/cache"):
+        assert settings.db_path == tmp_path / "cache" / "tuning.sqlite"
+    assert not (tmp_path / "~").exists()

@@ -113,7 +113,7 @@ class TuningDB:
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"TuningDB(path={path!r}): the path must be a str or os.PathLike (a file's path), "
                             f"not {type(path).__name__}; None takes the default database")
-        self.path = Path(path) if path is not None else settings.db_path
+        self.path = Path(path).expanduser() if path is not None else settings.db_path  # ~: the home folder
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

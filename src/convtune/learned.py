@@ -421,8 +421,8 @@ def default_path(device: str) -> Path:
     """Where ``train-get`` stores the model of ``device`` and where ``get`` looks for it."""
     configured = settings.learned_model
     if configured:
-        return Path(configured.replace("{device}", device))
-    return Path(settings.cache_dir) / f"learned_get_{device}.pt"
+        return Path(configured.replace("{device}", device)).expanduser()
+    return Path(settings.cache_dir).expanduser() / f"learned_get_{device}.pt"
 
 
 _loaded: dict[str, tuple[Any, LearnedModel | None, int]] = {}  # device -> (file identity, model or None, version)

@@ -194,7 +194,7 @@ class Settings:
 
     @property
     def db_path(self) -> Path:
-        return Path(self.cache_dir) / "tuning.sqlite"
+        return Path(self.cache_dir).expanduser() / "tuning.sqlite"  # CONVTUNE_CACHE_DIR=~/...: the home folder
 
 
 settings = Settings()
