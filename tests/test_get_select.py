@@ -529,8 +529,10 @@ def test_a_cuda_problem_without_cuda_is_refused_by_what_runs_it_and_ranked_by_ge
 
 
 def test_a_database_path_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    from convtune import db as db_module
     from convtune.db import as_db
 
+    monkeypatch.setattr(db_module, "_opened", {})  # this test's databases only, dropped after it
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.chdir(tmp_path / "..")
     db = as_db("~/t.sqlite", "find()")

@@ -233,6 +233,10 @@ def test_bad_arguments_are_named():
         plan([a], "lots", db=db)
     with pytest.raises(TypeError, match="Policy"):
         plan([a], None, db=db, policy={"deterministic": True})
+    with pytest.raises(TypeError, match=r"^budget_curve\(\) takes a sequence of ConvProblems, got ConvProblem"):
+        budget_curve(a, [0], db=db)
+    with pytest.raises(TypeError, match=r"budget_curve\(\)'s db must be a TuningDB"):
+        budget_curve([a], [0], db=3)
 
 
 def test_a_problem_without_measurements_is_named_unless_find_may_measure_it():

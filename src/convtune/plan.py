@@ -178,7 +178,7 @@ def budget_curve(problems: Sequence[ConvProblem], budgets: Iterable[int | str], 
         >>> budget_curve([p], [0, "64B"], db=Stored())
         [(0, inf), (64, 1.0)]
     """
-    _, policy = _check(problems, None, mode, policy)
+    _, policy = _check(problems, None, mode, policy, "budget_curve()")
     sizes = [parse_bytes(b, "budget_curve(budgets=...)") for b in budgets]
     fronts = _fronts(problems, db, policy, find_missing, "budget_curve()")
     per_problem = [fronts[p] for p in problems]
@@ -204,15 +204,18 @@ def _without_limit(policy: Policy | None) -> Policy:
     return dataclasses.replace(policy, workspace_limit=None) if policy.workspace_limit is not None else policy
 
 
-def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any) -> tuple[int | None, Policy]:
+def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any,
+           who: str = "plan()") -> tuple[int | None, Policy]:
+    """The budget in bytes and the policy (without a workspace limit) of a ``who`` call (plan or budget_curve), its
+    arguments checked."""
     if isinstance(problems, (str, bytes, ConvProblem)) or not isinstance(problems, Sequence):
-        raise TypeError(f"plan() takes a sequence of ConvProblems, got {type(problems).__name__}; "
+        raise TypeError(f"{who} takes a sequence of ConvProblems, got {type(problems).__name__}; "
                         f"wrap a single problem in a list")
     for p in problems:
-        check_type(p, ConvProblem, "each of plan()'s problems")
-    check_one_of("mode", mode, BUDGET_MODES, "plan()")
-    check_type(policy, Policy, "plan()'s policy", optional=True)
-    budget = None if workspace_budget is None else parse_bytes(workspace_budget, "plan(workspace_budget=...)")
+        check_type(p, ConvProblem, f"each of {who}'s problems")
+    check_one_of("mode", mode, BUDGET_MODES, who)
+    check_type(policy, Policy, f"{who}'s policy", optional=True)
+    budget = None if workspace_budget is None else parse_bytes(workspace_budget, f"{who[:-2]}(workspace_budget=...)")
     return budget, _without_limit(policy)
 
 
