@@ -202,6 +202,33 @@ def test_rankings_that_depend_on_the_workspace_build(policy, keep_filters):
     assert ranked[1][1].workspace_bytes == 2**20
 
 
+def test_get_builds_only_the_plans_its_first_place_depends_on():
+    # A plan's build (0.1 ms to a second on cuDNN) is what made get's first answer on a new problem slow: only
+    # the plans predicted within the tolerance of the fastest, which the tie rule compares, are built.
+    def three():
+        return plans() + [CostlyWorkspace("cudnn:c_slow", workspace_bytes=2**30, priced_like="fft:rfft")]
+
+    lazy, eager = three(), three()
+    with isolated(*lazy, builtins=False):
+        choices = get(P3)
+    with isolated(builtins=False):
+        everything = ranked_predictions(P3, eager, Policy(), learn_workspaces=True)
+    assert [c.builds for c in lazy] == [1, 1, 0] and [c.builds for c in eager] == [1, 1, 1]
+    assert [c.name for c in choices] == names(everything)  # the same order as with every plan built
+    assert [c.workspace_bytes for c in choices] == [0, 2**20, None]  # c_slow's is not known: not reported as 0
+    assert choices[0].predicted_ms == everything[0][1].time_ms
+
+
+def test_get_leaves_out_a_plan_of_its_first_place_that_cannot_be_built(caplog):
+    refused, fine = Unbuildable("cudnn:a_refused"), CostlyWorkspace("cudnn:b_fine", workspace_bytes=4096)
+    slow = CostlyWorkspace("cudnn:c_slow", priced_like="fft:rfft")
+    with isolated(refused, fine, slow, builtins=False), caplog.at_level(logging.WARNING, "convtune.get"):
+        choices = get(P3)
+    assert [c.name for c in choices] == ["cudnn:b_fine", "cudnn:c_slow"]
+    assert [c.workspace_bytes for c in choices] == [4096, None] and slow.builds == 0
+    assert "cudnn:a_refused could not describe" in caplog.text and "cuDNN could not build plan" in caplog.text
+
+
 def test_get_prefer_least_memory():
     fakes = [Fake("gemm:1x1", priced_like="gemm:1x1", workspace_bytes=4096),
              Fake("direct:taps", priced_like="direct:taps")]

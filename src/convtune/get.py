@@ -81,17 +81,17 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     the policy's preferred order (find times them in this order and gives violations a status).
     A candidate whose description raises is logged and ranked last (get leaves it out).
 
-    Workspaces are learned (cuDNN execution plans built) where they decide: the filters, a workspace limit
-    (find holds every candidate against it anyway) and prefer='least_memory'. Otherwise only the
-    tie rule reads them, and a workspace not known without costly work counts as 0 (``predict``),
-    so find's ordering builds no cuDNN execution plan; where every workspace is known, the order is the same.
-    learn_workspaces=False learns them only where the policy makes them decide (a workspace limit,
-    prefer='least_memory'), with the filters kept: a pick wanted at once, whose workspace is learned
-    when it is built (select's 'background' mode).
+    A workspace not known without costly work (an unbuilt cuDNN execution plan's: a build takes 0.1 ms to a second)
+    counts as 0 (``predict``) except where it is learned: for every candidate where the policy makes workspaces
+    decide (a workspace limit, prefer='least_memory'); otherwise, with the filters kept, for the candidates the first
+    place's tie rule compares (predicted within ``policy.tolerance`` of the fastest: ``_settle_first``), so that the
+    first is what learning them all would make it, and buildable; without the filters (find's order), for none.
+    learn_workspaces=True learns them all, False only where the policy makes them decide (a pick wanted at once,
+    whose workspace is learned when it is built: select's 'background' mode).
     """
     prices = costmodel.corrections(db, problem.device) if prices is None else prices  # one table throughout
     decides = policy.workspace_limit is not None or policy.prefer == "least_memory"
-    learn_workspace = decides or (keep_filters if learn_workspaces is None else learn_workspaces)
+    learn_workspace = decides or bool(learn_workspaces)
     by_name: dict[str, Algorithm] = {}
     guesses = []
     broken = []
@@ -99,16 +99,48 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
         try:
             guess = predict(problem, algorithm, db, learn_workspace=learn_workspace, prices=prices)
         except CANDIDATE_FAULTS as exc:  # a broken plug-in must not break the ranking
-            log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key,
-                        type(exc).__name__, exc)
+            _log_fault(algorithm, problem, exc)
             broken.append(algorithm)
             continue
         by_name[algorithm.name] = algorithm
         guesses.append(guess)
-    ranked = [(by_name[g.algorithm], g) for g in rank(guesses, _ranking_policy(policy, keep_filters))]
+    ranking_policy = _ranking_policy(policy, keep_filters)
+    ranked = [(by_name[g.algorithm], g) for g in rank(guesses, ranking_policy)]
     if keep_filters:
-        return ranked
+        if learn_workspace or learn_workspaces is False:
+            return ranked
+        return _settle_first(problem, ranked, ranking_policy, db, prices)
     return ranked + [(a, PerfResult(a.name, Status.OK, time_ms=math.inf)) for a in broken]
+
+
+def _log_fault(algorithm: Algorithm, problem: ConvProblem, exc: BaseException) -> None:
+    log.warning("cost model: %s could not describe %s (%s: %s)", algorithm.name, problem.key, type(exc).__name__, exc)
+
+
+def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult]], policy: Policy, db: Any,
+                  prices: costmodel.Corrections) -> list[tuple[Algorithm, PerfResult]]:
+    """``ranked`` (predicted with unknown workspaces counted as 0) with the workspaces its first place depends on
+    learned: those of the candidates predicted within ``policy.tolerance`` of the fastest, which the tie rule
+    compares. A learned workspace may change a price (a plan's cost counts its workspace's traffic), so the ranking
+    is made again until every such candidate's workspace is known; one whose workspace cannot be learned (a plan
+    cuDNN refuses to build) is logged and left out, as a candidate whose description raises is."""
+    while ranked:
+        fastest = min(cast(float, g.time_ms) for _, g in ranked)
+        unknown = [a for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance)
+                   and a.known_workspace_bytes(problem) is None]
+        if not unknown:
+            break
+        learned_now: dict[str, PerfResult | None] = {}
+        for algorithm in unknown:
+            try:
+                learned_now[algorithm.name] = predict(problem, algorithm, db, prices=prices)
+            except CANDIDATE_FAULTS as exc:
+                _log_fault(algorithm, problem, exc)
+                learned_now[algorithm.name] = None
+        by_name = {a.name: a for a, _ in ranked}
+        guesses = [learned_now.get(g.algorithm, g) for _, g in ranked]
+        ranked = [(by_name[g.algorithm], g) for g in rank([g for g in guesses if g is not None], policy)]
+    return ranked
 
 
 def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> list[Choice]:
@@ -119,6 +151,9 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     by predicted time, times within ``policy.tolerance`` tie and go to the smaller workspace;
     ``prefer='least_memory'`` ranks by workspace. Algorithms that violate the policy (workspace
     limit, determinism, TF32, reduced precision) are left out; an empty list means none is left.
+    A cuDNN execution plan's workspace is known only once the plan is built (0.1 ms to a second each): get
+    builds the plans that tie with the fastest (its first place depends on them), or every plan where the
+    policy makes workspaces decide; a choice whose workspace is not known has ``workspace_bytes`` None.
     Raises ``TypeError`` for a problem that is not a ``ConvProblem``.
 
         >>> from convtune import ConvProblem, Policy
@@ -142,8 +177,8 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     if choices is None:
         settings.check()
         ranked = ranked_predictions(problem, algorithms(problem), policy, db, prices=prices)
-        choices = [Choice(g.algorithm, cast(float, g.time_ms), g.workspace_bytes)  # rank keeps timed ones
-                   for _, g in ranked]
+        choices = [Choice(a.name, cast(float, g.time_ms), a.known_workspace_bytes(problem))  # rank keeps timed ones
+                   for a, g in ranked]
         if len(_memo) >= MEMO_SIZE:
             _memo.clear()
         _memo[key] = choices

@@ -149,11 +149,16 @@ class PerfResult:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One algorithm ranked by ``get``: predicted time, no measurement."""
+    """One algorithm ranked by ``get``: predicted time, no measurement.
+
+    workspace_bytes is None where it is not known without costly work and did not decide the ranking: a cuDNN
+    execution plan learns its workspace only by being built (0.1 ms to a second), so ``get`` builds only the
+    plans its first place depends on, unless the policy makes workspaces decide (a limit, prefer='least_memory').
+    """
 
     name: str
     predicted_ms: float
-    workspace_bytes: int
+    workspace_bytes: int | None
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(PerfResult))  # what from_dict accepts

@@ -79,7 +79,7 @@ def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
     return hit if hit is not None and usable(hit, policy, problem.dtype) else None
 
 
-def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool = True) -> PerfResult:
+def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool | None = None) -> PerfResult:
     settings.check()  # before algorithms() asks each candidate, where a bad setting would be its fault
     ranked = ranked_predictions(problem, algorithms(problem), policy, db, learn_workspaces=learn_workspaces)
     if not ranked:
@@ -89,7 +89,7 @@ def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces:
                                          uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
             refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
         raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
-    best = ranked[0][1] if learn_workspaces else _first_buildable(problem, policy, ranked)
+    best = ranked[0][1] if learn_workspaces is None else _first_buildable(problem, policy, ranked)
     # Unknown determinism (None, a cuDNN execution plan never run) is no promise of determinism.
     return dataclasses.replace(best, time_ms=None, deterministic=bool(best.deterministic),
                                message=f"not measured: the cost model predicts {best.time_ms:.4g} ms")
