@@ -38,7 +38,7 @@ from .errors import CANDIDATE_FAULTS, check_type
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import NATIVE, best, order, usable
+from .ranking import NATIVE, best, order, usable, within_error
 from .results import PerfResult, Status, families_first
 from .settings import settings
 from .timing import Timer, benchmark
@@ -376,34 +376,11 @@ class _Search:
         self._record(measured)
         return measured
 
-    def confirm(self, results: list[PerfResult], algorithms: dict[str, Algorithm]) -> list[PerfResult]:
-        """On the CPU, where the load of other processes can slow one candidate's timing and not the next one's: the
-        policy's pick, where it is not PyTorch's own call, timed again against it in ``CONFIRM_ROUNDS`` alternating
-        rounds, each then known by the median of its rounds; again while the pick changes to one not timed so
-        (``CONFIRM_PICKS`` at most). Left as measured: a search with a time budget or a deadline, PyTorch's call not
-        usable, either measured in a worker, calls so slow that the rounds would take over ``CONFIRM_LIMIT_S``, or one
-        that fails now (logged)."""
-        if self.policy.budget_s is not None or self.policy.deadline_s is not None or self.budget.exhausted():
-            return results
-        timed_again: set[str] = set()
-        for _ in range(CONFIRM_PICKS):
-            pick = best(results, self.policy, self.problem.dtype)
-            native = next((r for r in results if r.algorithm == NATIVE and usable(r, self.policy, self.problem.dtype)),
-                          None)
-            if pick is None or native is None or pick.algorithm in (NATIVE, *timed_again):
-                break
-            again = self._rounds(pick, native, algorithms)
-            if again is None:
-                break
-            timed_again.add(pick.algorithm)
-            results = [again.get(r.algorithm, r) if r is pick or r is native else r for r in results]
-        self.best_ms = min((cast(float, r.time_ms) for r in results if r.ok and within_error(r, self.policy)),
-                           default=math.inf)
-        return results
-
-    def _rounds(self, pick: PerfResult, native: PerfResult,
-                algorithms: dict[str, Algorithm]) -> dict[str, PerfResult] | None:
-        """``pick`` and ``native`` timed in alternating rounds, as ``confirm`` takes them; None where they are not."""
+    def time_again(self, pick: PerfResult, native: PerfResult,
+                   algorithms: dict[str, Algorithm]) -> dict[str, PerfResult] | None:
+        """``pick`` and ``native`` timed again in ``CONFIRM_ROUNDS`` alternating rounds, each then known by the median
+        of its rounds (``_confirm``); None where they are not: either measured in a worker, calls so slow that the
+        rounds would take over ``CONFIRM_LIMIT_S``, or one that fails now (logged)."""
         pair = [pick, native]
         if 2 * CONFIRM_ROUNDS * sum(cast(float, r.time_ms) for r in pair) > 1e3 * CONFIRM_LIMIT_S:
             return None  # slow calls: a sample spans many of the CPU's time slices, and the rounds would cost much
@@ -439,6 +416,11 @@ class _Search:
                                                    message="; ".join(filter(None, (kept, note))))
         return out
 
+    def rebase(self, results: list[PerfResult]) -> None:
+        """The bar for the rest of the search (its best time) set again from ``results``, some timed again since."""
+        self.best_ms = min((cast(float, r.time_ms) for r in results if r.ok and within_error(r, self.policy)),
+                           default=math.inf)
+
     def _record(self, result: PerfResult) -> None:
         """A timed result sets the bar for the rest of the search (its best time, its leanest workspace) where this
         policy can use it (``within_error``): one too inexact for it is kept for other policies, not measured
@@ -449,11 +431,34 @@ class _Search:
 
 
 WROTE_INPUTS = "wrote into its input operands (they must stay read-only)"
-CONFIRM_ROUNDS = 3  # a CPU pick's alternating rounds against PyTorch's call (_Search.confirm): a warm-up, a sample
+CONFIRM_ROUNDS = 3  # a CPU pick's alternating rounds against PyTorch's call (_confirm): a warm-up, a sample
 CONFIRM_PICKS = 3  # picks timed so, at most, where each round changes the pick
 CONFIRM_BUDGET_S = 0.02  # each round's timing budget (its warm-up call and one sample run whatever it is)
 CONFIRM_LIMIT_S = 1.0  # no rounds where the two's calls in them would take longer (a warm-up and a sample each)
 _UNCHECKED: set[str] = set()  # plug-ins already warned of being measured in the process
+
+
+def _confirm(search: _Search, results: list[PerfResult], algorithms: dict[str, Algorithm]) -> list[PerfResult]:
+    """On the CPU, where the load of other processes can slow one candidate's timing and not the next one's: the
+    policy's pick, where it is not PyTorch's own call, timed again against it (``_Search.time_again``); again while
+    the pick changes to one not timed so (``CONFIRM_PICKS`` at most). Left as measured: a search with a time budget
+    or a deadline, and one where PyTorch's call is not usable or the two cannot be timed again."""
+    policy, dtype = search.policy, search.problem.dtype
+    if policy.budget_s is not None or policy.deadline_s is not None or search.budget.exhausted():
+        return results
+    timed_again: set[str] = set()
+    for _ in range(CONFIRM_PICKS):
+        pick = best(results, policy, dtype)
+        native = next((r for r in results if r.algorithm == NATIVE and usable(r, policy, dtype)), None)
+        if pick is None or native is None or pick.algorithm in (NATIVE, *timed_again):
+            break
+        again = search.time_again(pick, native, algorithms)
+        if again is None:
+            break
+        timed_again.add(pick.algorithm)
+        results = [again.get(r.algorithm, r) if r is pick or r is native else r for r in results]
+    search.rebase(results)
+    return results
 
 
 def _warn_unchecked(algorithm: Algorithm) -> None:
@@ -511,12 +516,6 @@ def _over_deadline(algorithm: Algorithm, props: _Props, err: float, runs_s: list
     return PerfResult(algorithm.name, Status.TIMEOUT, time_ms=max(runs_s) * 1e3, rel_error=err, **props,
                       message=f"its checked runs took {took}, over the deadline of {deadline_s:g} s "
                               f"(Policy.deadline_s, CONVTUNE_CANDIDATE_DEADLINE_S); not timed")
-
-
-def within_error(result: PerfResult, policy: Policy) -> bool:
-    """Whether ``result``'s relative error is within ``policy.max_rel_error`` (any result where it sets none: the
-    checks held the default tolerance)."""
-    return policy.max_rel_error is None or (result.rel_error is not None and result.rel_error <= policy.max_rel_error)
 
 
 def _slow_but_right(results: list[PerfResult], policy: Policy) -> list[PerfResult]:
@@ -664,7 +663,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
         if not any(r.ok and within_error(r, policy) for r in results):
             results = _slow_but_right(results, policy)
         if problem.device == "cpu" and timer is benchmark:  # a fake or another timer in tests and tools: as it says
-            results = search.confirm(results, {a.name: a for a in ranked})
+            results = _confirm(search, results, {a.name: a for a in ranked})
         if policy.micro_batching:
             results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given,
                                       seed=seed)

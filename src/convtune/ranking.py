@@ -22,13 +22,18 @@ def usable(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool
         return False
     if not policy.micro_batching and splits_batch_of(result.algorithm):
         return False  # a stored split answers only a policy that allows splitting the batch
-    if policy.max_rel_error is not None:
-        if result.rel_error is None or result.rel_error > policy.max_rel_error:
-            return False
-    elif dtype is not None and result.rel_error is not None and result.rel_error > _default_bound(dtype, result):
+    if not within_error(result, policy, dtype):
         return False
     return policy.violation(workspace_bytes=result.workspace_bytes, deterministic=result.deterministic,
                             uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision) is None
+
+
+def within_error(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool:
+    """Whether ``result``'s relative error is within ``policy.max_rel_error``; where the policy sets none, within
+    the default tolerance of ``dtype`` (any result where dtype is not given: the checks held that tolerance)."""
+    if policy.max_rel_error is not None:
+        return result.rel_error is not None and result.rel_error <= policy.max_rel_error
+    return dtype is None or result.rel_error is None or result.rel_error <= _default_bound(dtype, result)
 
 
 def _default_bound(dtype: str, result: PerfResult) -> float:
