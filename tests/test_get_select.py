@@ -421,13 +421,13 @@ def test_without_a_usable_default_database_select_still_answers(tmp_path, monkey
 
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
-    monkeypatch.setattr(db_module, "_failed_paths", set())
+    monkeypatch.setattr(db_module, "_unopenable", set())
     monkeypatch.setattr(db_module, "_fallback", None)
     problem = ConvProblem("fwd", n=1, c=2, k=2, input_size=(6, 6), kernel_size=3)
     with settings.override(cache_dir=str(blocked / "cache")):  # its parent is a file: the folder cannot exist
         result = select(problem, mode="hybrid")
         assert select(problem, mode="db_then_get") == result  # remembered for the process's lifetime
-        fallback = db_module.default_db()
+        fallback = db_module.opened()
     assert result.ok and caplog.text.count("cannot be opened") == 1
     assert fallback.results(problem) and not fallback.path.is_relative_to(tmp_path)
 

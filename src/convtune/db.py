@@ -497,64 +497,49 @@ def _read_only(exc: sqlite3.OperationalError) -> bool:
     return (code is not None and code & 0xFF == sqlite3.SQLITE_READONLY) or "readonly" in str(exc)
 
 
-_failed_paths: set[str] = set()  # default paths that could not be opened (each warned once)
 _OPEN_FAULTS = (OSError, sqlite3.Error, RuntimeError, ValueError)  # what opening a database path can raise
-_warned_paths: set[str] = set()  # paths given to optimize that could not be opened (each warned once)
-_defaults: dict[str, TuningDB] = {}  # the default database of each default path, opened once
-_fallback: TuningDB | None = None  # the process's database where the default one cannot be opened
-_fallback_lock = threading.Lock()
-
-
-def default_db() -> TuningDB | None:
-    """``TuningDB()`` at the default path, opened once per path and process (its integrity is checked on
-    open); where it cannot be opened there (a read-only or missing cache folder), a database in a temporary
-    folder that lives as long as the process (warned once): the process's choices are remembered for its
-    lifetime, not beyond, rather than failing. None only where not even that can be made. A default path
-    that failed is not tried again in this process."""
-    with _fallback_lock:
-        where = str(settings.db_path)
-        if where in _defaults:
-            return _defaults[where]
-        if where not in _failed_paths:
-            try:
-                _defaults[where] = TuningDB()
-                return _defaults[where]
-            except _OPEN_FAULTS as exc:
-                _warn_unopened(where, exc, "Set CONVTUNE_CACHE_DIR to a writable folder")
-                _failed_paths.add(where)
-        return _temporary()
-
-
-def open_db(path: str | os.PathLike) -> TuningDB | None:
-    """``TuningDB(path)`` for optimize given a path; where it cannot be opened there (a folder, a device, a
-    read-only or missing folder, a lock held too long), the process's temporary database (``default_db``'s),
-    with a warning that names the path and the fault (once per path; the path is tried again at every
-    call): tuning goes on and is remembered for the process's lifetime. ``TuningDB(path)`` itself raises."""
-    try:
-        return TuningDB(path)
-    except _OPEN_FAULTS as exc:
-        with _fallback_lock:
-            if str(path) not in _warned_paths:
-                _warned_paths.add(str(path))
-                _warn_unopened(str(path), exc, "Give a file's path in a writable folder")
-            return _temporary()
-
-
-_opened: dict[str, TuningDB] = {}  # the databases find, select, plan and get opened from a path, once per path
+_opened: dict[str, TuningDB] = {}  # every database opened from a path (or the default one), once per file and process
+_unopenable: set[str] = set()  # paths that could not be opened where a temporary database served (each warned once)
+_fallback: TuningDB | None = None  # the process's temporary database, where a path cannot be opened
 _opened_lock = threading.Lock()
+
+
+def opened(path: str | os.PathLike | None = None, *, strict: bool = False) -> TuningDB | None:
+    """``TuningDB(path)`` (None: the default path, ``settings.db_path``), opened once per file and process (its
+    integrity is checked on open) and shared by whoever asks for that file.
+
+    Where it cannot be opened (a folder, a device, a read-only or missing folder, a lock held too long): with
+    ``strict`` the fault is raised (find, select, plan and get given a path: the caller named that file); otherwise
+    (the default database, a path given to optimize or a tuned layer) the process's temporary database serves,
+    removed when the process ends, with a warning that names the path and the fault, once: that path is not tried
+    again in this process. Tuning goes on and is remembered for the process's lifetime, rather than failing. None
+    only where not even a temporary database can be made.
+    """
+    path = Path(settings.db_path if path is None else path).expanduser()
+    where = str(path.resolve())
+    with _opened_lock:
+        if where in _opened:
+            return _opened[where]
+        if where in _unopenable and not strict:
+            return _temporary()
+        try:
+            _opened[where] = TuningDB(path)
+        except _OPEN_FAULTS as exc:
+            if strict:
+                raise
+            _unopenable.add(where)
+            _warn_unopened(where, exc, "Give a file's path in a writable folder, or set CONVTUNE_CACHE_DIR to one for "
+                                       "the default database")
+            return _temporary()
+        return _opened[where]
 
 
 def as_db(db: Any, who: str) -> Any:
     """``db`` as find, select, plan and get take it: a ``TuningDB`` (or an object with its methods), None, or a
-    path, opened here once per path and process (``TuningDB(path)``, which raises where it cannot be opened: the
-    caller named that file). ``TypeError`` for anything else, naming ``who`` (the function asked)."""
+    path (``opened(path, strict=True)``: raised where it cannot be opened). ``TypeError`` for anything else, naming
+    ``who`` (the function asked)."""
     if isinstance(db, (str, os.PathLike)):
-        path = Path(db).expanduser()
-        where = str(path.resolve())
-        with _opened_lock:
-            if where not in _opened:
-                _opened[where] = TuningDB(path)
-            return _opened[where]
+        return opened(db, strict=True)
     if db is not None and not any(callable(getattr(db, m, None)) for m in ("results", "lookup", "measurements")):
         raise TypeError(f"{who}'s db must be a TuningDB, a database file's path or None, got {type(db).__name__}")
     return db
@@ -566,7 +551,7 @@ def _warn_unopened(where: str, exc: BaseException, fix: str) -> None:
 
 
 def _temporary() -> TuningDB | None:
-    """The process's temporary database, made on first need (call under ``_fallback_lock``)."""
+    """The process's temporary database, made on first need (call under ``_opened_lock``)."""
     global _fallback
     if _fallback is None:
         import atexit

@@ -40,7 +40,7 @@ class Tuning:
     """How layers choose: ``select(problem, policy, mode, db)``, with a memo of the answers.
 
     db: a ``TuningDB`` (or its path: where it cannot be opened, the process's temporary database, warned;
-    ``db.open_db``); None takes the default ``TuningDB()`` for the modes that read one ('hybrid',
+    ``db.opened``); None takes the default ``TuningDB()`` for the modes that read one ('hybrid',
     'db_then_get'), opened on first need. Copies of a model share their Tuning; pickling keeps the
     database's path as given (or the opened database's), not its connection.
     """
@@ -64,13 +64,13 @@ class Tuning:
         if self._opened:
             return self._db
         if isinstance(self._db, (str, Path)):
-            from convtune.db import open_db
+            from convtune.db import opened
 
-            self._db = open_db(self._db)  # where it cannot be opened: a temporary one, warned
+            self._db = opened(self._db)  # where it cannot be opened: a temporary one, warned
         elif self._db is None and self.mode in READS_DB:
-            from convtune.db import default_db
+            from convtune.db import opened
 
-            self._db = default_db()
+            self._db = opened()
         else:
             return self._db  # None in a mode that reads no database: decided again if the mode changes
         self._opened = True

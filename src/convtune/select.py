@@ -54,9 +54,9 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     policy = DEFAULT_POLICY if policy is None else policy
     if mode in READS_DB:
         if db is None:
-            from .db import default_db
+            from .db import opened
 
-            db = default_db()
+            db = opened()
         hit = stored(problem, policy, db)
         if hit is not None:
             return hit
