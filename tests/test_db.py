@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import sqlite3
 import threading
@@ -422,7 +423,7 @@ def test_export_import_round_trip_keeps_other_machines(db, tmp_path, monkeypatch
     out = tmp_path / "export.jsonl"
     assert db.export(out) == 8
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert set(lines[0]) == {"schema", "fingerprint", "software", "problem", "stored_at", "result"}
+    assert set(lines[0]) == {"schema", "fingerprint", "software", "problem", "stored_at", "result", "checksum"}
     with TuningDB(tmp_path / "other.sqlite") as fresh:
         assert fresh.import_(out) == 8
         assert fresh.entries() == db.entries()  # fingerprints, software and stored_at kept
@@ -475,6 +476,26 @@ def test_malformed_import_is_refused_whole(db, tmp_path, bad, message):
         db.import_(path)
     assert f"{path}:2:" in str(info.value) and "nothing was imported" in str(info.value)
     assert db.entries() == before  # not even the valid first line
+
+
+def test_an_exported_line_changed_into_other_valid_json_is_refused_whole(db, tmp_path):
+    # A plain export has no gzip check: a digit of a time changed still parses. Each line's checksum refuses it;
+    # the same values spelled otherwise (spacing, key order) are the same line.
+    db.store(problem(1), FIND)
+    path = tmp_path / "export.jsonl"
+    db.export(path)
+    lines = path.read_text().splitlines()
+    respelled = json.dumps(dict(reversed(list(json.loads(lines[0]).items()))), indent=None, separators=(", ", " : "))
+    path.write_text("\n".join([respelled, *lines[1:]]) + "\n")
+    with TuningDB(tmp_path / "other.sqlite") as fresh:
+        assert fresh.import_(path) == len(FIND)
+    changed = json.loads(lines[1])
+    changed["result"]["time_ms"] *= 10
+    path.write_text("\n".join([lines[0], json.dumps(changed), *lines[2:]]) + "\n")
+    before = db.entries()
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}:2: its checksum does not match its content"):
+        db.import_(path)
+    assert db.entries() == before
 
 
 def test_import_skips_blank_lines(db, tmp_path):

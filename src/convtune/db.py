@@ -63,6 +63,9 @@ LINE_SCHEMAS = (1, 2, 3)  # export lines this version reads: schemas 2 and 3 add
 BUSY_TIMEOUT_MS = 30_000
 IMPORT_LIMIT_BYTES = 1 << 30  # of a decompressed export file (a sweep of thousands of problems: tens of MB)
 _LINE_FIELDS = ("schema", "fingerprint", "software", "problem", "stored_at", "result")
+# Each exported line also carries "checksum" (_line_checksum of the others): a line damaged into other valid JSON (a
+# digit of a time changed) is refused, where a gzip file's own check covers only compressed exports. Lines written
+# before it was added have none and are read as they are.
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE results (
@@ -244,7 +247,7 @@ class TuningDB:
             result = self._decode(text, key, (fp, sw, name, checksum))
             if result is not None:
                 line = dict(zip(_LINE_FIELDS, (SCHEMA_VERSION, fp, sw, key, stored_at, result.to_dict())))
-                lines.append(json.dumps(line) + "\n")
+                lines.append(json.dumps({**line, "checksum": _line_checksum(line)}) + "\n")
         data = "".join(lines).encode("utf-8")
         if str(path).lower().endswith(".gz"):
             data = gzip.compress(data, mtime=0)  # the same results, the same bytes
@@ -600,6 +603,11 @@ def _executable_checksum(fingerprint: str, software: str, problem: str, algorith
     return _checksum(fingerprint, software, problem, algorithm, recipe + "\0" + hashlib.blake2b(serialized).hexdigest())
 
 
+def _line_checksum(line: dict) -> str:
+    """The checksum of an export line's fields (``_LINE_FIELDS``): of their values, not of how the file spells them."""
+    return hashlib.blake2b(json.dumps(line, sort_keys=True).encode("utf-8"), digest_size=16).hexdigest()
+
+
 def _encode(result: PerfResult) -> tuple[str, str]:
     if not isinstance(result, PerfResult):
         raise TypeError(f"TuningDB.store needs PerfResults, got {type(result).__name__}: {result!r}")
@@ -626,9 +634,14 @@ def _parse_line(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
         raise ValueError("JSON nested too deeply to be an export line") from None
     if not isinstance(line, dict):
         raise ValueError(f"expected a JSON object, got {type(line).__name__}")
+    checksum = line.pop("checksum", None)
     if set(line) != set(_LINE_FIELDS):
         missing, unknown = set(_LINE_FIELDS) - set(line), set(line) - set(_LINE_FIELDS)
-        raise ValueError(f"fields must be {list(_LINE_FIELDS)}; missing {sorted(missing)}, unknown {sorted(unknown)}")
+        raise ValueError(f"fields must be {list(_LINE_FIELDS)} and a checksum; missing {sorted(missing)}, unknown "
+                         f"{sorted(unknown)}")
+    if checksum is not None and checksum != _line_checksum(line):
+        raise ValueError("its checksum does not match its content: the line was changed or damaged since it was "
+                         "exported; export it again from the database that holds it")
     if line["schema"] not in LINE_SCHEMAS or isinstance(line["schema"], bool):
         raise ValueError(f"schema {line['schema']!r} is not one of {list(LINE_SCHEMAS)}; export it again with this "
                          f"convtune")
