@@ -142,6 +142,8 @@ def test_cache_export_import_clear(capsys, tmp_path):
     (["get", *SMALL, "--dtype", "float64"], "float64"),
     (["get", *SMALL[:-2], "--device", "cuda"], "CUDA"),
     (["find", *SMALL, "--workspace-limit", "lots"], "lots"),
+    (["find", *SMALL, "--workspace-limit", "-64MiB"], "--workspace-limit: -64MiB is negative"),
+    (["tune", "resnet18", "--workspace-budget", "-5MiB"], "--workspace-budget: -5MiB is negative"),
     (["report", "resnet18", "--workspace-budget", "1MiB", "--budgets", "0,1MiB,xx"], "'xx' is not a size"),
     (["get", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3x3x3"], "kernel_size"),
     (["get", "--c", "8", "--k", "8", "--size", "ten"], "--size"),

@@ -9,6 +9,7 @@ import argparse
 import datetime
 import json
 import logging
+import re
 import shutil
 import sys
 import warnings
@@ -80,7 +81,8 @@ def _add_type_args(g) -> None:
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the policy")
-    g.add_argument("--workspace-limit", default=None, help="most workspace memory per algorithm, e.g. 64MiB")
+    g.add_argument("--workspace-limit", type=_size, default=None,
+                   help="most workspace memory per algorithm, e.g. 64MiB")
     g.add_argument("--deterministic", action="store_true", help="only run-to-run deterministic algorithms")
     g.add_argument("--no-tf32", action="store_true", help="forbid TF32 math for float32")
     g.add_argument("--no-reduced-precision", action="store_true", help="forbid half-precision accumulation")
@@ -242,6 +244,22 @@ def _size(text: str) -> str:
     except ValueError as exc:  # parse_bytes' own words, less the name it was given
         raise argparse.ArgumentTypeError(str(exc).partition("=")[2]) from None
     return text
+
+
+SIZE_OPTIONS = ("--workspace-budget", "--workspace-limit")
+
+
+def _sizes_joined(argv: list[str]) -> list[str]:
+    """``argv`` with a size option's value that starts with '-' and a digit joined to it (``--workspace-limit=-5MiB``):
+    argparse would take that value for an option and say only that the size is missing; joined, it is read and
+    refused as negative."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in SIZE_OPTIONS and re.match(r"-\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _positive(text: str) -> int:
@@ -517,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True)
     args = None
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_sizes_joined(sys.argv[1:] if argv is None else list(argv)))
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(levelname)s %(name)s: %(message)s")
         if args.command in ("tune", "report"):

@@ -13,7 +13,7 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 MAX_BYTES = 2**63 - 1  # what an int64 byte count holds
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")  # a negative one is read, then refused as negative
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:
