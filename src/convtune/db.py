@@ -509,32 +509,40 @@ _opened_lock = threading.Lock()
 
 def opened(path: str | os.PathLike | None = None, *, strict: bool = False) -> TuningDB | None:
     """``TuningDB(path)`` (None: the default path, ``settings.db_path``), opened once per file and process (its
-    integrity is checked on open) and shared by whoever asks for that file.
+    integrity is checked on open) and shared by whoever asks for that file; a relative path is the file it names
+    now (the database keeps it absolute: a later change of the working folder does not move it).
 
-    Where it cannot be opened (a folder, a device, a read-only or missing folder, a lock held too long): with
-    ``strict`` the fault is raised (find, select, plan and get given a path: the caller named that file); otherwise
-    (the default database, a path given to optimize or a tuned layer) the process's temporary database serves,
-    removed when the process ends, with a warning that names the path and the fault, once: that path is not tried
-    again in this process. Tuning goes on and is remembered for the process's lifetime, rather than failing. None
-    only where not even a temporary database can be made.
+    Where it cannot be opened (a folder, a device, a read-only or missing folder, a lock held too long, a path that
+    does not resolve): with ``strict`` the fault is raised (find, select, plan and get given a path: the caller named
+    that file, and it is tried again at each call); otherwise (the default database, a path given to optimize or a
+    tuned layer) the process's temporary database serves, removed when the process ends, with a warning that names
+    the path and the fault, once: for those callers that path is not tried again in this process. Tuning goes on and
+    is remembered for the process's lifetime, rather than failing. None only where not even a temporary database can
+    be made. The files are opened outside the lock that guards the cache: a slow open holds up no other file's.
     """
-    path = Path(settings.db_path if path is None else path).expanduser()
-    where = str(path.resolve())
-    with _opened_lock:
-        if where in _opened:
-            return _opened[where]
-        if where in _unopenable and not strict:
+    given = settings.db_path if path is None else path
+    key = str(given)  # the file's resolved path, once it resolves
+    try:
+        where = Path(given).expanduser().resolve()  # a symlink loop, a home folder that cannot be found: raise here
+        key = str(where)
+        with _opened_lock:
+            known = _opened.get(key)
+            if known is not None:
+                return known
+            if key in _unopenable and not strict:
+                return _temporary()
+        db = TuningDB(where)
+    except _OPEN_FAULTS as exc:
+        if strict:
+            raise
+        with _opened_lock:
+            if key not in _unopenable:
+                _unopenable.add(key)
+                _warn_unopened(key, exc, "Give a file's path in a writable folder, or set CONVTUNE_CACHE_DIR to one "
+                                         "for the default database")
             return _temporary()
-        try:
-            _opened[where] = TuningDB(path)
-        except _OPEN_FAULTS as exc:
-            if strict:
-                raise
-            _unopenable.add(where)
-            _warn_unopened(where, exc, "Give a file's path in a writable folder, or set CONVTUNE_CACHE_DIR to one for "
-                                       "the default database")
-            return _temporary()
-        return _opened[where]
+    with _opened_lock:  # another thread may have opened the same file meanwhile: the first one opened is everyone's
+        return _opened.setdefault(key, db)
 
 
 def as_db(db: Any, who: str) -> Any:

@@ -36,6 +36,9 @@ MEMO_SIZE = 4096
 _memo: dict[tuple, list[Choice]] = {}
 
 
+UNKNOWN_WORKSPACE = "workspace not known yet, counted as 0"  # the end of the message of a guess made so
+
+
 def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
             learn_workspace: bool = True, prices: costmodel.Corrections | None = None) -> PerfResult:
     """The cost model's guess for ``algorithm`` on ``problem`` as an unmeasured ``PerfResult``.
@@ -45,7 +48,8 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
     ``db``'s measurements on this device when given); the properties the policy looks at (workspace,
     determinism, TF32, reduced precision) are the algorithm's own. learn_workspace=False takes the
     workspace only if it is known without costly work (``Algorithm.known_workspace_bytes``; an unbuilt
-    cuDNN execution plan's is not) and counts an unknown one as 0, in the cost model and in the result.
+    cuDNN execution plan's is not) and counts an unknown one as 0, in the cost model and in the result, whose
+    message then ends with ``UNKNOWN_WORKSPACE``.
     prices: the table to price with (default: ``db``'s, ``costmodel.corrections``). Exceptions of the algorithm's
     description methods propagate.
     """
@@ -59,7 +63,7 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
     return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
                       deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
                       reduced_precision=notes.reduced_precision,
-                      message=f"predicted {ms:.4g} ms" + ("; workspace not known yet, counted as 0" if unknown else ""))
+                      message=f"predicted {ms:.4g} ms" + (f"; {UNKNOWN_WORKSPACE}" if unknown else ""))
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,20 +123,21 @@ def _log_fault(algorithm: Algorithm, problem: ConvProblem, exc: BaseException) -
 
 def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult]], policy: Policy, db: Any,
                   prices: costmodel.Corrections) -> list[tuple[Algorithm, PerfResult]]:
-    """``ranked`` (predicted with unknown workspaces counted as 0) with the workspaces its first place depends on
-    learned: those of the candidates predicted within ``policy.tolerance`` of the fastest, which the tie rule
-    compares. A learned workspace may change a price (a plan's cost counts its workspace's traffic), so the ranking
-    is made again until every such candidate's workspace is known; one whose workspace cannot be learned (a plan
-    cuDNN refuses to build) is logged and left out, as a candidate whose description raises is."""
+    """``ranked`` (predicted with unknown workspaces counted as 0: ``unknown``) with the workspaces its first place
+    depends on learned: those of the candidates predicted within ``policy.tolerance`` of the fastest, which the tie
+    rule compares. A learned workspace may change a price (a plan's cost counts its workspace's traffic), so the
+    ranking is made again until no such candidate's guess counts an unknown workspace; each is learned once, and one
+    whose workspace cannot be learned (a plan cuDNN refuses to build) is logged and left out, as a candidate whose
+    description raises is. Below the first place, a guess may still count an unknown workspace as 0 (its price and
+    place then are what needing none would give)."""
     while ranked:
         fastest = min(cast(float, g.time_ms) for _, g in ranked)
-        unknown = [a for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance)
-                   and a.known_workspace_bytes(problem) is None]
-        if not unknown:
+        due = [a for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance) and unknown(g)]
+        if not due:
             break
         learned_now: dict[str, PerfResult | None] = {}
-        for algorithm in unknown:
-            try:
+        for algorithm in due:
+            try:  # learn_workspace: a guess that counts no unknown workspace, so not learned again
                 learned_now[algorithm.name] = predict(problem, algorithm, db, prices=prices)
             except CANDIDATE_FAULTS as exc:
                 _log_fault(algorithm, problem, exc)
@@ -141,6 +146,11 @@ def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult
         guesses = [learned_now.get(g.algorithm, g) for _, g in ranked]
         ranked = [(by_name[g.algorithm], g) for g in rank([g for g in guesses if g is not None], policy)]
     return ranked
+
+
+def unknown(guess: PerfResult) -> bool:
+    """Whether ``guess`` (``predict``'s) counted a workspace not known as 0."""
+    return guess.message.endswith(UNKNOWN_WORKSPACE)
 
 
 def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> list[Choice]:
@@ -153,7 +163,8 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     limit, determinism, TF32, reduced precision) are left out; an empty list means none is left.
     A cuDNN execution plan's workspace is known only once the plan is built (0.1 ms to a second each): get
     builds the plans that tie with the fastest (its first place depends on them), or every plan where the
-    policy makes workspaces decide; a choice whose workspace is not known has ``workspace_bytes`` None.
+    policy makes workspaces decide; a choice whose workspace is not known has ``workspace_bytes`` None, and is
+    priced and placed as if it needed none (an answer is kept for the process: it stays None once built).
     Raises ``TypeError`` for a problem that is not a ``ConvProblem``.
 
         >>> from convtune import ConvProblem, Policy
@@ -177,8 +188,8 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     if choices is None:
         settings.check()
         ranked = ranked_predictions(problem, algorithms(problem), policy, db, prices=prices)
-        choices = [Choice(a.name, cast(float, g.time_ms), a.known_workspace_bytes(problem))  # rank keeps timed ones
-                   for a, g in ranked]
+        choices = [Choice(g.algorithm, cast(float, g.time_ms), None if unknown(g) else g.workspace_bytes)
+                   for _, g in ranked]  # rank keeps timed ones
         if len(_memo) >= MEMO_SIZE:
             _memo.clear()
         _memo[key] = choices
