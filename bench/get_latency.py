@@ -4,7 +4,9 @@ Per distinct problem of the networks named (every layer, every direction; batch,
 in one process: the wall time of the first ``convtune.get(problem)`` (cold: every candidate listed and priced, on
 CUDA cuDNN's graph and list of plans made), then of a second one (warm: the answer remembered). Before any is timed,
 one ``get`` of a problem of none of the networks makes what a process makes once (cuDNN's handle, the registry, the
-learned model's file read). Targets (the learned-GET issue): at most 5 ms cold and 1 ms warm. On a CPU the problems
+learned model's file read). The cold calls' time is split by phase (``PHASES``: listing the candidates, cuDNN's
+graph, pricing, cuDNN plan builds), timed by wrapping those functions while they run. Targets (the learned-GET
+issue): at most 5 ms cold and 1 ms warm. On a CPU the problems
 are the CPU's (no cuDNN): a check of the script, not of the targets.
 
     python bench/get_latency.py --networks resnet50,mobilenet_v2,resnext50_32x4d --batch 32
@@ -15,6 +17,7 @@ Results: bench/results/get_latency.json and .md (or --out, --name).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -34,17 +37,68 @@ def summary(times_ms: list[float]) -> dict:
     return dict(problems=len(times_ms), median_ms=statistics.median(times_ms), p90_ms=p90, max_ms=max(times_ms))
 
 
-def timed(problems: list) -> dict[str, list[float]]:
-    """Per problem, the ms of its first ``get`` (cold) and of its second (warm)."""
+# Where a cold get's time goes: (phase, module, attribute) of the callables timed while it runs; phases nest (pricing
+# holds the plan builds it asks for, listing the candidates holds cuDNN's graph). cuDNN's only where it is loaded.
+PHASES = (("candidates listed", "convtune.get", "algorithms"),
+          ("cuDNN graph (heuristics query)", "convtune.algorithms.cudnn", "ProblemGraph.__init__"),
+          ("priced", "convtune.get", "predict"),
+          ("cuDNN plan builds", "convtune.algorithms.cudnn", "ProblemGraph.build"))
+
+
+@contextlib.contextmanager
+def phase_clock():
+    """A dict phase -> ms spent in it (outermost calls only, in this thread) while the block runs, by wrapping the
+    ``PHASES`` callables that exist here; unwrapped after."""
+    import importlib
+
+    spent: dict[str, float] = {}
+    undo = []
+    for phase, module_name, attribute in PHASES:
+        try:
+            owner: object = importlib.import_module(module_name)
+        except ImportError:  # cuDNN's frontend not installed: no such phase here
+            continue
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        depth = [0]
+
+        def wrapped(*args, _original=original, _phase=phase, _depth=depth, **kwargs):
+            _depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _depth[0] -= 1
+                if _depth[0] == 0:
+                    spent[_phase] = spent.get(_phase, 0.0) + 1e3 * (time.perf_counter() - start)
+        setattr(owner, name, wrapped)
+        undo.append((owner, name, original))
+        spent[phase] = 0.0
+    try:
+        yield spent
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)
+
+
+def timed(problems: list) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per problem, the ms of its first ``get`` (cold) and of its second (warm); and the ms of all the cold ones
+    spent in each phase (``PHASES``)."""
     import convtune as ct
 
     out: dict[str, list[float]] = {"cold": [], "warm": []}
-    for problem in problems:
-        for kind in ("cold", "warm"):
+    with phase_clock() as spent:
+        for problem in problems:
             start = time.perf_counter()
             ct.get(problem)
-            out[kind].append(1e3 * (time.perf_counter() - start))
-    return out
+            out["cold"].append(1e3 * (time.perf_counter() - start))
+    for problem in problems:
+        start = time.perf_counter()
+        ct.get(problem)
+        out["warm"].append(1e3 * (time.perf_counter() - start))
+    return out, dict(spent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{','.join(args.networks)}: no problems")
     ct.get(ct.ConvProblem("fwd", n=3, c=5, k=7, input_size=(11, 13), kernel_size=3, dtype=args.dtypes[0],
                           layout="channels_last", device=device))  # what a process makes once, untimed
-    results = {network: {kind: summary(t) for kind, t in timed(problems).items()}
-               for network, problems in per_network.items() if problems}
+    results, phases = {}, {}
+    for network, problems in per_network.items():
+        if problems:
+            times, spent = timed(problems)
+            results[network] = {kind: summary(t) for kind, t in times.items()}
+            phases[network] = {"cold gets, in all": sum(times["cold"]), **spent}
     env = common.environment()
     rows = [[network, kind, r[kind]["problems"], f"{r[kind]['median_ms']:.3f}", f"{r[kind]['p90_ms']:.3f}",
              f"{r[kind]['max_ms']:.3f}", f"{TARGETS_MS[kind]:g}"] for network, r in results.items() for kind in r]
@@ -81,9 +139,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"distinct problem once, with the first network that has it): the wall time of a problem's first "
                 f"`get` in the process (cold) and of its second (warm), ms. `bench/get_latency.py`.\n\n"
                 + common.md_table(["network", "get", "problems", "median", "90th percentile", "worst", "target"],
-                                  rows))
+                                  rows)
+                + "\n\nWhere the cold calls' time went, ms over all of a network's (phases nest: pricing holds the "
+                  "plan builds it asks for, listing the candidates holds cuDNN's graph; '-': not here, cuDNN not "
+                  "loaded):\n\n"
+                + common.md_table(["network", "cold gets, in all", *(p for p, _, _ in PHASES)],
+                                  [[network, *(f"{spent[p]:.1f}" if p in spent else "-"
+                                               for p in ("cold gets, in all", *(p for p, _, _ in PHASES)))]
+                                   for network, spent in phases.items()]))
     common.write(args.name, {"environment": env, "device": device, "networks": args.networks, "batch": args.batch,
-                             "results": results}, markdown, args.out)
+                             "results": results, "cold_phases_ms": phases}, markdown, args.out)
     print(markdown)
     return 0
 
