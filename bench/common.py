@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib
 import json
 import math
 import os
@@ -10,6 +12,8 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -174,3 +178,44 @@ def median_interval(values, confidence: float = 0.95) -> tuple[float, float, flo
             break
         best = (ordered[j - 1], ordered[n - j], 1 - 2 * below)
     return best
+
+
+@contextlib.contextmanager
+def phase_clock(phases):
+    """A dict label -> ms spent in each phase while the block runs: ``phases`` are (label, module, attribute)
+    triples naming a callable where its callers look it up (``convtune.find.check``, not ``convtune.verify.check``,
+    since find imported it by name; a class's method as ``Class.method``), each wrapped by ``setattr`` and restored
+    after. The outermost calls count (a phase that calls itself once), in every thread, summed over the threads.
+    A module that cannot be imported (cuDNN's frontend not installed) leaves its phases out. Unlike cProfile, it
+    counts a call that ends in an exception, and costs only the wrapped calls."""
+    spent: dict[str, float] = {}
+    undo = []
+    for label, module_name, attribute in phases:
+        try:
+            owner: object = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        depth = threading.local()
+
+        def wrapped(*args, _original=original, _label=label, _depth=depth, **kwargs):
+            outer = getattr(_depth, "n", 0) == 0
+            _depth.n = getattr(_depth, "n", 0) + 1
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _depth.n -= 1
+                if outer:
+                    spent[_label] += 1e3 * (time.perf_counter() - start)  # one float add: atomic under the GIL
+        setattr(owner, name, wrapped)
+        undo.append((owner, name, original))
+        spent[label] = 0.0
+    try:
+        yield spent
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)

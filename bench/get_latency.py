@@ -17,7 +17,6 @@ Results: bench/results/get_latency.json and .md (or --out, --name).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -37,50 +36,13 @@ def summary(times_ms: list[float]) -> dict:
     return dict(problems=len(times_ms), median_ms=statistics.median(times_ms), p90_ms=p90, max_ms=max(times_ms))
 
 
-# Where a cold get's time goes: (phase, module, attribute) of the callables timed while it runs; phases nest (pricing
-# holds the plan builds it asks for, listing the candidates holds cuDNN's graph). cuDNN's only where it is loaded.
+# Where a cold get's time goes (common.phase_clock): (phase, module, attribute) of the callables timed while it runs;
+# phases nest (pricing holds the plan builds it asks for, listing the candidates holds cuDNN's graph). cuDNN's only
+# where it is loaded.
 PHASES = (("candidates listed", "convtune.get", "algorithms"),
           ("cuDNN graph (heuristics query)", "convtune.algorithms.cudnn", "ProblemGraph.__init__"),
           ("priced", "convtune.get", "predict"),
           ("cuDNN plan builds", "convtune.algorithms.cudnn", "ProblemGraph.build"))
-
-
-@contextlib.contextmanager
-def phase_clock():
-    """A dict phase -> ms spent in it (outermost calls only, in this thread) while the block runs, by wrapping the
-    ``PHASES`` callables that exist here; unwrapped after."""
-    import importlib
-
-    spent: dict[str, float] = {}
-    undo = []
-    for phase, module_name, attribute in PHASES:
-        try:
-            owner: object = importlib.import_module(module_name)
-        except ImportError:  # cuDNN's frontend not installed: no such phase here
-            continue
-        *path, name = attribute.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        depth = [0]
-
-        def wrapped(*args, _original=original, _phase=phase, _depth=depth, **kwargs):
-            _depth[0] += 1
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                _depth[0] -= 1
-                if _depth[0] == 0:
-                    spent[_phase] = spent.get(_phase, 0.0) + 1e3 * (time.perf_counter() - start)
-        setattr(owner, name, wrapped)
-        undo.append((owner, name, original))
-        spent[phase] = 0.0
-    try:
-        yield spent
-    finally:
-        for owner, name, original in reversed(undo):
-            setattr(owner, name, original)
 
 
 def timed(problems: list) -> tuple[dict[str, list[float]], dict[str, float]]:
@@ -89,7 +51,7 @@ def timed(problems: list) -> tuple[dict[str, list[float]], dict[str, float]]:
     import convtune as ct
 
     out: dict[str, list[float]] = {"cold": [], "warm": []}
-    with phase_clock() as spent:
+    with common.phase_clock(PHASES) as spent:
         for problem in problems:
             start = time.perf_counter()
             ct.get(problem)

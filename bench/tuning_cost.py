@@ -119,19 +119,18 @@ def tuning_rows(problems, threads: int) -> list[dict]:
     return rows
 
 
-# The phases of a cold find, by the functions that do them: (label, module file suffix, function name).
+# The phases of a cold find, by the functions that do them, where find looks them up (common.phase_clock): (label,
+# module, attribute). Triton's compiles are not a phase of their own: a candidate's first run (verification) waits
+# for its compile, and find's compile threads compile the next ones meanwhile.
 PHASES = (
-    ("cuDNN graphs (heuristics query)", "algorithms/cudnn.py", "__init__"),
-    ("cuDNN execution plan builds", "algorithms/cudnn.py", "build"),
-    ("cost-model ranking (get)", "convtune/get.py", "ranked_predictions"),
-    ("Triton kernels compiled (in this thread; find's compile threads are not profiled)", "triton/compiler/compiler.py",
-     "compile"),
-    ("float64 references", "convtune/verify.py", "reference_case"),
-    ("verification runs", "convtune/verify.py", "check"),
-    ("timing (timer)", "convtune/timing.py", "benchmark"),
-    ("measuring (verify, determinism, timing)", "convtune/find.py", "_measure"),
-    ("database writes", "convtune/db.py", "store"),
-    ("find, in all", "convtune/find.py", "find"),
+    ("cuDNN graphs (heuristics query)", "convtune.algorithms.cudnn", "ProblemGraph.__init__"),
+    ("cuDNN execution plan builds", "convtune.algorithms.cudnn", "ProblemGraph.build"),
+    ("cost-model ranking (get)", "convtune.find", "ranked_predictions"),
+    ("float64 references", "convtune.find", "reference_case"),
+    ("verification runs (with the compiles they wait for)", "convtune.find", "check"),
+    ("measuring (verify, determinism, timing)", "convtune.find", "_Search._measure"),
+    ("database writes", "convtune.db", "TuningDB.store"),
+    ("find, in all", "convtune.select", "find"),
 )
 
 
@@ -154,13 +153,14 @@ def _profiled(fn) -> tuple[float, dict]:
     return time.perf_counter() - t0, pstats.Stats(profiler).stats
 
 
-def _phases(stats: dict, phases=None) -> tuple[dict, list]:
-    """Cumulative seconds per phase, and convtune's 25 costliest functions by cumulative time."""
-    out = {label: sum(v[3] for (file, _, name), v in stats.items() if file.endswith(path) and name == func)
-           for label, path, func in (phases or PHASES)}
-    ours = sorted(((v[3], f"{Path(file).name}:{name}") for (file, _, name), v in stats.items()
+def _top(stats: dict) -> list:
+    """convtune's 25 costliest functions by cumulative time (cProfile's)."""
+    return sorted(((v[3], f"{Path(file).name}:{name}") for (file, _, name), v in stats.items()
                    if "convtune" in file), reverse=True)[:25]
-    return out, ours
+
+
+def _in_seconds(spent_ms: dict) -> dict:
+    return {label: ms / 1e3 for label, ms in spent_ms.items()}
 
 
 def whole_network(network: str, batch: int, dtype: str, layout: str, device: str,
@@ -175,9 +175,10 @@ def whole_network(network: str, batch: int, dtype: str, layout: str, device: str
         before = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")  # read by Triton at each lookup
         try:
-            with ct.TuningDB(path) as db, settings.override(find_compile_threads=threads):
+            with (ct.TuningDB(path) as db, settings.override(find_compile_threads=threads),
+                  common.phase_clock(PHASES) as spent):
                 wall, stats = _profiled(lambda: [ct.select(p, mode="hybrid", db=db) for p in problems])
-            phases, ours = _phases(stats)
+            phases, ours = _in_seconds(spent), _top(stats)
             out_json = os.path.join(tmp, "warm.json")
             subprocess.run([sys.executable, __file__, "--network", network, "--batch", str(batch), "--dtype", dtype,
                             "--layout", layout, "--device", device, "--warm-child", path, "--child-out", out_json],
@@ -193,9 +194,9 @@ def whole_network(network: str, batch: int, dtype: str, layout: str, device: str
 
 
 WARM_PHASES = (
-    ("database lookups", "convtune/db.py", "lookup"),
-    ("cuDNN graphs (heuristics query)", "algorithms/cudnn.py", "__init__"),
-    ("cuDNN execution plan builds", "algorithms/cudnn.py", "build"),
+    ("database lookups", "convtune.db", "TuningDB.lookup"),
+    ("cuDNN graphs (heuristics query)", "convtune.algorithms.cudnn", "ProblemGraph.__init__"),
+    ("cuDNN execution plan builds", "convtune.algorithms.cudnn", "ProblemGraph.build"),
 )
 
 
@@ -209,8 +210,9 @@ def warm_child(args) -> None:
             for p in problems:
                 ct.get_algorithm(ct.select(p, mode="hybrid", db=db).algorithm, p).buffer_bytes(p)
 
-    wall, stats = _profiled(tune)
-    phases, ours = _phases(stats, WARM_PHASES)
+    with common.phase_clock(WARM_PHASES) as spent:
+        wall, stats = _profiled(tune)
+    phases, ours = _in_seconds(spent), _top(stats)
     Path(args.child_out).write_text(json.dumps(dict(wall_s=wall, phases_s=phases, top_cumulative_s=ours)))
 
 
@@ -493,7 +495,8 @@ def markdown(payload: dict) -> str:
                  f"\n\n{whole['problems']} problems in {whole['wall_s']:.1f} s (Triton's disk cache empty; "
                  f"{whole.get('compile_threads', 'no')} threads compiling Triton candidates ahead). Cumulative "
                  f"seconds by phase "
-                 f"(cProfile; phases nest: measuring holds verification and timing, find holds them all):\n\n")
+                 f"(timed by wrapping the functions that do them, summed over threads, under cProfile; phases nest: "
+                 f"measuring holds verification and timing, find holds them all):\n\n")
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
         text += _top_functions(whole)
     warm = whole.get("warm") if whole else None  # files written before the warm stage existed have none

@@ -40,9 +40,12 @@ def test_tuning_cost_profiles_a_whole_network_cold_and_warm_on_the_cpu(tmp_path,
                    capture_output=True, timeout=300)
     payload = json.loads((tmp_path / "t.json").read_text())
     whole = payload["whole"]
-    assert whole["problems"] > 0 and whole["phases_s"]["find, in all"] > 0
-    assert whole["compile_threads"] == 3 and any(k.startswith("Triton kernels compiled") for k in whole["phases_s"])
+    phases = whole["phases_s"]  # timed by wrapping the functions, where find and select look them up
+    assert whole["problems"] > 0 and 0 < phases["find, in all"] <= whole["wall_s"]
+    assert 0 < phases["verification runs (with the compiles they wait for)"] < phases["find, in all"]
+    assert 0 < phases["float64 references"] and 0 < phases["database writes"] and whole["compile_threads"] == 3
     assert whole["warm"]["wall_s"] > 0 and whole["warm"]["top_cumulative_s"]
+    assert whole["warm"]["phases_s"]["database lookups"] > 0
     assert len(payload["tuning"]) == 3  # the first layer in three directions
     text = (tmp_path / "t.md").read_text()
     assert "convtune's costliest functions" in text
