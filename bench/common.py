@@ -190,31 +190,34 @@ def phase_clock(phases):
     counts a call that ends in an exception, and costs only the wrapped calls."""
     spent: dict[str, float] = {}
     undo = []
-    for label, module_name, attribute in phases:
-        try:
-            owner: object = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        *path, name = attribute.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        depth = threading.local()
-
-        def wrapped(*args, _original=original, _label=label, _depth=depth, **kwargs):
-            outer = getattr(_depth, "n", 0) == 0
-            _depth.n = getattr(_depth, "n", 0) + 1
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                _depth.n -= 1
-                if outer:
-                    spent[_label] += 1e3 * (time.perf_counter() - start)  # one float add: atomic under the GIL
-        setattr(owner, name, wrapped)
-        undo.append((owner, name, original))
-        spent[label] = 0.0
     try:
+        for label, module_name, attribute in phases:
+            try:
+                owner: object = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            # a class's own function (a method of a base class is wrapped where it is defined)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            if isinstance(original, (staticmethod, classmethod)) or not callable(original):
+                raise TypeError(f"phase_clock: {module_name}.{attribute} is not a function or a plain method")
+            depth = threading.local()
+
+            def wrapped(*args, _original=original, _label=label, _depth=depth, **kwargs):
+                outer = getattr(_depth, "n", 0) == 0
+                _depth.n = getattr(_depth, "n", 0) + 1
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    _depth.n -= 1
+                    if outer:
+                        spent[_label] += 1e3 * (time.perf_counter() - start)  # one float add: atomic under the GIL
+            setattr(owner, name, wrapped)
+            undo.append((owner, name, original))
+            spent[label] = 0.0
         yield spent
     finally:
         for owner, name, original in reversed(undo):

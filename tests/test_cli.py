@@ -144,6 +144,8 @@ def test_cache_export_import_clear(capsys, tmp_path):
     (["find", *SMALL, "--workspace-limit", "lots"], "lots"),
     (["find", *SMALL, "--workspace-limit", "-64MiB"], "--workspace-limit: -64MiB is negative"),
     (["tune", "resnet18", "--workspace-budget", "-5MiB"], "--workspace-budget: -5MiB is negative"),
+    (["find", *SMALL, "--workspace-lim", "-0.5"], "--workspace-limit: -0.5 is negative"),  # abbreviated too
+    (["report", "resnet18", "--workspace-budget", "1MiB", "--budgets", "-1MiB,0"], "-1MiB is negative"),
     (["report", "resnet18", "--workspace-budget", "1MiB", "--budgets", "0,1MiB,xx"], "'xx' is not a size"),
     (["get", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3x3x3"], "kernel_size"),
     (["get", "--c", "8", "--k", "8", "--size", "ten"], "--size"),

@@ -14,6 +14,7 @@ import pickle
 import re
 import shutil
 import sqlite3
+import sys
 import threading
 from pathlib import Path
 
@@ -496,6 +497,25 @@ def test_an_exported_line_changed_into_other_valid_json_is_refused_whole(db, tmp
     with pytest.raises(ValueError, match=f"{re.escape(str(path))}:2: its checksum does not match its content"):
         db.import_(path)
     assert db.entries() == before
+
+
+@pytest.mark.parametrize("checksum", [None, 0, [], ""], ids=["null", "number", "list", "empty"])
+def test_an_export_line_whose_checksum_is_not_its_own_is_refused(db, tmp_path, checksum):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({**json.loads(_line()), "checksum": checksum}) + "\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}:1: its checksum does not match"):
+        db.import_(path)
+
+
+def test_an_export_line_nested_too_deeply_for_its_checksum_is_refused_not_crashed(db, tmp_path):
+    # JSON that json.loads reads but json.dumps cannot write again (one level deeper): refused as a bad line
+    path = tmp_path / "deep.jsonl"
+    limit = sys.getrecursionlimit()
+    for depth in range(limit // 2, limit):  # where loads stops and dumps would, the caller's own depth decides
+        line = _line(result="@")[:-1] + ', "checksum": "0"}'
+        path.write_text(line.replace('"@"', "[" * depth + "]" * depth) + "\n")
+        with pytest.raises(ValueError, match=f"{re.escape(str(path))}:1: "):
+            db.import_(path)
 
 
 def test_import_skips_blank_lines(db, tmp_path):

@@ -246,16 +246,17 @@ def _size(text: str) -> str:
     return text
 
 
-SIZE_OPTIONS = ("--workspace-budget", "--workspace-limit")
+SIZE_OPTIONS = ("--workspace-budget", "--workspace-limit", "--budgets")
 
 
 def _sizes_joined(argv: list[str]) -> list[str]:
-    """``argv`` with a size option's value that starts with '-' and a digit joined to it (``--workspace-limit=-5MiB``):
-    argparse would take that value for an option and say only that the size is missing; joined, it is read and
-    refused as negative."""
+    """``argv`` with a size option's value that starts with '-' and a digit joined to it (``--workspace-limit=-5MiB``;
+    the option as written, abbreviated too): argparse would take that value for an option and say only that the size
+    is missing; joined, it is read and refused as negative."""
     out: list[str] = []
     for arg in argv:
-        if out and out[-1] in SIZE_OPTIONS and re.match(r"-\d", arg):
+        sized = out and len(out[-1]) > 4 and any(option.startswith(out[-1]) for option in SIZE_OPTIONS)
+        if sized and re.match(r"-\.?\d", arg):
             out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)

@@ -542,7 +542,10 @@ def opened(path: str | os.PathLike | None = None, *, strict: bool = False) -> Tu
                                          "for the default database")
             return _temporary()
     with _opened_lock:  # another thread may have opened the same file meanwhile: the first one opened is everyone's
-        return _opened.setdefault(key, db)
+        kept = _opened.setdefault(key, db)
+    if kept is not db:
+        db.close()
+    return kept
 
 
 def as_db(db: Any, who: str) -> Any:
@@ -611,6 +614,9 @@ def _executable_checksum(fingerprint: str, software: str, problem: str, algorith
     return _checksum(fingerprint, software, problem, algorithm, recipe + "\0" + hashlib.blake2b(serialized).hexdigest())
 
 
+_NO_CHECKSUM = object()  # a line written before checksums were added
+
+
 def _line_checksum(line: dict) -> str:
     """The checksum of an export line's fields (``_LINE_FIELDS``): of their values, not of how the file spells them."""
     return hashlib.blake2b(json.dumps(line, sort_keys=True).encode("utf-8"), digest_size=16).hexdigest()
@@ -642,14 +648,19 @@ def _parse_line(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
         raise ValueError("JSON nested too deeply to be an export line") from None
     if not isinstance(line, dict):
         raise ValueError(f"expected a JSON object, got {type(line).__name__}")
-    checksum = line.pop("checksum", None)
+    checksum = line.pop("checksum", _NO_CHECKSUM)
     if set(line) != set(_LINE_FIELDS):
         missing, unknown = set(_LINE_FIELDS) - set(line), set(line) - set(_LINE_FIELDS)
-        raise ValueError(f"fields must be {list(_LINE_FIELDS)} and a checksum; missing {sorted(missing)}, unknown "
-                         f"{sorted(unknown)}")
-    if checksum is not None and checksum != _line_checksum(line):
-        raise ValueError("its checksum does not match its content: the line was changed or damaged since it was "
-                         "exported; export it again from the database that holds it")
+        raise ValueError(f"fields must be {list(_LINE_FIELDS)} (and, since checksums were added, a checksum); missing "
+                         f"{sorted(missing)}, unknown {sorted(unknown)}")
+    if checksum is not _NO_CHECKSUM:
+        try:
+            matches = checksum == _line_checksum(line)
+        except RecursionError:
+            raise ValueError("JSON nested too deeply to be an export line") from None
+        if not matches:
+            raise ValueError("its checksum does not match its content: the line was changed or damaged since it "
+                             "was exported; export it again from the database that holds it")
     if line["schema"] not in LINE_SCHEMAS or isinstance(line["schema"], bool):
         raise ValueError(f"schema {line['schema']!r} is not one of {list(LINE_SCHEMAS)}; export it again with this "
                          f"convtune")

@@ -130,11 +130,14 @@ def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult
     whose workspace cannot be learned (a plan cuDNN refuses to build) is logged and left out, as a candidate whose
     description raises is. Below the first place, a guess may still count an unknown workspace as 0 (its price and
     place then are what needing none would give)."""
+    learned_once: set[str] = set()  # asked once: a workspace_bytes that says nothing is not asked again
     while ranked:
         fastest = min(cast(float, g.time_ms) for _, g in ranked)
-        due = [a for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance) and unknown(g)]
+        due = [a for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance) and unknown(g)
+               and a.name not in learned_once]
         if not due:
             break
+        learned_once.update(a.name for a in due)
         learned_now: dict[str, PerfResult | None] = {}
         for algorithm in due:
             try:  # learn_workspace: a guess that counts no unknown workspace, so not learned again

@@ -35,7 +35,10 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise ValueError(f"{what}={text!r} is not a size; write bytes or a size like 512KiB, 64MiB, 1GiB, 2GB")
-        value = int(Fraction(match.group(1)) * _UNITS[unit])  # exact: no float overflow, no rounding
+        exact = Fraction(match.group(1)) * _UNITS[unit]  # exact: no float overflow, no rounding
+        if exact < 0:  # before int() rounds -0.5 bytes to 0, a limit of none
+            raise ValueError(f"{what}={text} is negative; give 0 or more bytes")
+        value = int(exact)
     else:
         raise TypeError(f"{what} must be a number of bytes or a size like '64MiB', got {type(text).__name__}")
     if value < 0:
