@@ -259,6 +259,54 @@ def test_get_leaves_out_a_plan_of_its_first_place_that_cannot_be_built(caplog):
     assert "cudnn:a_refused could not describe" in caplog.text and "cuDNN could not build plan" in caplog.text
 
 
+DEPTHWISE = ConvProblem("fwd", n=32, c=96, k=96, input_size=(56, 56), kernel_size=7, padding=3, groups=96,
+                        dtype="float16", layout="channels_last", device="cuda")
+
+
+def test_the_triton_configurations_are_priced_by_their_fitted_factors():
+    # Every configuration of a family costs the same roofline; the fitted factors (bench/fit_triton_prices.py)
+    # tell them apart: two configurations' prices stand as their factors do. A configuration never fitted takes
+    # its family's median in its direction; a family never fitted (grouped) 1.
+    from convtune.algorithms.triton_family import TritonAlgorithm, measured_factors
+
+    factors = measured_factors()
+    names = [a.name for a in registry.registered() if isinstance(a, TritonAlgorithm)]
+    assert any(n in factors for n in names) and all(f > 0 for f in factors.values())
+    a, b = (get_algorithm(f"triton:depthwise_strip_fwd_{tile}") for tile in ("t8b16c32w4", "t2b64c16w4"))
+    assert a.measured_factor() == factors[a.name] != factors[b.name]
+    with hardware_priced_as_h200():
+        ratio = costmodel.predict_ms(a.name, DEPTHWISE) / costmodel.predict_ms(b.name, DEPTHWISE)
+    assert ratio == pytest.approx(factors[a.name] / factors[b.name])
+    grouped = next(get_algorithm(n) for n in names if n.startswith("triton:grouped_"))
+    assert grouped.name not in factors and grouped.measured_factor() == 1.0
+
+
+def hardware_priced_as_h200():
+    from convtune import hardware
+
+    return hardware.measured_on("cuda|NVIDIA H200|sm90|driver|cuda")
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"factors": [1, 2]}', '{"factors": {"x": "fast"}}'],
+                         ids=["missing", "damaged", "not_a_table", "not_a_number"])
+def test_a_missing_or_damaged_prices_file_leaves_the_roofline_prices_with_a_warning(tmp_path, monkeypatch, caplog,
+                                                                                       content):
+    from convtune.algorithms import triton_family
+
+    path = tmp_path / "triton_prices.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr(triton_family, "PRICES_FILE", path)
+    triton_family.measured_factors.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, "convtune.algorithms.triton_family"):
+            assert triton_family.measured_factors() == {}
+            assert get_algorithm("triton:depthwise_strip_fwd_t8b16c32w4").measured_factor() == 1.0
+        assert str(path) in caplog.text and "roofline prices serve" in caplog.text
+    finally:
+        triton_family.measured_factors.cache_clear()
+
+
 def test_get_prefer_least_memory():
     fakes = [Fake("gemm:1x1", priced_like="gemm:1x1", workspace_bytes=4096),
              Fake("direct:taps", priced_like="direct:taps")]

@@ -106,7 +106,9 @@ class TritonDepthwise(TritonAlgorithm):
         # times the compulsory traffic; with the H200's peaks (hardware.py) these predict 0.75-2.0x the measured
         # time of every weight gradient there. get then leaves cuDNN first where neither was measured.
         return Cost(problem.flops, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes,
-                    1 + bool(workspace_bytes), float32_inside=True, composed=False)
+                    1 + bool(workspace_bytes), float32_inside=True, composed=False,
+                    measured_factor=self.measured_factor())
+
 
 
 register_family(TritonDepthwise, {"fwd": FORWARD_TILES, "bwd_data": BACKWARD_DATA_TILES,

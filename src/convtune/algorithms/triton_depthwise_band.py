@@ -85,15 +85,16 @@ class TritonDepthwiseBand(TritonAlgorithm):
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # Tensor-core products of the whole band: a window's BLOCK_J products for each output (or, for the data
         # gradient, each input: stride times more positions) position and kernel row, where the convolution needs S.
-        # Not measured on a GPU yet: priced at a tenth of the tensor cores' peak on those products (the compiled loop
-        # issues about 400 instructions per 16 tensor-core instructions: at most a sixth of the peak), and three
-        # times the compulsory traffic, as the CUDA-core kernels are.
+        # A tenth of the tensor cores' peak on those products (the compiled loop issues about 400 instructions per 16
+        # tensor-core instructions: at most a sixth of the peak), three times the compulsory traffic, as the CUDA-core
+        # kernels are; then the configuration's measured factor (TritonAlgorithm.measured_factor).
         positions = 1.0
         if problem.direction == "bwd_data":
             positions = math.prod(problem.input_size) / math.prod(problem.output_size)
         products = problem.flops / problem.kernel_size[-1] * self.module().window(problem, self.tile) * positions
         return Cost(products, 0.1, 3 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
-                    composed=False)
+                    composed=False, measured_factor=self.measured_factor())
+
 
 
 register_family(TritonDepthwiseBand, {"fwd": TILES, "bwd_data": TILES, "bwd_filter": BACKWARD_FILTER_TILES})

@@ -73,15 +73,14 @@ class TritonDepthwiseRows(TritonAlgorithm):
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # The padded products (a 7x7 kernel: 256 for its 49 taps; a 3x3 one: 256 for 9) at 0.08 of the tensor cores'
-        # peak (the float32 one without TF32), 1.8 times the compulsory traffic as the strips. Not measured on a GPU
-        # yet: 0.08 makes the price follow the issue-bound times counted from the machine code
-        # (bench/results/sass_counts.md) on the 7x7 layers (0.81-0.84x the strips' price on the H200's peaks) and the
-        # 112x112 3x3 one (3.5x); on smaller 3x3 and 5x5 layers the launches weigh more (1.3-1.9x, where the counts
-        # say 1.8-9x).
+        # peak (the float32 one without TF32), 1.8 times the compulsory traffic as the strips: 0.08 made the price
+        # follow the issue-bound times counted from the machine code (bench/results/sass_counts.md). Measured on the
+        # H200 they ran 4-8x those counts: the configuration's measured factor (TritonAlgorithm.measured_factor).
         r_pad, s_pad = self.module().padded_taps(problem)
         padded = problem.flops * r_pad * s_pad / math.prod(problem.kernel_size)
         return Cost(padded, 0.08, 1.8 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes),
-                    composed=False)
+                    composed=False, measured_factor=self.measured_factor())
+
 
 
 register_family(TritonDepthwiseRows, {"bwd_filter": TILES})

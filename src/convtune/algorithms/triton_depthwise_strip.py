@@ -139,10 +139,14 @@ class TritonDepthwiseStrip(TritonAlgorithm):
         # 0.6x: 0.16 of the peak and 1.8 times the traffic. Where get's learned model (or a database) has not
         # measured them near a problem, it prices them no better than the neighbours' typical candidate (learned.py).
         # A strided 2-D data gradient launches once per phase of dx's rows.
+        # Then the configuration's measured factor (TritonAlgorithm.measured_factor: bench/fit_triton_prices.py), which
+        # keeps the strips' fastest configuration at this price and sets the other configurations and families by
+        # their measured times against it.
         rows = problem.direction == "bwd_data" and len(problem.stride) == 2
         phases = min(problem.stride[0], problem.input_size[0]) if rows else 1
         return Cost(problem.flops, 0.16, 1.8 * problem.min_bytes + 2 * workspace_bytes,
-                    phases + bool(workspace_bytes), float32_inside=True, composed=False)
+                    phases + bool(workspace_bytes), float32_inside=True, composed=False,
+                    measured_factor=self.measured_factor())
 
 
 register_family(TritonDepthwiseStrip, {"fwd": TILES, "bwd_data": TILES, "bwd_filter": BACKWARD_FILTER_TILES})

@@ -9,11 +9,15 @@ binaries on disk, so once per machine). ``settings.triton`` (``CONVTUNE_TRITON=0
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import json
 import logging
 import math
 import os
+import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +41,20 @@ from .registry import register
 
 log = logging.getLogger(__name__)
 INDEX_LIMIT = 2**31  # the kernels' offsets are 32-bit
+# Each configuration's measured times over its family's roofline price, fitted on a GPU by bench/fit_triton_prices.py
+PRICES_FILE = Path(__file__).resolve().parent.parent / "data" / "triton_prices.json"
+
+
+@functools.cache
+def measured_factors() -> dict[str, float]:
+    """The fitted factors by algorithm name (``PRICES_FILE``); empty where the file is missing or unreadable."""
+    try:
+        factors = json.loads(PRICES_FILE.read_text())["factors"]
+        return {str(name): float(f) for name, f in factors.items() if math.isfinite(float(f)) and float(f) > 0}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("the Triton kernels' fitted prices (%s) cannot be read (%s: %s); their roofline prices serve",
+                    PRICES_FILE, type(exc).__name__, exc)
+        return {}
 GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
 
 
@@ -72,6 +90,17 @@ class TritonAlgorithm(Algorithm):
         self.name = f"triton:{self.family}_{direction}_{label}"
         self.directions = (direction,)
         super().__init__()
+
+    def measured_factor(self) -> float:
+        """How this configuration's measured times stand to its family's roofline price (``Cost.measured_factor``):
+        fitted on a GPU (``measured_factors``); a configuration never fitted takes the median of its family's in its
+        direction, and a family never fitted 1."""
+        factors = measured_factors()
+        if self.name in factors:
+            return factors[self.name]
+        stem = self.name.rsplit("_", 1)[0] + "_"  # triton:<family>_<direction>_
+        kin = [f for name, f in factors.items() if name.startswith(stem) and "_" not in name[len(stem):]]
+        return statistics.median(kin) if kin else 1.0
 
     def module(self) -> Any:
         """The kernels' module, imported on first use (it imports Triton)."""

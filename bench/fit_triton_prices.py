@@ -1,0 +1,147 @@
+"""Fit each Triton depthwise configuration's measured factor: how its measured times stand to its roofline price.
+
+Every family prices all of its configurations alike (its ``cost``: the same products and bytes), so without a fit
+``get`` cannot tell a family's tiles apart, and the families' prices were set before they ran on a GPU (the banded
+kernels priced 3-4x too cheap). From ``bench/depthwise.py``'s results (every configuration of every family timed on
+every layer and direction, checked first), per configuration: the geometric mean over the layers of its measured
+time over its price without a factor, divided by the same of the strips' fastest configuration (over the strips'
+cheapest price) in that direction, so that the strips' best keeps its price and ``get``'s balance between convtune's
+kernels and cuDNN's plans stays as it was. A configuration the results never timed takes the median factor of its
+family and direction. Written to ``src/convtune/data/triton_prices.json`` (``TritonAlgorithm.measured_factor``
+reads it).
+
+Judged before writing: per direction, ``get``'s first pick among convtune's configurations over the fastest of them
+measured (geometric mean, worst), without the fit, with it, and with it left one layer out (each layer's pick made
+from the factors fitted on the others); and, where ``--check`` names another GPU's results, on those.
+
+    python bench/fit_triton_prices.py --results bench/results/depthwise.json --check bench/results/depthwise_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+import convtune as ct  # noqa: E402
+from convtune import costmodel, hardware  # noqa: E402
+from convtune.algorithms.registry import get_algorithm  # noqa: E402
+from convtune.algorithms.triton_family import PRICES_FILE  # noqa: E402
+
+FAMILIES = ("depthwise", "depthwise_strip", "depthwise_band", "depthwise_rows")
+ANCHOR = "depthwise_strip"
+
+
+def family_of(name: str) -> str:
+    """``triton:depthwise_strip_fwd_t8b16c32w4`` -> ``depthwise_strip``."""
+    stem = name.split(":", 1)[1]
+    return max((f for f in FAMILIES if stem.startswith(f + "_")), key=len)
+
+
+def raw_prices(path: Path) -> tuple[dict, list[dict]]:
+    """The results file's environment, and per layer and direction: the problem, each configuration's measured ms
+    and its price without a measured factor (priced for the file's GPU)."""
+    payload = json.loads(path.read_text())
+    env = payload["environment"]
+    rows = []
+    with hardware.measured_on(f"cuda|{env['gpu']}|fit|fit|fit"):
+        for key, row in payload["rows"].items():
+            problem = ct.ConvProblem.from_key(key)
+            entries = {}
+            for name, ms in row.get("ours", {}).items():
+                algorithm = get_algorithm(name)
+                if not name.startswith("triton:") or family_of(name) not in FAMILIES or not algorithm.supports(problem):
+                    continue
+                cost = dataclasses.replace(algorithm.cost(problem, algorithm.workspace_bytes(problem)),
+                                           measured_factor=1.0)
+                entries[name] = (ms, costmodel.roofline_ms(cost, problem, algorithm.notes(problem).tf32))
+            if entries:
+                rows.append(dict(problem=problem, entries=entries))
+    return env, rows
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def fit(rows: list[dict]) -> dict[str, float]:
+    """Per configuration name, its measured factor (module docstring), from ``rows``."""
+    ratios: dict[str, list[float]] = defaultdict(list)
+    anchor: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        direction = row["problem"].direction
+        strips = [(ms, price) for name, (ms, price) in row["entries"].items() if family_of(name) == ANCHOR]
+        if strips:
+            anchor[direction].append(min(ms for ms, _ in strips) / min(price for _, price in strips))
+        for name, (ms, price) in row["entries"].items():
+            ratios[name].append(ms / price)
+    level = {d: geomean(v) for d, v in anchor.items()}
+    return {name: geomean(v) / level[_direction(name)] for name, v in ratios.items() if _direction(name) in level}
+
+
+def _direction(name: str) -> str:
+    return next(d for d in ("bwd_filter", "bwd_data", "fwd") if f"_{d}_" in name)
+
+
+def picks(rows: list[dict], factors: dict[str, float] | None,
+          held_out: bool = False) -> dict[str, list[float]]:
+    """Per direction, each layer's first pick (lowest price times factor) measured time over the fastest measured;
+    held_out: each layer's factors fitted without it."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        use = fit(rows[:i] + rows[i + 1:]) if held_out else factors
+        priced = [(price * (factor_of(name, use) if use is not None else 1.0), ms, name)
+                  for name, (ms, price) in row["entries"].items()]
+        best = min(ms for _, ms, _ in priced)
+        out[row["problem"].direction].append(min(priced)[1] / best)
+    return out
+
+
+def factor_of(name: str, factors: dict[str, float]) -> float:
+    """``name``'s factor, else the median of its family's and direction's (as ``TritonAlgorithm`` reads them)."""
+    if name in factors:
+        return factors[name]
+    kin = [f for n, f in factors.items() if family_of(n) == family_of(name) and _direction(n) == _direction(name)]
+    return statistics.median(kin) if kin else 1.0
+
+
+def summary(per_direction: dict[str, list[float]]) -> dict[str, str]:
+    return {d: f"{geomean(v):.3f} / {max(v):.2f} ({len(v)})" for d, v in sorted(per_direction.items())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", default=str(common.RESULTS / "depthwise.json"))
+    parser.add_argument("--check", default=None, help="another GPU's depthwise results to judge the fit on")
+    parser.add_argument("--out", default=str(PRICES_FILE), help="where to write the factors")
+    args = parser.parse_args(argv)
+    env, rows = raw_prices(Path(args.results))
+    if not rows:
+        parser.error(f"{args.results}: no timed configuration of {', '.join(FAMILIES)}")
+    factors = fit(rows)
+    table = [["without the fit", *summary(picks(rows, None)).values()],
+             ["fitted", *summary(picks(rows, factors)).values()],
+             ["fitted, each layer left out", *summary(picks(rows, None, held_out=True)).values()]]
+    if args.check:
+        _, other = raw_prices(Path(args.check))
+        table += [[f"{Path(args.check).name}: without the fit", *summary(picks(other, None)).values()],
+                  [f"{Path(args.check).name}: fitted here", *summary(picks(other, factors)).values()]]
+    directions = sorted({row["problem"].direction for row in rows})
+    print(common.md_table(["get's first pick among convtune's configurations / fastest measured: geomean / worst "
+                           "(layers)", *directions], table))
+    payload = {"fitted_from": f"{Path(args.results).name}: {env['gpu']}, revision {env['revision']}, {env['date']}",
+               "anchor": ANCHOR, "factors": dict(sorted(factors.items()))}
+    Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {len(factors)} factors to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
