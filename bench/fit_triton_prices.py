@@ -1,5 +1,7 @@
 """Fit each Triton depthwise configuration's measured factor: how its measured times stand to its roofline price.
 
+(The price of its work, without the launches: ``Cost.measured_factor`` scales that part.)
+
 Every family prices all of its configurations alike (its ``cost``: the same products and bytes), so without a fit
 ``get`` cannot tell a family's tiles apart, and the families' prices were set before they ran on a GPU (the banded
 kernels priced 3-4x too cheap). From ``bench/depthwise.py``'s results (every configuration of every family timed on
@@ -31,37 +33,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune as ct  # noqa: E402
-from convtune import costmodel, hardware  # noqa: E402
-from convtune.algorithms.registry import get_algorithm  # noqa: E402
+from convtune import PerfResult, Policy, Status, costmodel, hardware  # noqa: E402
+from convtune.algorithms.registry import get_algorithm, registered  # noqa: E402
 from convtune.algorithms.triton_family import PRICES_FILE  # noqa: E402
+from convtune.ranking import best  # noqa: E402
 
 FAMILIES = ("depthwise", "depthwise_strip", "depthwise_band", "depthwise_rows")
 ANCHOR = "depthwise_strip"
 
 
-def family_of(name: str) -> str:
-    """``triton:depthwise_strip_fwd_t8b16c32w4`` -> ``depthwise_strip``."""
-    stem = name.split(":", 1)[1]
-    return max((f for f in FAMILIES if stem.startswith(f + "_")), key=len)
+def family_of(name: str) -> str | None:
+    """``triton:depthwise_strip_fwd_t8b16c32w4`` -> ``depthwise_strip``; None for a name of no family fitted here."""
+    stem = name.partition(":")[2] if name.startswith("triton:") else ""
+    return max((f for f in FAMILIES if stem.startswith(f + "_")), key=len, default=None)
 
 
 def raw_prices(path: Path) -> tuple[dict, list[dict]]:
-    """The results file's environment, and per layer and direction: the problem, each configuration's measured ms
-    and its price without a measured factor (priced for the file's GPU)."""
+    """The results file's environment, and per layer and direction: the problem, and per configuration its measured
+    ms, the price of its work without a measured factor and of its launches (priced for the file's GPU), and its
+    workspace bytes."""
     payload = json.loads(path.read_text())
     env = payload["environment"]
+    registered_names = {a.name for a in registered()}
     rows = []
     with hardware.measured_on(f"cuda|{env['gpu']}|fit|fit|fit"):
         for key, row in payload["rows"].items():
             problem = ct.ConvProblem.from_key(key)
             entries = {}
             for name, ms in row.get("ours", {}).items():
-                algorithm = get_algorithm(name)
-                if not name.startswith("triton:") or family_of(name) not in FAMILIES or not algorithm.supports(problem):
+                if family_of(name) is None or name not in registered_names:  # another family's, or retired
                     continue
-                cost = dataclasses.replace(algorithm.cost(problem, algorithm.workspace_bytes(problem)),
-                                           measured_factor=1.0)
-                entries[name] = (ms, costmodel.roofline_ms(cost, problem, algorithm.notes(problem).tf32))
+                algorithm = get_algorithm(name)
+                if not algorithm.supports(problem):
+                    continue
+                workspace = algorithm.workspace_bytes(problem)
+                # the work's price alone: the factor scales it, not the launches (a GPU's timer does not see the
+                # host's launch latency, which the price adds)
+                cost = dataclasses.replace(algorithm.cost(problem, workspace), measured_factor=1.0)
+                tf32 = algorithm.notes(problem).tf32
+                work = costmodel.roofline_ms(dataclasses.replace(cost, launches=0), problem, tf32)
+                entries[name] = (ms, work, costmodel.roofline_ms(cost, problem, tf32) - work, workspace)
             if entries:
                 rows.append(dict(problem=problem, entries=entries))
     return env, rows
@@ -72,18 +83,19 @@ def geomean(values: list[float]) -> float:
 
 
 def fit(rows: list[dict]) -> dict[str, float]:
-    """Per configuration name, its measured factor (module docstring), from ``rows``."""
+    """Per configuration name, its measured factor (module docstring), from ``rows``: the geometric mean of its
+    measured time over its price, over that of the strips' configuration with the least such mean in its direction
+    (which so keeps its price)."""
     ratios: dict[str, list[float]] = defaultdict(list)
-    anchor: dict[str, list[float]] = defaultdict(list)
     for row in rows:
-        direction = row["problem"].direction
-        strips = [(ms, price) for name, (ms, price) in row["entries"].items() if family_of(name) == ANCHOR]
-        if strips:
-            anchor[direction].append(min(ms for ms, _ in strips) / min(price for _, price in strips))
-        for name, (ms, price) in row["entries"].items():
-            ratios[name].append(ms / price)
-    level = {d: geomean(v) for d, v in anchor.items()}
-    return {name: geomean(v) / level[_direction(name)] for name, v in ratios.items() if _direction(name) in level}
+        for name, (ms, work, _, _) in row["entries"].items():
+            ratios[name].append(ms / work)
+    means = {name: geomean(v) for name, v in ratios.items()}
+    level: dict[str, float] = {}
+    for name, mean in means.items():
+        if family_of(name) == ANCHOR:
+            level[_direction(name)] = min(level.get(_direction(name), math.inf), mean)
+    return {name: mean / level[_direction(name)] for name, mean in means.items() if _direction(name) in level}
 
 
 def _direction(name: str) -> str:
@@ -92,15 +104,18 @@ def _direction(name: str) -> str:
 
 def picks(rows: list[dict], factors: dict[str, float] | None,
           held_out: bool = False) -> dict[str, list[float]]:
-    """Per direction, each layer's first pick (lowest price times factor) measured time over the fastest measured;
-    held_out: each layer's factors fitted without it."""
+    """Per direction, each layer's first pick by get's rule (``ranking.best``: the cheapest price times factor,
+    prices within the default tolerance tied and given to the least workspace, then by name) measured time over
+    the fastest measured; held_out: each layer's factors fitted without it."""
     out: dict[str, list[float]] = defaultdict(list)
     for i, row in enumerate(rows):
         use = fit(rows[:i] + rows[i + 1:]) if held_out else factors
-        priced = [(price * (factor_of(name, use) if use is not None else 1.0), ms, name)
-                  for name, (ms, price) in row["entries"].items()]
-        best = min(ms for _, ms, _ in priced)
-        out[row["problem"].direction].append(min(priced)[1] / best)
+        guesses = [PerfResult(name, Status.OK, time_ms=work * (1.0 if use is None else factor_of(name, use)) + launch,
+                              workspace_bytes=workspace)
+                   for name, (_, work, launch, workspace) in row["entries"].items()]
+        pick = best(guesses, Policy())
+        measured = {name: ms for name, (ms, _, _, _) in row["entries"].items()}
+        out[row["problem"].direction].append(measured[pick.algorithm] / min(measured.values()))
     return out
 
 

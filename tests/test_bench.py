@@ -844,9 +844,9 @@ def test_fitting_the_triton_prices_recovers_each_configurations_measured_factor(
     # Results whose every time is its configuration's roofline price times a factor of its own: the fit gives those
     # factors back, over the strips' fastest one's in each direction, and get's first pick becomes the fastest.
     ct, common = fit_triton_prices.ct, fit_triton_prices.common
-    problems = [ct.ConvProblem(d, n=8, c=c, k=c, input_size=(s, s), kernel_size=k, padding=k // 2, groups=c,
-                               dtype="float16", layout="channels_last", device="cuda")
-                for d in ("fwd", "bwd_filter") for c, s, k in ((32, 28, 7), (64, 14, 5))]
+    problems = [ct.ConvProblem(d, n=32, c=c, k=c, input_size=(s, s), kernel_size=k, padding=k // 2, groups=c,
+                               dtype="float16", layout="channels_last", device="cuda")  # the work outweighs a launch
+                for d in ("fwd", "bwd_filter") for c, s, k in ((96, 56, 7), (384, 14, 7))]
     wanted = {"triton:depthwise_strip_fwd_t8b16c32w4": 0.5, "triton:depthwise_strip_fwd_t2b64c16w4": 2.0,
               "triton:depthwise_band_fwd_r32n16c8w4": 3.0, "triton:depthwise_strip_bwd_filter_t8b16c32w4s8": 1.5,
               "triton:depthwise_rows_bwd_filter_r8q16c8w4": 4.5}
@@ -856,17 +856,19 @@ def test_fitting_the_triton_prices_recovers_each_configurations_measured_factor(
                                                                                 if f"_{p.direction}_" in n}}
                                                                   for p in problems}}))
     _, rows = fit_triton_prices.raw_prices(results)
-    for row in rows:  # the same file, each time made its price times its factor
-        for name, (_, price) in row["entries"].items():
-            row["entries"][name] = (price * wanted[name], price)
+    for row in rows:  # the same file, each time made its work's price times its factor
+        for name, (_, work, launch, workspace) in row["entries"].items():
+            row["entries"][name] = (work * wanted[name], work, launch, workspace)
     payload = json.loads(results.read_text())
     for row in rows:
-        payload["rows"][row["problem"].key]["ours"] = {n: ms for n, (ms, _) in row["entries"].items()}
+        payload["rows"][row["problem"].key]["ours"] = {n: e[0] for n, e in row["entries"].items()}
+    payload["rows"][problems[0].key]["ours"]["triton:grouped_fwd_p64c32w4"] = 1.0  # another family's: not fitted
+    payload["rows"][problems[0].key]["ours"]["triton:depthwise_fwd_p8c8w1"] = 1.0  # no such configuration now
     results.write_text(json.dumps(payload))
     out = tmp_path / "prices.json"
     assert fit_triton_prices.main(["--results", str(results), "--out", str(out)]) == 0
     factors = json.loads(out.read_text())["factors"]
-    expected = {n: f / (0.5 if "_fwd_" in n else 1.5) for n, f in wanted.items()}
+    expected = {n: f / (0.5 if "_fwd_" in n else 1.5) for n, f in wanted.items()}  # the strips' least: 1
     assert factors == pytest.approx(expected)
     assert all(v == [1.0] * len(v) for v in fit_triton_prices.picks(rows, factors).values())
 

@@ -66,7 +66,7 @@ class Cost:
     extra_efficiency: float = 0.15
     float32_inside: bool = False  # computes in float32 whatever the dtype (no half-precision peak)
     composed: bool = True  # a chain of PyTorch operations (convtune's own), not one vendor kernel
-    measured_factor: float = 1.0  # the family's measured times over this roofline's, where GPU runs fitted one
+    measured_factor: float = 1.0  # measured times over this roofline's work (not its launches), where fitted
 
 
 def _peaks(device: str, dtype: str, tf32: bool) -> tuple[float, float]:
@@ -127,8 +127,8 @@ def roofline_ms(cost: Cost, problem: ConvProblem, tf32: bool = False) -> float:
         scale *= CPU_HALF_FACTOR
     compute_s = cost.flops / (peak_flops * cost.efficiency * scale)
     compute_s += cost.extra_flops / (peak_flops * cost.extra_efficiency * scale)
-    seconds = max(compute_s, cost.bytes / bandwidth) + cost.launches * LAUNCH_S[problem.device]
-    return 1e3 * seconds * DIRECTION_FACTOR[problem.direction] * cost.measured_factor
+    seconds = max(compute_s, cost.bytes / bandwidth) * cost.measured_factor + cost.launches * LAUNCH_S[problem.device]
+    return 1e3 * seconds * DIRECTION_FACTOR[problem.direction]
 
 
 def predict_ms(name: str, problem: ConvProblem, workspace_bytes: int = 0, tf32: bool = False) -> float:

@@ -58,7 +58,8 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 5  # 4-5: the nearest measured problems (5: each row's count); 3 and before: multilayer perceptrons
+FEATURE_VERSION = 6  # 4-6: the nearest measured problems (5: each row's count; 6: corrections taken against prices
+# with the Triton configurations' measured factors); 3 and before: multilayer perceptrons
 NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
 MIN_MEASURED = 2 * NEIGHBOURS  # with fewer problems of a direction measured, no answer for it: a database of a few
 # problems picked far worse than the analytic model, one of about 30 a direction a little worse (docs/performance.md)

@@ -47,14 +47,23 @@ PRICES_FILE = Path(__file__).resolve().parent.parent / "data" / "triton_prices.j
 
 @functools.cache
 def measured_factors() -> dict[str, float]:
-    """The fitted factors by algorithm name (``PRICES_FILE``); empty where the file is missing or unreadable."""
+    """The fitted factors by algorithm name (``PRICES_FILE``); empty where the file is missing or unreadable, and
+    without an entry that is not a positive finite number (each warned once)."""
     try:
         factors = json.loads(PRICES_FILE.read_text())["factors"]
-        return {str(name): float(f) for name, f in factors.items() if math.isfinite(float(f)) and float(f) > 0}
+        entries = factors.items()
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("the Triton kernels' fitted prices (%s) cannot be read (%s: %s); their roofline prices serve",
                     PRICES_FILE, type(exc).__name__, exc)
         return {}
+    out = {}
+    for name, factor in entries:
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor) and factor > 0:
+            out[str(name)] = float(factor)
+        else:
+            log.warning("the Triton kernels' fitted prices (%s): %s's factor %r is not a positive number; it is "
+                        "priced as its family's others", PRICES_FILE, name, factor)
+    return out
 GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
 
 
