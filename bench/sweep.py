@@ -63,8 +63,11 @@ def _divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 
 
-def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProblem]) -> ConvProblem:
-    """Problem ``index`` of the sweep seeded ``seed``: the same problem for the same arguments, always."""
+def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProblem],
+           depthwise_kernels: tuple[int, ...] = ()) -> ConvProblem:
+    """Problem ``index`` of the sweep seeded ``seed``: the same problem for the same arguments, always.
+    depthwise_kernels: a depthwise problem's square kernel is drawn from these (large kernels, 9 to 31, where cuDNN's
+    plans run far from their analytic price: docs/algorithms.md); none: as for any problem."""
     rng = random.Random(seed * 1_000_003 + index)
     base = rng.choice(layers)
     c, k = base.c, base.k
@@ -96,6 +99,9 @@ def sample(index: int, seed: int, device: str, tiny: bool, layers: list[ConvProb
     roll = 1.0 if first_layer else rng.random()  # a first layer is dense
     if roll < 0.15:  # depthwise, with a channel multiplier now and then
         groups, k = c, c * rng.choice((1, 1, 1, 2))
+        if depthwise_kernels:
+            r, dilation = rng.choice(depthwise_kernels), (1,) * ndim
+            kernel = (r,) * ndim
     elif roll < 0.35:  # grouped: 2 to 64 channels per group
         common = [g for g in _divisors(math.gcd(c, k)) if 2 <= c // g <= 64 and g > 1]
         groups = rng.choice(common) if common else 1
@@ -163,7 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float16", help="the networks' dtypes (comma-separated)")
     parser.add_argument("--layouts", default="channels_last", help="the networks' layouts (comma-separated)")
     parser.add_argument("--layers", type=int, default=None, help="only the first N layers of each network")
+    parser.add_argument("--depthwise-kernels", default="", metavar="R,R,...",
+                        help="sampled depthwise problems take a square kernel of these sizes, e.g. 7,9,13,31 (default: "
+                             "as every problem, 1 to 7); another set of problems than the default's for one seed")
     args = parser.parse_args(argv)
+    try:
+        depthwise_kernels = tuple(int(r) for r in args.depthwise_kernels.split(",") if r.strip())
+    except ValueError:
+        parser.error(f"--depthwise-kernels {args.depthwise_kernels!r}: write sizes like 7,9,13,31")
+    if any(r < 1 for r in depthwise_kernels):
+        parser.error(f"--depthwise-kernels {args.depthwise_kernels!r}: sizes are 1 or more")
     deadline = time.monotonic() + 60 * args.minutes if args.minutes else math.inf
     if args.networks:
         names = list(zoo.MODELS) if args.networks == "all" else args.networks.split(",")
@@ -172,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = iter([(i, p) for i, (_, p) in enumerate(listed)])
     else:
         layers = seeds()
-        problems = ((i, sample(i, args.seed, args.device, args.tiny, layers))
+        problems = ((i, sample(i, args.seed, args.device, args.tiny, layers, depthwise_kernels))
                     for i in range(args.start, args.start + args.count))
     Path(args.db).parent.mkdir(parents=True, exist_ok=True)
     measured = kept = failed = 0

@@ -175,6 +175,19 @@ def test_compile_profile_counts_each_compiled_models_work_per_step(tmp_path):
     assert "| tiny | b2 | float16 | inference |" in text and "the host's events that differ most" in text
 
 
+def test_the_sweep_can_draw_its_depthwise_problems_with_large_kernels_and_leaves_the_rest_alone(sweep):
+    layers = sweep.seeds()
+    plain = [sweep.sample(i, 0, "cuda", False, layers) for i in range(400)]
+    large = [sweep.sample(i, 0, "cuda", False, layers, (9, 13, 31)) for i in range(400)]
+    depthwise = [p for p in large if p.groups == p.c > 1]
+    assert len(depthwise) > 20 and {p.kernel_size[0] for p in depthwise} == {9, 13, 31}
+    assert all(len(set(p.kernel_size)) == 1 and p.dilation == (1,) * p.ndim for p in depthwise)
+    assert all(a == b for a, b in zip(plain, large) if not b.groups == b.c > 1)  # the others are drawn as before
+    assert large == [sweep.sample(i, 0, "cuda", False, layers, (9, 13, 31)) for i in range(400)]
+    with pytest.raises(SystemExit):
+        sweep.main(["--depthwise-kernels", "7,x", "--count", "0"])
+
+
 def test_the_sweep_draws_the_same_problems_and_covers_what_networks_contain(sweep):
     layers = sweep.seeds()
     assert len(layers) > 100  # the built-in networks' unique layers and DeepBench's
