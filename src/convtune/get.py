@@ -125,10 +125,10 @@ def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult
                   prices: costmodel.Corrections) -> list[tuple[Algorithm, PerfResult]]:
     """``ranked`` (predicted with unknown workspaces counted as 0: ``unknown``) with the workspaces its first place
     depends on learned: those of the candidates predicted within ``policy.tolerance`` of the fastest, which the tie
-    rule compares. A learned workspace may change a price (a plan's cost counts its workspace's traffic), so the
-    ranking is made again until no such candidate's guess counts an unknown workspace; each is learned once, and one
-    whose workspace cannot be learned (a plan cuDNN refuses to build) is logged and left out, as a candidate whose
-    description raises is. Below the first place, a guess may still count an unknown workspace as 0 (its price and
+    rule compares. A learned workspace may change a price (a plug-in's cost may count its workspace's traffic; a
+    cuDNN plan's does not), so the ranking is made again until no such candidate's guess counts an unknown
+    workspace; each is learned once, and one whose workspace cannot be learned (a plan cuDNN refuses to build) is
+    logged and left out, as a candidate whose description raises is. Below the first place, a guess may still count an unknown workspace as 0 (its price and
     place then are what needing none would give)."""
     learned_once: set[str] = set()  # asked once: a workspace_bytes that says nothing is not asked again
     while ranked:
