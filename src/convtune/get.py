@@ -128,8 +128,8 @@ def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult
     rule compares. A learned workspace may change a price (a plug-in's cost may count its workspace's traffic; a
     cuDNN plan's does not), so the ranking is made again until no such candidate's guess counts an unknown
     workspace; each is learned once, and one whose workspace cannot be learned (a plan cuDNN refuses to build) is
-    logged and left out, as a candidate whose description raises is. Below the first place, a guess may still count an unknown workspace as 0 (its price and
-    place then are what needing none would give)."""
+    logged and left out, as a candidate whose description raises is. Below the first place, a guess may still
+    count an unknown workspace as 0 (its price and place then are what needing none would give)."""
     learned_once: set[str] = set()  # asked once: a workspace_bytes that says nothing is not asked again
     while ranked:
         fastest = min(cast(float, g.time_ms) for _, g in ranked)
