@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -35,7 +34,7 @@ import common  # noqa: E402
 import convtune as ct  # noqa: E402
 from convtune import PerfResult, Policy, Status, costmodel, hardware  # noqa: E402
 from convtune.algorithms.registry import get_algorithm, registered  # noqa: E402
-from convtune.algorithms.triton_family import PRICES_FILE  # noqa: E402
+from convtune.algorithms.triton_family import PRICES_FILE, measured_factor_of  # noqa: E402
 from convtune.ranking import best  # noqa: E402
 
 FAMILIES = ("depthwise", "depthwise_strip", "depthwise_band", "depthwise_rows")
@@ -110,21 +109,13 @@ def picks(rows: list[dict], factors: dict[str, float] | None,
     out: dict[str, list[float]] = defaultdict(list)
     for i, row in enumerate(rows):
         use = fit(rows[:i] + rows[i + 1:]) if held_out else factors
-        guesses = [PerfResult(name, Status.OK, time_ms=work * (1.0 if use is None else factor_of(name, use)) + launch,
-                              workspace_bytes=workspace)
+        guesses = [PerfResult(name, Status.OK, workspace_bytes=workspace,
+                              time_ms=work * (1.0 if use is None else measured_factor_of(name, use)) + launch)
                    for name, (_, work, launch, workspace) in row["entries"].items()]
         pick = best(guesses, Policy())
         measured = {name: ms for name, (ms, _, _, _) in row["entries"].items()}
         out[row["problem"].direction].append(measured[pick.algorithm] / min(measured.values()))
     return out
-
-
-def factor_of(name: str, factors: dict[str, float]) -> float:
-    """``name``'s factor, else the median of its family's and direction's (as ``TritonAlgorithm`` reads them)."""
-    if name in factors:
-        return factors[name]
-    kin = [f for n, f in factors.items() if family_of(n) == family_of(name) and _direction(n) == _direction(name)]
-    return statistics.median(kin) if kin else 1.0
 
 
 def summary(per_direction: dict[str, list[float]]) -> dict[str, str]:

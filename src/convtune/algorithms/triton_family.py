@@ -41,6 +41,7 @@ from .registry import register
 
 log = logging.getLogger(__name__)
 INDEX_LIMIT = 2**31  # the kernels' offsets are 32-bit
+GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
 # Each configuration's measured times over its family's roofline price, fitted on a GPU by bench/fit_triton_prices.py
 PRICES_FILE = Path(__file__).resolve().parent.parent / "data" / "triton_prices.json"
 
@@ -64,7 +65,16 @@ def measured_factors() -> dict[str, float]:
             log.warning("the Triton kernels' fitted prices (%s): %s's factor %r is not a positive number; it is "
                         "priced as its family's others", PRICES_FILE, name, factor)
     return out
-GRID_AXIS_LIMIT = 65535  # programs along a launch grid's second and third axes (CUDA's limit)
+
+
+def measured_factor_of(name: str, factors: dict[str, float]) -> float:
+    """The factor of the configuration ``name`` in ``factors``; one never fitted takes the median of its family's in
+    its direction (the names that differ from it in the last part only), and a family never fitted 1."""
+    if name in factors:
+        return factors[name]
+    stem = name.rsplit("_", 1)[0] + "_"  # triton:<family>_<direction>_
+    kin = [f for other, f in factors.items() if other.startswith(stem) and "_" not in other[len(stem):]]
+    return statistics.median(kin) if kin else 1.0
 
 
 def interpreting() -> bool:
@@ -102,14 +112,8 @@ class TritonAlgorithm(Algorithm):
 
     def measured_factor(self) -> float:
         """How this configuration's measured times stand to its family's roofline price (``Cost.measured_factor``):
-        fitted on a GPU (``measured_factors``); a configuration never fitted takes the median of its family's in its
-        direction, and a family never fitted 1."""
-        factors = measured_factors()
-        if self.name in factors:
-            return factors[self.name]
-        stem = self.name.rsplit("_", 1)[0] + "_"  # triton:<family>_<direction>_
-        kin = [f for name, f in factors.items() if name.startswith(stem) and "_" not in name[len(stem):]]
-        return statistics.median(kin) if kin else 1.0
+        fitted on a GPU (``measured_factors``, ``measured_factor_of``)."""
+        return measured_factor_of(self.name, measured_factors())
 
     def module(self) -> Any:
         """The kernels' module, imported on first use (it imports Triton)."""
