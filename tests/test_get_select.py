@@ -510,6 +510,7 @@ def test_select_no_algorithm_from_the_model():
     ("max_rel_error", float("nan"), ValueError), ("workspace_limit", "9" * 400, ValueError),
     ("workspace_limit", [1], TypeError), ("workspace_limit", float("inf"), ValueError),
     ("workspace_limit", "-0.5", ValueError), ("workspace_limit", "-0.0001KiB", ValueError),  # not rounded to 0
+    ("workspace_limit", -0.5, ValueError),
     ("prefer", ["fastest"], ValueError),
 ])
 def test_a_policy_refuses_values_that_are_not_what_its_fields_mean(field, value, error):

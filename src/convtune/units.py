@@ -24,25 +24,24 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     """
     if isinstance(text, bool):
         raise TypeError(f"{what} must be a number of bytes or a size like '64MiB', got {text!r}")
+    exact: int | float | Fraction
     if isinstance(text, numbers.Integral):  # int, numpy's ints
-        value = int(text)
+        exact = int(text)
     elif isinstance(text, numbers.Real):  # a computed budget: free_bytes * 0.1
         if not math.isfinite(text):
             raise ValueError(f"{what}={text} is not a finite number of bytes")
-        value = int(text)
+        exact = float(text)
     elif isinstance(text, str):
         match = _SIZE.match(text)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise ValueError(f"{what}={text!r} is not a size; write bytes or a size like 512KiB, 64MiB, 1GiB, 2GB")
         exact = Fraction(match.group(1)) * _UNITS[unit]  # exact: no float overflow, no rounding
-        if exact < 0:  # before int() rounds -0.5 bytes to 0, a limit of none
-            raise ValueError(f"{what}={text} is negative; give 0 or more bytes")
-        value = int(exact)
     else:
         raise TypeError(f"{what} must be a number of bytes or a size like '64MiB', got {type(text).__name__}")
-    if value < 0:
+    if exact < 0:  # before int() rounds -0.5 bytes to 0, a limit of none
         raise ValueError(f"{what}={text} is negative; give 0 or more bytes")
+    value = int(exact)
     if value > MAX_BYTES:
         raise ValueError(f"{what}={text!r} is more than {MAX_BYTES} bytes (8 EiB); give a smaller size")
     return value
