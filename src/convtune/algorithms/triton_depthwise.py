@@ -110,6 +110,5 @@ class TritonDepthwise(TritonAlgorithm):
                     measured_factor=self.measured_factor())
 
 
-
 register_family(TritonDepthwise, {"fwd": FORWARD_TILES, "bwd_data": BACKWARD_DATA_TILES,
                                   "bwd_filter": BACKWARD_FILTER_TILES})

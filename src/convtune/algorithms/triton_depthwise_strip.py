@@ -49,7 +49,8 @@ from .triton_family import (
 # find's verified measurement picks. The x2 tiles (strips of two output rows, kernels.strips) load each input row once
 # for both rows: 8 of 14 kernel rows' loads at 7x7. Counted for sm_90 on a CPU at the 7x7 forward above, t8x2b16c32w4
 # issues t8b32c32w4's instructions (and has its registers) with 0.57x its loads; t8x2b8c32w4 (147 registers, 2
-# channels a thread) 1.08x t8b16c32w4's instructions an output. Not timed on a GPU yet.
+# channels a thread) 1.08x t8b16c32w4's instructions an output. On the H200 (bench/results/depthwise.md)
+# t8x2b16c32w4 took 46.3 µs there against t8b16c32w4's 47.2, and was the fastest at 9x9 and 13x13.
 TILES = ((4, 32, 32, 4), (4, 64, 16, 4), (4, 16, 64, 4), (8, 16, 32, 4), (2, 64, 16, 4), (8, 32, 32, 4),
          (8, 16, 32, 4, 0, 2), (8, 8, 32, 4, 0, 2))
 # The weight gradient's: runs of 4 to 32 output rows per partial sum (more rows, fewer partial sums, fewer programs).
