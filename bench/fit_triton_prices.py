@@ -41,12 +41,6 @@ FAMILIES = ("depthwise", "depthwise_strip", "depthwise_band", "depthwise_rows")
 ANCHOR = "depthwise_strip"
 
 
-def family_of(name: str) -> str | None:
-    """``triton:depthwise_strip_fwd_t8b16c32w4`` -> ``depthwise_strip``; None for a name of no family fitted here."""
-    stem = name.partition(":")[2] if name.startswith("triton:") else ""
-    return max((f for f in FAMILIES if stem.startswith(f + "_")), key=len, default=None)
-
-
 def raw_prices(path: Path) -> tuple[dict, list[dict]]:
     """The results file's environment, and per layer and direction: the problem, and per configuration its measured
     ms, the price of its work without a measured factor and of its launches (priced for the file's GPU), and its
@@ -60,7 +54,7 @@ def raw_prices(path: Path) -> tuple[dict, list[dict]]:
             problem = ct.ConvProblem.from_key(key)
             entries = {}
             for name, ms in row.get("ours", {}).items():
-                if family_of(name) is None or name not in registered_names:  # another family's, or retired
+                if common.family_of(name) not in FAMILIES or name not in registered_names:  # another's, or retired
                     continue
                 algorithm = get_algorithm(name)
                 if not algorithm.supports(problem):
@@ -77,28 +71,22 @@ def raw_prices(path: Path) -> tuple[dict, list[dict]]:
     return env, rows
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def fit(rows: list[dict]) -> dict[str, float]:
     """Per configuration name, its measured factor (module docstring), from ``rows``: the geometric mean of its
     measured time over its price, over that of the strips' configuration with the least such mean in its direction
     (which so keeps its price)."""
     ratios: dict[str, list[float]] = defaultdict(list)
+    direction: dict[str, str] = {}
     for row in rows:
         for name, (ms, work, _, _) in row["entries"].items():
             ratios[name].append(ms / work)
-    means = {name: geomean(v) for name, v in ratios.items()}
+            direction[name] = row["problem"].direction
+    means = {name: common.geomean(v) for name, v in ratios.items()}
     level: dict[str, float] = {}
     for name, mean in means.items():
-        if family_of(name) == ANCHOR:
-            level[_direction(name)] = min(level.get(_direction(name), math.inf), mean)
-    return {name: mean / level[_direction(name)] for name, mean in means.items() if _direction(name) in level}
-
-
-def _direction(name: str) -> str:
-    return next(d for d in ("bwd_filter", "bwd_data", "fwd") if f"_{d}_" in name)
+        if common.family_of(name) == ANCHOR:
+            level[direction[name]] = min(level.get(direction[name], math.inf), mean)
+    return {name: mean / level[direction[name]] for name, mean in means.items() if direction[name] in level}
 
 
 def picks(rows: list[dict], factors: dict[str, float] | None,
@@ -119,7 +107,7 @@ def picks(rows: list[dict], factors: dict[str, float] | None,
 
 
 def summary(per_direction: dict[str, list[float]]) -> dict[str, str]:
-    return {d: f"{geomean(v):.3f} / {max(v):.2f} ({len(v)})" for d, v in sorted(per_direction.items())}
+    return {d: f"{common.geomean(v):.3f} / {max(v):.2f} ({len(v)})" for d, v in sorted(per_direction.items())}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             results[network] = {kind: summary(t) for kind, t in times.items()}
             phases[network] = {"cold gets, in all": sum(times["cold"]), **spent}
     env = common.environment()
+    columns = ("cold gets, in all", *(p for p, _, _ in PHASES))
     rows = [[network, kind, r[kind]["problems"], f"{r[kind]['median_ms']:.3f}", f"{r[kind]['p90_ms']:.3f}",
              f"{r[kind]['max_ms']:.3f}", f"{TARGETS_MS[kind]:g}"] for network, r in results.items() for kind in r]
     markdown = (f"# How long get takes to answer\n\n{common.env_line(env)}. The layers of {', '.join(args.networks)} "
@@ -105,10 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                 + "\n\nWhere the cold calls' time went, ms over all of a network's (phases nest: pricing holds the "
                   "plan builds it asks for, listing the candidates holds cuDNN's graph; '-': not here, cuDNN not "
                   "loaded):\n\n"
-                + common.md_table(["network", "cold gets, in all", *(p for p, _, _ in PHASES)],
-                                  [[network, *(f"{spent[p]:.1f}" if p in spent else "-"
-                                               for p in ("cold gets, in all", *(p for p, _, _ in PHASES)))]
-                                   for network, spent in phases.items()]))
+                + common.md_table(["network", *columns], [[network, *(f"{spent[p]:.1f}" if p in spent else "-"
+                                                                    for p in columns)]
+                                                          for network, spent in phases.items()]))
     common.write(args.name, {"environment": env, "device": device, "networks": args.networks, "batch": args.batch,
                              "results": results, "cold_phases_ms": phases}, markdown, args.out)
     print(markdown)

@@ -10,13 +10,13 @@ so they do not say what concurrent building would gain.
 
 Part 2, the whole network (``--whole``): every distinct problem of the network's training step
 (forward; bwd_data except the first layer's; bwd_filter) selected in 'hybrid' mode on an empty
-database, as ``optimize(training=True)`` does, under cProfile: the wall time and the cumulative
-seconds of each phase (cuDNN graphs, plan builds, Triton's compiles, references, verification, timing, the
-database).
+database, as ``optimize(training=True)`` does: the wall time and the seconds of each phase (``PHASES``: cuDNN
+graphs, plan builds, the ranking, references, verification with the compiles it waits for, measuring, the database,
+timed by ``common.phase_clock``), and, under cProfile, convtune's costliest functions.
 
 Then the same problems warm, in a fresh process on the database the cold run filled: each one
 selected from it and its algorithm's workspace learned (a cuDNN execution plan built), as a warm ``optimize``
-does, under cProfile (database lookups, cuDNN graphs, plan builds).
+does (database lookups, cuDNN graphs, plan builds: ``WARM_PHASES``).
 
 Part 3, host cost: microseconds per call, on a layer small enough that the GPU waits on the host,
 of ``F.conv2d`` and of convtune's op path (``ops.compute``, ``torch.ops.convtune.run``, and
@@ -122,9 +122,12 @@ def tuning_rows(problems, threads: int) -> list[dict]:
 # The phases of a cold find, by the functions that do them, where find looks them up (common.phase_clock): (label,
 # module, attribute). Triton's compiles are not a phase of their own: a candidate's first run (verification) waits
 # for its compile, and find's compile threads compile the next ones meanwhile.
-PHASES = (
+CUDNN_PHASES = (
     ("cuDNN graphs (heuristics query)", "convtune.algorithms.cudnn", "ProblemGraph.__init__"),
     ("cuDNN execution plan builds", "convtune.algorithms.cudnn", "ProblemGraph.build"),
+)
+PHASES = (
+    *CUDNN_PHASES,
     ("cost-model ranking (get)", "convtune.find", "ranked_predictions"),
     ("float64 references", "convtune.find", "reference_case"),
     ("verification runs (with the compiles they wait for)", "convtune.find", "check"),
@@ -195,8 +198,7 @@ def whole_network(network: str, batch: int, dtype: str, layout: str, device: str
 
 WARM_PHASES = (
     ("database lookups", "convtune.db", "TuningDB.lookup"),
-    ("cuDNN graphs (heuristics query)", "convtune.algorithms.cudnn", "ProblemGraph.__init__"),
-    ("cuDNN execution plan builds", "convtune.algorithms.cudnn", "ProblemGraph.build"),
+    *CUDNN_PHASES,
 )
 
 

@@ -840,12 +840,12 @@ def test_get_latency_times_each_distinct_problem_once_cold_and_warm(get_latency,
         row = payload["results"]["resnet18"][kind]
         assert row["problems"] == distinct and 0 < row["median_ms"] <= row["p90_ms"] <= row["max_ms"]
     assert "| resnet18 | warm |" in (tmp_path / "get_latency.md").read_text()
-    # where the cold calls' time went: the phases that exist here (no cuDNN on a CPU), within the cold calls' total
-    import importlib
-
+    # where the cold calls' time went: the phases that exist here (cuDNN's, where its frontend loads, unused on a
+    # CPU), within the cold calls' total
     predict = importlib.import_module("convtune.get").predict  # the module (the package's ``get`` is the function)
     phases = payload["cold_phases_ms"]["resnet18"]
-    assert set(phases) == {"cold gets, in all", "candidates listed", "priced"}
+    assert {"cold gets, in all", "candidates listed", "priced"} <= set(phases)
+    assert all(ms == 0 for p, ms in phases.items() if p.startswith("cuDNN"))
     assert 0 < phases["priced"] < phases["cold gets, in all"] and 0 < phases["candidates listed"]
     assert predict.__name__ == "predict" and predict.__qualname__ == "predict"  # unwrapped after
 

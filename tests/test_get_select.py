@@ -224,17 +224,24 @@ def test_get_builds_only_the_plans_its_first_place_depends_on():
 
 
 class Forgetful(CostlyWorkspace):
-    """A plug-in whose workspace is learned by costly work that it does not remember."""
+    """A plug-in whose workspace is learned by costly work that it does not remember; ``asked`` counts every time
+    that work is asked for (``builds`` counts only the first per problem)."""
+
+    asked = 0
 
     def known_workspace_bytes(self, problem):
         return None
 
+    def buffers(self, problem):
+        self.asked += 1
+        return super().buffers(problem)
 
-class BuiltMeanwhile(CostlyWorkspace):
-    """A plan another thread builds between get's guess of it and the settling of its first place."""
+
+class BuiltMeanwhile(Forgetful):
+    """A plan another thread builds between get's guess of it and the settling of its first place (it remembers)."""
 
     def known_workspace_bytes(self, problem):
-        known = super().known_workspace_bytes(problem)
+        known = CostlyWorkspace.known_workspace_bytes(self, problem)
         self.built.add(problem)
         return known
 
@@ -247,7 +254,7 @@ def test_get_learns_each_workspace_of_its_first_place_once_whatever_the_plan_say
     with isolated(*costly, builtins=False):
         choices = get(P3)
     assert [c.name for c in choices] == ["cudnn:b_small", "cudnn:a_big"]
-    assert choices[1].workspace_bytes == 2**20 and all(c.builds <= 1 for c in costly)
+    assert choices[1].workspace_bytes == 2**20 and [c.asked for c in costly] == [1, 1]
 
 
 def test_get_leaves_out_a_plan_of_its_first_place_that_cannot_be_built(caplog):
@@ -268,6 +275,7 @@ def test_the_triton_configurations_are_priced_by_their_fitted_factors():
     # Every configuration of a family costs the same roofline; the fitted factors (bench/fit_triton_prices.py)
     # tell them apart: two configurations' prices stand as their factors do. A configuration never fitted takes
     # its family's median in its direction; a family never fitted (grouped) 1.
+    from convtune import hardware
     from convtune.algorithms.triton_family import TritonAlgorithm, measured_factors
 
     factors = measured_factors()
@@ -277,7 +285,7 @@ def test_the_triton_configurations_are_priced_by_their_fitted_factors():
     assert a.measured_factor() == factors[a.name] != factors[b.name]
     launch_ms = 1e3 * costmodel.LAUNCH_S["cuda"] * a.cost(DEPTHWISE, 0).launches  # predict_ms: no workspace
     assert a.cost(DEPTHWISE, 0).launches == b.cost(DEPTHWISE, 0).launches
-    with hardware_priced_as_h200():
+    with hardware.measured_on("cuda|NVIDIA H200|sm90|driver|cuda"):
         ratio = ((costmodel.predict_ms(a.name, DEPTHWISE) - launch_ms)
                  / (costmodel.predict_ms(b.name, DEPTHWISE) - launch_ms))
     assert ratio == pytest.approx(factors[a.name] / factors[b.name])
@@ -285,49 +293,44 @@ def test_the_triton_configurations_are_priced_by_their_fitted_factors():
     assert grouped.name not in factors and grouped.measured_factor() == 1.0
 
 
-def hardware_priced_as_h200():
-    from convtune import hardware
+@pytest.fixture
+def prices_file(tmp_path, monkeypatch):
+    """The path of a prices file the Triton configurations read in place of the shipped one (read anew)."""
+    from convtune.algorithms import triton_family
 
-    return hardware.measured_on("cuda|NVIDIA H200|sm90|driver|cuda")
+    path = tmp_path / "triton_prices.json"
+    monkeypatch.setattr(triton_family, "PRICES_FILE", path)
+    triton_family.measured_factors.cache_clear()
+    yield path
+    triton_family.measured_factors.cache_clear()
 
 
-@pytest.mark.parametrize("content", [None, "{not json", '{"factors": [1, 2]}', '{"factors": {"x": 2}}'],
+@pytest.mark.parametrize("content, expected", [(None, {}), ("{not json", {}), ('{"factors": [1, 2]}', {}),
+                                               ('{"factors": {"x": 2}}', {"x": 2.0})],
                          ids=["missing", "damaged", "not_a_table", "none_of_ours"])
-def test_a_missing_or_damaged_prices_file_leaves_the_roofline_prices_with_a_warning(tmp_path, monkeypatch, caplog,
-                                                                                       content):
+def test_a_missing_or_damaged_prices_file_leaves_the_roofline_prices_with_a_warning(prices_file, caplog, content,
+                                                                                       expected):
     from convtune.algorithms import triton_family
 
-    path = tmp_path / "triton_prices.json"
     if content is not None:
-        path.write_text(content)
-    monkeypatch.setattr(triton_family, "PRICES_FILE", path)
-    triton_family.measured_factors.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, "convtune.algorithms.triton_family"):
-            assert triton_family.measured_factors() in ({}, {"x": 2.0})
-            assert get_algorithm("triton:depthwise_strip_fwd_t8b16c32w4").measured_factor() == 1.0
-        unreadable = content != '{"factors": {"x": 2}}'
-        assert not unreadable or (str(path) in caplog.text and "roofline prices serve" in caplog.text)
-    finally:
-        triton_family.measured_factors.cache_clear()
+        prices_file.write_text(content)
+    with caplog.at_level(logging.WARNING, "convtune.algorithms.triton_family"):
+        assert triton_family.measured_factors() == expected
+        assert get_algorithm("triton:depthwise_strip_fwd_t8b16c32w4").measured_factor() == 1.0
+    unreadable = not expected
+    assert not unreadable or (str(prices_file) in caplog.text and "roofline prices serve" in caplog.text)
 
 
-def test_a_bad_factor_in_the_prices_file_is_left_out_alone_with_a_warning(tmp_path, monkeypatch, caplog):
+def test_a_bad_factor_in_the_prices_file_is_left_out_alone_with_a_warning(prices_file, caplog):
     from convtune.algorithms import triton_family
 
-    path = tmp_path / "triton_prices.json"
     good, bad = "triton:depthwise_strip_fwd_t8b16c32w4", "triton:depthwise_strip_fwd_t2b64c16w4"
-    path.write_text(json.dumps({"factors": {good: 1.5, bad: None, "triton:depthwise_strip_fwd_t4b32c32w4": True,
-                                            "triton:depthwise_strip_fwd_t4b16c64w4": -1, "x": float("nan")}}))
-    monkeypatch.setattr(triton_family, "PRICES_FILE", path)
-    triton_family.measured_factors.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, "convtune.algorithms.triton_family"):
-            assert triton_family.measured_factors() == {good: 1.5}
-            assert get_algorithm(bad).measured_factor() == 1.5  # its family's median in its direction
-        assert caplog.text.count("is not a positive number") == 4 and bad in caplog.text
-    finally:
-        triton_family.measured_factors.cache_clear()
+    prices_file.write_text(json.dumps({"factors": {good: 1.5, bad: None, "triton:depthwise_strip_fwd_t4b32c32w4": True,
+                                                   "triton:depthwise_strip_fwd_t4b16c64w4": -1, "x": float("nan")}}))
+    with caplog.at_level(logging.WARNING, "convtune.algorithms.triton_family"):
+        assert triton_family.measured_factors() == {good: 1.5}
+        assert get_algorithm(bad).measured_factor() == 1.5  # its family's median in its direction
+    assert caplog.text.count("is not a positive number") == 4 and bad in caplog.text
 
 
 def test_get_prefer_least_memory():
