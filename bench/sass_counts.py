@@ -135,6 +135,7 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
     per BLOCK_STRIPS strips of a run (one count per run), in a loop over the kernel rows; the weights' layout is
     straight-line code; None for the partials' sum and for loops of another shape."""
     from convtune.kernels.shared import geometry, sizes
+    from convtune.kernels.strips import row_shift
 
     r, (loops, nested) = geometry(problem)[0], (launch["loops"], launch.get("nested", False))
     kernel = launch["kernel"]
@@ -145,8 +146,7 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
     if kernel == "_strips" and algorithm.tile.rows == 2:
         # two output rows a strip: a loop over the input rows both rows read (r - shift turns); the rows only one of
         # them reads (shift each) are unrolled when the shift is 1, loops of their own otherwise (not counted here)
-        _, _, stride_h, _, _, _, dil_h, _ = geometry(problem)
-        shift = 1 if problem.direction == "bwd_data" else stride_h // dil_h
+        shift = row_shift(problem)
         multiple = problem.k // problem.c if problem.direction == "bwd_data" else 1
         return ((r - shift,), 1) if loops == 1 and shift == 1 and multiple == 1 else None
     if kernel == "_strips":

@@ -71,11 +71,19 @@ class StripTile:
             raise ValueError(f"StripTile(rows={self.rows}): a strip spans 1 or 2 output rows")
 
 
+def row_shift(problem: ConvProblem) -> int:
+    """How many input rows apart the first kernel rows of a two-row strip's rows p and p + 1 read: the row stride in
+    row dilations (kernel row r of p + 1 reads what kernel row r + shift of p reads), rounded down; 1 for the data
+    gradient of row stride 1, a forward of stride 1 over dy (``two_rows_reason`` says where it is whole)."""
+    _, _, stride_h, _, _, _, dil_h, _ = geometry(problem)
+    return 1 // dil_h if problem.direction == "bwd_data" else stride_h // dil_h
+
+
 def two_rows_reason(problem: ConvProblem) -> str | None:
     """Why strips of two output rows do not take ``problem`` (None: they do). The rows p and p + 1 share their
-    input rows when the row stride is a whole number of the row dilation (kernel row r of p + 1 reads what kernel row
-    r + stride / dilation of p reads) below the kernel's rows; a strided data gradient reads dy's rows spread apart,
-    one phase a launch. A problem of one output row (1-D) or whose rows share no input row would only add work."""
+    input rows when the row stride is a whole number of the row dilation (``row_shift``) below the kernel's rows; a
+    strided data gradient reads dy's rows spread apart, one phase a launch. A problem of one output row (1-D) or
+    whose rows share no input row would only add work."""
     r, _, stride_h, _, _, _, dil_h, _ = geometry(problem)
     h, _, p, _ = sizes(problem)
     rows = h if problem.direction == "bwd_data" else p  # the rows the kernel makes
@@ -87,7 +95,7 @@ def two_rows_reason(problem: ConvProblem) -> str | None:
         stride_h = 1  # the data gradient is a forward of stride 1 over dy
     if stride_h % dil_h:
         return f"row stride {stride_h} is not a whole number of row dilations ({dil_h})"
-    if stride_h // dil_h >= r:
+    if row_shift(problem) >= r:
         return (f"row stride {stride_h} reaches past the kernel's {r} rows (dilation {dil_h}): the two rows share no "
                 f"input row")
     return None
@@ -390,7 +398,7 @@ def _run(problem: ConvProblem, tile: StripTile, src: torch.Tensor, w: torch.Tens
         launch(_strips, grid, src4, weights, dst4, total, strips, rows, made[1], *read, channels, weights.shape[1],
                *src4.stride(), *dst4.stride(), stride_h, pads[0], pads[1], dil_h, first, meet[0] if meet else r, step,
                DIV=divisor, M_IN=sources, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, UP_H=up_h, UP_W=up_w,
-               PHASE_W=pads[1] % up_w, T=tile.strip, U=tile.rows, SHIFT=stride_h // dil_h if tile.rows == 2 else 1,
+               PHASE_W=pads[1] % up_w, T=tile.strip, U=tile.rows, SHIFT=row_shift(problem) if tile.rows == 2 else 1,
                BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels,
                num_warps=tile.warps)
 
