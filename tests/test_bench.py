@@ -893,3 +893,19 @@ def test_the_sampled_depthwise_sweep_takes_every_kernel_in_turns_and_the_same_sh
     assert kernels[:len(grid)] == list(grid) and len(shapes) == 3 * len(grid) == len(set(shapes))
     assert set(shapes) <= set(depthwise.full_shapes()) and shapes == depthwise.sampled_shapes(3, seed=1)
     assert shapes != depthwise.sampled_shapes(3, seed=2)
+
+
+def test_host_noise_times_each_variant_in_its_own_processes_and_pins_where_asked(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, str(BENCH / "host_noise.py"), "--tiny", "--processes", "1",
+                          "--cpus", str(cpu), "--steps", "1", "--repeats", "1", "--rounds", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    variants = json.loads((tmp_path / "host_noise.json").read_text())["variants"]
+    assert list(variants) == ["free", f"pinned to CPU {cpu}"]
+    pinned = variants[f"pinned to CPU {cpu}"][0]
+    assert pinned["status"] == "ok" and pinned["affinity"] == pinned["cpus"] == [cpu] and len(pinned["samples"]) == 2
+    assert variants["free"][0]["affinity"] == sorted(os.sched_getaffinity(0))
+    assert f"| pinned to CPU {cpu} | 1 |" in (tmp_path / "host_noise.md").read_text()
+    bad = subprocess.run([sys.executable, str(BENCH / "host_noise.py"), "--cpus", "x"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--cpus 'x' must be CPU numbers" in bad.stderr
