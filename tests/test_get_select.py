@@ -223,6 +223,33 @@ def test_get_builds_only_the_plans_its_first_place_depends_on():
     assert named == {"cudnn:b_small": 0, "cudnn:a_big": 2**20, "cudnn:c_slow": None}  # not known: not reported as 0
 
 
+def test_a_first_place_with_no_tie_is_not_built_by_get_and_select_builds_its_pick():
+    # get's first answer on a new problem need not wait for a plan's build (on depthwise layers cuDNN's first plan
+    # compiles at run time: up to 0.8 s): with no candidate tied to it, its workspace cannot change the first place.
+    def lone():
+        return [CostlyWorkspace("cudnn:a_fast", workspace_bytes=4096),
+                CostlyWorkspace("cudnn:c_slow", workspace_bytes=2**20, priced_like="fft:rfft")]
+
+    lazy, picked = lone(), lone()
+    with isolated(*lazy, builtins=False):
+        choices = get(P3)
+    assert [c.name for c in choices] == ["cudnn:a_fast", "cudnn:c_slow"] and [c.builds for c in lazy] == [0, 0]
+    assert [c.workspace_bytes for c in choices] == [None, None]
+    with isolated(*picked, builtins=False):
+        chosen = select(P3, mode="get")
+    assert chosen.algorithm == "cudnn:a_fast" and chosen.workspace_bytes == 4096  # the pick, built to run
+    assert [c.builds for c in picked] == [1, 0]
+
+
+def test_select_passes_over_a_first_place_that_cannot_be_built_where_get_did_not_build_it():
+    refused = Unbuildable("cudnn:a_refused")
+    slow = CostlyWorkspace("cudnn:c_slow", workspace_bytes=2**20, priced_like="fft:rfft")
+    with isolated(refused, slow, builtins=False):
+        assert [c.name for c in get(P3)] == ["cudnn:a_refused", "cudnn:c_slow"] and refused.builds == 0
+        chosen = select(P3, mode="get")
+    assert chosen.algorithm == "cudnn:c_slow" and chosen.workspace_bytes == 2**20 and refused.builds == 1
+
+
 class Forgetful(CostlyWorkspace):
     """A plug-in whose workspace is learned by costly work that it does not remember; ``asked`` counts every time
     that work is asked for (``builds`` counts only the first per problem)."""

@@ -88,8 +88,8 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     A workspace not known without costly work (an unbuilt cuDNN execution plan's: a build takes 0.1 ms to a second)
     counts as 0 (``predict``) except where it is learned: for every candidate where the policy makes workspaces
     decide (a workspace limit, prefer='least_memory'); otherwise, with the filters kept, for the candidates the first
-    place's tie rule compares (predicted within ``policy.tolerance`` of the fastest: ``_settle_first``), so that the
-    first is what learning them all would make it, and buildable; without the filters (find's order), for none.
+    place's tie rule compares (several predicted within ``policy.tolerance`` of the fastest: ``_settle_first``), so
+    that the first is what learning them all would make it; without the filters (find's order), for none.
     learn_workspaces=True learns them all, False only where the policy makes them decide (a pick wanted at once,
     whose workspace is learned when it is built: select's 'background' mode).
     """
@@ -124,18 +124,20 @@ def _log_fault(algorithm: Algorithm, problem: ConvProblem, exc: BaseException) -
 def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult]], policy: Policy, db: Any,
                   prices: costmodel.Corrections) -> list[tuple[Algorithm, PerfResult]]:
     """``ranked`` (predicted with unknown workspaces counted as 0: ``unknown``) with the workspaces its first place
-    depends on learned: those of the candidates predicted within ``policy.tolerance`` of the fastest, which the tie
-    rule compares. A learned workspace may change a price (a plug-in's cost may count its workspace's traffic; a
-    cuDNN plan's does not), so the ranking is made again until no such candidate's guess counts an unknown
-    workspace; each is learned once, and one whose workspace cannot be learned (a plan cuDNN refuses to build) is
-    logged and left out, as a candidate whose description raises is. Below the first place, a guess may still
-    count an unknown workspace as 0 (its price and place then are what needing none would give)."""
+    depends on learned: where several candidates are predicted within ``policy.tolerance`` of the fastest, theirs,
+    which the tie rule compares; a fastest with none beside it is first whatever its workspace, and is not built
+    (the plan's build is its first run's, ``select`` builds its pick). A learned workspace may change a price (a
+    plug-in's cost may count its workspace's traffic; a cuDNN plan's does not), so the ranking is made again until
+    no tied candidate's guess counts an unknown workspace; each is learned once, and one whose workspace cannot be
+    learned (a plan cuDNN refuses to build) is logged and left out, as a candidate whose description raises is.
+    Elsewhere a guess may still count an unknown workspace as 0 (its price and place then are what needing none
+    would give)."""
     learned_once: set[str] = set()  # asked once: a workspace_bytes that says nothing is not asked again
     while ranked:
         fastest = min(cast(float, g.time_ms) for _, g in ranked)
-        due = [a for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance) and unknown(g)
-               and a.name not in learned_once]
-        if not due:
+        tied = [(a, g) for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance)]
+        due = [a for a, g in tied if unknown(g) and a.name not in learned_once]
+        if len(tied) < 2 or not due:  # a first with no tie is first whatever it needs
             break
         learned_once.update(a.name for a in due)
         learned_now: dict[str, PerfResult | None] = {}
@@ -165,9 +167,11 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     ``prefer='least_memory'`` ranks by workspace. Algorithms that violate the policy (workspace
     limit, determinism, TF32, reduced precision) are left out; an empty list means none is left.
     A cuDNN execution plan's workspace is known only once the plan is built (0.1 ms to a second each): get
-    builds the plans that tie with the fastest (its first place depends on them), or every plan where the
-    policy makes workspaces decide; a choice whose workspace is not known has ``workspace_bytes`` None, and is
-    priced and placed as if it needed none (an answer is kept for the process: it stays None once built).
+    builds the plans of a tie for the first place (the tie rule compares their workspaces), or every plan where
+    the policy makes workspaces decide; a first place with no tie is not built (whether cuDNN can build it is
+    learned where it runs: ``select`` builds its pick and passes over one that cannot be built). A choice whose
+    workspace is not known has ``workspace_bytes`` None, and is priced and placed as if it needed none (an
+    answer is kept for the process: it stays None once built).
     Raises ``TypeError`` for a problem that is not a ``ConvProblem``.
 
         >>> from convtune import ConvProblem, Policy

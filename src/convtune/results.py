@@ -153,7 +153,7 @@ class Choice:
 
     workspace_bytes is None where it is not known without costly work and did not decide the ranking: a cuDNN
     execution plan learns its workspace only by being built (0.1 ms to a second), so ``get`` builds only the
-    plans its first place depends on, unless the policy makes workspaces decide (a limit, prefer='least_memory').
+    plans of a tie for its first place, unless the policy makes workspaces decide (a limit, prefer='least_memory').
     Such a choice is priced and placed as if it needed no workspace (a cuDNN plan's predicted time does not depend
     on its workspace).
     """

@@ -89,16 +89,17 @@ def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces:
                                          uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
             refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
         raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
-    best = ranked[0][1] if learn_workspaces is None else _first_buildable(problem, policy, ranked)
+    best = _first_buildable(problem, policy, ranked)
     # Unknown determinism (None, a cuDNN execution plan never run) is no promise of determinism.
     return dataclasses.replace(best, time_ms=None, deterministic=bool(best.deterministic),
                                message=f"not measured: the cost model predicts {best.time_ms:.4g} ms")
 
 
 def _first_buildable(problem: ConvProblem, policy: Policy, ranked: list[tuple[Algorithm, PerfResult]]) -> PerfResult:
-    """The first of ``ranked`` (predictions made without learning workspaces) whose workspace can be
-    learned, with it: the pick is built to run anyway, and one that cannot be built (a cuDNN execution
-    plan cuDNN refuses) is passed over rather than handed to the layer. ``NoAlgorithmError`` when none can."""
+    """The first of ``ranked`` (predictions whose first place may not be built: ``get._settle_first``) whose
+    workspace can be learned, with it: the pick is built to run anyway, and one that cannot be built (a cuDNN
+    execution plan cuDNN refuses) is passed over rather than handed to the layer. ``NoAlgorithmError`` when none
+    can."""
     refused = {}
     for algorithm, guess in ranked:
         if algorithm.known_workspace_bytes(problem) is not None:
