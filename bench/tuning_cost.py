@@ -132,6 +132,11 @@ PHASES = (
     ("float64 references", "convtune.find", "reference_case"),
     ("verification runs (with the compiles they wait for)", "convtune.find", "check"),
     ("measuring (verify, determinism, timing)", "convtune.find", "_Search._measure"),
+    ("timer: first call, L2 flush buffer", "convtune.timing", "_CudaSampler.__init__"),
+    ("timer: sizing calls and graph capture", "convtune.timing", "_CudaSampler.prepare"),
+    ("timer: graph capture (a call on a side stream, the capture, its instantiation)", "convtune.timing",
+     "_CudaSampler._capture"),
+    ("timer: samples", "convtune.timing", "_CudaSampler.sample_ms"),
     ("database writes", "convtune.db", "TuningDB.store"),
     ("find, in all", "convtune.select", "find"),
 )
@@ -498,7 +503,8 @@ def markdown(payload: dict) -> str:
                  f"{whole.get('compile_threads', 'no')} threads compiling Triton candidates ahead). Cumulative "
                  f"seconds by phase "
                  f"(timed by wrapping the functions that do them, summed over threads, under cProfile; phases nest: "
-                 f"measuring holds verification and timing, find holds them all):\n\n")
+                 f"measuring holds verification and the timer's phases, the timer's sizing holds its capture, find "
+                 f"holds them all; what measuring spends outside them includes releasing each candidate's graph):\n\n")
         text += common.md_table(["phase", "s"], [[k, f"{v:.2f}"] for k, v in whole["phases_s"].items()])
         text += _top_functions(whole)
     warm = whole.get("warm") if whole else None  # files written before the warm stage existed have none
