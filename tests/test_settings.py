@@ -1,5 +1,7 @@
 """Settings from the environment: a value that would make every search fail is refused with its variable's name."""
 
+import dataclasses
+
 import pytest
 
 from convtune.algorithms.fft import smooth_size
@@ -57,3 +59,33 @@ def test_every_entry_point_refuses_a_bad_setting_before_it_measures_anything(mon
 
 def test_the_defaults_pass_the_settings_check():
     settings.check()
+
+
+def test_a_default_from_the_platform_is_computed_once_and_the_environment_still_wins_at_once(monkeypatch):
+    from convtune import settings as settings_module
+
+    calls = []
+    fresh = settings_module.Settings()
+    setting = fresh._by_name["cache_dir"]
+    monkeypatch.setitem(fresh._by_name, "cache_dir", dataclasses.replace(
+        setting, default=lambda: calls.append(1) or "/platform/cache"))
+    monkeypatch.delenv("CONVTUNE_CACHE_DIR", raising=False)
+    assert [fresh.cache_dir for _ in range(3)] == ["/platform/cache"] * 3 and calls == [1]
+    monkeypatch.setenv("CONVTUNE_CACHE_DIR", "/from/env")
+    assert fresh.cache_dir == "/from/env"
+    with fresh.override(cache_dir="/overridden"):
+        assert fresh.cache_dir == "/overridden"
+    monkeypatch.delenv("CONVTUNE_CACHE_DIR")
+    assert fresh.cache_dir == "/platform/cache" and calls == [1]
+
+
+def test_the_learned_models_path_follows_its_settings_and_the_home_folder(tmp_path, monkeypatch):
+    from convtune import learned
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with settings.override(learned_model="", cache_dir=str(tmp_path / "c")):
+        assert learned.default_path("cuda") == tmp_path / "c" / "learned_get_cuda.pt"
+    with settings.override(learned_model="~/m_{device}.pt"):
+        assert learned.default_path("cpu") == tmp_path / "m_cpu.pt"
+        monkeypatch.setenv("HOME", str(tmp_path / "other"))
+        assert learned.default_path("cpu") == tmp_path / "other" / "m_cpu.pt"

@@ -38,6 +38,7 @@ software (a new cuDNN) is used, with a warning, until it is built again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -420,10 +421,15 @@ def positions(names: Sequence[str]) -> dict[str, int]:
 
 def default_path(device: str) -> Path:
     """Where ``train-get`` stores the model of ``device`` and where ``get`` looks for it."""
-    configured = settings.learned_model
+    return _path_of(device, settings.learned_model, settings.cache_dir, os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=64)
+def _path_of(device: str, configured: str, cache_dir: str, home: str | None) -> Path:
+    # asked for every candidate get prices: the path is made once per setting (and home folder, where "~" leads)
     if configured:
         return Path(configured.replace("{device}", device)).expanduser()
-    return Path(settings.cache_dir).expanduser() / f"learned_get_{device}.pt"
+    return Path(cache_dir).expanduser() / f"learned_get_{device}.pt"
 
 
 _loaded: dict[str, tuple[Any, LearnedModel | None, int]] = {}  # device -> (file identity, model or None, version)

@@ -128,10 +128,12 @@ _SETTINGS = (
 
 
 class Settings:
-    """Typed access to the settings; environment variables are read on every access."""
+    """Typed access to the settings; environment variables are read on every access, a default computed from the
+    platform (the user's cache folder, the CPU count) once per process."""
 
     def __init__(self) -> None:
         self._overrides: dict[str, Any] = {}
+        self._computed: dict[str, Any] = {}  # defaults computed from the platform (``_Setting.default`` callables)
         self._by_name = {s.name: s for s in _SETTINGS}
 
     def __getattr__(self, name: str) -> Any:
@@ -147,7 +149,11 @@ class Settings:
                 return setting.parse(raw)
             except ValueError as exc:
                 raise ValueError(f"environment variable {setting.env}={raw!r} is invalid: {exc}") from None
-        return setting.default() if callable(setting.default) else setting.default
+        if not callable(setting.default):
+            return setting.default
+        if name not in self._computed:  # the platform's folders and CPU count: once per process
+            self._computed[name] = setting.default()
+        return self._computed[name]
 
     @contextlib.contextmanager
     def override(self, **values: Any) -> Iterator[None]:
