@@ -223,12 +223,37 @@ def test_get_builds_only_the_plans_its_first_place_depends_on():
     assert named == {"cudnn:b_small": 0, "cudnn:a_big": 2**20, "cudnn:c_slow": None}  # not known: not reported as 0
 
 
+class Plan(CostlyWorkspace):
+    """Like a cuDNN execution plan: a workspace learned by a build, a price that ignores it, a place in its order."""
+
+    def __init__(self, name, place, **kw):
+        super().__init__(name, **kw)
+        self.place = place
+
+    def cost(self, problem, workspace_bytes):
+        return costmodel.generic_cost(problem, 0)
+
+
+class RefusedPlan(Plan):
+    def buffers(self, problem):
+        self.builds += 1
+        raise RuntimeError("cuDNN could not build plan")
+
+
+class KnownPlace(Fake):
+    def __init__(self, name, place, **kw):
+        super().__init__(name, **kw)
+        self.place = place
+
+    def cost(self, problem, workspace_bytes):
+        return costmodel.generic_cost(problem, 0)
+
+
 def test_a_first_place_with_no_tie_is_not_built_by_get_and_select_builds_its_pick():
     # get's first answer on a new problem need not wait for a plan's build (on depthwise layers cuDNN's first plan
     # compiles at run time: up to 0.8 s): with no candidate tied to it, its workspace cannot change the first place.
     def lone():
-        return [CostlyWorkspace("cudnn:a_fast", workspace_bytes=4096),
-                CostlyWorkspace("cudnn:c_slow", workspace_bytes=2**20, priced_like="fft:rfft")]
+        return [Plan("cudnn:a_fast", 0, workspace_bytes=4096), Plan("cudnn:c_slow", 9, workspace_bytes=2**20)]
 
     lazy, picked = lone(), lone()
     with isolated(*lazy, builtins=False):
@@ -242,12 +267,43 @@ def test_a_first_place_with_no_tie_is_not_built_by_get_and_select_builds_its_pic
 
 
 def test_select_passes_over_a_first_place_that_cannot_be_built_where_get_did_not_build_it():
-    refused = Unbuildable("cudnn:a_refused")
-    slow = CostlyWorkspace("cudnn:c_slow", workspace_bytes=2**20, priced_like="fft:rfft")
+    refused, slow = RefusedPlan("cudnn:a_refused", 0), Plan("cudnn:c_slow", 9, workspace_bytes=2**20)
     with isolated(refused, slow, builtins=False):
         assert [c.name for c in get(P3)] == ["cudnn:a_refused", "cudnn:c_slow"] and refused.builds == 0
         chosen = select(P3, mode="get")
     assert chosen.algorithm == "cudnn:c_slow" and chosen.workspace_bytes == 2**20 and refused.builds == 1
+
+
+def test_a_lone_first_whose_price_counts_its_workspace_is_learned_by_get_and_select():
+    # generic_cost (a plug-in's default) counts twice the workspace as traffic: learning it may end a first place
+    def two():
+        return [CostlyWorkspace("plug:a_heavy", workspace_bytes=2**30), Fake("plug:b_lean", priced_like="direct:taps")]
+
+    lazy, picked, eager = two(), two(), two()
+    with isolated(*lazy, builtins=False):
+        first = get(P3)[0]
+    with isolated(*picked, builtins=False):
+        chosen = select(P3, mode="get")
+    with isolated(builtins=False):
+        everything = ranked_predictions(P3, eager, Policy(), learn_workspaces=True)
+    assert first.name == chosen.algorithm == everything[0][0].name == "plug:b_lean"
+    assert lazy[0].builds == 1 and first.workspace_bytes == 0
+
+
+def test_select_ranks_again_after_passing_over_an_unbuildable_first_so_the_tie_rule_settles_the_rest():
+    def mix():
+        return [RefusedPlan("cudnn:a_refused", 0), Plan("cudnn:b_big", 2, workspace_bytes=2**28),
+                KnownPlace("gemm:z_lean", 2, workspace_bytes=4096)]
+
+    picked, eager = mix(), mix()
+    with isolated(*picked, builtins=False):
+        chosen = select(P3, mode="get")
+    with isolated(builtins=False):
+        everything = ranked_predictions(P3, eager, Policy(), learn_workspaces=True)
+    assert chosen.algorithm == everything[0][0].name == "gemm:z_lean" and chosen.workspace_bytes == 4096
+    with isolated(RefusedPlan("cudnn:a_refused", 0), builtins=False):
+        with pytest.raises(NoAlgorithmError, match="cudnn:a_refused: cannot be built"):
+            select(P3, mode="get")
 
 
 class Forgetful(CostlyWorkspace):

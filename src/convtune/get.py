@@ -124,21 +124,21 @@ def _log_fault(algorithm: Algorithm, problem: ConvProblem, exc: BaseException) -
 def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult]], policy: Policy, db: Any,
                   prices: costmodel.Corrections) -> list[tuple[Algorithm, PerfResult]]:
     """``ranked`` (predicted with unknown workspaces counted as 0: ``unknown``) with the workspaces its first place
-    depends on learned: where several candidates are predicted within ``policy.tolerance`` of the fastest, theirs,
-    which the tie rule compares; a fastest with none beside it is first whatever its workspace, and is not built
-    (the plan's build is its first run's, ``select`` builds its pick). A learned workspace may change a price (a
-    plug-in's cost may count its workspace's traffic; a cuDNN plan's does not), so the ranking is made again until
-    no tied candidate's guess counts an unknown workspace; each is learned once, and one whose workspace cannot be
-    learned (a plan cuDNN refuses to build) is logged and left out, as a candidate whose description raises is.
-    Elsewhere a guess may still count an unknown workspace as 0 (its price and place then are what needing none
-    would give)."""
+    depends on learned: those of the candidates predicted within ``policy.tolerance`` of the fastest, which the tie
+    rule compares. A learned workspace may change a price (a plug-in's cost may count its workspace's traffic; a
+    cuDNN plan's does not), so the ranking is made again until no tied candidate's guess counts an unknown
+    workspace; each is learned once, and one whose workspace cannot be learned (a plan cuDNN refuses to build) is
+    logged and left out, as a candidate whose description raises is. A fastest with none beside it whose price does
+    not count its workspace (``priced_without_workspace``) is first whatever it needs, and is not built: a cuDNN plan's
+    build is its first run's (``select`` builds its pick). Elsewhere a guess may still count an unknown workspace as 0
+    (its price and place then are what needing none would give)."""
     learned_once: set[str] = set()  # asked once: a workspace_bytes that says nothing is not asked again
     while ranked:
         fastest = min(cast(float, g.time_ms) for _, g in ranked)
         tied = [(a, g) for a, g in ranked if cast(float, g.time_ms) <= fastest * (1 + policy.tolerance)]
         due = [a for a, g in tied if unknown(g) and a.name not in learned_once]
-        if len(tied) < 2 or not due:  # a first with no tie is first whatever it needs
-            break
+        if not due or len(tied) == 1 and priced_without_workspace(problem, due[0]):
+            break  # a first with no tie, whose price its workspace cannot change, is first whatever it needs
         learned_once.update(a.name for a in due)
         learned_now: dict[str, PerfResult | None] = {}
         for algorithm in due:
@@ -151,6 +151,15 @@ def _settle_first(problem: ConvProblem, ranked: list[tuple[Algorithm, PerfResult
         guesses = [learned_now.get(g.algorithm, g) for _, g in ranked]
         ranked = [(by_name[g.algorithm], g) for g in rank([g for g in guesses if g is not None], policy)]
     return ranked
+
+
+def priced_without_workspace(problem: ConvProblem, algorithm: Algorithm) -> bool:
+    """Whether ``algorithm``'s cost on ``problem`` is the same whatever its workspace (a cuDNN plan's: cuDNN's own
+    heuristics ranked it; ``costmodel.generic_cost``, a plug-in's default, counts the workspace's traffic)."""
+    try:
+        return algorithm.cost(problem, 0) == algorithm.cost(problem, 1 << 30)
+    except CANDIDATE_FAULTS:
+        return False
 
 
 def unknown(guess: PerfResult) -> bool:
@@ -168,8 +177,9 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     limit, determinism, TF32, reduced precision) are left out; an empty list means none is left.
     A cuDNN execution plan's workspace is known only once the plan is built (0.1 ms to a second each): get
     builds the plans of a tie for the first place (the tie rule compares their workspaces), or every plan where
-    the policy makes workspaces decide; a first place with no tie is not built (whether cuDNN can build it is
-    learned where it runs: ``select`` builds its pick and passes over one that cannot be built). A choice whose
+    the policy makes workspaces decide; a first place with no tie is not built where its price does not count its
+    workspace, as a cuDNN plan's does not (whether cuDNN can build it is learned where it runs: ``select`` builds
+    its pick and passes over one that cannot be built). A choice whose
     workspace is not known has ``workspace_bytes`` None, and is priced and placed as if it needed none (an
     answer is kept for the process: it stays None once built).
     Raises ``TypeError`` for a problem that is not a ``ConvProblem``.

@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any
 
 from . import background
-from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, unsupported_reasons
 from .db import as_db
 from .errors import CANDIDATE_FAULTS, NoAlgorithmError, check_one_of, check_type
@@ -32,12 +31,12 @@ MEASURES = ("hybrid", "find")  # the modes that measure what the database does n
 def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> PerfResult:
     """The best algorithm for ``problem`` under ``policy``, as a ``PerfResult``.
 
-    mode: 'get' (the cost model's first choice, nothing run: time_ms is None and the message
-    gives the predicted time), 'find' (always measure; stored when ``db`` is given), 'hybrid'
-    (a database hit, else find and store), 'db_then_get' (a database hit, else get's choice;
-    never measures), 'background' (a database hit, else get's choice at once, while a worker
-    thread measures the problem with find and stores it, so that a later select reads it:
-    ``convtune.background``). db: a ``TuningDB``; None
+    mode: 'get' (the cost model's first choice, nothing measured: time_ms is None and the message
+    gives the predicted time; the pick is built, as a cuDNN plan must be to run), 'find' (always
+    measure; stored when ``db`` is given), 'hybrid' (a database hit, else find and store),
+    'db_then_get' (a database hit, else get's choice; never measures), 'background' (a database
+    hit, else get's choice at once, while a worker thread measures the problem with find and
+    stores it, so that a later select reads it: ``convtune.background``). db: a ``TuningDB``; None
     means the default ``TuningDB()`` for the modes that read one, and no database for the others.
     Raises ``ValueError`` for an unknown mode, ``NoAlgorithmError`` (naming the problem and why
     each candidate was refused) when no algorithm can serve the problem under the policy.
@@ -80,35 +79,37 @@ def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
 
 
 def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool | None = None) -> PerfResult:
+    """get's first place, built: the pick is built to run anyway, and one that cannot be built (a cuDNN execution plan
+    cuDNN refuses) is passed over by ranking the rest again (its tie rule then settles among them); learn_workspaces
+    as ``ranked_predictions`` takes it. ``NoAlgorithmError`` naming why each candidate was refused when none is left."""
     settings.check()  # before algorithms() asks each candidate, where a bad setting would be its fault
-    ranked = ranked_predictions(problem, algorithms(problem), policy, db, learn_workspaces=learn_workspaces)
-    if not ranked:
-        refused = unsupported_reasons(problem)
-        for _, guess in ranked_predictions(problem, algorithms(problem), policy, db, keep_filters=False):
-            violation = policy.violation(workspace_bytes=guess.workspace_bytes, deterministic=guess.deterministic,
-                                         uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
-            refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
-        raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
-    best = _first_buildable(problem, policy, ranked)
+    candidates = algorithms(problem)
+    unbuildable: dict[str, str] = {}
+    while True:
+        ranked = ranked_predictions(problem, candidates, policy, db, learn_workspaces=learn_workspaces)
+        if not ranked:
+            raise NoAlgorithmError(_no_algorithm(problem, policy, _refused_by_model(problem, policy, db) | unbuildable))
+        algorithm, best = ranked[0]
+        try:
+            known = algorithm.known_workspace_bytes(problem)
+            workspace = algorithm.workspace_bytes(problem) if known is None else known
+            break
+        except CANDIDATE_FAULTS as exc:
+            unbuildable[algorithm.name] = f"cannot be built ({type(exc).__name__}: {exc})"
+            candidates = [c for c in candidates if c is not algorithm]
     # Unknown determinism (None, a cuDNN execution plan never run) is no promise of determinism.
-    return dataclasses.replace(best, time_ms=None, deterministic=bool(best.deterministic),
+    return dataclasses.replace(best, time_ms=None, workspace_bytes=workspace, deterministic=bool(best.deterministic),
                                message=f"not measured: the cost model predicts {best.time_ms:.4g} ms")
 
 
-def _first_buildable(problem: ConvProblem, policy: Policy, ranked: list[tuple[Algorithm, PerfResult]]) -> PerfResult:
-    """The first of ``ranked`` (predictions whose first place may not be built: ``get._settle_first``) whose
-    workspace can be learned, with it: the pick is built to run anyway, and one that cannot be built (a cuDNN
-    execution plan cuDNN refuses) is passed over rather than handed to the layer. ``NoAlgorithmError`` when none
-    can."""
-    refused = {}
-    for algorithm, guess in ranked:
-        if algorithm.known_workspace_bytes(problem) is not None:
-            return guess
-        try:
-            return dataclasses.replace(guess, workspace_bytes=algorithm.workspace_bytes(problem))
-        except CANDIDATE_FAULTS as exc:
-            refused[algorithm.name] = f"cannot be built ({type(exc).__name__}: {exc})"
-    raise NoAlgorithmError(_no_algorithm(problem, policy, refused))
+def _refused_by_model(problem: ConvProblem, policy: Policy, db: Any) -> dict[str, str]:
+    """Why each candidate is out of the cost model's ranking: unsupported, or what of the policy it breaks."""
+    refused = unsupported_reasons(problem)
+    for _, guess in ranked_predictions(problem, algorithms(problem), policy, db, keep_filters=False):
+        violation = policy.violation(workspace_bytes=guess.workspace_bytes, deterministic=guess.deterministic,
+                                     uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
+        refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
+    return refused
 
 
 def _from_measurements(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult:
