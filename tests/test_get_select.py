@@ -223,8 +223,8 @@ def test_get_builds_only_the_plans_its_first_place_depends_on():
     assert named == {"cudnn:b_small": 0, "cudnn:a_big": 2**20, "cudnn:c_slow": None}  # not known: not reported as 0
 
 
-class Plan(CostlyWorkspace):
-    """Like a cuDNN execution plan: a workspace learned by a build, a price that ignores it, a place in its order."""
+class Placed:
+    """Like a cuDNN execution plan's: a place in its backend's order, a price that ignores the workspace."""
 
     def __init__(self, name, place, **kw):
         super().__init__(name, **kw)
@@ -232,6 +232,10 @@ class Plan(CostlyWorkspace):
 
     def cost(self, problem, workspace_bytes):
         return costmodel.generic_cost(problem, 0)
+
+
+class Plan(Placed, CostlyWorkspace):
+    """Like a cuDNN execution plan: besides, a workspace learned by a build."""
 
 
 class RefusedPlan(Plan):
@@ -240,13 +244,8 @@ class RefusedPlan(Plan):
         raise RuntimeError("cuDNN could not build plan")
 
 
-class KnownPlace(Fake):
-    def __init__(self, name, place, **kw):
-        super().__init__(name, **kw)
-        self.place = place
-
-    def cost(self, problem, workspace_bytes):
-        return costmodel.generic_cost(problem, 0)
+class KnownPlace(Placed, Fake):
+    """Placed, its workspace known without a build."""
 
 
 def test_a_first_place_with_no_tie_is_not_built_by_get_and_select_builds_its_pick():
