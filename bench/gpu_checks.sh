@@ -29,6 +29,8 @@
 # (bench/plan_budgets.py's committed configuration: network workspace plans under budgets). heuristics
 # (bench/heuristics_cost.py: the host time of asking cuDNN's heuristics A and B for a new problem's plans).
 # getlatency (bench/get_latency.py: how long get takes on a problem new to the process, and on it again).
+# timermethods[:<timer_methods.py arguments joined by +>] (bench/timer_methods.py: the timer's methods, their cost
+# and their picks, on a network's first problems).
 # Everything lands in $OUT (default /tmp/out), the last lines of each step on stdout.
 # Run it as `BENCH_REVISION=<revision> BENCH_SOURCE=<src tree> bash bench/gpu_checks.sh ...` with both values
 # written out as `git rev-parse --short HEAD` and `git rev-parse --short HEAD:src` give them where the tree was
@@ -117,6 +119,8 @@ for step in "$@"; do
     budgets) python3 bench/plan_budgets.py --out "$OUT" 2>&1 | quiet | tail -12 ;;
     heuristics) python3 bench/heuristics_cost.py --out "$OUT" 2>&1 | quiet | tail -12 ;;
     getlatency) python3 bench/get_latency.py --out "$OUT" 2>&1 | quiet | tail -12 ;;
+    timermethods|timermethods:*) args=${step#timermethods}; args=${args#:}
+                python3 bench/timer_methods.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -12 ;;
     probe) { nproc; lscpu | grep -i -E 'model name|numa|socket'; cat /proc/loadavg; nvidia-smi topo -m; } 2>&1 | tee "$OUT/host.txt" ;;
   esac
 done

@@ -142,7 +142,7 @@ PHASES = (
 )
 
 
-def _training_problems(network: str, batch: int, dtype: str, layout: str, device: str) -> list:
+def training_problems(network: str, batch: int, dtype: str, layout: str, device: str) -> list:
     """Every distinct problem of the network's training step, as ``optimize(training=True)`` meets them."""
     layers = zoo.network_layers(network, batch, dtype=dtype, layout=layout, device=device)
     return list(dict.fromkeys(layer.problem.with_direction(d) for i, layer in enumerate(layers)
@@ -176,7 +176,7 @@ def whole_network(network: str, batch: int, dtype: str, layout: str, device: str
     """The network's distinct training problems selected cold in 'hybrid' mode, under cProfile (Triton's disk
     cache empty: a folder of its own; ``compile_threads``: find's, default the setting's); then warm, in a fresh
     process on the database and Triton cache the cold run filled (``warm_child``)."""
-    problems = _training_problems(network, batch, dtype, layout, device)
+    problems = training_problems(network, batch, dtype, layout, device)
     threads = settings.find_compile_threads if compile_threads is None else compile_threads
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "whole.sqlite")
@@ -210,7 +210,7 @@ WARM_PHASES = (
 def warm_child(args) -> None:
     """What a warm ``optimize`` does per problem, in this fresh process: select from the database, then
     learn the chosen algorithm's workspace (a cuDNN execution plan is built), under cProfile."""
-    problems = _training_problems(args.network, args.batch, args.dtype, args.layout, args.device)
+    problems = training_problems(args.network, args.batch, args.dtype, args.layout, args.device)
 
     def tune() -> None:
         with ct.TuningDB(args.warm_child) as db:

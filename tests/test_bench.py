@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -909,3 +910,26 @@ def test_host_noise_times_each_variant_in_its_own_processes_and_pins_where_asked
     assert f"| pinned to CPU {cpu} | 1 |" in (tmp_path / "host_noise.md").read_text()
     bad = subprocess.run([sys.executable, str(BENCH / "host_noise.py"), "--cpus", "x"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--cpus 'x' must be CPU numbers" in bad.stderr
+
+
+timer_methods = _bench_script("timer_methods")
+
+
+def test_timer_methods_reads_its_methods_and_sums_up_hand_made_rows(timer_methods):
+    assert timer_methods.parse_method("eager=0.1/sample=0.25") == {"timing_eager_above_ms": 0.1,
+                                                                   "timing_sample_ms": 0.25}
+    with pytest.raises(ValueError, match="'graph' is not one of sample, eager"):
+        timer_methods.parse_method("graph=1")
+    with pytest.raises(ValueError, match="'x' is not a number of ms"):
+        timer_methods.parse_method("sample=x")
+    with pytest.raises(ValueError, match="sample must be a finite number of ms above 0"):
+        timer_methods.parse_method("sample=0")
+    rows = {"p1": {"a": {"default": (1.0, 0.5), "fast": (1.1, 0.1)}, "b": {"default": (2.0, 0.5), "fast": (1.0, 0.1)}},
+            "p2": {"a": {"default": (3.0, 0.5), "fast": (3.0, 0.1)}}, "p3": {}}
+    default, fast = timer_methods.summary(rows, ["default", "fast"])
+    assert default == ["default", "1.50", "1.000", "1.000-1.000", "0 of 2", "1.0000 / 1.000"]
+    # p1's fastest moves from a to b, which the default timed at 2.0 against a's 1.0
+    assert fast[:2] == ["fast", "0.30"] and fast[4:] == ["1 of 2", f"{2 ** 0.5:.4f} / 2.000"]
+    if not torch.cuda.is_available():
+        out = subprocess.run([sys.executable, str(BENCH / "timer_methods.py")], capture_output=True, text=True)
+        assert out.returncode == 2 and "needs --device cuda and a GPU" in out.stderr

@@ -141,3 +141,23 @@ def test_cuda_timing_graph_and_eager_fallback():
     assert t.median_ms > 0
     t = benchmark(lambda: a @ b, device="cuda", min_repeats=3, max_repeats=10, stop_above_ms=1e-6)
     assert t.stopped_early and len(t.samples_ms) == 3
+
+
+def test_the_sample_length_setting_sizes_the_calls_per_sample():
+    with settings.override(timing_sample_ms=6.0):
+        long = benchmark(sleeper(0.5), device="cpu", budget_s=0.01, min_repeats=1, max_repeats=1)
+    with settings.override(timing_sample_ms=0.1):
+        short = benchmark(sleeper(0.5), device="cpu", budget_s=0.01, min_repeats=1, max_repeats=1)
+    assert long.calls_per_sample >= 3 and short.calls_per_sample == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager_above_ms, captures", [(0.0, 1), (1e-6, 0)])
+def test_calls_as_long_as_the_setting_are_timed_without_a_graph(monkeypatch, eager_above_ms, captures):
+    a = torch.randn(512, 512, device="cuda")
+    made = []
+    capture = timing._CudaSampler._capture
+    monkeypatch.setattr(timing._CudaSampler, "_capture", lambda self: made.append(1) or capture(self))
+    with settings.override(timing_eager_above_ms=eager_above_ms):
+        t = benchmark(lambda: a @ a, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
+    assert len(made) == captures and t.median_ms > 0 and len(t.samples_ms) >= 3

@@ -107,6 +107,10 @@ _SETTINGS = (
     _Setting("timing_max_repeats", _at_least(1, int), 50, "most timed repeats"),
     # stop repeating once (p75 - p25) / median is below this
     _Setting("timing_rel_spread", _at_least(0, above=True), 0.05, "spread that ends repeats"),
+    # one sample's calls last about this long (ms): long against the events' resolution, and a CUDA graph holds them
+    _Setting("timing_sample_ms", _at_least(0, above=True), 1.0, "length of one timed sample, ms"),
+    # on CUDA a call at least this long (ms) is timed in an eager loop, not a captured graph (0: always a graph)
+    _Setting("timing_eager_above_ms", _at_least(0), 0.0, "calls this long are timed without a CUDA graph (0: never)"),
     # built cuDNN execution plans launch through the frontend's C++ graph, skipping its per-call Python checks
     # (read when a cuDNN execution plan first runs in the process)
     _Setting("cudnn_direct", _bool, True, "cuDNN execution plans launch without the frontend's Python layer"),

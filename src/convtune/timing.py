@@ -5,11 +5,12 @@ fake and every candidate of one comparison is timed by the same method:
 
 - a warm-up call (first-call costs: allocator, oneDNN primitive creation, cuDNN execution plan builds);
 - samples of ``inner`` back-to-back calls, ``inner`` chosen so one sample lasts about
-  ``SAMPLE_TARGET_MS``: timer resolution and per-sample overhead then cannot decide the
+  ``settings.timing_sample_ms`` (1 ms): timer resolution and per-sample overhead then cannot decide the
   15-100 us kernels of a real network;
 - CUDA: device timestamps (events), the ``inner`` calls captured once in a CUDA graph and
   replayed, so Python launch overhead (about 25 us a call) is out of the measurement (an eager
-  loop when the candidate cannot be captured), and an L2 flush (a write of 2x the L2 size)
+  loop when the candidate cannot be captured, or where a call lasts ``settings.timing_eager_above_ms`` or
+  more: its launches then overlap its work), and an L2 flush (a write of 2x the L2 size)
   before every sample, so no sample starts with its operands already in cache;
 - the median of the samples, their spread (p75 - p25), repeated until the spread is small,
   the budget is spent, or the median is clearly above ``stop_above_ms``.
@@ -35,9 +36,6 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-# One sample lasts about this long: long against timer resolution and launch overhead,
-# short enough that a budget of a fraction of a second still holds several samples.
-SAMPLE_TARGET_MS = 1.0
 # Most calls in one sample (very fast functions; also bounds a CUDA graph's size).
 MAX_INNER = 1000
 # A warm-up call longer than this skips the sizing call (slow candidates run once per sample).
@@ -161,10 +159,10 @@ def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None =
 
 
 def _inner_for(per_call_ms: float) -> int:
-    """Calls per sample so that one sample lasts about SAMPLE_TARGET_MS."""
+    """Calls per sample so that one sample lasts about ``settings.timing_sample_ms``."""
     if per_call_ms <= 0:
         return MAX_INNER
-    return max(1, min(MAX_INNER, math.ceil(SAMPLE_TARGET_MS / per_call_ms)))
+    return max(1, min(MAX_INNER, math.ceil(settings.timing_sample_ms / per_call_ms)))
 
 
 class _CpuSampler:
@@ -216,11 +214,16 @@ class _CudaSampler:
         self.inner, self.graph = 1, None
 
     def prepare(self) -> None:
-        """Size ``inner`` and capture the graph of ``inner`` calls."""
+        """Size ``inner`` and capture the graph of ``inner`` calls (none where calls are long enough to time eagerly:
+        ``settings.timing_eager_above_ms``)."""
+        per_call_ms = self.warmup_ms
         if self.warmup_ms < SIZING_LIMIT_MS:
             # Eager calls overstate the time of host-bound kernels, so inner errs on the small side.
-            self.inner = _inner_for(self._eager_ms(3) / 3)
-        self.graph = None if self.shared else self._capture()
+            per_call_ms = self._eager_ms(3) / 3
+            self.inner = _inner_for(per_call_ms)
+        eager_above = settings.timing_eager_above_ms
+        eager = self.shared or (eager_above > 0 and per_call_ms >= eager_above)
+        self.graph = None if eager else self._capture()
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
