@@ -4,7 +4,7 @@ by each method in turn.
 A cold ``find`` of ResNet-50 b32's training problems spent 4.6 of its 8.7 s preparing the timer (sizing calls, a CUDA
 graph captured per candidate: tuning_cost_resnet50_b32_t8.md). Here the first problems of a network's training step
 (``--problems``) and each one's first candidates in find's order (``--candidates``; one that fails to run is left
-out) are timed by ``timing.benchmark`` under each method, the methods taking turns in a rotated order per candidate:
+out) are timed by ``timing.benchmark`` under each method, the methods taking turns in a shuffled order per candidate:
 
 - default: a CUDA graph of the calls of a 1 ms sample (``settings.timing_sample_ms``);
 - default again: the same, for the noise between two timings of one method;
@@ -12,8 +12,9 @@ out) are timed by ``timing.benchmark`` under each method, the methods taking tur
   ``eager=<ms>`` (``timing_eager_above_ms``: calls that long timed in an eager loop, no graph).
 
 Per method: the timer's wall seconds over all candidates, each candidate's median over the default's (median and
-10th-90th percentile), the problems whose fastest candidate differs from the default's, and what those picks cost
-(the default's time of the method's pick over the default's best; geometric mean and worst). Needs a GPU.
+10th-90th percentile), the problems (of two candidates or more) whose fastest candidate differs from the default's,
+and what those changed picks cost (the default's time of the method's pick over the default's best; geometric mean
+and worst). Needs a GPU.
 
     python bench/timer_methods.py --network resnet50 --batch 32 --problems 30 --candidates 6 \\
         --methods sample=0.25,eager=0.1,eager=0.1/sample=0.25
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -78,15 +80,14 @@ def candidates_of(problem, count: int) -> list:
 
 
 def measure(problems: list, count: int, methods: dict[str, dict]) -> dict:
-    """{problem key: {candidate: {method: (median ms, timer wall s)}}}, the methods in a rotated order each time."""
-    names = list(methods)
+    """{problem key: {candidate: {method: (median ms, timer wall s)}}}, the methods in a shuffled order each time."""
+    shuffled = random.Random(0)
     rows: dict = {}
-    turn = 0
     for problem in problems:
         rows[problem.key] = {}
         for name, call in candidates_of(problem, count):
-            order = names[turn % len(names):] + names[:turn % len(names)]
-            turn += 1
+            order = list(methods)
+            shuffled.shuffle(order)  # no method always next to another (the default's two timings included)
             row = {}
             for method in order:
                 with settings.override(**methods[method]):
@@ -100,24 +101,27 @@ def measure(problems: list, count: int, methods: dict[str, dict]) -> dict:
 
 
 def summary(rows: dict, methods: list[str]) -> list[list]:
+    """Per method: [name, timer wall s, median and 10th-90th percentile of the candidates' ratios to the default,
+    the problems (of those with two candidates or more) whose fastest changes, and the changed picks' default time
+    over the default's best (geometric mean / worst; '-' where none changed)]."""
     table = []
     for method in methods:
-        ratios, wall, changed, losses = [], 0.0, 0, []
+        ratios, wall, choices, losses = [], 0.0, 0, []
         for by_candidate in rows.values():
-            if not by_candidate:
-                continue
             for times in by_candidate.values():
                 ratios.append(times[method][0] / times["default"][0])
                 wall += times[method][1]
+            if len(by_candidate) < 2:
+                continue
+            choices += 1
             default_pick = min(by_candidate, key=lambda c: by_candidate[c]["default"][0])
             pick = min(by_candidate, key=lambda c: by_candidate[c][method][0])
             if pick != default_pick:
-                changed += 1
-            losses.append(by_candidate[pick]["default"][0] / by_candidate[default_pick]["default"][0])
-        geo = math.exp(sum(math.log(x) for x in losses) / len(losses)) if losses else float("nan")
-        table.append([method, f"{wall:.2f}", f"{percentile(ratios, 0.5):.3f}",
-                      f"{percentile(ratios, 0.1):.3f}-{percentile(ratios, 0.9):.3f}", f"{changed} of {len(losses)}",
-                      f"{geo:.4f} / {max(losses):.3f}"])
+                losses.append(by_candidate[pick]["default"][0] / by_candidate[default_pick]["default"][0])
+        spread = (f"{percentile(ratios, 0.5):.3f}", f"{percentile(ratios, 0.1):.3f}-{percentile(ratios, 0.9):.3f}") \
+            if ratios else ("-", "-")
+        cost = f"{math.exp(sum(map(math.log, losses)) / len(losses)):.3f} / {max(losses):.3f}" if losses else "-"
+        table.append([method, f"{wall:.2f}", *spread, f"{len(losses)} of {choices}", cost])
     return table
 
 
@@ -125,10 +129,10 @@ def markdown(env: dict, payload: dict) -> str:
     cfg = payload["config"]
     return (f"# The timer's methods: their cost and their picks\n\n{common.env_line(env)}. {cfg['network']} "
             f"b{cfg['batch']} {cfg['dtype']}, the first {cfg['problems']} training problems, each one's first "
-            f"{cfg['candidates']} candidates in find's order; each candidate timed by every method in a rotated order. "
-            f"`bench/timer_methods.py`."
+            f"{cfg['candidates']} candidates in find's order; each candidate timed by every method in a shuffled "
+            f"order. `bench/timer_methods.py`."
             f"\n\n" + common.md_table(["method", "timer wall s", "median / default's", "10th-90th percentile",
-                                        "problems whose fastest changes", "their pick's default time / best: "
+                                        "problems whose fastest changes", "the changed picks' default time / best: "
                                         "geometric mean / worst"], payload["summary"]))
 
 

@@ -925,11 +925,13 @@ def test_timer_methods_reads_its_methods_and_sums_up_hand_made_rows(timer_method
     with pytest.raises(ValueError, match="sample must be a finite number of ms above 0"):
         timer_methods.parse_method("sample=0")
     rows = {"p1": {"a": {"default": (1.0, 0.5), "fast": (1.1, 0.1)}, "b": {"default": (2.0, 0.5), "fast": (1.0, 0.1)}},
-            "p2": {"a": {"default": (3.0, 0.5), "fast": (3.0, 0.1)}}, "p3": {}}
+            "p2": {"a": {"default": (3.0, 0.5), "fast": (3.0, 0.1)}, "b": {"default": (4.0, 0.5), "fast": (5.0, 0.1)}},
+            "p3": {"a": {"default": (3.0, 0.5), "fast": (1.0, 0.1)}}, "p4": {}}
     default, fast = timer_methods.summary(rows, ["default", "fast"])
-    assert default == ["default", "1.50", "1.000", "1.000-1.000", "0 of 2", "1.0000 / 1.000"]
-    # p1's fastest moves from a to b, which the default timed at 2.0 against a's 1.0
-    assert fast[:2] == ["fast", "0.30"] and fast[4:] == ["1 of 2", f"{2 ** 0.5:.4f} / 2.000"]
+    assert default == ["default", "2.50", "1.000", "1.000-1.000", "0 of 2", "-"]
+    # p1's fastest moves from a to b, which the default timed at 2.0 against a's 1.0 (p3's one candidate: no choice)
+    assert fast[:2] == ["fast", "0.50"] and fast[4:] == ["1 of 2", "2.000 / 2.000"]
+    assert timer_methods.summary({"p1": {}}, ["default"]) == [["default", "0.00", "-", "-", "0 of 0", "-"]]
     if not torch.cuda.is_available():
         out = subprocess.run([sys.executable, str(BENCH / "timer_methods.py")], capture_output=True, text=True)
         assert out.returncode == 2 and "needs --device cuda and a GPU" in out.stderr

@@ -1,6 +1,7 @@
 """Settings from the environment: a value that would make every search fail is refused with its variable's name."""
 
 import dataclasses
+import sys
 
 import pytest
 
@@ -77,6 +78,24 @@ def test_a_default_from_the_platform_is_computed_once_and_the_environment_still_
         assert fresh.cache_dir == "/overridden"
     monkeypatch.delenv("CONVTUNE_CACHE_DIR")
     assert fresh.cache_dir == "/platform/cache" and calls == [1]
+    monkeypatch.setenv("HOME", "/another/home")  # the platform's folders follow it: worked out again
+    assert fresh.cache_dir == "/platform/cache" and calls == [1, 1]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="platformdirs reads XDG_CACHE_HOME on Linux")
+def test_the_user_cache_folder_follows_the_home_folder_and_xdg(tmp_path, monkeypatch):
+    from convtune import settings as settings_module
+
+    fresh = settings_module.Settings()
+    monkeypatch.delenv("CONVTUNE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "a"))
+    first = fresh.cache_dir
+    monkeypatch.setenv("HOME", str(tmp_path / "b"))
+    second = fresh.cache_dir
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    third = fresh.cache_dir
+    assert len({first, second, third}) == 3 and str(tmp_path / "b") in second and str(tmp_path / "xdg") in third
 
 
 def test_the_learned_models_path_follows_its_settings_and_the_home_folder(tmp_path, monkeypatch):

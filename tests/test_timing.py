@@ -149,6 +149,8 @@ def test_the_sample_length_setting_sizes_the_calls_per_sample():
     with settings.override(timing_sample_ms=0.1):
         short = benchmark(sleeper(0.5), device="cpu", budget_s=0.01, min_repeats=1, max_repeats=1)
     assert long.calls_per_sample >= 3 and short.calls_per_sample == 1
+    with settings.override(timing_sample_ms=1e308):  # a finite setting whose calls would overflow: capped
+        assert timing._inner_for(1e-300) == timing.MAX_INNER and timing._inner_for(0.0) == timing.MAX_INNER
 
 
 @pytest.mark.gpu

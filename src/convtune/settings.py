@@ -32,6 +32,11 @@ def _extension_dir_default() -> str:
     return str(Path(platformdirs.user_cache_dir("convtune")) / "extension")
 
 
+# The environment the platform's folders come from (platformdirs: XDG on Linux, the home folder elsewhere): a default
+# computed from the platform is worked out again where one of them changes.
+_PLATFORM_ENV = ("HOME", "XDG_CACHE_HOME", "LOCALAPPDATA", "USERPROFILE")
+
+
 def _compile_threads_default() -> int:
     return min(8, (os.cpu_count() or 2) // 2)
 
@@ -109,7 +114,8 @@ _SETTINGS = (
     _Setting("timing_rel_spread", _at_least(0, above=True), 0.05, "spread that ends repeats"),
     # one sample's calls last about this long (ms): long against the events' resolution, and a CUDA graph holds them
     _Setting("timing_sample_ms", _at_least(0, above=True), 1.0, "length of one timed sample, ms"),
-    # on CUDA a call at least this long (ms) is timed in an eager loop, not a captured graph (0: always a graph)
+    # on CUDA a call at least this long (ms) is timed in an eager loop, not a captured graph (0: always a graph); the
+    # length is the sizing calls' (eager, launches included), or the first call's where that took 50 ms or more
     _Setting("timing_eager_above_ms", _at_least(0), 0.0, "calls this long are timed without a CUDA graph (0: never)"),
     # built cuDNN execution plans launch through the frontend's C++ graph, skipping its per-call Python checks
     # (read when a cuDNN execution plan first runs in the process)
@@ -133,11 +139,11 @@ _SETTINGS = (
 
 class Settings:
     """Typed access to the settings; environment variables are read on every access, a default computed from the
-    platform (the user's cache folder, the CPU count) once per process."""
+    platform (the user's cache folder, the CPU count) once per value of the variables it follows (``_PLATFORM_ENV``)."""
 
     def __init__(self) -> None:
         self._overrides: dict[str, Any] = {}
-        self._computed: dict[str, Any] = {}  # defaults computed from the platform (``_Setting.default`` callables)
+        self._computed: dict[tuple, Any] = {}  # defaults computed from the platform (``_Setting.default`` callables)
         self._by_name = {s.name: s for s in _SETTINGS}
 
     def __getattr__(self, name: str) -> Any:
@@ -155,9 +161,10 @@ class Settings:
                 raise ValueError(f"environment variable {setting.env}={raw!r} is invalid: {exc}") from None
         if not callable(setting.default):
             return setting.default
-        if name not in self._computed:  # the platform's folders and CPU count: once per process
-            self._computed[name] = setting.default()
-        return self._computed[name]
+        key = (name, *map(os.environ.get, _PLATFORM_ENV))  # the platform's folders follow these
+        if key not in self._computed:
+            self._computed[key] = setting.default()
+        return self._computed[key]
 
     @contextlib.contextmanager
     def override(self, **values: Any) -> Iterator[None]:

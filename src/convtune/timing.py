@@ -160,9 +160,8 @@ def benchmark(fn: Callable[[], object], *, device: str, budget_s: float | None =
 
 def _inner_for(per_call_ms: float) -> int:
     """Calls per sample so that one sample lasts about ``settings.timing_sample_ms``."""
-    if per_call_ms <= 0:
-        return MAX_INNER
-    return max(1, min(MAX_INNER, math.ceil(settings.timing_sample_ms / per_call_ms)))
+    calls = settings.timing_sample_ms / per_call_ms if per_call_ms > 0 else math.inf
+    return MAX_INNER if not calls < MAX_INNER else max(1, math.ceil(calls))
 
 
 class _CpuSampler:
