@@ -91,6 +91,8 @@ def convtune_layers(cfg: dict, db: ct.TuningDB) -> list[dict]:
         row["find_pick"], row["find_pick_ms"] = results[0].algorithm, results[0].time_ms
         row["find_timed"] = sum(r.status.value == "ok" for r in results)
         row["find_statuses"] = {s: sum(r.status.value == s for r in results) for s in {r.status.value for r in results}}
+        # each candidate as find left it (in find's answer order), so that a miss of the exhaustive best says why
+        row["find_results"] = [[r.algorithm, r.status.value, r.time_ms, r.message[:120]] for r in results]
         # Exhaustive cuDNN: every plan, built, checked and timed with the same timer.
         t0 = time.perf_counter()
         plans = {a.name: a for a in BACKEND.algorithms(p)}
