@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, hardware, salvage
+from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, export_lines, hardware, salvage
 from convtune import db as db_module
 from convtune.settings import settings
 from damage import FIND, corruption_suite, problem, stored_file
@@ -541,7 +541,7 @@ def test_a_gzip_export_round_trips_and_a_damaged_or_oversized_one_is_refused_who
         cut.write_bytes(first[: len(first) // 2])
         with pytest.raises(ValueError, match="damaged gzip file.*nothing was imported"):
             fresh.import_(cut)
-        monkeypatch.setattr(db_module, "IMPORT_LIMIT_BYTES", 100)
+        monkeypatch.setattr(export_lines, "IMPORT_LIMIT_BYTES", 100)
         with pytest.raises(ValueError, match="over 100 B of results once decompressed.*nothing was imported"):
             fresh.import_(packed)
         with pytest.raises(ValueError, match="over 100 B of results; split"):  # plain files are bounded too

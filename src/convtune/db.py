@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
 import hashlib
 import json
 import logging
@@ -37,35 +36,25 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from . import hardware, salvage
+from . import export_lines, hardware, salvage
 from .errors import check_type
-from .files import write_whole
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
 from .ranking import best
 from .results import PerfResult
 from .settings import settings
-from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
 # Bump on any change to the tables or to the meaning of a row; older files are moved aside.
 SCHEMA_VERSION = 3
-LINE_SCHEMAS = (1, 2, 3)  # export lines this version reads: schemas 2 and 3 added tables and a checksum column,
-# not a change to what a result row says
 BUSY_TIMEOUT_MS = 30_000
-IMPORT_LIMIT_BYTES = 1 << 30  # of a decompressed export file (a sweep of thousands of problems: tens of MB)
-_LINE_FIELDS = ("schema", "fingerprint", "software", "problem", "stored_at", "result")
-# Each exported line also carries "checksum" (_line_checksum of the others): a line damaged into other valid JSON (a
-# digit of a time changed) is refused, where a gzip file's own check covers only compressed exports. Lines written
-# before it was added have none and are read as they are.
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE results (
@@ -246,12 +235,8 @@ class TuningDB:
         for fp, sw, key, stored_at, text, name, checksum in rows:
             result = self._decode(text, key, (fp, sw, name, checksum))
             if result is not None:
-                line = dict(zip(_LINE_FIELDS, (SCHEMA_VERSION, fp, sw, key, stored_at, result.to_dict())))
-                lines.append(json.dumps({**line, "checksum": _line_checksum(line)}) + "\n")
-        data = "".join(lines).encode("utf-8")
-        if str(path).lower().endswith(".gz"):
-            data = gzip.compress(data, mtime=0)  # the same results, the same bytes
-        write_whole(path, lambda target: target.write_bytes(data))
+                lines.append(export_lines.line(SCHEMA_VERSION, fp, sw, key, stored_at, result))
+        export_lines.write(path, lines)
         return len(lines)
 
     def import_(self, path: str | os.PathLike) -> int:
@@ -263,10 +248,10 @@ class TuningDB:
         """
         path = Path(path)
         parsed = []
-        for number, raw in enumerate(_export_lines(path), start=1):
+        for number, raw in enumerate(export_lines.read(path), start=1):
             if raw.strip():
                 try:
-                    parsed.append(_parse_line(raw))
+                    parsed.append(export_lines.parse(raw))
                 except ValueError as exc:
                     raise ValueError(f"{path}:{number}: {exc}; nothing was imported") from None
         groups = {(fp, sw, p.key) for fp, sw, p, _, _ in parsed}
@@ -614,14 +599,6 @@ def _executable_checksum(fingerprint: str, software: str, problem: str, algorith
     return _checksum(fingerprint, software, problem, algorithm, recipe + "\0" + hashlib.blake2b(serialized).hexdigest())
 
 
-_NO_CHECKSUM = object()  # a line written before checksums were added
-
-
-def _line_checksum(line: dict) -> str:
-    """The checksum of an export line's fields (``_LINE_FIELDS``): of their values, not of how the file spells them."""
-    return hashlib.blake2b(json.dumps(line, sort_keys=True).encode("utf-8"), digest_size=16).hexdigest()
-
-
 def _encode(result: PerfResult) -> tuple[str, str]:
     if not isinstance(result, PerfResult):
         raise TypeError(f"TuningDB.store needs PerfResults, got {type(result).__name__}: {result!r}")
@@ -636,76 +613,7 @@ def _here(device: str) -> tuple[str, str] | None:
     return hardware.fingerprint(device), hardware.software_versions()
 
 
-def _parse_line(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
-    """One export line, validated: (fingerprint, software, problem, stored_at, result)."""
-    try:
-        line = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text (a binary payload?)") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    except RecursionError:
-        raise ValueError("JSON nested too deeply to be an export line") from None
-    if not isinstance(line, dict):
-        raise ValueError(f"expected a JSON object, got {type(line).__name__}")
-    checksum = line.pop("checksum", _NO_CHECKSUM)
-    if set(line) != set(_LINE_FIELDS):
-        missing, unknown = set(_LINE_FIELDS) - set(line), set(line) - set(_LINE_FIELDS)
-        raise ValueError(f"fields must be {list(_LINE_FIELDS)} (and, since checksums were added, a checksum); missing "
-                         f"{sorted(missing)}, unknown {sorted(unknown)}")
-    if checksum is not _NO_CHECKSUM:
-        try:
-            matches = checksum == _line_checksum(line)
-        except RecursionError:
-            raise ValueError("JSON nested too deeply to be an export line") from None
-        if not matches:
-            raise ValueError("its checksum does not match its content: the line was changed or damaged since it "
-                             "was exported; export it again from the database that holds it")
-    if line["schema"] not in LINE_SCHEMAS or isinstance(line["schema"], bool):
-        raise ValueError(f"schema {line['schema']!r} is not one of {list(LINE_SCHEMAS)}; export it again with this "
-                         f"convtune")
-    for name in ("fingerprint", "software"):
-        if not isinstance(line[name], str) or not line[name]:
-            raise ValueError(f"{name}={line[name]!r} must be a non-empty string")
-    try:
-        problem = ConvProblem.from_key(line["problem"])
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"bad problem: {exc}") from None
-    if line["fingerprint"].split("|", 1)[0] != problem.device:
-        raise ValueError(f"fingerprint {line['fingerprint']!r} is not of a {problem.device} device like the problem")
-    at = line["stored_at"]
-    if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0:
-        raise ValueError(f"stored_at={at!r} must be seconds since the epoch (a number >= 0)")
-    try:
-        result = PerfResult.from_dict(line["result"])
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"bad result: {exc}") from None
-    return line["fingerprint"], line["software"], problem, float(at), result
-
-
 # -- the file --------------------------------------------------------------------------------
-def _export_lines(path: Path) -> Iterator[bytes]:
-    """An export file's lines, one at a time: as stored, or decompressed where it is gzip's (by its first
-    bytes, whatever its name); ``ValueError`` naming the file for a damaged one or one over
-    IMPORT_LIMIT_BYTES of lines (an import keeps every parsed line until it stores them together)."""
-    with open(path, "rb") as raw:
-        packed = raw.read(2) == b"\x1f\x8b"
-    read = 0
-    try:
-        with (gzip.open(path, "rb") if packed else open(path, "rb")) as f:
-            while line := f.readline(IMPORT_LIMIT_BYTES + 1 - read):  # one line longer than the limit: bounded too
-                read += len(line)
-                if read > IMPORT_LIMIT_BYTES:
-                    raise ValueError(f"{path} holds over {format_bytes(IMPORT_LIMIT_BYTES)} of results"
-                                     f"{' once decompressed' if packed else ''}; split it into smaller exports; "
-                                     f"nothing was imported")
-                yield line.rstrip(b"\n")
-    except (OSError, EOFError, zlib.error) as exc:
-        if not packed:
-            raise
-        raise ValueError(f"{path} is a damaged gzip file ({type(exc).__name__}: {exc}); nothing was imported") from None
-
-
 def _open(path: Path) -> sqlite3.Connection:
     """A connection to a checked database at ``path``; a bad file is moved aside and replaced. In a folder that
     may not be written (SQLite cannot make its journal there), the file is read as it is (``_open_as_it_is``)."""
