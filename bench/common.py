@@ -183,8 +183,8 @@ def median_interval(values, confidence: float = 0.95) -> tuple[float, float, flo
 @contextlib.contextmanager
 def phase_clock(phases):
     """A dict label -> ms spent in each phase while the block runs: ``phases`` are (label, module, attribute)
-    triples naming a callable where its callers look it up (``convtune.find.check``, not ``convtune.verify.check``,
-    since find imported it by name; a class's method as ``Class.method``), each wrapped by ``setattr`` and restored
+    triples naming a callable where its callers look it up (``convtune.measure.check``, not ``convtune.verify.check``,
+    since measure imported it by name; a class's method as ``Class.method``), each wrapped by ``setattr`` and restored
     after. The outermost calls count (a phase that calls itself once), in every thread, summed over the threads.
     A module that cannot be imported (cuDNN's frontend not installed) leaves its phases out. Unlike cProfile, it
     counts a call that ends in an exception, and costs only the wrapped calls."""

@@ -129,9 +129,9 @@ CUDNN_PHASES = (
 PHASES = (
     *CUDNN_PHASES,
     ("cost-model ranking (get)", "convtune.find", "ranked_predictions"),
-    ("float64 references", "convtune.find", "reference_case"),
-    ("verification runs (with the compiles they wait for)", "convtune.find", "check"),
-    ("measuring (verify, determinism, timing)", "convtune.find", "_Search._measure"),
+    ("float64 references", "convtune.measure", "reference_case"),
+    ("verification runs (with the compiles they wait for)", "convtune.measure", "check"),
+    ("measuring (verify, determinism, timing)", "convtune.measure", "Search._measure"),
     ("timer: first call, L2 flush buffer", "convtune.timing", "_CudaSampler.__init__"),
     ("timer: sizing calls and graph capture", "convtune.timing", "_CudaSampler.prepare"),
     ("timer: graph capture (a call on a side stream, the capture, its instantiation)", "convtune.timing",

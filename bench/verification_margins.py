@@ -31,7 +31,7 @@ import common  # noqa: E402
 from convtune import ConvProblem, zoo  # noqa: E402
 from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.algorithms.registry import algorithms  # noqa: E402
-from convtune.find import ALLOCATION_SLACK_BYTES  # noqa: E402
+from convtune.measure import ALLOCATION_SLACK_BYTES  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 from convtune.settings import settings  # noqa: E402
 from convtune.units import format_bytes  # noqa: E402

@@ -11,7 +11,8 @@ import torch
 
 from convtune import ConvProblem, PerfResult, Policy, Status, find
 from convtune.algorithms.registry import algorithms, get_algorithm, isolated
-from convtune.find import is_out_of_memory, summary
+from convtune.find import summary
+from convtune.measure import is_out_of_memory
 from convtune.ranking import best, rank
 from convtune.settings import settings
 from convtune.verify import check, errors, judge, reference_case, tolerance
@@ -825,7 +826,8 @@ def test_on_the_cpu_the_pick_is_timed_again_against_pytorchs_call_in_alternating
     # As if PyTorch's call had been timed while another process loaded the CPU (5 ms) and the others not: the pick
     # timed again in turns with it, each known by the median of its rounds (the fake timer gives each fake's own time;
     # a fake stands in for PyTorch's call), and again while the pick changes to one not timed so
-    from convtune.find import CONFIRM_ROUNDS, _confirm, _Search
+    from convtune.find import _confirm
+    from convtune.measure import CONFIRM_ROUNDS, Search
 
     fakes = {f.name: f for f in (Fake("fake:a", time_ms=3.0), Fake("fake:b", time_ms=1.2),
                                  Fake("torch:native", time_ms=2.0))}
@@ -834,7 +836,7 @@ def test_on_the_cpu_the_pick_is_timed_again_against_pytorchs_call_in_alternating
              PerfResult("torch:native", Status.OK, time_ms=5.0, rel_error=0.0),
              PerfResult("fake:wrong", Status.WRONG_RESULT, rel_error=1.0)]
     timer = FakeTimer()
-    search = _Search(P, Policy(), timer, None)
+    search = Search(P, Policy(), timer, None)
     again = _confirm(search, first, fakes)
     assert len(timer.calls) == 2 * 2 * CONFIRM_ROUNDS and again[3] is first[3]  # a, then b, each against native
     named = by_name(again)
@@ -852,7 +854,7 @@ def test_on_the_cpu_the_pick_is_timed_again_against_pytorchs_call_in_alternating
              (first, Policy(budget_s=60), fakes), (first, Policy(deadline_s=60), fakes),
              (first, Policy(), {**fakes, "fake:a": failing})]
     for results, policy, named_algorithms in cases:
-        assert _confirm(_Search(P, policy, FakeTimer(), None), results, named_algorithms) == results
+        assert _confirm(Search(P, policy, FakeTimer(), None), results, named_algorithms) == results
     # find confirms with its own timer on the CPU only: a fake or another timer is left as it measured
     assert "timed again" not in by_name(find(P, timer=FakeTimer(), candidates=[Fake("fake:fast", time_ms=0.0),
                                                                                get_algorithm("torch:native")]))["fake:fast"].message

@@ -75,10 +75,10 @@ def test_in_the_process_on_cuda_what_the_allocator_can_tell_decides(readings, li
     # which may only bound what it allocated: tests/gpu/test_gpu_algorithms.py measures them for real.)
     import importlib
 
-    find_module = importlib.import_module("convtune.find")  # (the package's name 'find' is the function)
+    measure = importlib.import_module("convtune.measure")
     left = list(readings)
-    monkeypatch.setattr(find_module, "allocated_while", lambda run: (run(), left.pop(0))[1])
-    search = find_module._Search(P, ct.Policy(workspace_limit=limit), FakeTimer(), None)
+    monkeypatch.setattr(measure, "allocated_while", lambda run: (run(), left.pop(0))[1])
+    search = measure.Search(P, ct.Policy(workspace_limit=limit), FakeTimer(), None)
     ran = []
     with settings.override(isolate="plugins"):
         status, why = search._allocation_here(adversaries.Correct(), lambda: ran.append(1))
@@ -92,16 +92,16 @@ def test_in_the_process_on_cuda_what_the_allocator_can_tell_decides(readings, li
 def test_in_the_background_worker_nothing_is_read_beside_the_callers_work(monkeypatch):
     import importlib
 
-    find_module = importlib.import_module("convtune.find")
+    measure = importlib.import_module("convtune.measure")
 
     def never(run):
         raise AssertionError("read the allocator (and synchronized the device) in the background")
 
-    monkeypatch.setattr(find_module, "allocated_while", never)
-    monkeypatch.setattr(find_module.background, "in_worker", lambda: True)
+    monkeypatch.setattr(measure, "allocated_while", never)
+    monkeypatch.setattr(measure.background, "in_worker", lambda: True)
     with settings.override(isolate="plugins"):
-        free = find_module._Search(P, ct.Policy(), FakeTimer(), None)._allocation_here(adversaries.Correct(), None)
-        held = find_module._Search(P, ct.Policy(workspace_limit=0), FakeTimer(), None)._allocation_here(
+        free = measure.Search(P, ct.Policy(), FakeTimer(), None)._allocation_here(adversaries.Correct(), None)
+        held = measure.Search(P, ct.Policy(workspace_limit=0), FakeTimer(), None)._allocation_here(
             adversaries.Correct(), None)
     assert free == (None, "") and held[0] is Status.SKIPPED and "in the background" in held[1]
 

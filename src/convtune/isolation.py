@@ -339,13 +339,13 @@ def _watch_parent(parent_pid: int) -> None:
 def _serve(recv: Connection, send: Connection) -> None:
     """Measure each candidate sent until told to stop. A search (inputs and reference) is kept while the
     candidates sent are of the same problem, policy, timer and seed."""
-    from .find import _describe, _Search
+    from .measure import Search, describe
 
     def reply(task_id: int, kind: str, body: Any) -> None:
         send.send_bytes(pickle.dumps((task_id, kind, body)))
 
     send.send_bytes(pickle.dumps("ready"))
-    current: tuple[Any, _Search] | None = None
+    current: tuple[Any, Search] | None = None
     while True:
         try:
             kind, task_id, state, task = pickle.loads(recv.recv_bytes())
@@ -366,7 +366,7 @@ def _serve(recv: Connection, send: Connection) -> None:
                 continue
             identity = (problem, policy, seed, pickle.dumps(timer))
             if current is None or current[0] != identity:
-                current = (identity, _Search(problem, policy, timer, seed))
+                current = (identity, Search(problem, policy, timer, seed))
             search = current[1]
             search.best_ms = best_ms
             try:
@@ -379,7 +379,7 @@ def _serve(recv: Connection, send: Connection) -> None:
             try:
                 result = search.measure_here(algorithm, props, probe, timer_budget_s)
             except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt and the like: this worker ends
-                reply(task_id, "died", f"it raised {_describe(exc)} (its worker process ended)")
+                reply(task_id, "died", f"it raised {describe(exc)} (its worker process ended)")
                 return
             if result.status is not Status.OK and _context_poisoned(problem):
                 reply(task_id, "died", f"{result.message}; it left the CUDA context unusable (its worker "
