@@ -373,7 +373,7 @@ class Search:
     def time_again(self, pick: PerfResult, native: PerfResult,
                    algorithms: dict[str, Algorithm]) -> dict[str, PerfResult] | None:
         """``pick`` and ``native`` timed again in ``CONFIRM_ROUNDS`` alternating rounds, each then known by the median
-        of its rounds (``_confirm``); None where they are not: either measured in a worker, calls so slow that the
+        of its rounds (``find._confirm``); None where they are not: either measured in a worker, calls so slow that the
         rounds would take over ``CONFIRM_LIMIT_S``, or one that fails now (logged)."""
         pair = [pick, native]
         if 2 * CONFIRM_ROUNDS * sum(cast(float, r.time_ms) for r in pair) > 1e3 * CONFIRM_LIMIT_S:
@@ -476,7 +476,7 @@ def _overdrawn(algorithm: Algorithm, problem: ConvProblem, used: int) -> str:
 def _over_deadline(algorithm: Algorithm, props: Props, err: float, runs_s: list[float],
                    deadline_s: float) -> PerfResult:
     """``algorithm``'s ``timeout``: right on both input sets, but past the deadline before it could be timed; its
-    slower checked run's time is kept, for when nothing else finishes (``_slow_but_right``)."""
+    slower checked run's time is kept, for when nothing else finishes (``find._slow_but_right``)."""
     took = " and ".join(f"{t:.2f} s" for t in runs_s)
     return PerfResult(algorithm.name, Status.TIMEOUT, time_ms=max(runs_s) * 1e3, rel_error=err, **props,
                       message=f"its checked runs took {took}, over the deadline of {deadline_s:g} s "
