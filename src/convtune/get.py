@@ -179,9 +179,9 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     builds the plans of a tie for the first place (the tie rule compares their workspaces), or every plan where
     the policy makes workspaces decide; a first place with no tie is not built where its price does not count its
     workspace, as a cuDNN plan's does not (whether cuDNN can build it is learned where it runs: ``select`` builds
-    its pick and passes over one that cannot be built). A choice whose
-    workspace is not known has ``workspace_bytes`` None, and is priced and placed as if it needed none (an
-    answer is kept for the process: it stays None once built).
+    its pick and passes over one that cannot be built). A choice whose workspace is not known has
+    ``workspace_bytes`` None, and is priced and placed as if it needed none (an answer is kept for the process: it
+    stays None once built).
     Raises ``TypeError`` for a problem that is not a ``ConvProblem``.
 
         >>> from convtune import ConvProblem, Policy
