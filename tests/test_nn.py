@@ -849,3 +849,70 @@ def test_optimize_warns_when_the_example_runs_no_convolution_it_tunes(caplog):
     warned = [r.getMessage() for r in caplog.records if "ran no convolution that convtune tunes" in r.getMessage()]
     assert len(warned) == 2 and "transposed convolutions ('0') are left on torch's path" in warned[1]
     assert convtune.explain(up) == []
+
+
+# -- a user's edits and arguments, as PyTorch takes them ---------------------------------------------------------
+
+@pytest.mark.parametrize("attr, value", [("stride", 2), ("padding", 1), ("dilation", 2)])
+def test_one_number_for_every_dimension_set_after_tuning_computes_as_torch_does(tmp_path, attr, value):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 9, 9)
+    model = convtune.optimize(torch.nn.Conv2d(4, 6, 3), x, db=str(tmp_path / "t.sqlite"))
+    twin = torch_twin(model)
+    setattr(model, attr, value)
+    setattr(twin, attr, value)
+    assert getattr(model, attr) == (value, value)
+    assert torch.allclose(model(x), twin(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("edit", ["parameter", "data", "kernel_size"])
+def test_a_weight_of_another_shape_after_tuning_computes_as_torch_does(tmp_path, edit):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8)
+    model = convtune.optimize(torch.nn.Conv2d(4, 6, 1), x, db=str(tmp_path / "t.sqlite"))
+    twin = torch_twin(model)
+    bigger = torch.randn(6, 4, 3, 3)
+    for module in (model, twin):
+        if edit == "parameter":
+            module.weight = torch.nn.Parameter(bigger.clone())
+        elif edit == "data":
+            module.weight.data = bigger.clone()
+        else:  # the attribute changes, the weight does not: torch computes with the weight
+            module.kernel_size = (3, 3)
+    expected = twin(x)
+    assert model(x).shape == expected.shape and torch.allclose(model(x), expected, atol=1e-5)
+
+
+def test_groups_that_do_not_fit_the_weight_raise_torchs_own_error(tmp_path):
+    x = torch.randn(2, 4, 8, 8)
+    model = convtune.optimize(torch.nn.Conv2d(4, 6, 1), x, db=str(tmp_path / "t.sqlite"))
+    model.groups = 2
+    with pytest.raises(RuntimeError, match="Given groups=2"):
+        model(x)
+
+
+def test_double_backward_on_the_python_path_raises_a_clear_error(tmp_path):
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    with settings.override(native=False), isolated(convtune.get_algorithm("gemm:1x1"), builtins=False):
+        model = convtune.optimize(torch.nn.Conv2d(3, 4, 1), x, training=True, mode="find",
+                                  db=str(tmp_path / "t.sqlite"))
+        assert {row["runtime"] for row in convtune.explain(model)} == {"python"}
+        y = model(x).square().sum()
+        with pytest.raises(NotImplementedError, match="no double backward"):
+            torch.autograd.grad(y, x, create_graph=True)
+        (gx,) = torch.autograd.grad(model(x).square().sum(), x)  # a plain backward still runs
+    assert gx.shape == x.shape
+
+
+@pytest.mark.parametrize("training", ["False", None, 0.5, torch.tensor(0.0)])
+def test_optimize_takes_training_as_a_bool_only(training):
+    with pytest.raises(TypeError, match="optimize\\(\\)'s training .* must be a bool"):
+        convtune.optimize(torch.nn.Conv2d(3, 4, 1), torch.randn(1, 3, 4, 4), training=training)
+
+
+@pytest.mark.parametrize("db", [3, True, {"path": "x.sqlite"}, b"x.sqlite"])
+def test_a_database_of_another_type_is_refused_by_optimize_and_by_a_layer(db):
+    with pytest.raises(TypeError, match="optimize\\(\\)'s db must be a TuningDB, a database file's path or None"):
+        convtune.optimize(torch.nn.Conv2d(3, 4, 1), torch.randn(1, 3, 4, 4), db=db)
+    with pytest.raises(TypeError, match="db must be a TuningDB"):
+        convtune.nn.Conv2d(3, 4, 1, db=db)

@@ -537,11 +537,16 @@ def as_db(db: Any, who: str) -> Any:
     """``db`` as find, select, plan and get take it: a ``TuningDB`` (or an object with its methods), None, or a
     path (``opened(path, strict=True)``: raised where it cannot be opened). ``TypeError`` for anything else, naming
     ``who`` (the function asked)."""
-    if isinstance(db, (str, os.PathLike)):
-        return opened(db, strict=True)
-    if db is not None and not any(callable(getattr(db, m, None)) for m in ("results", "lookup", "measurements")):
+    check_db(db, who)
+    return opened(db, strict=True) if isinstance(db, (str, os.PathLike)) else db
+
+
+def check_db(db: Any, who: str) -> None:
+    """``TypeError`` naming ``who`` unless ``db`` is a ``TuningDB`` (or an object with its methods), a path or None."""
+    if db is None or isinstance(db, (str, os.PathLike)):
+        return
+    if not any(callable(getattr(db, m, None)) for m in ("results", "lookup", "measurements")):
         raise TypeError(f"{who}'s db must be a TuningDB, a database file's path or None, got {type(db).__name__}")
-    return db
 
 
 def _warn_unopened(where: str, exc: BaseException, fix: str) -> None:

@@ -48,6 +48,9 @@ class Tuning:
     def __init__(self, policy: Policy | None = None, mode: str = "hybrid", db: Any = None) -> None:
         check_one_of("mode", mode, SELECTION_MODES)
         check_type(policy, Policy, "policy", optional=True)
+        from convtune.db import check_db
+
+        check_db(db, "the tuning")
         self.policy = DEFAULT_POLICY if policy is None else policy
         self.mode = mode
         self._db = db

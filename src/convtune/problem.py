@@ -320,15 +320,17 @@ class ConvProblem:
             raise TypeError(
                 f"from_module needs an nn.Conv1d, nn.Conv2d or nn.Conv3d, got {type(module).__name__}"
             )
-        ndim = len(module.kernel_size)
+        ndim = module.weight.dim() - 2
         input_shape = tuple(input_shape)
         if len(input_shape) != ndim + 2:
             raise ValueError(
                 f"input_shape={input_shape} does not fit {type(module).__name__}: give (N, C, {ndim} spatial size(s))"
             )
-        if input_shape[1] != module.in_channels:
+        weight = module.weight  # torch computes with the weight as it is, whatever the module's attributes say
+        if weight.shape[1] * module.groups != input_shape[1]:
             raise ValueError(
-                f"input_shape={input_shape} has {input_shape[1]} channels but the module expects {module.in_channels}"
+                f"input_shape={input_shape} has {input_shape[1]} channels but the module's weight of shape "
+                f"{tuple(weight.shape)} in {module.groups} group(s) takes {weight.shape[1] * module.groups}"
             )
         spatial = list(input_shape[2:])
         padding = explicit_padding(module)
@@ -339,11 +341,10 @@ class ConvProblem:
             pad = tuple(sym)
         else:
             pad = tuple(lo for lo, _ in padding)
-        weight = module.weight
         return cls(
-            direction=direction, n=input_shape[0], c=module.in_channels, k=module.out_channels,
-            input_size=tuple(spatial), kernel_size=tuple(module.kernel_size), stride=tuple(module.stride),
-            padding=pad, dilation=tuple(module.dilation), groups=module.groups,
+            direction=direction, n=input_shape[0], c=input_shape[1], k=weight.shape[0],
+            input_size=tuple(spatial), kernel_size=tuple(weight.shape[2:]), stride=per_dimension(module.stride, ndim),
+            padding=pad, dilation=per_dimension(module.dilation, ndim), groups=module.groups,
             dtype=dtype if dtype is not None else weight.dtype,
             layout=layout, device=device if device is not None else weight.device,
             allow_tf32=torch.backends.cudnn.allow_tf32 if allow_tf32 is None else allow_tf32,
@@ -391,17 +392,26 @@ class ConvGeometry(Protocol):
 
 
 def explicit_padding(module: ConvGeometry) -> list[tuple[int, int]]:
-    """(before, after) padding per spatial dimension of a conv module, string paddings resolved."""
-    ndim = len(module.kernel_size)
+    """(before, after) padding per spatial dimension of a conv module, string paddings resolved (from its weight's
+    kernel, as torch's functional convolution resolves them, where it has a weight)."""
+    weight = getattr(module, "weight", None)
+    kernel = tuple(weight.shape[2:]) if isinstance(weight, torch.Tensor) else tuple(module.kernel_size)
+    ndim = len(kernel)
     if isinstance(module.padding, str):
         if module.padding == "valid":
             return [(0, 0)] * ndim
         pads = []
-        for d, r in zip(module.dilation, module.kernel_size):
+        for d, r in zip(per_dimension(module.dilation, ndim), kernel):
             total = d * (r - 1)
             pads.append((total // 2, total - total // 2))
         return pads
-    return [(p, p) for p in module.padding]
+    return [(p, p) for p in per_dimension(module.padding, ndim)]
+
+
+def per_dimension(value: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    """A conv module's stride, padding or dilation as one number a spatial dimension (torch's functional
+    convolution takes one number for all of them too)."""
+    return (value,) * ndim if isinstance(value, int) else tuple(value)
 
 
 def layout_order(ndim_total: int, layout: str) -> tuple[int, ...]:

@@ -87,15 +87,23 @@ class TunedConv(_ConvBase):
 
     def __setattr__(self, name: str, value: Any) -> None:
         # A tuned choice belongs to the convolution the layer was: changing what it computes (stride,
-        # padding, ...) after tuning drops the choices, and the next call tunes the layer it now is.
+        # padding, ...) after tuning drops the choices, and the next call tunes the layer it now is. One number
+        # for every spatial dimension, as torch's functional convolution takes it, is stored per dimension.
+        if name in _PER_DIMENSION and isinstance(value, int) and not isinstance(value, bool) \
+                and "kernel_size" in self.__dict__:
+            value = (value,) * len(self.kernel_size)
         super().__setattr__(name, value)
         if name in _GEOMETRY and "_convtune_selections" in self.__dict__:
-            self._convtune_selections.clear()
-            self._convtune_fast.clear()
-            self._convtune_traced.clear()
-            self._convtune_static.clear()
-            self._convtune_from_compiled.clear()
-            self._convtune_drop_layer()
+            self._convtune_reset()
+
+    def _convtune_reset(self) -> None:
+        """Drop every choice: the layer computes another convolution now (its geometry or its weight's shape)."""
+        self._convtune_selections.clear()
+        self._convtune_fast.clear()
+        self._convtune_traced.clear()
+        self._convtune_static.clear()
+        self._convtune_from_compiled.clear()
+        self._convtune_drop_layer()
 
     def __setstate__(self, state: dict) -> None:
         if "_convtune_plans" in state:  # pickled by a version that called the selections plans
@@ -338,6 +346,11 @@ class TunedConv(_ConvBase):
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
         self._convtune_adopt_landed(sig)
         selection = self._convtune_selections.get(sig)
+        if selection is not None and selection.weight_shape not in (None, weight.shape):
+            # a weight of another shape since (a new Parameter, its .data replaced): torch computes with the weight
+            # as it is, so the layer is tuned again for the convolution it now is
+            self._convtune_reset()
+            selection = None
         if selection is None or not selection.covers(need_dx, need_dw):
             if torch.compiler.is_compiling():
                 selection = _eager_tuning(type(self))(self, sig, need_dx, need_dw)
@@ -428,6 +441,7 @@ class TunedConv(_ConvBase):
 
 _GEOMETRY = frozenset({"stride", "padding", "dilation", "groups", "padding_mode", "kernel_size", "in_channels",
                        "out_channels", "_reversed_padding_repeated_twice"})  # what a choice depends on
+_PER_DIMENSION = frozenset({"stride", "padding", "dilation", "kernel_size"})  # tuples of one number a dimension
 _GRADIENTS_NEEDED = ((False, False), (True, False), (False, True), (True, True))  # (of the input, of the weight)
 
 

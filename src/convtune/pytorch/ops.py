@@ -359,6 +359,10 @@ class _EagerConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients' own gradients, which nothing here computes
+            raise NotImplementedError(f"{ctx.call.key}: convtune's Python path has no derivative of its gradients, "
+                                      f"so a tuned layer has no double backward (create_graph=True); run that model "
+                                      f"on torch's convolutions")
         return _gradients(ctx, dy, _run_eager)[:3]
 
 

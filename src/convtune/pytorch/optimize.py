@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from convtune.algorithms.registry import get_algorithm
-from convtune.errors import NoAlgorithmError
+from convtune.db import check_db
+from convtune.errors import NoAlgorithmError, check_type
 from convtune.network import LayerRow, Tuning, plan_layers, planned_rows, select_layers
 from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
@@ -258,11 +259,13 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"optimize() takes a torch.nn.Module, got {type(model).__name__}")
+    check_type(training, bool, "optimize()'s training (True: tune the backward directions too)")
+    check_db(db, "optimize()")
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, "optimize(workspace_budget=...)")
     tuning = Tuning(_within(policy, budget), mode, db)  # validates policy and mode before anything runs
     if mode == "background":  # the example's inputs as 'hybrid' (optimize is the tuning step); later shapes
         tuning.mode = "hybrid"  # in the background, from the end of this call
-    seen = _observe(model, example_inputs, bool(training), tuning)
+    seen = _observe(model, example_inputs, training, tuning)
     for name, module in model.named_modules():
         if isinstance(module, _CONV_TYPES) and not isinstance(module, TunedConv) and type(module) not in TUNED:
             log.warning("%s is a %s, a subclass of a torch conv module whose forward may differ: left on "
