@@ -916,3 +916,36 @@ def test_a_database_of_another_type_is_refused_by_optimize_and_by_a_layer(db):
         convtune.optimize(torch.nn.Conv2d(3, 4, 1), torch.randn(1, 3, 4, 4), db=db)
     with pytest.raises(TypeError, match="db must be a TuningDB"):
         convtune.nn.Conv2d(3, 4, 1, db=db)
+
+
+def test_a_torch_layer_given_one_number_for_its_stride_is_tuned_as_torch_computes_it(tmp_path):
+    conv = torch.nn.Conv2d(3, 4, 3)
+    conv.stride, conv.dilation = 2, 2  # torch's functional convolution takes them so
+    x = torch.randn(2, 3, 11, 11)
+    expected = torch_twin(conv)(x)
+    model = convtune.optimize(conv, x, mode="get", db=str(tmp_path / "t.sqlite"))
+    assert torch.allclose(model(x), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("edit", ["parameter", "data"])
+def test_a_same_padded_layer_given_a_weight_of_another_kernel_pads_for_it(tmp_path, edit):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    conv = convtune.nn.Conv2d(3, 4, 3, padding="same", mode="get", db=str(tmp_path / "t.sqlite"))
+    with torch.no_grad():
+        conv(x), conv(x)  # the second call takes the hot path
+        twin = torch_twin(conv)
+        for module in (conv, twin):
+            if edit == "parameter":
+                module.weight = torch.nn.Parameter(torch.ones(4, 3, 5, 5))
+            else:
+                module.weight.data = torch.ones(4, 3, 5, 5)
+        assert conv(x).shape == (2, 4, 8, 8) and torch.allclose(conv(x), twin(x), atol=1e-4)
+
+
+def test_a_database_path_of_any_pathlike_is_opened(tmp_path):
+    import pathlib
+
+    path = pathlib.PurePosixPath(tmp_path / "t.sqlite")
+    model = convtune.optimize(torch.nn.Conv2d(3, 4, 1), torch.randn(1, 3, 4, 4), mode="get", db=path)
+    assert model(torch.randn(1, 3, 4, 4)).shape == (1, 4, 4, 4)

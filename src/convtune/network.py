@@ -17,6 +17,7 @@ refuses it, ``optimize`` keeps each layer's own choice.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +67,7 @@ class Tuning:
     def db(self) -> Any:
         if self._opened:
             return self._db
-        if isinstance(self._db, (str, Path)):
+        if isinstance(self._db, (str, os.PathLike)):
             from convtune.db import opened
 
             self._db = opened(self._db)  # where it cannot be opened: a temporary one, warned

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from convtune import background, extension
 from convtune.policy import Policy
-from convtune.problem import ConvProblem, explicit_padding, is_in_layout, to_layout
+from convtune.problem import ConvProblem, explicit_padding, is_in_layout, per_dimension, to_layout
 from convtune.pytorch import ops, runtime
 from convtune.pytorch.tuning import LayerSelection, Signature, Tuning, directions_needed, layout_of, select_for_layer
 from convtune.settings import settings
@@ -207,9 +207,13 @@ class TunedConv(_ConvBase):
         """This module's layer for compiled code (``torch.ops.convtune.layer_conv``), made where the extension
         is loaded and the layer does not pad its input first; 0 where none is made."""
         module = extension.loaded()
-        if module is None or self._convtune_pads_first() or torch.compiler.is_compiling():
+        # (a string padding is resolved from the weight's kernel: the layer's geometry would not follow a new weight)
+        if module is None or self._convtune_pads_first() or isinstance(self.padding, str) \
+                or torch.compiler.is_compiling():
             return 0
-        geometry = (list(self.stride), [lo for lo, _ in explicit_padding(self)], list(self.dilation), self.groups)
+        nd = self.weight.dim() - 2
+        geometry = (list(per_dimension(self.stride, nd)), [lo for lo, _ in explicit_padding(self)],
+                    list(per_dimension(self.dilation, nd)), self.groups)
         try:
             layer = module.layer_new(*geometry, list(self.weight.shape))
         except ValueError:  # a geometry no convolution has (stride 0, say): torch's own call says so
@@ -346,9 +350,11 @@ class TunedConv(_ConvBase):
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
         self._convtune_adopt_landed(sig)
         selection = self._convtune_selections.get(sig)
-        if selection is not None and selection.weight_shape not in (None, weight.shape):
+        if selection is not None and selection.weight_shape not in (None, weight.shape) \
+                and not torch.compiler.is_compiling():
             # a weight of another shape since (a new Parameter, its .data replaced): torch computes with the weight
-            # as it is, so the layer is tuned again for the convolution it now is
+            # as it is, so the layer is tuned again for the convolution it now is (in eager code: compiled code
+            # keeps the executables it was compiled with, and refuses the new weight with ValueError)
             self._convtune_reset()
             selection = None
         if selection is None or not selection.covers(need_dx, need_dw):
@@ -395,8 +401,10 @@ class TunedConv(_ConvBase):
         signature checked in C++ (``TorchDirect``) where the native runtime is on and a torch:native executable of
         the problem says what the signature is, else in Python (``TorchCall``)."""
         python = TorchCall.of(input, sig, selection)
-        # (an input not dense in its layout stays on the Python checks: the C++ check wants the problem's strides)
-        if settings.native and batched and not self._convtune_pads_first() and is_in_layout(input, sig.layout):
+        # (an input not dense in its layout stays on the Python checks: the C++ check wants the problem's strides;
+        # so does a string padding, which the C++ call would take as the numbers resolved from the tuned weight)
+        if settings.native and batched and not self._convtune_pads_first() and not isinstance(self.padding, str) \
+                and is_in_layout(input, sig.layout):
             try:
                 handle = runtime.prepare(ConvProblem.from_key(selection.problem), "torch:native")[0]
             except runtime.REFUSALS:  # no extension, or no problem (a dtype convtune does not tune): ValueError
