@@ -91,7 +91,7 @@ class TunedConv(_ConvBase):
         # for every spatial dimension, as torch's functional convolution takes it, is stored per dimension.
         if name in _PER_DIMENSION and isinstance(value, int) and not isinstance(value, bool) \
                 and "kernel_size" in self.__dict__:
-            value = (value,) * len(self.kernel_size)
+            value = per_dimension(value, len(self.kernel_size))
         super().__setattr__(name, value)
         if name in _GEOMETRY and "_convtune_selections" in self.__dict__:
             self._convtune_reset()
