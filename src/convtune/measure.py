@@ -113,13 +113,16 @@ class Search:
 
     def restore_inputs(self) -> bool:
         """Put the shared inputs back if a candidate wrote into them; True if it had."""
-        wrote = False
-        for ((a, b), _), (a0, b0) in zip(self._cases, self._pristine):
-            if not (torch.equal(a, a0) and torch.equal(b, b0)):
-                a.copy_(a0)
-                b.copy_(b0)
-                wrote = True
-        return wrote
+        pairs = [(t, t0) for ((a, b), _), (a0, b0) in zip(self._cases, self._pristine) for t, t0 in ((a, a0), (b, b0))]
+        if not pairs:
+            return False
+        # One synchronization for all of them (a find asks after each stage of every candidate). != as
+        # torch.equal compares: NaN written into an input differs, -0.0 for 0.0 does not.
+        changed = torch.stack([t.ne(t0).any() for t, t0 in pairs]).tolist()
+        for (t, t0), wrote in zip(pairs, changed):
+            if wrote:
+                t.copy_(t0)
+        return any(changed)
 
     def try_candidate(self, algorithm: Algorithm, predicted_ms: float = math.inf,
                       converged: bool = False) -> PerfResult:
