@@ -189,15 +189,24 @@ def errors(result: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
         >>> round(rel, 3), round(worst, 3)  # the last element lost: 73% of the norm, 59% of |4| + rms
         (0.73, 0.594)
     """
-    diff = result.detach().to(device=ref.device, dtype=torch.float64, copy=True)  # computed in place below
-    if not diff.numel():
+    result = result.detach()
+    if result.device != ref.device:
+        result = result.to(ref.device)
+    if not result.numel():
         return 0.0, 0.0
     # Every figure computed on the device and read back at once: one synchronization, not four (a find
-    # checks each candidate three times).
-    finite = torch.isfinite(diff).all()
+    # checks each candidate three times); and few passes over the float64 tensors, whose traffic is most of
+    # a check's time on a large layer.
+    finite = torch.isfinite(result).all()
+    # result - ref in float64, computed in place below: on CUDA in one pass that converts the result as it reads it (on
+    # the CPU, a loop over mixed types is slower than converting first)
+    wide = torch.promote_types(result.dtype, ref.dtype) == torch.float64 and result.device.type == "cuda"
+    diff = torch.sub(result, ref) if wide else result.to(torch.float64, copy=True).sub_(ref)
+    if diff.shape != result.shape:
+        raise ValueError(f"errors: the result's shape {tuple(result.shape)} is not the reference's {tuple(ref.shape)}")
     ref_norm = torch.linalg.vector_norm(ref)
-    diff_norm = torch.linalg.vector_norm(diff.sub_(ref))
-    rms = ref_norm / math.sqrt(ref.numel())
+    diff_norm = torch.linalg.vector_norm(diff)
+    rms = ref_norm.double() / math.sqrt(ref.numel())
     # |ref_i| + rms(ref), or 1 where ref is all zeros (then |ref_i| is 0 too)
     scale = ref.abs().add_(torch.where(rms > 0, rms, torch.ones_like(rms)))
     worst_t = diff.abs_().div_(scale).max()
