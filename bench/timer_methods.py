@@ -8,8 +8,9 @@ out) are timed by ``timing.benchmark`` under each method, the methods taking tur
 
 - default: a CUDA graph of the calls of a 1 ms sample (``settings.timing_sample_ms``);
 - default again: the same, for the noise between two timings of one method;
-- the methods named by ``--methods``, settings joined by '/': ``sample=<ms>`` (``timing_sample_ms``) and
-  ``eager=<ms>`` (``timing_eager_above_ms``: calls that long timed in an eager loop, no graph).
+- the methods named by ``--methods``, settings joined by '/': ``sample=<ms>`` (``timing_sample_ms``),
+  ``eager=<ms>`` (``timing_eager_above_ms``: calls that long timed in an eager loop, no graph) and ``graph=<calls>``
+  (``timing_graph_calls``: a graph of at most that many calls, replayed as often as a sample needs).
 
 Per method: the timer's wall seconds over all candidates, each candidate's median over the default's (median and
 10th-90th percentile), the problems (of two candidates or more) whose fastest candidate differs from the default's,
@@ -41,17 +42,23 @@ from convtune.settings import settings  # noqa: E402
 from convtune.timing import benchmark, percentile  # noqa: E402
 from tuning_cost import training_problems  # noqa: E402
 
-SETTINGS = {"sample": "timing_sample_ms", "eager": "timing_eager_above_ms"}
+SETTINGS = {"sample": "timing_sample_ms", "eager": "timing_eager_above_ms", "graph": "timing_graph_calls"}
 
 
 def parse_method(text: str) -> dict:
-    """'eager=0.1/sample=0.25' -> {'timing_eager_above_ms': 0.1, 'timing_sample_ms': 0.25}; ValueError naming it."""
-    out = {}
+    """'eager=0.1/sample=0.25' -> {'timing_eager_above_ms': 0.1, 'timing_sample_ms': 0.25}; 'graph=16' ->
+    {'timing_graph_calls': 16}; ValueError naming it."""
+    out: dict = {}
     for part in text.split("/"):
         key, _, value = part.partition("=")
         if key not in SETTINGS:
             raise ValueError(f"method {text!r}: {key!r} is not one of {', '.join(SETTINGS)} "
-                             f"(e.g. eager=0.1/sample=0.25)")
+                             f"(e.g. eager=0.1/sample=0.25, graph=16)")
+        if key == "graph":
+            if not value.isdigit():
+                raise ValueError(f"method {text!r}: graph takes a whole number of calls, 0 or more, not {value!r}")
+            out[SETTINGS[key]] = int(value)
+            continue
         try:
             ms = float(value)
         except ValueError:
@@ -142,7 +149,7 @@ def main() -> None:
     parser.set_defaults(batch=32)
     parser.add_argument("--problems", type=int, default=30, help="the network's first training problems timed")
     parser.add_argument("--candidates", type=int, default=6, help="candidates per problem, in find's order")
-    parser.add_argument("--methods", default="sample=0.25,eager=0.1,eager=0.1/sample=0.25",
+    parser.add_argument("--methods", default="sample=0.25,eager=0.1,graph=16,graph=16/eager=0.1",
                         help="methods besides the default, each settings joined by '/', separated by commas")
     common.result_arguments(parser, "timer_methods")
     args = parser.parse_args()

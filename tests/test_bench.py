@@ -918,8 +918,11 @@ timer_methods = _bench_script("timer_methods")
 def test_timer_methods_reads_its_methods_and_sums_up_hand_made_rows(timer_methods):
     assert timer_methods.parse_method("eager=0.1/sample=0.25") == {"timing_eager_above_ms": 0.1,
                                                                    "timing_sample_ms": 0.25}
-    with pytest.raises(ValueError, match="'graph' is not one of sample, eager"):
-        timer_methods.parse_method("graph=1")
+    assert timer_methods.parse_method("graph=16/eager=0") == {"timing_graph_calls": 16, "timing_eager_above_ms": 0.0}
+    with pytest.raises(ValueError, match="'size' is not one of sample, eager, graph"):
+        timer_methods.parse_method("size=1")
+    with pytest.raises(ValueError, match="graph takes a whole number of calls, 0 or more, not '1.5'"):
+        timer_methods.parse_method("graph=1.5")
     with pytest.raises(ValueError, match="'x' is not a number of ms"):
         timer_methods.parse_method("sample=x")
     with pytest.raises(ValueError, match="sample must be a finite number of ms above 0"):

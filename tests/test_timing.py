@@ -163,3 +163,20 @@ def test_calls_as_long_as_the_setting_are_timed_without_a_graph(monkeypatch, eag
     with settings.override(timing_eager_above_ms=eager_above_ms):
         t = benchmark(lambda: a @ a, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
     assert len(made) == captures and t.median_ms > 0 and len(t.samples_ms) >= 3
+
+
+@pytest.mark.gpu
+def test_a_graph_capped_by_the_setting_holds_fewer_calls_and_is_replayed_for_the_rest(monkeypatch):
+    a = torch.randn(64, 64, device="cuda")
+    calls = []
+    capture = timing._CudaSampler._capture
+    monkeypatch.setattr(timing._CudaSampler, "_capture", lambda self: calls.append(self.inner // self.replays)
+                        or capture(self))
+    with settings.override(timing_graph_calls=4, timing_sample_ms=1.0):
+        capped = benchmark(lambda: a @ a, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
+    with settings.override(timing_graph_calls=0, timing_sample_ms=1.0):
+        whole = benchmark(lambda: a @ a, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
+    # a 64x64 product lasts a few microseconds: a 1 ms sample holds far more than 4 calls
+    assert calls[0] <= 4 < capped.calls_per_sample and capped.calls_per_sample % calls[0] == 0
+    assert calls[1] == whole.calls_per_sample > 4
+    assert capped.median_ms > 0 and whole.median_ms > 0

@@ -8,7 +8,9 @@ fake and every candidate of one comparison is timed by the same method:
   ``settings.timing_sample_ms`` (1 ms): timer resolution and per-sample overhead then cannot decide the
   15-100 us kernels of a real network;
 - CUDA: device timestamps (events), the ``inner`` calls captured once in a CUDA graph and
-  replayed, so Python launch overhead (about 25 us a call) is out of the measurement (an eager
+  replayed (or ``settings.timing_graph_calls`` of them, the graph replayed back to back as often as a sample needs:
+  a capture costs each captured call's host time), so Python launch overhead (about 25 us a call) is out of the
+  measurement (an eager
   loop when the candidate cannot be captured, or where a call lasts ``settings.timing_eager_above_ms`` or
   more: its launches then overlap its work), and an L2 flush (a write of 2x the L2 size)
   before every sample, so no sample starts with its operands already in cache;
@@ -210,11 +212,12 @@ class _CudaSampler:
         self.synchronize()
         # Warm-up (cuDNN execution plan builds, Triton compilation, allocator growth), timed on the device.
         self.warmup_ms = self._eager_ms(1)
-        self.inner, self.graph = 1, None
+        self.inner, self.graph, self.replays = 1, None, 1
 
     def prepare(self) -> None:
         """Size ``inner`` and capture the graph of ``inner`` calls (none where calls are long enough to time eagerly:
-        ``settings.timing_eager_above_ms``)."""
+        ``settings.timing_eager_above_ms``), or of ``inner / replays`` calls where ``settings.timing_graph_calls``
+        caps a graph's calls: each sample then replays it ``replays`` times."""
         per_call_ms = self.warmup_ms
         if self.warmup_ms < SIZING_LIMIT_MS:
             # Eager calls overstate the time of host-bound kernels, so inner errs on the small side.
@@ -222,7 +225,15 @@ class _CudaSampler:
             self.inner = _inner_for(per_call_ms)
         eager_above = settings.timing_eager_above_ms
         eager = self.shared or (eager_above > 0 and per_call_ms >= eager_above)
-        self.graph = None if eager else self._capture()
+        if eager:
+            return
+        cap = settings.timing_graph_calls
+        if cap and self.inner > cap:
+            self.replays = math.ceil(self.inner / cap)
+            self.inner = math.ceil(self.inner / self.replays) * self.replays  # a whole number of replays
+        self.graph = self._capture()
+        if self.graph is None:
+            self.replays = 1  # timed eagerly: inner calls a sample
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -250,7 +261,7 @@ class _CudaSampler:
             # thread_local: this capture does not forbid other threads' CUDA calls (the worker of
             # convtune.background, or a user's threads)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for _ in range(self.inner):
+                for _ in range(self.inner // self.replays):
                     self.fn()
             torch.cuda.synchronize()
             return graph
@@ -265,7 +276,8 @@ class _CudaSampler:
         start, end = self._events()
         self.flush.zero_()
         start.record()
-        self.graph.replay()
+        for _ in range(self.replays):
+            self.graph.replay()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / self.inner
