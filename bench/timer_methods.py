@@ -1,12 +1,14 @@
 """What the timer's method costs and whether a cheaper one picks the same: candidates of a network's problems timed
 by each method in turn.
 
-A cold ``find`` of ResNet-50 b32's training problems spent 4.6 of its 8.7 s preparing the timer (sizing calls, a CUDA
-graph captured per candidate: tuning_cost_resnet50_b32_t8.md). Here the first problems of a network's training step
-(``--problems``) and each one's first candidates in find's order (``--candidates``; one that fails to run is left
+A cold ``find`` of ResNet-50 b32's training problems spent 3.9 of its 9.1 s in the timer with 1 ms samples (its first
+calls, sizing calls, a CUDA graph captured per candidate, the samples: tuning_cost_resnet50_b32_t8_base.md). Here the
+first problems of a network's training step (``--problems``) and each one's first candidates in find's order
+(``--candidates``; one that fails to run is left
 out) are timed by ``timing.benchmark`` under each method, the methods taking turns in a shuffled order per candidate:
 
-- default: a CUDA graph of the calls of a 1 ms sample (``settings.timing_sample_ms``);
+- default: the settings as they are (by default a CUDA graph of the calls of a 0.25 ms sample,
+  ``settings.timing_sample_ms``);
 - default again: the same, for the noise between two timings of one method;
 - the methods named by ``--methods``, settings joined by '/': ``sample=<ms>`` (``timing_sample_ms``),
   ``eager=<ms>`` (``timing_eager_above_ms``: calls that long timed in an eager loop, no graph) and ``graph=<calls>``
@@ -18,7 +20,7 @@ and what those changed picks cost (the default's time of the method's pick over 
 and worst). Needs a GPU.
 
     python bench/timer_methods.py --network resnet50 --batch 32 --problems 30 --candidates 6 \\
-        --methods sample=0.25,eager=0.1,eager=0.1/sample=0.25
+        --methods sample=1,sample=0.1,graph=8,eager=0.1
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def main() -> None:
     parser.set_defaults(batch=32)
     parser.add_argument("--problems", type=int, default=30, help="the network's first training problems timed")
     parser.add_argument("--candidates", type=int, default=6, help="candidates per problem, in find's order")
-    parser.add_argument("--methods", default="sample=0.25,eager=0.1,graph=16,graph=16/eager=0.1",
+    parser.add_argument("--methods", default="sample=1,sample=0.1,graph=8,eager=0.1",
                         help="methods besides the default, each settings joined by '/', separated by commas")
     common.result_arguments(parser, "timer_methods")
     args = parser.parse_args()

@@ -113,7 +113,8 @@ _SETTINGS = (
     # stop repeating once (p75 - p25) / median is below this
     _Setting("timing_rel_spread", _at_least(0, above=True), 0.05, "spread that ends repeats"),
     # one sample's calls last about this long (ms): long against the events' resolution, and a CUDA graph holds them
-    _Setting("timing_sample_ms", _at_least(0, above=True), 1.0, "length of one timed sample, ms"),
+    # (0.25: on an H100, 1 ms samples took 2.3x the timer's time and picked no better: bench/results/timer_methods.md)
+    _Setting("timing_sample_ms", _at_least(0, above=True), 0.25, "length of one timed sample, ms"),
     # on CUDA a call at least this long (ms) is timed in an eager loop, not a captured graph (0: always a graph); the
     # length is the sizing calls' (eager, launches included), or the first call's where that took 50 ms or more
     _Setting("timing_eager_above_ms", _at_least(0), 0.0, "calls this long are timed without a CUDA graph (0: never)"),

@@ -5,7 +5,7 @@ fake and every candidate of one comparison is timed by the same method:
 
 - a warm-up call (first-call costs: allocator, oneDNN primitive creation, cuDNN execution plan builds);
 - samples of ``inner`` back-to-back calls, ``inner`` chosen so one sample lasts about
-  ``settings.timing_sample_ms`` (1 ms): timer resolution and per-sample overhead then cannot decide the
+  ``settings.timing_sample_ms`` (0.25 ms): timer resolution and per-sample overhead then cannot decide the
   15-100 us kernels of a real network;
 - CUDA: device timestamps (events), the ``inner`` calls captured once in a CUDA graph and
   replayed (or ``settings.timing_graph_calls`` of them, the graph replayed back to back as often as a sample needs:
