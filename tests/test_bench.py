@@ -317,7 +317,7 @@ def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, 
     # The shipped dataset's situation: rows of a GPU machine, judged here (no GPU needed), priced for that GPU.
     import convtune as ct
     from convtune import costmodel, hardware
-    from convtune.db import SCHEMA_VERSION
+    from convtune.db_file import SCHEMA_VERSION
     from convtune.results import PerfResult
 
     h200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"
@@ -360,7 +360,7 @@ def test_get_corrections_prices_held_out_layers_with_and_without_the_other_probl
     # other problems' measurements get always picks gemm:im2col; without, by price alone, it misses some.
     import convtune as ct
     from convtune import costmodel, hardware, learned
-    from convtune.db import SCHEMA_VERSION
+    from convtune.db_file import SCHEMA_VERSION
     from convtune.results import PerfResult
 
     h200 = "cuda|NVIDIA H200|sm90|driver580|cuda13.0"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, export_lines, hardware, salvage
+from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, db_file, export_lines, hardware, salvage
 from convtune import db as db_module
 from convtune.settings import settings
 from damage import FIND, corruption_suite, problem, stored_file
@@ -268,7 +268,7 @@ def test_corrupt_file_is_moved_aside_and_what_is_intact_salvaged(tmp_path, caplo
     path = tmp_path / "tuning.sqlite"
     damage(path)
     damaged = path.read_bytes()
-    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+    with caplog.at_level(logging.WARNING, logger="convtune.db_file"):
         tdb = TuningDB(path)
     assert any("moved it to" in r.getMessage() and "unusable" in r.getMessage() for r in caplog.records)
     [moved] = aside(path, "corrupt")
@@ -290,7 +290,7 @@ def test_a_file_moved_aside_by_another_process_is_followed(tmp_path):
     path = tmp_path / "tuning.sqlite"
     tdb = TuningDB(path)
     tdb.store(problem(1), FIND)
-    db_module._move_aside(path, "corrupt", "found corrupt by another process")  # while tdb holds it open
+    db_file.move_aside(path, "corrupt", "found corrupt by another process")  # while tdb holds it open
     with TuningDB(path) as other:
         other.store(problem(2), FIND[1:2])
     assert tdb.lookup(problem(1)) is None  # tdb now reads the file at its path, not the one moved aside
@@ -317,7 +317,7 @@ def test_corruption_found_in_use_replaces_the_file(db, caplog):
     with open(db.path, "r+b") as f:  # in place: the same file, its pages overwritten
         f.write(b"\xff" * db.path.stat().st_size)
     db._conn = _FailingConnection(db._conn)
-    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+    with caplog.at_level(logging.WARNING, logger="convtune.db_file"):
         assert db.lookup(problem(1)) is None  # answered by a fresh file, never from the bad one
     assert any("malformed" in r.getMessage() for r in caplog.records)
     assert aside(db.path, "corrupt")
@@ -325,7 +325,7 @@ def test_corruption_found_in_use_replaces_the_file(db, caplog):
     assert db.lookup(problem(2)).algorithm == "cpu:fast"
 
 
-@pytest.mark.parametrize("version", [db_module.SCHEMA_VERSION + 1, 0])
+@pytest.mark.parametrize("version", [db_file.SCHEMA_VERSION + 1, 0])
 def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
     path = tmp_path / "tuning.sqlite"
     with sqlite3.connect(path) as conn:  # a file of another schema (0: another program's database)
@@ -333,7 +333,7 @@ def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
         conn.execute("INSERT INTO results VALUES ('not ours')")
         conn.execute(f"PRAGMA user_version={version}")
     conn.close()
-    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+    with caplog.at_level(logging.WARNING, logger="convtune.db_file"):
         tdb = TuningDB(path)
     assert any(f"schema version {version}" in r.getMessage() for r in caplog.records)
     [moved] = aside(path, f"schema{version}")
@@ -345,8 +345,8 @@ def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
     assert tdb.lookup(problem()).algorithm == "cpu:fast"
     tdb.close()
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == db_module.SCHEMA_VERSION
-        assert conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == str(db_module.SCHEMA_VERSION)
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == db_file.SCHEMA_VERSION
+        assert conn.execute("SELECT value FROM meta WHERE key='schema'").fetchone()[0] == str(db_file.SCHEMA_VERSION)
     conn.close()
 
 
@@ -436,7 +436,7 @@ def test_export_import_round_trip_keeps_other_machines(db, tmp_path, monkeypatch
 
 
 def _line(**changes) -> str:
-    line = {"schema": db_module.SCHEMA_VERSION, "fingerprint": "cpu|x|threads1", "software": "torch9",
+    line = {"schema": db_file.SCHEMA_VERSION, "fingerprint": "cpu|x|threads1", "software": "torch9",
             "problem": problem().key, "stored_at": 1.5e9, "result": FIND[0].to_dict()}
     return json.dumps({**line, **changes})
 
@@ -455,7 +455,7 @@ class _Evil:
     (_line(stored_at=-1), "stored_at"),
     (_line(result={**FIND[0].to_dict(), "status": "ok", "time_ms": float("inf")}), "finite"),
     (_line(result={**FIND[0].to_dict(), "status": "ok", "rel_error": float("inf")}), "finite"),
-    (_line(schema=db_module.SCHEMA_VERSION + 1), "schema"),
+    (_line(schema=db_file.SCHEMA_VERSION + 1), "schema"),
     (_line(fingerprint="cuda|H200|sm90|cuda12"), "not of a cpu device"),
     (_line(result=base64.b64encode(pickle.dumps(_Evil())).decode()), "JSON object"),
     (_line(result={**FIND[0].to_dict(), "py/reduce": "os.system"}), "unknown PerfResult field"),
@@ -612,10 +612,10 @@ def test_the_rows_of_a_file_that_still_reads_are_salvaged_into_a_fresh_one(tmp_p
     with TuningDB(damaged) as tdb:
         for n in (1, 2, 3):
             tdb.store(problem(n), FIND)
-    rows = salvage.results(damaged, db_module._intact, timeout_s=1.0)
+    rows = salvage.results(damaged, db_file._intact, timeout_s=1.0)
     assert len(rows) == 3 * len(FIND)
-    with caplog.at_level(logging.WARNING, logger="convtune.db"):
-        db_module._restore(fresh, rows)
+    with caplog.at_level(logging.WARNING, logger="convtune.db_file"):
+        db_file._restore(fresh, rows)
     assert "salvaged" in caplog.text
     with TuningDB(fresh) as tdb:
         assert [tdb.lookup(problem(n)).algorithm for n in (1, 2, 3)] == ["cpu:fast"] * 3
@@ -634,7 +634,7 @@ def test_salvage_keeps_only_rows_whose_checksum_holds(tmp_path):
                  "checksum FROM results LIMIT 1")
     conn.commit()
     conn.close()
-    rows = salvage.results(path, db_module._intact, timeout_s=1.0)
+    rows = salvage.results(path, db_file._intact, timeout_s=1.0)
     assert len(rows) == len(FIND) and {row[2] for row in rows} == {problem(1).key}
 
 
@@ -688,7 +688,7 @@ def _refuse_journal(monkeypatch):
     read-only folder is written all the same)."""
     def check(conn):
         raise sqlite3.OperationalError("attempt to write a readonly database")
-    monkeypatch.setattr(db_module, "_check", check)
+    monkeypatch.setattr(db_file, "_check", check)
 
 
 def test_a_database_in_a_folder_that_may_not_be_written_serves_what_it_holds(tmp_path, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""The results that a damaged tuning database still holds: what ``db`` keeps of a file it must move aside.
+"""The results that a damaged tuning database still holds: what ``db_file`` keeps of a file it must move aside.
 
 Two ways into the file, joined. Through SQLite: every rowid that some path still reaches (each index, read as
 far as it goes, and the table scanned in rowid order, sought past each damaged page), each row then read on its
