@@ -461,7 +461,7 @@ def test_a_static_entry_holds_the_handles_its_gradients_need_and_stays_when_othe
     module = ct.nn.Conv2d(6, 8, 1, mode="get")
     sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     key = ConvProblem.from_module(module, sig.shape, dtype=sig.dtype, layout=sig.layout).key
-    inference = dict(_traced_keys(sig))[(False, False)]
+    inference = dict(_traced_keys(sig, tuple(module.weight.shape)))[(False, False)]
     module._convtune_select(sig, LayerSelection(key, "gemm:1x1", "", ""))
     before = module._convtune_static[inference]
     assert before[0] and before[1:] == (0, 0) and len(module._convtune_static) == 1  # the gradients: not tuned
@@ -470,7 +470,7 @@ def test_a_static_entry_holds_the_handles_its_gradients_need_and_stays_when_othe
     assert module._convtune_static == {inference: before}  # the graphs that asked keep the layer op
     module._convtune_from_compiled.clear()
     module._convtune_select(sig, LayerSelection(key, "gemm:1x1", "gemm:1x1", "gemm:1x1"))
-    entries = {needs: module._convtune_static[k] for needs, k in _traced_keys(sig)}
+    entries = {needs: module._convtune_static[k] for needs, k in _traced_keys(sig, tuple(module.weight.shape))}
     assert entries[(False, False)] == before and all(entries[(True, True)])
     assert entries[(True, False)][2] == 0 and entries[(False, True)][1] == 0
 

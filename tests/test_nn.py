@@ -949,3 +949,32 @@ def test_a_database_path_of_any_pathlike_is_opened(tmp_path):
     path = pathlib.PurePosixPath(tmp_path / "t.sqlite")
     model = convtune.optimize(torch.nn.Conv2d(3, 4, 1), torch.randn(1, 3, 4, 4), mode="get", db=path)
     assert model(torch.randn(1, 3, 4, 4)).shape == (1, 4, 4, 4)
+
+
+@pytest.mark.parametrize("edit", ["parameter", "data"])
+@pytest.mark.parametrize("native", [True, False])
+def test_compiled_code_given_a_weight_of_another_shape_computes_as_torch_does(tmp_path, edit, native):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8)
+    # inference (no gradient needed): compiled code reads the layer's static entry, the executables' handles; without
+    # the native runtime, it traces the full path (the Python path's call)
+    with isolated(convtune.get_algorithm("gemm:1x1"), builtins=False), torch.no_grad(), \
+            settings.override(native=native):
+        model = convtune.optimize(torch.nn.Conv2d(4, 6, 1), x, mode="find", db=str(tmp_path / "t.sqlite"))
+        if native and convtune.extension.loaded() is None:
+            pytest.skip("the C++ extension is not built here")
+        compiled_as = {row["compiled"] for row in convtune.explain(model)}
+        assert compiled_as == ({"executables"} if native else {"by shape"})  # the path under test
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=False)
+        twin = torch_twin(model)
+        assert torch.allclose(compiled(x), twin(x), atol=1e-5)
+        bigger = torch.randn(6, 4, 3, 3)
+        for module in (model, twin):
+            if edit == "parameter":
+                module.weight = torch.nn.Parameter(bigger.clone())
+            else:
+                module.weight.data = bigger.clone()
+        # no eager call in between: the compiled code meets the new weight first (PyTorch's convolution, recompiled)
+        assert torch.allclose(compiled(x), twin(x), atol=1e-5)
+        model(x)  # an eager call tunes the layer it now is
+        assert torch.allclose(compiled(x), twin(x), atol=1e-5)

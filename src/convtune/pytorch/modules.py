@@ -79,6 +79,9 @@ class TunedConv(_ConvBase):
         self._convtune_traced: dict[str, tuple[int, ...]] = {}  # see _convtune_traced_forward
         # likewise: static inputs traced without the layer op, () PyTorch's convolution, else the handles of tuned_conv
         self._convtune_static: dict[str, tuple[int, ...]] = {}
+        # the weight's shape the choices are made for: a weight of another shape since makes them stale (see
+        # _convtune_forward and _convtune_traced_forward)
+        self._convtune_weight_shape: tuple[int, ...] = tuple(self.weight.shape)
         self._convtune_full_path = False  # see _convtune_update_full_path
         self._convtune_from_compiled: set[Signature] = set()  # signatures selected for at compiled code's request
         self._convtune_drop_layer()
@@ -102,6 +105,7 @@ class TunedConv(_ConvBase):
         self._convtune_fast.clear()
         self._convtune_traced.clear()
         self._convtune_static.clear()
+        self._convtune_weight_shape = tuple(self.weight.shape)
         self._convtune_from_compiled.clear()
         self._convtune_drop_layer()
 
@@ -115,6 +119,8 @@ class TunedConv(_ConvBase):
         self._convtune_provisional = {}
         self._convtune_traced = {}
         self._convtune_static = {}
+        if "_convtune_weight_shape" not in state:  # pickled by a version without it
+            self._convtune_weight_shape = tuple(self.weight.shape)
         self._convtune_full_path = False
         self._convtune_from_compiled = set(state.get("_convtune_from_compiled", ()))
         self._convtune_layer = 0  # the original's layer stays the original's: a copy makes its own
@@ -141,7 +147,7 @@ class TunedConv(_ConvBase):
         self._convtune_selections[sig] = selection
         pads = self._convtune_pads_first()
         provisional = sig in self._convtune_provisional
-        for (need_dx, need_dw), key in _traced_keys(sig):
+        for (need_dx, need_dw), key in _traced_keys(sig, self._convtune_weight_shape):
             entry: tuple[int, ...] | None = None
             if not provisional and selection.covers(need_dx, need_dw):
                 if (selection.call is None and selection.native is None) or selection.compiled_torch:
@@ -169,7 +175,8 @@ class TunedConv(_ConvBase):
         """What torch.compile traces for an input of ``sig``, read from the tables the traced forward reads:
         'torch' (PyTorch's convolution, for a static shape), 'executables' (``tuned_conv`` on the chosen executables'
         handles, for a static shape), 'layer op' or 'by shape' (explain's ``compiled``)."""
-        static = [self._convtune_static[key] for _, key in _traced_keys(sig) if key in self._convtune_static]
+        static = [self._convtune_static[key] for _, key in _traced_keys(sig, self._convtune_weight_shape)
+                  if key in self._convtune_static]
         if static:  # read first, whatever the layer's other signatures are
             return "torch" if any(entry == () for entry in static) else "executables"
         return "by shape" if not self._convtune_layer or self._convtune_full_path else "layer op"
@@ -186,7 +193,7 @@ class TunedConv(_ConvBase):
         """Inputs of ``sig`` are selected for again on their next call."""
         self._convtune_selections.pop(sig, None)
         self._convtune_from_compiled.discard(sig)
-        for _, key in _traced_keys(sig):
+        for _, key in _traced_keys(sig, self._convtune_weight_shape):
             self._convtune_traced.pop(key, None)
             self._convtune_static.pop(key, None)
         self._convtune_update_full_path()
@@ -265,7 +272,8 @@ class TunedConv(_ConvBase):
         # exported program, which another process may load before it made these executables, takes the layer op.
         static = tuple(d for d in input.shape if isinstance(d, int))
         if len(static) == input.dim():
-            known = self._convtune_static.get(_traced_key(static, cast or input.dtype, input.device, layout_of(input),
+            known = self._convtune_static.get(_traced_key(static, weight.shape, cast or input.dtype, input.device,
+                                                          layout_of(input),
                                                           need_dx, need_dw))
             if known is not None and not (known and _exporting()):
                 if not known:
@@ -277,7 +285,8 @@ class TunedConv(_ConvBase):
             return torch.ops.convtune.layer_conv.default(input, weight, self.bias, *self._convtune_geometry,
                                                          self._convtune_layer, need_dx, need_dw)
         # int(): each size specialized (Dynamo guards it), so the key is a constant even where shapes are symbolic
-        key = _traced_key(tuple(int(d) for d in input.shape), cast or input.dtype, input.device, layout_of(input),
+        key = _traced_key(tuple(int(d) for d in input.shape), weight.shape, cast or input.dtype, input.device,
+                          layout_of(input),
                           need_dx, need_dw)
         entry = self._convtune_traced.get(key)
         if entry is None:
@@ -349,14 +358,15 @@ class TunedConv(_ConvBase):
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
         self._convtune_adopt_landed(sig)
-        selection = self._convtune_selections.get(sig)
-        if selection is not None and selection.weight_shape not in (None, weight.shape) \
-                and not torch.compiler.is_compiling():
+        if self._convtune_weight_shape != tuple(weight.shape):
             # a weight of another shape since (a new Parameter, its .data replaced): torch computes with the weight
-            # as it is, so the layer is tuned again for the convolution it now is (in eager code: compiled code
-            # keeps the executables it was compiled with, and refuses the new weight with ValueError)
+            # as it is, so the layer is tuned again for the convolution it now is, in eager code. Compiled code calls
+            # PyTorch's convolution until then: resetting the tables there would break the guards of the graph
+            # being traced (and the layer op, which finds the weight's shape is not its layer's, calls it too).
+            if torch.compiler.is_compiling():
+                return super().forward(input)
             self._convtune_reset()
-            selection = None
+        selection = self._convtune_selections.get(sig)
         if selection is None or not selection.covers(need_dx, need_dw):
             if torch.compiler.is_compiling():
                 selection = _eager_tuning(type(self))(self, sig, need_dx, need_dw)
@@ -475,15 +485,19 @@ def _torch_convolution(module: TunedConv, input: torch.Tensor) -> torch.Tensor:
     return super(TunedConv, module).forward(input)
 
 
-def _traced_key(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, layout: str, need_dx: bool,
-                need_dw: bool) -> str:
-    """The key of ``_convtune_traced``: a string, which Dynamo guards as one dictionary lookup."""
-    return f"{tuple(shape)}|{dtype}|{device}|{layout}|{int(need_dx)}{int(need_dw)}"
+def _traced_key(shape: tuple[int, ...], weight_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                layout: str, need_dx: bool, need_dw: bool) -> str:
+    """The key of ``_convtune_traced`` and ``_convtune_static``: a string, which Dynamo guards as one dictionary
+    lookup. It names the weight's shape: traced code given a weight of another shape than the choices were made
+    for finds no entry (Dynamo recompiles on a new weight shape, its guards holding the parameter's)."""
+    return f"{tuple(shape)}|{tuple(weight_shape)}|{dtype}|{device}|{layout}|{int(need_dx)}{int(need_dw)}"
 
 
-def _traced_keys(sig: Signature) -> list[tuple[tuple[bool, bool], str]]:
-    """((need_dx, need_dw), key) of each combination of gradients an input of ``sig`` may need."""
-    return [(needs, _traced_key(sig.shape, sig.dtype, sig.device, sig.layout, *needs)) for needs in _GRADIENTS_NEEDED]
+def _traced_keys(sig: Signature, weight_shape: tuple[int, ...]) -> list[tuple[tuple[bool, bool], str]]:
+    """((need_dx, need_dw), key) of each combination of gradients an input of ``sig`` may need, with a weight of
+    ``weight_shape``."""
+    return [(needs, _traced_key(sig.shape, weight_shape, sig.dtype, sig.device, sig.layout, *needs))
+            for needs in _GRADIENTS_NEEDED]
 
 
 _HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)

@@ -51,14 +51,6 @@ def layout_of(x: torch.Tensor) -> str:
     return "channels_first"
 
 
-def _weight_shape(problem: str) -> tuple[int, ...] | None:
-    """The weight's shape of the problem of key ``problem``; None for torch's path's description of an input."""
-    try:
-        return ops.problem_of(problem).w_shape
-    except ValueError:
-        return None
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerSelection:
     """What one layer runs for one input signature.
@@ -85,8 +77,6 @@ class LayerSelection:
     call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
     native: tuple[int, int, int] | None = dataclasses.field(init=False, compare=False, repr=False)
     python_reason: str = dataclasses.field(init=False, compare=False, repr=False)  # explain's note on the path
-    # the weight's shape the problem has (None: no problem); a weight of another shape is another convolution
-    weight_shape: tuple[int, ...] | None = dataclasses.field(init=False, compare=False, repr=False)
 
     @property
     def on_torch(self) -> bool:
@@ -117,7 +107,6 @@ class LayerSelection:
         object.__setattr__(self, "native", native)
         object.__setattr__(self, "call", call)
         object.__setattr__(self, "python_reason", why)
-        object.__setattr__(self, "weight_shape", _weight_shape(self.problem))
 
     def __reduce__(self):
         # Copies and pickles are made anew, so their executables exist in the process that runs them.
