@@ -978,3 +978,26 @@ def test_compiled_code_given_a_weight_of_another_shape_computes_as_torch_does(tm
         assert torch.allclose(compiled(x), twin(x), atol=1e-5)
         model(x)  # an eager call tunes the layer it now is
         assert torch.allclose(compiled(x), twin(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("older_pickle", [False, True])
+def test_a_copy_made_after_a_new_weight_shape_computes_as_torch_does_compiled_and_eager(tmp_path, older_pickle):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8)
+    with isolated(convtune.get_algorithm("gemm:1x1"), builtins=False), torch.no_grad():
+        model = convtune.optimize(torch.nn.Conv2d(4, 6, 1), x, mode="find", db=str(tmp_path / "t.sqlite"))
+        twin = torch_twin(model)
+        bigger = torch.randn(6, 4, 3, 3)
+        for module in (model, twin):
+            module.weight = torch.nn.Parameter(bigger.clone())
+        if older_pickle:  # pickled by a version that kept no weight shape of its own: its choices' shape counts
+            state = copy.deepcopy(model.__dict__)
+            del state["_convtune_weight_shape"]
+            clone = type(model).__new__(type(model))
+            clone.__setstate__(state)
+        else:
+            clone = copy.deepcopy(model)
+        compiled = torch.compile(clone, backend="aot_eager", fullgraph=True, dynamic=False)
+        assert torch.allclose(compiled(x), twin(x), atol=1e-5)
+        assert torch.allclose(clone(x), twin(x), atol=1e-5)  # eager: tuned again for the new weight
+        assert torch.allclose(compiled(x), twin(x), atol=1e-5)

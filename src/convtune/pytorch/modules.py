@@ -119,8 +119,8 @@ class TunedConv(_ConvBase):
         self._convtune_provisional = {}
         self._convtune_traced = {}
         self._convtune_static = {}
-        if "_convtune_weight_shape" not in state:  # pickled by a version without it
-            self._convtune_weight_shape = tuple(self.weight.shape)
+        if "_convtune_weight_shape" not in state:  # pickled by a version without it: the choices' own weight shape
+            self._convtune_weight_shape = _tuned_weight_shape(self)
         self._convtune_full_path = False
         self._convtune_from_compiled = set(state.get("_convtune_from_compiled", ()))
         self._convtune_layer = 0  # the original's layer stays the original's: a copy makes its own
@@ -222,7 +222,7 @@ class TunedConv(_ConvBase):
         geometry = (list(per_dimension(self.stride, nd)), [lo for lo, _ in explicit_padding(self)],
                     list(per_dimension(self.dilation, nd)), self.groups)
         try:
-            layer = module.layer_new(*geometry, list(self.weight.shape))
+            layer = module.layer_new(*geometry, list(self._convtune_weight_shape))  # the choices' (see __setstate__)
         except ValueError:  # a geometry no convolution has (stride 0, say): torch's own call says so
             return 0
         self._convtune_layer, self._convtune_geometry = layer, geometry
@@ -473,6 +473,20 @@ def _exporting() -> bool:
     ``torch.export.export(..., strict=True)``) this says False: traced by Dynamo, ``is_exporting()`` reads True
     under torch.compile as well in some versions (torch 2.11), which would send every layer to its op."""
     return _is_exporting() and not torch.compiler.is_dynamo_compiling()
+
+
+def _tuned_weight_shape(module: TunedConv) -> tuple[int, ...]:
+    """The weight's shape ``module``'s choices were made for: a choice's that differs from the weight's, if any (the
+    weight replaced since: the next eager call tunes again), else the weight's."""
+    current = tuple(module.weight.shape)
+    for selection in module._convtune_selections.values():
+        try:
+            shape = ops.problem_of(selection.problem).w_shape
+        except ValueError:  # no problem (PyTorch's path for an input convtune does not tune)
+            continue
+        if shape != current:
+            return shape
+    return current
 
 
 def _torch_convolution(module: TunedConv, input: torch.Tensor) -> torch.Tensor:
