@@ -214,3 +214,28 @@ def test_compiled_code_runs_torch_while_a_measurement_is_pending_then_adopts_it(
     torch.testing.assert_close(compiled(other), expected, atol=1e-5, rtol=1e-4)
     assert (2, 3, 7, 7) in shapes() and not conv._convtune_provisional  # the measured choice, kept
     assert not conv._convtune_full_path
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_code_of_static_shape_goes_on_running_right_when_a_pending_measurement_lands(db, held, dynamic):
+    # Traced while the measurement is pending, then traced again once it has landed (a new input shape): the
+    # traced forward must not change the layer's tables (Dynamo guards them) nor call the C++ layer's table.
+    x = torch.randn(1, 3, 7, 7)
+    conv = ct.nn.Conv2d(3, 4, 3, padding=1, mode="get", db=db)
+    conv(x)
+    conv._convtune_tuning = Tuning(None, "background", db)
+    compiled = torch.compile(conv, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    first, second = torch.randn(2, 3, 7, 7), torch.randn(3, 3, 7, 7)
+    expected = lambda t: F.conv2d(t, conv.weight, conv.bias, padding=1)  # noqa: E731
+    torch.testing.assert_close(compiled(first), expected(first), atol=1e-5, rtol=1e-4)  # PyTorch's call meanwhile
+    assert conv._convtune_provisional  # the path under test: a choice waiting on a measurement
+    held.set()
+    assert background.wait(120)
+    for t in (first, second, first):
+        torch.testing.assert_close(compiled(t), expected(t), atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()  # traced again after it landed, its choice still provisional until a call adopts it
+    again = torch.compile(conv, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    torch.testing.assert_close(again(first), expected(first), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(conv(first), expected(first), atol=1e-5, rtol=1e-4)  # eager adopts the measurement
+    for t in (first, second):
+        torch.testing.assert_close(compiled(t), expected(t), atol=1e-5, rtol=1e-4)
