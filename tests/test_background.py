@@ -239,3 +239,27 @@ def test_compiled_code_of_static_shape_goes_on_running_right_when_a_pending_meas
     torch.testing.assert_close(conv(first), expected(first), atol=1e-5, rtol=1e-4)  # eager adopts the measurement
     for t in (first, second):
         torch.testing.assert_close(compiled(t), expected(t), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_code_on_the_full_path_goes_on_running_right_when_a_pending_measurement_lands(db, held, dynamic,
+                                                                                             padding_mode):
+    # An eager choice waiting on a measurement puts the layer on the full path; compiled code traced after the
+    # measurement lands must not trace adopting it (the tables Dynamo guards, the C++ layer's layer_forget; a layer
+    # that pads first has no C++ layer, and would be tuned again in traced code).
+    x = torch.randn(1, 3, 7, 7)
+    conv = ct.nn.Conv2d(3, 4, 3, padding=1, padding_mode=padding_mode, mode="background", db=db)
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect") if padding_mode == "reflect" else F.pad(x, (1, 1, 1, 1))
+    expected = F.conv2d(padded, conv.weight, conv.bias)
+    torch.testing.assert_close(conv(x), expected, atol=1e-5, rtol=1e-4)
+    assert conv._convtune_provisional and conv._convtune_full_path
+    assert bool(conv._convtune_layer) == (padding_mode == "zeros")
+    compiled = torch.compile(conv, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)  # the provisional choice meanwhile
+    held.set()
+    assert background.wait(120)
+    torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)  # raised before
+    torch.testing.assert_close(conv(x), expected, atol=1e-5, rtol=1e-4)  # an eager call adopts the measurement
+    assert not conv._convtune_provisional
+    torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)

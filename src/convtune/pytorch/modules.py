@@ -357,7 +357,10 @@ class TunedConv(_ConvBase):
         sig = Signature(tuple(x.shape), dtype, x.device, layout_of(x))
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
-        self._convtune_adopt_landed(sig)
+        if not torch.compiler.is_compiling():
+            # (traced code keeps the choice it traced, a provisional one's PyTorch convolution: adopting a landed
+            # measurement changes the tables Dynamo guards and the C++ layer's, which traced code cannot call)
+            self._convtune_adopt_landed(sig)
         if self._convtune_weight_shape != tuple(weight.shape):
             # a weight of another shape since (a new Parameter, its .data replaced): torch computes with the weight
             # as it is, so the layer is tuned again for the convolution it now is, in eager code. Compiled code calls
