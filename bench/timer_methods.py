@@ -139,8 +139,11 @@ def markdown(env: dict, payload: dict) -> str:
     return (f"# The timer's methods: their cost and their picks\n\n{common.env_line(env)}. {cfg['network']} "
             f"b{cfg['batch']} {cfg['dtype']}, the first {cfg['problems']} training problems, each one's first "
             f"{cfg['candidates']} candidates in find's order; each candidate timed by every method in a shuffled "
-            f"order. `bench/timer_methods.py`."
-            f"\n\n" + common.md_table(["method", "timer wall s", "median / default's", "10th-90th percentile",
+            f"order. The default: "
+            + (", ".join(f"{name} {value:g}" for name, value in cfg["default"].items()) if "default" in cfg
+               else "the settings of its revision")
+            + ". `bench/timer_methods.py`."
+            "\n\n" + common.md_table(["method", "timer wall s", "median / default's", "10th-90th percentile",
                                         "problems whose fastest changes", "the changed picks' default time / best: "
                                         "geometric mean / worst"], payload["summary"]))
 
@@ -165,7 +168,8 @@ def main() -> None:
     rows = measure(problems, args.candidates, methods)
     env = common.environment()
     config = dict(network=args.network, batch=args.batch, dtype=args.dtype, problems=len(problems),
-                  candidates=args.candidates, methods=methods)
+                  candidates=args.candidates, methods=methods,
+                  default={name: getattr(settings, name) for name in SETTINGS.values()})
     payload = dict(environment=env, config=config, rows=rows, summary=summary(rows, list(methods)))
     text = markdown(env, payload)
     common.write(args.name, payload, text, args.out)

@@ -3,8 +3,8 @@
 ``open_checked`` gives a connection to a checked file of this schema in WAL mode (the tables made when the file is
 empty). A file that is not a database, fails ``PRAGMA integrity_check`` or has another schema version is moved aside
 (renamed with a suffix, with a warning) under a lock between processes, and a fresh one is started, holding the
-results rows of the damaged file that still read and still match their checksum (``row_checksum``; read by
-``salvage``). A file in a folder that may not be written is read as it is. ``transaction`` is a write transaction
+results rows of the damaged file that still read (``salvage`` reads them) and still match their checksum
+(``row_checksum``). A file in a folder that may not be written is read as it is. ``transaction`` is a write transaction
 (``BEGIN IMMEDIATE``); ``identity``, ``file_lock`` and ``move_aside`` let a database in use follow a file that
 another process replaced, or replace one found damaged in use. What the rows mean, and the API over them, is ``db``'s.
 """
@@ -52,6 +52,8 @@ CREATE TABLE executables (
 
 
 def identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, None where there is none: a database in use compares it with its
+    connection's to notice a file another process replaced."""
     try:
         st = os.stat(path)
     except FileNotFoundError:

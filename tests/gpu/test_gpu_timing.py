@@ -38,15 +38,32 @@ def test_calls_as_long_as_the_setting_are_timed_without_a_graph(monkeypatch, eag
 
 def test_a_graph_capped_by_the_setting_holds_fewer_calls_and_is_replayed_for_the_rest(monkeypatch):
     a = torch.randn(64, 64, device="cuda")
-    calls = []
+    calls, captured, replays = [], [], []
+
+    def fn():
+        calls.append(1)
+        return a @ a
+
     capture = timing._CudaSampler._capture
-    monkeypatch.setattr(timing._CudaSampler, "_capture", lambda self: calls.append(self.inner // self.replays)
-                        or capture(self))
+
+    def counted_capture(self):  # the calls made while capturing: a warm-up on a side stream, then the graph's
+        before = len(calls)
+        graph = capture(self)
+        captured.append(len(calls) - before - 1)
+        return graph
+
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(timing._CudaSampler, "_capture", counted_capture)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replays.append(1) or replay(graph))
     with settings.override(timing_graph_calls=4, timing_sample_ms=1.0):
-        capped = benchmark(lambda: a @ a, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
+        capped = benchmark(fn, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
+    capped_replays = len(replays)
     with settings.override(timing_graph_calls=0, timing_sample_ms=1.0):
-        whole = benchmark(lambda: a @ a, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
+        whole = benchmark(fn, device="cuda", budget_s=0.02, min_repeats=3, max_repeats=5)
     # a 64x64 product lasts a few microseconds: a 1 ms sample holds far more than 4 calls
-    assert calls[0] <= 4 < capped.calls_per_sample and capped.calls_per_sample % calls[0] == 0
-    assert calls[1] == whole.calls_per_sample > 4
+    assert captured[0] <= 4 < capped.calls_per_sample and capped.calls_per_sample % captured[0] == 0
+    # every sample replays the graph as often as its calls need
+    assert capped_replays == len(capped.samples_ms) * (capped.calls_per_sample // captured[0])
+    assert captured[1] == whole.calls_per_sample > 4
+    assert len(replays) - capped_replays == len(whole.samples_ms)  # one replay a sample
     assert capped.median_ms > 0 and whole.median_ms > 0
