@@ -30,6 +30,7 @@ or several 10-minute runs of parts, add up:
     python bench/e2e.py --models resnet50 --batches 128 --dtypes float16 --styles eager,graph
     python bench/e2e.py --models mobilenet_v2 --batches 128 --styles eager --processes 3
     python bench/e2e.py --missing                           # what the results file lacks for the current src/
+    python bench/e2e.py --merge /tmp/out/e2e.json           # groups another run's copy holds, newest whole
     python bench/e2e.py --device cpu --tiny --out /tmp/e2e  # a small stand-in network: checks the pipeline
 
 Results: bench/results/e2e.json and e2e.md (or --out, --name).
@@ -540,6 +541,30 @@ def markdown(env: dict, rows: dict) -> str:
     return out
 
 
+def merged(configs: list[dict]) -> dict:
+    """The rows of several results files' ``configs``, each group (network, batch, dtype, style) whole from the one
+    whose rows of it were measured last (the latest date among them; the first file's on a tie), so that each
+    ratio still compares rows of one run.
+
+        >>> a = {"m:b32:float16:eager:convtune": {"date": "2026-12-06 04:30 UTC"},
+        ...      "m:b32:float16:eager:torch_bm1": {"date": "2026-12-06 04:30 UTC"}}
+        >>> b = {"m:b32:float16:eager:convtune": {"date": "2026-12-06 05:00 UTC"},
+        ...      "m:b32:float16:graph:convtune": {"date": "2026-12-06 04:00 UTC"}}
+        >>> sorted((k, v["date"][11:16]) for k, v in merged([a, b]).items())
+        [('m:b32:float16:eager:convtune', '05:00'), ('m:b32:float16:graph:convtune', '04:00')]
+    """
+    latest: dict[str, tuple[str, dict]] = {}
+    for rows in configs:
+        groups: dict[str, dict] = {}
+        for cid, row in rows.items():
+            groups.setdefault(cid.rsplit(":", 1)[0], {})[cid] = row
+        for group, group_rows in groups.items():
+            date = max(str(row.get("date", "")) for row in group_rows.values())
+            if group not in latest or date > latest[group][0]:
+                latest[group] = (date, group_rows)
+    return {cid: row for _, group_rows in latest.values() for cid, row in group_rows.items()}
+
+
 def current(row: dict, mode: str, env: dict) -> bool:
     """Whether ``row`` stands for this run: measured (status ok) and, for convtune's rows, with this src/ tree
     (PyTorch's rows do not run the library's code). A tree with uncommitted changes ('+') or none known is never
@@ -645,6 +670,10 @@ def main() -> None:
                         "then goes on from)")
     parser.add_argument("--report", action="store_true", help="write the markdown again from the results file "
                         "(runs nothing)")
+    parser.add_argument("--merge", nargs="+", metavar="FILE", help="add to the results file the groups (network, "
+                        "batch, dtype, style) of these results files of the same machine, each group whole, from the "
+                        "file that measured it last (runs nothing): runs in parts on machines that kept their own "
+                        "copies")
     parser.add_argument("--db-dir", default=None, help="where the groups' tuning databases live (default: a "
                         "temporary folder, so each run tunes cold first)")
     common.result_arguments(parser, "e2e")
@@ -663,6 +692,18 @@ def main() -> None:
     json_path = out_dir / f"{args.name}.json"
     if args.report:
         payload = json.loads(json_path.read_text())
+        common.write(args.name, payload, markdown(payload["environment"], payload["configs"]), out_dir)
+        return
+    if args.merge:
+        payload = json.loads(json_path.read_text())
+        others = [(Path(p), json.loads(Path(p).read_text())) for p in args.merge]
+        for path, other in others:
+            if common.where(other.get("environment", {})) != common.where(payload["environment"]):
+                parser.error(f"--merge {path}: measured on {common.where(other.get('environment', {}))}, the results "
+                             f"file {json_path} on {common.where(payload['environment'])}")
+        payload["configs"] = merged([payload["configs"], *(other["configs"] for _, other in others)])
+        payload["environment"] = max([payload["environment"], *(o["environment"] for _, o in others)],
+                                     key=lambda env: env.get("date", ""))
         common.write(args.name, payload, markdown(payload["environment"], payload["configs"]), out_dir)
         return
     env = common.environment()

@@ -938,3 +938,31 @@ def test_timer_methods_reads_its_methods_and_sums_up_hand_made_rows(timer_method
     if not torch.cuda.is_available():
         out = subprocess.run([sys.executable, str(BENCH / "timer_methods.py")], capture_output=True, text=True)
         assert out.returncode == 2 and "needs --device cuda and a GPU" in out.stderr
+
+
+def test_e2e_merges_results_files_group_by_group_from_the_one_measured_last(tmp_path):
+    grid = json.loads((BENCH / "results" / "e2e.json").read_text())
+    groups = sorted({cid.rsplit(":", 1)[0] for cid in grid["configs"]})
+    assert len(groups) >= 3  # what the test relies on
+    kept, newer, only_there = groups[:3]
+    base = dict(grid, configs={c: r for c, r in grid["configs"].items() if not c.startswith(only_there + ":")})
+    # the other file: one group measured later, one measured earlier, one the base lacks (its rows marked)
+    other = dict(grid, configs={})
+    for cid, row in grid["configs"].items():
+        group = cid.rsplit(":", 1)[0]
+        date = {kept: "2000-01-01 00:00 UTC", newer: "2999-01-01 00:00 UTC"}.get(group, row.get("date"))
+        if group in (kept, newer, only_there):
+            other["configs"][cid] = dict(row, date=date, marked=True)
+    (tmp_path / "e2e.json").write_text(json.dumps(base))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    run = [sys.executable, str(BENCH / "e2e.py"), "--out", str(tmp_path)]
+    subprocess.run([*run, "--merge", str(tmp_path / "other.json")], check=True, capture_output=True)
+    rows = json.loads((tmp_path / "e2e.json").read_text())["configs"]
+    assert set(rows) == set(grid["configs"])
+    for cid, row in rows.items():  # each group whole from the file that measured it last
+        assert row.get("marked", False) == cid.startswith((newer + ":", only_there + ":")), cid
+    assert (tmp_path / "e2e.md").exists()
+    elsewhere = dict(other, environment=dict(other["environment"], gpu="Another GPU"))
+    (tmp_path / "elsewhere.json").write_text(json.dumps(elsewhere))
+    refused = subprocess.run([*run, "--merge", str(tmp_path / "elsewhere.json")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "elsewhere.json: measured on Another GPU" in refused.stderr
