@@ -6,8 +6,10 @@ can afford to ask B depends on what that costs: per problem of the networks name
 the problem's cuDNN graph and its list of plans under each set of modes (``ProblemGraph``: validate, build the
 operation graph, create the plans; no plan is built), in a fresh graph each time. Before any is timed, one graph
 under every mode makes cuDNN's handle and loads what each mode needs; the first timed query of each set is still
-reported apart. A problem a set of modes offers nothing for is counted, not timed. Needs a GPU and the cuDNN
-frontend.
+reported apart. A problem a set of modes offers nothing for is counted, not timed. Then whether a graph asked for
+A's plans gives, asked for FALLBACK's afterwards, the plans of one asked for both (``added_later``: what asking A
+alone for ``get`` and adding FALLBACK's for ``find`` needs), and what that second query costs. Needs a GPU and the
+cuDNN frontend.
 
     python bench/heuristics_cost.py --networks resnet50,mobilenet_v2,resnext50_32x4d --batch 32
 
@@ -52,6 +54,31 @@ def timed_graphs(problems: list, modes: tuple[str, ...], make_graph) -> dict:
                 plans_median=statistics.median(counts))
 
 
+def added_later(problems: list, first: tuple[str, ...], later: tuple[str, ...], make_graph, add) -> dict:
+    """Whether a graph asked for ``first``'s plans can be asked for ``later``'s afterwards (``get`` could then ask A
+    alone and ``find`` add FALLBACK's): per problem, a graph of ``first`` (``make_graph(problem, first)``), then
+    ``add(graph, later)``, which asks it again and returns its plans' names; against a graph of both at once. The
+    second query's ms (median, worst), and how many problems' names then match that graph's: the same list in the
+    same order, or the same set in another order; problems where either graph or the second query failed are
+    counted apart."""
+    times, same, reordered, failed = [], 0, 0, 0
+    for problem in problems:
+        try:
+            graph, whole = make_graph(problem, first), make_graph(problem, first + later)
+            start = time.perf_counter()
+            names = add(graph, later)
+        except Exception:  # noqa: BLE001 - the frontend raises several types
+            failed += 1
+            continue
+        times.append(1e3 * (time.perf_counter() - start))
+        same += names == whole.names
+        reordered += names != whole.names and sorted(names) == sorted(whole.names)
+    out = dict(problems=len(problems), failed=failed, same=same, same_set_other_order=reordered)
+    if times:
+        out.update(median_ms=statistics.median(times), max_ms=max(times))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--networks", type=e2e.split, default=["resnet50", "mobilenet_v2", "resnext50_32x4d"])
@@ -77,23 +104,42 @@ def main(argv: list[str] | None = None) -> int:
     for modes in MODES:
         results["+".join(modes)] = timed_graphs(problems, modes, ProblemGraph)
         print("+".join(modes), results["+".join(modes)], file=sys.stderr, flush=True)
+    from convtune.algorithms.cudnn import HEURISTICS
+
+    def add_modes(graph, modes: tuple[str, ...]) -> list[str]:
+        g = graph.graph
+        g.create_execution_plans([HEURISTICS[m] for m in modes])
+        return [g.get_plan_name_at_index(i) for i in range(g.get_execution_plan_count())]
+
     env = common.environment()
 
     def cell(r: dict, key: str, form: str = ".2f") -> str:
         return format(r[key], form) if key in r else "-"
 
-    rows = [[name, r["problems"], r["refused"], cell(r, "first_ms"), cell(r, "median_ms"), cell(r, "p90_ms"),
-             cell(r, "max_ms"), cell(r, "plans_median", "g")] for name, r in results.items()]
-    markdown = (f"# What asking cuDNN's heuristics costs the host\n\n{common.env_line(env)}. The layers of "
-                f"{', '.join(args.networks)} (batch {args.batch}, {', '.join(args.dtypes)}, channels_last, every "
-                f"direction; each distinct problem once): per set of heuristics modes, the host time of a new "
-                f"problem's cuDNN graph and its list of plans (`ProblemGraph`; no plan built), ms. "
-                f"`bench/heuristics_cost.py`.\n\n"
-                + common.md_table(["modes", "problems", "no plan offered", "first timed", "median", "90th percentile",
-                                   "worst", "plans listed (median)"], rows))
-    common.write(args.name, {"environment": env, "networks": args.networks, "batch": args.batch,
-                             "results": results}, markdown, args.out)
-    print(markdown)
+    def report(later: dict | None) -> str:
+        rows = [[name, r["problems"], r["refused"], cell(r, "first_ms"), cell(r, "median_ms"), cell(r, "p90_ms"),
+                 cell(r, "max_ms"), cell(r, "plans_median", "g")] for name, r in results.items()]
+        markdown = (f"# What asking cuDNN's heuristics costs the host\n\n{common.env_line(env)}. The layers of "
+                    f"{', '.join(args.networks)} (batch {args.batch}, {', '.join(args.dtypes)}, channels_last, every "
+                    f"direction; each distinct problem once): per set of heuristics modes, the host time of a new "
+                    f"problem's cuDNN graph and its list of plans (`ProblemGraph`; no plan built), ms. "
+                    f"`bench/heuristics_cost.py`.\n\n"
+                    + common.md_table(["modes", "problems", "no plan offered", "first timed", "median",
+                                       "90th percentile", "worst", "plans listed (median)"], rows))
+        if later is not None:
+            markdown += (f"\n\nA graph asked for A's plans, then for FALLBACK's (`added_later`): of "
+                         f"{later['problems']} problems, {later['same']} list then the plans of a graph asked for both "
+                         f"at once in the same order, {later['same_set_other_order']} the same plans in another order; "
+                         f"{later['failed']} failed; the second query took {cell(later, 'median_ms')} ms (median), "
+                         f"{cell(later, 'max_ms')} at worst.\n")
+        common.write(args.name, {"environment": env, "networks": args.networks, "batch": args.batch,
+                                 "results": results, "added_later": later}, markdown, args.out)
+        return markdown
+
+    report(None)  # written before asking a graph twice, which the frontend may not survive
+    later = added_later(problems, ("A",), ("FALLBACK",), ProblemGraph, add_modes)
+    print("A, then FALLBACK", later, file=sys.stderr, flush=True)
+    print(report(later))
     return 0
 
 

@@ -966,3 +966,22 @@ def test_e2e_merges_results_files_group_by_group_from_the_one_measured_last(tmp_
     (tmp_path / "elsewhere.json").write_text(json.dumps(elsewhere))
     refused = subprocess.run([*run, "--merge", str(tmp_path / "elsewhere.json")], capture_output=True, text=True)
     assert refused.returncode == 2 and "elsewhere.json: measured on Another GPU" in refused.stderr
+
+
+def test_heuristics_cost_checks_whether_plans_asked_for_later_match_a_graph_asked_for_both(heuristics_cost):
+    class Graph:
+        def __init__(self, problem, modes):
+            if problem == "none":
+                raise RuntimeError("no plan")
+            self.problem, self.names = problem, [f"{m}{i}" for m in modes for i in range(2)]
+
+    def add(graph, modes):  # what a frontend might do: problem 1 appends, 2 puts them first, 3 refuses
+        if graph.problem == 3:
+            raise RuntimeError("already built")
+        extra = [f"{m}{i}" for m in modes for i in range(2)]
+        return graph.names + extra if graph.problem == 1 else extra + graph.names
+
+    r = heuristics_cost.added_later([1, 2, 3, "none"], ("A",), ("FALLBACK",), Graph, add)
+    assert (r["problems"], r["same"], r["same_set_other_order"], r["failed"]) == (4, 1, 1, 2)
+    assert 0 <= r["median_ms"] <= r["max_ms"]
+    assert "median_ms" not in heuristics_cost.added_later(["none"], ("A",), ("FALLBACK",), Graph, add)
