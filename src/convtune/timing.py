@@ -8,13 +8,12 @@ fake and every candidate of one comparison is timed by the same method:
   ``settings.timing_sample_ms`` (0.25 ms): long against the timer's resolution; a sample's fixed cost still
   reads about 2% on 15-100 us kernels (1.019x the medians of 1 ms samples on an H100), alike for the candidates
   of one problem;
-- CUDA: device timestamps (events), the ``inner`` calls captured once in a CUDA graph and
-  replayed (or at most ``settings.timing_graph_calls`` of them, the graph replayed back to back as often as a sample
-  needs), so Python launch overhead (about 25 us a call) is out of the
-  measurement (an eager
-  loop when the candidate cannot be captured, or where a call lasts ``settings.timing_eager_above_ms`` or
-  more: its launches then overlap its work), and an L2 flush (a write of 2x the L2 size)
-  before every sample, so no sample starts with its operands already in cache;
+- CUDA: device timestamps (events), the ``inner`` calls captured once in a CUDA graph and replayed (or at most
+  ``settings.timing_graph_calls`` of them, the graph replayed back to back as often as a sample needs), so Python
+  launch overhead (about 25 us a call) is out of the measurement (an eager loop when the candidate cannot be
+  captured, or where a call lasts ``settings.timing_eager_above_ms`` or more: its launches then overlap its work),
+  and an L2 flush (a write of 2x the L2 size) before every sample, so no sample starts with its operands already
+  in cache;
 - the median of the samples, their spread (p75 - p25), repeated until the spread is small,
   the budget is spent, or the median is clearly above ``stop_above_ms``.
 

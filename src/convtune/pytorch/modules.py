@@ -273,8 +273,7 @@ class TunedConv(_ConvBase):
         static = tuple(d for d in input.shape if isinstance(d, int))
         if len(static) == input.dim():
             known = self._convtune_static.get(_traced_key(static, weight.shape, cast or input.dtype, input.device,
-                                                          layout_of(input),
-                                                          need_dx, need_dw))
+                                                          layout_of(input), need_dx, need_dw))
             if known is not None and not (known and _exporting()):
                 if not known:
                     return _torch_convolution(self, input)
@@ -286,8 +285,7 @@ class TunedConv(_ConvBase):
                                                          self._convtune_layer, need_dx, need_dw)
         # int(): each size specialized (Dynamo guards it), so the key is a constant even where shapes are symbolic
         key = _traced_key(tuple(int(d) for d in input.shape), weight.shape, cast or input.dtype, input.device,
-                          layout_of(input),
-                          need_dx, need_dw)
+                          layout_of(input), need_dx, need_dw)
         entry = self._convtune_traced.get(key)
         if entry is None:
             return self._convtune_forward(input)
