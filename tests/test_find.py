@@ -179,6 +179,32 @@ def test_unknown_determinism_is_decided_by_two_runs():
     assert results["fake:noisy"].status is Status.SKIPPED and "bit for bit" in results["fake:noisy"].message
 
 
+def test_without_a_determinism_policy_the_timed_calls_are_the_second_run_compared():
+    # no third run: the first check's result and the timed calls' (same inputs) are compared bit for bit
+    steady, noisy = UnknownDeterminism("fake:steady"), UnknownDeterminism("fake:noisy", noisy=True)
+    timer = FakeTimer()
+    results = by_name(find(P, timer=timer, candidates=[steady, noisy]))
+    assert results["fake:steady"].deterministic is True and results["fake:noisy"].deterministic is False
+    timed_calls = 1 + timer.max_repeats  # FakeTimer: a warm-up call, then its samples
+    assert steady.runs == noisy.runs == 2 + timed_calls  # the two checks, then the timed calls
+
+
+def test_a_fast_candidate_has_the_inputs_compared_once_and_one_that_wrote_them_still_fails(monkeypatch):
+    from convtune.measure import Search
+
+    compared = []
+    restore = Search.restore_inputs
+    monkeypatch.setattr(Search, "restore_inputs", lambda self: compared.append(1) or restore(self))
+    assert find(P, timer=FakeTimer(), candidates=[Fake("fake:good")])[0].ok
+    assert len(compared) == 1  # once the candidate is done, not after each stage
+    compared.clear()
+    result = find(P, timer=FakeTimer(), candidates=[InputWriter("fake:writer")])[0]
+    assert result.status is Status.FAILED and "input operands" in result.message
+    # ...and the next candidate of a find sees the inputs as they were
+    results = by_name(find(P, timer=FakeTimer(), candidates=[InputWriter("fake:writer"), Fake("fake:good")]))
+    assert results["fake:writer"].status is Status.FAILED and results["fake:good"].ok
+
+
 @pytest.mark.parametrize("prefer", ["fastest", "least_memory"])
 def test_the_best_result_is_the_first_of_the_ranking_without_ranking_the_rest(prefer):
     g = torch.Generator().manual_seed(3)

@@ -4,9 +4,13 @@ against the reference, the timing, and what becomes of a candidate that fails an
 ``Search`` holds one find's state (its inputs, the best time so far, the budget); ``Search.try_candidate`` gives one
 candidate's ``PerfResult``, whatever the candidate does: held against the policy (a violation is a status, nothing
 runs), given its declared workspace, run once on the shared random inputs with its output poisoned and compared
-with the float64 reference, run again on a second input set, probed for determinism where it does not declare it,
-then timed by the timer ``find`` was given (a wrong result is recorded, not timed). ``find`` chooses the order and
-when to stop.
+with the float64 reference, run again on a second input set, then timed by the timer ``find`` was given (a wrong
+result is recorded, not timed), the timed calls' result checked too. Where it does not declare whether it is
+deterministic, that result is compared bit for bit with its first run's on the same inputs (a policy that asks for
+determinism runs it a third time before timing instead: a candidate that fails it is not timed). The shared inputs
+are compared with their pristine copies once a candidate is done, after a failed check (which they may explain) and
+after a slow checked run: a candidate that wrote into them fails, and the next one sees them as they were. ``find`` chooses the order and when
+to stop.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 # (``_allocates_beyond``): library handles, small buffers of PyTorch's own ops.
 ALLOCATION_SLACK_BYTES = 1 << 20
 WROTE_INPUTS = "wrote into its input operands (they must stay read-only)"
+SLOW_RUN_S = 0.01  # a checked run this long has the shared inputs compared at once (else when the candidate is done)
 # find's CPU pick timed again against PyTorch's call (``Search.time_again``, ``find._confirm``):
 CONFIRM_ROUNDS = 3  # alternating rounds: a warm-up, a sample
 CONFIRM_BUDGET_S = 0.02  # each round's timing budget (its warm-up call and one sample run whatever it is)
@@ -263,6 +268,11 @@ class Search:
         _, leaner_runs = skip
         return leaner_runs and self.leanest_bytes > 0  # nothing is leaner than no workspace
 
+    def _done(self, algorithm: Algorithm, props: Props, err: float, result: PerfResult) -> PerfResult:
+        """``result`` for a candidate that stops before it is timed, unless it wrote into the shared inputs (put back):
+        then it failed."""
+        return _failed(algorithm, props, err, WROTE_INPUTS) if self.restore_inputs() else result
+
     def _measure(self, algorithm: Algorithm, props: Props, probe_determinism: bool,
                  timer_budget_s: float | None) -> PerfResult:
         problem = self.problem
@@ -294,8 +304,12 @@ class Search:
         first = time.perf_counter()
         err, ok, message = check(algorithm, problem, inputs, ref, out, workspace, max_rel_error=bound)
         runs_s = [time.perf_counter() - first]
-        if self.restore_inputs():  # after each stage: a candidate that writes into its inputs later fails too
-            return _failed(algorithm, props, err, WROTE_INPUTS)
+        # The inputs are compared after a failed check (a candidate that wrote into them fails for that), after a slow
+        # run (the comparison costs little beside it, and one that wrote them runs no more), and once the candidate is
+        # done (_done): a candidate that writes into them at any stage fails.
+        if not ok or runs_s[-1] > SLOW_RUN_S:
+            if self.restore_inputs():
+                return _failed(algorithm, props, err, WROTE_INPUTS)
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err, message=message, **props)
         # A second input set it has not seen, its output poisoned with a finite value this time: a
@@ -306,13 +320,14 @@ class Search:
         err2, ok, message = check(algorithm, problem, inputs2, ref2, problem.empty(problem.operand_shapes[2]),
                                   workspace, max_rel_error=bound, poison=_finite_poison(problem))
         runs_s.append(time.perf_counter() - second)
-        if self.restore_inputs():
-            return _failed(algorithm, props, err, WROTE_INPUTS)
+        if not ok or runs_s[-1] > SLOW_RUN_S:
+            if self.restore_inputs():
+                return _failed(algorithm, props, err, WROTE_INPUTS)
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err2, **props,
                               message=f"on a second input set: {message}")
         if deadline_s and time.perf_counter() - started > deadline_s:
-            return _over_deadline(algorithm, props, err, runs_s, deadline_s)
+            return self._done(algorithm, props, err, _over_deadline(algorithm, props, err, runs_s, deadline_s))
         if isolation.in_worker() and not isolation.vouched_for(algorithm):  # see _allocates_beyond
             spare = problem.empty(problem.operand_shapes[2])  # allocated before the measured run, not in it
             overdrawn = _allocates_beyond(algorithm, problem,
@@ -321,23 +336,26 @@ class Search:
                 return _failed(algorithm, props, err, WROTE_INPUTS)
             if overdrawn:
                 return _failed(algorithm, props, err, overdrawn)
-        if probe_determinism:
+        if probe_determinism and self.policy.deterministic:  # known before timing: a candidate that fails is not timed
             again = algorithm.run(problem, *inputs, workspace=workspace, out=problem.empty(problem.operand_shapes[2]))
             props["deterministic"] = bool(torch.equal(out, again))
-            if self.policy.deterministic and not props["deterministic"]:
-                return PerfResult(algorithm.name, Status.SKIPPED, rel_error=err, **props,
-                                  message="not deterministic (two runs differ bit for bit), and the policy "
-                                          "asks for determinism")
+            probe_determinism = False
+            if not props["deterministic"]:
+                return self._done(algorithm, props, err, PerfResult(
+                    algorithm.name, Status.SKIPPED, rel_error=err, **props,
+                    message="not deterministic (two runs differ bit for bit), and the policy asks for determinism"))
         if deadline_s:
             left_s = deadline_s - (time.perf_counter() - started)
             if left_s <= 0:
-                return _over_deadline(algorithm, props, err, runs_s, deadline_s)
+                return self._done(algorithm, props, err, _over_deadline(algorithm, props, err, runs_s, deadline_s))
             # (None: the timer's own budget, settings.timing_budget_s for convtune's: kept where it ends first)
             base_s = settings.timing_budget_s if timer_budget_s is None else timer_budget_s
             timer_budget_s = timer_budget_s if base_s <= left_s else left_s
         # The timed calls start from an output that holds a convolution's answer, but another input
         # set's: no poison to see, and a candidate that computes only when it sees one (or not at all
-        # on repeated calls) leaves that wrong answer behind, which the check after timing fails.
+        # on repeated calls) leaves that wrong answer behind, which the check after timing fails. Where
+        # determinism is to be told, into an output of their own: the first check's result is compared with theirs.
+        first_result, out = out, (problem.empty(problem.operand_shapes[2]) if probe_determinism else out)
         out.copy_(ref2)
         stop_above = self.best_ms * settings.early_stop_factor if math.isfinite(self.best_ms) else None
         # Timed as a tuned layer runs it (Algorithm.launcher); the last call's result is what is checked.
@@ -358,6 +376,8 @@ class Search:
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=timed_err, **props,
                               message=f"the timed calls' result differs from the reference: {message}")
+        if probe_determinism:  # the same inputs, run once before the timing and many times in it
+            props["deterministic"] = bool(torch.equal(first_result, out))
         err = max(err, err2, timed_err)  # its error: the largest of its checked results
         if timing.stopped_early:
             message = (f"timing stopped early: over {settings.early_stop_factor:g}x the best so far "

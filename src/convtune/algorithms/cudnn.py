@@ -10,7 +10,7 @@ the process. Until then ``known_workspace_bytes`` is None: ``find`` orders and s
 without building them, and builds only the plans whose workspace decides something (see ``find``).
 
 Determinism is not exposed per plan by the frontend's Python API: a plan's ``is_deterministic``
-is None (unknown) until the tuner has run it twice and compared the results bit for bit.
+is None (unknown) until the tuner has compared two of its results on the same inputs bit for bit.
 TF32: a float32 problem with ``allow_tf32=False`` deselects the engines with the tensor-core and
 down-conversion numerical notes, as PyTorch does; their build then fails and they are unsupported.
 """
