@@ -24,12 +24,17 @@ configuration runs in N processes, the modes of a group taking turns, and its ro
 the processes' medians and their range (where the host sets the pace, two processes of one
 configuration have differed by 1.7x). Each configuration's result is written as soon as it ends, and
 results of earlier runs in the same file are kept (one configuration: one row), so a run cut short,
-or several 10-minute runs of parts, add up:
+or several 10-minute runs of parts, add up. With --gpus N, N workers take the groups' (network, batch, dtype)
+families in turn, each running a family's styles one after another in processes that see one GPU of their own
+(CUDA_VISIBLE_DEVICES), so a family's first convtune process still finds its database empty; the workers' processes
+share the host's CPUs, so where the host sets the pace every row reads the load of the others beside it (rows record
+the GPU and how many ran at once):
 
     python bench/e2e.py                                     # everything (hours: run it in parts)
     python bench/e2e.py --models resnet50 --batches 128 --dtypes float16 --styles eager,graph
     python bench/e2e.py --models mobilenet_v2 --batches 128 --styles eager --processes 3
     python bench/e2e.py --missing                           # what the results file lacks for the current src/
+    python bench/e2e.py --missing --gpus 8                  # 8 groups at once, each on a GPU of its own
     python bench/e2e.py --merge /tmp/out/e2e.json           # groups another run's copy holds, newest whole
     python bench/e2e.py --device cpu --tiny --out /tmp/e2e  # a small stand-in network: checks the pipeline
 
@@ -185,7 +190,7 @@ def run_config(cfg: dict) -> dict:
     # Graph capture needs autocast's cast cache off (its cached casts would be made during the capture).
     autocast = lambda: torch.autocast(device, dtype=dtype, cache_enabled=cfg["style"] != "graph")  # noqa: E731
     timer = Timer(device, cfg["steps"], cfg["repeats"])
-    out: dict = dict(status="ok")
+    out: dict = dict(status="ok", visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
     if cfg["mode"] == "convtune":
         with convtune.TuningDB(cfg["db"]) as db:
             out["db"] = "warm" if db.entries() else "cold"
@@ -455,11 +460,14 @@ _EXIT_NOISE = re.compile(r"nanobind: |\s+- (leaked|\.\.\. skipped)|See https://n
 _ERROR_LINE = re.compile(r"\w+(\.\w+)*(Error|Exception|Interrupt)\b")
 
 
-def in_subprocess(cfg: dict, timeout_s: float) -> dict:
-    """``run_config(cfg)`` in a fresh Python process; a crash or a timeout is a row with its status."""
+def in_subprocess(cfg: dict, timeout_s: float, gpu: str | None = None) -> dict:
+    """``run_config(cfg)`` in a fresh Python process (seeing only GPU ``gpu`` where given); a crash or a timeout is a
+    row with its status."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
         env = dict(os.environ, CONVTUNE_PROGRESS="0", CONVTUNE_CACHE_DIR=tmp)  # never the user's database
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         cmd = [sys.executable, __file__, "--child", json.dumps(cfg), "--child-out", str(path)]
         try:
             proc = subprocess.run(cmd, env=env, timeout=timeout_s, stderr=subprocess.PIPE, text=True)
@@ -471,6 +479,22 @@ def in_subprocess(cfg: dict, timeout_s: float) -> dict:
             errors = [line for line in lines if _ERROR_LINE.match(line)] or lines[-1:] or ["no output"]
             return dict(status=f"failed (exit {proc.returncode}): {errors[-1][:300]}", stderr="\n".join(lines)[-3000:])
         return json.loads(path.read_text())
+
+
+def visible_gpus(parser: argparse.ArgumentParser, count: int, device: str) -> list[str | None]:
+    """The GPUs the workers of ``--gpus count`` pin their processes to: [None] for one (the processes see what this
+    one sees), else the first ``count`` of CUDA_VISIBLE_DEVICES's list (or 0 to count - 1); on CUDA no more than there
+    are."""
+    if count < 1:
+        parser.error(f"--gpus {count} must be 1 or more")
+    if count == 1:
+        return [None]
+    shown = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    shown = shown or [str(i) for i in range(count)]
+    there = torch.cuda.device_count() if device == "cuda" else count
+    if count > min(len(shown), there):
+        parser.error(f"--gpus {count}: this machine shows {min(len(shown), there)} GPU(s)")
+    return list(shown[:count])
 
 
 def _ms(row: dict | None, workload: str) -> str:
@@ -489,8 +513,10 @@ def markdown(env: dict, rows: dict) -> str:
     table = []
     for cid, row in rows.items():
         source = f" (src {row['source']})" if cid.endswith(":convtune") and row.get("source") else ""
+        beside = f", GPU {row['gpu']} of {row['groups_at_once']} groups at once" if row.get("groups_at_once") else ""
+        measured = f"{row.get('date', '-')} {row.get('revision') or 'revision not recorded'}{source}{beside}"
         table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"],
-                      f"{row.get('date', '-')} {row.get('revision') or 'revision not recorded'}{source}".strip()])
+                      measured.strip()])
     out = head + "## Every configuration\n\nTuning (s): convtune's `optimize` on a cold database (then again in " \
         "the same process) or, in a fresh process, on the warm one; torch: its first inference call plus its " \
         "first training step (benchmark mode tunes there; under compile they include compiling).\n\n"
@@ -655,6 +681,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--config-timeout", type=float, default=540.0, help="seconds one configuration may take")
+    parser.add_argument("--gpus", type=int, default=1, help="groups run at once, each family (network, batch, dtype) "
+                        "on a GPU of its own (the first N that CUDA_VISIBLE_DEVICES shows, or 0 to N-1)")
     parser.add_argument("--processes", type=int, default=1, help="processes per configuration, the modes of a "
                         "group taking turns (a row's time is the median of its processes' medians, with their range: "
                         "where the host sets the pace, processes of one configuration differ by far more than "
@@ -710,38 +738,66 @@ def main() -> None:
     payload = common.extendable(json_path, env, args.name)
     payload["environment"] = env
     rows = payload.setdefault("configs", {})
-    started, longest = time.monotonic(), 0.0
+    if args.processes < 1:
+        parser.error(f"--processes {args.processes} must be 1 or more")
+    gpus = visible_gpus(parser, args.gpus, args.device)
+    state = dict(started=time.monotonic(), longest=0.0, stop=False)
+    lock = threading.Lock()  # the rows, the results file, the budget's figures
     with tempfile.TemporaryDirectory() as tmp:
         db_dir = Path(args.db_dir or tmp)
         db_dir.mkdir(parents=True, exist_ok=True)
-        if args.processes < 1:
-            parser.error(f"--processes {args.processes} must be 1 or more")
-        for model, batch, dtype, style in itertools.product(models, args.batches, args.dtypes, args.styles):
+        families = list(itertools.product(models, args.batches, args.dtypes))
+
+        def group(model: str, batch: int, dtype: str, style: str, gpu: str | None) -> None:
             cfgs = [dict(model=model, batch=batch, dtype=dtype, style=style, mode=mode, device=args.device,
                          tiny=args.tiny, steps=args.steps, repeats=args.repeats, profile=not args.no_profile,
                          db=str(db_dir / f"{model}_b{batch}_{dtype}.sqlite")) for mode in args.modes]
             # --missing: a group (network, batch, dtype, style) any of whose rows is missing or stale is measured
             # again whole, its modes taking turns, so that each of its ratios compares rows of one run.
-            if args.missing and all(current(rows.get(config_id(c), {}), c["mode"], env) for c in cfgs):
-                cfgs = []
-            spent = time.monotonic() - started
-            if cfgs and args.budget_s is not None and spent + longest > args.budget_s:
-                print(f"{model}:b{batch}:{dtype}:{style} and the groups after it not started: {spent:.0f} s spent, "
-                      f"the longest group took {longest:.0f} s, --budget-s {args.budget_s:g}", file=sys.stderr)
-                break
+            with lock:
+                if args.missing and all(current(rows.get(config_id(c), {}), c["mode"], env) for c in cfgs):
+                    return
+                spent = time.monotonic() - state["started"]
+                if state["stop"] or args.budget_s is not None and spent + state["longest"] > args.budget_s:
+                    if not state["stop"]:
+                        print(f"{model}:b{batch}:{dtype}:{style} and the groups after it not started: {spent:.0f} s "
+                              f"spent, the longest group took {state['longest']:.0f} s, --budget-s {args.budget_s:g}",
+                              file=sys.stderr)
+                    state["stop"] = True
+                    return
             group_start = time.monotonic()
             runs: dict[str, list[dict]] = {config_id(c): [] for c in cfgs}
-            for turn in range(args.processes if cfgs else 0):  # the modes take turns, in a rotated order
+            for turn in range(args.processes):  # the modes take turns, in a rotated order
                 for cfg in cfgs[turn % len(cfgs):] + cfgs[:turn % len(cfgs)]:
-                    print(f"{config_id(cfg)} (process {turn + 1} of {args.processes})", file=sys.stderr, flush=True)
-                    runs[config_id(cfg)].append(in_subprocess(dict(cfg, profile=cfg["profile"] and turn == 0),
-                                                              args.config_timeout))
-                    row = combine(runs[config_id(cfg)])
-                    row["date"], row["revision"], row["source"] = env["date"], env["revision"], env["source"]
-                    rows[config_id(cfg)] = row
-                    common.write(args.name, payload, markdown(env, rows), out_dir)  # a cut run keeps what it did
-            if cfgs:
-                longest = max(longest, time.monotonic() - group_start)
+                    where = "" if gpu is None else f" on GPU {gpu}"
+                    print(f"{config_id(cfg)} (process {turn + 1} of {args.processes}){where}", file=sys.stderr,
+                          flush=True)
+                    result = in_subprocess(dict(cfg, profile=cfg["profile"] and turn == 0), args.config_timeout, gpu)
+                    with lock:
+                        runs[config_id(cfg)].append(result)
+                        row = combine(runs[config_id(cfg)])
+                        row["date"], row["revision"], row["source"] = env["date"], env["revision"], env["source"]
+                        if gpu is not None:
+                            row["gpu"], row["groups_at_once"] = gpu, len(gpus)
+                        rows[config_id(cfg)] = row
+                        common.write(args.name, payload, markdown(env, rows), out_dir)  # a cut run keeps what it did
+            with lock:
+                state["longest"] = max(state["longest"], time.monotonic() - group_start)
+
+        def worker(gpu: str | None) -> None:  # takes the next family until none is left
+            while True:
+                with lock:
+                    if not families or state["stop"]:
+                        return
+                    family = families.pop(0)
+                for style in args.styles:
+                    group(*family, style, gpu)
+
+        threads = [threading.Thread(target=worker, args=(gpu,), name=f"e2e-gpu{gpu}") for gpu in gpus]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     print(markdown(env, rows))
 
 

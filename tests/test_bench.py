@@ -81,6 +81,23 @@ def test_dynamic_shapes_times_every_step_of_each_configuration_in_its_own_proces
 
 
 @pytest.mark.slow
+def test_e2e_runs_families_at_once_each_on_a_gpu_of_its_own(tmp_path):
+    grid = ("--styles", "eager", "--dtypes", "bfloat16", "--batches", "4,2", "--repeats", "1", "--no-profile",
+            "--modes", "convtune,torch_bm1", "--gpus", "2")
+    rows = _run("e2e.py", tmp_path, *grid, env={"CUDA_VISIBLE_DEVICES": "5,3,9"})["configs"]
+    assert len(rows) == 4 and all(row["status"] == "ok" for row in rows.values())
+    for batch in (4, 2):  # a family's rows ran on one GPU, which its processes alone saw; its first database cold
+        family = [rows[f"tiny:b{batch}:bfloat16:eager:{mode}"] for mode in ("convtune", "torch_bm1")]
+        assert family[0]["gpu"] == family[1]["gpu"] in ("5", "3") and family[0]["groups_at_once"] == 2
+        assert all(row["visible_gpus"] == row["gpu"] for row in family) and family[0]["db"] == "cold"
+    assert "groups at once" in (tmp_path / "e2e.md").read_text()
+    out = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--device", "cpu", "--tiny", "--out", str(tmp_path),
+                          "--gpus", "3"], env=dict(os.environ, CUDA_VISIBLE_DEVICES="0,1"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "--gpus 3: this machine shows 2 GPU(s)" in out.stderr
+
+
+@pytest.mark.slow
 def test_warm_start_times_each_stage_in_its_own_process_and_names_its_files_by_network(tmp_path):
     env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
     out = subprocess.run([sys.executable, str(BENCH / "warm_start.py"), "--device", "cpu", "--tiny", "--batch", "2",

@@ -9,8 +9,8 @@ result is recorded, not timed), the timed calls' result checked too. Where it do
 deterministic, that result is compared bit for bit with its first run's on the same inputs (a policy that asks for
 determinism runs it a third time before timing instead: a candidate that fails it is not timed). The shared inputs
 are compared with their pristine copies once a candidate is done, after a failed check (which they may explain) and
-after a slow checked run: a candidate that wrote into them fails, and the next one sees them as they were. ``find`` chooses the order and when
-to stop.
+after a slow checked run: a candidate that wrote into them fails, and the next one sees them as they were.
+``find`` chooses the order and when to stop.
 """
 
 from __future__ import annotations
