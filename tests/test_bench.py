@@ -985,20 +985,17 @@ def test_e2e_merges_results_files_group_by_group_from_the_one_measured_last(tmp_
     assert refused.returncode == 2 and "elsewhere.json: measured on Another GPU" in refused.stderr
 
 
-def test_heuristics_cost_checks_whether_plans_asked_for_later_match_a_graph_asked_for_both(heuristics_cost):
-    class Graph:
-        def __init__(self, problem, modes):
-            if problem == "none":
+def test_heuristics_cost_checks_whether_two_graphs_list_what_a_graph_asked_for_both_lists(heuristics_cost):
+    class Graph:  # what a frontend might do: problem 1 lists A's then FALLBACK's not among them, 2 FALLBACK's
+        def __init__(self, problem, modes):  # first, 3 one more plan joined, 4 refuses FALLBACK alone
+            if problem == 4 and modes == ("FALLBACK",):
                 raise RuntimeError("no plan")
-            self.problem, self.names = problem, [f"{m}{i}" for m in modes for i in range(2)]
+            plans = {"A": ["a", "b", "c"], "FALLBACK": ["c", "f"]}
+            self.names = [n for m in modes for n in plans[m]]
+            if len(modes) == 2:
+                self.names = list(dict.fromkeys(self.names if problem != 2 else self.names[::-1]))
+                self.names += ["g"] if problem == 3 else []
 
-    def add(graph, modes):  # what a frontend might do: problem 1 appends, 2 puts them first, 3 refuses
-        if graph.problem == 3:
-            raise RuntimeError("already built")
-        extra = [f"{m}{i}" for m in modes for i in range(2)]
-        return graph.names + extra if graph.problem == 1 else extra + graph.names
-
-    r = heuristics_cost.added_later([1, 2, 3, "none"], ("A",), ("FALLBACK",), Graph, add)
-    assert (r["problems"], r["same"], r["same_set_other_order"], r["failed"]) == (4, 1, 1, 2)
-    assert 0 <= r["median_ms"] <= r["max_ms"]
-    assert "median_ms" not in heuristics_cost.added_later(["none"], ("A",), ("FALLBACK",), Graph, add)
+    r = heuristics_cost.separate([1, 2, 3, 4], ("A",), ("FALLBACK",), Graph)
+    assert (r["problems"], r["same"], r["same_set_other_order"], r["failed"]) == (4, 1, 1, 1)
+    assert (r["names_only_in_the_joined_graph"], r["names_only_in_the_separate_graphs"]) == (1, 0)
