@@ -122,6 +122,8 @@ class _Neighbourhood:
     best: float
     typical: float
     correction: float
+    regrets: list[dict[str, float]]  # each neighbour's (its row's regrets), in the order of ``indices``
+    total: float  # the weights' sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +233,8 @@ class LearnedModel:
 
             floor = math.log2(max(roofline_ms(problem), 1e-9))
             found = _Neighbourhood(indices.tolist(), weights.tolist(), floor, floor + mean(self.best),
-                                   mean(self.typical), mean(self.correction))
+                                   mean(self.typical), mean(self.correction),
+                                   [self.rows[i].regrets for i in indices.tolist()], sum(weights.tolist()))
         if len(self._memo) >= MEMO_PROBLEMS:
             self._memo = {}  # a new dict, not cleared: another thread may be reading the old one
         self._memo[key] = found
@@ -253,14 +256,16 @@ class LearnedModel:
         near = self._neighbourhood(problem)
         if near is None:
             return None
-        total = sum(near.weights)
         scores = []
         for key in keys(name, order):
-            measured = [(self.rows[i].regrets[key], w) for i, w in zip(near.indices, near.weights)
-                        if key in self.rows[i].regrets]
-            support = sum(w for _, w in measured)
-            if support >= MIN_SUPPORT * total:
-                scores.append(sum(r * w for r, w in measured) / support)
+            support = weighted = 0.0  # over the neighbours that measured it, in their order
+            for regrets, w in zip(near.regrets, near.weights):
+                r = regrets.get(key)
+                if r is not None:
+                    support += w
+                    weighted += r * w
+            if support >= MIN_SUPPORT * near.total:
+                scores.append(weighted / support)
         if scores:  # never below the problem's floor: what the neighbours suggest, held to what is possible
             return max(near.best + min(scores), near.floor)
         from .costmodel import order_factor
