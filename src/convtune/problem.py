@@ -188,7 +188,7 @@ class ConvProblem:
         """Number of spatial dimensions (1, 2 or 3)."""
         return len(self.input_size)
 
-    @property
+    @functools.cached_property  # a frozen problem's sizes never change: the cost model asks per candidate
     def output_size(self) -> tuple[int, ...]:
         return tuple(
             (h + 2 * p - d * (r - 1) - 1) // s + 1
@@ -222,12 +222,12 @@ class ConvProblem:
     def element_bytes(self) -> int:
         return self.torch_dtype.itemsize
 
-    @property
+    @functools.cached_property
     def flops(self) -> int:
         """2·N·K·(output positions)·(C/groups)·(kernel taps); the same for every direction."""
         return 2 * self.n * self.k * math.prod(self.output_size) * (self.c // self.groups) * math.prod(self.kernel_size)
 
-    @property
+    @functools.cached_property
     def min_bytes(self) -> int:
         """Compulsory traffic: every element of input, filter and output moved once."""
         return self.element_bytes * sum(math.prod(s) for s in (self.x_shape, self.w_shape, self.y_shape))
