@@ -273,6 +273,19 @@ def test_get_uses_a_model_of_this_machine_and_ignores_others_with_a_warning(tmp_
         assert "other software" in caplog.text
 
 
+def test_a_ranking_looks_up_the_installed_model_once_not_per_candidate(tmp_path, monkeypatch):
+    p = ConvProblem("fwd", n=8, c=32, k=32, input_size=(14, 14), kernel_size=3, padding=1, groups=32)
+    plugins = [Fake("plugin:dw"), Fake("plugin:dense"), Fake("plugin:third")]
+    with settings.override(learned_model=str(tmp_path / "get_{device}.pt")), registry.isolated(*plugins):
+        learned.train(samples(200), fingerprint("cpu")).save(tmp_path / "get_cpu.pt")
+        looks = []
+        installed = learned.installed
+        monkeypatch.setattr(learned, "installed", lambda device: looks.append(device) or installed(device))
+        names = [c.name for c in ct.get(p)]
+        assert len(names) >= 4 and names.index("plugin:dw") < names.index("plugin:dense")  # priced with the model
+        assert len(looks) <= 2  # get's answer's key, and the ranking's table: each candidate read the settings before
+
+
 def test_train_get_trains_on_the_database_and_refuses_an_empty_one(tmp_path, capsys, quick_timing):
     db_path = tmp_path / "t.sqlite"
     out = tmp_path / "model.pt"

@@ -189,12 +189,26 @@ class Corrections:
 
     model: learned.LearnedModel | None = None
     version: int = dataclasses.field(default_factory=lambda: next(_versions), init=False)
+    analytic: bool = False  # with model None: the analytic price alone (no installed model looked up)
 
     def price(self, name: str, problem: ConvProblem, base_ms: float, place: int | None = None) -> float:
         """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the model's price (with
         ``place``, the candidate's place in its backend's heuristic order), else ``base_ms`` times
         ``order_factor(place)``."""
-        return base_ms * learned.correction(problem, name, base_ms, place, self.model) * order_factor(place)
+        factor = 1.0 if self.analytic else learned.correction(problem, name, base_ms, place, self.model)
+        return base_ms * factor * order_factor(place)
+
+    def resolved(self, device: str) -> Corrections:
+        """This table where it has a model; else one of the model installed for ``device`` now (``learned.installed``),
+        or of none: looked up once for a whole ranking, not per candidate (each look reads the settings that name
+        the file), and the same throughout it should the file change meanwhile."""
+        if self.model is not None or self.analytic:
+            return self
+        model, version = learned.installed(device)
+        known = _installed_tables.get(device)
+        if known is None or known[0] != version:
+            known = _installed_tables[device] = (version, Corrections(model, analytic=model is None))
+        return known[1]
 
     @staticmethod
     def of(measurements: Iterable[tuple[ConvProblem, Any]]) -> Corrections:
@@ -204,6 +218,7 @@ class Corrections:
 
 
 NO_CORRECTIONS = Corrections()
+_installed_tables: dict[str, tuple[int, Corrections]] = {}  # device -> (learned.installed's version, its table)
 _tables: weakref.WeakKeyDictionary[Any, dict[str, _Table]] = weakref.WeakKeyDictionary()
 _tables_lock = threading.RLock()  # find may store from a background thread while get reads
 

@@ -93,7 +93,8 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     learn_workspaces=True learns them all, False only where the policy makes them decide (a pick wanted at once,
     whose workspace is learned when it is built: select's 'background' mode).
     """
-    prices = costmodel.corrections(db, problem.device) if prices is None else prices  # one table throughout
+    prices = costmodel.corrections(db, problem.device) if prices is None else prices  # one table throughout,
+    prices = prices.resolved(problem.device)  # with the installed model looked up once
     decides = policy.workspace_limit is not None or policy.prefer == "least_memory"
     learn_workspace = decides or bool(learn_workspaces)
     by_name: dict[str, Algorithm] = {}
