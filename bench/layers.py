@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,19 +55,30 @@ def layers_of(cfg: dict) -> list[zoo.Layer]:
                               layout=cfg["layout"], device="cuda")
 
 
-def time_algorithm(problem, algo, inputs, ref) -> tuple[float | None, float | None, str]:
-    """(median ms, rel error, status) of one algorithm with the shared timer; wrong results are not timed."""
+def checked_call(problem, algo, inputs, ref) -> tuple[Callable[[], object] | None, float | None, str]:
+    """(its call as find times it, rel error, status) of one algorithm, after one run on ``inputs`` into a NaN-poisoned
+    output compared with ``ref``: no call for a wrong result ('wrong_result') or a failure ('failed: ...')."""
     try:
-        ws = allocate_workspace(algo.buffer_bytes(problem), "cuda")
+        ws = allocate_workspace(algo.buffer_bytes(problem), problem.device)
         out = problem.empty(problem.operand_shapes[2]).fill_(float("nan"))
         algo.run(problem, *inputs, workspace=ws, out=out)
         err = rel_error(out, ref)
         if not err <= tolerance(problem, algo.notes(problem)):
             return None, err, "wrong_result"
-        t = benchmark(algo.launcher(problem, *inputs, out, ws), device="cuda")  # as find times it
-        return t.median_ms, err, "ok"
+        return algo.launcher(problem, *inputs, out, ws), err, "ok"
     except Exception as exc:  # noqa: BLE001 - a plan that fails is a row, not the end of the run
         return None, None, f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+
+
+def time_algorithm(problem, algo, inputs, ref) -> tuple[float | None, float | None, str]:
+    """(median ms, rel error, status) of one algorithm with the shared timer; wrong results are not timed."""
+    call, err, status = checked_call(problem, algo, inputs, ref)
+    if call is None:
+        return None, err, status
+    try:
+        return benchmark(call, device=problem.device).median_ms, err, status
+    except Exception as exc:  # noqa: BLE001 - as checked_call
+        return None, err, f"failed: {type(exc).__name__}: {str(exc)[:120]}"
 
 
 def convtune_layers(cfg: dict, db: ct.TuningDB) -> list[dict]:

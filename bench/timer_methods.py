@@ -37,11 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from convtune import Policy  # noqa: E402
-from convtune.algorithms.base import allocate_workspace  # noqa: E402
 from convtune.algorithms.registry import algorithms  # noqa: E402
 from convtune.get import ranked_predictions  # noqa: E402
 from convtune.settings import settings  # noqa: E402
 from convtune.timing import benchmark, percentile  # noqa: E402
+from convtune.verify import reference  # noqa: E402
+from layers import checked_call  # noqa: E402
 from tuning_cost import training_problems  # noqa: E402
 
 SETTINGS = {"sample": "timing_sample_ms", "eager": "timing_eager_above_ms", "graph": "timing_graph_calls"}
@@ -72,19 +73,17 @@ def parse_method(text: str) -> dict:
 
 
 def candidates_of(problem, count: int) -> list:
-    """The first ``count`` candidates of ``problem`` in find's order that run, each with its call (as find times it)."""
+    """The first ``count`` candidates of ``problem`` in find's order that run and compute it right (checked against
+    float64 as ``layers.checked_call`` checks), each with its call (as find times it)."""
+    inputs = problem.random_inputs(seed=0)
+    ref = reference(problem, *inputs)
     out = []
     for algorithm, _ in ranked_predictions(problem, algorithms(problem), Policy(), keep_filters=False):
         if len(out) == count:
             break
-        try:
-            inputs = problem.random_inputs(seed=0)
-            workspace = allocate_workspace(algorithm.buffer_bytes(problem), problem.device)
-            output = problem.empty(problem.operand_shapes[2])
-            algorithm.run(problem, *inputs, workspace=workspace, out=output)
-            out.append((algorithm.name, algorithm.launcher(problem, *inputs, output, workspace)))
-        except Exception:  # noqa: BLE001 - one that cannot run is not timed (find gives it a status)
-            continue
+        call, _, _ = checked_call(problem, algorithm, inputs, ref)
+        if call is not None:  # one that fails or computes wrong is not timed (find gives it a status)
+            out.append((algorithm.name, call))
     return out
 
 

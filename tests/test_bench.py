@@ -957,6 +957,19 @@ def test_timer_methods_reads_its_methods_and_sums_up_hand_made_rows(timer_method
         assert out.returncode == 2 and "needs --device cuda and a GPU" in out.stderr
 
 
+def test_timer_methods_times_only_candidates_that_compute_right(timer_methods):
+    from convtune import ConvProblem
+    from convtune.algorithms import registry
+    from fakes import Fake, NoWrite, WrongResult
+
+    p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(6, 6), kernel_size=3, padding=1)
+    plugins = [WrongResult("fake:wrong"), NoWrite("fake:nowrite"), Fake("fake:good"), Fake("fake:good2")]
+    with registry.isolated(*plugins, builtins=False):
+        chosen = timer_methods.candidates_of(p, 3)
+    assert sorted(name for name, _ in chosen) == ["fake:good", "fake:good2"]
+    assert all(call() is not None for _, call in chosen)
+
+
 def test_e2e_merges_results_files_group_by_group_from_the_one_measured_last(tmp_path):
     grid = json.loads((BENCH / "results" / "e2e.json").read_text())
     groups = sorted({cid.rsplit(":", 1)[0] for cid in grid["configs"]})
