@@ -980,6 +980,29 @@ def test_compiled_code_given_a_weight_of_another_shape_computes_as_torch_does(tm
         assert torch.allclose(compiled(x), twin(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_layer_on_pytorchs_path_given_a_weight_of_another_shape_is_tuned_again(tmp_path, native):
+    from convtune.pytorch.modules import TorchCall, TorchDirect
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 8, 8)
+    with settings.override(native=native):
+        model = convtune.optimize(torch.nn.Conv2d(4, 6, 3, padding=1), x, mode="get", db=str(tmp_path / "t.sqlite"))
+        if native and convtune.extension.loaded() is None:
+            pytest.skip("the C++ extension is not built here")
+        model(x), model(x)  # the second call takes the hot path: PyTorch's own call, checked in C++ or in Python
+        assert isinstance(model._convtune_fast[x.shape], TorchDirect if native else TorchCall)  # the path under test
+        twin = torch_twin(model)
+        weight, bias = torch.randn(8, 4, 3, 3), torch.randn(8)
+        for module in (model, twin):
+            module.weight.data, module.bias.data = weight.clone(), bias.clone()
+        for _ in range(2):  # the full path, then the hot path again
+            assert torch.allclose(model(x), twin(x), atol=1e-5)
+        # tuned for the convolution it now is (explain said k6 before), and its hot path kept for that weight
+        assert {row["problem"].split("|")[3] for row in convtune.explain(model)} == {"k8"}
+        assert model._convtune_weight_shape == (8, 4, 3, 3) and x.shape in model._convtune_fast
+
+
 @pytest.mark.parametrize("older_pickle", [False, True])
 def test_a_copy_made_after_a_new_weight_shape_computes_as_torch_does_compiled_and_eager(tmp_path, older_pickle):
     torch.manual_seed(0)

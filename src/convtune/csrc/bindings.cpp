@@ -90,14 +90,17 @@ LayerTuner python_tuner(py::object callable) {
 // Python hot path made (TorchCall.admits), in C++, then PyTorch's convolution as torch.nn's forward calls it
 // (aten::conv1d/2d/3d through the dispatcher: PyTorch's autograd, double backward included, autocast and cuDNN
 // flags). ``fwd``: a torch:native executable of the problem chosen for, whose geometry says the input's shape,
-// layout, device type and (autocast's, under autocast) dtype; dx_tuned, dw_tuned: whether the gradients were
-// chosen for. ValueError where the input is not of that signature or needs a gradient not chosen for (the
-// module then selects for it); nothing else differs from torch.nn's forward.
+// layout, device type and (autocast's, under autocast) dtype, and the weight's shape; dx_tuned, dw_tuned: whether
+// the gradients were chosen for. ValueError where the input is not of that signature, the weight of another shape
+// (a new Parameter, its .data replaced) or a gradient not chosen for is needed (the module then selects for it, and
+// tunes again for a new weight); nothing else differs from torch.nn's forward.
 at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                       bool dx_tuned, bool dw_tuned) {
   const ExecutablePtr e = find_executable(fwd);
   const Geometry& g = e->geometry;
   e->check_input(x);
+  TORCH_CHECK_VALUE(w.sizes() == at::IntArrayRef(g.b.shape), g.label, ": weight of shape ", text(w.sizes()),
+                    " is not the tuned problem's (", text(g.b.shape), ")");
   TORCH_CHECK_VALUE(x.device().type() == g.device_type, g.label, ": input x is on ", x.device().str(),
                     ", the problem chosen for is on ", c10::DeviceTypeName(g.device_type, true));
   const bool cast = at::autocast::is_autocast_enabled(g.device_type);

@@ -319,7 +319,8 @@ class TunedConv(_ConvBase):
                 weight, bias = self.weight, self.bias
                 if _has_torch_function((input, weight, bias)):  # a subclass or mode: torch.nn's forward, as it
                     if entry.python.admits(input):  # type: ignore[union-attr]  # sees it, after the Python checks
-                        return super().forward(input)
+                        if weight.shape == self._convtune_weight_shape:  # (else the full path tunes again)
+                            return super().forward(input)
                 else:
                     try:
                         return _torch_conv(input, weight, bias, entry.handle,  # type: ignore[union-attr]
@@ -329,7 +330,8 @@ class TunedConv(_ConvBase):
             # a tuple or a TorchDirect took a branch above (tested by class, the fastest test, which mypy cannot
             # narrow by; hence the ignores)
             elif entry is not None and entry.admits(input):  # type: ignore[union-attr]
-                return super().forward(input)
+                if self.weight.shape == self._convtune_weight_shape:  # (else the full path tunes again)
+                    return super().forward(input)
         return self._convtune_forward(input)
 
     def _convtune_hot(self, shape: torch.Size, entry: tuple[int, int, int] | TorchDirect | TorchCall,
