@@ -28,7 +28,7 @@ or several 10-minute runs of parts, add up. With --gpus N, N workers take the gr
 families in turn, each running a family's styles one after another in processes that see one GPU of their own
 (CUDA_VISIBLE_DEVICES), so a family's first convtune process still finds its database empty; the workers' processes
 share the host's CPUs, so where the host sets the pace every row reads the load of the others beside it (rows record
-the GPU and how many ran at once):
+the GPU and how many workers there were; a run's last groups may run with fewer beside them):
 
     python bench/e2e.py                                     # everything (hours: run it in parts)
     python bench/e2e.py --models resnet50 --batches 128 --dtypes float16 --styles eager,graph
@@ -513,7 +513,7 @@ def markdown(env: dict, rows: dict) -> str:
     table = []
     for cid, row in rows.items():
         source = f" (src {row['source']})" if cid.endswith(":convtune") and row.get("source") else ""
-        beside = f", GPU {row['gpu']} of {row['groups_at_once']} groups at once" if row.get("groups_at_once") else ""
+        beside = f", on GPU {row['gpu']}, one of {row['workers']} workers" if row.get("workers") else ""
         measured = f"{row.get('date', '-')} {row.get('revision') or 'revision not recorded'}{source}{beside}"
         table.append([*cid.split(":"), _ms(row, "inference"), _ms(row, "training"), tuning_cell(row), row["status"],
                       measured.strip()])
@@ -755,7 +755,7 @@ def main() -> None:
             # --missing: a group (network, batch, dtype, style) any of whose rows is missing or stale is measured
             # again whole, its modes taking turns, so that each of its ratios compares rows of one run.
             with lock:
-                if args.missing and all(current(rows.get(config_id(c), {}), c["mode"], env) for c in cfgs):
+                if not cfgs or args.missing and all(current(rows.get(config_id(c), {}), c["mode"], env) for c in cfgs):
                     return
                 spent = time.monotonic() - state["started"]
                 if state["stop"] or args.budget_s is not None and spent + state["longest"] > args.budget_s:
@@ -778,7 +778,7 @@ def main() -> None:
                         row = combine(runs[config_id(cfg)])
                         row["date"], row["revision"], row["source"] = env["date"], env["revision"], env["source"]
                         if gpu is not None:
-                            row["gpu"], row["groups_at_once"] = gpu, len(gpus)
+                            row["gpu"], row["workers"] = gpu, len(gpus)
                         rows[config_id(cfg)] = row
                         common.write(args.name, payload, markdown(env, rows), out_dir)  # a cut run keeps what it did
             with lock:
@@ -793,11 +793,26 @@ def main() -> None:
                 for style in args.styles:
                     group(*family, style, gpu)
 
-        threads = [threading.Thread(target=worker, args=(gpu,), name=f"e2e-gpu{gpu}") for gpu in gpus]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        if len(gpus) == 1:
+            worker(gpus[0])  # in this thread, as a run of one GPU always was
+        else:
+            failures: list[BaseException] = []
+
+            def guarded(gpu: str | None) -> None:  # a worker's error ends the run (the others start no new group)
+                try:
+                    worker(gpu)
+                except BaseException as exc:  # noqa: BLE001 - raised again below, in the main thread
+                    with lock:
+                        failures.append(exc)
+                        state["stop"] = True
+
+            threads = [threading.Thread(target=guarded, args=(gpu,), name=f"e2e-gpu{gpu}") for gpu in gpus]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if failures:
+                raise failures[0]
     print(markdown(env, rows))
 
 

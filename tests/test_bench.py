@@ -88,13 +88,37 @@ def test_e2e_runs_families_at_once_each_on_a_gpu_of_its_own(tmp_path):
     assert len(rows) == 4 and all(row["status"] == "ok" for row in rows.values())
     for batch in (4, 2):  # a family's rows ran on one GPU, which its processes alone saw; its first database cold
         family = [rows[f"tiny:b{batch}:bfloat16:eager:{mode}"] for mode in ("convtune", "torch_bm1")]
-        assert family[0]["gpu"] == family[1]["gpu"] in ("5", "3") and family[0]["groups_at_once"] == 2
+        assert family[0]["gpu"] == family[1]["gpu"] in ("5", "3") and family[0]["workers"] == 2
         assert all(row["visible_gpus"] == row["gpu"] for row in family) and family[0]["db"] == "cold"
-    assert "groups at once" in (tmp_path / "e2e.md").read_text()
+    assert {rows[f"tiny:b{batch}:bfloat16:eager:convtune"]["gpu"] for batch in (4, 2)} == {"5", "3"}  # at once
+    assert "one of 2 workers" in (tmp_path / "e2e.md").read_text()
     out = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--device", "cpu", "--tiny", "--out", str(tmp_path),
                           "--gpus", "3"], env=dict(os.environ, CUDA_VISIBLE_DEVICES="0,1"), capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "--gpus 3: this machine shows 2 GPU(s)" in out.stderr
+
+
+e2e = _bench_script("e2e")
+
+
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_e2e_stops_and_raises_where_a_worker_fails(e2e, tmp_path, monkeypatch, gpus):
+    calls = []
+
+    def child(cfg, timeout_s, gpu=None):  # the second process's results cannot be written, say
+        calls.append(cfg["batch"])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return dict(status="ok")
+
+    monkeypatch.setattr(e2e, "in_subprocess", child)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--device", "cpu", "--tiny", "--out", str(tmp_path), "--styles",
+                                      "eager", "--dtypes", "bfloat16", "--batches", "4,2,1", "--modes",
+                                      "convtune,torch_bm1", "--gpus", gpus])
+    with pytest.raises(OSError, match="No space left"):
+        e2e.main()
+    assert len(calls) <= 3  # (two workers: the other's group in flight ends) no group starts after the failure
 
 
 @pytest.mark.slow

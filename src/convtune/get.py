@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import torch
 
-from . import costmodel, hardware, learned
+from . import costmodel, hardware
 from .algorithms.base import Algorithm
 from .algorithms.registry import algorithms, backends, registered
 from .db import as_db
@@ -195,13 +195,14 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     db = as_db(db, "get()")
     check_type(problem, ConvProblem, "get()'s problem")
     policy = DEFAULT_POLICY if policy is None else policy
-    # Everything the answer depends on: a repeated question costs a dictionary lookup. The
-    # registry's content, the correction table (a new object once the db gets measurements) and the
-    # learned model are part of the key; cuDNN's global determinism flag changes what torch:native declares; so
-    # does the GPU that hardware.measured_on prices for.
-    prices = costmodel.corrections(db, problem.device)  # one table for the whole ranking (find may store meanwhile)
+    # Everything the answer depends on: a repeated question costs a dictionary lookup. The registry's content and
+    # the correction table are part of the key: one table for the whole ranking (find may store meanwhile), the
+    # installed learned model looked up once, whose version names what it prices with (a new table once the db
+    # gets measurements or the installed model changes); cuDNN's global determinism flag changes what torch:native
+    # declares; so does the GPU that hardware.measured_on prices for.
+    prices = costmodel.corrections(db, problem.device).resolved(problem.device)
     key = (problem, policy, tuple(registered()), tuple(backends()), prices.version,
-           learned.version(problem.device), torch.backends.cudnn.deterministic, hardware.assumed_gpu())
+           torch.backends.cudnn.deterministic, hardware.assumed_gpu())
     choices = _memo.get(key)
     if choices is None:
         settings.check()

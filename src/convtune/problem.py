@@ -181,6 +181,10 @@ class ConvProblem:
             if nbytes > MAX_BYTES:  # no device allocates it, and byte offsets into it overflow int64
                 raise ValueError(f"ConvProblem's {operand} {shape} in {self.dtype} takes {nbytes} bytes, more than "
                                  f"any tensor can ({MAX_BYTES}, 8 EiB); use smaller sizes")
+        # the cached sizes computed now (the output's above), not on a first read in code Dynamo traces: there, on
+        # Python 3.11, the cache's lock is a context manager it cannot trace
+        for name in ("flops", "min_bytes"):
+            getattr(self, name)
 
     # -- shapes -------------------------------------------------------------------------
     @property
