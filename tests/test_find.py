@@ -179,6 +179,31 @@ def test_unknown_determinism_is_decided_by_two_runs():
     assert results["fake:noisy"].status is Status.SKIPPED and "bit for bit" in results["fake:noisy"].message
 
 
+def test_a_candidate_found_not_deterministic_later_is_not_kept_deterministic(tmp_path):
+    from convtune import TuningDB
+
+    plan, other = UnknownDeterminism("fake:plan", time_ms=1.0), Fake("fake:other", time_ms=5.0)
+    with TuningDB(tmp_path / "t.sqlite") as db:
+        assert by_name(find(P, timer=FakeTimer(), candidates=[plan, other], db=db))["fake:plan"].deterministic
+        plan.noisy = True  # an atomics plan whose two runs agreed the first time
+        found = by_name(find(P, Policy(deterministic=True), timer=FakeTimer(), candidates=[plan, other], db=db))
+        assert found["fake:plan"].status is Status.SKIPPED
+        kept = by_name(db.results(P))["fake:plan"]
+        assert kept.ok and kept.time_ms == 1.0 and not kept.deterministic  # its timing stays, its promise does not
+        assert db.lookup(P, Policy(deterministic=True)).algorithm == "fake:other"
+
+
+def test_a_candidate_of_unknown_determinism_that_fails_promises_none():
+    class RaisesWhenTimed(UnknownDeterminism):
+        def compute(self, problem, a, b, out):
+            super().compute(problem, a, b, out)
+            if self.runs >= 3:  # its checks pass, its timed calls raise
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    result = find(P, timer=FakeTimer(), candidates=[RaisesWhenTimed("fake:plan")])[0]
+    assert result.status is Status.OUT_OF_MEMORY and result.deterministic is False
+
+
 def test_without_a_determinism_policy_the_timed_calls_are_the_second_run_compared():
     # no third run: the first check's result and the timed calls' (same inputs) are compared bit for bit
     steady, noisy = UnknownDeterminism("fake:steady"), UnknownDeterminism("fake:noisy", noisy=True)
@@ -195,6 +220,7 @@ def test_a_fast_candidate_has_the_inputs_compared_once_and_one_that_wrote_them_s
     compared = []
     restore = Search.restore_inputs
     monkeypatch.setattr(Search, "restore_inputs", lambda self: compared.append(1) or restore(self))
+    monkeypatch.setattr("convtune.measure.SLOW_RUN_S", math.inf)  # a cold first check's wall time decides nothing
     assert find(P, timer=FakeTimer(), candidates=[Fake("fake:good")])[0].ok
     assert len(compared) == 1  # once the candidate is done, not after each stage
     compared.clear()

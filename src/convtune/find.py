@@ -391,7 +391,15 @@ def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[Perf
                     problem.key, len(kept))
         return kept + wrong
     not_timed = (Status.SKIPPED, Status.OVER_WORKSPACE_LIMIT)
-    return [earlier.get(r.algorithm, r) if r.status in not_timed else r for r in results]
+    return [_earlier(earlier[r.algorithm], r) if r.status in not_timed and r.algorithm in earlier else r
+            for r in results]
+
+
+def _earlier(kept: PerfResult, now: PerfResult) -> PerfResult:
+    """The earlier ok result ``kept`` of a candidate this find did not time (``now``), but not deterministic where
+    ``now`` is not: found so by this find (two runs differed, and a policy that asks for determinism skipped it) or
+    declared so; a promise an earlier find made on two runs that agreed is withdrawn."""
+    return kept if now.deterministic or not kept.deterministic else dataclasses.replace(kept, deterministic=False)
 
 
 def summary(results: Sequence[PerfResult]) -> str:

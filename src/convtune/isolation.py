@@ -24,8 +24,8 @@ A candidate stays in the process when it, or the timer, cannot be sent: a cuDNN 
 built graph), a class defined in ``__main__`` (a script or a notebook; the worker cannot import it),
 a timer that does not pickle. A timer that is sent runs as a copy in the worker.
 
-An isolated candidate must finish its measurement (two checked runs, a determinism probe and the
-timing) within ``hard_limit_s`` of the worker having its inputs and reference ready: four times the
+An isolated candidate must finish its measurement (two checked runs, a third under a policy that asks for
+determinism, and the timing) within ``hard_limit_s`` of the worker having its inputs and reference ready: four times the
 per-candidate deadline plus ten timing budgets and five seconds (an hour where no deadline is set);
 past that its worker is killed and the candidate is a ``timeout``.
 """

@@ -121,7 +121,7 @@ class Search:
         pairs = [(t, t0) for ((a, b), _), (a0, b0) in zip(self._cases, self._pristine) for t, t0 in ((a, a0), (b, b0))]
         if not pairs:
             return False
-        # One synchronization for all of them (a find asks after each stage of every candidate). != as
+        # One synchronization for all of them (a find asks once per candidate, and after a failed or slow check). != as
         # torch.equal compares: NaN written into an input differs, -0.0 for 0.0 does not.
         changed = torch.stack([t.ne(t0).any() for t, t0 in pairs]).tolist()
         for (t, t0), wrote in zip(pairs, changed):
@@ -169,6 +169,8 @@ class Search:
                     message += "; workspace not learned (shown as 0)"
                 return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
         self.budget.timed += 1
+        if declared is None:  # no promise until two of its results compare equal (one that fails makes none)
+            props = cast(Props, dict(props, deterministic=False))
         if isolation.wanted(algorithm, self.timer):
             deadline_s = self.policy.deadline_s or settings.candidate_deadline_s or math.inf
             try:
@@ -277,7 +279,7 @@ class Search:
                  timer_budget_s: float | None) -> PerfResult:
         problem = self.problem
         if probe_determinism:  # no promise until two runs compare equal (a result cut short by the deadline has none)
-            props = cast(Props, dict(props, deterministic=False))
+            props = cast(Props, dict(props, deterministic=False))  # (a worker's props come so already)
         inputs, ref = self.case()
         workspace = allocate_workspace(algorithm.buffer_bytes(problem), problem.device)
         out = problem.empty(problem.operand_shapes[2])
