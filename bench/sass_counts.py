@@ -132,7 +132,7 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
     the data gradient turn once per kernel row (each turn the row's columns unrolled; a strided data gradient's
     launch, one per phase of dx's rows, once per kernel row that meets dy's rows from it; strips of two rows once per
     input row both rows read), the data gradient within a loop over the channel multiple; the weight gradient once
-    per BLOCK_STRIPS strips of a run (one count per run), in a loop over the kernel rows; the weights' layout is
+    per BLOCK_STRIPS strips of a run (one count per run), a kernel row a program; the weights' layout is
     straight-line code; None for the partials' sum and for loops of another shape."""
     from convtune.kernels.shared import geometry, sizes
     from convtune.kernels.strips import row_shift
@@ -157,9 +157,9 @@ def strip_turns(problem: ConvProblem, algorithm: TritonAlgorithm,
             return (rows * multiple,), 1
         if loops == 2 and nested:
             return (rows,), multiple
-    if kernel == "_filter_partials" and (loops == 2 and nested or loops == 1 and r == 1):
+    if kernel == "_filter_partials" and loops == 1:  # a kernel row a program: the grid's third axis
         tile = algorithm.tile
-        return _run_turns(problem, tile.chunk, -(-sizes(problem)[3] // tile.strip), tile.strips), r
+        return _run_turns(problem, tile.chunk, -(-sizes(problem)[3] // tile.strip), tile.strips), 1
     return None
 
 

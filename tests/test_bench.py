@@ -743,7 +743,8 @@ def test_sass_counts_reads_the_strip_kernels_loops(sass_counts):
 
     # 3 kernel rows: the forward and the data gradient turn once per kernel row (within a loop over a multiple of 2
     # for the data gradient, or over the multiple alone where one kernel row leaves no loop); the weight gradient's
-    # runs of 8 output rows (of 2·40 = 80: ten runs) in steps of 32 strips (10 strips of 4 a row: 80 a run, 3 steps)
+    # runs of 8 output rows (of 2·40 = 80: ten runs) in steps of 32 strips (10 strips of 4 a row: 80 a run, 3 steps),
+    # a kernel row a program
     p = ConvProblem("fwd", n=2, c=8, k=16, groups=8, input_size=(40, 40), kernel_size=3, padding=1, dtype="float16",
                     layout="channels_last", device="cuda")
 
@@ -763,9 +764,9 @@ def test_sass_counts_reads_the_strip_kernels_loops(sass_counts):
                  integers=dict(r_first=0, r_step=2)) == ((2,), 2)
     assert turns("bwd_data", "t4b32c32w4", problem=strided, kernel="_strips", loops=2, nested=True,
                  integers=dict(r_first=1, r_step=2)) == ((1,), 2)
-    assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=2, nested=True) == ((3,) * 10, 3)
+    assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=1) == ((3,) * 10, 1)  # a row a program
     assert turns("bwd_filter", "t4b32c32w4s8", kernel="_sum_partials", loops=1) is None
-    assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=3, nested=True) is None
+    assert turns("bwd_filter", "t4b32c32w4s8", kernel="_filter_partials", loops=2, nested=True) is None
 
 
 def test_the_depthwise_benchmark_times_one_family_again_and_keeps_the_others(depthwise, monkeypatch):

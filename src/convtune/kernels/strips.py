@@ -24,10 +24,11 @@ over the data gradient's channel multiple run at run time.
   (row mod stride) a launch, each looping over only the kernel rows that meet dy's rows from it, and its columns in
   strips whose length the column stride divides, so that which of a strip's columns are dy's is known at compile time
   (a stride-2 7x7 layer: about a quarter of the stride-1 loop's loads and products a dx element).
-- ``backward_filter`` (kernel rows of up to 8 taps): per kernel row, a program sums x·dy over a run of output rows
-  (``tile.chunk``), strip by strip: the strip's T dy values and each input column once, one float32 accumulator
-  per tap; each run's sums land in float32 partials that ``shared.sum_partials`` adds in a fixed order: no atomics,
-  deterministic.
+- ``backward_filter`` (kernel rows of up to 8 taps): a program per run of output rows (``tile.chunk``), tile of
+  channels and kernel row sums x·dy over the run, strip by strip: the strip's T dy values and each input column
+  once, one float32 accumulator per tap (the kernel rows side by side, not one after another in a program: R times
+  the programs, for the latency of small layers' few runs); each run's sums land in float32 partials that
+  ``shared.sum_partials`` adds in a fixed order: no atomics, deterministic.
 
 Products are summed in float32 whatever the operands' dtype, in a fixed order. Operands are 4-D (N, C, H, W) views
 with their own strides (a 1-D problem has H = 1), so one kernel serves both layouts: a tile of channels reads
@@ -294,44 +295,44 @@ def _filter_partials(x, dy, partials, rows, rows_per_part, strips, P, Q, H, W, K
                      sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq, stride_h, pad_h, pad_w, dil_h,
                      M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, STRIDE_W: tl.constexpr,
                      DIL_W: tl.constexpr, T: tl.constexpr, BLOCK_STRIPS: tl.constexpr, BLOCK_CH: tl.constexpr):
-    # One program: a tile of channels over a run of output rows, strip by strip; per kernel row, S float32
+    # One program: a tile of channels over a run of output rows, strip by strip, for one kernel row: S float32
     # accumulators (strips × channels), summed over the strips once per run into the partials.
     part = tl.program_id(0)  # the first grid axis: it has room for 2**31 - 1 runs (the others 65535)
     k = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    r = tl.program_id(2)
     k_ok = k < K
     first = part * rows_per_part * strips
     last = tl.minimum(part * rows_per_part + rows_per_part, rows) * strips
     zero = tl.zeros((BLOCK_STRIPS, BLOCK_CH), dtype=tl.float32)
     COLS: tl.constexpr = (T - 1) * STRIDE_W + (S - 1) * DIL_W + 1
-    for r in range(R):
-        s0, s1, s2, s3, s4, s5, s6, s7 = zero, zero, zero, zero, zero, zero, zero, zero
-        for start in range(first, last, BLOCK_STRIPS):
-            i = start + tl.arange(0, BLOCK_STRIPS)
-            ok = i < last
-            row = i // strips
-            q0 = (i - row * strips) * T
-            n = row // P
-            p = row - n * P
-            h = p * stride_h - pad_h + r * dil_h
-            h_ok = ok & (h >= 0) & (h < H)
-            grads = dy + (n * sdn + p * sdp)[:, None] + (k * sdk)[None, :]
-            inputs = x + (n * sxn + h * sxh)[:, None] + ((k // M) * sxc)[None, :]
-            for col in tl.static_range(COLS):
-                wi = q0 * STRIDE_W - pad_w + col
-                values = tl.load(inputs + (wi * sxw)[:, None], mask=(h_ok & (wi >= 0) & (wi < W))[:, None]
-                                 & k_ok[None, :], other=0.0).to(tl.float32)
-                for t in tl.static_range(T):
-                    s0 = _add_product(s0, 0, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-                    s1 = _add_product(s1, 1, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-                    s2 = _add_product(s2, 2, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-                    s3 = _add_product(s3, 3, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-                    s4 = _add_product(s4, 4, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-                    s5 = _add_product(s5, 5, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-                    s6 = _add_product(s6, 6, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-                    s7 = _add_product(s7, 7, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
-        out = partials + part * K * R * S + k * (R * S) + r * S
-        for s in tl.static_range(S):
-            tl.store(out + s, tl.sum(_pick(s, s0, s1, s2, s3, s4, s5, s6, s7), axis=0), mask=k_ok)
+    s0, s1, s2, s3, s4, s5, s6, s7 = zero, zero, zero, zero, zero, zero, zero, zero
+    for start in range(first, last, BLOCK_STRIPS):
+        i = start + tl.arange(0, BLOCK_STRIPS)
+        ok = i < last
+        row = i // strips
+        q0 = (i - row * strips) * T
+        n = row // P
+        p = row - n * P
+        h = p * stride_h - pad_h + r * dil_h
+        h_ok = ok & (h >= 0) & (h < H)
+        grads = dy + (n * sdn + p * sdp)[:, None] + (k * sdk)[None, :]
+        inputs = x + (n * sxn + h * sxh)[:, None] + ((k // M) * sxc)[None, :]
+        for col in tl.static_range(COLS):
+            wi = q0 * STRIDE_W - pad_w + col
+            values = tl.load(inputs + (wi * sxw)[:, None], mask=(h_ok & (wi >= 0) & (wi < W))[:, None]
+                             & k_ok[None, :], other=0.0).to(tl.float32)
+            for t in tl.static_range(T):
+                s0 = _add_product(s0, 0, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+                s1 = _add_product(s1, 1, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+                s2 = _add_product(s2, 2, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+                s3 = _add_product(s3, 3, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+                s4 = _add_product(s4, 4, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+                s5 = _add_product(s5, 5, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+                s6 = _add_product(s6, 6, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+                s7 = _add_product(s7, 7, values, grads, q0, ok, k_ok, Q, sdq, col, t, S, STRIDE_W, DIL_W)
+    out = partials + part * K * R * S + k * (R * S) + r * S
+    for s in tl.static_range(S):
+        tl.store(out + s, tl.sum(_pick(s, s0, s1, s2, s3, s4, s5, s6, s7), axis=0), mask=k_ok)
 
 
 @triton.jit
@@ -437,7 +438,7 @@ def backward_filter(problem: ConvProblem, tile: StripTile, x: torch.Tensor, dy: 
     h, wd, p, q = sizes(problem)
     r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
     parts = partials.shape[0]
-    launch(_filter_partials, (parts, triton.cdiv(problem.k, tile.channels)), x4, dy4, partials, problem.n * p,
+    launch(_filter_partials, (parts, triton.cdiv(problem.k, tile.channels), r), x4, dy4, partials, problem.n * p,
            tile.chunk, triton.cdiv(q, tile.strip), p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), stride_h,
            pad_h, pad_w, dil_h, M=problem.k // problem.c, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, T=tile.strip,
            BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels, num_warps=tile.warps)
