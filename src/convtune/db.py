@@ -563,8 +563,9 @@ def _executable_checksum(fingerprint: str, software: str, problem: str, algorith
 def _encode(result: PerfResult) -> tuple[str, str]:
     if not isinstance(result, PerfResult):
         raise TypeError(f"TuningDB.store needs PerfResults, got {type(result).__name__}: {result!r}")
-    PerfResult.from_dict(result.to_dict())  # refuse now what could not be read back
-    return result.algorithm, json.dumps(result.to_dict())
+    data = result.to_dict()
+    PerfResult.from_dict(data)  # refuse now what could not be read back
+    return result.algorithm, json.dumps(data)
 
 
 def _here(device: str) -> tuple[str, str] | None:

@@ -104,7 +104,9 @@ class PerfResult:
         return self.status is Status.OK
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        # its fields as they are (dataclasses.asdict deep-copies each, most of a store's time; every field is a
+        # number, a string, a bool, None or the status)
+        d = {f.name: getattr(self, f.name) for f in _DATACLASS_FIELDS}
         d["status"] = self.status.value
         if d["place"] is None:  # most results have none: left out, as an earlier version wrote them
             del d["place"]
@@ -163,4 +165,5 @@ class Choice:
     workspace_bytes: int | None
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(PerfResult))  # what from_dict accepts
+_DATACLASS_FIELDS = dataclasses.fields(PerfResult)  # to_dict's, in order
+_FIELDS = frozenset(f.name for f in _DATACLASS_FIELDS)  # what from_dict accepts
