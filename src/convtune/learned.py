@@ -153,6 +153,16 @@ def usable(s: Sample) -> bool:
     return s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms) and math.isfinite(s.analytic_ms)
 
 
+def _columns(rows: Sequence[_Row]) -> tuple[torch.Tensor, ...]:
+    """The rows' features (unscaled), best, typical candidate, correction and direction (its place in
+    ``DIRECTIONS``), a tensor each, a row a row (at least one row)."""
+    features = torch.tensor([r.features for r in rows], dtype=torch.float64)
+    values = (torch.tensor([getattr(r, f) for r in rows], dtype=torch.float64)
+              for f in ("best", "typical", "correction"))
+    directions = torch.tensor([DIRECTIONS.index(r.problem.direction) for r in rows], dtype=torch.int64)
+    return (features, *values, directions)
+
+
 def _rows(samples: Sequence[Sample]) -> list[_Row]:
     """One row per problem of ``samples`` with a timed candidate (the usable ones: positive, finite times)."""
     from .hardware import roofline_ms
@@ -180,34 +190,45 @@ class LearnedModel:
     time). ``samples``: how many measurements it was built from."""
 
     def __init__(self, rows: Sequence[_Row], fingerprint: str, software: str = "") -> None:
+        rows = list(rows)
         if not rows:
             raise ValueError("a learned model needs at least one measured problem")
-        self.rows = list(rows)
+        self._setup(rows, fingerprint, software, _columns(rows))
+
+    def _setup(self, rows: list[_Row], fingerprint: str, software: str, columns: tuple[torch.Tensor, ...]) -> None:
+        """The model of ``rows`` given their ``_columns``."""
+        if not rows:
+            raise ValueError("a learned model needs at least one measured problem")
+        self.rows = rows
         self.fingerprint, self.software = fingerprint, software
         self.samples = sum(r.count for r in self.rows)
         self.problems = [r.problem for r in self.rows]
-        self.best, self.typical, self.correction = (torch.tensor([getattr(r, f) for r in self.rows],
-                                                                 dtype=torch.float64)
-                                                    for f in ("best", "typical", "correction"))
-        x = torch.tensor([r.features for r in self.rows], dtype=torch.float64)
+        x, self.best, self.typical, self.correction, directions = self._row_columns = columns
         spread = x.std(0, unbiased=False) if len(self.rows) > 1 else torch.ones(x.shape[1], dtype=torch.float64)
         self._scale = torch.where(spread < 1e-6, torch.ones_like(spread), spread)
         self._x = x / self._scale
-        self._by_direction = {d: torch.tensor([i for i, p in enumerate(self.problems) if p.direction == d],
-                                              dtype=torch.int64) for d in DIRECTIONS}
+        self._by_direction = {d: (directions == code).nonzero().flatten() for code, d in enumerate(DIRECTIONS)}
         self._memo: dict[tuple[ConvProblem, Any], Any] = {}
 
     def extended(self, samples: Sequence[Sample], replaced: Iterable[ConvProblem] = (),
                  fallback: LearnedModel | None = None) -> LearnedModel:
         """This model with ``samples``' problems in place of its own rows of them, and without the problems of
         ``replaced`` that ``samples`` does not hold (measured again, nothing timed), unless ``fallback`` has a row of
-        such a problem: that row then. ``ValueError`` where no row is left."""
+        such a problem: that row then. ``ValueError`` where no row is left. Cheap: the rows kept keep their columns
+        (a tuning run extends the model once per problem it stores)."""
         new = _rows(samples)
-        gone = {r.problem for r in new} | set(replaced)
-        emptied = gone - {r.problem for r in new}
-        restored = [] if fallback is None else [r for r in fallback.rows if r.problem in emptied]
-        return LearnedModel([r for r in self.rows if r.problem not in gone] + new + restored, self.fingerprint,
-                            self.software)
+        gone = {r.problem.key for r in new} | {p.key for p in replaced}  # (a problem's key is kept: quick to hash)
+        emptied = gone - {r.problem.key for r in new}
+        restored = [] if fallback is None else [r for r in fallback.rows if r.problem.key in emptied]
+        kept = [i for i, r in enumerate(self.rows) if r.problem.key not in gone]
+        added = new + restored
+        index = torch.tensor(kept, dtype=torch.int64)
+        columns = tuple(c[index] for c in self._row_columns)
+        if added:
+            columns = tuple(torch.cat([c, a]) for c, a in zip(columns, _columns(added)))
+        model = LearnedModel.__new__(LearnedModel)
+        model._setup([self.rows[i] for i in kept] + added, self.fingerprint, self.software, columns)
+        return model
 
     def _neighbourhood(self, problem: ConvProblem) -> _Neighbourhood | None:
         from .hardware import assumed_gpu
