@@ -278,8 +278,9 @@ class Search:
     def _measure(self, algorithm: Algorithm, props: Props, probe_determinism: bool,
                  timer_budget_s: float | None) -> PerfResult:
         problem = self.problem
-        if probe_determinism:  # no promise until two runs compare equal (a result cut short by the deadline has none)
-            props = cast(Props, dict(props, deterministic=False))  # (a worker's props come so already)
+        # its own copy, where the determinism found is written (try_candidate's props promise none where it is to be
+        # found: a result cut short by the deadline, or failing, has none)
+        props = cast(Props, dict(props))
         inputs, ref = self.case()
         workspace = allocate_workspace(algorithm.buffer_bytes(problem), problem.device)
         out = problem.empty(problem.operand_shapes[2])
@@ -309,9 +310,8 @@ class Search:
         # The inputs are compared after a failed check (a candidate that wrote into them fails for that), after a slow
         # run (the comparison costs little beside it, and one that wrote them runs no more), and once the candidate is
         # done (_done): a candidate that writes into them at any stage fails.
-        if not ok or runs_s[-1] > SLOW_RUN_S:
-            if self.restore_inputs():
-                return _failed(algorithm, props, err, WROTE_INPUTS)
+        if (not ok or runs_s[-1] > SLOW_RUN_S) and self.restore_inputs():
+            return _failed(algorithm, props, err, WROTE_INPUTS)
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err, message=message, **props)
         # A second input set it has not seen, its output poisoned with a finite value this time: a
@@ -322,9 +322,8 @@ class Search:
         err2, ok, message = check(algorithm, problem, inputs2, ref2, problem.empty(problem.operand_shapes[2]),
                                   workspace, max_rel_error=bound, poison=_finite_poison(problem))
         runs_s.append(time.perf_counter() - second)
-        if not ok or runs_s[-1] > SLOW_RUN_S:
-            if self.restore_inputs():
-                return _failed(algorithm, props, err, WROTE_INPUTS)
+        if (not ok or runs_s[-1] > SLOW_RUN_S) and self.restore_inputs():
+            return _failed(algorithm, props, err, WROTE_INPUTS)
         if not ok:
             return PerfResult(algorithm.name, Status.WRONG_RESULT, rel_error=err2, **props,
                               message=f"on a second input set: {message}")
