@@ -121,9 +121,10 @@ def judge(samples: list[learned.Sample], held: set, here: str, recorded: dict[st
     for problem, rows in by_problem.items():
         if len(rows) >= 2:
             heuristics, order = heuristic_names(problem, recorded), learned.ranked(model, rows)
+            guessed = {s.name for s, _ in order if model.guessed(problem, s.name, s.order)}
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
-                            nearest=model.nearest_distance(problem), **picks(order, heuristics), find=searches(order),
-                            **prices(order, heuristics.get("B"))))
+                            nearest=model.nearest_distance(problem), **picks(order, heuristics),
+                            find=searches(order, guessed), **prices(order, heuristics.get("B"))))
     return out
 
 
@@ -214,8 +215,9 @@ def worst_table(groups: dict[tuple, list[dict]], count: int = 12) -> str:
     return common.md_table(header, lines)
 
 
-def searches(order: list[tuple[learned.Sample, float]]) -> dict[str, list[float]]:
-    """find's search over one problem's measured candidates in the learned order (``learned.ranked``), per setting
+def searches(order: list[tuple[learned.Sample, float]], guessed: set[str]) -> dict[str, list[float]]:
+    """find's search over one problem's measured candidates in the learned order (``learned.ranked``; ``guessed``: the
+    candidates priced by a guess, ``learned.LearnedModel.guessed``), per setting
     simulated (``learned.simulated_find`` at the default policy's tolerance; key 'patience/prune factor'): [best
     found / best measured, share of the candidates run, share of their summed measured times (a proxy of find's
     time: a candidate's checks and timings take a multiple of its time)]."""
@@ -223,7 +225,7 @@ def searches(order: list[tuple[learned.Sample, float]]) -> dict[str, list[float]
     best, total_ms = min(s.measured_ms for s in rows), sum(s.measured_ms for s in rows)
     out = {}
     for patience, prune in FIND_SETTINGS:
-        found, run, spent = learned.simulated_find(order, patience, Policy().tolerance, prune)
+        found, run, spent = learned.simulated_find(order, patience, Policy().tolerance, prune, guessed)
         out[f"{patience}/{prune:g}"] = [found / best, run / len(rows), spent / total_ms]
     return out
 

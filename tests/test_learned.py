@@ -392,6 +392,18 @@ def test_samples_take_their_places_from_the_recorded_orders(tmp_path):
         assert {s.order for s in learned.samples_from(db, "cpu")} == {None}
 
 
+def test_a_candidate_too_few_neighbours_measured_is_priced_by_a_guess():
+    model = learned.train(placed_samples(200), "test-machine")
+    p = problems(1, seed=11)[0]
+    assert model.guessed(p, "plugin:rare") and model.guessed(p, "b:new")  # a quarter of the problems; none
+    assert not model.guessed(p, "b:first") and not model.guessed(p, "b:new", 1)  # by its name; by its place
+    # where the model does not answer (no measured problem of the direction), nothing is its guess
+    only_fwd = learned.train([s for s in placed_samples(200) if s.problem.direction == "fwd"], "test-machine")
+    assert not only_fwd.guessed(p.replace(direction="bwd_data"), "plugin:rare")
+    assert costmodel.Corrections(model).guessed("plugin:rare", p)
+    assert not costmodel.Corrections(analytic=True).guessed("plugin:rare", p)
+
+
 def test_a_simulated_find_tries_each_family_first_then_stops_as_find_does():
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
     measured = {"cudnn:a": 1.0, "gemm:x": 3.0, "cudnn:b": 1.2, "cudnn:c": 1.1, "cudnn:d": 1.3, "cudnn:e": 0.5,
@@ -405,6 +417,15 @@ def test_a_simulated_find_tries_each_family_first_then_stops_as_find_does():
     assert learned.simulated_find(order, patience=3, tolerance=0.02, prune_factor=10.0) == (1.0, 5, pytest.approx(7.6))
     assert learned.simulated_find(order, patience=0, tolerance=0.02, prune_factor=10.0) == (0.5, 6, pytest.approx(8.1))
     assert learned.simulated_find(order, patience=0, tolerance=0.02, prune_factor=0) == (0.5, 7, pytest.approx(48.1))
+    # fft:y's price a guess: as its family's first try it runs all the same (40 ms), then b, c, d as before
+    assert learned.simulated_find(order, patience=3, tolerance=0.02, prune_factor=10.0,
+                                  guessed=["fft:y"]) == (1.0, 6, pytest.approx(47.6))
+    # a family priced 10x too high: its first try, timed at a tenth of its price, brings the rest under the prune
+    measured.update({"fft:y": 0.9, "fft:z": 0.2})
+    predicted.update({"fft:y": 9.0, "fft:z": 20.0})
+    order = [(learned.Sample(p, name, 1.0, measured[name]), predicted[name])
+             for name in sorted(predicted, key=predicted.get)]
+    assert learned.simulated_find(order, patience=0, tolerance=0.02, prune_factor=10.0)[:2] == (0.2, 8)
 
 
 def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeypatch):
@@ -418,11 +439,14 @@ def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeyp
     find_module = importlib.import_module("convtune.find")  # the module (the package's name is the function)
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3, padding=1)
     draw = random.Random(1)
-    for _ in range(40):
+    for _ in range(200):
         names = [f"{draw.choice(['aa:', 'bb:', 'cc:one_fwd_', 'cc:two_fwd_'])}v{i}" for i in range(draw.randint(3, 12))]
         measured = {name: round(draw.uniform(0.5, 3), 2) for name in names}
         predicted = {name: measured[name] * draw.choice([0.3, 0.8, 1, 1.2, 5, 30]) for name in names}
         patience, prune = draw.choice([0, 1, 2, 3]), draw.choice([0.0, 2.0, 10.0])
+        guessed = {name for name in names if draw.random() < 0.3}  # priced by a guess of the learned model
+        monkeypatch.setattr(costmodel.Corrections, "guessed",
+                            lambda self, name, problem, place=None, guessed=guessed: name in guessed)
         fakes = {name: Fake(name, time_ms=measured[name]) for name in names}
         order = sorted(names, key=lambda name: (predicted[name], name))
         monkeypatch.setattr(find_module, "ranked_predictions",
@@ -431,8 +455,9 @@ def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeyp
         with settings.override(find_patience=patience, find_prune_factor=prune, isolate="off"):
             ran = [r for r in ct.find(p, timer=FakeTimer(), candidates=list(fakes.values())) if r.ok]
         simulated = learned.simulated_find([(learned.Sample(p, name, 1.0, measured[name]), predicted[name])
-                                            for name in order], patience, ct.Policy().tolerance, prune)
-        assert simulated[:2] == (pytest.approx(min(r.time_ms for r in ran)), len(ran)), (order, patience, prune)
+                                            for name in order], patience, ct.Policy().tolerance, prune, guessed)
+        assert simulated[:2] == (pytest.approx(min(r.time_ms for r in ran)), len(ran)), (order, patience, prune,
+                                                                                         guessed)
 
 
 def test_a_configured_model_path_where_no_file_is_is_warned_once_and_the_analytic_model_serves(tmp_path, caplog):

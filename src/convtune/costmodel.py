@@ -198,6 +198,15 @@ class Corrections:
         factor = 1.0 if self.analytic else learned.correction(problem, name, base_ms, place, self.model)
         return base_ms * factor * order_factor(place)
 
+    def guessed(self, name: str, problem: ConvProblem, place: int | None = None) -> bool:
+        """Whether the learned model prices ``name`` on ``problem`` by a guess, not from measurements of it on problems
+        like this one (``learned.LearnedModel.guessed``); False with the analytic price alone."""
+        model = None if self.analytic else learned.active(problem.device) if self.model is None else self.model
+        try:
+            return model is not None and model.guessed(problem, name, place)
+        except Exception:  # noqa: BLE001 - a model that cannot answer prices analytically (learned.correction)
+            return False
+
     def resolved(self, device: str) -> Corrections:
         """This table where it has a model; else one of the model installed for ``device`` now (``learned.installed``),
         or of none: looked up once for a whole ranking, not per candidate (each look reads the settings that name

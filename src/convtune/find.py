@@ -35,7 +35,7 @@ from .measure import Search, describe
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import NATIVE, best, order, usable, within_error
-from .results import PerfResult, Status, families_first
+from .results import PerfResult, SearchPrices, Status, families_first
 from .settings import settings
 from .timing import Timer, benchmark
 from .units import format_bytes, format_ms
@@ -137,7 +137,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     order; once ``settings.find_patience`` candidates after those were no faster than the best
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
-    is skipped without running. Neither rule skips a candidate needing less workspace than every
+    is skipped without running (``results.SearchPrices``: not a family's first try that the learned model prices
+    by a guess; once a family's candidate is timed faster than predicted, its other prices come down by as much).
+    Neither rule skips a candidate needing less workspace than every
     one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. A
     workspace costly to learn (a cuDNN execution plan's, by building it) is learned for the candidates
     that run, for all of them under a ``workspace_limit``, and for a skipped one only while a
@@ -194,13 +196,15 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"find(candidates=...) names an algorithm twice: {twice}; pass each once")
-    predictions = ranked_predictions(problem, candidates, policy, db, keep_filters=False)
-    predicted_ms = {a.name: cast(float, guess.time_ms) for a, guess in predictions}  # every prediction has a time
+    table = costmodel.corrections(db, problem.device).resolved(problem.device)
+    predictions = ranked_predictions(problem, candidates, policy, db, keep_filters=False, prices=table)
     ranked, head_size = search_order([a for a, _ in predictions])
+    prices = SearchPrices({a.name: cast(float, guess.time_ms) for a, guess in predictions},  # every one has a time
+                          [a.name for a in ranked[:head_size] if table.guessed(a.name, problem, a.place)])
     search = Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     try:
-        results += _search(search, ranked, head_size, predicted_ms, policy, settings.find_patience)
+        results += _search(search, ranked, head_size, prices, policy, settings.find_patience)
         if not any(r.ok and within_error(r, policy) for r in results):
             results = _slow_but_right(results, policy)
         if problem.device == "cpu" and timer is benchmark:  # a fake or another timer in tests and tools: as it says
@@ -259,8 +263,8 @@ class _Ahead:
     (``contextvars``), so that the mode is the search's own and a mode of the caller's stays as it was (the search
     then has no head start). Any fault here costs only the head start: each run compiles what it lacks."""
 
-    def __init__(self, search: Search, ranked: list[Algorithm], predicted_ms: dict[str, float]) -> None:
-        self.search, self.ranked, self.predicted_ms = search, ranked, predicted_ms
+    def __init__(self, search: Search, ranked: list[Algorithm], prices: SearchPrices) -> None:
+        self.search, self.ranked, self.prices = search, ranked, prices
         self.threads = settings.find_compile_threads
         self.prepared = 0  # ranked[:prepared] were looked at
         self._pool: _Compiles | None = None
@@ -303,7 +307,7 @@ class _Ahead:
             end = min(end, index + max(budget.max_candidates - budget.timed, 0))
         for algorithm in self.ranked[self.prepared:end]:
             self.prepared += 1
-            if self.search._skip(self.predicted_ms.get(algorithm.name, math.inf), converged) is not None:
+            if self.search._skip(self.prices(algorithm.name), converged) is not None:
                 continue
             try:
                 algorithm.prepare(self.search.problem)
@@ -330,18 +334,18 @@ class _Ahead:
         self._pool = self._mode = None
 
 
-def _search(search: Search, ranked: list[Algorithm], head_size: int, predicted_ms: dict[str, float],
+def _search(search: Search, ranked: list[Algorithm], head_size: int, prices: SearchPrices,
             policy: Policy, patience: int) -> list[PerfResult]:
     """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules), the next ones'
     compiles started ahead of them (``_Ahead``)."""
     def in_order() -> list[PerfResult]:
-        with _Ahead(search, ranked, predicted_ms) as ahead:
-            return _search_in_order(search, ranked, head_size, predicted_ms, policy, patience, ahead)
+        with _Ahead(search, ranked, prices) as ahead:
+            return _search_in_order(search, ranked, head_size, prices, policy, patience, ahead)
 
     return contextvars.copy_context().run(in_order)
 
 
-def _search_in_order(search: Search, ranked: list[Algorithm], head_size: int, predicted_ms: dict[str, float],
+def _search_in_order(search: Search, ranked: list[Algorithm], head_size: int, prices: SearchPrices,
                      policy: Policy, patience: int, ahead: _Ahead) -> list[PerfResult]:
     results = []
     without_gain = 0
@@ -349,7 +353,9 @@ def _search_in_order(search: Search, ranked: list[Algorithm], head_size: int, pr
         converged = bool(patience and without_gain >= patience)
         ahead(index - 1, converged)
         best_before = search.best_ms
-        result = search.try_candidate(algorithm, predicted_ms.get(algorithm.name, math.inf), converged=converged)
+        result = search.try_candidate(algorithm, prices(algorithm.name), converged=converged)
+        if result.ok:
+            prices.timed(algorithm.name, result.time_ms)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it
             result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)

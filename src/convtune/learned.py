@@ -54,7 +54,7 @@ import torch
 
 from .files import write_whole
 from .problem import DIRECTIONS, ConvProblem
-from .results import backend_of, families_first
+from .results import SearchPrices, backend_of, families_first
 from .settings import settings
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,22 @@ class _Row:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", problem_features(self.problem))
+
+
+def _scores(near: _Neighbourhood, name: str, order: int | None) -> list[float]:
+    """Per key of the candidate (``keys``) that enough of the neighbours measured (``MIN_SUPPORT`` of their weight),
+    the weighted mean of their log2(time / their best) for it."""
+    scores = []
+    for key in keys(name, order):
+        support = weighted = 0.0  # over the neighbours that measured it, in their order
+        for regrets, w in zip(near.regrets, near.weights):
+            r = regrets.get(key)
+            if r is not None:
+                support += w
+                weighted += r * w
+        if support >= MIN_SUPPORT * near.total:
+            scores.append(weighted / support)
+    return scores
 
 
 def usable(s: Sample) -> bool:
@@ -277,22 +293,21 @@ class LearnedModel:
         near = self._neighbourhood(problem)
         if near is None:
             return None
-        scores = []
-        for key in keys(name, order):
-            support = weighted = 0.0  # over the neighbours that measured it, in their order
-            for regrets, w in zip(near.regrets, near.weights):
-                r = regrets.get(key)
-                if r is not None:
-                    support += w
-                    weighted += r * w
-            if support >= MIN_SUPPORT * near.total:
-                scores.append(weighted / support)
+        scores = _scores(near, name, order)
         if scores:  # never below the problem's floor: what the neighbours suggest, held to what is possible
             return max(near.best + min(scores), near.floor)
         from .costmodel import order_factor
 
         guess = math.log2(max(analytic_ms * order_factor(order), 1e-12)) + near.correction
         return max(near.best + near.typical, guess, near.floor)
+
+    def guessed(self, problem: ConvProblem, name: str, order: int | None = None) -> bool:
+        """Whether the model prices ``name`` on ``problem`` by a guess: it answers for the problem's direction, but
+        too few of the neighbours measured the candidate (``MIN_SUPPORT``) by any of its keys, so it is priced as
+        their typical candidate (or higher), not from its own measurements (``find`` gives such a family's first
+        candidate its try all the same)."""
+        near = self._neighbourhood(problem)
+        return near is not None and not _scores(near, name, order)
 
     def log2_factors(self, rows: Sequence[tuple[ConvProblem, str, float, int | None]]) -> list[float]:
         """Per (problem, name, analytic ms, place) row, log2 of the price over the analytic price times
@@ -614,21 +629,28 @@ def ranked(model: LearnedModel, rows: Sequence[Sample]) -> list[tuple[Sample, fl
 
 
 def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, tolerance: float,
-                   prune_factor: float) -> tuple[float, int, float]:
+                   prune_factor: float, guessed: Iterable[str] = ()) -> tuple[float, int, float]:
     """(best time found, candidates run, their summed times) of ``find``'s search over ``order`` (``ranked``'s
     answer), from the candidates' measured times: each family's best-ranked candidate first, then the rest in
-    order; a candidate predicted over ``prune_factor`` times the best measured is skipped, and once ``patience``
-    candidates in a row after the first tries gained nothing beyond ``tolerance``, the rest are (0: never). Two
+    order; a candidate predicted over ``prune_factor`` times the best measured is skipped (``SearchPrices``: not a
+    family's first try priced by a guess, one of ``guessed``; a family's prices scaled down by its first timing),
+    and once ``patience`` candidates in a row after the first tries gained nothing beyond ``tolerance``, the rest
+    are (0: never). Two
     of find's rules are left out: a skipped candidate still runs where it may need less workspace than every
     one measured (samples carry no workspace), and ``get``'s tie rule (times within the policy's tolerance go
     to the smaller workspace, then to torch:native) does not reorder ``order``."""
     searched, head = families_first(order, lambda entry: entry[0].name)
+    guessed = set(guessed)
+    prices = SearchPrices({s.name: predicted for s, predicted in order},
+                          [s.name for s, _ in searched[:head] if s.name in guessed])
     best, run, spent, without_gain = math.inf, 0, 0.0, 0
-    for index, (sample, predicted) in enumerate(searched, 1):
+    for index, (sample, _) in enumerate(searched, 1):
         if patience and without_gain >= patience:
             break
-        if prune_factor and math.isfinite(best) and predicted > prune_factor * best:
+        price = prices(sample.name)
+        if prune_factor and math.isfinite(best) and math.isfinite(price) and price > prune_factor * best:
             continue
+        prices.timed(sample.name, sample.measured_ms)
         run += 1
         spent += sample.measured_ms
         before = best

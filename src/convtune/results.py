@@ -51,6 +51,39 @@ def families_first(items: Sequence[T], name: Callable[[T], str]) -> tuple[list[T
     return head + [item for item in items if item not in head], len(head)
 
 
+class SearchPrices:
+    """``get``'s predicted times as ``find`` prunes by them (``find``, and its simulation ``learned.simulated_find``).
+
+    ``unpruned``: candidates never pruned (``find``: a family's first try whose price is a guess of the learned
+    model, ``learned.LearnedModel.guessed``: only running it tells). Once a candidate of a family is timed faster
+    than predicted, the rest of the family is priced lower by the same factor (never higher): a price off for a
+    whole family (a kernel measured on few problems like this one) does not prune its other candidates too.
+
+        >>> prices = SearchPrices({"triton:dw_fwd_a": 2.0, "triton:dw_fwd_b": 4.0, "cudnn:x": 1.0}, ["cudnn:x"])
+        >>> prices("cudnn:x"), prices("triton:dw_fwd_b")
+        (inf, 4.0)
+        >>> prices.timed("triton:dw_fwd_a", 0.5)  # a quarter of its price
+        >>> prices("triton:dw_fwd_b"), prices("cudnn:y")
+        (1.0, inf)
+    """
+
+    def __init__(self, predicted_ms: dict[str, float], unpruned: Sequence[str] = ()) -> None:
+        self._predicted, self._unpruned = predicted_ms, frozenset(unpruned)
+        self._scale: dict[str, float] = {}
+
+    def __call__(self, name: str) -> float:
+        """The time to prune ``name`` by (inf: never pruned; a candidate without a prediction is not)."""
+        if name in self._unpruned:
+            return math.inf
+        return self._predicted.get(name, math.inf) * self._scale.get(family_of(name), 1.0)
+
+    def timed(self, name: str, ms: float | None) -> None:
+        """``name`` measured ``ms``: the first timing of its family sets the family's factor."""
+        family, predicted = family_of(name), self._predicted.get(name, math.inf)
+        if family not in self._scale and ms and math.isfinite(ms) and 0 < predicted < math.inf:
+            self._scale[family] = min(1.0, ms / predicted)
+
+
 class Status(str, enum.Enum):
     OK = "ok"
     UNSUPPORTED = "unsupported"
