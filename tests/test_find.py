@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from convtune import ConvProblem, PerfResult, Policy, Status, find
+from convtune import ConvProblem, PerfResult, Policy, Status, costmodel, find
 from convtune.algorithms.registry import algorithms, get_algorithm, isolated
 from convtune.find import summary
 from convtune.measure import is_out_of_memory
@@ -806,6 +806,34 @@ def test_find_prepares_the_next_candidates_ahead_of_their_runs_and_not_those_it_
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool, triton.AsyncCompileMode(pool):
         pass  # find left no mode of its own behind
+
+
+def test_a_candidate_left_for_its_price_is_prepared_once_its_familys_first_timing_brings_its_price_down(monkeypatch):
+    # tt:k_fwd_a, its family's first try, is priced by a guess (40 ms, never pruned for it) and runs in 0.9 ms: its
+    # family's prices come down 40-fold, so tt:k_fwd_b (45 ms, left when first looked at: over 10x the best 1 ms)
+    # runs, and is prepared before it does
+    pytest.importorskip("triton")
+    find_module = importlib.import_module("convtune.find")
+    monkeypatch.setattr(find_module._Ahead, "_wanted", lambda self: True)  # on CUDA only; the CPU stands in
+    log: list = []
+    measured = {"gg:a": 1.0, "tt:k_fwd_a": 0.9, "gg:b": 1.1, "tt:k_fwd_b": 0.5}
+    predicted = {"gg:a": 1.0, "tt:k_fwd_a": 40.0, "gg:b": 1.2, "tt:k_fwd_b": 45.0}
+    fakes = {name: Preparing(name, log, time_ms=ms) for name, ms in measured.items()}
+    fakes["gg:a"].place = 3  # its place in its backend's order: the learned model reads it
+    asked = []
+
+    def guessed(self, name, problem, place=None):
+        asked.append((name, place))
+        return name == "tt:k_fwd_a"
+
+    monkeypatch.setattr(costmodel.Corrections, "guessed", guessed)
+    monkeypatch.setattr(find_module, "ranked_predictions", lambda *args, **kwargs: [
+        (fakes[name], PerfResult(name, Status.OK, time_ms=predicted[name])) for name in fakes])
+    with settings.override(find_patience=0, find_prune_factor=10.0, find_compile_threads=2, isolate="off"):
+        results = by_name(find(P, timer=FakeTimer(), candidates=list(fakes.values())))
+    assert all(r.ok for r in results.values())
+    assert log.index(("prepare", "tt:k_fwd_b")) < log.index(("run", "tt:k_fwd_b"))
+    assert sorted(asked) == [("gg:a", 3), ("tt:k_fwd_a", None)]  # the families' first tries, with their places
 
 
 def test_a_failing_prepare_or_a_callers_compile_mode_changes_no_result(monkeypatch):

@@ -401,6 +401,7 @@ def test_a_candidate_too_few_neighbours_measured_is_priced_by_a_guess():
     only_fwd = learned.train([s for s in placed_samples(200) if s.problem.direction == "fwd"], "test-machine")
     assert not only_fwd.guessed(p.replace(direction="bwd_data"), "plugin:rare")
     assert costmodel.Corrections(model).guessed("plugin:rare", p)
+    assert costmodel.Corrections(model).guessed("b:new", p) and not costmodel.Corrections(model).guessed("b:new", p, 1)
     assert not costmodel.Corrections(analytic=True).guessed("plugin:rare", p)
 
 

@@ -98,7 +98,8 @@ def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
     The cost model ranks families against each other less surely than candidates within one
     family (and a family its measurements have not met yet no better than their typical candidate), so each
     family gets one early try (skipped like any candidate where ``get`` predicts it over the prune factor times
-    the best measured); the rest follow in ``get``'s order.
+    the best measured, unless the learned model priced it by a guess: ``results.SearchPrices``); the rest follow in
+    ``get``'s order.
 
         >>> class A:
         ...     def __init__(self, name): self.name = name
@@ -138,7 +139,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
     is skipped without running (``results.SearchPrices``: not a family's first try that the learned model prices
-    by a guess; once a family's candidate is timed faster than predicted, its other prices come down by as much).
+    by a guess; where a family's first timed candidate ran faster than predicted, its other prices come down by as
+    much).
     Neither rule skips a candidate needing less workspace than every
     one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. A
     workspace costly to learn (a cuDNN execution plan's, by building it) is learned for the candidates
@@ -267,6 +269,7 @@ class _Ahead:
         self.search, self.ranked, self.prices = search, ranked, prices
         self.threads = settings.find_compile_threads
         self.prepared = 0  # ranked[:prepared] were looked at
+        self.priced_out: list[int] = []  # of those, the ones left for their price (it may come down: SearchPrices)
         self._pool: _Compiles | None = None
         self._mode: Any = None
 
@@ -298,16 +301,22 @@ class _Ahead:
 
     def __call__(self, index: int, converged: bool) -> None:
         """Before ``ranked[index]`` runs: prepare it and the next candidates, ``threads`` ahead of it, each once (not
-        those that the search would skip as things stand, nor more than the budget has candidates left)."""
+        those that the search would skip as things stand, nor more than the budget has candidates left; one left
+        for its price is looked at again while it is still ahead, its family's price having come down meanwhile)."""
         if self._mode is None:
             return
         budget = self.search.budget
         end = index + self.threads + 1
         if budget.max_candidates:
             end = min(end, index + max(budget.max_candidates - budget.timed, 0))
-        for algorithm in self.ranked[self.prepared:end]:
-            self.prepared += 1
-            if self.search._skip(self.prices(algorithm.name), converged) is not None:
+        again, self.priced_out = [i for i in self.priced_out if i >= index], []
+        for i in [*again, *range(self.prepared, max(self.prepared, min(end, len(self.ranked))))]:
+            self.prepared = max(self.prepared, i + 1)
+            algorithm = self.ranked[i]
+            skip = self.search._skip(self.prices(algorithm.name), converged)
+            if skip is not None:
+                if skip[1] and not self.search._skip(math.inf, converged):  # its price alone leaves it
+                    self.priced_out.append(i)
                 continue
             try:
                 algorithm.prepare(self.search.problem)

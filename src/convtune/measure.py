@@ -133,7 +133,8 @@ class Search:
                       converged: bool = False) -> PerfResult:
         """The result of one candidate; nothing it raises escapes.
 
-        predicted_ms: get's guess; far above the best measured, the candidate is not run.
+        predicted_ms: get's guess (as ``find`` prices it: ``results.SearchPrices``); far above the best measured,
+        the candidate is not run.
         converged: the search has stopped finding faster candidates. Either way, a candidate that
         needs less workspace than every one measured so far still runs: it is a new point of the
         time/workspace trade-off that a workspace budget (``plan``) may need.

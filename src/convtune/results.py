@@ -54,17 +54,25 @@ def families_first(items: Sequence[T], name: Callable[[T], str]) -> tuple[list[T
 class SearchPrices:
     """``get``'s predicted times as ``find`` prunes by them (``find``, and its simulation ``learned.simulated_find``).
 
-    ``unpruned``: candidates never pruned (``find``: a family's first try whose price is a guess of the learned
-    model, ``learned.LearnedModel.guessed``: only running it tells). Once a candidate of a family is timed faster
-    than predicted, the rest of the family is priced lower by the same factor (never higher): a price off for a
-    whole family (a kernel measured on few problems like this one) does not prune its other candidates too.
+    ``unpruned``: candidates never pruned by their price (``find``: a family's first try whose price is a guess of
+    the learned model, ``learned.LearnedModel.guessed``: only running it tells). The first timing of a family sets
+    its factor: where that candidate ran faster than predicted, the rest of the family is priced lower by as much
+    (never higher, and later timings change nothing): a price off for a whole family (a kernel measured on few
+    problems like this one) does not prune its other candidates too.
 
-        >>> prices = SearchPrices({"triton:dw_fwd_a": 2.0, "triton:dw_fwd_b": 4.0, "cudnn:x": 1.0}, ["cudnn:x"])
+        >>> prices = SearchPrices({"triton:dw_fwd_a": 2.0, "triton:dw_fwd_b": 4.0, "cudnn:x": 1.0, "cudnn:y": 3.0},
+        ...                       ["cudnn:x"])
         >>> prices("cudnn:x"), prices("triton:dw_fwd_b")
         (inf, 4.0)
+        >>> prices.timed("cudnn:x", 2.0)  # slower than predicted: the family's prices stay
+        >>> prices("cudnn:y")
+        3.0
         >>> prices.timed("triton:dw_fwd_a", 0.5)  # a quarter of its price
-        >>> prices("triton:dw_fwd_b"), prices("cudnn:y")
+        >>> prices("triton:dw_fwd_b"), prices("cudnn:z")
         (1.0, inf)
+        >>> prices.timed("triton:dw_fwd_b", 0.01)  # the family's factor is set: a later timing changes nothing
+        >>> prices("triton:dw_fwd_b")
+        1.0
     """
 
     def __init__(self, predicted_ms: dict[str, float], unpruned: Sequence[str] = ()) -> None:
@@ -78,9 +86,10 @@ class SearchPrices:
         return self._predicted.get(name, math.inf) * self._scale.get(family_of(name), 1.0)
 
     def timed(self, name: str, ms: float | None) -> None:
-        """``name`` measured ``ms``: the first timing of its family sets the family's factor."""
+        """``name`` measured ``ms``: the first timing of its family sets the family's factor (a time that is not
+        positive and finite sets nothing)."""
         family, predicted = family_of(name), self._predicted.get(name, math.inf)
-        if family not in self._scale and ms and math.isfinite(ms) and 0 < predicted < math.inf:
+        if family not in self._scale and ms is not None and 0 < ms < math.inf and 0 < predicted < math.inf:
             self._scale[family] = min(1.0, ms / predicted)
 
 
