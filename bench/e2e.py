@@ -15,8 +15,8 @@ cross-entropy loss, backward, SGD with momentum; no gradient scaler: timing only
 7 timings of 10 steps between CUDA events, after warm-up. The graph style captures the whole step
 (PyTorch's "whole network capture", warm-up on a side stream); the compile style reports its
 first-call (compile) time; Inductor's on-disk cache is the machine's, shared by the processes of a run.
-In the eager style cProfile of a few training steps gives the host's time per step and the functions
-that take it (under compile: of inference), and profiled training steps and inferences (torch.profiler,
+cProfile of a few inferences (and in the eager style of a few training steps) gives the host's time per step and the
+functions that take it, and profiled training steps and inferences (torch.profiler,
 eager and compile styles) give each conv layer's forward and backward kernel time, the time of
 everything else and the host's time per op; convtune's runs are found by
 the profiler ranges its ops open ('convtune:<problem key> by <algorithm>'). With --processes N each
@@ -241,8 +241,8 @@ def run_config(cfg: dict) -> dict:
         if device == "cuda":
             out["profile"] = profile_step(train_step, steps)
         model.eval()
-        if cfg["style"] == "compile":  # the Python that runs is Dynamo's guard check and Inductor's wrapper code
-            out["inference_host_profile"] = host_profile(infer, timer, steps)
+        # (under compile the Python that runs is Dynamo's guard check and Inductor's wrapper code)
+        out["inference_host_profile"] = host_profile(infer, timer, steps)
         if device == "cuda":
             out["inference_profile"] = profile_step(infer, steps)
     return out
