@@ -137,6 +137,48 @@ def test_cache_export_import_clear(capsys, tmp_path):
     assert code == 0 and "removed" in out
 
 
+def test_cache_guards_what_a_mistyped_command_would_lose(capsys, tmp_path):
+    db, other = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    assert run(capsys, "find", *SMALL, "--db", str(db))[0] == 0
+    other.write_bytes(db.read_bytes())
+    # 'cache clear FILE' names no database: refused, neither file touched (it once cleared the default database)
+    for action in ("clear", "ls"):
+        code, _, err = run(capsys, "cache", action, str(other), "--db", str(db))
+        assert code == 2 and f"convtune cache {action} --db {other}" in err, err
+    # an export over a database (its own, another one) or over a read-only file is refused
+    for target in (db, other):
+        code, _, err = run(capsys, "cache", "export", str(target), "--db", str(db))
+        assert code == 2 and "is a SQLite database" in err, err
+    locked = tmp_path / "kept.jsonl"
+    locked.write_text("mine")
+    locked.chmod(0o444)
+    code, _, err = run(capsys, "cache", "export", str(locked), "--db", str(db))
+    assert code == 2 and f"{locked} is read-only" in err and locked.read_text() == "mine", err
+    for path in (db, other):
+        code, out, _ = run(capsys, "cache", "ls", "--db", str(path), "--json")
+        assert code == 0 and len(json.loads(out)) == 1
+
+
+def test_a_layer_files_misspelled_field_is_refused_with_the_field_it_meant(capsys, tmp_path):
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps([{"c": 2, "k": 2, "spatial": [6, 6], "kernel": 3, "pad": 1}]))
+    code, _, err = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get")
+    assert code == 2 and "layer 0 has the field 'pad'" in err and "did you mean 'padding'?" in err, err
+
+
+def test_train_get_refuses_an_output_it_cannot_write_before_building(capsys, tmp_path):
+    db = tmp_path / "a.sqlite"
+    assert run(capsys, "find", *SMALL, "--db", str(db))[0] == 0
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out in (blocker / "model.pt", tmp_path / "missing" / "deeper" / "model.pt", tmp_path):
+        code, stdout, err = run(capsys, "train-get", "--device", "cpu", "--db", str(db), "--out", str(out))
+        if out.parent.name == "deeper":  # a missing folder is made, as for the default path
+            assert code == 0 and out.exists(), err
+            continue
+        assert code == 2 and str(out) in err and "internal error" not in err and not stdout, err
+
+
 @pytest.mark.parametrize("argv, words", [
     (["get", "--c", "8", "--k", "8"], "required"),
     (["get", *SMALL, "--dtype", "float64"], "float64"),

@@ -415,6 +415,28 @@ def test_a_results_place_in_its_backends_order_round_trips_through_the_database_
         assert {r.algorithm: r.place for r in fresh.results(problem(1))} == places
 
 
+def test_a_file_is_written_whole_or_refused_naming_the_path_given(tmp_path, monkeypatch):
+    from convtune.files import write_whole
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=rf"cannot write {re.escape(str(blocker / 'a.txt'))}: .*existing folder"):
+        write_whole(blocker / "a.txt", lambda target: target.write_text("y"))
+    kept = tmp_path / "kept.txt"
+    kept.write_text("mine")
+    kept.chmod(0o444)
+    with pytest.raises(ValueError, match="read-only"):
+        write_whole(kept, lambda target: target.write_text("y"))
+    assert kept.read_text() == "mine"
+
+    def fails(target):  # a full disk, a folder without write permission: the error names the path, not the temporary
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match=rf"cannot write {re.escape(str(tmp_path / 'b.txt'))}: No space left"):
+        write_whole(tmp_path / "b.txt", fails)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "kept.txt"]  # no temporary file left
+
+
 def test_export_import_round_trip_keeps_other_machines(db, tmp_path, monkeypatch):
     db.store(problem(1), FIND)
     db.store(problem(2, dtype="bfloat16", layout="NHWC"), FIND[1:3])

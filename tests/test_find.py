@@ -4,6 +4,7 @@ import dataclasses
 import importlib
 import logging
 import math
+import re
 import time
 
 import pytest
@@ -761,6 +762,29 @@ def test_a_problem_whose_operands_exceed_the_devices_memory_is_refused_before_an
     assert fake.runs == 0
     small = huge.replace(n=1, c=4, k=4, input_size=(8, 8))
     assert find(small, candidates=[fake])[0].ok  # and a problem that fits runs as before
+
+
+def test_a_reference_that_does_not_fit_in_memory_is_refused_naming_the_problem(monkeypatch):
+    # operands that fit, but not with their float64 reference beside them (what an allocator says when it cannot)
+    measure_module = importlib.import_module("convtune.measure")
+
+    def out_of_memory(problem, seed):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 4829479200 bytes")
+
+    monkeypatch.setattr(measure_module, "reference_case", out_of_memory)
+    fake = Fake("fake:a")
+    with pytest.raises(ValueError, match=rf"{re.escape(P.key)}: its inputs and float64 reference.* do not fit in "
+                                         rf"the memory free on cpu.* measure a smaller batch or spatial size"):
+        find(P, timer=FakeTimer(), candidates=[fake])
+    assert fake.runs == 0
+
+    def broken(problem, seed):
+        raise RuntimeError("a fault of another kind")
+
+    monkeypatch.setattr(measure_module, "reference_case", broken)
+    with pytest.raises(RuntimeError, match="another kind"):  # not taken for a lack of memory
+        find(P, timer=FakeTimer(), candidates=[fake])
 
 
 class Preparing(Fake):

@@ -441,6 +441,27 @@ def test_optimize_for_inference_tunes_the_forward_only_and_matches_torch():
     assert "depthwise" in text.getvalue() and "fwd" in text.getvalue()
 
 
+def test_a_conv_called_with_its_input_as_a_keyword_is_tuned_and_runs_so():
+    class ByKeyword(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            return self.b(input=self.a(x))
+
+    torch.manual_seed(0)
+    model = ByKeyword().eval()
+    twin = torch_twin(model)
+    x = torch.randn(1, 3, 6, 6)
+    convtune.optimize(model, x, mode="get")
+    assert sorted({r["module"] for r in convtune.explain(model)}) == ["a", "b"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), twin(x), **TIGHT)
+    alone = convtune.optimize(torch.nn.Conv2d(3, 4, 3), {"input": x}, mode="get")  # the example as keywords
+    assert len(convtune.explain(alone)) == 1
+
+
 def test_profiler_ranges_name_each_runs_problem_and_algorithm():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 2, 1))
     x = torch.randn(2, 3, 6, 6)

@@ -157,3 +157,14 @@ def test_a_problem_whose_operands_no_tensor_can_hold_is_refused_naming_the_opera
     with pytest.raises(ValueError, match=r"input \(2147483647, 2147483647, 2147483647, 2147483647\).*8 EiB"):
         ct.ConvProblem("fwd", n=big, c=big, k=1, input_size=(big, big), kernel_size=1)
     ct.ConvProblem("fwd", n=big, c=1, k=1, input_size=(1, 1), kernel_size=1)  # large, but a tensor can hold it
+
+
+def test_a_tensor_for_a_shape_or_a_seed_that_is_not_an_integer_is_refused_by_name():
+    conv = torch.nn.Conv2d(3, 8, 3)
+    with pytest.raises(TypeError, match=r"got a tensor of shape \(2, 3, 9, 9\): pass x.shape"):
+        ct.ConvProblem.from_module(conv, torch.randn(2, 3, 9, 9))
+    p = ct.ConvProblem.from_module(conv, (2, 3, 9, 9))
+    for seed in ("a", 1.5, True):
+        with pytest.raises(TypeError, match=r"random_inputs\(seed=...\) takes an integer"):
+            p.random_inputs(seed=seed)
+    assert torch.equal(p.random_inputs(seed=3)[0], p.random_inputs(seed=3)[0])

@@ -12,15 +12,20 @@ from convtune.settings import settings
 @pytest.mark.parametrize("name, value", [
     ("timing_min_repeats", "0"), ("timing_max_repeats", "-3"), ("find_budget_s", "-1"), ("find_budget_s", "nan"),
     ("timing_budget_s", "0"), ("timing_rel_spread", "inf"), ("early_stop_factor", "0.5"), ("find_patience", "1.5"),
+    ("find_prune_factor", "0.5"), ("find_prune_factor", "-1"), ("cache_dir", ""), ("extension_dir", " "),
 ])
 def test_a_setting_that_would_break_every_search_is_refused(monkeypatch, name, value):
     monkeypatch.setenv(f"CONVTUNE_{name.upper()}", value)
+    monkeypatch.setattr(settings, "_overrides", {})  # (the tests' own cache folder is an override)
     with pytest.raises(ValueError, match=f"CONVTUNE_{name.upper()}"):
         getattr(settings, name)
 
 
-def test_settings_in_range_are_read():
+def test_settings_in_range_are_read(monkeypatch):
     assert settings.timing_min_repeats >= 1 and settings.find_budget_s >= 0
+    for value, read in (("0", 0.0), ("1", 1.0), ("2.5", 2.5)):  # the prune: off, or a factor of 1 or more
+        monkeypatch.setenv("CONVTUNE_FIND_PRUNE_FACTOR", value)
+        assert settings.find_prune_factor == read
 
 
 def test_the_fft_length_of_a_huge_problem_comes_at_once():

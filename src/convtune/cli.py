@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import zoo
+from . import db_file, sqlite_pages, zoo
 from .errors import ConvtuneError, NoAlgorithmError
 from .network import LayerRow, Tuning, plan_layers, planned_rows, run_names, select_layers
 from .plan import BUDGET_MODES
@@ -158,9 +158,8 @@ def _db(args, reads_only: bool = False):
             raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
                              f"for the default one")
         if path.is_file() and path.stat().st_size:
-            with open(path, "rb") as f:
-                head = f.read(16)
-            if head != b"SQLite format 3\x00":
+            head = db_file.header(path) or b""
+            if head != sqlite_pages.HEADER:
                 raise UsageError(f"--db {args.db} is not a tuning database (not a SQLite file: it starts with "
                                  f"{head[:8]!r}); give a database file's path, or a new one")
     return TuningDB(path)
@@ -428,9 +427,12 @@ def cmd_report(args, out: Console, err: Console) -> int:
 
 
 def cmd_cache(args, out: Console) -> int:
+    if args.action in ("ls", "clear") and args.path:  # it acts on the database: a path here is not the one
+        raise UsageError(f"cache {args.action} takes no file: it acts on the tuning database; to name that, "
+                         f"convtune cache {args.action} --db {args.path}")
+    if args.action in ("export", "import") and not args.path:
+        raise UsageError(f"cache {args.action} needs a file path: convtune cache {args.action} FILE.jsonl")
     with _db(args, reads_only=args.action in ("ls", "export")) as db:
-        if args.action in ("export", "import") and not args.path:
-            raise UsageError(f"cache {args.action} needs a file path: convtune cache {args.action} FILE.jsonl")
         if args.action == "export":
             n = db.export(args.path)
             out.print(f"exported {n} results to {args.path}")
@@ -484,6 +486,7 @@ def cmd_train_get(args, out: Console) -> int:
     if args.epochs is not None:
         raise UsageError("--epochs: get's learned model is no longer trained (it is built from the nearest measured "
                          "problems, in about a second); leave the option out")
+    out_path = learned.writable_model_path(args.out or learned.default_path(device))  # before the work, not after
     with _db(args, reads_only=True) as db:
         samples = learned.samples_from(db, device)
     if not samples:
@@ -495,7 +498,7 @@ def cmd_train_get(args, out: Console) -> int:
     if args.holdout and problems >= 5:  # too few to hold some out and still learn from the rest
         summary.update(learned.holdout_report(samples, here, fraction=args.holdout))
     model = learned.train(samples, here)
-    path = model.save(args.out or learned.default_path(device))
+    path = model.save(out_path)
     summary["model"] = str(path)
     counts = {d: model.measured(d) for d in DIRECTIONS}
     summary["answers for"] = ", ".join(d for d, n in counts.items() if n >= learned.MIN_MEASURED) or "no direction yet"

@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import torch
 
-from . import db_file, export_lines, hardware
+from . import db_file, export_lines, hardware, sqlite_pages
 from .errors import check_type
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
@@ -102,8 +102,12 @@ class TuningDB:
         try:
             self._run(lambda conn: None)  # open now, so a bad file is reported (and replaced) at construction
         except sqlite3.Error as exc:
-            raise ValueError(f"cannot open the tuning database {self.path} ({exc}); give a writable file's path "
-                             f"or set CONVTUNE_CACHE_DIR") from None
+            if "locked" in str(exc).lower() or "busy" in str(exc).lower():
+                fix = (f"another process held it locked for {db_file.BUSY_TIMEOUT_MS / 1000:g} s; try again once it "
+                       f"is done, or give another file's path")
+            else:
+                fix = "give a writable file's path or set CONVTUNE_CACHE_DIR"
+            raise ValueError(f"cannot open the tuning database {self.path} ({exc}); {fix}") from None
 
     # -- public API ------------------------------------------------------------------------
     def store(self, problem: ConvProblem, results: Iterable[PerfResult]) -> None:
@@ -204,7 +208,9 @@ class TuningDB:
 
     def export(self, path: str | os.PathLike) -> int:
         """Write every stored result (all machines) to ``path`` as JSON lines, gzip-compressed where the name
-        ends in ``.gz`` (a sweep's dataset: about 17x smaller); returns lines written."""
+        ends in ``.gz`` (a sweep's dataset: about 17x smaller); returns lines written. ``ValueError`` where ``path``
+        is a SQLite file (this database, another one): an export never replaces a database."""
+        _refuse_database(path)
         rows = self._read("SELECT fingerprint, software, problem, stored_at, result, algorithm, checksum FROM results "
                           "ORDER BY fingerprint, software, problem, rowid")
         lines = []
@@ -573,3 +579,10 @@ def _here(device: str) -> tuple[str, str] | None:
     if device == "cuda" and not torch.cuda.is_available():
         return None
     return hardware.fingerprint(device), hardware.software_versions()
+
+
+def _refuse_database(path: str | os.PathLike) -> None:
+    """``ValueError`` where ``path`` holds a SQLite file (its header), which an export would replace with text."""
+    if db_file.header(path) == sqlite_pages.HEADER:
+        raise ValueError(f"{path} is a SQLite database (a tuning database?); an export writes JSON lines and would "
+                         f"replace it: give another file, e.g. tuning.jsonl")

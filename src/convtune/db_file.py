@@ -51,6 +51,18 @@ CREATE TABLE executables (
 """
 
 
+def header(path: str | os.PathLike) -> bytes | None:
+    """The first 16 bytes of the regular file at ``path`` (a SQLite file's are ``sqlite_pages.HEADER``); None where
+    there is none, or it cannot be read (a pipe is not opened: that would wait for a writer)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read(16)
+    except OSError:
+        return None
+
+
 def identity(path: Path) -> tuple[int, int] | None:
     """(device, inode) of the file at ``path``, None where there is none: a database in use compares it with its
     connection's to notice a file another process replaced."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import logging
 import math
 import os
@@ -52,7 +53,7 @@ from typing import Any
 
 import torch
 
-from .files import write_whole
+from .files import writable, write_whole
 from .problem import DIRECTIONS, ConvProblem
 from .results import SearchPrices, backend_of, families_first
 from .settings import settings
@@ -328,9 +329,9 @@ class LearnedModel:
         return 2.0 ** self.log2_factors([(problem, name, analytic_ms, order)])[0]
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the model to ``path`` (written to a temporary name, then renamed)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the model to ``path`` (written to a temporary name, then renamed; its folder made where missing).
+        ``ValueError`` or ``OSError`` naming ``path`` where it cannot be written (``files.write_whole``)."""
+        path = writable_model_path(path)
         from .hardware import software_versions
 
         names: dict[str, int] = {}
@@ -346,9 +347,24 @@ class LearnedModel:
                    "entries": torch.tensor(entries, dtype=torch.int64).reshape(-1, 2),
                    "regrets": torch.tensor(regrets, dtype=torch.float64),
                    "counts": torch.tensor([r.count for r in self.rows], dtype=torch.int64)}
-        write_whole(path, lambda target: torch.save(payload, target))
+        buffer = io.BytesIO()  # serialized first: writing it is then a plain file's write, with OSError's reasons
+        torch.save(payload, buffer)
+        write_whole(path, lambda target: target.write_bytes(buffer.getvalue()))
         forget()  # this process sees the new file at once
         return path
+
+
+def writable_model_path(path: str | os.PathLike) -> Path:
+    """``path`` with its folder made where missing, checked as ``files.writable`` checks it (before the model is
+    built, ``convtune train-get`` asks this of its ``--out``); ``ValueError`` naming ``path`` and the fault."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot write {path}: its folder {path.parent} cannot be made ({exc.strerror}); give a "
+                         f"path in a folder you can write") from None
+    writable(path)
+    return path
 
 
 def load(path: str | os.PathLike) -> LearnedModel:

@@ -111,7 +111,15 @@ class Search:
         # Built on first need: a search where nothing runs computes no reference.
         while len(self._cases) <= index:
             seed = (settings.verify_seed if self.seed is None else self.seed) + len(self._cases)
-            case = reference_case(self.problem, seed)
+            try:
+                case = reference_case(self.problem, seed)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                raise ValueError(f"{self.problem.key}: its inputs and float64 reference, which every candidate is "
+                                 f"checked against, do not fit in the memory free on {self.problem.device} "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); measure a smaller batch "
+                                 f"or spatial size, or free memory") from None
             self._cases.append(case)
             self._pristine.append((case[0][0].clone(), case[0][1].clone()))
         return self._cases[index]

@@ -325,6 +325,9 @@ class ConvProblem:
                 f"from_module needs an nn.Conv1d, nn.Conv2d or nn.Conv3d, got {type(module).__name__}"
             )
         ndim = module.weight.dim() - 2
+        if isinstance(input_shape, torch.Tensor):  # a tensor, not its shape: said in one line, not printed whole
+            raise TypeError(f"from_module takes the input's shape, got a tensor of shape {tuple(input_shape.shape)}: "
+                            f"pass x.shape")
         input_shape = tuple(input_shape)
         if len(input_shape) != ndim + 2:
             raise ValueError(
@@ -376,6 +379,9 @@ class ConvProblem:
         (bench/results/tuning_cost_v2.md against tuning_cost.md, at revision bcebd49, in git history).
         """
         self.require_device("ConvProblem.random_inputs()")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"ConvProblem.random_inputs(seed=...) takes an integer, got {type(seed).__name__} "
+                            f"{seed!r}")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         a_shape, b_shape, _ = self.operand_shapes
         out = []

@@ -63,6 +63,23 @@ def _at_least(low: float, kind: type = float, above: bool = False) -> Callable[[
     return parse
 
 
+def _off_or_at_least(low: float) -> Callable[[str], float]:
+    """A parser of 0 (the rule off) or a finite number >= ``low``."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if value != 0 and not (math.isfinite(value) and value >= low):
+            raise ValueError(f"expected 0 (off) or a finite number >= {low:g}, got {text!r}")
+        return value
+    return parse
+
+
+def _folder(text: str) -> str:
+    """A folder's path: not empty (an empty variable would put the files in whatever folder the process runs in)."""
+    if not text.strip():
+        raise ValueError("expected a folder's path, got an empty value; unset the variable for the default folder")
+    return text
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -83,7 +100,7 @@ def _one_of(*choices: str) -> Callable[[str], str]:
 
 _SETTINGS = (
     # where the tuning database lives unless a path is given
-    _Setting("cache_dir", str, _cache_dir_default, "folder of tuning.sqlite"),
+    _Setting("cache_dir", _folder, _cache_dir_default, "folder of tuning.sqlite"),
     # seed of the random inputs that verification uses
     _Setting("verify_seed", int, 0, "seed of verification inputs"),
     # every element of a result within this many tolerances of the reference, scaled by |ref| + rms (0: no bound)
@@ -95,7 +112,7 @@ _SETTINGS = (
     # the search ends once this many candidates in a row were no faster than the best (0: never)
     _Setting("find_patience", _at_least(0, int), 8, "candidates in a row without a new best that end a find"),
     # a candidate predicted this many times slower than the best measured is not run (0: never)
-    _Setting("find_prune_factor", _at_least(0), 10.0, "predicted slowdown that skips a candidate"),
+    _Setting("find_prune_factor", _off_or_at_least(1), 10.0, "predicted slowdown that skips a candidate"),
     # threads compiling the next candidates' Triton kernels while find measures the current one (0: none, each
     # compiles when it first runs)
     _Setting("find_compile_threads", _at_least(0, int), _compile_threads_default,
@@ -136,7 +153,7 @@ _SETTINGS = (
     # convtune's own Triton kernels (triton:*) are candidates wherever they support a problem
     _Setting("triton", _bool, True, "convtune's Triton kernels join the portfolio"),
     # where the C++ extension is built and cached (one folder per sources and software versions)
-    _Setting("extension_dir", str, _extension_dir_default, "folder of the C++ extension's builds"),
+    _Setting("extension_dir", _folder, _extension_dir_default, "folder of the C++ extension's builds"),
     # show a progress bar in the command line
     _Setting("progress", _bool, True, "progress bars in the CLI"),
 )

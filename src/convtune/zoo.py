@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import difflib
 import functools
 import json
 from importlib import resources
@@ -51,11 +52,20 @@ def _dims(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+LAYER_FIELDS = ("c", "k", "spatial", "kernel", "stride", "padding", "dilation", "groups", "count", "transposed")
+
+
 def _from_entries(entries: list[dict[str, Any]], source: str, batch: int | None, **fields: Any) -> list[Layer]:
     layers = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ValueError(f"{source}: layer {i} is {entry!r}, not an object with c, k, spatial and kernel")
+        unknown = [key for key in entry if key not in LAYER_FIELDS]
+        if unknown:  # a misspelled field would otherwise be left out, and another layer tuned than meant
+            near = difflib.get_close_matches(str(unknown[0]), LAYER_FIELDS, n=1)
+            raise ValueError(f"{source}: layer {i} has the field {unknown[0]!r}, which a layer does not have"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + f"; a layer's fields: {', '.join(LAYER_FIELDS[:-1])}")
         try:
             if entry.get("transposed"):
                 raise ValueError("transposed convolutions are not supported")

@@ -182,10 +182,11 @@ def _observe_run(model: torch.nn.Module, example_inputs: Any, training: bool,
             names.setdefault(module, name)  # a shared layer is known by its first name
     seen: dict[str, tuple[torch.nn.Module, dict]] = {}
 
-    def hook(module: _ConvNd, args: tuple) -> None:  # registered on the conv layers only
-        if not args or not isinstance(args[0], torch.Tensor):
+    def hook(module: _ConvNd, args: tuple, kwargs: dict) -> None:  # registered on the conv layers only
+        x = args[0] if args else kwargs.get("input")  # a conv's forward takes its input by position or as input=
+        if not isinstance(x, torch.Tensor):
             return
-        sig, need_dx, need_dw = _observed_call(module, args[0], training)
+        sig, need_dx, need_dw = _observed_call(module, x, training)
         _, calls = seen.setdefault(names[module], (module, {}))
         dx, dw = calls.get(sig, (False, False))
         calls[sig] = (dx or need_dx, dw or need_dw)
@@ -193,7 +194,7 @@ def _observe_run(model: torch.nn.Module, example_inputs: Any, training: bool,
     handles, shadowed = [], []
     try:
         for module in names:
-            handles.append(module.register_forward_pre_hook(hook))
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             forward, changed = module.forward, False
             if isinstance(module, TunedConv):
                 # Already converted (optimize called again): observe on torch's path, tune nothing yet.
