@@ -146,7 +146,7 @@ def test_cache_guards_what_a_mistyped_command_would_lose(capsys, tmp_path):
         code, _, err = run(capsys, "cache", action, str(other), "--db", str(db))
         assert code == 2 and f"convtune cache {action} --db {other}" in err, err
     # an export over a database (its own, another one) or over a read-only file is refused
-    for target in (db, other):
+    for target in (db, other, db.with_name(db.name + "-wal")):  # (its write-ahead log too)
         code, _, err = run(capsys, "cache", "export", str(target), "--db", str(db))
         assert code == 2 and "is a SQLite database" in err, err
     locked = tmp_path / "kept.jsonl"
@@ -166,17 +166,39 @@ def test_a_layer_files_misspelled_field_is_refused_with_the_field_it_meant(capsy
     assert code == 2 and "layer 0 has the field 'pad'" in err and "did you mean 'padding'?" in err, err
 
 
-def test_train_get_refuses_an_output_it_cannot_write_before_building(capsys, tmp_path):
+def test_train_get_refuses_an_output_it_cannot_write_before_building(capsys, tmp_path, monkeypatch):
+    from convtune import learned
+
     db = tmp_path / "a.sqlite"
     assert run(capsys, "find", *SMALL, "--db", str(db))[0] == 0
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    for out in (blocker / "model.pt", tmp_path / "missing" / "deeper" / "model.pt", tmp_path):
+    kept = tmp_path / "kept.pt"
+    kept.write_text("mine")
+    kept.chmod(0o444)
+    built = []
+    train = learned.train
+    monkeypatch.setattr(learned, "train", lambda *args: built.append(args) or train(*args))
+    for out in (blocker / "model.pt", tmp_path, kept):
         code, stdout, err = run(capsys, "train-get", "--device", "cpu", "--db", str(db), "--out", str(out))
-        if out.parent.name == "deeper":  # a missing folder is made, as for the default path
-            assert code == 0 and out.exists(), err
-            continue
         assert code == 2 and str(out) in err and "internal error" not in err and not stdout, err
+    assert not built and kept.read_text() == "mine"  # refused before the model was built
+    deeper = tmp_path / "missing" / "deeper" / "model.pt"  # missing folders are made, as for the default path
+    code, _, err = run(capsys, "train-get", "--device", "cpu", "--db", str(db), "--out", str(deeper))
+    assert code == 0 and deeper.exists() and built, err
+
+
+def test_an_export_to_standard_output_through_a_pipe(capsys, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    db = tmp_path / "a.sqlite"
+    assert run(capsys, "find", *SMALL, "--db", str(db))[0] == 0
+    out = subprocess.run([sys.executable, "-m", "convtune.cli", "cache", "export", "/dev/stdout", "--db", str(db)],
+                         env={**os.environ, "CONVTUNE_CACHE_DIR": str(tmp_path)}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert sum(line.startswith("{") for line in out.stdout.splitlines()) >= 1
 
 
 @pytest.mark.parametrize("argv, words", [

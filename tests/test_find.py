@@ -779,6 +779,13 @@ def test_a_reference_that_does_not_fit_in_memory_is_refused_naming_the_problem(m
         find(P, timer=FakeTimer(), candidates=[fake])
     assert fake.runs == 0
 
+    def silent(problem, seed):  # an allocator's error with nothing to say
+        raise torch.OutOfMemoryError()
+
+    monkeypatch.setattr(measure_module, "reference_case", silent)
+    with pytest.raises(ValueError, match="do not fit in the memory free on cpu"):
+        find(P, timer=FakeTimer(), candidates=[fake])
+
     def broken(problem, seed):
         raise RuntimeError("a fault of another kind")
 

@@ -158,7 +158,7 @@ def _db(args, reads_only: bool = False):
             raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
                              f"for the default one")
         if path.is_file() and path.stat().st_size:
-            head = db_file.header(path) or b""
+            head = db_file.header(path) or b""  # (OSError where it cannot be read: it says why)
             if head != sqlite_pages.HEADER:
                 raise UsageError(f"--db {args.db} is not a tuning database (not a SQLite file: it starts with "
                                  f"{head[:8]!r}); give a database file's path, or a new one")

@@ -582,7 +582,10 @@ def _here(device: str) -> tuple[str, str] | None:
 
 
 def _refuse_database(path: str | os.PathLike) -> None:
-    """``ValueError`` where ``path`` holds a SQLite file (its header), which an export would replace with text."""
-    if db_file.header(path) == sqlite_pages.HEADER:
+    """``ValueError`` where ``path`` holds a SQLite file (its header), or is one's write-ahead log, shared memory or
+    journal, which an export would replace with text; ``OSError`` where it holds a file that cannot be read."""
+    name = str(path)
+    base = next((name[:-len(end)] for end in ("-wal", "-shm", "-journal") if name.endswith(end)), None)
+    if db_file.header(path) == sqlite_pages.HEADER or base and db_file.header(base) == sqlite_pages.HEADER:
         raise ValueError(f"{path} is a SQLite database (a tuning database?); an export writes JSON lines and would "
                          f"replace it: give another file, e.g. tuning.jsonl")

@@ -53,14 +53,12 @@ CREATE TABLE executables (
 
 def header(path: str | os.PathLike) -> bytes | None:
     """The first 16 bytes of the regular file at ``path`` (a SQLite file's are ``sqlite_pages.HEADER``); None where
-    there is none, or it cannot be read (a pipe is not opened: that would wait for a writer)."""
+    there is no regular file (a pipe is not opened: that would wait for a writer). ``OSError`` (naming the path)
+    where there is one that cannot be read."""
     if not os.path.isfile(path):
         return None
-    try:
-        with open(path, "rb") as f:
-            return f.read(16)
-    except OSError:
-        return None
+    with open(path, "rb") as f:
+        return f.read(16)
 
 
 def identity(path: Path) -> tuple[int, int] | None:

@@ -130,7 +130,10 @@ def _build(verbose: bool = False) -> ModuleType:
     """The extension of the current sources: the finished build in its folder loaded as it is, else built
     (``torch.utils.cpp_extension``, which runs ninja even when nothing changed: a fraction of a second)."""
     cudnn = cudnn_dirs()
-    folder = build_dir()
+    try:
+        folder = build_dir()
+    except ValueError as exc:  # CONVTUNE_EXTENSION_DIR set to what is no folder's path: warned, not retried each call
+        raise BuildError(str(exc)) from None
     if (module := _load_finished(folder)) is not None:
         return module
     try:

@@ -332,6 +332,11 @@ class LearnedModel:
         """Write the model to ``path`` (written to a temporary name, then renamed; its folder made where missing).
         ``ValueError`` or ``OSError`` naming ``path`` where it cannot be written (``files.write_whole``)."""
         path = writable_model_path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"cannot write {path}: its folder {path.parent} cannot be made ({exc.strerror}); give a "
+                             f"path in a folder you can write") from None
         from .hardware import software_versions
 
         names: dict[str, int] = {}
@@ -349,22 +354,16 @@ class LearnedModel:
                    "counts": torch.tensor([r.count for r in self.rows], dtype=torch.int64)}
         buffer = io.BytesIO()  # serialized first: writing it is then a plain file's write, with OSError's reasons
         torch.save(payload, buffer)
-        write_whole(path, lambda target: target.write_bytes(buffer.getvalue()))
+        write_whole(path, lambda target: target.write_bytes(buffer.getbuffer()))
         forget()  # this process sees the new file at once
         return path
 
 
 def writable_model_path(path: str | os.PathLike) -> Path:
-    """``path`` with its folder made where missing, checked as ``files.writable`` checks it (before the model is
-    built, ``convtune train-get`` asks this of its ``--out``); ``ValueError`` naming ``path`` and the fault."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"cannot write {path}: its folder {path.parent} cannot be made ({exc.strerror}); give a "
-                         f"path in a folder you can write") from None
-    writable(path)
-    return path
+    """``path``, checked as ``files.writable`` checks it, its missing folders to be made (``save`` makes them; before
+    the model is built, ``convtune train-get`` asks this of its ``--out``); ``ValueError`` naming ``path``."""
+    writable(path, make_folder=True)
+    return Path(path)
 
 
 def load(path: str | os.PathLike) -> LearnedModel:

@@ -113,15 +113,19 @@ class Search:
             seed = (settings.verify_seed if self.seed is None else self.seed) + len(self._cases)
             try:
                 case = reference_case(self.problem, seed)
+                pristine = (case[0][0].clone(), case[0][1].clone())
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
+                if self.problem.device == "cuda" and not background.in_worker():
+                    torch.cuda.empty_cache()  # (not under the caller's running step: the background worker)
+                said = (str(exc).splitlines() or [""])[0][:200]
                 raise ValueError(f"{self.problem.key}: its inputs and float64 reference, which every candidate is "
                                  f"checked against, do not fit in the memory free on {self.problem.device} "
-                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); measure a smaller batch "
-                                 f"or spatial size, or free memory") from None
+                                 f"({type(exc).__name__}: {said}); measure a smaller batch or spatial size, or free "
+                                 f"memory") from None
             self._cases.append(case)
-            self._pristine.append((case[0][0].clone(), case[0][1].clone()))
+            self._pristine.append(pristine)
         return self._cases[index]
 
     def restore_inputs(self) -> bool:
