@@ -190,6 +190,17 @@ def test_a_price_is_never_below_the_problems_floor():
     assert model.log2_price(p, "plugin:never", 1.0) == pytest.approx(floor)
 
 
+def test_a_file_of_other_objects_is_refused_unloaded_without_advice_to_load_it_unchecked(tmp_path, recwarn):
+    import os
+    import pickle
+
+    path = tmp_path / "model.pt"
+    path.write_bytes(pickle.dumps({"call": os.getcwd}))  # what a model file never holds: a callable
+    with pytest.raises(ValueError, match="holds objects a model file never holds .* convtune train-get") as caught:
+        learned.load(path)
+    assert "weights_only" not in str(caught.value) and not [w for w in recwarn if "pickle" in str(w.message)]
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "other_version", "nan_regrets", "not_a_dict",
                                     "zero_count", "float32_best", "short_best", "index_out_of_range",
                                     "bad_problem_key", "empty", "names_a_string", "float_counts"])

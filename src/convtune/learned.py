@@ -43,9 +43,11 @@ import io
 import logging
 import math
 import os
+import pickle
 import random
 import statistics
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -369,9 +371,15 @@ def writable_model_path(path: str | os.PathLike) -> Path:
 def load(path: str | os.PathLike) -> LearnedModel:
     """The model stored at ``path``; ``ValueError`` naming the file and the fault when it is not one."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PyTorch's notes on a file's pickle protocol: the refusal below says why
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # PyTorch's message would advise loading it unchecked: never for such a file
+        raise ValueError(f"{path} is not a learned cost model: it holds objects a model file never holds (not loaded: "
+                         f"loading them could run code); build the model again with convtune train-get") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same fault for the caller
-        raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {exc})") from None
+        said = (str(exc).splitlines() or [""])[0][:300]
+        raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {said})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a learned cost model")
     if data.get("feature_version") != FEATURE_VERSION:
