@@ -67,12 +67,3 @@ def write_whole(path: str | os.PathLike, write: Callable[[Path], object]) -> Pat
     finally:
         tmp.unlink(missing_ok=True)
     return path
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as exc:  # named by the path given, not by the temporary file beside it
-        raise OSError(exc.errno, f"cannot write {given}: {exc.strerror or exc}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
