@@ -24,6 +24,11 @@ full path while it was timed (in a steady state there should be none). ``--profi
 batch and dtype, ``torch.profiler``'s host-side table of ``--steps`` eager training steps of each model
 (<name>_profile_<model>_b<batch>_<dtype>.txt): where the host time of a step goes.
 
+Before the copy is optimized, and again after, the PyTorch model's eager inference is timed alone, with what the
+process holds each time (resident memory, Python's tracked objects, the CUDA allocator's segments): whether the
+cold tuning leaves the whole process slower (bench/e2e.py's convtune process that tuned cold has run 3-6% slower
+than the one that started warm).
+
 ``--merge FILE...`` folds the results files of other runs (each device call starts from the committed file and returns
 its own) into the results file, row by row, the newest measurement of each row winning; an entry whose rows came from
 another file takes that file's tune time and runtimes too; nothing is measured.
@@ -52,6 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
+
+AROUND_TIMINGS = 7  # timings of PyTorch's eager inference before and after the tuning beside it (median)
 
 
 def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
@@ -82,11 +89,12 @@ def profile_tables(models: dict, step_of: dict, steps: int, device: str) -> str:
 
 
 def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: bool, db=None,
-         control: bool = False) -> tuple:
+         control: bool = False, before_tuning=None) -> tuple:
     """(PyTorch's model, convtune's copy of it, input, labels, seconds ``optimize`` took): the network built once
     (seed 0, channels_last, ``cudnn.benchmark=True``) and copied, the copy optimized for training under autocast
     on ``db`` (default: an empty tuning database, closed on return); with ``control``, the copy as it is (and
-    None for the seconds)."""
+    None for the seconds). ``before_tuning(model, x)``, where given, is called with PyTorch's model and the input
+    just before the copy is optimized."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     torch_model, size, classes = e2e.build_model(model_name, tiny)
@@ -96,6 +104,8 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
     labels = torch.randint(0, classes, (batch,), device=device)
     if control:  # nothing tuned
         return torch_model, ours, x, labels, None
+    if before_tuning is not None:
+        before_tuning(torch_model, x)
     with contextlib.ExitStack() as stack:
         if db is None:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -112,8 +122,24 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
     """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process (and, with
     ``profile``, the host-side profile tables under "profile"; with ``control``, the second model not optimized)."""
     dtype = getattr(torch, dtype_name)
-    torch_model, ours, x, labels, tune_s = pair(model_name, batch, dtype, device, tiny, control=control)
     timer = e2e.Timer(device, steps, 1)
+    around: dict = {}  # PyTorch's eager inference before and after the tuning beside it (the process's state)
+
+    def inference_ms(model: torch.nn.Module, x: torch.Tensor) -> float:
+        model.eval()
+        infer = e2e.workloads(model, None, x, None, lambda: torch.autocast(device, dtype=dtype))[0]
+        e2e._first_call_s(infer, timer)
+        return statistics.median(timer(infer)["ms"] for _ in range(AROUND_TIMINGS))
+
+    def before(model: torch.nn.Module, x: torch.Tensor) -> None:
+        around["before_ms"] = inference_ms(model, x)
+        around["before"] = e2e.process_state(device)
+
+    torch_model, ours, x, labels, tune_s = pair(model_name, batch, dtype, device, tiny, control=control,
+                                                before_tuning=before)
+    if around:
+        around["after_ms"] = inference_ms(torch_model, x)
+        around["after"] = e2e.process_state(device)
     rows = {}
     for style in styles:
         steps_of = {}
@@ -147,7 +173,7 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
     runtimes: dict[str, int] = {}
     for r in convtune.explain(ours):
         runtimes[r["runtime"]] = runtimes.get(r["runtime"], 0) + 1
-    result = dict(rows=rows, tune_s=tune_s, runtimes=runtimes)
+    result = dict(rows=rows, tune_s=tune_s, runtimes=runtimes, torch_around_tuning=around or None)
     if profile:
         optimizers = {who: torch.optim.SGD(m.parameters(), lr=1e-3) for who, m in (("torch", torch_model),
                                                                                    ("convtune", ours))}
@@ -179,7 +205,36 @@ def markdown(env: dict, results: dict) -> str:
             "excludes 1.00; a model marked A/A: PyTorch against an untouched copy of itself, the method's own bias "
             "(`--control`). `bench/ab.py`.\n\n"
             + common.md_table(["model", "batch", "dtype", "style", "workload", "PyTorch ms", "convtune ms", "ratio",
-                               "range", "median's interval", "full-path calls", "measured"], lines))
+                               "range", "median's interval", "full-path calls", "measured"], lines)
+            + around_table(results))
+
+
+def _held(around: dict, what: str, unit: str = "") -> str:
+    """'before -> after' of one figure of the process's state around the tuning ('-' where not recorded)."""
+    before, after = around["before"], around["after"]
+    return f"{before[what]:.0f} -> {after[what]:.0f}{unit}" if what in before and what in after else "-"
+
+
+def around_table(results: dict) -> str:
+    """PyTorch's eager inference just before and just after ``optimize`` tuned the copy beside it on an empty
+    database, in the same process, with what the process held each time: whether tuning leaves the process slower
+    (one that tuned cold has run its timings slower than one that started warm)."""
+    lines = []
+    for key, res in sorted(results.items()):
+        around = res.get("torch_around_tuning")
+        if not around:
+            continue
+        lines.append([*key.split(":"), f"{around['before_ms']:.3f}", f"{around['after_ms']:.3f}",
+                      f"{around['after_ms'] / around['before_ms']:.3f}", _held(around, "rss_mb", " MB"),
+                      *(_held(around, what) for what in ("python_objects", "cuda_segments", "cuda_blocks"))])
+    if not lines:
+        return ""
+    return ("\n## PyTorch's eager inference before and after the tuning beside it\n\n"
+            f"The PyTorch model's eager inference (ms, median of {AROUND_TIMINGS} timings) just before `optimize` "
+            "tuned the copy on an empty database and just after, in the same process, and what the process held "
+            "each time (`e2e.process_state`): a ratio over 1 says the tuning left the process slower.\n\n"
+            + common.md_table(["model", "batch", "dtype", "before ms", "after ms", "after / before", "resident memory",
+                               "Python objects", "CUDA segments", "CUDA blocks"], lines))
 
 
 def merge(payload: dict, others: list[dict]) -> dict:

@@ -15,6 +15,8 @@ cross-entropy loss, backward, SGD with momentum; no gradient scaler: timing only
 7 timings of 10 steps between CUDA events, after warm-up. The graph style captures the whole step
 (PyTorch's "whole network capture", warm-up on a side stream); the compile style reports its
 first-call (compile) time; Inductor's on-disk cache is the machine's, shared by the processes of a run.
+Each timed workload also records what the process held meanwhile (its threads, resident memory, the objects Python's
+collector tracks, the CUDA caching allocator's segments and blocks: ``process_state``), in the JSON only.
 cProfile of a few inferences (and in the eager style of a few training steps) gives the host's time per step and the
 functions that take it, and profiled training steps and inferences (torch.profiler,
 eager and compile styles) give each conv layer's forward and backward kernel time, the time of
@@ -229,6 +231,7 @@ def run_config(cfg: dict) -> dict:
         out[workload]["cpu_per_wall"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         out[workload]["threads"] = sorted(t.name for t in threading.enumerate())
         out[workload]["os_threads"] = _os_threads()
+        out[workload]["process"] = process_state(device)
         calls = out[workload].get("full_path_calls")
         print(f"  {workload}: {out[workload]['ms']:.3f} ms (first call {out[f'{workload}_first_s']:.2f} s; "
               f"CPU / wall {out[workload]['cpu_per_wall']:.2f}, {len(out[workload]['threads'])} threads)"
@@ -246,6 +249,26 @@ def run_config(cfg: dict) -> dict:
         if device == "cuda":
             out["inference_profile"] = profile_step(infer, steps)
     return out
+
+
+def process_state(device: str) -> dict:
+    """What this process holds while it is timed, to tell processes of one configuration apart (one that tuned on
+    an empty database has run slower than one that started warm): its resident memory (MB; Linux only), the objects
+    Python's collector tracks, and on CUDA the caching allocator's segments and live blocks."""
+    import gc
+
+    state: dict = dict(python_objects=len(gc.get_objects()))
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                state["rss_mb"] = int(line.split()[1]) / 1024
+    if device == "cuda":
+        stats = torch.cuda.memory_stats()
+        state["cuda_segments"] = stats.get("segment.all.current", 0)
+        state["cuda_blocks"] = stats.get("active.all.current", 0)
+        state["cuda_reserved_mb"] = stats.get("reserved_bytes.all.current", 0) / 2**20
+    return state
 
 
 def _os_threads() -> list[str] | None:
@@ -437,7 +460,7 @@ def combine(runs: list[dict]) -> dict:
                                  process_ms=[m["ms"] for m in measured])
             # each process's count of calls off the hot path, CPU over wall time and threads (a row of one process
             # keeps them under their own names)
-            for key in ("full_path_calls", "python_path_calls", "cpu_per_wall", "threads", "os_threads"):
+            for key in ("full_path_calls", "python_path_calls", "cpu_per_wall", "threads", "os_threads", "process"):
                 if any(key in m for m in measured):
                     row[workload][key] = [m.get(key) for m in measured]
     if any("db" in r for r in ok):  # each process's database (the row's own "db" is the first's: cold)

@@ -168,6 +168,10 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
         assert len(ratios) == 2 and all(c > 0 for c in ratios)
         assert all("MainThread" in names for names in ours[workload]["threads"])
         assert all(names is None or len(names) >= 1 for names in ours[workload]["os_threads"])
+        # and what each held meanwhile (a CPU run: no allocator's figures)
+        assert [sorted(state) for state in ours[workload]["process"]] == [sorted(ours[workload]["process"][0])] * 2
+        assert all(state["python_objects"] > 0 and "cuda_segments" not in state for state in ours[workload]["process"])
+        assert all(state.get("rss_mb", 1) > 0 for state in ours[workload]["process"])
     report = (tmp_path / "e2e.md").read_text()
     (tmp_path / "e2e.md").unlink()
     subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,
@@ -206,12 +210,18 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
             assert row["full_path_calls"] == 0
     profile = (tmp_path / "ab_profile_tiny_b4_bfloat16.txt").read_text()
     assert "## torch: host-side profile" in profile and "## convtune: host-side profile" in profile
+    # PyTorch's model timed just before and just after the copy's cold tuning, with what the process held each time
+    around = results["tiny:b4:bfloat16"]["torch_around_tuning"]
+    assert around["before_ms"] > 0 and around["after_ms"] > 0
+    assert around["after"]["python_objects"] > 0 and sorted(around["before"]) == sorted(around["after"])
+    assert "| tiny | b4 | bfloat16 | " in (tmp_path / "ab.md").read_text().split("before and after the tuning")[1]
     # --control: PyTorch against an untouched copy, kept beside the convtune rows
     results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
                    "--batches", "4", "--control")["results"]
     assert set(results) == {"tiny:b4:bfloat16", "tiny A/A:b4:bfloat16"}
     control = results["tiny A/A:b4:bfloat16"]
     assert control["runtimes"] == {} and control["tune_s"] is None  # nothing optimized
+    assert control["torch_around_tuning"] is None
     assert all(row["full_path_calls"] is None for row in control["rows"].values())
     assert "| tiny A/A | b4 |" in (tmp_path / "ab.md").read_text()
 
