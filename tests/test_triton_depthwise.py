@@ -86,6 +86,34 @@ def test_strided_data_gradient_over_many_tiles_and_phases(stride, dilation):
     check_supporting(FAMILY, p)
 
 
+@needs_triton
+def test_the_hosts_launch_arithmetic_matches_tritons():
+    # shared.cdiv and next_power_of_2 stand in for triton.cdiv and triton.next_power_of_2 in host code (Triton's
+    # are compile-time functions, slow to call from Python): the same values, 0 and 1 included
+    import triton
+
+    from convtune.kernels.shared import cdiv, next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(2049)] == [triton.next_power_of_2(n) for n in range(2049)]
+    assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(300) for b in (1, 2, 3, 7, 16, 128, 256))
+
+
+@needs_triton
+def test_a_configuration_still_pickles_once_it_has_made_its_tile_and_imported_its_kernels():
+    # the tile is kept on the algorithm, the kernels' module is not: an algorithm goes to a worker process by pickle
+    import pickle
+
+    from convtune.isolation import sendable
+
+    p = ConvProblem("fwd", n=2, c=8, k=8, input_size=(8, 8), kernel_size=3, padding=1, groups=8, device=DEVICE)
+    for name in FAMILY:
+        algorithm = get_algorithm(name)
+        algorithm.supports(p)
+        assert algorithm.tile is algorithm.tile and algorithm.module().__name__ == "convtune.kernels.depthwise"
+        assert sendable(algorithm), name
+        assert pickle.loads(pickle.dumps(algorithm)).tile == algorithm.tile
+
+
 @kernels
 @pytest.mark.parametrize("parts, size", [(1, 5), (16, 128), (37, 300), (0, 7)])
 def test_the_weight_gradients_partial_sums_add_up_the_same_every_time(parts, size):

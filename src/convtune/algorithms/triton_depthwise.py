@@ -15,6 +15,7 @@ Where they run and what every Triton family refuses: ``triton_family``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -62,7 +63,7 @@ class TritonDepthwise(TritonAlgorithm):
         self.form, self.patch, self.unroll, self.as_tile = form, patch, unroll, as_tile
         self.name += FORM_SUFFIX[form] + (f"q{patch}" if patch else "") + "u" * unroll + "t" * as_tile
 
-    @property
+    @functools.cached_property
     def tile(self) -> Any:
         return self.module().Tile(*self.tile_args, form=self.form, patch=self.patch, unroll=self.unroll,
                                   as_tile=self.as_tile)

@@ -82,6 +82,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+@functools.cache
+def _kernels_module(kernels: str) -> Any:
+    """convtune.kernels.<kernels>, imported once: pricing asks for it per candidate, and an algorithm keeps no module
+    of its own (it goes to worker processes by pickle)."""
+    return importlib.import_module(f"convtune.kernels.{kernels}")
+
+
 class TritonAlgorithm(Algorithm):
     """One direction of a Triton kernel family with one tile configuration.
 
@@ -117,10 +124,11 @@ class TritonAlgorithm(Algorithm):
 
     def module(self) -> Any:
         """The kernels' module, imported on first use (it imports Triton)."""
-        return importlib.import_module(f"convtune.kernels.{self.kernels}")
+        return _kernels_module(self.kernels)
 
-    @property
+    @functools.cached_property
     def tile(self) -> Any:
+        """The configuration's tile (the kernels' module's ``tile_type`` of ``tile_args``), made once."""
         return getattr(self.module(), self.tile_type)(*self.tile_args)
 
     def _supports(self, problem: ConvProblem) -> Support:

@@ -36,7 +36,7 @@ import triton.language as tl
 from .. import hardware
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, geometry, sizes, sum_partials, tf32
+from .shared import as_4d, cdiv, geometry, next_power_of_2, sizes, sum_partials, tf32
 
 MAX_WINDOW = 128  # the widest input window (BLOCK_J) a configuration reads per row: its band is (BLOCK_J × BLOCK_N)
 
@@ -70,7 +70,7 @@ def window(problem: ConvProblem, tile: BandTile) -> int:
     if problem.direction == "bwd_data":  # dy columns reaching those input columns, from the floored first
         reach = (computed - 1) + (s - 1) * dil_w
         span = reach // stride_w + 1 + (reach % stride_w != 0)
-    return max(16, triton.next_power_of_2(span))
+    return max(16, next_power_of_2(span))
 
 
 def operand_bytes(problem: ConvProblem, tile: BandTile) -> int:
@@ -99,7 +99,7 @@ def side_tiles(problem: ConvProblem, tile: BandTile) -> int:
     its channels."""
     _, wd, _, q = sizes(problem)
     width, channels = (wd, problem.c) if problem.direction == "bwd_data" else (q, problem.k)
-    return max(triton.cdiv(width, tile.columns), triton.cdiv(channels, tile.channels))
+    return max(cdiv(width, tile.columns), cdiv(channels, tile.channels))
 
 
 @triton.jit
@@ -250,7 +250,7 @@ def _launch(kernel, problem: ConvProblem, tile: BandTile, a: torch.Tensor, w: to
     a4, w4, out4 = (as_4d(t, problem) for t in (a, w, out))
     r, s, *steps = geometry(problem)
     rows = problem.n * computed[0]
-    grid = (triton.cdiv(rows, tile.rows), triton.cdiv(computed[1], tile.columns), triton.cdiv(channels, tile.channels))
+    grid = (cdiv(rows, tile.rows), cdiv(computed[1], tile.columns), cdiv(channels, tile.channels))
     launch(kernel, grid, a4, w4, out4, rows, *computed, *read, channels, *a4.stride(), w4.stride(0), w4.stride(2),
            w4.stride(3), *out4.stride(), *steps, M=problem.k // problem.c, R=r, S=s, TF32=tf32(problem),
            BLOCK_C=tile.channels, BLOCK_M=tile.rows, BLOCK_N=tile.columns, BLOCK_J=window(problem, tile),
@@ -273,7 +273,7 @@ def partial_sums(problem: ConvProblem, tile: BandTile) -> int:
     """How many partial sums of the weight gradient ``backward_filter`` makes: one per run of ``tile.chunk``
     output rows and tile of output columns."""
     _, _, p, q = sizes(problem)
-    return triton.cdiv(problem.n * p, tile.chunk) * triton.cdiv(q, tile.columns)
+    return cdiv(problem.n * p, tile.chunk) * cdiv(q, tile.columns)
 
 
 def backward_filter(problem: ConvProblem, tile: BandTile, x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor,
@@ -284,10 +284,10 @@ def backward_filter(problem: ConvProblem, tile: BandTile, x: torch.Tensor, dy: t
     h, wd, p, q = sizes(problem)
     r, s, *steps = geometry(problem)
     rows = problem.n * p
-    grid = (triton.cdiv(rows, tile.chunk), triton.cdiv(q, tile.columns), triton.cdiv(problem.k, tile.channels))
+    grid = (cdiv(rows, tile.chunk), cdiv(q, tile.columns), cdiv(problem.k, tile.channels))
     launch(_backward_filter_partials, grid, x4, dy4, partials, rows, tile.chunk, p, q, h, wd, problem.k,
            *x4.stride(), *dy4.stride(), *steps, M=problem.k // problem.c, R=r, S=s,
-           S_PAD=triton.next_power_of_2(s), TF32=tf32(problem), BLOCK_C=tile.channels, BLOCK_M=tile.rows,
+           S_PAD=next_power_of_2(s), TF32=tf32(problem), BLOCK_C=tile.channels, BLOCK_M=tile.rows,
            BLOCK_N=tile.columns, BLOCK_J=window(problem, tile), num_warps=tile.warps, **_stages(problem, tile))
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
     sum_partials(partials.view(partials.shape[0], -1), dw)

@@ -40,7 +40,17 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, geometry, gradient_source, patch_positions, positions, sizes, sum_partials
+from .shared import (
+    as_4d,
+    cdiv,
+    geometry,
+    gradient_source,
+    next_power_of_2,
+    patch_positions,
+    positions,
+    sizes,
+    sum_partials,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +77,7 @@ class Tile:
     def row_positions(self, taps: int) -> int:
         """backward_filter: the positions per turn for kernel rows of ``taps`` taps (0: more taps than
         the tile holds)."""
-        return self.positions // triton.next_power_of_2(taps)
+        return self.positions // next_power_of_2(taps)
 
 
 @triton.jit
@@ -251,7 +261,7 @@ def tap_weights(tile: Tile, problem: ConvProblem, w: torch.Tensor, taps: torch.T
     k, _, r, s = w4.shape
     assert taps is not None and tuple(taps.shape) == taps_shape(problem), "as_tile needs its 'taps' buffer"
     block = 256
-    launch(_lay_out_taps, (triton.cdiv(k * r * s, block),), w4, taps, k, r * s, w4.stride(0), w4.stride(2),
+    launch(_lay_out_taps, (cdiv(k * r * s, block),), w4, taps, k, r * s, w4.stride(0), w4.stride(2),
            w4.stride(3), S=s, BLOCK=block, num_warps=4)
     return taps.as_strided((k, 1, r, s), (1, r * s * k, s * k, k))
 
@@ -277,11 +287,11 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
     w4 = tap_weights(tile, problem, w, taps)
     total = problem.n * computed[0] * computed[1]
     if tile.patch:  # patches of (positions // patch) rows × patch columns, each of one sample
-        rows, cols = triton.cdiv(computed[0], tile.positions // tile.patch), triton.cdiv(computed[1], tile.patch)
+        rows, cols = cdiv(computed[0], tile.positions // tile.patch), cdiv(computed[1], tile.patch)
         programs = problem.n * rows * cols
     else:
-        programs = triton.cdiv(total, tile.positions)
-    grid = (programs, triton.cdiv(channels, tile.channels))
+        programs = cdiv(total, tile.positions)
+    grid = (programs, cdiv(channels, tile.channels))
     r, s, *steps = geometry(problem)
     launch(kernel, grid, a4, w4, out4, total, *computed, *read, channels,
            *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
@@ -305,8 +315,8 @@ def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.T
         dy4, dx4 = as_4d(dy, problem), as_4d(dx, problem)
         w4 = tap_weights(tile, problem, w, taps)
         r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
-        most = triton.cdiv(h, stride_h) * triton.cdiv(wd, stride_w) * problem.n  # the largest phase's positions
-        grid = (triton.cdiv(most, tile.positions), triton.cdiv(problem.c, tile.channels), stride_h * stride_w)
+        most = cdiv(h, stride_h) * cdiv(wd, stride_w) * problem.n  # the largest phase's positions
+        grid = (cdiv(most, tile.positions), cdiv(problem.c, tile.channels), stride_h * stride_w)
         launch(
             _backward_data_by_phase, grid,
             dy4, w4, dx4, h, wd, p, q, problem.c, problem.n, stride_h // math.gcd(stride_h, dil_h),
@@ -328,11 +338,11 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
     r, s, *steps = geometry(problem)
     # positions × the row's taps per turn (the algorithm refuses a kernel row longer than the tile); the row is
     # the tile's widest extent: a tile wider than the row would idle its lanes.
-    block_q = min(tile.row_positions(s), triton.next_power_of_2(q))
+    block_q = min(tile.row_positions(s), next_power_of_2(q))
     launch(
-        _backward_filter_partials, (parts, triton.cdiv(problem.k, tile.channels)),
+        _backward_filter_partials, (parts, cdiv(problem.k, tile.channels)),
         x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), *steps,
-        M=problem.k // problem.c, R=r, S=s, S_PAD=triton.next_power_of_2(s), BLOCK_Q=block_q, BLOCK_K=tile.channels,
+        M=problem.k // problem.c, R=r, S=s, S_PAD=next_power_of_2(s), BLOCK_Q=block_q, BLOCK_K=tile.channels,
         num_warps=tile.warps)
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
     sum_partials(partials.view(parts, -1), dw)

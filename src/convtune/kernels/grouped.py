@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, geometry, gradient_source, positions, sizes, sum_partials, tf32
+from .shared import as_4d, cdiv, geometry, gradient_source, next_power_of_2, positions, sizes, sum_partials, tf32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class GemmTile:
 
 def _lanes(channels: int) -> int:
     """A tile dimension that holds ``channels``: a power of two, 16 at least (``tl.dot``), 64 at most."""
-    return min(64, max(16, triton.next_power_of_2(channels)))
+    return min(64, max(16, next_power_of_2(channels)))
 
 
 @triton.jit
@@ -169,7 +169,7 @@ def _packing(problem: ConvProblem, block: int, width: int) -> tuple[int, int]:
     """(groups a tile of ``block`` channels holds, programs along the second grid axis) over groups of ``width``
     (``_packed_tile``)."""
     groups = max(block // width, 1)
-    return groups, triton.cdiv(problem.groups, groups) * triton.cdiv(width, block)
+    return groups, cdiv(problem.groups, groups) * cdiv(width, block)
 
 
 def grid_axes(problem: ConvProblem, tile: GemmTile) -> tuple[int, int]:
@@ -193,7 +193,7 @@ def _direct(kernel, problem: ConvProblem, tile: GemmTile, a: torch.Tensor, w: to
     total = problem.n * computed[0] * computed[1]
     block = min(tile.channels, _lanes(channels))
     groups, tiles = _packing(problem, block, channels)
-    grid = (triton.cdiv(total, tile.positions), tiles)
+    grid = (cdiv(total, tile.positions), tiles)
     cg, kg = problem.c // problem.groups, problem.k // problem.groups
     launch(kernel, grid, a4, w4, out4, total, *computed, *read, summed * problem.groups, channels * problem.groups,
            *a4.stride(), *w4.stride(), *out4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups,

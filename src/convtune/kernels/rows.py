@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, geometry, sizes, sum_partials, tf32
+from .shared import as_4d, cdiv, geometry, next_power_of_2, sizes, sum_partials, tf32
 
 MIN_DOT = 16  # tl.dot's least M, N and K
 MAX_ACCUMULATORS = 8192  # float32 sums a program keeps: channels × padded taps (64 a thread with 4 warps)
@@ -56,7 +56,7 @@ class RowsTile:
 def padded_taps(problem: ConvProblem) -> tuple[int, int]:
     """(R, S) padded to the products' sizes: powers of two of at least ``MIN_DOT``."""
     r, s, *_ = geometry(problem)
-    return max(MIN_DOT, triton.next_power_of_2(r)), max(MIN_DOT, triton.next_power_of_2(s))
+    return max(MIN_DOT, next_power_of_2(r)), max(MIN_DOT, next_power_of_2(s))
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _row_products(x, dy, partials, H, W, P, Q, K, rows_per_part, parts_per_image
 def partial_sums(problem: ConvProblem, tile: RowsTile) -> int:
     """How many partial sums ``backward_filter`` makes: one per run of ``tile.rows`` input rows of an image."""
     h, *_ = sizes(problem)
-    return problem.n * triton.cdiv(h, tile.rows)
+    return problem.n * cdiv(h, tile.rows)
 
 
 def backward_filter(problem: ConvProblem, tile: RowsTile, x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor,
@@ -111,8 +111,8 @@ def backward_filter(problem: ConvProblem, tile: RowsTile, x: torch.Tensor, dy: t
     r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
     r_pad, s_pad = padded_taps(problem)
     parts = partials.shape[0]
-    launch(_row_products, (parts, triton.cdiv(problem.k, tile.channels)), x4, dy4, partials, h, wd, p, q, problem.k,
-           tile.rows, triton.cdiv(h, tile.rows), *x4.stride(), *dy4.stride(), stride_h, stride_w, pad_h, pad_w,
+    launch(_row_products, (parts, cdiv(problem.k, tile.channels)), x4, dy4, partials, h, wd, p, q, problem.k,
+           tile.rows, cdiv(h, tile.rows), *x4.stride(), *dy4.stride(), stride_h, stride_w, pad_h, pad_w,
            dil_h, dil_w, M=problem.k // problem.c, R=r, S=s, R_PAD=r_pad, S_PAD=s_pad, TF32=tf32(problem),
            BLOCK_Q=tile.block_q, BLOCK_CH=tile.channels, num_warps=tile.warps)
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).

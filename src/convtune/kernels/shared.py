@@ -11,6 +11,19 @@ from ..problem import ConvProblem
 from .recording import launch
 
 
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up, for the host's launch arithmetic and the algorithms' checks: triton.cdiv (and
+    triton.next_power_of_2) are functions Triton's compiler can call at compile time, and from Python each call
+    costs about 3 µs."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two not below n (0 for 0), as triton.next_power_of_2 gives it, at a Python call's cost
+    (see ``cdiv``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def as_4d(t: torch.Tensor, problem: ConvProblem) -> torch.Tensor:
     """A 1-D problem's operand (N, C, L) as the view (N, C, 1, L); a 2-D one's as it is."""
     return t if problem.ndim == 2 else t.unsqueeze(2)
@@ -96,5 +109,5 @@ def sum_partials(partials: torch.Tensor, out: torch.Tensor) -> None:
     the bits may differ with Triton's version or the GPU."""
     size = out.numel()
     block = 128
-    launch(_sum_partials, (triton.cdiv(size, block),), partials, out, partials.shape[0], size, BLOCK_PARTS=16,
+    launch(_sum_partials, (cdiv(size, block),), partials, out, partials.shape[0], size, BLOCK_PARTS=16,
            BLOCK=block, num_warps=4)

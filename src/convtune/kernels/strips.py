@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, geometry, sizes, sum_partials
+from .shared import as_4d, cdiv, geometry, sizes, sum_partials
 
 MAX_FILTER_TAPS = 8  # taps of a kernel row the weight gradient keeps accumulators for
 MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (the algorithms refuse longer strips too)
@@ -359,7 +359,7 @@ def weights_shape(problem: ConvProblem, tile: StripTile) -> tuple[int, int]:
     their channels padded to whole tiles)."""
     r, s, *_ = geometry(problem)
     sources, channels = (problem.k // problem.c, problem.c) if problem.direction == "bwd_data" else (1, problem.k)
-    return sources * r * s, triton.cdiv(channels, tile.channels) * tile.channels
+    return sources * r * s, cdiv(channels, tile.channels) * tile.channels
 
 
 def lay_out_weights(problem: ConvProblem, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -370,7 +370,7 @@ def lay_out_weights(problem: ConvProblem, w: torch.Tensor, out: torch.Tensor) ->
     data = problem.direction == "bwd_data"
     sources = problem.k // problem.c if data else 1
     block = 256
-    launch(_lay_out_weights, (triton.cdiv(out.numel(), block),), w4, out, problem.k // sources, out.shape[1],
+    launch(_lay_out_weights, (cdiv(out.numel(), block),), w4, out, problem.k // sources, out.shape[1],
            w4.stride(0), w4.stride(2), w4.stride(3), M_IN=sources, R=r, S=s, FLIP=data, BLOCK=block, num_warps=4)
 
 
@@ -384,18 +384,18 @@ def _run(problem: ConvProblem, tile: StripTile, src: torch.Tensor, w: torch.Tens
     r, s, _, _, _, _, dil_h, dil_w = geometry(problem)
     up_h, up_w = spread
     assert tile.strip % up_w == 0, "a strip's outputs must span whole phases of the spread columns"
-    strips = triton.cdiv(made[1], tile.strip)
+    strips = cdiv(made[1], tile.strip)
     if tile.rows == 2:
         reason = two_rows_reason(problem)
         assert reason is None and up_h == 1, reason  # the algorithms refuse it (two_rows_reason)
     for first in range(min(up_h, made[0])):
-        rows = triton.cdiv(made[0] - first, up_h)
+        rows = cdiv(made[0] - first, up_h)
         # the kernel rows that meet src's rows from this phase: (first·stride_h - pad_h + r·dil_h) divisible by up_h
         # (every up_h / gcd(dil_h, up_h)-th from the first)
         meet = [k for k in range(r) if (first * stride_h - pads[0] + k * dil_h) % up_h == 0]
         step = up_h // math.gcd(dil_h, up_h)
-        total = problem.n * triton.cdiv(rows, tile.rows) * strips
-        grid = (triton.cdiv(total, tile.strips), triton.cdiv(channels, tile.channels))
+        total = problem.n * cdiv(rows, tile.rows) * strips
+        grid = (cdiv(total, tile.strips), cdiv(channels, tile.channels))
         launch(_strips, grid, src4, weights, dst4, total, strips, rows, made[1], *read, channels, weights.shape[1],
                *src4.stride(), *dst4.stride(), stride_h, pads[0], pads[1], dil_h, first, meet[0] if meet else r, step,
                DIV=divisor, M_IN=sources, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, UP_H=up_h, UP_W=up_w,
@@ -427,7 +427,7 @@ def partial_sums(problem: ConvProblem, tile: StripTile) -> int:
     """How many partial sums of the weight gradient ``backward_filter`` makes: one per run of ``tile.chunk``
     output rows."""
     _, _, p, _ = sizes(problem)
-    return triton.cdiv(problem.n * p, tile.chunk)
+    return cdiv(problem.n * p, tile.chunk)
 
 
 def backward_filter(problem: ConvProblem, tile: StripTile, x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor,
@@ -438,8 +438,8 @@ def backward_filter(problem: ConvProblem, tile: StripTile, x: torch.Tensor, dy: 
     h, wd, p, q = sizes(problem)
     r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
     parts = partials.shape[0]
-    launch(_filter_partials, (parts, triton.cdiv(problem.k, tile.channels), r), x4, dy4, partials, problem.n * p,
-           tile.chunk, triton.cdiv(q, tile.strip), p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), stride_h,
+    launch(_filter_partials, (parts, cdiv(problem.k, tile.channels), r), x4, dy4, partials, problem.n * p,
+           tile.chunk, cdiv(q, tile.strip), p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), stride_h,
            pad_h, pad_w, dil_h, M=problem.k // problem.c, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, T=tile.strip,
            BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels, num_warps=tile.warps)
     # dw (K, 1, *kernel) holds element (k, 0, tap) at k·taps + tap in either layout (one input channel).
