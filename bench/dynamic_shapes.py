@@ -9,7 +9,7 @@ step time. Every step is timed on its own (synchronized). The configurations:
 - ``torch_bm0``: PyTorch with ``cudnn.benchmark=False``, which measures nothing: what a step that meets a new
   shape costs when nothing is measured (cuDNN's heuristics and plan builds alone), the floor of any cuDNN path;
 - ``convtune_background``: ``optimize(training=True, mode="background")`` on the first size (measured
-  then, on an empty database); later sizes start on the cost model's choice while a worker thread
+  then, on an empty database); later sizes start on PyTorch's own call while a worker thread
   measures them (``convtune.background``), and the layers switch when the measurements are stored;
 - ``convtune_hybrid``: the same in the default mode, which measures a new shape on the step that meets it.
 

@@ -1,4 +1,5 @@
-"""The 'background' selection mode: get's choice at once, find in a worker thread, the measured choice after."""
+"""The 'background' selection mode: PyTorch's own call (or get's choice) at once, find in a worker thread, the
+measured choice after."""
 
 from __future__ import annotations
 
@@ -29,16 +30,28 @@ def db(tmp_path):
     assert background.wait(120)  # nothing left running into the next test
 
 
-def test_select_answers_from_the_model_at_once_and_the_database_once_measured(db):
+def test_select_answers_with_pytorchs_own_call_at_once_and_the_database_once_measured(db):
     p = problem()
     first = ct.select(p, mode="background", db=db)
-    assert first.time_ms is None and "not measured" in first.message  # get's choice
+    assert first.time_ms is None and "not measured" in first.message  # no measurement yet
+    assert first.algorithm == "torch:native" and "PyTorch's own call" in first.message  # nothing asked of cuDNN
     assert background.wait(120) and background.pending() == 0
     stored = db.lookup(p)
     assert stored is not None and stored.time_ms is not None
     again = ct.select(p, mode="background", db=db)
     assert again == stored  # measured, nothing queued again
     assert background.pending() == 0
+
+
+def test_a_policy_that_refuses_pytorchs_call_gets_the_cost_models_choice_at_once(db, monkeypatch):
+    from convtune.algorithms.native import Native
+
+    monkeypatch.setattr(Native, "is_deterministic", lambda self, problem: False)  # as cuDNN's gradients may be
+    policy = ct.Policy(deterministic=True)
+    first = ct.select(problem(), policy, mode="background", db=db)
+    assert first.algorithm != "torch:native" and "the cost model predicts" in first.message
+    assert first.deterministic and first.time_ms is None
+    assert ct.select(problem(n=2), mode="background", db=db).algorithm == "torch:native"  # the default policy's
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """Measuring in the background: the 'background' selection mode's worker.
 
-A problem the database does not know is answered at once by ``get``'s choice, and ``measure``
-queues it for ``find``; one worker thread measures the queued problems one at a time, in the order
-asked, and stores what it measures in the database. Each finished measurement (stored, or failed)
-advances ``generation()``: whoever answered from the cost model compares it with the one it chose
-at and, once it has moved, selects again (a tuned layer does so on its next call, from the database).
+A problem the database does not know is answered at once by PyTorch's own call (or ``get``'s choice where the
+policy refuses it: ``select``), and ``measure`` queues it for ``find``; one worker thread measures the queued
+problems one at a time, in the order asked, and stores what it measures in the database. Each finished
+measurement (stored, or failed) advances ``generation()``: whoever answered without a measurement compares it
+with the one it chose at and, once it has moved, selects again (a tuned layer does so on its next call, from the
+database).
 Nothing of the caller's is touched from the worker's thread.
 
 The worker runs its CUDA work on the device current where the problem was queued, on a stream of
@@ -143,10 +144,10 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: d
         else:
             results = find(problem, policy, db, timer=_timer)
     except Exception as exc:  # the model's choice stands; the user's step goes on
-        log.warning("measuring %s in the background failed, so the cost model's choice stays: %s", problem.key, exc)
+        log.warning("measuring %s in the background failed, so the choice made at once stays: %s", problem.key, exc)
         return False
     if not any(r.ok for r in results):
-        log.warning("no candidate for %s passed its measurement in the background; the cost model's choice stays",
+        log.warning("no candidate for %s passed its measurement in the background; the choice made at once stays",
                     problem.key)
         return False
     return True

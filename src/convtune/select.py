@@ -12,15 +12,15 @@ import dataclasses
 from typing import Any
 
 from . import background
-from .algorithms.registry import algorithms, unsupported_reasons
+from .algorithms.registry import algorithms, get_algorithm, unsupported_reasons
 from .db import as_db
 from .errors import CANDIDATE_FAULTS, NoAlgorithmError, check_one_of, check_type
 from .find import find
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import rank, usable
-from .results import PerfResult
+from .ranking import NATIVE, rank, usable
+from .results import PerfResult, Status
 from .settings import settings
 
 SELECTION_MODES = ("get", "find", "hybrid", "db_then_get", "background")
@@ -35,8 +35,9 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     gives the predicted time; the pick is built, as a cuDNN plan must be to run), 'find' (always
     measure; stored when ``db`` is given), 'hybrid' (a database hit, else find and store),
     'db_then_get' (a database hit, else get's choice; never measures), 'background' (a database
-    hit, else get's choice at once, while a worker thread measures the problem with find and
-    stores it, so that a later select reads it: ``convtune.background``). db: a ``TuningDB``; None
+    hit, else PyTorch's own call at once where ``policy`` allows it, get's choice where not, while a
+    worker thread measures the problem with find and stores it, so that a later select reads it:
+    ``convtune.background``). db: a ``TuningDB``; None
     means the default ``TuningDB()`` for the modes that read one, and no database for the others.
     Raises ``ValueError`` for an unknown mode, ``NoAlgorithmError`` (naming the problem and why
     each candidate was refused) when no algorithm can serve the problem under the policy.
@@ -62,13 +63,35 @@ def select(problem: ConvProblem, policy: Policy | None = None, mode: str = "hybr
     if mode in ("get", "db_then_get"):
         return _from_model(problem, policy, db)
     if mode == "background":
-        # At once: the cuDNN execution plans are not built to learn workspaces that only break ties here
-        # (the pick's is learned when its executable is built); the measurement settles the choice.
-        chosen = _from_model(problem, policy, db, learn_workspaces=False)
+        # At once: PyTorch's own call, which asks cuDNN nothing more than PyTorch would and builds nothing (get's
+        # answer to a problem new to the process asks cuDNN's heuristics, about 5 ms, and builds its pick); where the
+        # policy refuses that call, get's choice, without building the cuDNN execution plans to learn workspaces
+        # that only break ties here. The measurement settles the choice.
+        chosen = _pytorch_at_once(problem, policy) or _from_model(problem, policy, db, learn_workspaces=False)
         if db is not None:  # where nothing would keep the measurement, nothing measures
             background.measure(problem, policy, db)
         return chosen
     return _from_measurements(problem, policy, db)
+
+
+def _pytorch_at_once(problem: ConvProblem, policy: Policy) -> PerfResult | None:
+    """PyTorch's own call (``torch:native``) as an answer not measured, where it supports ``problem`` and ``policy``
+    allows what it declares (workspace, determinism, TF32, reduced precision), else None."""
+    try:
+        algorithm = get_algorithm(NATIVE, problem)
+    except KeyError:  # (the registry always holds it; a process that replaced it answers from the model)
+        return None
+    if not algorithm.supports(problem):
+        return None
+    notes = algorithm.notes(problem)
+    result = PerfResult(NATIVE, Status.OK, workspace_bytes=algorithm.known_workspace_bytes(problem) or 0,
+                        deterministic=bool(algorithm.is_deterministic(problem)), uses_tf32=notes.tf32,
+                        reduced_precision=notes.reduced_precision,
+                        message="not measured: PyTorch's own call until the measurement in the background lands")
+    if policy.violation(workspace_bytes=result.workspace_bytes, deterministic=result.deterministic,
+                        uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision) is not None:
+        return None
+    return result
 
 
 def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:

@@ -447,7 +447,7 @@ class TunedConv(_ConvBase):
         directions = directions_needed(need_dx, need_dw)
         tuning = self._convtune_tuning
         selection = select_for_layer(self, sig, tuning, directions, self._convtune_selections.get(sig))
-        # Directions answered by the cost model while they are measured in the background (mode 'background'):
+        # Directions answered at once while they are measured in the background (mode 'background'):
         # the layer takes the full path, which selects again once a measurement has finished since.
         since = [tuning.waiting_since(ops.key_for(selection.problem, d)) for d, r in selection.results
                  if r.time_ms is None]
