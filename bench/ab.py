@@ -24,10 +24,12 @@ full path while it was timed (in a steady state there should be none). ``--profi
 batch and dtype, ``torch.profiler``'s host-side table of ``--steps`` eager training steps of each model
 (<name>_profile_<model>_b<batch>_<dtype>.txt): where the host time of a step goes.
 
-Before the copy is optimized, and again after, the PyTorch model's eager inference is timed alone, with what the
-process holds each time (resident memory, Python's tracked objects, the CUDA allocator's segments): whether the
-cold tuning leaves the whole process slower (bench/e2e.py's convtune process that tuned cold has run 3-6% slower
-than the one that started warm).
+With ``--around-tuning`` the PyTorch model's eager inference is also timed alone just before the copy is
+optimized and again just after, with what the process holds each time (resident memory, Python's tracked objects,
+the CUDA allocator's segments): whether the cold tuning leaves the whole process slower (bench/e2e.py's convtune
+process that tuned cold has run 3-6% slower than the one that started warm); with ``--control`` the same timings
+have nothing tuned between them, the baseline. Off by default: those timings run PyTorch's model first (its
+first calls in the rounds are then no longer its first, and cuDNN's benchmark cache is warm for the tuning).
 
 ``--merge FILE...`` folds the results files of other runs (each device call starts from the committed file and returns
 its own) into the results file, row by row, the newest measurement of each row winning; an entry whose rows came from
@@ -102,10 +104,10 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
     ours = copy.deepcopy(torch_model)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, classes, (batch,), device=device)
+    if before_tuning is not None:  # in an A/A run too: its after / before is the ratio with nothing tuned between
+        before_tuning(torch_model, x)
     if control:  # nothing tuned
         return torch_model, ours, x, labels, None
-    if before_tuning is not None:
-        before_tuning(torch_model, x)
     with contextlib.ExitStack() as stack:
         if db is None:
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -118,9 +120,12 @@ def pair(model_name: str, batch: int, dtype: torch.dtype, device: str, tiny: boo
 
 
 def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device: str, tiny: bool, steps: int,
-        rounds: int, profile: bool = False, control: bool = False) -> dict:
+        rounds: int, profile: bool = False, control: bool = False, around_tuning: bool = False) -> dict:
     """{"<style>:<workload>": row} for one network, batch and dtype, both models in this process (and, with
-    ``profile``, the host-side profile tables under "profile"; with ``control``, the second model not optimized)."""
+    ``profile``, the host-side profile tables under "profile"; with ``control``, the second model not optimized;
+    with ``around_tuning``, PyTorch's eager inference timed just before and after the copy is optimized, under
+    "torch_around_tuning": those timings run PyTorch's model first, so its first calls below are no longer its
+    first)."""
     dtype = getattr(torch, dtype_name)
     timer = e2e.Timer(device, steps, 1)
     around: dict = {}  # PyTorch's eager inference before and after the tuning beside it (the process's state)
@@ -136,7 +141,7 @@ def run(model_name: str, batch: int, dtype_name: str, styles: list[str], device:
         around["before"] = e2e.process_state(device)
 
     torch_model, ours, x, labels, tune_s = pair(model_name, batch, dtype, device, tiny, control=control,
-                                                before_tuning=before)
+                                                before_tuning=before if around_tuning else None)
     if around:
         around["after_ms"] = inference_ms(torch_model, x)
         around["after"] = e2e.process_state(device)
@@ -232,7 +237,8 @@ def around_table(results: dict) -> str:
     return ("\n## PyTorch's eager inference before and after the tuning beside it\n\n"
             f"The PyTorch model's eager inference (ms, median of {AROUND_TIMINGS} timings) just before `optimize` "
             "tuned the copy on an empty database and just after, in the same process, and what the process held "
-            "each time (`e2e.process_state`): a ratio over 1 says the tuning left the process slower.\n\n"
+            "each time (`e2e.process_state`); a model marked A/A had nothing tuned between, the baseline: a ratio "
+            "over the baseline's says the tuning left the process slower (`--around-tuning`).\n\n"
             + common.md_table(["model", "batch", "dtype", "before ms", "after ms", "after / before", "resident memory",
                                "Python objects", "CUDA segments", "CUDA blocks"], lines))
 
@@ -253,8 +259,8 @@ def merge(payload: dict, others: list[dict]) -> dict:
             if not taken:
                 continue
             newest_mine = max((row["date"] for row in mine["rows"].values()), default="")
-            if max(row["date"] for row in taken.values()) > newest_mine:
-                mine.update({k: v for k, v in entry.items() if k != "rows"})
+            if max(row["date"] for row in taken.values()) > newest_mine:  # (an older file's entry may lack a field)
+                mine.update({"torch_around_tuning": None, **{k: v for k, v in entry.items() if k != "rows"}})
             mine["rows"].update(taken)
             took_env = True
         env = other.get("environment", {})
@@ -279,6 +285,8 @@ def main() -> None:
                         help="timed rounds per cell (21: the median's 95%% interval runs from the 6th to the 16th)")
     parser.add_argument("--profile", action="store_true", help="also write the host-side profile of eager steps")
     parser.add_argument("--control", action="store_true", help="PyTorch against PyTorch: the method's own bias")
+    parser.add_argument("--around-tuning", action="store_true", help="also time PyTorch's eager inference just "
+                        "before and just after the copy's cold tuning (with --control: with nothing tuned between)")
     parser.add_argument("--merge", nargs="+", type=Path, metavar="FILE",
                         help="fold these results files of other runs into the results file (newest row wins), "
                              "measuring nothing")
@@ -309,7 +317,7 @@ def main() -> None:
                 key = f"{label}:b{batch}:{dtype}"
                 print(key, file=sys.stderr, flush=True)
                 res = run(model, batch, dtype, args.styles, args.device, args.tiny, args.steps, args.rounds,
-                          args.profile, args.control)
+                          args.profile, args.control, args.around_tuning)
                 if "profile" in res:
                     out_dir.mkdir(parents=True, exist_ok=True)
                     control = "_control" if args.control else ""

@@ -197,7 +197,7 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     assert rest["tiny:b4:bfloat16:eager:convtune"] == cut["tiny:b4:bfloat16:eager:convtune"]
 
     results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
-                   "--batches", "4", "--profile")["results"]
+                   "--batches", "4", "--profile", "--around-tuning")["results"]
     cells = results["tiny:b4:bfloat16"]["rows"]
     assert set(cells) == {"eager:inference", "eager:training"}
     runtimes = results["tiny:b4:bfloat16"]["runtimes"]
@@ -217,11 +217,11 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     assert "| tiny | b4 | bfloat16 | " in (tmp_path / "ab.md").read_text().split("before and after the tuning")[1]
     # --control: PyTorch against an untouched copy, kept beside the convtune rows
     results = _run("ab.py", tmp_path, "--styles", "eager", "--rounds", "2", "--dtypes", "bfloat16",
-                   "--batches", "4", "--control")["results"]
+                   "--batches", "4", "--control", "--around-tuning")["results"]
     assert set(results) == {"tiny:b4:bfloat16", "tiny A/A:b4:bfloat16"}
     control = results["tiny A/A:b4:bfloat16"]
     assert control["runtimes"] == {} and control["tune_s"] is None  # nothing optimized
-    assert control["torch_around_tuning"] is None
+    assert control["torch_around_tuning"]["before_ms"] > 0  # the same timings with nothing tuned between
     assert all(row["full_path_calls"] is None for row in control["rows"].values())
     assert "| tiny A/A | b4 |" in (tmp_path / "ab.md").read_text()
 
