@@ -680,6 +680,28 @@ def test_an_element_zeroed_anywhere_is_seen_but_where_the_reference_is_near_zero
     assert passed <= most * len(positions), passed
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_errors_read_as_in_float64_within_a_few_parts_in_100000(dtype):
+    # errors() compares a float32, float16 or bfloat16 result in float32 (half the traffic of float64): the same
+    # figures as computed in float64, to a few parts in 100,000 of themselves, for errors of 1e-8 to 1
+    import math
+
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.randn(4, 16, 24, 24, dtype=torch.float64, generator=gen)
+    ref.view(-1)[:7] = 0  # exact zeros in the reference: the element bound's scale is rms(ref) there
+    for size in (1e-8, 1e-4, 1e-2, 1.0):
+        out = (ref + size * torch.randn(ref.shape, dtype=torch.float64, generator=gen)).to(getattr(torch, dtype))
+        diff = out.double() - ref
+        rel = float(diff.norm() / ref.norm())
+        worst = float((diff.abs() / (ref.abs() + ref.norm() / math.sqrt(ref.numel()))).max())
+        got_rel, got_worst = errors(out, ref)
+        assert got_rel == pytest.approx(rel, rel=5e-5, abs=1e-7) and got_worst == pytest.approx(worst, rel=5e-5,
+                                                                                                abs=1e-7), size
+    out = ref.to(getattr(torch, dtype))
+    out.view(-1)[3] = float("nan")
+    assert errors(out, ref) == (math.inf, math.inf)
+
+
 def test_a_find_where_everything_failed_keeps_the_good_results_stored_before(tmp_path):
     from convtune import TuningDB
 

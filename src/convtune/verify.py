@@ -181,8 +181,11 @@ def rel_error(result: torch.Tensor, ref: torch.Tensor) -> float:
 
 def errors(result: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(relative L2 error, worst element error) of ``result`` against ``ref``, both ``inf`` when ``result``
-    holds NaN or Inf. The worst element error is max |result_i - ref_i| / (|ref_i| + rms(ref)). Two
-    float64 tensors of the result's size at a time, as ``rel_error`` takes.
+    holds NaN or Inf. The worst element error is max |result_i - ref_i| / (|ref_i| + rms(ref)). A float16,
+    bfloat16 or float32 result is compared in float32 with ``ref`` rounded to float32 (the rounding, and float32's
+    sums and quotients, move either figure by at most a few parts in 100,000 of itself);
+    two float32 tensors of the result's size at a time, half the memory and traffic of float64's. A float64 result
+    is compared in float64.
 
         >>> ref = torch.tensor([1.0, -2.0, 3.0, 4.0], dtype=torch.float64)
         >>> rel, worst = errors(torch.tensor([1.0, -2.0, 3.0, 0.0]), ref)
@@ -194,23 +197,26 @@ def errors(result: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
         result = result.to(ref.device)
     if not result.numel():
         return 0.0, 0.0
+    if result.shape != ref.shape:
+        raise ValueError(f"errors: the result's shape {tuple(result.shape)} is not the reference's {tuple(ref.shape)}")
     # Every figure computed on the device and read back at once: one synchronization, not four (a find
-    # checks each candidate three times); and few passes over the float64 tensors, whose traffic is most of
+    # checks each candidate three times); and few passes over the reference-sized tensors, whose traffic is most of
     # a check's time on a large layer.
     finite = torch.isfinite(result).all()
-    # result - ref in float64, computed in place below: on CUDA in one pass that converts the result as it reads it (on
-    # the CPU, a loop over mixed types is slower than converting first)
-    wide = torch.promote_types(result.dtype, ref.dtype) == torch.float64 and result.device.type == "cuda"
-    diff = torch.sub(result, ref) if wide else result.to(torch.float64, copy=True).sub_(ref)
-    if diff.shape != result.shape:
-        raise ValueError(f"errors: the result's shape {tuple(result.shape)} is not the reference's {tuple(ref.shape)}")
-    ref_norm = torch.linalg.vector_norm(ref)
-    diff_norm = torch.linalg.vector_norm(diff)
-    rms = ref_norm.double() / math.sqrt(ref.numel())
+    work = torch.float64 if result.dtype == torch.float64 else torch.float32
+    near = ref.to(work, copy=True)  # the reference in the working precision, turned into the scale below
+    # result - ref: on CUDA in one pass that converts the result as it reads it (on the CPU a loop over mixed types
+    # is slower than converting first)
+    diff = torch.sub(result, near) if result.device.type == "cuda" else result.to(work).sub(near)
+    # (in the working precision: asked for float64, a float32 norm would copy its input into float64 first)
+    ref_norm = torch.linalg.vector_norm(near).to(torch.float64)
+    diff_norm = torch.linalg.vector_norm(diff).to(torch.float64)
+    rms = ref_norm / math.sqrt(ref.numel())
     # |ref_i| + rms(ref), or 1 where ref is all zeros (then |ref_i| is 0 too)
-    scale = ref.abs().add_(torch.where(rms > 0, rms, torch.ones_like(rms)))
+    scale = near.abs_().add_(torch.where(rms > 0, rms, torch.ones_like(rms)).to(work))
     worst_t = diff.abs_().div_(scale).max()
-    is_finite, norm, diff_l2, worst = torch.stack([finite.to(torch.float64), ref_norm, diff_norm, worst_t]).tolist()
+    is_finite, norm, diff_l2, worst = torch.stack([finite.to(torch.float64), ref_norm, diff_norm,
+                                                    worst_t.to(torch.float64)]).tolist()
     if not is_finite:
         return math.inf, math.inf
     rel = diff_l2 / norm if norm > 0 else diff_l2
