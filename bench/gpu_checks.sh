@@ -43,10 +43,15 @@ export PYTHONUNBUFFERED=1 CONVTUNE_CACHE_DIR=/tmp/convtune-cache CONVTUNE_EXTENS
 # Inductor's caches per src/ tree: they key a graph by its ops' names, not by the extension's C++, so a warm machine
 # would serve a graph traced by an earlier version of the layer ops.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-${BENCH_SOURCE:-$(git rev-parse --short HEAD:src 2>/dev/null || date +%s)}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# The cuDNN frontend's wheel: .whl/ here, or WHL_DIR (a frozen tree of an older revision, run from its own folder,
+# names the checkout's: WHL_DIR=../.whl). Without it cuDNN's plans are no candidates: said on stderr, since an A/B
+# of two trees is meaningless where one of them lacks it.
+WHL_DIR=${WHL_DIR:-.whl}
+if ls "$WHL_DIR"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL_DIR"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src
 else
+  echo "gpu_checks.sh: no cuDNN frontend wheel in $WHL_DIR: cuDNN's execution plans are no candidates in this run" >&2
   export PYTHONPATH=$PWD/src
 fi
 # The extension's build status on stdout only: $OUT is kept for result files.
