@@ -12,6 +12,12 @@ from typing import Any
 CANDIDATE_FAULTS: tuple[type[BaseException], ...] = (Exception, SystemExit)
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters ('' for none): what a refusal that names the
+    fault quotes of it (PyTorch's messages run to many lines of advice)."""
+    return (str(exc).splitlines() or [""])[0][:limit]
+
+
 def not_one_of(name: str, value: Any, choices: Iterable[Any], where: str = "") -> ValueError:
     """The error for argument ``name`` (of the call ``where``, e.g. 'select()') given ``value``, none of
     ``choices``: it names the values accepted."""

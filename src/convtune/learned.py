@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from .errors import first_line
 from .files import writable, write_whole
 from .problem import DIRECTIONS, ConvProblem
 from .results import SearchPrices, backend_of, families_first
@@ -378,8 +379,7 @@ def load(path: str | os.PathLike) -> LearnedModel:
         raise ValueError(f"{path} is not a learned cost model: it holds objects a model file never holds (not loaded: "
                          f"loading them could run code); build the model again with convtune train-get") from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same fault for the caller
-        said = (str(exc).splitlines() or [""])[0][:300]
-        raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {said})") from None
+        raise ValueError(f"{path} is not a learned cost model ({type(exc).__name__}: {first_line(exc)})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a learned cost model")
     if data.get("feature_version") != FEATURE_VERSION:

@@ -27,7 +27,7 @@ import torch
 
 from . import background, isolation
 from .algorithms.base import Algorithm, allocate_workspace, into
-from .errors import CANDIDATE_FAULTS
+from .errors import CANDIDATE_FAULTS, first_line
 from .policy import Policy
 from .problem import ConvProblem
 from .ranking import within_error
@@ -119,7 +119,7 @@ class Search:
                     raise
                 if self.problem.device == "cuda" and not background.in_worker():
                     torch.cuda.empty_cache()  # (not under the caller's running step: the background worker)
-                said = (str(exc).splitlines() or [""])[0][:200]
+                said = first_line(exc, 200)
                 raise ValueError(f"{self.problem.key}: its inputs and float64 reference, which every candidate is "
                                  f"checked against, do not fit in the memory free on {self.problem.device} "
                                  f"({type(exc).__name__}: {said}); measure a smaller batch or spatial size, or free "

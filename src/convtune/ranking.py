@@ -24,8 +24,14 @@ def usable(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool
         return False  # a stored split answers only a policy that allows splitting the batch
     if not within_error(result, policy, dtype):
         return False
+    return violation_of(result, policy) is None
+
+
+def violation_of(result: PerfResult, policy: Policy) -> tuple[str, str] | None:
+    """(status, reason) where what ``result`` declares (workspace, determinism, TF32, reduced precision) breaks
+    ``policy`` (``Policy.violation``), else None."""
     return policy.violation(workspace_bytes=result.workspace_bytes, deterministic=result.deterministic,
-                            uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision) is None
+                            uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision)
 
 
 def within_error(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool:

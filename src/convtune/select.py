@@ -19,7 +19,7 @@ from .find import find
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import NATIVE, rank, usable
+from .ranking import NATIVE, rank, usable, violation_of
 from .results import PerfResult, Status
 from .settings import settings
 
@@ -88,10 +88,7 @@ def _pytorch_at_once(problem: ConvProblem, policy: Policy) -> PerfResult | None:
                         deterministic=bool(algorithm.is_deterministic(problem)), uses_tf32=notes.tf32,
                         reduced_precision=notes.reduced_precision,
                         message="not measured: PyTorch's own call until the measurement in the background lands")
-    if policy.violation(workspace_bytes=result.workspace_bytes, deterministic=result.deterministic,
-                        uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision) is not None:
-        return None
-    return result
+    return result if violation_of(result, policy) is None else None
 
 
 def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
@@ -129,8 +126,7 @@ def _refused_by_model(problem: ConvProblem, policy: Policy, db: Any) -> dict[str
     """Why each candidate is out of the cost model's ranking: unsupported, or what of the policy it breaks."""
     refused = unsupported_reasons(problem)
     for _, guess in ranked_predictions(problem, algorithms(problem), policy, db, keep_filters=False):
-        violation = policy.violation(workspace_bytes=guess.workspace_bytes, deterministic=guess.deterministic,
-                                     uses_tf32=guess.uses_tf32, reduced_precision=guess.reduced_precision)
+        violation = violation_of(guess, policy)
         refused[guess.algorithm] = violation[1] if violation else "could not describe itself (see the log)"
     return refused
 
