@@ -122,6 +122,31 @@ def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
     assert model.log2_price(p, "b:first", analytic, 1) == pytest.approx(near.best)
 
 
+def test_a_ranking_priced_together_gets_each_candidates_price_alone_and_a_fault_costs_only_its_own(monkeypatch,
+                                                                                                      caplog):
+    model = learned.train(placed_samples(200), "test-machine")
+    p = problems(1, seed=11)[0]
+    asked = [("b:first", 0.01, 0), ("b:new", 0.02, 1), ("plugin:rare", 0.03, None), ("plugin:new", 0.04, None)]
+    together = learned.corrections(p, asked, model)
+    assert together == [pytest.approx(learned.correction(p, *c, model=model), rel=1e-12) for c in asked]
+    table = costmodel.Corrections(model)
+    assert table.prices(p, asked) == [pytest.approx(table.price(name, p, ms, place), rel=1e-12)
+                                      for name, ms, place in asked]
+    # a candidate the model cannot price: the analytic price for it alone, with a warning naming it
+    scores = learned._scores
+
+    def failing(near, name, order):
+        if name == "b:new":
+            raise ArithmeticError("no price")
+        return scores(near, name, order)
+
+    monkeypatch.setattr(learned, "_scores", failing)
+    with caplog.at_level(logging.WARNING, logger="convtune.learned"):
+        faulty = learned.corrections(p, asked, model)
+    assert faulty[1] == 1.0 and faulty[:1] + faulty[2:] == together[:1] + together[2:]
+    assert "could not price b:new (ArithmeticError: no price)" in caplog.text
+
+
 def test_a_name_too_few_neighbours_measured_is_priced_as_their_typical_candidate_or_its_analytic_price():
     model = learned.train(placed_samples(200), "test-machine")
     p = problems(1, seed=11)[0]

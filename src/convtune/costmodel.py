@@ -32,7 +32,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 from . import hardware, learned
@@ -195,8 +195,13 @@ class Corrections:
         """``get``'s time for ``name`` on ``problem`` from the analytic ``base_ms``: the model's price (with
         ``place``, the candidate's place in its backend's heuristic order), else ``base_ms`` times
         ``order_factor(place)``."""
-        factor = 1.0 if self.analytic else learned.correction(problem, name, base_ms, place, self.model)
-        return base_ms * factor * order_factor(place)
+        return self.prices(problem, [(name, base_ms, place)])[0]
+
+    def prices(self, problem: ConvProblem, candidates: Sequence[tuple[str, float, int | None]]) -> list[float]:
+        """``price`` of each (name, analytic ``base_ms``, place) of ``candidates`` on ``problem``, priced together (a
+        ranking's: the model looks the problem's neighbours up once)."""
+        factors = [1.0] * len(candidates) if self.analytic else learned.corrections(problem, candidates, self.model)
+        return [base_ms * factor * order_factor(place) for (_, base_ms, place), factor in zip(candidates, factors)]
 
     def guessed(self, name: str, problem: ConvProblem, place: int | None = None) -> bool:
         """Whether the learned model prices ``name`` on ``problem`` by a guess, not from measurements of it on problems

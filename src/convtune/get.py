@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 from . import costmodel, hardware
-from .algorithms.base import Algorithm
+from .algorithms.base import Algorithm, NumericNotes
 from .algorithms.registry import algorithms, backends, registered
 from .db import as_db
 from .errors import CANDIDATE_FAULTS, check_type
@@ -53,17 +53,44 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
     prices: the table to price with (default: ``db``'s, ``costmodel.corrections``). Exceptions of the algorithm's
     description methods propagate.
     """
-    workspace = algorithm.workspace_bytes(problem) if learn_workspace else algorithm.known_workspace_bytes(problem)
-    unknown = workspace is None
-    workspace = workspace or 0
-    notes = algorithm.notes(problem)
-    base_ms = costmodel.roofline_ms(algorithm.cost(problem, workspace), problem, notes.tf32)
     prices = costmodel.corrections(db, problem.device) if prices is None else prices
-    ms = prices.price(algorithm.name, problem, base_ms, algorithm.place)
-    return PerfResult(algorithm.name, Status.OK, time_ms=ms, workspace_bytes=workspace,
-                      deterministic=algorithm.is_deterministic(problem), uses_tf32=notes.tf32,
-                      reduced_precision=notes.reduced_precision,
-                      message=f"predicted {ms:.4g} ms" + (f"; {UNKNOWN_WORKSPACE}" if unknown else ""))
+    described = _Described.of(problem, algorithm, learn_workspace, {})
+    return described.guess(prices.price(algorithm.name, problem, described.base_ms, algorithm.place))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Described:
+    """What ``predict`` reads of a candidate before pricing it: its workspace (``unknown``: not known, counted as 0),
+    numeric notes, analytic price (``costmodel.roofline_ms`` of its cost) and determinism."""
+
+    algorithm: Algorithm
+    workspace: int
+    unknown: bool
+    notes: NumericNotes
+    base_ms: float
+    deterministic: bool
+
+    @staticmethod
+    def of(problem: ConvProblem, algorithm: Algorithm, learn_workspace: bool,
+           rooflines: dict[tuple[costmodel.Cost, bool], float]) -> _Described:
+        """``algorithm`` on ``problem`` described; ``rooflines``: the analytic prices of costs met before on the
+        same problem (a cuDNN problem's plans share one cost), added to. Exceptions of the algorithm's description
+        methods propagate."""
+        workspace = algorithm.workspace_bytes(problem) if learn_workspace else algorithm.known_workspace_bytes(problem)
+        notes = algorithm.notes(problem)
+        key = (algorithm.cost(problem, workspace or 0), bool(notes.tf32))
+        base_ms = rooflines.get(key)
+        if base_ms is None:
+            base_ms = rooflines[key] = costmodel.roofline_ms(key[0], problem, notes.tf32)
+        return _Described(algorithm, workspace or 0, workspace is None, notes, base_ms,
+                          algorithm.is_deterministic(problem))
+
+    def guess(self, ms: float) -> PerfResult:
+        """The unmeasured result of a candidate priced at ``ms``."""
+        return PerfResult(self.algorithm.name, Status.OK, time_ms=ms, workspace_bytes=self.workspace,
+                          deterministic=self.deterministic, uses_tf32=self.notes.tf32,
+                          reduced_precision=self.notes.reduced_precision,
+                          message=f"predicted {ms:.4g} ms" + (f"; {UNKNOWN_WORKSPACE}" if self.unknown else ""))
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,18 +124,19 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
     prices = prices.resolved(problem.device)  # with the installed model looked up once
     decides = policy.workspace_limit is not None or policy.prefer == "least_memory"
     learn_workspace = decides or bool(learn_workspaces)
-    by_name: dict[str, Algorithm] = {}
-    guesses = []
+    described: list[_Described] = []
     broken = []
+    rooflines: dict[tuple[costmodel.Cost, bool], float] = {}
     for algorithm in candidates:
         try:
-            guess = predict(problem, algorithm, db, learn_workspace=learn_workspace, prices=prices)
+            described.append(_Described.of(problem, algorithm, learn_workspace, rooflines))
         except CANDIDATE_FAULTS as exc:  # a broken plug-in must not break the ranking
             _log_fault(algorithm, problem, exc)
             broken.append(algorithm)
-            continue
-        by_name[algorithm.name] = algorithm
-        guesses.append(guess)
+    # priced together: the learned model looks the problem's neighbours up once
+    times = prices.prices(problem, [(d.algorithm.name, d.base_ms, d.algorithm.place) for d in described])
+    by_name = {d.algorithm.name: d.algorithm for d in described}
+    guesses = [d.guess(ms) for d, ms in zip(described, times)]
     ranking_policy = _ranking_policy(policy, keep_filters)
     ranked = [(by_name[g.algorithm], g) for g in rank(guesses, ranking_policy)]
     if keep_filters:

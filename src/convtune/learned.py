@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from . import hardware
 from .errors import first_line
 from .files import writable, write_whole
 from .problem import DIRECTIONS, ConvProblem
@@ -168,6 +169,15 @@ def _scores(near: _Neighbourhood, name: str, order: int | None) -> list[float]:
     return scores
 
 
+def _log2_price(near: _Neighbourhood, name: str, log2_base: float, order: int | None) -> float:
+    """``LearnedModel.log2_price`` of ``name`` from the asked problem's neighbours, given log2 of its analytic price
+    times ``costmodel.order_factor`` of its place (``log2_base``)."""
+    scores = _scores(near, name, order)
+    if scores:  # never below the problem's floor: what the neighbours suggest, held to what is possible
+        return max(near.best + min(scores), near.floor)
+    return max(near.best + near.typical, log2_base + near.correction, near.floor)
+
+
 def usable(s: Sample) -> bool:
     """Whether a sample can be learned from: positive, finite times."""
     return s.measured_ms > 0 and s.analytic_ms > 0 and math.isfinite(s.measured_ms) and math.isfinite(s.analytic_ms)
@@ -185,8 +195,6 @@ def _columns(rows: Sequence[_Row]) -> tuple[torch.Tensor, ...]:
 
 def _rows(samples: Sequence[Sample]) -> list[_Row]:
     """One row per problem of ``samples`` with a timed candidate (the usable ones: positive, finite times)."""
-    from .hardware import roofline_ms
-
     by_problem: dict[ConvProblem, list[Sample]] = defaultdict(list)
     for s in samples:
         if usable(s):
@@ -198,7 +206,7 @@ def _rows(samples: Sequence[Sample]) -> list[_Row]:
         for s in rows:
             for key in keys(s.name, s.order):
                 regrets[key] = min(regrets.get(key, math.inf), math.log2(s.measured_ms / fastest))
-        out.append(_Row(problem, math.log2(fastest / max(roofline_ms(problem), 1e-9)),
+        out.append(_Row(problem, math.log2(fastest / max(hardware.roofline_ms(problem), 1e-9)),
                         statistics.median(math.log2(s.measured_ms / fastest) for s in rows),
                         statistics.median(math.log2(s.measured_ms / s.analytic_ms) for s in rows), regrets, len(rows)))
     return out
@@ -251,17 +259,13 @@ class LearnedModel:
         return model
 
     def _neighbourhood(self, problem: ConvProblem) -> _Neighbourhood | None:
-        from .hardware import assumed_gpu
-
-        key = (problem, assumed_gpu())  # the floors are the priced GPU's
+        key = (problem, hardware.assumed_gpu())  # the floors are the priced GPU's
         known = self._memo.get(key, _MISSING)
         if known is not _MISSING:
             return known
         candidates = self._by_direction.get(problem.direction)
         found = None
         if candidates is not None and len(candidates) >= MIN_MEASURED:  # fewer measured: no answer for it
-            from .hardware import roofline_ms
-
             asked = torch.tensor(problem_features(problem), dtype=torch.float64) / self._scale
             distance = (self._x[candidates] - asked).norm(dim=1)
             nearest = torch.sort(distance, stable=True).indices[:NEIGHBOURS]
@@ -272,7 +276,7 @@ class LearnedModel:
             def mean(values: torch.Tensor) -> float:
                 return float((values[indices] * weights).sum()) / total
 
-            floor = math.log2(max(roofline_ms(problem), 1e-9))
+            floor = math.log2(max(hardware.roofline_ms(problem), 1e-9))
             found = _Neighbourhood(indices.tolist(), weights.tolist(), floor, floor + mean(self.best),
                                    mean(self.typical), mean(self.correction),
                                    [self.rows[i].regrets for i in indices.tolist()], sum(weights.tolist()))
@@ -294,16 +298,12 @@ class LearnedModel:
     def log2_price(self, problem: ConvProblem, name: str, analytic_ms: float, order: int | None = None) -> float | None:
         """log2 of the time in ms the neighbours suggest for ``name`` on ``problem`` (None: no measured problem of
         this direction to ask)."""
+        from .costmodel import order_factor  # (costmodel imports this module)
+
         near = self._neighbourhood(problem)
         if near is None:
             return None
-        scores = _scores(near, name, order)
-        if scores:  # never below the problem's floor: what the neighbours suggest, held to what is possible
-            return max(near.best + min(scores), near.floor)
-        from .costmodel import order_factor
-
-        guess = math.log2(max(analytic_ms * order_factor(order), 1e-12)) + near.correction
-        return max(near.best + near.typical, guess, near.floor)
+        return _log2_price(near, name, math.log2(max(analytic_ms * order_factor(order), 1e-12)), order)
 
     def guessed(self, problem: ConvProblem, name: str, order: int | None = None) -> bool:
         """Whether the model prices ``name`` on ``problem`` by a guess: it answers for the problem's direction, but
@@ -315,13 +315,19 @@ class LearnedModel:
 
     def log2_factors(self, rows: Sequence[tuple[ConvProblem, str, float, int | None]]) -> list[float]:
         """Per (problem, name, analytic ms, place) row, log2 of the price over the analytic price times
-        ``costmodel.order_factor`` of the place, within ±MAX_LOG2_FACTOR (0 where the model cannot answer)."""
-        from .costmodel import order_factor
+        ``costmodel.order_factor`` of the place, within ±MAX_LOG2_FACTOR (0 where the model cannot answer). A batch
+        costs less a row than a row alone: each problem's neighbours are looked up once (a ranking prices one
+        problem's candidates together)."""
+        from .costmodel import order_factor  # (costmodel imports this module)
 
         out = []
+        near_of: dict[ConvProblem, _Neighbourhood | None] = {}
         for problem, name, analytic_ms, order in rows:
-            price = self.log2_price(problem, name, analytic_ms, order)
+            near = near_of.get(problem, _MISSING)
+            if near is _MISSING:
+                near = near_of[problem] = self._neighbourhood(problem)
             base = math.log2(max(analytic_ms * order_factor(order), 1e-12))
+            price = None if near is None else _log2_price(near, name, base, order)  # type: ignore[arg-type]
             factor = 0.0 if price is None or not math.isfinite(price) else price - base
             out.append(min(max(factor, -MAX_LOG2_FACTOR), MAX_LOG2_FACTOR))
         return out
@@ -564,15 +570,24 @@ def correction(problem: ConvProblem, name: str, analytic_ms: float, order: int |
     backend's heuristic order, where known) for ``name`` on ``problem``, as ``model`` (default: this device's
     installed model, ``active``) prices it; 1 without a model (or where the model cannot answer, with a
     warning)."""
+    return corrections(problem, [(name, analytic_ms, order)], model)[0]
+
+
+def corrections(problem: ConvProblem, candidates: Sequence[tuple[str, float, int | None]],
+                model: LearnedModel | None = None) -> list[float]:
+    """``correction`` of each (name, analytic ms, place) of ``candidates`` on ``problem``, priced together (the
+    problem's neighbours looked up once); a candidate the model cannot price gets 1, with a warning."""
     model = active(problem.device) if model is None else model
     if model is None:
-        return 1.0
+        return [1.0] * len(candidates)
     try:
-        return model.factor(problem, name, analytic_ms, order)
+        return [2.0 ** f for f in model.log2_factors([(problem, *c) for c in candidates])]
     except Exception as exc:  # noqa: BLE001 - a model that cannot answer leaves the analytic price
-        _warn(f"the learned cost model could not price {name} ({type(exc).__name__}: {exc}); the analytic "
-              f"price serves")
-        return 1.0
+        if len(candidates) > 1:  # one at a time: only a candidate that cannot be priced loses its price
+            return [corrections(problem, [c], model)[0] for c in candidates]
+        _warn(f"the learned cost model could not price {candidates[0][0]} ({type(exc).__name__}: {exc}); the "
+              f"analytic price serves")
+        return [1.0]
 
 
 def version(device: str) -> int:
