@@ -28,6 +28,8 @@
 # exhaustive best and PyTorch per layer; a run cut short keeps the configurations it finished). budgets
 # (bench/plan_budgets.py's committed configuration: network workspace plans under budgets). heuristics
 # (bench/heuristics_cost.py: the host time of asking cuDNN's heuristics A and B for a new problem's plans).
+# tiepaths[:<tie_paths.py arguments joined by +>] (bench/tie_paths.py: the paths of a layer whose pick is PyTorch's own
+# call, four copies of a network timed in one process).
 # getlatency (bench/get_latency.py: how long get takes on a problem new to the process, and on it again).
 # timermethods[:<timer_methods.py arguments joined by +>] (bench/timer_methods.py: the timer's methods, their cost
 # and their picks, on a network's first problems).
@@ -91,6 +93,8 @@ for step in "$@"; do
                   --name "tuning_cost_${network}_b${batch}${threads:+_t$threads}${tag:+_$tag}" 2>&1 | sed -n '/whole network, cold/,/Host cost/p' ;;
     e2e:*) name=${E2E_NAME:-e2e}; [ -e "$OUT/$name.json" ] || cp "bench/results/$name.json" "$OUT/" 2>/dev/null; args=${step#e2e:}
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name "$name" 2>&1 | tail -30 ;;
+    tiepaths|tiepaths:*) args=${step#tiepaths}; args=${args#:}
+                        python3 bench/tie_paths.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -14 ;;
     ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}
           python3 bench/ab.py ${args//+/ } --out "$OUT" --name ab 2>&1 | quiet | tail -30 ;;
     triton) tests "$OUT/triton_tests.txt" tests/test_triton_depthwise.py tests/test_triton_depthwise_band.py tests/test_triton_depthwise_strip.py \

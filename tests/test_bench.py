@@ -607,6 +607,19 @@ def test_the_depthwise_table_shows_the_strip_banded_and_rows_families_beside_the
     assert "| 0.0350 | 0.1400 | - | 0.0350 | 0.0700 |" in text
 
 
+def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_changed(tmp_path):
+    result = _run("tie_paths.py", tmp_path, "--batch", "2", "--rounds", "2")["results"]
+    row = result["tiny:b2:float16"]
+    for workload in ("inference", "training"):
+        for variant in ("torch", "tuned", "python_torch", "cudnn_ties"):
+            assert len(row["rows"][workload][variant]["times"]) == 2 and row["rows"][workload][variant]["ms"] > 0
+        assert row["rows"][workload]["torch"]["ratio"] == 1.0
+        # the small network's layers that chose PyTorch's call took the Python checks; the CPU has no cuDNN plan
+        assert row["changed"][f"{workload}: python_torch layers"] > 0
+        assert row["changed"][f"{workload}: cudnn_ties layers, directions"] == [0, 0]
+    assert "| tiny | b2 | float16 | training |" in (tmp_path / "tie_paths.md").read_text()
+
+
 ab = _bench_script("ab")
 
 
