@@ -37,11 +37,11 @@ def summary(times_ms: list[float]) -> dict:
 
 
 # Where a cold get's time goes (common.phase_clock): (phase, module, attribute) of the callables timed while it runs;
-# phases nest (pricing holds the plan builds it asks for, listing the candidates holds cuDNN's graph). cuDNN's only
-# where it is loaded.
+# phases nest (pricing and ranking hold the plan builds they ask for, listing the candidates holds cuDNN's graph).
+# cuDNN's only where it is loaded.
 PHASES = (("candidates listed", "convtune.get", "algorithms"),
           ("cuDNN graph (heuristics query)", "convtune.algorithms.cudnn", "ProblemGraph.__init__"),
-          ("priced", "convtune.get", "predict"),
+          ("priced and ranked", "convtune.get", "ranked_predictions"),
           ("cuDNN plan builds", "convtune.algorithms.cudnn", "ProblemGraph.build"))
 
 
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"`get` in the process (cold) and of its second (warm), ms. `bench/get_latency.py`.\n\n"
                 + common.md_table(["network", "get", "problems", "median", "90th percentile", "worst", "target"],
                                   rows)
-                + "\n\nWhere the cold calls' time went, ms over all of a network's (phases nest: pricing holds the "
-                  "plan builds it asks for, listing the candidates holds cuDNN's graph; '-': not here, cuDNN not "
-                  "loaded):\n\n"
+                + "\n\nWhere the cold calls' time went, ms over all of a network's (phases nest: pricing and ranking "
+                  "hold the plan builds they ask for, listing the candidates holds cuDNN's graph; '-': not here, "
+                  "cuDNN not loaded):\n\n"
                 + common.md_table(["network", *columns], [[network, *(f"{spent[p]:.1f}" if p in spent else "-"
                                                                     for p in columns)]
                                                           for network, spent in phases.items()]))

@@ -918,12 +918,13 @@ def test_get_latency_times_each_distinct_problem_once_cold_and_warm(get_latency,
     assert "| resnet18 | warm |" in (tmp_path / "get_latency.md").read_text()
     # where the cold calls' time went: the phases that exist here (cuDNN's, where its frontend loads, unused on a
     # CPU), within the cold calls' total
-    predict = importlib.import_module("convtune.get").predict  # the module (the package's ``get`` is the function)
+    ranking = importlib.import_module("convtune.get").ranked_predictions  # the module's (the package's ``get`` is
+    # the function)
     phases = payload["cold_phases_ms"]["resnet18"]
-    assert {"cold gets, in all", "candidates listed", "priced"} <= set(phases)
+    assert {"cold gets, in all", "candidates listed", "priced and ranked"} <= set(phases)
     assert all(ms == 0 for p, ms in phases.items() if p.startswith("cuDNN"))
-    assert 0 < phases["priced"] < phases["cold gets, in all"] and 0 < phases["candidates listed"]
-    assert predict.__name__ == "predict" and predict.__qualname__ == "predict"  # unwrapped after
+    assert 0 < phases["priced and ranked"] < phases["cold gets, in all"] and 0 < phases["candidates listed"]
+    assert ranking.__qualname__ == "ranked_predictions"  # unwrapped after
 
 
 fit_triton_prices = _bench_script("fit_triton_prices")

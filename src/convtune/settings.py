@@ -145,7 +145,8 @@ _SETTINGS = (
     # tuned layers run through convtune's C++ extension (built on first use; 0: the Python path)
     _Setting("native", _bool, True, "tuned layers run through the C++ extension"),
     # a layer whose measured GPU gain is below the host time its path adds calls PyTorch instead
-    _Setting("host_rule", _bool, True, "layers that gain less than their host cost call PyTorch"),
+    _Setting("host_rule", _bool, True,
+             "layers that gain less than their host cost call PyTorch; ties go to the path cheaper on the host"),
     # which candidates find measures in a worker process (isolation.py): plugins, all or off
     _Setting("isolate", _one_of("plugins", "all", "off"), "plugins", "candidates measured in a worker process"),
     # the learned cost model get uses ('' : learned_get_<device>.pt beside the database; {device} is replaced)

@@ -291,8 +291,9 @@ def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls
 
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
 _host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
-# Kept with the costs in the database: costs measured by another method are measured again.
-HOST_COST_METHOD = 7
+# Kept with the costs in the database: costs measured by another method are measured again (7 and before: a path
+# cheaper than PyTorch's call was counted as costing nothing).
+HOST_COST_METHOD = 8
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
@@ -309,9 +310,12 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     is); and on CUDA the Python path on convtune's Triton kernels ('triton', their launcher included: it
     costs more than the kernels take on small problems); with the extension, 'compiled': what compiled code's
     call of convtune's op for one direction costs over its call of PyTorch's convolution
-    (``_compiled_call_us``). Measured once per machine, software and device type, on a layer of
-    ``probe_problem``'s size (the host sets the pace), and kept in ``db`` when one is given: a warm start reads
-    it. A path whose measurement fails is left out (``extra_host_us`` then charges the Python path's cost).
+    (``_compiled_call_us``). A path cheaper than PyTorch's call costs less than nothing: a cuDNN execution plan's
+    executable (PyTorch's call checks its arguments and looks its plan up on every call), about 4-8 us less a
+    forward on the H200's and the H100's hosts (bench/results/host_probe.md). Measured once per machine, software
+    and device type, on a layer of ``probe_problem``'s size (the host sets the pace), and kept in ``db`` when one
+    is given: a warm start reads it. A path whose measurement fails is left out (``extra_host_us`` then charges
+    the Python path's cost).
     """
     known = _host_costs.get(device)
     if known is not None:
@@ -343,7 +347,6 @@ def _measure_host_overheads(device: str) -> dict[str, float]:
     with torch.autocast(device, enabled=False), torch.inference_mode(False), torch.enable_grad(), \
             torch.random.fork_rng(devices=[]):  # (the layers' initialisation draws from the CPU's generator)
         overheads = _measured(device)
-    overheads = {kind: max(us, 0.0) for kind, us in overheads.items()}
     for name in ("", " backward"):
         if f"gemm_1x1{name}" in overheads:
             overheads[f"gemm_1x1_strided{name}"] = overheads[f"gemm_1x1{name}"]  # the same calls and a slice copy

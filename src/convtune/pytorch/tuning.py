@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
+from convtune import ranking
 from convtune.algorithms.native import wrong_in_pytorch
 from convtune.algorithms.registry import get_algorithm
 from convtune.errors import CANDIDATE_FAULTS, NoAlgorithmError
@@ -210,11 +211,74 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
         names[direction] = result.algorithm
         results[direction] = result
     ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
-    selection = where_the_host_pays(LayerSelection(problem.key, **names, results=ordered), tuning)
+    selection = LayerSelection(problem.key, **names, results=ordered)
+    selection = where_the_host_pays(on_the_cheaper_path(selection, tuning), tuning)
     reserve_workspace(selection, signature.device)
     return selection
 
 
+
+
+def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
+    """``selection``, its directions that chose torch:native moved to the fastest executable of their tie where that
+    costs the layer less: GPU time measured plus the host time its path adds over PyTorch's call
+    (``runtime.extra_host_us``, as ``where_the_host_pays`` counts it).
+
+    select gives a tie (results within ``policy.tolerance`` of the fastest) to torch:native, which needs no
+    workspace of convtune's. On the native runtime a cuDNN execution plan's executable costs the host less a call
+    than PyTorch's own convolution (its measured cost is below 0), so host-bound eager code runs faster on it
+    (bench/results/tie_paths.md). A layer on PyTorch's call (torch:native in every direction) counts no host time;
+    on convtune's op each direction counts its path's, torch:native's ('native') too. Only measured results are
+    judged (the database's, under the tuning's policy); not under ``prefer='least_memory'``, whose ties go to the
+    least workspace; settings.host_rule=False turns it off with the rule it belongs to."""
+    if (not settings.host_rule or tuning.db is None or tuning.policy.prefer == "least_memory"
+            or not runtime.available()):
+        return selection
+    natives = [direction for direction, chosen in selection.results if chosen.algorithm == NATIVE]
+    if not natives:
+        return selection
+    base = ConvProblem.from_key(selection.problem)
+    on_torch = len(natives) == len(selection.results) and not wrong_in_pytorch(base)
+    names = {d: getattr(selection, d) for d in DIRECTIONS}
+    results = dict(selection.results)
+    as_chosen = moved = 0.0
+    for direction in natives:
+        problem = base.with_direction(direction)
+        native = tuning.db.result(problem, NATIVE)  # measured (select's answer in mode 'get' is a prediction)
+        if native is None or not (native.ok and native.time_ms):
+            return selection
+        native_us = 1e3 * native.time_ms
+        through_op = runtime.extra_host_us(problem, "native", tuning.db)
+        as_chosen += native_us + (0.0 if on_torch else through_op)
+        tie = _fastest_executable_of_the_tie(problem, tuning)
+        if tie is None:
+            moved += native_us + through_op  # the layer runs on the op once any direction moves
+            continue
+        result, kind = tie
+        moved += 1e3 * cast(float, result.time_ms) + runtime.extra_host_us(problem, kind, tuning.db)
+        names[direction], results[direction] = result.algorithm, result
+    if moved >= as_chosen:
+        return selection
+    log.info("%s: the ties select gave torch:native run %s, which cost the layer %.1f us less a step (GPU and host)",
+             selection.problem, ", ".join(names[d] for d in natives), as_chosen - moved)
+    return LayerSelection(selection.problem, **names, results=tuple((d, results[d]) for d in DIRECTIONS
+                                                                    if d in results))
+
+
+def _fastest_executable_of_the_tie(problem: ConvProblem, tuning: Tuning) -> tuple[PerfResult, str] | None:
+    """(result, executable kind) of the fastest result measured within ``policy.tolerance`` of ``problem``'s
+    fastest that runs on a native executable other than torch:native's, or None."""
+    usable = [r for r in tuning.db.results(problem) if ranking.usable(r, tuning.policy, problem.dtype)]
+    if not usable:
+        return None
+    limit = min(cast(float, r.time_ms) for r in usable) * (1 + tuning.policy.tolerance)
+    for result in sorted((r for r in usable if cast(float, r.time_ms) <= limit and r.algorithm != NATIVE),
+                         key=lambda r: (r.time_ms, r.algorithm)):
+        try:
+            return result, runtime.prepare(problem, result.algorithm, tuning.db)[1]
+        except runtime.REFUSALS:  # the Python path, or no executable here: not a cheaper path
+            continue
+    return None
 
 
 def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
