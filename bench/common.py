@@ -180,6 +180,13 @@ def median_interval(values, confidence: float = 0.95) -> tuple[float, float, flo
     return best
 
 
+def costliest(stats: dict, top: int = 25, where: str | None = "convtune") -> list[tuple[float, str]]:
+    """The ``top`` costliest functions of cProfile's ``stats`` (pstats.Stats(...).stats) by cumulative seconds, as
+    (seconds, 'file.py:name'), those of files whose path contains ``where`` (None: every function)."""
+    return sorted(((v[3], f"{Path(file).name}:{name}") for (file, _, name), v in stats.items()
+                   if where is None or where in file), reverse=True)[:top]
+
+
 @contextlib.contextmanager
 def phase_clock(phases):
     """A dict label -> ms spent in each phase while the block runs: ``phases`` are (label, module, attribute)

@@ -5,7 +5,9 @@ in one process: the wall time of the first ``convtune.get(problem)`` (cold: ever
 CUDA cuDNN's graph and list of plans made), then of a second one (warm: the answer remembered). Before any is timed,
 one ``get`` of a problem of none of the networks makes what a process makes once (cuDNN's handle, the registry, the
 learned model's file read). The cold calls' time is split by phase (``PHASES``: listing the candidates, cuDNN's
-graph, pricing, cuDNN plan builds), timed by wrapping those functions while they run. Targets (the learned-GET
+graph, pricing, cuDNN plan builds), timed by wrapping those functions while they run. Then, untimed, the same
+networks' problems at batch + 1 (each new to the process) are asked cold under cProfile: the functions their time
+went to, by cumulative ms per problem (``--no-profile`` skips it). Targets (the learned-GET
 issue): at most 5 ms cold and 1 ms warm. On a CPU the problems
 are the CPU's (no cuDNN): a check of the script, not of the targets.
 
@@ -63,12 +65,30 @@ def timed(problems: list) -> tuple[dict[str, list[float]], dict[str, float]]:
     return out, dict(spent)
 
 
+def profiled(problems: list, top: int = 20) -> list[tuple[float, str]]:
+    """The ``top`` costliest functions of cold ``get``s of ``problems`` under cProfile, by cumulative ms per
+    problem."""
+    import cProfile
+    import pstats
+
+    import convtune as ct
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for problem in problems:
+        ct.get(problem)
+    profiler.disable()
+    return [(1e3 * s / len(problems), name)
+            for s, name in common.costliest(pstats.Stats(profiler).stats, top, where=None)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--networks", type=e2e.split, default=["resnet50", "mobilenet_v2", "resnext50_32x4d"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--dtypes", type=e2e.split, default=["float16"])
     parser.add_argument("--device", default=None, help="cuda where there is a GPU, else cpu")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled cold gets at batch + 1")
     common.result_arguments(parser, "get_latency")
     args = parser.parse_args(argv)
     import torch
@@ -93,6 +113,15 @@ def main(argv: list[str] | None = None) -> int:
             times, spent = timed(problems)
             results[network] = {kind: summary(t) for kind, t in times.items()}
             phases[network] = {"cold gets, in all": sum(times["cold"]), **spent}
+    profiles = {}
+    if not args.no_profile:  # afterwards, on problems new to the process: the timings above are cProfile's-free
+        for network in args.networks:
+            fresh = [p for p in dict.fromkeys(p for _, p in network_problems([network], args.batch + 1, args.dtypes,
+                                                                             ["channels_last"], device))
+                     if p not in seen]
+            seen.update(fresh)
+            if fresh:
+                profiles[network] = profiled(fresh)
     env = common.environment()
     columns = ("cold gets, in all", *(p for p, _, _ in PHASES))
     rows = [[network, kind, r[kind]["problems"], f"{r[kind]['median_ms']:.3f}", f"{r[kind]['p90_ms']:.3f}",
@@ -109,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                 + common.md_table(["network", *columns], [[network, *(f"{spent[p]:.1f}" if p in spent else "-"
                                                                     for p in columns)]
                                                           for network, spent in phases.items()]))
+    for network, top in profiles.items():
+        markdown += (f"\n\n{network}'s problems at batch {args.batch + 1}, each asked cold under cProfile (its "
+                     f"overhead included): the costliest functions, cumulative ms per problem (they nest).\n\n"
+                     + common.md_table(["function", "ms"], [[f"`{name}`", f"{ms:.3f}"] for ms, name in top]))
     common.write(args.name, {"environment": env, "device": device, "networks": args.networks, "batch": args.batch,
-                             "results": results, "cold_phases_ms": phases}, markdown, args.out)
+                             "results": results, "cold_phases_ms": phases, "cold_profile_ms": profiles},
+                 markdown + "\n", args.out)
     print(markdown)
     return 0
 

@@ -161,12 +161,6 @@ def _profiled(fn) -> tuple[float, dict]:
     return time.perf_counter() - t0, pstats.Stats(profiler).stats
 
 
-def _top(stats: dict) -> list:
-    """convtune's 25 costliest functions by cumulative time (cProfile's)."""
-    return sorted(((v[3], f"{Path(file).name}:{name}") for (file, _, name), v in stats.items()
-                   if "convtune" in file), reverse=True)[:25]
-
-
 def _in_seconds(spent_ms: dict) -> dict:
     return {label: ms / 1e3 for label, ms in spent_ms.items()}
 
@@ -186,7 +180,7 @@ def whole_network(network: str, batch: int, dtype: str, layout: str, device: str
             with (ct.TuningDB(path) as db, settings.override(find_compile_threads=threads),
                   common.phase_clock(PHASES) as spent):
                 wall, stats = _profiled(lambda: [ct.select(p, mode="hybrid", db=db) for p in problems])
-            phases, ours = _in_seconds(spent), _top(stats)
+            phases, ours = _in_seconds(spent), common.costliest(stats)
             out_json = os.path.join(tmp, "warm.json")
             subprocess.run([sys.executable, __file__, "--network", network, "--batch", str(batch), "--dtype", dtype,
                             "--layout", layout, "--device", device, "--warm-child", path, "--child-out", out_json],
@@ -219,7 +213,7 @@ def warm_child(args) -> None:
 
     with common.phase_clock(WARM_PHASES) as spent:
         wall, stats = _profiled(tune)
-    phases, ours = _in_seconds(spent), _top(stats)
+    phases, ours = _in_seconds(spent), common.costliest(stats)
     Path(args.child_out).write_text(json.dumps(dict(wall_s=wall, phases_s=phases, top_cumulative_s=ours)))
 
 

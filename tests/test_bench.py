@@ -925,6 +925,11 @@ def test_get_latency_times_each_distinct_problem_once_cold_and_warm(get_latency,
     assert all(ms == 0 for p, ms in phases.items() if p.startswith("cuDNN"))
     assert 0 < phases["priced and ranked"] < phases["cold gets, in all"] and 0 < phases["candidates listed"]
     assert ranking.__qualname__ == "ranked_predictions"  # unwrapped after
+    # then the same network's problems at batch 2, each cold under cProfile: get holds the rest (they nest)
+    top = payload["cold_profile_ms"]["resnet18"]
+    assert list(payload["cold_profile_ms"]) == ["resnet18"] and top[0][1] == "get.py:get"
+    assert all(0 < ms <= top[0][0] for ms, _ in top)
+    assert "resnet18's problems at batch 2, each asked cold under cProfile" in (tmp_path / "get_latency.md").read_text()
 
 
 fit_triton_prices = _bench_script("fit_triton_prices")
