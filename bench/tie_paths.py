@@ -1,19 +1,23 @@
 """Which path a layer whose pick is PyTorch's own call should take in eager code: measured in one process.
 
-find ranks torch:native first among results within the policy's tolerance of the fastest (a tie), and such a
-layer calls PyTorch's convolution through the C++ check of its input (``TorchDirect``). In the host table a
-cuDNN executable costs the host 4-8 us less a forward than PyTorch's own call (bench/results/host_probe.md), so
-a tie might serve host-bound code better on the executable. This times, in one process and in rotation (A B C D,
-then the order turned every round, as bench/ab.py does), four copies of a network (the same weights):
+find ranks torch:native first among results within the policy's tolerance of the fastest (a tie), and a layer on
+it calls PyTorch's convolution through the C++ check of its input (``TorchDirect``). A cuDNN executable costs the
+host 4-8 us less a forward than PyTorch's own call (the H200's bench/results/host_probe.md), so ``optimize`` moves
+such ties to the executable whose path costs the layer less (``convtune.pytorch.tuning.on_the_cheaper_path``).
+This times, in one process and in rotation (the order turned every round, as bench/ab.py does), four copies of a
+network (the same weights):
 
 - torch: PyTorch, ``cudnn.benchmark=True``;
-- tuned: ``convtune.optimize(training=True)`` on an empty database;
-- python_torch: the tuned copy, its layers on PyTorch's call checked in Python (``TorchCall``: nn.Conv2d's forward);
-- cudnn_ties: the tuned copy, each direction that chose torch:native on the fastest cuDNN plan measured within
-  the policy's tolerance of torch:native's time, where one was (the layer then runs on convtune's op).
+- tuned: ``convtune.optimize(training=True)`` on an empty database, as it ships;
+- ties_off: the same choices with that move turned off (optimized again on the same database, measuring nothing):
+  ties on torch:native, the layers on PyTorch's call through ``TorchDirect``;
+- cudnn_ties: ties_off's copy with every direction that chose torch:native forced onto the fastest cuDNN plan
+  measured within the policy's tolerance of torch:native's time, whatever it costs (the layer then runs on
+  convtune's op): the move made everywhere it can be.
 
 Eager inference and training step (forward, loss, backward, SGD), autocast, channels_last. Per workload: each copy's
-median over the rounds (ms) and the median of the rounds' ratios torch / copy (above 1: faster than PyTorch).
+median over the rounds (ms) and the median of the rounds' ratios torch / copy (above 1: faster than PyTorch); per
+copy, how many layer directions run another algorithm than ties_off's.
 
     python bench/tie_paths.py --models resnet50,mobilenet_v2 --batch 32 --dtype float16
     python bench/tie_paths.py --device cpu --tiny --out /tmp/tie   # the pipeline on a small stand-in network
@@ -29,8 +33,8 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -38,34 +42,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
-from convtune.pytorch.modules import TorchCall  # noqa: E402
+from convtune.pytorch import tuning  # noqa: E402
 from convtune.pytorch.tuning import LayerSelection  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 
-VARIANTS = ("torch", "tuned", "python_torch", "cudnn_ties")
+VARIANTS = ("torch", "tuned", "ties_off", "cudnn_ties")
 
 
 def tuned_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "_convtune_selections")]
 
 
-def on_python_checks(model: torch.nn.Module) -> int:
-    """Layers whose choice is PyTorch's call take it through the Python checks (``TorchCall``); how many."""
-    def entry(self, input, sig, batched, selection):
-        return TorchCall.of(input, sig, selection)
-
+def differing(model: torch.nn.Module, other: torch.nn.Module) -> int:
+    """How many layer directions of ``model`` run another algorithm than ``other``'s (a copy of the same network)."""
     count = 0
-    for m in tuned_layers(model):
-        m._convtune_torch_entry = types.MethodType(entry, m)
-        m._convtune_fast.clear()  # the next call of each shape makes its entry anew
-        count += sum(s.runtime == "torch" for s in m._convtune_selections.values())
+    for mine, theirs in zip(tuned_layers(model), tuned_layers(other)):
+        for sig, selection in mine._convtune_selections.items():
+            known = theirs._convtune_selections.get(sig)
+            count += sum(known is not None and getattr(selection, d) != getattr(known, d)
+                         for d in ("fwd", "bwd_data", "bwd_filter"))
     return count
 
 
-def on_cudnn_ties(model: torch.nn.Module, db: convtune.TuningDB, tolerance: float) -> tuple[int, int]:
-    """Each direction that chose torch:native takes the fastest cuDNN plan measured within ``tolerance`` of it;
-    (layers changed, directions changed)."""
-    layers = directions = 0
+def on_cudnn_ties(model: torch.nn.Module, db: convtune.TuningDB, tolerance: float) -> None:
+    """Each direction that chose torch:native takes the fastest cuDNN plan measured within ``tolerance`` of it."""
     for m in tuned_layers(model):
         for sig, selection in list(m._convtune_selections.items()):
             if not selection.problem:
@@ -91,9 +91,6 @@ def on_cudnn_ties(model: torch.nn.Module, db: convtune.TuningDB, tolerance: floa
                 new = LayerSelection(selection.problem, **names, results=tuple(results.items()))
                 m._convtune_select(sig, new)
                 m._convtune_fast.clear()
-                layers += 1
-                directions += changed
-    return layers, directions
 
 
 def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, steps: int, rounds: int) -> dict:
@@ -104,14 +101,21 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
     base = base.to(device).to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, classes, (batch,), device=device)
-    tuned = copy.deepcopy(base)
+    tuned, ties_off = copy.deepcopy(base), copy.deepcopy(base)
     with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "tie.sqlite")) as db:
         with torch.autocast(device, dtype=dtype):
             t0 = time.perf_counter()
             convtune.optimize(tuned, x, training=True, db=db)
             tune_s = time.perf_counter() - t0
-        python_torch, cudnn_ties = copy.deepcopy(tuned), copy.deepcopy(tuned)
-        models = dict(torch=base, tuned=tuned, python_torch=python_torch, cudnn_ties=cudnn_ties)
+            with mock.patch.object(tuning, "on_the_cheaper_path", lambda selection, _: selection):
+                convtune.optimize(ties_off, x, training=True, db=db)  # the database is warm: nothing measured
+        cudnn_ties = copy.deepcopy(ties_off)
+        on_cudnn_ties(cudnn_ties, db, convtune.Policy().tolerance)
+        models = dict(torch=base, tuned=tuned, ties_off=ties_off, cudnn_ties=cudnn_ties)
+        changed = {who: differing(models[who], ties_off) for who in ("tuned", "cudnn_ties")}
+        on_native = {who: sum(getattr(s, d) == NATIVE for m in tuned_layers(models[who])
+                              for s in m._convtune_selections.values() for d in ("fwd", "bwd_data", "bwd_filter"))
+                     for who in ("tuned", "ties_off", "cudnn_ties")}
         timer = e2e.Timer(device, steps, 1)
         autocast = lambda: torch.autocast(device, dtype=dtype)  # noqa: E731
         steps_of = {}
@@ -119,18 +123,11 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
             infer, train_step = e2e.workloads(model, optimizer, x, labels, autocast)
             steps_of[who] = dict(inference=infer, training=train_step)
-        changed = {}
         rows = {}
         for workload in ("inference", "training"):
             for model in models.values():
                 model.train(workload == "training")
-            for who in models:  # first calls: the tuned copies select what the workload needs
-                e2e._first_call_s(steps_of[who][workload], timer)
-            # the variants, made from what the workload's first calls selected
-            changed[f"{workload}: python_torch layers"] = on_python_checks(python_torch)
-            changed[f"{workload}: cudnn_ties layers, directions"] = on_cudnn_ties(cudnn_ties, db,
-                                                                                 convtune.Policy().tolerance)
-            for who in ("python_torch", "cudnn_ties"):
+            for who in models:
                 e2e._first_call_s(steps_of[who][workload], timer)
             times: dict[str, list[float]] = {who: [] for who in models}
             with e2e.FullPathCalls() as full:
@@ -148,7 +145,8 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
             print(f"  {model_name} b{batch} {dtype_name} {workload}: " + ", ".join(
                 f"{who} {row[who]['ms']:.3f} ms ({row[who]['ratio']:.3f})" for who in models), file=sys.stderr,
                 flush=True)
-    return dict(rows=rows, tune_s=tune_s, changed=changed, steps=steps, rounds=rounds)
+    return dict(rows=rows, tune_s=tune_s, changed=changed, torch_native_directions=on_native, steps=steps,
+                rounds=rounds)
 
 
 def markdown(env: dict, results: dict) -> str:
@@ -156,12 +154,14 @@ def markdown(env: dict, results: dict) -> str:
         "# Which path a layer whose pick is PyTorch's own call should take, in eager code",
         "",
         f"{common.env_line(env)} Four copies of a network in one process, timed in rotation (`bench/tie_paths.py`, "
-        "whose docstring says what each copy runs); ms: each copy's median over the rounds; ratio: the median of the "
-        "rounds' PyTorch / copy (above 1: faster than PyTorch), with the interval where that median lies with at "
-        "least 95% confidence.",
+        "whose docstring says what each copy runs: tuned, as `optimize` ships; ties_off, its ties left on "
+        "torch:native; cudnn_ties, every such tie forced onto cuDNN's fastest plan); ms: each copy's median over the "
+        "rounds; ratio: the median of the rounds' PyTorch / copy (above 1: faster than PyTorch), with the interval "
+        "where that median lies with at least 95% confidence.",
         "",
     ]
-    header = ["model", "batch", "dtype", "workload"] + [f"{v} ms (ratio)" for v in VARIANTS] + ["changed"]
+    header = (["model", "batch", "dtype", "workload"] + [f"{v} ms (ratio)" for v in VARIANTS]
+              + ["layer directions unlike ties_off's"])
     table = []
     for key, result in results.items():
         model, batch, dtype = key.split(":")
@@ -171,8 +171,7 @@ def markdown(env: dict, results: dict) -> str:
                 iv = row[v]["ratio_interval"]
                 cells.append(f"{row[v]['ms']:.3f} ({row[v]['ratio']:.3f}"
                              + (f", {iv[0]:.3f}-{iv[1]:.3f}" if iv else "") + ")")
-            changed = "; ".join(f"{k.split(': ', 1)[1]} {v}" for k, v in result["changed"].items()
-                                if k.startswith(workload))
+            changed = ", ".join(f"{who} {n}" for who, n in result["changed"].items())
             table.append([model, batch, dtype, workload, *cells, changed])
     lines.append(common.md_table(header, table))
     return "\n".join(lines) + "\n"

@@ -191,6 +191,20 @@ def test_finds_ranking_builds_nothing_and_keeps_its_order_once_workspaces_are_kn
     assert [g.time_ms for _, g in warm] == [g.time_ms for _, g in known]
 
 
+@pytest.mark.parametrize("place", [RuntimeError("no order"), "first", 1.5])
+def test_a_plugin_whose_place_cannot_be_read_is_left_out_of_the_ranking_not_the_others(place, caplog):
+    class Placed(Fake):
+        @property
+        def place(self):
+            if isinstance(place, Exception):
+                raise place
+            return place
+
+    with isolated(builtins=False):
+        ranked = ranked_predictions(P3, [Placed("plugin:placed"), Fake("plugin:fine")], Policy())
+        assert names(ranked) == ["plugin:fine"] and "plugin:placed could not describe" in caplog.text
+
+
 @pytest.mark.parametrize("policy, keep_filters", [
     (Policy(), True),  # get's own answers and select's 'get' mode
     (Policy(workspace_limit="1MiB"), False),

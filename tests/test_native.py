@@ -1177,6 +1177,57 @@ def test_a_tie_given_to_torch_native_runs_the_executable_whose_path_costs_the_la
         assert next(iter(other.selections.values())).fwd == "torch:native"
 
 
+def test_ties_move_direction_by_direction_to_the_cheapest_member_the_policy_allows(native, monkeypatch, tmp_path):
+    from convtune.algorithms.base import Algorithm
+    from convtune.algorithms.native import native_conv
+    from convtune.algorithms.registry import isolated
+    from convtune.results import PerfResult, Status
+
+    class Faulty(Algorithm):  # a plug-in tied with torch:native whose recipe raises: never the layer's fault
+        name = "plugin:faulty"
+
+        def native_recipe(self, problem):
+            raise TypeError("a broken recipe")
+
+        def _run(self, problem, a, b, out, ws):
+            out.copy_(native_conv(problem, a, b))
+
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 50.0, "native": 5.0, "gemm_1x1": -8.0, "gemm_1x1 backward": -8.0})
+    x = torch.randn(2, 6, 5, 5)
+    db = ct.TuningDB(tmp_path / "t.sqlite")
+    p = ConvProblem.from_module(ct.nn.Conv2d(6, 4, 1), tuple(x.shape))
+    stored = {  # fwd: gemm:1x1 the fastest (chosen); bwd_data: a tie with gemm:1x1 and the faulty plug-in;
+        # bwd_filter: gemm:1x1 outside the tie (1.05x), so torch:native, through the op once the layer is on it
+        "fwd": [("gemm:1x1", 0.0100, True), ("torch:native", 0.0200, True)],
+        "bwd_data": [("torch:native", 0.0100, True), ("plugin:faulty", 0.0100, True), ("gemm:1x1", 0.0101, False)],
+        "bwd_filter": [("torch:native", 0.0100, True), ("gemm:1x1", 0.0105, True)]}
+    for d, rows in stored.items():
+        db.store(p.with_direction(d), [PerfResult(n, Status.OK, time_ms=t, rel_error=0.0, deterministic=det)
+                                       for n, t, det in rows])
+    with isolated(Faulty()):
+        for policy, bwd_data in ((None, "gemm:1x1"), (ct.Policy(deterministic=True), "torch:native")):
+            module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=db, policy=policy)
+            y = module(x.clone().requires_grad_())
+            y.sum().backward()
+            torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+            selection = next(iter(module.selections.values()))
+            # (a non-deterministic gemm:1x1 is no member of the tie where the policy asks for determinism)
+            assert (selection.fwd, selection.bwd_data, selection.bwd_filter) == (
+                "gemm:1x1", bwd_data, "torch:native"), selection
+            assert selection.runtime == "native"
+
+
+def test_a_path_cheaper_than_pytorchs_call_keeps_its_cost_below_zero(native, monkeypatch):
+    monkeypatch.setattr(runtime, "_measured", lambda device, p=None: {"cudnn": -6.5, "gemm_1x1": -0.5, "native": 4.0})
+    runtime.forget_host_costs()
+    try:
+        overheads = runtime.host_overheads_us("cpu")
+    finally:
+        runtime.forget_host_costs()
+    assert overheads["cudnn"] == -6.5 and overheads["gemm_1x1_strided"] == -0.5 and overheads["native"] == 4.0
+
+
 @pytest.mark.parametrize("gain_ms,compiled_torch", [(0.002, True), (0.02, False)])
 def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_costs(native, monkeypatch, tmp_path,
                                                                                       gain_ms, compiled_torch):

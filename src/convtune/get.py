@@ -55,13 +55,13 @@ def predict(problem: ConvProblem, algorithm: Algorithm, db: Any = None, *,
     """
     prices = costmodel.corrections(db, problem.device) if prices is None else prices
     described = _Described.of(problem, algorithm, learn_workspace, {})
-    return described.guess(prices.price(algorithm.name, problem, described.base_ms, algorithm.place))
+    return described.guess(prices.price(algorithm.name, problem, described.base_ms, described.place))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Described:
     """What ``predict`` reads of a candidate before pricing it: its workspace (``unknown``: not known, counted as 0),
-    numeric notes, analytic price (``costmodel.roofline_ms`` of its cost) and determinism."""
+    numeric notes, analytic price (``costmodel.roofline_ms`` of its cost), determinism and place."""
 
     algorithm: Algorithm
     workspace: int
@@ -69,6 +69,7 @@ class _Described:
     notes: NumericNotes
     base_ms: float
     deterministic: bool
+    place: int | None  # in its backend's heuristic order (``Algorithm.place``)
 
     @staticmethod
     def of(problem: ConvProblem, algorithm: Algorithm, learn_workspace: bool,
@@ -82,8 +83,11 @@ class _Described:
         base_ms = rooflines.get(key)
         if base_ms is None:
             base_ms = rooflines[key] = costmodel.roofline_ms(key[0], problem, notes.tf32)
+        place = algorithm.place
+        if place is not None and (isinstance(place, bool) or not isinstance(place, int)):
+            raise TypeError(f"{algorithm.name}.place must be an int or None, got {place!r}")
         return _Described(algorithm, workspace or 0, workspace is None, notes, base_ms,
-                          algorithm.is_deterministic(problem))
+                          algorithm.is_deterministic(problem), place)
 
     def guess(self, ms: float) -> PerfResult:
         """The unmeasured result of a candidate priced at ``ms``."""
@@ -134,7 +138,7 @@ def ranked_predictions(problem: ConvProblem, candidates: Sequence[Algorithm], po
             _log_fault(algorithm, problem, exc)
             broken.append(algorithm)
     # priced together: the learned model looks the problem's neighbours up once
-    times = prices.prices(problem, [(d.algorithm.name, d.base_ms, d.algorithm.place) for d in described])
+    times = prices.prices(problem, [(d.algorithm.name, d.base_ms, d.place) for d in described])
     by_name = {d.algorithm.name: d.algorithm for d in described}
     guesses = [d.guess(ms) for d, ms in zip(described, times)]
     ranking_policy = _ranking_policy(policy, keep_filters)

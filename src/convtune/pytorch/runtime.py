@@ -218,6 +218,24 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     return known
 
 
+def kind_of(problem: ConvProblem, name: str, db: Any = None) -> str:
+    """The kind of executable that would run algorithm ``name`` on ``problem`` here, without making it: the one made
+    in this process already, else the recipe ``db`` stored for it (a warm start consults no algorithm), else the
+    algorithm's recipe. Raises what ``prepare`` raises where it has none (``REFUSALS``), and what the algorithm's
+    description raises."""
+    key = (problem.key, name, _device_index(problem, None), generation())
+    with _prepared_lock:
+        known, refused = _prepared.get(key), _refused.get(key)
+    if known is not None:
+        return known[1]
+    if refused is not None:
+        raise refused.with_traceback(None)
+    stored = db.executable(problem, name) if db is not None else None
+    if stored is not None:
+        return str(stored[0]["kind"])
+    return _recipe(problem, get_algorithm(name, problem))[0]
+
+
 def _make(module: Any, problem: ConvProblem, name: str, db: Any, device: torch.device | None,
           index: int, key: tuple) -> tuple[int, str]:
     stored = db.executable(problem, name) if db is not None else None
@@ -312,7 +330,7 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
     call of convtune's op for one direction costs over its call of PyTorch's convolution
     (``_compiled_call_us``). A path cheaper than PyTorch's call costs less than nothing: a cuDNN execution plan's
     executable (PyTorch's call checks its arguments and looks its plan up on every call), about 4-8 us less a
-    forward on the H200's and the H100's hosts (bench/results/host_probe.md). Measured once per machine, software
+    forward on the H200's host (bench/results/host_probe.md). Measured once per machine, software
     and device type, on a layer of ``probe_problem``'s size (the host sets the pace), and kept in ``db`` when one
     is given: a warm start reads it. A path whose measurement fails is left out (``extra_host_us`` then charges
     the Python path's cost).

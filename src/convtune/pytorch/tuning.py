@@ -220,19 +220,22 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
 
 
 def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
-    """``selection``, its directions that chose torch:native moved to the fastest executable of their tie where that
-    costs the layer less: GPU time measured plus the host time its path adds over PyTorch's call
-    (``runtime.extra_host_us``, as ``where_the_host_pays`` counts it).
+    """``selection``, its directions that chose torch:native each moved to the member of their tie whose path costs
+    the layer least, where that lowers the layer's cost: GPU time measured plus the host time its path adds over
+    PyTorch's call (``runtime.extra_host_us``).
 
     select gives a tie (results within ``policy.tolerance`` of the fastest) to torch:native, which needs no
     workspace of convtune's. On the native runtime a cuDNN execution plan's executable costs the host less a call
     than PyTorch's own convolution (its measured cost is below 0), so host-bound eager code runs faster on it
-    (bench/results/tie_paths.md). A layer on PyTorch's call (torch:native in every direction) counts no host time;
-    on convtune's op each direction counts its path's, torch:native's ('native') too. Only measured results are
-    judged (the database's, under the tuning's policy); not under ``prefer='least_memory'``, whose ties go to the
-    least workspace; settings.host_rule=False turns it off with the rule it belongs to."""
-    if (not settings.host_rule or tuning.db is None or tuning.policy.prefer == "least_memory"
-            or not runtime.available()):
+    (bench/results/tie_paths.md). A layer on PyTorch's call (torch:native in every direction) counts no host time; on
+    convtune's op each direction counts its executable's kind, torch:native's ('native') too. Per direction the
+    cheapest of torch:native through the op and each member of the tie with an executable; the layer moves where the
+    sum is below what it costs as chosen. Only measured results are judged (the database's, under the tuning's
+    policy); not a layer on the Python path (its cost is that path's whatever runs it), nor under
+    ``prefer='least_memory'``, whose ties go to the least workspace; settings.host_rule=False turns it off with the
+    rule it belongs to."""
+    if (not settings.host_rule or not settings.native or tuning.db is None or selection.call is not None
+            or tuning.policy.prefer == "least_memory" or not runtime.available()):
         return selection
     natives = [direction for direction, chosen in selection.results if chosen.algorithm == NATIVE]
     if not natives:
@@ -247,38 +250,43 @@ def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelec
         native = tuning.db.result(problem, NATIVE)  # measured (select's answer in mode 'get' is a prediction)
         if native is None or not (native.ok and native.time_ms):
             return selection
-        native_us = 1e3 * native.time_ms
-        through_op = runtime.extra_host_us(problem, "native", tuning.db)
-        as_chosen += native_us + (0.0 if on_torch else through_op)
-        tie = _fastest_executable_of_the_tie(problem, tuning)
-        if tie is None:
-            moved += native_us + through_op  # the layer runs on the op once any direction moves
-            continue
-        result, kind = tie
-        moved += 1e3 * cast(float, result.time_ms) + runtime.extra_host_us(problem, kind, tuning.db)
-        names[direction], results[direction] = result.algorithm, result
+        through_op = 1e3 * native.time_ms + runtime.extra_host_us(problem, "native", tuning.db)
+        as_chosen += through_op if not on_torch else 1e3 * native.time_ms
+        cheapest, cost = None, through_op  # the layer runs on the op once any direction moves
+        for result, kind in _executables_of_the_tie(problem, tuning):
+            here = 1e3 * cast(float, result.time_ms) + runtime.extra_host_us(problem, kind, tuning.db)
+            if here < cost:
+                cheapest, cost = result, here
+        moved += cost
+        if cheapest is not None:
+            names[direction], results[direction] = cheapest.algorithm, cheapest
     if moved >= as_chosen:
         return selection
-    log.info("%s: the ties select gave torch:native run %s, which cost the layer %.1f us less a step (GPU and host)",
+    chosen = LayerSelection(selection.problem, **names, results=tuple((d, results[d]) for d in DIRECTIONS
+                                                                      if d in results))
+    if chosen.native is None:  # an executable that would not build here: the Python path costs more than it saves
+        return selection
+    log.info("%s: the ties select gave torch:native run %s, which costs the layer %.1f us less a step (GPU and host)",
              selection.problem, ", ".join(names[d] for d in natives), as_chosen - moved)
-    return LayerSelection(selection.problem, **names, results=tuple((d, results[d]) for d in DIRECTIONS
-                                                                    if d in results))
+    return chosen
 
 
-def _fastest_executable_of_the_tie(problem: ConvProblem, tuning: Tuning) -> tuple[PerfResult, str] | None:
-    """(result, executable kind) of the fastest result measured within ``policy.tolerance`` of ``problem``'s
-    fastest that runs on a native executable other than torch:native's, or None."""
+def _executables_of_the_tie(problem: ConvProblem, tuning: Tuning) -> list[tuple[PerfResult, str]]:
+    """(result, executable kind) of each result measured within ``policy.tolerance`` of ``problem``'s fastest, other
+    than torch:native's, that runs on a native executable here (its kind read without making it)."""
     usable = [r for r in tuning.db.results(problem) if ranking.usable(r, tuning.policy, problem.dtype)]
     if not usable:
-        return None
+        return []
     limit = min(cast(float, r.time_ms) for r in usable) * (1 + tuning.policy.tolerance)
-    for result in sorted((r for r in usable if cast(float, r.time_ms) <= limit and r.algorithm != NATIVE),
-                         key=lambda r: (r.time_ms, r.algorithm)):
-        try:
-            return result, runtime.prepare(problem, result.algorithm, tuning.db)[1]
-        except runtime.REFUSALS:  # the Python path, or no executable here: not a cheaper path
+    out = []
+    for result in usable:
+        if cast(float, result.time_ms) > limit or result.algorithm == NATIVE:
             continue
-    return None
+        try:
+            out.append((result, runtime.kind_of(problem, result.algorithm, tuning.db)))
+        except CANDIDATE_FAULTS as exc:  # the Python path, no executable here (REFUSALS), or a faulty plug-in
+            log.debug("%s: %s is no executable of the tie (%s)", problem.key, result.algorithm, exc)
+    return out
 
 
 def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
@@ -301,8 +309,8 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     for direction, chosen in selection.results:
         problem = base.with_direction(direction)
         native = tuning.db.result(problem, NATIVE)
-        if native is None or not (native.ok and native.time_ms) or chosen.time_ms is None:
-            return selection
+        if native is None or not ranking.usable(native, tuning.policy, problem.dtype) or chosen.time_ms is None:
+            return selection  # (PyTorch's own call is no option where the policy refuses torch:native)
         natives[direction] = native
         gain_us += 1e3 * (native.time_ms - chosen.time_ms)
         # On the Python path (one of the layer's directions runs a Python algorithm) every direction pays that
