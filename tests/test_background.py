@@ -143,6 +143,36 @@ def test_a_model_meets_a_new_shape_runs_at_once_and_takes_the_measured_choice_la
     assert measured and all(r["time_ms"] is not None for r in measured)
 
 
+def test_the_worker_makes_the_executables_a_layer_switches_to_before_the_switch(db, held, monkeypatch):
+    from convtune import extension
+    from convtune.pytorch import runtime, tuning
+
+    if runtime.available() is False:
+        pytest.skip(f"the C++ extension is not available here: {extension.status()}")
+    threads: dict[str, str] = {}  # algorithm -> the thread that made its executable
+    prepare = runtime.prepare
+
+    def recorded(problem, name, db=None, device=None):
+        threads.setdefault(name, threading.current_thread().name)
+        return prepare(problem, name, db, device)
+
+    monkeypatch.setattr(runtime, "prepare", recorded)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1))
+    ct.optimize(model, torch.randn(2, 3, 8, 8), mode="background", db=db)
+    x = torch.randn(2, 3, 12, 10)  # a new shape: PyTorch's call now, measured behind
+    model(x)
+    threads.clear()
+    held.set()
+    assert background.wait(120)
+    made = dict(threads)  # by the worker, before any layer switched
+    assert made and set(made.values()) == {"convtune-background"}, made
+    model(x)  # the layers switch: what they run was made already
+    switched = [r for r in ct.explain(model) if "12x10" in r["problem"] and r["time_ms"] is not None]
+    assert switched and {r["algorithm"] for r in switched if r["runtime"] == "native"} <= set(made)
+    assert set(threads) == set(made)  # nothing made on the layers' calls
+    assert tuning.make_measured_executables in background._after
+
+
 def test_the_command_line_does_not_offer_background_tuning(capsys):
     assert main(["tune", "resnet18", "--mode", "background"]) != 0
     assert "invalid choice: 'background'" in capsys.readouterr().err

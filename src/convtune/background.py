@@ -5,7 +5,8 @@ policy refuses it: ``select``), and ``measure`` queues it for ``find``; one work
 problems one at a time, in the order asked, and stores what it measures in the database. Each finished
 measurement (stored, or failed) advances ``generation()``: whoever answered without a measurement compares it
 with the one it chose at and, once it has moved, selects again (a tuned layer does so on its next call, from the
-database).
+database). Before a stored measurement advances it, the worker calls what ``after_measuring`` registered (the
+PyTorch integration makes there the executables a layer will switch to, off the training step).
 Nothing of the caller's is touched from the worker's thread.
 
 The worker runs its CUDA work on the device current where the problem was queued, on a stream of
@@ -54,6 +55,15 @@ _failed: set[tuple] = set()  # tokens whose measurement failed: not asked again 
 _worker: threading.Thread | None = None
 _stopping = False
 _generation = 0  # finished measurements (and forks): see generation()
+_after: list[Callable[[ConvProblem, Policy, Any], None]] = []  # after_measuring's callbacks
+
+
+def after_measuring(callback: Callable[[ConvProblem, Policy, Any], None]) -> None:
+    """Have the worker call ``callback(problem, policy, db)`` once it has stored a measurement of ``problem``, on its
+    thread (its device current, on its stream), before the measurement counts as finished (``generation``). What it
+    raises is logged. Registered once per callback."""
+    if callback not in _after:
+        _after.append(callback)
 
 
 def _token(problem: ConvProblem, policy: Policy, db: Any) -> tuple:
@@ -150,6 +160,16 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: d
         log.warning("no candidate for %s passed its measurement in the background; the choice made at once stays",
                     problem.key)
         return False
+    for callback in list(_after):
+        try:
+            if device >= 0:
+                with torch.cuda.device(device), torch.cuda.stream(streams[device]):
+                    callback(problem, policy, db)
+            else:
+                callback(problem, policy, db)
+        except Exception:  # noqa: BLE001 - the measurement stands; what the callback would have made is made later
+            log.exception("after measuring %s in the background, %s failed", problem.key,
+                          getattr(callback, "__qualname__", callback))
     return True
 
 
