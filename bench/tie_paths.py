@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
-from convtune.pytorch import tuning  # noqa: E402
+from convtune.network import Tuning  # noqa: E402
+from convtune.pytorch import runtime, tuning  # noqa: E402
 from convtune.pytorch.tuning import LayerSelection  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 
@@ -113,6 +114,12 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
         on_cudnn_ties(cudnn_ties, db, convtune.Policy().tolerance)
         models = dict(torch=base, tuned=tuned, ties_off=ties_off, cudnn_ties=cudnn_ties)
         changed = {who: differing(models[who], ties_off) for who in ("tuned", "cudnn_ties")}
+        # what the rule saw: the host costs it read and, per layer of ties_off, its cost as chosen and moved (us)
+        host_costs = runtime.host_overheads_us(device, db)
+        judged = Tuning(db=db)  # optimize's default policy
+        judgements = [[m_sel.problem, c.as_chosen_us, c.moved_us] for m in tuned_layers(ties_off)
+                      for m_sel in m._convtune_selections.values() if m_sel.problem
+                      for c in [tuning.tie_costs(m_sel, judged)] if c is not None]
         on_native = {who: sum(getattr(s, d) == NATIVE for m in tuned_layers(models[who])
                               for s in m._convtune_selections.values() for d in ("fwd", "bwd_data", "bwd_filter"))
                      for who in ("tuned", "ties_off", "cudnn_ties")}
@@ -146,7 +153,7 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
                 f"{who} {row[who]['ms']:.3f} ms ({row[who]['ratio']:.3f})" for who in models), file=sys.stderr,
                 flush=True)
     return dict(rows=rows, tune_s=tune_s, changed=changed, torch_native_directions=on_native, steps=steps,
-                rounds=rounds)
+                rounds=rounds, host_costs_us=host_costs, tie_judgements=judgements)
 
 
 def markdown(env: dict, results: dict) -> str:
@@ -174,6 +181,13 @@ def markdown(env: dict, results: dict) -> str:
             changed = ", ".join(f"{who} {n}" for who, n in result["changed"].items())
             table.append([model, batch, dtype, workload, *cells, changed])
     lines.append(common.md_table(header, table))
+    for key, result in results.items():
+        judged = result.get("tie_judgements") or []
+        cheaper = [j for j in judged if j[2] < j[1]]
+        costs = ", ".join(f"{kind} {us:.1f}" for kind, us in sorted(result.get("host_costs_us", {}).items()))
+        lines += ["", f"{key}: the rule (`tuning.tie_costs`) found {len(cheaper)} of the {len(judged)} layers with "
+                      f"a tie on torch:native cheaper moved (their costs a step as chosen and moved, us, in the "
+                      f"JSON); the host costs it read (us a direction over PyTorch's call): {costs or '-'}."]
     return "\n".join(lines) + "\n"
 
 

@@ -619,6 +619,9 @@ def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_cha
     native = row["torch_native_directions"]
     assert row["changed"]["cudnn_ties"] == 0 and native["cudnn_ties"] == native["ties_off"] > 0
     assert row["changed"]["tuned"] == native["ties_off"] - native["tuned"]
+    # what the rule saw: the host costs it read, and a layer moved exactly where its judgement found it cheaper
+    assert "native" in row["host_costs_us"] and row["tie_judgements"]
+    assert (row["changed"]["tuned"] > 0) == any(moved < chosen for _, chosen, moved in row["tie_judgements"])
     assert "| tiny | b2 | float16 | training |" in (tmp_path / "tie_paths.md").read_text()
 
 

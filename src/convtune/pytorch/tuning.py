@@ -238,9 +238,35 @@ def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     if (not settings.host_rule or not settings.native or tuning.db is None or selection.call is not None
             or tuning.policy.prefer == "least_memory" or not runtime.available()):
         return selection
+    costs = tie_costs(selection, tuning)
+    if costs is None or costs.moved_us >= costs.as_chosen_us:
+        return selection
+    fwd, bwd_data, bwd_filter = (costs.names[d] for d in DIRECTIONS)
+    chosen = LayerSelection(selection.problem, fwd, bwd_data, bwd_filter, results=costs.results)
+    if chosen.native is None:  # an executable that would not build here: the Python path costs more than it saves
+        return selection
+    log.info("%s: the ties select gave torch:native run %s, which costs the layer %.1f us less a step (GPU and host)",
+             selection.problem, ", ".join(costs.names[d] for d, r in selection.results if r.algorithm == NATIVE),
+             costs.as_chosen_us - costs.moved_us)
+    return chosen
+
+
+class TieCosts(NamedTuple):
+    """``on_the_cheaper_path``'s figures for one layer: its cost a step as chosen and with its ties moved (GPU time
+    measured plus the host time its path adds, us), and the names and results it would run moved."""
+
+    as_chosen_us: float
+    moved_us: float
+    names: dict[str, str]
+    results: tuple[tuple[str, PerfResult], ...]
+
+
+def tie_costs(selection: LayerSelection, tuning: Tuning) -> TieCosts | None:
+    """``on_the_cheaper_path``'s judgement of ``selection`` (on the native runtime, its tuning's database at hand),
+    or None where no direction chose torch:native or one of those has no measured time of it."""
     natives = [direction for direction, chosen in selection.results if chosen.algorithm == NATIVE]
     if not natives:
-        return selection
+        return None
     base = ConvProblem.from_key(selection.problem)
     on_torch = len(natives) == len(selection.results) and not wrong_in_pytorch(base)
     names = {d: getattr(selection, d) for d in DIRECTIONS}
@@ -250,7 +276,7 @@ def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelec
         problem = base.with_direction(direction)
         native = tuning.db.result(problem, NATIVE)  # measured (select's answer in mode 'get' is a prediction)
         if native is None or not (native.ok and native.time_ms):
-            return selection
+            return None
         through_op = 1e3 * native.time_ms + runtime.extra_host_us(problem, "native", tuning.db)
         as_chosen += through_op if not on_torch else 1e3 * native.time_ms
         cheapest, cost = None, through_op  # the layer runs on the op once any direction moves
@@ -261,15 +287,7 @@ def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelec
         moved += cost
         if cheapest is not None:
             names[direction], results[direction] = cheapest.algorithm, cheapest
-    if moved >= as_chosen:
-        return selection
-    chosen = LayerSelection(selection.problem, **names, results=tuple((d, results[d]) for d in DIRECTIONS
-                                                                      if d in results))
-    if chosen.native is None:  # an executable that would not build here: the Python path costs more than it saves
-        return selection
-    log.info("%s: the ties select gave torch:native run %s, which costs the layer %.1f us less a step (GPU and host)",
-             selection.problem, ", ".join(names[d] for d in natives), as_chosen - moved)
-    return chosen
+    return TieCosts(as_chosen, moved, names, tuple((d, results[d]) for d in DIRECTIONS if d in results))
 
 
 def _executables_of_the_tie(problem: ConvProblem, tuning: Tuning) -> list[tuple[PerfResult, str]]:
