@@ -42,9 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
-from convtune.network import Tuning  # noqa: E402
 from convtune.pytorch import runtime, tuning  # noqa: E402
-from convtune.pytorch.tuning import LayerSelection  # noqa: E402
+from convtune.pytorch.tuning import LayerSelection, tie_costs  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 
 VARIANTS = ("torch", "tuned", "ties_off", "cudnn_ties")
@@ -54,15 +53,18 @@ def tuned_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "_convtune_selections")]
 
 
-def differing(model: torch.nn.Module, other: torch.nn.Module) -> int:
-    """How many layer directions of ``model`` run another algorithm than ``other``'s (a copy of the same network)."""
-    count = 0
+def differing(model: torch.nn.Module, other: torch.nn.Module) -> dict[str, int]:
+    """Per problem, how many of its layer's directions run another algorithm in ``model`` than in ``other`` (a copy of
+    the same network); problems alike left out."""
+    out: dict[str, int] = {}
     for mine, theirs in zip(tuned_layers(model), tuned_layers(other)):
         for sig, selection in mine._convtune_selections.items():
             known = theirs._convtune_selections.get(sig)
-            count += sum(known is not None and getattr(selection, d) != getattr(known, d)
-                         for d in ("fwd", "bwd_data", "bwd_filter"))
-    return count
+            count = sum(known is not None and getattr(selection, d) != getattr(known, d)
+                        for d in ("fwd", "bwd_data", "bwd_filter"))
+            if count:
+                out[selection.problem] = out.get(selection.problem, 0) + count
+    return out
 
 
 def on_cudnn_ties(model: torch.nn.Module, db: convtune.TuningDB, tolerance: float) -> None:
@@ -105,21 +107,26 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
     tuned, ties_off = copy.deepcopy(base), copy.deepcopy(base)
     with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "tie.sqlite")) as db:
         with torch.autocast(device, dtype=dtype):
+            judgements: list[list] = []  # what the rule saw, as it judged each layer (tuning.tie_costs)
+
+            def judged(selection, tuned_as):
+                costs = tie_costs(selection, tuned_as)
+                if costs is not None:
+                    judgements.append([selection.problem, costs.as_chosen_us, costs.moved_us])
+                return costs
+
             t0 = time.perf_counter()
-            convtune.optimize(tuned, x, training=True, db=db)
+            with mock.patch.object(tuning, "tie_costs", judged):
+                convtune.optimize(tuned, x, training=True, db=db)
             tune_s = time.perf_counter() - t0
             with mock.patch.object(tuning, "on_the_cheaper_path", lambda selection, _: selection):
                 convtune.optimize(ties_off, x, training=True, db=db)  # the database is warm: nothing measured
         cudnn_ties = copy.deepcopy(ties_off)
         on_cudnn_ties(cudnn_ties, db, convtune.Policy().tolerance)
         models = dict(torch=base, tuned=tuned, ties_off=ties_off, cudnn_ties=cudnn_ties)
-        changed = {who: differing(models[who], ties_off) for who in ("tuned", "cudnn_ties")}
-        # what the rule saw: the host costs it read and, per layer of ties_off, its cost as chosen and moved (us)
-        host_costs = runtime.host_overheads_us(device, db)
-        judged = Tuning(db=db)  # optimize's default policy
-        judgements = [[m_sel.problem, c.as_chosen_us, c.moved_us] for m in tuned_layers(ties_off)
-                      for m_sel in m._convtune_selections.values() if m_sel.problem
-                      for c in [tuning.tie_costs(m_sel, judged)] if c is not None]
+        moved = {who: differing(models[who], ties_off) for who in ("tuned", "cudnn_ties")}
+        changed = {who: sum(m.values()) for who, m in moved.items()}
+        host_costs = runtime.host_overheads_us(device, db)  # what the rule read (measured once, kept in db)
         on_native = {who: sum(getattr(s, d) == NATIVE for m in tuned_layers(models[who])
                               for s in m._convtune_selections.values() for d in ("fwd", "bwd_data", "bwd_filter"))
                      for who in ("tuned", "ties_off", "cudnn_ties")}
@@ -153,7 +160,8 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
                 f"{who} {row[who]['ms']:.3f} ms ({row[who]['ratio']:.3f})" for who in models), file=sys.stderr,
                 flush=True)
     return dict(rows=rows, tune_s=tune_s, changed=changed, torch_native_directions=on_native, steps=steps,
-                rounds=rounds, host_costs_us=host_costs, tie_judgements=judgements)
+                rounds=rounds, host_costs_us=host_costs, tie_judgements=judgements,
+                moved_problems=sorted(moved["tuned"]))
 
 
 def markdown(env: dict, results: dict) -> str:
@@ -185,9 +193,10 @@ def markdown(env: dict, results: dict) -> str:
         judged = result.get("tie_judgements") or []
         cheaper = [j for j in judged if j[2] < j[1]]
         costs = ", ".join(f"{kind} {us:.1f}" for kind, us in sorted(result.get("host_costs_us", {}).items()))
-        lines += ["", f"{key}: the rule (`tuning.tie_costs`) found {len(cheaper)} of the {len(judged)} layers with "
-                      f"a tie on torch:native cheaper moved (their costs a step as chosen and moved, us, in the "
-                      f"JSON); the host costs it read (us a direction over PyTorch's call): {costs or '-'}."]
+        lines += ["", f"{key}: as `optimize` tuned the copy, the rule (`tuning.tie_costs`) judged {len(judged)} layers "
+                      f"with a direction on torch:native and found {len(cheaper)} cheaper moved (each layer's cost a "
+                      f"step as chosen and moved, us, in the JSON); the host costs it read (us a direction over "
+                      f"PyTorch's call): {costs or '-'}."]
     return "\n".join(lines) + "\n"
 
 

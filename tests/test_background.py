@@ -147,13 +147,15 @@ def test_the_worker_makes_the_executables_a_layer_switches_to_before_the_switch(
     from convtune import extension
     from convtune.pytorch import runtime, tuning
 
-    if runtime.available() is False:
+    if not runtime.available():
         pytest.skip(f"the C++ extension is not available here: {extension.status()}")
-    threads: dict[str, str] = {}  # algorithm -> the thread that made its executable
+    made: dict[tuple[str, str], str] = {}  # (problem, algorithm) -> the thread that made its executable
     prepare = runtime.prepare
 
     def recorded(problem, name, db=None, device=None):
-        threads.setdefault(name, threading.current_thread().name)
+        key = (problem.key, name, runtime._device_index(problem, device), runtime.generation())
+        if key not in runtime._prepared:  # made now, not taken from what was made before
+            made.setdefault((problem.key, name), threading.current_thread().name)
         return prepare(problem, name, db, device)
 
     monkeypatch.setattr(runtime, "prepare", recorded)
@@ -161,15 +163,15 @@ def test_the_worker_makes_the_executables_a_layer_switches_to_before_the_switch(
     ct.optimize(model, torch.randn(2, 3, 8, 8), mode="background", db=db)
     x = torch.randn(2, 3, 12, 10)  # a new shape: PyTorch's call now, measured behind
     model(x)
-    threads.clear()
+    made.clear()
     held.set()
     assert background.wait(120)
-    made = dict(threads)  # by the worker, before any layer switched
-    assert made and set(made.values()) == {"convtune-background"}, made
+    by_worker = dict(made)
+    assert by_worker and set(by_worker.values()) == {"convtune-background"}, by_worker
+    assert all("12x10" in problem for problem, _ in by_worker)  # the new shape's problems
     model(x)  # the layers switch: what they run was made already
-    switched = [r for r in ct.explain(model) if "12x10" in r["problem"] and r["time_ms"] is not None]
-    assert switched and {r["algorithm"] for r in switched if r["runtime"] == "native"} <= set(made)
-    assert set(threads) == set(made)  # nothing made on the layers' calls
+    assert made == by_worker, set(made) - set(by_worker)  # nothing made on the layers' calls
+    assert [r for r in ct.explain(model) if "12x10" in r["problem"] and r["time_ms"] is not None]
     assert tuning.make_measured_executables in background._after
 
 

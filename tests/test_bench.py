@@ -608,6 +608,10 @@ def test_the_depthwise_table_shows_the_strip_banded_and_rows_families_beside_the
 
 
 def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_changed(tmp_path):
+    from convtune.pytorch import runtime
+
+    if not runtime.available():
+        pytest.skip("the C++ extension is not available here: the copies would all call PyTorch")
     result = _run("tie_paths.py", tmp_path, "--batch", "2", "--rounds", "2")["results"]
     row = result["tiny:b2:float16"]
     for workload in ("inference", "training"):
@@ -619,9 +623,9 @@ def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_cha
     native = row["torch_native_directions"]
     assert row["changed"]["cudnn_ties"] == 0 and native["cudnn_ties"] == native["ties_off"] > 0
     assert row["changed"]["tuned"] == native["ties_off"] - native["tuned"]
-    # what the rule saw: the host costs it read, and a layer moved exactly where its judgement found it cheaper
+    # what the rule saw as optimize tuned the copy: the layers it moved are those it judged cheaper moved
     assert "native" in row["host_costs_us"] and row["tie_judgements"]
-    assert (row["changed"]["tuned"] > 0) == any(moved < chosen for _, chosen, moved in row["tie_judgements"])
+    assert set(row["moved_problems"]) == {p for p, chosen, moved in row["tie_judgements"] if moved < chosen}
     assert "| tiny | b2 | float16 | training |" in (tmp_path / "tie_paths.md").read_text()
 
 

@@ -161,6 +161,8 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: d
                     problem.key)
         return False
     for callback in list(_after):
+        if _stopping:  # the process is ending: the measurement stands, nothing more is made
+            break
         try:
             if device >= 0:
                 with torch.cuda.device(device), torch.cuda.stream(streams[device]):
@@ -178,6 +180,11 @@ def _timer(fn: Callable[[], object], **kwargs: Any) -> Timing:
     from .timing import benchmark
 
     return benchmark(fn, shared_device=True, **kwargs)
+
+
+def stopping() -> bool:
+    """Whether the process is ending (the queue dropped): work that is not a measurement should stop."""
+    return _stopping
 
 
 def in_worker() -> bool:

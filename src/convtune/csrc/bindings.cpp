@@ -153,7 +153,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         CudnnSpec spec{device_index,      Spec{shapes[0], strides[0]}, Spec{shapes[1], strides[1]},
                        Spec{shapes[2], strides[2]}, std::move(stride), std::move(padding), std::move(dilation),
                        std::move(tag)};
-        add_executable(handle, description, make_cudnn(g, std::move(spec), std::string(serialized)));
+        std::string plan(serialized);
+        // cuDNN's heuristics and the plan's build take milliseconds: other Python threads run meanwhile (the
+        // background worker makes executables while the training loop runs)
+        py::gil_scoped_release no_gil;
+        add_executable(handle, description, make_cudnn(g, std::move(spec), std::move(plan)));
       },
       "A cuDNN execution plan: from its serialized form, else the one of cuDNN's heuristics with the tag (the frontend's plan name).");
   m.def(
@@ -170,6 +174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           for (const auto& [type, operand, integer, real] : params) launch.params.push_back({type, operand, integer, real});
           recorded.push_back(std::move(launch));
         }
+        py::gil_scoped_release no_gil;  // loading the binaries into the driver: other Python threads run meanwhile
         add_executable(handle, description, make_cubin(g, device_index, std::move(specs), std::move(recorded)));
       },
       "convtune's Triton kernels launched from C++: the recorded launches (name, binary, shared memory, warps, grid, "

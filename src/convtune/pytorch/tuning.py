@@ -279,54 +279,63 @@ def tie_costs(selection: LayerSelection, tuning: Tuning) -> TieCosts | None:
             return None
         through_op = 1e3 * native.time_ms + runtime.extra_host_us(problem, "native", tuning.db)
         as_chosen += through_op if not on_torch else 1e3 * native.time_ms
-        cheapest, cost = None, through_op  # the layer runs on the op once any direction moves
-        for result, kind in _executables_of_the_tie(problem, tuning):
-            here = 1e3 * cast(float, result.time_ms) + runtime.extra_host_us(problem, kind, tuning.db)
-            if here < cost:
-                cheapest, cost = result, here
-        moved += cost
+        cheapest, cost = _cheapest_of_the_tie(problem, tuning.policy, tuning.db, through_op)
+        moved += cost  # (the layer runs on the op once any direction moves: torch:native's through it)
         if cheapest is not None:
             names[direction], results[direction] = cheapest.algorithm, cheapest
     return TieCosts(as_chosen, moved, names, tuple((d, results[d]) for d in DIRECTIONS if d in results))
 
 
-def _executables_of_the_tie(problem: ConvProblem, tuning: Tuning) -> list[tuple[PerfResult, str]]:
-    """(result, executable kind) of each result measured within ``policy.tolerance`` of ``problem``'s fastest, other
-    than torch:native's, that runs on a native executable here (its kind read without making it)."""
-    usable = [r for r in tuning.db.results(problem) if ranking.usable(r, tuning.policy, problem.dtype)]
+def _cheapest_of_the_tie(problem: ConvProblem, policy: Policy, db: Any,
+                         bound_us: float) -> tuple[PerfResult | None, float]:
+    """(result, its cost a call in us: GPU time measured plus its path's host time) of the member of ``problem``'s tie
+    (results within ``policy.tolerance`` of the fastest, other than torch:native's) whose native executable costs
+    least, where that is below ``bound_us``; else (None, ``bound_us``). A member's kind is read without making it; one
+    without an executable here (the Python path), or a faulty plug-in, is no member."""
+    usable = [r for r in db.results(problem) if ranking.usable(r, policy, problem.dtype)]
+    cheapest, cost = None, bound_us
     if not usable:
-        return []
-    limit = min(cast(float, r.time_ms) for r in usable) * (1 + tuning.policy.tolerance)
-    out = []
+        return cheapest, cost
+    limit = min(cast(float, r.time_ms) for r in usable) * (1 + policy.tolerance)
     for result in usable:
         if cast(float, result.time_ms) > limit or result.algorithm == NATIVE:
             continue
         try:
-            out.append((result, runtime.kind_of(problem, result.algorithm, tuning.db)))
+            here = 1e3 * cast(float, result.time_ms) + runtime.extra_host_us(
+                problem, runtime.kind_of(problem, result.algorithm, db), db)
         except CANDIDATE_FAULTS as exc:  # the Python path, no executable here (REFUSALS), or a faulty plug-in
             log.debug("%s: %s is no executable of the tie (%s)", problem.key, result.algorithm, exc)
-    return out
+            continue
+        if here < cost:
+            cheapest, cost = result, here
+    return cheapest, cost
 
 
 def make_measured_executables(problem: ConvProblem, policy: Policy, db: Any) -> None:
     """What the background worker does once it has stored ``problem``'s measurement (``background.after_measuring``):
-    make the executables a layer switching to it may run, each result of the tie of the fastest under ``policy`` (as
-    ``select`` and ``on_the_cheaper_path`` choose among them) and the policy's first, so that the layer's next call
-    only takes them (a ResNet-18 size's switch made about 30 on the training step: 0.12 s,
-    bench/results/dynamic_shapes_resnet18_b32.md). Nothing where the native runtime is off or not loaded."""
-    if not settings.native or extension.loaded() is None or db is None:
+    make the executables a layer switching to it may run, so that the layer's next call only takes them (a ResNet-18
+    size's switch made about 30 on the training step: 0.12 s, bench/results/dynamic_shapes_resnet18_b32.md): the
+    policy's first, and where that is torch:native and ``on_the_cheaper_path`` may move it, the member of its tie
+    that the move would take. Nothing where the native runtime is off or not loaded, or the process is ending."""
+    if not settings.native or extension.loaded() is None or db is None or background.stopping():
         return
     usable = [r for r in db.results(problem) if ranking.usable(r, policy, problem.dtype)]
     if not usable:
         return
-    limit = min(cast(float, r.time_ms) for r in usable) * (1 + policy.tolerance)
     first = ranking.rank(usable, policy, problem.dtype)[0]
-    for result in usable:
-        if result is first or cast(float, result.time_ms) <= limit:
-            try:
-                runtime.prepare(problem, result.algorithm, db)
-            except CANDIDATE_FAULTS as exc:  # made (or refused) on the layer's call instead
-                log.debug("%s: no executable of %s made in the background (%s)", problem.key, result.algorithm, exc)
+    wanted = [first.algorithm]
+    if first.algorithm == NATIVE and settings.host_rule and policy.prefer != "least_memory":
+        through_op = 1e3 * cast(float, first.time_ms) + runtime.extra_host_us(problem, "native", db)
+        member, _ = _cheapest_of_the_tie(problem, policy, db, through_op)
+        if member is not None:
+            wanted.append(member.algorithm)
+    for name in wanted:
+        if background.stopping():
+            return
+        try:
+            runtime.prepare(problem, name, db)
+        except CANDIDATE_FAULTS as exc:  # made (or refused) on the layer's call instead
+            log.debug("%s: no executable of %s made in the background (%s)", problem.key, name, exc)
 
 
 background.after_measuring(make_measured_executables)
