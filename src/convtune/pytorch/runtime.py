@@ -205,18 +205,13 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     ``ValueError`` (a recipe this build cannot make).
     """
     module = _extension()
-    index = _device_index(problem, device)
-    key = (problem.key, name, index, generation())  # a name registered again is made again
-    with _prepared_lock:
-        known, refused = _prepared.get(key), _refused.get(key)
+    key, known = _made(problem, name, device)
     if known is not None:
         if db is not None:
             _keep(module, problem, name, db, key, known[0])
         return known
-    if refused is not None:
-        raise refused.with_traceback(None)
     try:
-        known = _make(module, problem, name, db, device, index, key)
+        known = _make(module, problem, name, db, device, key[2], key)
     except NotNativeNow:
         raise
     except (NotNative, KeyError) as exc:  # no executable in this build, or no such algorithm: so it stays
@@ -228,18 +223,26 @@ def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.devic
     return known
 
 
+def _made(problem: ConvProblem, name: str, device: torch.device | None = None) -> tuple[tuple, tuple[int, str] | None]:
+    """(key, (handle, kind)) of ``name``'s executable on ``problem`` where this process made it, else (key, None);
+    raises the refusal this process remembers for it. The key: problem, algorithm, device, registry generation (a
+    name registered again is made again)."""
+    key = (problem.key, name, _device_index(problem, device), generation())
+    with _prepared_lock:
+        known, refused = _prepared.get(key), _refused.get(key)
+    if known is None and refused is not None:
+        raise refused.with_traceback(None)
+    return key, known
+
+
 def kind_of(problem: ConvProblem, name: str, db: Any = None) -> str:
     """The kind of executable that would run algorithm ``name`` on ``problem`` here, without making it: the one made
     in this process already, else the recipe ``db`` stored for it (a warm start consults no algorithm), else the
     algorithm's recipe. Raises what ``prepare`` raises where it has none (``REFUSALS``), and what the algorithm's
     description raises."""
-    key = (problem.key, name, _device_index(problem, None), generation())
-    with _prepared_lock:
-        known, refused = _prepared.get(key), _refused.get(key)
+    known = _made(problem, name)[1]
     if known is not None:
         return known[1]
-    if refused is not None:
-        raise refused.with_traceback(None)
     stored = db.executable(problem, name) if db is not None else None
     if stored is not None:
         return str(stored[0]["kind"])

@@ -279,20 +279,26 @@ def tie_costs(selection: LayerSelection, tuning: Tuning) -> TieCosts | None:
             return None
         through_op = 1e3 * native.time_ms + runtime.extra_host_us(problem, "native", tuning.db)
         as_chosen += through_op if not on_torch else 1e3 * native.time_ms
-        cheapest, cost = _cheapest_of_the_tie(problem, tuning.policy, tuning.db, through_op)
+        cheapest, cost = _cheapest_of_the_tie(problem, _usable(problem, tuning.policy, tuning.db), tuning.policy,
+                                              tuning.db, through_op)
         moved += cost  # (the layer runs on the op once any direction moves: torch:native's through it)
         if cheapest is not None:
             names[direction], results[direction] = cheapest.algorithm, cheapest
     return TieCosts(as_chosen, moved, names, tuple((d, results[d]) for d in DIRECTIONS if d in results))
 
 
-def _cheapest_of_the_tie(problem: ConvProblem, policy: Policy, db: Any,
+def _usable(problem: ConvProblem, policy: Policy, db: Any) -> list[PerfResult]:
+    """``db``'s results of ``problem`` that ``policy`` allows."""
+    return [r for r in db.results(problem) if ranking.usable(r, policy, problem.dtype)]
+
+
+def _cheapest_of_the_tie(problem: ConvProblem, usable: list[PerfResult], policy: Policy, db: Any,
                          bound_us: float) -> tuple[PerfResult | None, float]:
     """(result, its cost a call in us: GPU time measured plus its path's host time) of the member of ``problem``'s tie
-    (results within ``policy.tolerance`` of the fastest, other than torch:native's) whose native executable costs
-    least, where that is below ``bound_us``; else (None, ``bound_us``). A member's kind is read without making it; one
-    without an executable here (the Python path), or a faulty plug-in, is no member."""
-    usable = [r for r in db.results(problem) if ranking.usable(r, policy, problem.dtype)]
+    among ``usable`` (its results the policy allows: those within the policy's tolerance of the fastest, other than
+    torch:native's) whose native executable costs least, where that is below ``bound_us``; else (None, ``bound_us``).
+    A member's kind is read without making it; one without an executable here (the Python path), or a faulty
+    plug-in, is no member."""
     cheapest, cost = None, bound_us
     if not usable:
         return cheapest, cost
@@ -319,14 +325,14 @@ def make_measured_executables(problem: ConvProblem, policy: Policy, db: Any) -> 
     that the move would take. Nothing where the native runtime is off or not loaded, or the process is ending."""
     if not settings.native or extension.loaded() is None or db is None or background.stopping():
         return
-    usable = [r for r in db.results(problem) if ranking.usable(r, policy, problem.dtype)]
+    usable = _usable(problem, policy, db)
     if not usable:
         return
     first = ranking.rank(usable, policy, problem.dtype)[0]
     wanted = [first.algorithm]
     if first.algorithm == NATIVE and settings.host_rule and policy.prefer != "least_memory":
         through_op = 1e3 * cast(float, first.time_ms) + runtime.extra_host_us(problem, "native", db)
-        member, _ = _cheapest_of_the_tie(problem, policy, db, through_op)
+        member, _ = _cheapest_of_the_tie(problem, usable, policy, db, through_op)
         if member is not None:
             wanted.append(member.algorithm)
     for name in wanted:
