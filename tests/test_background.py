@@ -153,8 +153,7 @@ def test_the_worker_makes_the_executables_a_layer_switches_to_before_the_switch(
     prepare = runtime.prepare
 
     def recorded(problem, name, db=None, device=None):
-        key = (problem.key, name, runtime._device_index(problem, device), runtime.generation())
-        if key not in runtime._prepared:  # made now, not taken from what was made before
+        if runtime._made(problem, name, device)[1] is None:  # made now, not taken from what was made before
             made.setdefault((problem.key, name), threading.current_thread().name)
         return prepare(problem, name, db, device)
 
@@ -166,13 +165,48 @@ def test_the_worker_makes_the_executables_a_layer_switches_to_before_the_switch(
     made.clear()
     held.set()
     assert background.wait(120)
-    by_worker = dict(made)
-    assert by_worker and set(by_worker.values()) == {"convtune-background"}, by_worker
-    assert all("12x10" in problem for problem, _ in by_worker)  # the new shape's problems
+    by_worker = dict(made)  # (empty where every choice's executable was made before: PyTorch's, for the answer at once)
+    assert set(by_worker.values()) <= {"convtune-background"}, by_worker
     model(x)  # the layers switch: what they run was made already
     assert made == by_worker, set(made) - set(by_worker)  # nothing made on the layers' calls
     assert [r for r in ct.explain(model) if "12x10" in r["problem"] and r["time_ms"] is not None]
     assert tuning.make_measured_executables in background._after
+
+
+@pytest.mark.parametrize("native_ms,host_rule,made", [
+    (0.0200, True, {"gemm:1x1"}),  # gemm:1x1 the first: made
+    (0.0100, True, {"torch:native", "gemm:1x1"}),  # torch:native first, gemm:1x1 the tie member the rule moves to
+    (0.0100, False, {"torch:native"}),  # the rule off: the first alone
+])
+def test_after_a_measurement_the_worker_makes_the_first_and_the_tie_member_the_rule_takes(db, monkeypatch, native_ms,
+                                                                                         host_rule, made):
+    from convtune import extension
+    from convtune.pytorch import runtime, tuning
+    from convtune.results import PerfResult, Status
+    from convtune.settings import settings
+
+    if not runtime.available():
+        pytest.skip(f"the C++ extension is not available here: {extension.status()}")
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 50.0, "native": 5.0, "gemm_1x1": -8.0, "gemm_1x1 backward": -8.0})
+    p = ct.ConvProblem("fwd", n=3, c=6, k=5, input_size=(7, 9), kernel_size=1)  # a problem no other test makes
+    db.store(p, [PerfResult("torch:native", Status.OK, time_ms=native_ms, rel_error=0.0),
+                 PerfResult("gemm:1x1", Status.OK, time_ms=0.0101, rel_error=0.0),
+                 PerfResult("direct:taps", Status.OK, time_ms=0.0102, rel_error=0.0)])  # in the tie; the Python path
+    def executables() -> set[str]:
+        out = set()
+        for name in ("torch:native", "gemm:1x1", "direct:taps"):
+            try:
+                if runtime._made(p, name)[1] is not None:
+                    out.add(name)
+            except runtime.NotNative:  # refused (direct:taps runs in Python only)
+                pass
+        return out
+
+    before = executables()
+    with settings.override(host_rule=host_rule):
+        tuning.make_measured_executables(p, ct.Policy(), db)
+    assert executables() - before == made - before
 
 
 def test_the_command_line_does_not_offer_background_tuning(capsys):
