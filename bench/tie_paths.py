@@ -9,8 +9,9 @@ network (the same weights):
 
 - torch: PyTorch, ``cudnn.benchmark=True``;
 - tuned: ``convtune.optimize(training=True)`` on an empty database, as it ships;
-- ties_off: the same choices with that move turned off (optimized again on the same database, measuring nothing):
-  ties on torch:native, the layers on PyTorch's call through ``TorchDirect``;
+- ties_off: the same choices with that move turned off, and the forward's path for calls without gradients
+  (``tuning.for_calls_without_gradients``) too (optimized again on the same database, measuring nothing): ties on
+  torch:native, the layers on PyTorch's call through ``TorchDirect`` whatever a call needs;
 - cudnn_ties: ties_off's copy with every direction that chose torch:native forced onto the fastest cuDNN plan
   measured within the policy's tolerance of torch:native's time, whatever it costs (the layer then runs on
   convtune's op): the move made everywhere it can be.
@@ -96,7 +97,8 @@ def on_cudnn_ties(model: torch.nn.Module, db: convtune.TuningDB, tolerance: floa
                 m._convtune_fast.clear()
 
 
-def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, steps: int, rounds: int) -> dict:
+def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, steps: int, rounds: int,
+        host_repeats: int) -> dict:
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
@@ -119,7 +121,8 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
             with mock.patch.object(tuning, "tie_costs", judged):
                 convtune.optimize(tuned, x, training=True, db=db)
             tune_s = time.perf_counter() - t0
-            with mock.patch.object(tuning, "on_the_cheaper_path", lambda selection, _: selection):
+            with mock.patch.object(tuning, "on_the_cheaper_path", lambda selection, _: selection), \
+                    mock.patch.object(tuning, "for_calls_without_gradients", lambda selection, _: selection):
                 convtune.optimize(ties_off, x, training=True, db=db)  # the database is warm: nothing measured
         cudnn_ties = copy.deepcopy(ties_off)
         on_cudnn_ties(cudnn_ties, db, convtune.Policy().tolerance)
@@ -127,6 +130,8 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
         moved = {who: differing(models[who], ties_off) for who in ("tuned", "cudnn_ties")}
         changed = {who: sum(m.values()) for who, m in moved.items()}
         host_costs = runtime.host_overheads_us(device, db)  # what the rule read (measured once, kept in db)
+        no_grad = {who: sum(bool(s.no_grad) for m in tuned_layers(models[who]) for s in m._convtune_selections.values())
+                   for who in ("tuned", "ties_off")}  # layers whose calls without gradients run another forward
         on_native = {who: sum(getattr(s, d) == NATIVE for m in tuned_layers(models[who])
                               for s in m._convtune_selections.values() for d in ("fwd", "bwd_data", "bwd_filter"))
                      for who in ("tuned", "ties_off", "cudnn_ties")}
@@ -159,7 +164,13 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
             print(f"  {model_name} b{batch} {dtype_name} {workload}: " + ", ".join(
                 f"{who} {row[who]['ms']:.3f} ms ({row[who]['ratio']:.3f})" for who in models), file=sys.stderr,
                 flush=True)
-    return dict(rows=rows, tune_s=tune_s, changed=changed, torch_native_directions=on_native, steps=steps,
+    # the same measurement made again, as a fresh process would: how far the rule's inputs move on this host
+    again = []
+    for _ in range(host_repeats):
+        runtime.forget_host_costs()
+        again.append(runtime.host_overheads_us(device))
+    return dict(rows=rows, tune_s=tune_s, changed=changed, no_grad_paths=no_grad, torch_native_directions=on_native,
+                host_costs_again_us=again, steps=steps,
                 rounds=rounds, host_costs_us=host_costs, tie_judgements=judgements,
                 moved_problems=sorted(moved["tuned"]))
 
@@ -195,8 +206,16 @@ def markdown(env: dict, results: dict) -> str:
         costs = ", ".join(f"{kind} {us:.1f}" for kind, us in sorted(result.get("host_costs_us", {}).items()))
         lines += ["", f"{key}: as `optimize` tuned the copy, the rule (`tuning.tie_costs`) judged {len(judged)} layers "
                       f"with a direction on torch:native and found {len(cheaper)} cheaper moved (each layer's cost a "
-                      f"step as chosen and moved, us, in the JSON); the host costs it read (us a direction over "
-                      f"PyTorch's call): {costs or '-'}."]
+                      f"step as chosen and moved, us, in the JSON); on "
+                      f"{result.get('no_grad_paths', {}).get('tuned', '-')} layers left on PyTorch's call a call "
+                      f"without gradients runs the forward's cheaper path; the host costs it read (us a direction "
+                      f"over PyTorch's call): {costs or '-'}."]
+        again = result.get("host_costs_again_us") or []
+        spread = {kind: [a[kind] for a in again if kind in a] for kind in ("cudnn", "cudnn backward", "native")}
+        if any(spread.values()):
+            ranges = "; ".join(f"{kind} {min(v):.1f} to {max(v):.1f} (median {statistics.median(v):.1f})"
+                               for kind, v in spread.items() if v)
+            lines += ["", f"{key}: the host costs measured {len(again)} times again in one process (us): {ranges}."]
     return "\n".join(lines) + "\n"
 
 
@@ -209,12 +228,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small stand-in network (no torchvision needed)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--host-repeats", type=int, default=5, help="the host costs measured again this many times")
     common.result_arguments(parser, "tie_paths")
     args = parser.parse_args()
     results = {}
     for model in ["tiny"] if args.tiny else args.models:
         results[f"{model}:b{args.batch}:{args.dtype}"] = run(model, args.batch, args.dtype, args.device, args.tiny,
-                                                             args.steps, args.rounds)
+                                                             args.steps, args.rounds, args.host_repeats)
     env = common.environment()
     common.write(args.name, dict(environment=env, results=results), markdown(env, results), args.out)
     print(markdown(env, results))

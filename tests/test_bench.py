@@ -626,6 +626,9 @@ def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_cha
     # what the rule saw as optimize tuned the copy: the layers it moved are those it judged cheaper moved
     assert "native" in row["host_costs_us"] and row["tie_judgements"]
     assert set(row["moved_problems"]) == {p for p, chosen, moved in row["tie_judgements"] if moved < chosen}
+    assert row["no_grad_paths"]["ties_off"] == 0  # (turned off there with the move)
+    again = row["host_costs_again_us"]  # the measurement made again (5 times by default)
+    assert len(again) == 5 and all("native" in costs for costs in again)
     assert "| tiny | b2 | float16 | training |" in (tmp_path / "tie_paths.md").read_text()
 
 

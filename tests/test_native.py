@@ -1177,6 +1177,59 @@ def test_a_tie_given_to_torch_native_runs_the_executable_whose_path_costs_the_la
         assert next(iter(other.selections.values())).fwd == "torch:native"
 
 
+@pytest.mark.parametrize("fwd_host_us,override,policy,no_grad", [
+    (-8.0, {}, None, "gemm:1x1"),  # 8 us cheaper on the host, 0.1 us slower on the GPU: the cheaper forward
+    (1.0, {}, None, ""),  # costlier on the host than PyTorch's own call
+    (-8.0, {"host_rule": False}, None, ""),  # off with the host-cost rule
+    (-8.0, {}, ct.Policy(prefer="least_memory"), ""),  # ties go to the least workspace
+])
+def test_a_layer_on_pytorchs_call_for_training_runs_its_forwards_cheaper_tie_member_without_gradients(
+        native, monkeypatch, tmp_path, fwd_host_us, override, policy, no_grad):
+    import copy
+
+    from convtune.results import PerfResult, Status
+
+    # The backward's gemm:1x1 costs 20 us a direction over PyTorch's call: moving the layer costs it more than the
+    # forward saves (on_the_cheaper_path keeps it on PyTorch's call), but a call without gradients saves it all.
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 50.0, "native": 5.0, "gemm_1x1": fwd_host_us, "gemm_1x1 backward": 20.0})
+    x = torch.randn(2, 6, 5, 5)
+    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"), policy=policy)
+    p = ConvProblem.from_module(module, tuple(x.shape))
+    for d in ("fwd", "bwd_data", "bwd_filter"):  # as find would have stored them: torch:native first by 0.1 us
+        module._convtune_tuning.db.store(p.with_direction(d), [
+            PerfResult("torch:native", Status.OK, time_ms=0.0100, rel_error=0.0),
+            PerfResult("gemm:1x1", Status.OK, time_ms=0.0101, rel_error=0.0)])
+    with settings.override(**override):
+        module(x.clone().requires_grad_()).sum().backward()
+    selection = next(iter(module.selections.values()))
+    assert selection.runtime == "torch" and selection.fwd == selection.bwd_data == "torch:native", selection
+    assert selection.no_grad == no_grad and bool(selection.no_grad_handle) == bool(no_grad), selection
+    expected = F.conv2d(x, module.weight.detach(), module.bias.detach())
+
+    def ops_run(model, inp):  # the ops a call of model on inp ran, of these two
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = model(inp)
+        torch.testing.assert_close(y.detach(), expected, atol=1e-5, rtol=1e-4)
+        return {e.name for e in prof.events()} & {"convtune::tuned_conv", "aten::conv2d"}
+
+    for model in (module, copy.deepcopy(module)):  # (a copy judges nothing again: its selection is the same)
+        assert next(iter(model.selections.values())).no_grad == no_grad
+        model(x)  # the hot path from the next call on
+        ran_no_grad = {"convtune::tuned_conv"} if no_grad else {"aten::conv2d"}
+        with torch.no_grad():
+            assert ops_run(model, x) == ran_no_grad
+        with torch.inference_mode():
+            assert ops_run(model, x) == ran_no_grad
+        assert ops_run(model, x) == {"aten::conv2d"}  # the weight's gradient is needed
+        model.requires_grad_(False)
+        assert ops_run(model, x) == ran_no_grad  # none is
+        assert ops_run(model, x.clone().requires_grad_()) == {"aten::conv2d"}  # the input's is
+        model.requires_grad_(True)
+    note = ct.explain(module)[0]["note"]
+    assert ("a call that needs no gradient runs gemm:1x1" in note) == bool(no_grad), note
+
+
 def test_ties_move_direction_by_direction_to_the_cheapest_member_the_policy_allows(native, monkeypatch, tmp_path):
     from convtune.algorithms.base import Algorithm
     from convtune.algorithms.native import native_conv

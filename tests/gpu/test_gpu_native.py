@@ -379,3 +379,50 @@ def test_a_layer_on_the_python_path_runs_its_cudnn_direction_by_its_executable()
     yb.backward(dy)
     torch.testing.assert_close(xa.grad, xb.grad, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(module.weight.grad, twin.weight.grad, atol=5e-1, rtol=2e-2)
+
+
+def test_a_layer_on_pytorchs_call_for_training_runs_a_cudnn_plan_for_calls_without_gradients(tmp_path, monkeypatch):
+    from convtune.results import PerfResult, Status
+
+    # The plan's backward costs 20 us a direction over PyTorch's call, its forward 8 us less: the layer stays on
+    # PyTorch's call for training, and a call without gradients runs the plan (tuning.for_calls_without_gradients).
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 50.0, "native": 5.0, "cudnn": -8.0, "cudnn backward": 20.0})
+    torch.manual_seed(0)
+    db = ct.TuningDB(tmp_path / "t.sqlite")
+    module = ct.nn.Conv2d(32, 32, 3, padding=1, mode="hybrid", db=db).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 32, 14, 14, device="cuda").to(memory_format=torch.channels_last)
+    p = ct.ConvProblem.from_module(module, tuple(x.shape), dtype="float16", layout="channels_last", device="cuda")
+    plans = {}
+    for d in ("fwd", "bwd_data", "bwd_filter"):
+        q = p.with_direction(d)
+        for algo in ct.algorithms(q):
+            if (algo.native_recipe(q) or ()) and algo.native_recipe(q).kind == "cudnn":
+                try:
+                    runtime.prepare(q, algo.name)
+                except runtime.REFUSALS:
+                    continue
+                plans[d] = algo.name
+                break
+        assert d in plans, f"no cuDNN execution plan builds for {q.key}"
+        db.store(q, [PerfResult("torch:native", Status.OK, time_ms=0.0100, rel_error=0.0),
+                     PerfResult(plans[d], Status.OK, time_ms=0.0101, rel_error=0.0)])
+    with torch.autocast("cuda", dtype=torch.float16):
+        module(x.clone().requires_grad_()).sum().backward()
+    selection = next(iter(module.selections.values()))
+    assert selection.runtime == "torch" and selection.no_grad == plans["fwd"], selection
+    expected = torch.nn.functional.conv2d(x.double(), module.weight.double(), module.bias.double(), padding=1)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        module(x)  # the hot path from the next call on
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = module(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = module(x)
+    names = {e.name for e in prof.events()}
+    assert "convtune::tuned_conv" in names and "aten::conv2d" not in names, sorted(names)[:20]
+    assert y.dtype == torch.float16
+    assert rel_error(y.double(), expected) < 1e-2  # float16 on 288 products a result
+    captured.zero_()
+    graph.replay()
+    torch.testing.assert_close(captured, y)

@@ -93,9 +93,11 @@ LayerTuner python_tuner(py::object callable) {
 // layout, device type and (autocast's, under autocast) dtype, and the weight's shape; dx_tuned, dw_tuned: whether
 // the gradients were chosen for. ValueError where the input is not of that signature, the weight of another shape
 // (a new Parameter, its .data replaced) or a gradient not chosen for is needed (the module then selects for it, and
-// tunes again for a new weight); nothing else differs from torch.nn's forward.
+// tunes again for a new weight); nothing else differs from torch.nn's forward. ``inference``: the executable of
+// the problem's forward that a call needing no gradient runs instead (through tuned_conv, as the layer's op would
+// run it), where its path costs the layer less than PyTorch's call; 0: PyTorch's call whatever the call needs.
 at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
-                      bool dx_tuned, bool dw_tuned) {
+                      bool dx_tuned, bool dw_tuned, int64_t inference) {
   const ExecutablePtr e = find_executable(fwd);
   const Geometry& g = e->geometry;
   e->check_input(x);
@@ -110,6 +112,11 @@ at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optio
   const bool grad = at::GradMode::is_enabled();
   TORCH_CHECK_VALUE(dx_tuned || !(grad && x.requires_grad()), g.label, ": the input's gradient was not chosen for");
   TORCH_CHECK_VALUE(dw_tuned || !(grad && w.requires_grad()), g.label, ": the weight's gradient was not chosen for");
+  const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
+  if (inference != 0 && !(grad && (x.requires_grad() || w.requires_grad() || bias_grad))) {
+    py::gil_scoped_release no_gil;
+    return conv_tuned(x, w, bias, inference, 0, 0);  // (whose forward checks that the executable computes one)
+  }
   py::gil_scoped_release no_gil;
   // The op torch.nn's forward calls (aten::conv1d/2d/3d: autocast's lists name these, not aten::convolution).
   if (x.dim() == 3) return at::conv1d(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
@@ -194,21 +201,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "tuned_conv",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd, int64_t bwd_data,
          int64_t bwd_filter) {
-        static auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("convtune::tuned_conv", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                               int64_t, int64_t, int64_t)>();
         find_executable(fwd)->check_input(x);  // the hot path's input: another layout is another signature
         py::gil_scoped_release no_gil;
-        return op.call(x, w, bias, fwd, bwd_data, bwd_filter);
+        return conv_tuned(x, w, bias, fwd, bwd_data, bwd_filter);
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("bwd_data"), py::arg("bwd_filter"),
       "torch.ops.convtune.tuned_conv called directly (unboxed): eager code's hot path, for plain tensors only "
       "(no __torch_function__ is consulted); unlike the op it raises ValueError for an input of other strides.");
   m.def("torch_conv", &torch_conv, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("dx_tuned"),
-        py::arg("dw_tuned"),
+        py::arg("dw_tuned"), py::arg("inference") = 0,
         "PyTorch's convolution for an input of the signature the torch:native executable fwd was made for (eager "
-        "code's hot path of a layer whose choice is PyTorch's call); ValueError for any other input.");
+        "code's hot path of a layer whose choice is PyTorch's call), or, for a call that needs no gradient, the "
+        "forward executable inference where one is given; ValueError for any other input.");
   m.def("layer_new", &layer_new, py::arg("stride"), py::arg("padding"), py::arg("dilation"), py::arg("groups"),
         py::arg("weight_shape"),
         "A new layer of this geometry and weight shape (its id) for torch.ops.convtune.layer_conv, with an empty table.");

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -38,7 +39,9 @@ using LayerTuner = std::function<bool(int64_t id, const at::Tensor& x, const at:
                                       bool need_dw, LayerEntry* entry)>;
 void set_layer_tuner(LayerTuner tuner);
 
-// torch.ops.convtune.tuned_run through the dispatcher (ops.cpp).
+// torch.ops.convtune.tuned_run and tuned_conv through the dispatcher (ops.cpp).
 at::Tensor run_tuned(const at::Tensor& a, const at::Tensor& b, int64_t handle);
+at::Tensor conv_tuned(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
+                      int64_t bwd_data, int64_t bwd_filter);
 
 }  // namespace convtune

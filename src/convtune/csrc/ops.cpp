@@ -156,12 +156,8 @@ at::Tensor conv_autocast(const at::Tensor& x, const at::Tensor& w, const std::op
   // per region through its cache), float64 left alone.
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   const auto dtype = at::autocast::get_autocast_dtype(device_type);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("convtune::tuned_conv", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                         int64_t, int64_t, int64_t)>();
-  return op.call(at::autocast::cached_cast(dtype, x, device_type), at::autocast::cached_cast(dtype, w, device_type),
-                 at::autocast::cached_cast(dtype, bias, device_type), fwd, bwd_data, bwd_filter);
+  return conv_tuned(at::autocast::cached_cast(dtype, x, device_type), at::autocast::cached_cast(dtype, w, device_type),
+                    at::autocast::cached_cast(dtype, bias, device_type), fwd, bwd_data, bwd_filter);
 }
 
 }  // namespace
@@ -171,6 +167,15 @@ at::Tensor run_tuned(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
                        .findSchemaOrThrow("convtune::tuned_run", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
   return op.call(a, b, handle);
+}
+
+at::Tensor conv_tuned(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
+                      int64_t bwd_data, int64_t bwd_filter) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("convtune::tuned_conv", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         int64_t, int64_t, int64_t)>();
+  return op.call(x, w, bias, fwd, bwd_data, bwd_filter);
 }
 
 TORCH_LIBRARY_FRAGMENT(convtune, m) {

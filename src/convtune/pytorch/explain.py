@@ -29,7 +29,8 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     'torch', PyTorch's own call, where every direction chose torch:native (but for CPU bfloat16, which
     runs it through convtune's op) or none could be tuned;
     'python', convtune's Python path), status, time_ms (None when not measured), workspace_bytes
-    note (why torch's or the Python path, or the result's message) and compiled (what torch.compile
+    note (why torch's or the Python path, on a layer that calls PyTorch the forward's path of a call that needs no
+    gradient where it differs (``LayerSelection.no_grad``), or the result's message) and compiled (what torch.compile
     traces for the layer: 'executables', for an input of this static shape the chosen executables by handle
     (``tuned_conv``); 'torch', PyTorch's own convolution for an input of this static shape where the layer would
     call PyTorch or its choices gain less than compiled code pays to call convtune's op; 'layer op', its C++ op
@@ -51,7 +52,9 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
                 continue
             for direction, result in selection.results:
                 key = ConvProblem.from_key(selection.problem).with_direction(direction).key
-                note = "; ".join(n for n in (selection.reason, selection.python_reason, result.message) if n)
+                no_grad = (f"a call that needs no gradient runs {selection.no_grad}"
+                           if direction == "fwd" and selection.no_grad else "")
+                note = "; ".join(n for n in (selection.reason, selection.python_reason, no_grad, result.message) if n)
                 rows.append(dict(module=name, problem=key, direction=direction, algorithm=result.algorithm,
                                  runtime=selection.runtime, status=result.status.value, time_ms=result.time_ms,
                                  workspace_bytes=result.workspace_bytes, note=note, compiled=compiled))

@@ -324,7 +324,7 @@ class TunedConv(_ConvBase):
                 else:
                     try:
                         return _torch_conv(input, weight, bias, entry.handle,  # type: ignore[union-attr]
-                                           entry.dx_tuned, entry.dw_tuned)  # type: ignore[union-attr]
+                                           entry.dx_tuned, entry.dw_tuned, entry.no_grad)  # type: ignore[union-attr]
                     except ValueError:
                         pass
             # a tuple or a TorchDirect took a branch above (tested by class, the fastest test, which mypy cannot
@@ -423,7 +423,8 @@ class TunedConv(_ConvBase):
             except runtime.REFUSALS:  # no extension, or no problem (a dtype convtune does not tune): ValueError
                 pass
             else:
-                return TorchDirect(handle, selection.covers(True, False), selection.covers(False, True), python)
+                return TorchDirect(handle, selection.covers(True, False), selection.covers(False, True), python,
+                                   selection.no_grad_handle)
         return python
 
     def _convtune_pads_first(self) -> bool:
@@ -525,15 +526,17 @@ class TorchDirect:
     (``_C.torch_conv``, which then calls ``aten::conv2d``, say, as torch.nn's forward does): the handle of a
     torch:native executable of the problem chosen for, whether the input's gradient was chosen for, whether the
     weight's was, and the same checks in Python (``TorchCall``) for a tensor subclass or a mode of
-    ``__torch_function__``, which sees torch.nn's forward."""
+    ``__torch_function__``, which sees torch.nn's forward; and the handle of the forward's executable that a call
+    needing no gradient runs instead (``LayerSelection.no_grad``; 0: PyTorch's call)."""
 
-    __slots__ = ("handle", "dx_tuned", "dw_tuned", "python")
+    __slots__ = ("handle", "dx_tuned", "dw_tuned", "python", "no_grad")
 
-    def __init__(self, handle: int, dx_tuned: bool, dw_tuned: bool, python: TorchCall) -> None:
+    def __init__(self, handle: int, dx_tuned: bool, dw_tuned: bool, python: TorchCall, no_grad: int = 0) -> None:
         self.handle, self.dx_tuned, self.dw_tuned, self.python = handle, dx_tuned, dw_tuned, python
+        self.no_grad = no_grad
 
     def __reduce__(self) -> tuple:  # pickle's protocols 0 and 1 as well (slots have no __dict__)
-        return (TorchDirect, (self.handle, self.dx_tuned, self.dw_tuned, self.python))
+        return (TorchDirect, (self.handle, self.dx_tuned, self.dw_tuned, self.python, self.no_grad))
 
 
 class TorchCall:
@@ -656,7 +659,7 @@ def _resolve_tuned_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
 
 
 def _resolve_torch_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fwd: int, dx_tuned: bool,
-                        dw_tuned: bool) -> torch.Tensor:
+                        dw_tuned: bool, no_grad: int) -> torch.Tensor:
     """The first call of a ``TorchDirect`` hot path: bind ``_torch_conv`` to the C++ extension's ``torch_conv``
     (loaded by then: the entry's executable implies it)."""
     global _torch_conv
@@ -664,10 +667,11 @@ def _resolve_torch_conv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | N
     if module is None:  # (not reached: a TorchDirect entry is made with the extension only) the full path decides
         raise ValueError("convtune: the C++ extension is not loaded")
     _torch_conv = module.torch_conv
-    return _torch_conv(x, w, bias, fwd, dx_tuned, dw_tuned)
+    return _torch_conv(x, w, bias, fwd, dx_tuned, dw_tuned, no_grad)
 
 
-# _C.torch_conv(x, w, bias, fwd, dx_tuned, dw_tuned): PyTorch's convolution after the signature's checks in C++.
+# _C.torch_conv(x, w, bias, fwd, dx_tuned, dw_tuned, no_grad): PyTorch's convolution after the signature's checks in
+# C++ (or, for a call that needs no gradient, the forward's executable no_grad where it is not 0).
 _torch_conv: Callable[..., torch.Tensor] = _resolve_torch_conv
 # convtune::tuned_conv(x, w, bias, fwd, bwd_data, bwd_filter): the forward through the layer's executables,
 # for tensors without __torch_function__ (nor a mode of it: _has_torch_function).

@@ -66,6 +66,9 @@ class LayerSelection:
     compiled_torch: in compiled code (an input of static shape) the layer calls PyTorch's convolution, which
     Inductor calls for less host time than convtune's op (``tuned_run``, once per direction): its choices gain
     less GPU time than that (``where_the_host_pays``); eager code runs them.
+    no_grad: on a layer that calls PyTorch's convolution (``runtime`` 'torch', torch:native chosen in every
+    direction), the forward's algorithm that eager code runs instead for a call that needs no gradient, where its
+    path costs the layer less (``for_calls_without_gradients``); '' for none.
     """
 
     problem: str
@@ -76,9 +79,11 @@ class LayerSelection:
     reason: str = ""
     host_rule: bool = False
     compiled_torch: bool = False
+    no_grad: str = ""
     call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
     native: tuple[int, int, int] | None = dataclasses.field(init=False, compare=False, repr=False)
     python_reason: str = dataclasses.field(init=False, compare=False, repr=False)  # explain's note on the path
+    no_grad_handle: int = dataclasses.field(init=False, compare=False, repr=False)  # no_grad's executable, or 0
 
     @property
     def on_torch(self) -> bool:
@@ -106,14 +111,18 @@ class LayerSelection:
                 call = ops.Call(self.problem, self.fwd, self.bwd_data, self.bwd_filter)
             if {self.fwd, self.bwd_data, self.bwd_filter} <= {NATIVE, ""}:  # torch:native, not PyTorch's call
                 why = "; ".join(filter(None, (ROUTED_THROUGH_THE_OP, why)))
+        no_grad = 0
+        if self.no_grad and native is None and call is None:  # (else its forward's executable runs such a call)
+            no_grad = ops.native_or_why(ops.problem_of(self.problem), self.no_grad)[0]
         object.__setattr__(self, "native", native)
         object.__setattr__(self, "call", call)
         object.__setattr__(self, "python_reason", why)
+        object.__setattr__(self, "no_grad_handle", no_grad)
 
     def __reduce__(self):
         # Copies and pickles are made anew, so their executables exist in the process that runs them.
         return LayerSelection, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason,
-                                self.host_rule, self.compiled_torch)
+                                self.host_rule, self.compiled_torch, self.no_grad)
 
     @property
     def runtime(self) -> str:
@@ -214,6 +223,7 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
     ordered = tuple((d, results[d]) for d in DIRECTIONS if d in results)
     selection = LayerSelection(problem.key, **names, results=ordered)
     selection = where_the_host_pays(on_the_cheaper_path(selection, tuning), tuning)
+    selection = for_calls_without_gradients(selection, tuning)
     reserve_workspace(selection, signature.device)
     return selection
 
@@ -248,6 +258,35 @@ def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     log.info("%s: the ties select gave torch:native run %s, which costs the layer %.1f us less a step (GPU and host)",
              selection.problem, ", ".join(costs.names[d] for d, r in selection.results if r.algorithm == NATIVE),
              costs.as_chosen_us - costs.moved_us)
+    return chosen
+
+
+def for_calls_without_gradients(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
+    """``selection``, given the forward's path that a call needing no gradient takes (``no_grad``) where the layer
+    calls PyTorch's convolution for a tuned gradient: the member of the forward's tie whose path costs that call less
+    than PyTorch's call does (GPU time measured plus the host time its executable adds, ``runtime.extra_host_us``).
+
+    A layer tuned for training is judged by the sum over its directions (``on_the_cheaper_path``), so where its
+    backward's paths cost more than its forward saves it stays on PyTorch's call, and so did its inference calls; an
+    executable of a cuDNN execution plan costs the host less a forward than that call (bench/results/tie_paths.md).
+    A layer tuned for its forward alone is judged so already. The same conditions as ``on_the_cheaper_path``."""
+    if (selection.runtime != "torch" or selection.fwd != NATIVE or len(selection.results) < 2
+            or not settings.host_rule or not settings.native or tuning.db is None
+            or tuning.policy.prefer == "least_memory" or not runtime.available()):
+        return selection
+    problem = ConvProblem.from_key(selection.problem)
+    native = tuning.db.result(problem, NATIVE)  # measured (select's answer in mode 'get' is a prediction)
+    if native is None or not (native.ok and native.time_ms):
+        return selection
+    member, _ = _cheapest_of_the_tie(problem, _usable(problem, tuning.policy, tuning.db), tuning.policy, tuning.db,
+                                     1e3 * native.time_ms)
+    if member is None:
+        return selection
+    chosen = dataclasses.replace(selection, no_grad=member.algorithm)
+    if not chosen.no_grad_handle:  # an executable that would not build here
+        return selection
+    log.info("%s: a call that needs no gradient runs %s, which costs it less than PyTorch's call",
+             selection.problem, member.algorithm)
     return chosen
 
 
