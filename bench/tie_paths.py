@@ -165,10 +165,7 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
                 f"{who} {row[who]['ms']:.3f} ms ({row[who]['ratio']:.3f})" for who in models), file=sys.stderr,
                 flush=True)
     # the same measurement made again, as a fresh process would: how far the rule's inputs move on this host
-    again = []
-    for _ in range(host_repeats):
-        runtime.forget_host_costs()
-        again.append(runtime.host_overheads_us(device))
+    again = [runtime.measure_host_overheads(device) for _ in range(host_repeats)]  # (the costs kept stay)
     return dict(rows=rows, tune_s=tune_s, changed=changed, no_grad_paths=no_grad, torch_native_directions=on_native,
                 host_costs_again_us=again, steps=steps,
                 rounds=rounds, host_costs_us=host_costs, tie_judgements=judgements,

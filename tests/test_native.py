@@ -1177,6 +1177,24 @@ def test_a_tie_given_to_torch_native_runs_the_executable_whose_path_costs_the_la
         assert next(iter(other.selections.values())).fwd == "torch:native"
 
 
+def _tied_for_training(monkeypatch, tmp_path, x, fwd_host_us, policy=None):
+    """A 1x1 layer tuned for training on ``x`` whose every direction ties gemm:1x1 with torch:native (first by 0.1
+    us), gemm:1x1's forward costing the host ``fwd_host_us`` over PyTorch's call and its backward 20 us a direction:
+    moving the layer costs it more than the forward saves (``on_the_cheaper_path`` keeps it on PyTorch's call)."""
+    from convtune.results import PerfResult, Status
+
+    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+        "python": 50.0, "native": 5.0, "gemm_1x1": fwd_host_us, "gemm_1x1 backward": 20.0})
+    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"), policy=policy)
+    p = ConvProblem.from_module(module, tuple(x.shape))
+    for d in ("fwd", "bwd_data", "bwd_filter"):  # as find would have stored them
+        module._convtune_tuning.db.store(p.with_direction(d), [
+            PerfResult("torch:native", Status.OK, time_ms=0.0100, rel_error=0.0),
+            PerfResult("gemm:1x1", Status.OK, time_ms=0.0101, rel_error=0.0)])
+    module(x.clone().requires_grad_()).sum().backward()
+    return module
+
+
 @pytest.mark.parametrize("fwd_host_us,override,policy,no_grad", [
     (-8.0, {}, None, "gemm:1x1"),  # 8 us cheaper on the host, 0.1 us slower on the GPU: the cheaper forward
     (1.0, {}, None, ""),  # costlier on the host than PyTorch's own call
@@ -1187,21 +1205,9 @@ def test_a_layer_on_pytorchs_call_for_training_runs_its_forwards_cheaper_tie_mem
         native, monkeypatch, tmp_path, fwd_host_us, override, policy, no_grad):
     import copy
 
-    from convtune.results import PerfResult, Status
-
-    # The backward's gemm:1x1 costs 20 us a direction over PyTorch's call: moving the layer costs it more than the
-    # forward saves (on_the_cheaper_path keeps it on PyTorch's call), but a call without gradients saves it all.
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
-        "python": 50.0, "native": 5.0, "gemm_1x1": fwd_host_us, "gemm_1x1 backward": 20.0})
     x = torch.randn(2, 6, 5, 5)
-    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"), policy=policy)
-    p = ConvProblem.from_module(module, tuple(x.shape))
-    for d in ("fwd", "bwd_data", "bwd_filter"):  # as find would have stored them: torch:native first by 0.1 us
-        module._convtune_tuning.db.store(p.with_direction(d), [
-            PerfResult("torch:native", Status.OK, time_ms=0.0100, rel_error=0.0),
-            PerfResult("gemm:1x1", Status.OK, time_ms=0.0101, rel_error=0.0)])
     with settings.override(**override):
-        module(x.clone().requires_grad_()).sum().backward()
+        module = _tied_for_training(monkeypatch, tmp_path, x, fwd_host_us, policy)
     selection = next(iter(module.selections.values()))
     assert selection.runtime == "torch" and selection.fwd == selection.bwd_data == "torch:native", selection
     assert selection.no_grad == no_grad and bool(selection.no_grad_handle) == bool(no_grad), selection
@@ -1227,7 +1233,30 @@ def test_a_layer_on_pytorchs_call_for_training_runs_its_forwards_cheaper_tie_mem
         assert ops_run(model, x.clone().requires_grad_()) == {"aten::conv2d"}  # the input's is
         model.requires_grad_(True)
     note = ct.explain(module)[0]["note"]
-    assert ("a call that needs no gradient runs gemm:1x1" in note) == bool(no_grad), note
+    assert ("a call that needs no gradient runs gemm:1x1 (eager" in note) == bool(no_grad), note
+
+
+def test_a_forward_mode_tangent_takes_pytorchs_call_or_raises_never_lost(native, monkeypatch, tmp_path):
+    import torch.autograd.forward_ad as fwad
+
+    x, t = torch.randn(2, 6, 5, 5), torch.randn(2, 6, 5, 5)
+    module = _tied_for_training(monkeypatch, tmp_path, x, -8.0).requires_grad_(False)
+    assert next(iter(module.selections.values())).no_grad == "gemm:1x1"
+    module(x)  # the hot path from the next call on, which runs gemm:1x1 for a call without gradients
+    expected = F.conv2d(t, module.weight)
+    with fwad.dual_level():
+        tangent = fwad.unpack_dual(module(fwad.make_dual(x, t))).tangent
+    torch.testing.assert_close(tangent, expected, atol=1e-5, rtol=1e-4)  # PyTorch's call: its derivative
+    _, jvp = torch.func.jvp(module, (x,), (t,))
+    torch.testing.assert_close(jvp, expected, atol=1e-5, rtol=1e-4)
+    # a layer on its executables has no forward-mode derivative: an error, not a tangent lost
+    from convtune.pytorch.tuning import LayerSelection
+
+    sig, selection = next(iter(module.selections.items()))
+    module._convtune_select(sig, LayerSelection(selection.problem, "gemm:1x1", "gemm:1x1", "gemm:1x1"))
+    module._convtune_fast.clear()
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="no forward-mode derivative"):
+        module(fwad.make_dual(x, t))
 
 
 def test_ties_move_direction_by_direction_to_the_cheapest_member_the_policy_allows(native, monkeypatch, tmp_path):

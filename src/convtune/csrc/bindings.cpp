@@ -113,7 +113,11 @@ at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optio
   TORCH_CHECK_VALUE(dx_tuned || !(grad && x.requires_grad()), g.label, ": the input's gradient was not chosen for");
   TORCH_CHECK_VALUE(dw_tuned || !(grad && w.requires_grad()), g.label, ": the weight's gradient was not chosen for");
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
-  if (inference != 0 && !(grad && (x.requires_grad() || w.requires_grad() || bias_grad))) {
+  // (a forward-mode tangent, or a torch.func transform, needs PyTorch's convolution: the op has no such derivative)
+  const bool transformed =
+      c10::impl::tls_local_dispatch_key_set().included_.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+  if (inference != 0 && !(grad && (x.requires_grad() || w.requires_grad() || bias_grad)) && !transformed &&
+      !has_tangent(x, w, bias)) {
     py::gil_scoped_release no_gil;
     return conv_tuned(x, w, bias, inference, 0, 0);  // (whose forward checks that the executable computes one)
   }

@@ -43,5 +43,7 @@ void set_layer_tuner(LayerTuner tuner);
 at::Tensor run_tuned(const at::Tensor& a, const at::Tensor& b, int64_t handle);
 at::Tensor conv_tuned(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                       int64_t bwd_data, int64_t bwd_filter);
+// Whether an operand carries a forward-mode tangent (torch.autograd.forward_ad), which tuned_conv has no derivative for.
+bool has_tangent(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
 }  // namespace convtune

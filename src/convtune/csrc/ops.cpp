@@ -121,6 +121,9 @@ void check_gradient_tuned(const char* name, bool needed, int64_t handle, int64_t
 
 at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                          int64_t bwd_data, int64_t bwd_filter) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(x, w, bias), find_executable(fwd)->geometry.label,
+                              ": convtune::tuned_conv has no forward-mode derivative (torch.autograd.forward_ad), so "
+                              "the tangent would be lost; run that model on torch's convolutions");
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || w.requires_grad() || bias_grad)) {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -176,6 +179,11 @@ at::Tensor conv_tuned(const at::Tensor& x, const at::Tensor& w, const std::optio
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          int64_t, int64_t, int64_t)>();
   return op.call(x, w, bias, fwd, bwd_data, bwd_filter);
+}
+
+bool has_tangent(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  return x._fw_grad(0).defined() || w._fw_grad(0).defined() ||
+         (bias.has_value() && bias->defined() && bias->_fw_grad(0).defined());
 }
 
 TORCH_LIBRARY_FRAGMENT(convtune, m) {

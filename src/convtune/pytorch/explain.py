@@ -52,8 +52,8 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
                 continue
             for direction, result in selection.results:
                 key = ConvProblem.from_key(selection.problem).with_direction(direction).key
-                no_grad = (f"a call that needs no gradient runs {selection.no_grad}"
-                           if direction == "fwd" and selection.no_grad else "")
+                no_grad = (f"a call that needs no gradient runs {selection.no_grad} (eager code's hot path)"
+                           if direction == "fwd" and selection.no_grad_handle else "")
                 note = "; ".join(n for n in (selection.reason, selection.python_reason, no_grad, result.message) if n)
                 rows.append(dict(module=name, problem=key, direction=direction, algorithm=result.algorithm,
                                  runtime=selection.runtime, status=result.status.value, time_ms=result.time_ms,

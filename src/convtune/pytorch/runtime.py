@@ -358,7 +358,7 @@ def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
             if stored is not None and stored.pop("method", None) == HOST_COST_METHOD:
                 known = stored
             else:
-                known = _measure_host_overheads(device)
+                known = measure_host_overheads(device)
                 if db is not None:
                     try:
                         db.store_host_costs(device, {**known, "method": HOST_COST_METHOD})
@@ -373,8 +373,9 @@ def forget_host_costs() -> None:
     _host_costs.clear()
 
 
-def _measure_host_overheads(device: str) -> dict[str, float]:
-    """``host_overheads_us``' measurement, whatever the caller's autocast, gradient mode and random state."""
+def measure_host_overheads(device: str) -> dict[str, float]:
+    """``host_overheads_us``' measurement made now (whatever the caller's autocast, gradient mode and random
+    state), neither read from nor kept anywhere."""
     with torch.autocast(device, enabled=False), torch.inference_mode(False), torch.enable_grad(), \
             torch.random.fork_rng(devices=[]):  # (the layers' initialisation draws from the CPU's generator)
         overheads = _measured(device)
