@@ -425,4 +425,4 @@ def test_a_layer_on_pytorchs_call_for_training_runs_a_cudnn_plan_for_calls_witho
     assert rel_error(y.double(), expected) < 1e-2  # float16 on 288 products a result
     captured.zero_()
     graph.replay()
-    torch.testing.assert_close(captured, y)
+    assert rel_error(captured.double(), expected) < 1e-2  # (not bit for bit: the plan may split its sums otherwise)
