@@ -72,7 +72,7 @@ for step in "$@"; do
     native) tests "$OUT/gpu_tests_native.txt" -rP tests/gpu/test_gpu_native.py ;;
     gpu) tests "$OUT/gpu_tests.txt" tests/gpu ;;
     gpu:*) IFS=: read -r _ parts paths <<< "$step"; paths=${paths:-tests/gpu}; log="$OUT/gpu_tests.txt"
-           [ "$paths" = tests/gpu ] || log="$OUT/gpu_tests_$(basename "${paths%%+*}" .py).txt"
+           first=${paths%%+*}; [ "$paths" = tests/gpu ] || log="$OUT/gpu_tests_$(basename "${first%%::*}" .py).txt"
            header "${paths//+/ } in $parts processes" > "$log"
            mapfile -t ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider ${paths//+/ } 2>/dev/null | grep '::')
            echo "# ${#ids[@]} tests collected; process i runs the tests whose place in the collection is i modulo $parts" >> "$log"
