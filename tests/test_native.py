@@ -1821,3 +1821,56 @@ def test_the_host_cost_rule_leaves_a_cpu_bfloat16_layer_on_its_choice(native, mo
         module(x)
     judged = next(iter(module.selections.values()))
     assert judged.fwd == "gemm:1x1" and not judged.host_rule and judged.runtime != "torch"
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")  # (Python 3.12: fork with threads)
+def test_a_child_forked_while_another_thread_runs_tuned_layers_makes_executables(native):
+    import time
+
+    from convtune.pytorch.tuning import LayerSelection
+
+    # Another thread runs a tuned layer (its C++ calls look executables up under the registry's lock, the GIL
+    # released) while this one forks; each child makes an executable (which takes that lock to write). A child
+    # forked while the lock was held waited for ever before the extension took its locks around fork (this test then
+    # failed about 1 run in 3 on a 2-core machine: the lock is held for a small part of each call).
+    module = ct.nn.Conv2d(4, 4, 1, mode="get")
+    x = torch.randn(1, 4, 3, 3)
+    module(x)
+    sig, selection = next(iter(module.selections.items()))
+    module._convtune_select(sig, LayerSelection(selection.problem, "gemm:1x1"))  # on its executable
+    module._convtune_fast.clear()
+    assert next(iter(module.selections.values())).runtime == "native"
+    stop = threading.Event()
+
+    def run():
+        with torch.no_grad():
+            while not stop.is_set():
+                module(x)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    stuck, forks, ended = [], 0, time.monotonic() + 3.0
+    try:
+        while time.monotonic() < ended:
+            pid = os.fork()
+            if pid == 0:  # the child: one executable of a problem the parent never made, then out
+                try:
+                    runtime.prepare(ConvProblem("fwd", n=1, c=3, k=5 + forks, input_size=(2, 2), kernel_size=1),
+                                    "torch:native")
+                finally:
+                    os._exit(0)
+            forks += 1
+            waited = time.monotonic() + 10.0
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > waited:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    stuck.append(forks)
+                    break
+                time.sleep(0.001)
+            if stuck:
+                break
+    finally:
+        stop.set()
+        worker.join()
+    assert not stuck, f"a child forked while the layer ran waited for a lock (fork {stuck[0]} of {forks})"

@@ -32,11 +32,13 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
+#include <pthread.h>
 
 #include <array>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <shared_mutex>
 #include <tuple>
@@ -97,6 +99,22 @@ LayerTuner& tuner() {
   static auto* t = new LayerTuner();  // never destroyed: it holds a Python callable
   return *t;
 }
+
+// As the registry's lock (registry.cpp): fork takes the layers' locks first, each layer's after the list's (no thread
+// holds a layer's while it waits for the list's); the parent releases them after, the child starts with new ones.
+void lock_layers_for_fork() {
+  layers_mutex.lock();
+  for (auto& [id, layer] : layers()) layer->mutex.lock();
+}
+void unlock_layers_after_fork() {
+  for (auto& [id, layer] : layers()) layer->mutex.unlock();
+  layers_mutex.unlock();
+}
+void renew_layers_after_fork() {
+  for (auto& [id, layer] : layers()) new (&layer->mutex) std::shared_mutex();
+  new (&layers_mutex) std::mutex();
+}
+const int layers_fork_handlers = pthread_atfork(lock_layers_for_fork, unlock_layers_after_fork, renew_layers_after_fork);
 
 // The layer ``id``, or none.
 std::shared_ptr<Layer> lookup(int64_t id) {

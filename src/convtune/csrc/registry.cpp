@@ -2,10 +2,12 @@
 #include "executable.h"
 
 #include <c10/util/Exception.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <shared_mutex>
 #include <unordered_map>
 
@@ -23,6 +25,15 @@ std::unordered_map<int64_t, Entry>& registry() {
   static auto* entries = new std::unordered_map<int64_t, Entry>();  // never freed: ops may run at exit
   return *entries;
 }
+
+// A child forked while another thread held the lock (a DataLoader forks its workers while the background worker adds
+// an executable, or an autograd thread looks one up) would find it held for ever: fork takes it first (so the table
+// is whole), the parent releases it after, and the child, whose thread is not the one that took it (a lock held for
+// writing is released by its own thread only), starts with a new one.
+void lock_for_fork() { registry_mutex.lock(); }
+void unlock_after_fork() { registry_mutex.unlock(); }
+void renew_after_fork() { new (&registry_mutex) std::shared_mutex(); }
+const int registry_fork_handlers = pthread_atfork(lock_for_fork, unlock_after_fork, renew_after_fork);
 
 constexpr int64_t kAlignBytes = 256;
 
