@@ -1257,6 +1257,9 @@ def test_a_forward_mode_tangent_takes_pytorchs_call_or_raises_never_lost(native,
     module._convtune_fast.clear()
     with fwad.dual_level(), pytest.raises(NotImplementedError, match="no forward-mode derivative"):
         module(fwad.make_dual(x, t))
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="no forward-mode derivative"):  # compiled's op
+        torch.ops.convtune.layer_conv.default(fwad.make_dual(x, t), module.weight, module.bias,
+                                              *module._convtune_geometry, module._convtune_layer, False, False)
 
 
 def test_ties_move_direction_by_direction_to_the_cheapest_member_the_policy_allows(native, monkeypatch, tmp_path):
@@ -1829,10 +1832,11 @@ def test_a_child_forked_while_another_thread_runs_tuned_layers_makes_executables
 
     from convtune.pytorch.tuning import LayerSelection
 
-    # Another thread runs a tuned layer (its C++ calls look executables up under the registry's lock, the GIL
-    # released) while this one forks; each child makes an executable (which takes that lock to write). A child
-    # forked while the lock was held waited for ever before the extension took its locks around fork (this test then
-    # failed about 1 run in 3 on a 2-core machine: the lock is held for a small part of each call).
+    # Another thread runs a tuned layer and the layer op (their C++ calls look executables and layers up under the
+    # extension's locks, the GIL released) while this one forks; each child makes an executable, a layer and an
+    # entry (which take those locks to write). A child forked while a lock was held waited for ever before the
+    # extension took its locks around fork (this test then failed about 1 run in 3 on a 2-core machine: a lock is
+    # held for a small part of each call); with the locks released in the child rather than made anew, at once.
     module = ct.nn.Conv2d(4, 4, 1, mode="get")
     x = torch.randn(1, 4, 3, 3)
     module(x)
@@ -1842,10 +1846,15 @@ def test_a_child_forked_while_another_thread_runs_tuned_layers_makes_executables
     assert next(iter(module.selections.values())).runtime == "native"
     stop = threading.Event()
 
-    def run():
+    layer_op, layer = torch.ops.convtune.layer_conv.default, module._convtune_layer
+    assert layer, "the module has no C++ layer here"
+    native = extension.loaded()
+
+    def run():  # the registry's lock (the hot path) and the layers' (the layer op compiled code calls)
         with torch.no_grad():
             while not stop.is_set():
                 module(x)
+                layer_op(x, module.weight, module.bias, *module._convtune_geometry, layer, False, False)
 
     worker = threading.Thread(target=run)
     worker.start()
@@ -1853,15 +1862,23 @@ def test_a_child_forked_while_another_thread_runs_tuned_layers_makes_executables
     try:
         while time.monotonic() < ended:
             pid = os.fork()
-            if pid == 0:  # the child: one executable of a problem the parent never made, then out
+            if pid == 0:  # the child: an executable of a problem the parent never made, a layer, an entry, then out
+                code = 1
                 try:
                     runtime.prepare(ConvProblem("fwd", n=1, c=3, k=5 + forks, input_size=(2, 2), kernel_size=1),
                                     "torch:native")
+                    native.layer_new([1, 1], [0, 0], [1, 1], 1, [4, 4, 1, 1])
+                    native.layer_set(layer, [2, 4, 3, 3], "float32", "cpu", False, [0, 0, 0], [False] * 3)
+                    code = 0
                 finally:
-                    os._exit(0)
+                    os._exit(code)
             forks += 1
-            waited = time.monotonic() + 10.0
-            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            waited, status = time.monotonic() + 10.0, None
+            while status is None:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                status = None
                 if time.monotonic() > waited:
                     os.kill(pid, 9)
                     os.waitpid(pid, 0)
@@ -1870,6 +1887,7 @@ def test_a_child_forked_while_another_thread_runs_tuned_layers_makes_executables
                 time.sleep(0.001)
             if stuck:
                 break
+            assert os.waitstatus_to_exitcode(status) == 0, f"the child of fork {forks} failed"  # (its error above)
     finally:
         stop.set()
         worker.join()

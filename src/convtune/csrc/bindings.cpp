@@ -95,7 +95,8 @@ LayerTuner python_tuner(py::object callable) {
 // (a new Parameter, its .data replaced) or a gradient not chosen for is needed (the module then selects for it, and
 // tunes again for a new weight); nothing else differs from torch.nn's forward. ``inference``: the executable of
 // the problem's forward that a call needing no gradient runs instead (through tuned_conv, as the layer's op would
-// run it), where its path costs the layer less than PyTorch's call; 0: PyTorch's call whatever the call needs.
+// run it), where its path costs the layer less than PyTorch's call; 0: PyTorch's call whatever the call needs. Like
+// every executable it computes as tuned: cuDNN's flags set after tuning (allow_tf32, deterministic) do not reach it.
 at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                       bool dx_tuned, bool dw_tuned, int64_t inference) {
   const ExecutablePtr e = find_executable(fwd);

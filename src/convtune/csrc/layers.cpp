@@ -373,6 +373,9 @@ struct LayerConv : public torch::autograd::Function<LayerConv> {
 
 at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Arrays stride,
                          Arrays padding, Arrays dilation, int64_t groups, int64_t id, bool need_dx, bool need_dw) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(x, w, bias), "convtune's layer op has no forward-mode derivative "
+                              "(torch.autograd.forward_ad), so the tangent would be lost; run that model on torch's "
+                              "convolutions");
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || w.requires_grad() || bias_grad)) {
     at::AutoDispatchBelowADInplaceOrView below;
