@@ -4,7 +4,9 @@ measured choice after."""
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -342,3 +344,30 @@ def test_compiled_code_on_the_full_path_goes_on_running_right_when_a_pending_mea
     torch.testing.assert_close(conv(x), expected, atol=1e-5, rtol=1e-4)  # an eager call adopts the measurement
     assert not conv._convtune_provisional
     torch.testing.assert_close(compiled(x), expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")  # (Python 3.12: fork with threads)
+@pytest.mark.parametrize("module,name", [("convtune.costmodel", "_tables_lock"), ("convtune.db", "_opened_lock"),
+                                         ("convtune.extension", "_lock"), ("convtune.pytorch.workspace", "_lock"),
+                                         ("convtune.pytorch.runtime", "_prepared_lock")])
+def test_a_child_forked_while_another_thread_holds_a_lock_of_convtunes_takes_it(module, name):
+    owner = importlib.import_module(module)
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another thread holds the lock (reading a database, building the extension, ...) while we fork
+        with getattr(owner, name):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if getattr(owner, name).acquire(timeout=5) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        thread.join()
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child waited on {module}.{name}, held by a thread it lacks"

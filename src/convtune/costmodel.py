@@ -30,6 +30,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -235,6 +236,15 @@ NO_CORRECTIONS = Corrections()
 _installed_tables: dict[str, tuple[int, Corrections]] = {}  # device -> (learned.installed's version, its table)
 _tables: weakref.WeakKeyDictionary[Any, dict[str, _Table]] = weakref.WeakKeyDictionary()
 _tables_lock = threading.RLock()  # find may store from a background thread while get reads
+
+
+def _after_fork() -> None:
+    # A child forked while another thread held the lock (reading a database) would wait on it for ever.
+    global _tables_lock
+    _tables_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _samples(measurements: Iterable[tuple[ConvProblem, Any]]) -> list[learned.Sample]:

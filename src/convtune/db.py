@@ -469,6 +469,15 @@ _fallback: TuningDB | None = None  # the process's temporary database, where a p
 _opened_lock = threading.Lock()
 
 
+def _after_fork() -> None:
+    # A child forked while another thread held the lock (opening a database) would wait on it for ever.
+    global _opened_lock
+    _opened_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def opened(path: str | os.PathLike | None = None, *, strict: bool = False) -> TuningDB | None:
     """``TuningDB(path)`` (None: the default path, ``settings.db_path``), opened once per file and process (its
     integrity is checked on open) and shared by whoever asks for that file; a relative path is the file it names
