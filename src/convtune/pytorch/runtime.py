@@ -323,8 +323,8 @@ def _extra_us(fn: Callable[[], Any], base: Callable[[], Any], device: str, calls
 _host_costs: dict[str, dict[str, float]] = {}  # device type -> host_overheads_us's answer, for this process
 _host_costs_lock = threading.Lock()  # one measurement at a time: two at once would slow each other
 # Kept with the costs in the database: costs measured by another method are measured again (7 and before: a path
-# cheaper than PyTorch's call was counted as costing nothing).
-HOST_COST_METHOD = 8
+# cheaper than PyTorch's call was counted as costing nothing; 8: a layer's backward timed over 5 rounds, now 9).
+HOST_COST_METHOD = 9
 
 
 def host_overheads_us(device: str, db: Any = None) -> dict[str, float]:
@@ -552,7 +552,10 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
 
     with torch.no_grad():
         fwd = _extra_us(forward(layer), forward(base), problem.device)
-    both = _extra_us(step(layer), step(base), problem.device, calls=20)
+    # 9 rounds: the backward's figure moves more than the forward's from round to round (an H100's cuDNN backward
+    # read -14.0 once in five measurements of -2.1 to +0.6, bench/results/tie_paths.md; on this project's CPU the
+    # spread of 8 measurements fell from 4.8-8.8 us with 5 rounds to 2.1-3.7 with 9)
+    both = _extra_us(step(layer), step(base), problem.device, calls=20, rounds=9)
     return fwd, (both - fwd) / 2
 
 
