@@ -30,13 +30,12 @@ import functools
 import itertools
 import logging
 import math
-import os
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-from . import hardware, learned
+from . import forks, hardware, learned
 from .problem import ConvProblem
 
 log = logging.getLogger(__name__)
@@ -236,15 +235,7 @@ NO_CORRECTIONS = Corrections()
 _installed_tables: dict[str, tuple[int, Corrections]] = {}  # device -> (learned.installed's version, its table)
 _tables: weakref.WeakKeyDictionary[Any, dict[str, _Table]] = weakref.WeakKeyDictionary()
 _tables_lock = threading.RLock()  # find may store from a background thread while get reads
-
-
-def _after_fork() -> None:
-    # A child forked while another thread held the lock (reading a database) would wait on it for ever.
-    global _tables_lock
-    _tables_lock = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+forks.renew_after_fork(globals(), _tables_lock=threading.RLock)  # (held while a database is read)
 
 
 def _samples(measurements: Iterable[tuple[ConvProblem, Any]]) -> list[learned.Sample]:

@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import torch
 
-from . import db_file, export_lines, hardware, sqlite_pages
+from . import db_file, export_lines, forks, hardware, sqlite_pages
 from .errors import check_type
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
@@ -467,15 +467,7 @@ _opened: dict[str, TuningDB] = {}  # every database opened from a path (or the d
 _unopenable: set[str] = set()  # paths that could not be opened where a temporary database served (each warned once)
 _fallback: TuningDB | None = None  # the process's temporary database, where a path cannot be opened
 _opened_lock = threading.Lock()
-
-
-def _after_fork() -> None:
-    # A child forked while another thread held the lock (opening a database) would wait on it for ever.
-    global _opened_lock
-    _opened_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+forks.renew_after_fork(globals(), _opened_lock=threading.Lock)  # (held while a database is opened)
 
 
 def opened(path: str | os.PathLike | None = None, *, strict: bool = False) -> TuningDB | None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from convtune import forks
 from convtune.settings import settings
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,9 @@ MODULE_NAME = "convtune._C"
 LIBRARY = "convtune_C"  # the built library's name
 
 _lock = threading.Lock()
-
-
-def _after_fork() -> None:
-    # A child forked while another thread held the lock (building the extension) would wait on it for ever; its own
-    # build waits on the build folder's lock instead (torch.utils.cpp_extension's), which the parent's releases.
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+# (held while the extension builds: a child's own build waits on the build folder's lock instead,
+# torch.utils.cpp_extension's, which the parent's build releases)
+forks.renew_after_fork(globals(), _lock=threading.Lock)
 _state: dict[str, Any] = {"module": None, "error": None, "build_s": None}
 
 

@@ -26,7 +26,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 import sqlite3
 import statistics
 import threading
@@ -36,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from convtune import extension
+from convtune import extension, forks
 from convtune.algorithms.base import Algorithm, NoNativeRecipe
 from convtune.algorithms.registry import algorithms, generation, get_algorithm
 from convtune.problem import ConvProblem, empty_in_layout
@@ -182,15 +181,8 @@ _recipes: dict[tuple, tuple[dict[str, Any], set[str]]] = {}
 _refused: dict[tuple, Exception] = {}  # the same key -> why it has no executable (not tried again; cuDNN's
 # refusals, which may be passing, such as an execution plan built out of memory, are tried again)
 _prepared_lock = threading.Lock()
-
-
-def _after_fork() -> None:
-    # A child forked while the background worker held a lock (making an executable) would wait on it forever.
-    global _prepared_lock, _host_costs_lock
-    _prepared_lock, _host_costs_lock = threading.Lock(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+# (held while the background worker makes an executable; _host_costs_lock, below, while the host costs are measured)
+forks.renew_after_fork(globals(), _prepared_lock=threading.Lock, _host_costs_lock=threading.Lock)
 
 
 def prepare(problem: ConvProblem, name: str, db: Any = None, device: torch.device | None = None) -> tuple[int, str]:

@@ -245,8 +245,7 @@ def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     policy); not a layer on the Python path (its cost is that path's whatever runs it), nor under
     ``prefer='least_memory'``, whose ties go to the least workspace; settings.host_rule=False turns it off with the
     rule it belongs to."""
-    if (not settings.host_rule or not settings.native or tuning.db is None or selection.call is not None
-            or tuning.policy.prefer == "least_memory" or not runtime.available()):
+    if selection.call is not None or not _ties_may_move(tuning):
         return selection
     costs = tie_costs(selection, tuning)
     if costs is None or costs.moved_us >= costs.as_chosen_us:
@@ -270,9 +269,8 @@ def for_calls_without_gradients(selection: LayerSelection, tuning: Tuning) -> La
     backward's paths cost more than its forward saves it stays on PyTorch's call, and so did its inference calls; an
     executable of a cuDNN execution plan costs the host less a forward than that call (bench/results/tie_paths.md).
     A layer tuned for its forward alone is judged so already. The same conditions as ``on_the_cheaper_path``."""
-    if (selection.runtime != "torch" or selection.fwd != NATIVE or len(selection.results) < 2
-            or not settings.host_rule or not settings.native or tuning.db is None
-            or tuning.policy.prefer == "least_memory" or not runtime.available()):
+    if selection.runtime != "torch" or selection.fwd != NATIVE or len(selection.results) < 2 \
+            or not _ties_may_move(tuning):
         return selection
     problem = ConvProblem.from_key(selection.problem)
     native = tuning.db.result(problem, NATIVE)  # measured (select's answer in mode 'get' is a prediction)
@@ -288,6 +286,13 @@ def for_calls_without_gradients(selection: LayerSelection, tuning: Tuning) -> La
     log.info("%s: a call that needs no gradient runs %s, which costs it less than PyTorch's call",
              selection.problem, member.algorithm)
     return chosen
+
+
+def _ties_may_move(tuning: Tuning) -> bool:
+    """Whether a tie given to torch:native may take another path under ``tuning``: the host-cost rule on, the native
+    runtime on and loaded, measurements at hand, and a policy whose ties do not go to the least workspace."""
+    return (settings.host_rule and settings.native and tuning.db is not None
+            and tuning.policy.prefer != "least_memory" and runtime.available())
 
 
 class TieCosts(NamedTuple):

@@ -24,26 +24,18 @@ reserved size) or when a need was never reserved (a warning: tune before capturi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import torch
 
+from convtune import forks
 from convtune.algorithms.base import Buffer, carve
 from convtune.hardware import current_stream_handle
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-
-
-def _after_fork() -> None:
-    # A child forked while another thread held the lock would wait on it for ever.
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+forks.renew_after_fork(globals(), _lock=threading.Lock)
 _buffers: dict[tuple, torch.Tensor] = {}  # slot (see _slot) -> buffer
 _reserved: dict[tuple, int] = {}  # (device type, index) -> the largest need tuning reserved
 _captured: set[tuple] = set()  # slots whose current buffer a graph capture has used
