@@ -29,7 +29,7 @@
 # (bench/plan_budgets.py's committed configuration: network workspace plans under budgets). heuristics
 # (bench/heuristics_cost.py: the host time of asking cuDNN's heuristics A and B for a new problem's plans).
 # tiepaths[:<tie_paths.py arguments joined by +>] (bench/tie_paths.py: the paths of a layer whose pick is PyTorch's own
-# call, four copies of a network timed in one process).
+# call, five copies of a network timed in one process).
 # getlatency (bench/get_latency.py: how long get takes on a problem new to the process, and on it again).
 # timermethods[:<timer_methods.py arguments joined by +>] (bench/timer_methods.py: the timer's methods, their cost
 # and their picks, on a network's first problems).

@@ -4,11 +4,13 @@ find ranks torch:native first among results within the policy's tolerance of the
 it calls PyTorch's convolution through the C++ check of its input (``TorchDirect``). A cuDNN executable costs the
 host 4-8 us less a forward than PyTorch's own call (the H200's bench/results/host_probe.md), so ``optimize`` moves
 such ties to the executable whose path costs the layer less (``convtune.pytorch.tuning.on_the_cheaper_path``).
-This times, in one process and in rotation (the order turned every round, as bench/ab.py does), four copies of a
+This times, in one process and in rotation (the order turned every round, as bench/ab.py does), five copies of a
 network (the same weights):
 
 - torch: PyTorch, ``cudnn.benchmark=True``;
 - tuned: ``convtune.optimize(training=True)`` on an empty database, as it ships;
+- no_grad_off: tuned's copy without the forward's path for calls without gradients
+  (``tuning.for_calls_without_gradients``): the move's share, that path's the difference from tuned;
 - ties_off: the same choices with that move turned off, and the forward's path for calls without gradients
   (``tuning.for_calls_without_gradients``) too (optimized again on the same database, measuring nothing): ties on
   torch:native, the layers on PyTorch's call through ``TorchDirect`` whatever a call needs;
@@ -47,7 +49,7 @@ from convtune.pytorch import runtime, tuning  # noqa: E402
 from convtune.pytorch.tuning import LayerSelection, tie_costs  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 
-VARIANTS = ("torch", "tuned", "ties_off", "cudnn_ties")
+VARIANTS = ("torch", "tuned", "no_grad_off", "ties_off", "cudnn_ties")
 
 
 def tuned_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -106,7 +108,7 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
     base = base.to(device).to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     labels = torch.randint(0, classes, (batch,), device=device)
-    tuned, ties_off = copy.deepcopy(base), copy.deepcopy(base)
+    tuned, no_grad_off, ties_off = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     with tempfile.TemporaryDirectory() as tmp, convtune.TuningDB(str(Path(tmp) / "tie.sqlite")) as db:
         with torch.autocast(device, dtype=dtype):
             judgements: list[list] = []  # what the rule saw, as it judged each layer (tuning.tie_costs)
@@ -121,20 +123,23 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
             with mock.patch.object(tuning, "tie_costs", judged):
                 convtune.optimize(tuned, x, training=True, db=db)
             tune_s = time.perf_counter() - t0
-            with mock.patch.object(tuning, "on_the_cheaper_path", lambda selection, _: selection), \
-                    mock.patch.object(tuning, "for_calls_without_gradients", lambda selection, _: selection):
-                convtune.optimize(ties_off, x, training=True, db=db)  # the database is warm: nothing measured
+            unchanged = lambda selection, _: selection  # noqa: E731
+            with mock.patch.object(tuning, "for_calls_without_gradients", unchanged):
+                convtune.optimize(no_grad_off, x, training=True, db=db)  # the database is warm: nothing measured
+                with mock.patch.object(tuning, "on_the_cheaper_path", unchanged):
+                    convtune.optimize(ties_off, x, training=True, db=db)
         cudnn_ties = copy.deepcopy(ties_off)
         on_cudnn_ties(cudnn_ties, db, convtune.Policy().tolerance)
-        models = dict(torch=base, tuned=tuned, ties_off=ties_off, cudnn_ties=cudnn_ties)
-        moved = {who: differing(models[who], ties_off) for who in ("tuned", "cudnn_ties")}
+        models = dict(torch=base, tuned=tuned, no_grad_off=no_grad_off, ties_off=ties_off, cudnn_ties=cudnn_ties)
+        moved = {who: differing(models[who], ties_off) for who in ("tuned", "no_grad_off", "cudnn_ties")}
         changed = {who: sum(m.values()) for who, m in moved.items()}
         host_costs = runtime.host_overheads_us(device, db)  # what the rule read (measured once, kept in db)
+        # layers whose calls without gradients run another forward
         no_grad = {who: sum(bool(s.no_grad) for m in tuned_layers(models[who]) for s in m._convtune_selections.values())
-                   for who in ("tuned", "ties_off")}  # layers whose calls without gradients run another forward
+                   for who in ("tuned", "no_grad_off", "ties_off")}
         on_native = {who: sum(getattr(s, d) == NATIVE for m in tuned_layers(models[who])
                               for s in m._convtune_selections.values() for d in ("fwd", "bwd_data", "bwd_filter"))
-                     for who in ("tuned", "ties_off", "cudnn_ties")}
+                     for who in ("tuned", "no_grad_off", "ties_off", "cudnn_ties")}
         timer = e2e.Timer(device, steps, 1)
         autocast = lambda: torch.autocast(device, dtype=dtype)  # noqa: E731
         steps_of = {}
@@ -176,8 +181,9 @@ def markdown(env: dict, results: dict) -> str:
     lines = [
         "# Which path a layer whose pick is PyTorch's own call should take, in eager code",
         "",
-        f"{common.env_line(env)} Four copies of a network in one process, timed in rotation (`bench/tie_paths.py`, "
-        "whose docstring says what each copy runs: tuned, as `optimize` ships; ties_off, its ties left on "
+        f"{common.env_line(env)} Five copies of a network in one process, timed in rotation (`bench/tie_paths.py`, "
+        "whose docstring says what each copy runs: tuned, as `optimize` ships; no_grad_off, without the forward's "
+        "path for calls without gradients; ties_off, without that and its ties left on "
         "torch:native; cudnn_ties, every such tie forced onto cuDNN's fastest plan); ms: each copy's median over the "
         "rounds; ratio: the median of the rounds' PyTorch / copy (above 1: faster than PyTorch), with the interval "
         "where that median lies with at least 95% confidence.",

@@ -607,7 +607,7 @@ def test_the_depthwise_table_shows_the_strip_banded_and_rows_families_beside_the
     assert "| 0.0350 | 0.1400 | - | 0.0350 | 0.0700 |" in text
 
 
-def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_changed(tmp_path):
+def test_tie_paths_times_five_copies_of_a_network_and_says_what_each_variant_changed(tmp_path):
     from convtune.pytorch import runtime
 
     if not runtime.available():
@@ -615,7 +615,7 @@ def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_cha
     result = _run("tie_paths.py", tmp_path, "--batch", "2", "--rounds", "2")["results"]
     row = result["tiny:b2:float16"]
     for workload in ("inference", "training"):
-        for variant in ("torch", "tuned", "ties_off", "cudnn_ties"):
+        for variant in ("torch", "tuned", "no_grad_off", "ties_off", "cudnn_ties"):
             assert len(row["rows"][workload][variant]["times"]) == 2 and row["rows"][workload][variant]["ms"] > 0
         assert row["rows"][workload]["torch"]["ratio"] == 1.0
     # the CPU has no cuDNN plan to force a tie onto; whatever optimize moved was a direction ties_off left on
@@ -623,10 +623,11 @@ def test_tie_paths_times_four_copies_of_a_network_and_says_what_each_variant_cha
     native = row["torch_native_directions"]
     assert row["changed"]["cudnn_ties"] == 0 and native["cudnn_ties"] == native["ties_off"] > 0
     assert row["changed"]["tuned"] == native["ties_off"] - native["tuned"]
+    assert row["changed"]["no_grad_off"] == row["changed"]["tuned"]  # the same move, without the no-gradient path
     # what the rule saw as optimize tuned the copy: the layers it moved are those it judged cheaper moved
     assert "native" in row["host_costs_us"] and row["tie_judgements"]
     assert set(row["moved_problems"]) == {p for p, chosen, moved in row["tie_judgements"] if moved < chosen}
-    assert row["no_grad_paths"]["ties_off"] == 0  # (turned off there with the move)
+    assert row["no_grad_paths"]["ties_off"] == row["no_grad_paths"]["no_grad_off"] == 0  # (turned off there)
     again = row["host_costs_again_us"]  # the measurement made again (5 times by default)
     assert len(again) == 5 and all("native" in costs for costs in again)
     assert "| tiny | b2 | float16 | training |" in (tmp_path / "tie_paths.md").read_text()
