@@ -206,10 +206,14 @@ def markdown(env: dict, results: dict) -> str:
     for key, result in results.items():
         judged = result.get("tie_judgements") or []
         cheaper = [j for j in judged if j[2] < j[1]]
+        moved = set(result.get("moved_problems") or [])
+        kept = sum(j[0] in moved for j in cheaper)
         costs = ", ".join(f"{kind} {us:.1f}" for kind, us in sorted(result.get("host_costs_us", {}).items()))
         lines += ["", f"{key}: as `optimize` tuned the copy, the rule (`tuning.tie_costs`) judged {len(judged)} layers "
-                      f"with a direction on torch:native and found {len(cheaper)} cheaper moved (each layer's cost a "
-                      f"step as chosen and moved, us, in the JSON); on "
+                      f"with a direction on torch:native and found {len(cheaper)} cheaper moved than as chosen on "
+                      f"convtune's op (each layer's cost a step as chosen and moved, us, in the JSON), of which {kept} "
+                      f"run other choices than ties_off's (the others the host-cost rule, `where_the_host_pays`, "
+                      f"then sent to PyTorch's call, cheaper still); on "
                       f"{result.get('no_grad_paths', {}).get('tuned', '-')} layers left on PyTorch's call a call "
                       f"without gradients runs the forward's cheaper path; the host costs it read (us a direction "
                       f"over PyTorch's call): {costs or '-'}."]
