@@ -336,6 +336,16 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
             groups[(network, row["direction"], row["dtype"])].append(dict(row, network=network))
     reports = [learned.holdout_report(samples, here, seed=args.seed + i) for i in range(max(1, args.splits))]
     report = reports[0]
+    # the same splits, every ranking judged on the problems whose cuDNN heuristics' first plans are known
+    split_groups: dict[tuple, list[dict]] = defaultdict(list)
+    split_rows = ordered_rows = 0
+    for i in range(max(1, args.splits)):
+        for row in judge(samples, learned.held_out(samples, seed=args.seed + i), here, recorded):
+            split_rows += 1
+            if row.get("cudnn_A") and row.get("cudnn_B"):
+                ordered_rows += 1
+                split_groups[(f"random, seed {args.seed + i}", row["direction"], "all")].append(row)
+    split_summary, splits = table(split_groups)
     summary, text = table(groups)
     all_groups = {("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
                   for d, t in sorted({k[1:] for k in groups})}
@@ -352,7 +362,8 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     env = common.environment()
     payload = {"environment": env, "measured_on": measured_on, "samples": len(samples), "problems": len(measured),
                "orders": args.orders if recorded is None else str(Path(args.orders).name),
-               "seed": args.seed, "random_split": report, "random_splits": reports, "overall": overall_summary,
+               "seed": args.seed, "random_split": report, "random_splits": reports,
+               "random_splits_by_ranking": split_summary, "overall": overall_summary,
                "rules": rules_summary, "by_distance": distance_summary,
                "find": find_summary, "price_errors": error_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
@@ -367,7 +378,10 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"measured time of its first pick over the best measured: geometric mean / worst / how often "
                 f"it is the best. torch_bm0: PyTorch's own call (cudnn.benchmark=False); cudnn_A/B: cuDNN's "
                 f"heuristics' first plan (cuDNN's order: {payload['orders']}).\n\n{text}\nAll held-out networks "
-                f"together:\n\n{overall}\nRandom splits (a fifth of the problems held out whole): {split}.\n\n"
+                f"together:\n\n{overall}\nRandom splits (a fifth of the problems held out whole: the sweep's problems "
+                f"of every dtype and layout, most of them far from any network's layers): {split}. The same splits, "
+                f"every ranking judged on the {ordered_rows} of their {split_rows} problems whose cuDNN heuristics' "
+                f"first plans A and B are both known and measured:\n\n{splits}\n"
                 f"## By how far the nearest measured problem lies\n\nThe same held-out problems, by the distance "
                 f"from each to the nearest problem of its direction the model was built from (features scaled to "
                 f"unit spread, `LearnedModel.nearest_distance`):\n\n{distances}\n"

@@ -1,5 +1,6 @@
 """The benchmark scripts run on the CPU, and their result files can be written again from their JSON."""
 
+import gzip
 import importlib
 import importlib.util
 import json
@@ -407,6 +408,19 @@ def test_learned_get_judges_another_machines_measurements_on_this_one(tmp_path, 
     assert learned_get.main(["--db", str(db_path), "--measured-on", h200, "--networks", "resnet18", "--layers", "4",
                              "--out", str(named)]) == 0
     assert json.loads((named / "learned_get.json").read_text())["measured_on"] == h200
+    # the random splits judged with cuDNN's heuristics' first plans where the machine that measured recorded them
+    # (bench/cudnn_order.py's file): here heuristics A 'picks' PyTorch's call, B the other candidate
+    orders = tmp_path / "orders.json.gz"
+    with gzip.open(orders, "wt") as f:
+        json.dump({"problems": {p.key: {"plans": [], "A": "torch:native", "B": "gemm:im2col"} for p in problems}}, f)
+    ordered = tmp_path / "ordered"
+    assert learned_get.main(["--db", str(db_path), "--measured-on", h200, "--networks", "resnet18", "--layers", "4",
+                             "--orders", str(orders), "--out", str(ordered)]) == 0
+    splits = json.loads((ordered / "learned_get.json").read_text())["random_splits_by_ranking"]
+    assert splits and all(group["cudnn_A"] == group["torch_bm0"] for group in splits.values())
+    assert all(group["cudnn_B"]["problems"] == group["learned"]["problems"] for group in splits.values())
+    assert "problems whose cuDNN heuristics' first plans A and B are both known" in (
+        ordered / "learned_get.md").read_text()
     for bad in ("auto", "cpu|AMD EPYC|threads2"):  # no CUDA fingerprint to take; a machine outside the peaks table
         with pytest.raises(SystemExit):
             learned_get.main(["--db", str(tmp_path / "empty.sqlite"), "--measured-on", bad, "--out", str(out)])

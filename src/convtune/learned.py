@@ -601,14 +601,20 @@ def _warn(message: str) -> None:
         log.warning(message)
 
 
+def held_out(samples: Sequence[Sample], fraction: float = 0.2, seed: int = 0) -> set[ConvProblem]:
+    """The problems a random split holds out whole (``holdout_report``): ``fraction`` of those ``samples`` measured
+    (at least one), drawn by ``seed``."""
+    problems = sorted({s.problem for s in samples}, key=lambda p: p.key)
+    random.Random(seed).shuffle(problems)
+    return set(problems[:max(1, int(len(problems) * fraction))])
+
+
 def holdout_report(samples: Sequence[Sample], fingerprint: str, *, fraction: float = 0.2,
                    seed: int = 0) -> dict[str, float]:
     """Built from most problems (drawn by ``seed``), judged on the rest (whole problems held out): for each held-out
     problem, the time of the candidate each model ranks first over the best measured, as a geometric
     mean and worst case, and how often each picks the best (top-1), learned against analytic."""
-    problems = sorted({s.problem for s in samples}, key=lambda p: p.key)
-    random.Random(seed).shuffle(problems)
-    held = set(problems[:max(1, int(len(problems) * fraction))])
+    held = held_out(samples, fraction, seed)
     model = train([s for s in samples if s.problem not in held], fingerprint)
     scores: dict[str, list[float]] = {"learned": [], "analytic": []}
     by_problem: dict[ConvProblem, list[Sample]] = defaultdict(list)
