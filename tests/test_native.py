@@ -1348,6 +1348,40 @@ def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_c
         assert [name for name in ("conv2d", "tuned_conv", "layer_conv") if name in code] == [op], code
 
 
+def test_compiled_inference_calls_pytorch_where_only_the_gradients_gain(native, monkeypatch, tmp_path):
+    from convtune.results import PerfResult, Status
+
+    # gemm:1x1 gains 0.3 us in the forward (past the tie's 2%) and 20 us in each gradient; compiled code pays 5 us
+    # a call of convtune's op: worth it for a training step (40.3 us against 15), not for a call without gradients
+    monkeypatch.setattr(runtime, "host_overheads_us",
+                        lambda device, db=None: {"python": 50.0, "gemm_1x1": 0.0, "native": 0.0, "compiled": 5.0})
+    x = torch.randn(2, 6, 5, 5)
+    module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
+    p = ConvProblem.from_module(module, tuple(x.shape))
+    for d, gain_ms in (("fwd", 0.0003), ("bwd_data", 0.02), ("bwd_filter", 0.02)):
+        module._convtune_tuning.db.store(p.with_direction(d), [
+            PerfResult("gemm:1x1", Status.OK, time_ms=0.01, rel_error=0.0),
+            PerfResult("torch:native", Status.OK, time_ms=0.01 + gain_ms, rel_error=0.0)])
+    module(x.requires_grad_()).sum().backward()
+    selection = next(iter(module.selections.values()))
+    assert selection.runtime == "native" and selection.fwd == "gemm:1x1"  # eager code runs the choices
+    assert not selection.compiled_torch and selection.compiled_torch_no_grad
+    assert pickle.loads(pickle.dumps(selection)).compiled_torch_no_grad
+    rows = ct.explain(module)
+    assert {row["compiled"] for row in rows} == {"executables"}
+    assert "the forward's choice gains 0.3 us of GPU time, less than the 5.0 us" in rows[0]["note"]
+    for grad in (True, False):  # a static shape: the executables for a training step, PyTorch's call without
+        graphs: list = []
+        compiled = torch.compile(module, backend=_counting_backend(graphs), fullgraph=True)
+        with torch.set_grad_enabled(grad):
+            y = compiled(x.detach().requires_grad_(grad))
+        torch.testing.assert_close(y, F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+        code = "\n".join(str(g.code) for g in graphs)
+        expected = "tuned_conv" if grad else "conv2d"
+        assert [name for name in ("conv2d", "tuned_conv", "layer_conv") if name in code] == [expected], code
+        torch._dynamo.reset()
+
+
 def test_what_compiled_code_pays_to_call_the_op_is_measured_on_tuned_run_of_pytorchs_convolution(native,
                                                                                                  monkeypatch):
     overheads = runtime._measured("cpu")

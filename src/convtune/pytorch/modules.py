@@ -150,7 +150,8 @@ class TunedConv(_ConvBase):
         for (need_dx, need_dw), key in _traced_keys(sig, self._convtune_weight_shape):
             entry: tuple[int, ...] | None = None
             if not provisional and selection.covers(need_dx, need_dw):
-                if (selection.call is None and selection.native is None) or selection.compiled_torch:
+                if (selection.call is None and selection.native is None) or selection.compiled_torch or (
+                        selection.compiled_torch_no_grad and not need_dx and not need_dw):
                     entry = ()  # PyTorch's own call
                 elif selection.native is not None and not pads:
                     fwd, bwd_data, bwd_filter = selection.native
@@ -173,12 +174,14 @@ class TunedConv(_ConvBase):
 
     def _convtune_compiled_as(self, sig: Signature) -> str:
         """What torch.compile traces for an input of ``sig``, read from the tables the traced forward reads:
-        'torch' (PyTorch's convolution, for a static shape), 'executables' (``tuned_conv`` on the chosen executables'
-        handles, for a static shape), 'layer op' or 'by shape' (explain's ``compiled``)."""
+        'torch' (PyTorch's convolution, for a static shape, whatever gradients a call needs), 'executables'
+        (``tuned_conv`` on the chosen executables' handles, for a static shape; a call needing no gradient may call
+        PyTorch's, ``LayerSelection.compiled_torch_no_grad``, which the note says), 'layer op' or 'by shape'
+        (explain's ``compiled``)."""
         static = [self._convtune_static[key] for _, key in _traced_keys(sig, self._convtune_weight_shape)
                   if key in self._convtune_static]
         if static:  # read first, whatever the layer's other signatures are
-            return "torch" if any(entry == () for entry in static) else "executables"
+            return "torch" if all(entry == () for entry in static) else "executables"
         return "by shape" if not self._convtune_layer or self._convtune_full_path else "layer op"
 
     def _convtune_adopt_landed(self, sig: Signature) -> None:

@@ -69,6 +69,10 @@ class LayerSelection:
     no_grad: on a layer that calls PyTorch's convolution (``runtime`` 'torch', torch:native chosen in every
     direction), the forward's algorithm that eager code runs instead for a call that needs no gradient, where its
     path costs the layer less (``for_calls_without_gradients``); '' for none.
+    compiled_torch_no_grad: in compiled code a call that needs no gradient (inference) calls PyTorch's
+    convolution, where the layer runs its executables otherwise: the forward's own GPU gain is smaller than what
+    compiled code pays to call the op for it (a layer tuned for training is judged by the sum over its directions,
+    which may gain in the gradients alone).
     """
 
     problem: str
@@ -80,6 +84,7 @@ class LayerSelection:
     host_rule: bool = False
     compiled_torch: bool = False
     no_grad: str = ""
+    compiled_torch_no_grad: bool = False
     call: ops.Call | None = dataclasses.field(init=False, compare=False, repr=False)
     native: tuple[int, int, int] | None = dataclasses.field(init=False, compare=False, repr=False)
     python_reason: str = dataclasses.field(init=False, compare=False, repr=False)  # explain's note on the path
@@ -122,7 +127,7 @@ class LayerSelection:
     def __reduce__(self):
         # Copies and pickles are made anew, so their executables exist in the process that runs them.
         return LayerSelection, (self.problem, self.fwd, self.bwd_data, self.bwd_filter, self.results, self.reason,
-                                self.host_rule, self.compiled_torch, self.no_grad)
+                                self.host_rule, self.compiled_torch, self.no_grad, self.compiled_torch_no_grad)
 
     @property
     def runtime(self) -> str:
@@ -407,6 +412,7 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
     if wrong_in_pytorch(base):  # PyTorch's own call is no option there: torch:native would run through the op too
         return selection
     gain_us = cost_us = 0.0
+    forward = (0.0, 0.0)  # the forward's own gain and cost (for a call that needs no gradient)
     natives = {}
     for direction, chosen in selection.results:
         problem = base.with_direction(direction)
@@ -424,9 +430,12 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
             kind = "python"
         else:
             kind = get_algorithm(chosen.algorithm, problem).host_kind
-        cost_us += runtime.extra_host_us(problem, kind, tuning.db)
+        extra_us = runtime.extra_host_us(problem, kind, tuning.db)
+        cost_us += extra_us
+        if direction == "fwd":
+            forward = (1e3 * (native.time_ms - chosen.time_ms), extra_us)
     if gain_us >= cost_us:
-        return _where_compiled_code_pays(selection, gain_us, cost_us, tuning)
+        return _where_compiled_code_pays(selection, gain_us, cost_us, tuning, forward)
     log.info("%s calls PyTorch: its choices gain %.1f us of GPU time a step, their path costs %.1f us of host time",
              selection.problem, gain_us, cost_us)
     fwd, bwd_data, bwd_filter = (NATIVE if direction in natives else "" for direction in DIRECTIONS)
@@ -436,21 +445,30 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
                             f"({', '.join(r.algorithm for _, r in selection.results)})")
 
 
-def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_us: float,
-                              tuning: Tuning) -> LayerSelection:
+def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_us: float, tuning: Tuning,
+                              forward: tuple[float, float] = (0.0, 0.0)) -> LayerSelection:
     """``selection``, marked ``compiled_torch`` where its GPU gain (``gain_us`` a step) is smaller than what
     compiled code pays for it: the host time its executables add (``eager_us``, as in eager code) and the calls
     of convtune's op rather than of PyTorch's convolution, one per direction tuned (``runtime.compiled_call_us``:
-    a static shape's call, ``tuned_run``)."""
+    a static shape's call, ``tuned_run``); else marked ``compiled_torch_no_grad`` where a layer tuned for a
+    gradient gains less than that in its forward alone (``forward``: the forward's gain and the host time its
+    executable adds, us), which is all that a call needing no gradient runs."""
     if selection.native is None:  # the Python path: compiled code breaks the graph there whatever it gains
         return selection
-    calls = len({direction for direction, _ in selection.results})
-    cost_us = eager_us + calls * runtime.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
-    if gain_us >= cost_us:
+    directions = {direction for direction, _ in selection.results}
+    call_us = runtime.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
+    cost_us = eager_us + len(directions) * call_us
+    if gain_us < cost_us:
+        return dataclasses.replace(selection, compiled_torch=True, reason=(
+            f"under torch.compile PyTorch's own call: the tuned choices gain {gain_us:.1f} us of GPU time a step, "
+            f"less than the {cost_us:.1f} us of host time compiled code pays to call convtune's op"))
+    forward_gain_us, forward_cost_us = forward[0], forward[1] + call_us
+    if directions == {"fwd"} or forward_gain_us >= forward_cost_us:
         return selection
-    return dataclasses.replace(selection, compiled_torch=True, reason=(
-        f"under torch.compile PyTorch's own call: the tuned choices gain {gain_us:.1f} us of GPU time a step, "
-        f"less than the {cost_us:.1f} us of host time compiled code pays to call convtune's op"))
+    return dataclasses.replace(selection, compiled_torch_no_grad=True, reason=(
+        f"under torch.compile a call that needs no gradient calls PyTorch's convolution: the forward's choice gains "
+        f"{forward_gain_us:.1f} us of GPU time, less than the {forward_cost_us:.1f} us of host time compiled code "
+        f"pays to call convtune's op for it"))
 
 
 def reserve_workspace(selection: LayerSelection, device: torch.device) -> None:
