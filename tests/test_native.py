@@ -1382,6 +1382,18 @@ def test_compiled_inference_calls_pytorch_where_only_the_gradients_gain(native, 
         expected = "tuned_conv" if grad else "conv2d"
         assert [name for name in ("conv2d", "tuned_conv", "layer_conv") if name in code] == [expected], code
         torch._dynamo.reset()
+    # a layer tuned for its forward alone (calls without gradients) is judged the same way
+    alone = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=module._convtune_tuning.db)
+    with torch.no_grad():
+        alone(x.detach())
+    selection = next(iter(alone.selections.values()))
+    assert (selection.fwd, selection.bwd_data, selection.runtime) == ("gemm:1x1", "", "native")
+    assert selection.compiled_torch or selection.compiled_torch_no_grad  # (the first where eager code saves none)
+    graphs = []
+    with torch.no_grad():
+        torch.compile(alone, backend=_counting_backend(graphs), fullgraph=True)(x.detach())
+    code = "\n".join(str(g.code) for g in graphs)
+    assert [name for name in ("conv2d", "tuned_conv", "layer_conv") if name in code] == ["conv2d"], code
 
 
 def test_what_compiled_code_pays_to_call_the_op_is_measured_on_tuned_run_of_pytorchs_convolution(native,

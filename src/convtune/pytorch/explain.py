@@ -32,10 +32,10 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     note (why torch's or the Python path, on a layer that calls PyTorch the forward's path of a call that needs no
     gradient where it differs (``LayerSelection.no_grad``), or the result's message) and compiled (what torch.compile
     traces for the layer: 'executables', for an input of this static shape the chosen executables by handle
-    (``tuned_conv``); 'torch', PyTorch's own convolution for an input of this static shape where the layer would
-    call PyTorch or its choices gain less than compiled code pays to call convtune's op (a call needing no
-    gradient traces it where the forward alone gains less, ``LayerSelection.compiled_torch_no_grad``, which the
-    note says, and the layer reads 'executables'); 'layer op', its C++ op
+    (``tuned_conv``; a call needing no gradient traces PyTorch's convolution where the forward alone gains less
+    than compiled code pays to call convtune's op, ``LayerSelection.compiled_torch_no_grad``, which the note
+    says); 'torch', PyTorch's own convolution for an input of this static shape where the layer would
+    call PyTorch or its choices gain less than compiled code pays to call convtune's op; 'layer op', its C++ op
     that looks every input shape up (a shape met first in compiled code; any symbolic shape takes it too); or
     'by shape', its choice per specialized shape; docs/runtime.md). Raises ``TypeError`` for a non-Module.
     """

@@ -143,7 +143,9 @@ class TunedConv(_ConvBase):
         through here or ``_convtune_forget``, which keep the tables compiled code reads (``_convtune_static``,
         ``_convtune_traced``) in step; the methods that drop them all (``_init_convtune``, a geometry change in
         ``__setattr__``) and a copy's ``__setstate__`` empty or rebuild them themselves. An entry holds the handles
-        its gradients need only (0 for the others), so that tuning another direction later leaves it as it was."""
+        its gradients need only (0 for the others), so that tuning another direction later leaves it as it was
+        (but for the entry of calls needing no gradient, which the layer's judgement with its gradients may turn
+        to PyTorch's call: ``LayerSelection.compiled_torch_no_grad``)."""
         self._convtune_selections[sig] = selection
         pads = self._convtune_pads_first()
         provisional = sig in self._convtune_provisional
@@ -151,7 +153,7 @@ class TunedConv(_ConvBase):
             entry: tuple[int, ...] | None = None
             if not provisional and selection.covers(need_dx, need_dw):
                 if (selection.call is None and selection.native is None) or selection.compiled_torch or (
-                        selection.compiled_torch_no_grad and not need_dx and not need_dw):
+                        selection.compiled_torch_no_grad and not need_dx and not need_dw and not pads):
                     entry = ()  # PyTorch's own call
                 elif selection.native is not None and not pads:
                     fwd, bwd_data, bwd_filter = selection.native

@@ -60,7 +60,7 @@ class LayerSelection:
     problem: the forward problem's key ('' when none could be built, e.g. float64 input).
     fwd, bwd_data, bwd_filter: algorithm names ('' for a direction not tuned: not needed so far).
     results: (direction, PerfResult) of each tuned direction. reason: why torch's path, if it is (or, with
-    compiled_torch, why compiled code calls it).
+    compiled_torch or compiled_torch_no_grad, why compiled code calls it).
     host_rule: PyTorch's own call was chosen by the host-cost rule (``where_the_host_pays``) over
     the tuned choices, so adding a direction judges them again.
     compiled_torch: in compiled code (an input of static shape) the layer calls PyTorch's convolution, which
@@ -450,12 +450,13 @@ def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_u
     """``selection``, marked ``compiled_torch`` where its GPU gain (``gain_us`` a step) is smaller than what
     compiled code pays for it: the host time its executables add (``eager_us``, as in eager code) and the calls
     of convtune's op rather than of PyTorch's convolution, one per direction tuned (``runtime.compiled_call_us``:
-    a static shape's call, ``tuned_run``); else marked ``compiled_torch_no_grad`` where a layer tuned for a
-    gradient gains less than that in its forward alone (``forward``: the forward's gain and the host time its
-    executable adds in eager code, us), which is all that a call needing no gradient runs. There an executable
-    that eager code measured cheaper than PyTorch's call is charged nothing, not its saving: eager code's
-    PyTorch call goes through the module's Python, which compiled code does not run (on the H200, ResNet-50's
-    compiled inference lost 2-3% with 26 layers on the op where those savings said it would gain)."""
+    a static shape's call, ``tuned_run``); else marked ``compiled_torch_no_grad`` where the layer gains less than
+    that in its forward alone (``forward``: the forward's gain and the host time its executable adds in eager
+    code, us), which is all that a call needing no gradient runs (a layer tuned for its forward alone is judged
+    so too). There an executable that eager code measured cheaper than PyTorch's call is charged nothing, not
+    its saving: eager code's PyTorch call goes through the module's Python, which compiled code does not run.
+    (Whether this is what cost ResNet-50's compiled inference 2-3% on the H200, with 26 layers on the op where
+    those savings said they would gain, is not measured: docs/performance.md.)"""
     if selection.native is None:  # the Python path: compiled code breaks the graph there whatever it gains
         return selection
     directions = {direction for direction, _ in selection.results}
@@ -466,7 +467,7 @@ def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_u
             f"under torch.compile PyTorch's own call: the tuned choices gain {gain_us:.1f} us of GPU time a step, "
             f"less than the {cost_us:.1f} us of host time compiled code pays to call convtune's op"))
     forward_gain_us, forward_cost_us = forward[0], max(forward[1], 0.0) + call_us
-    if directions == {"fwd"} or forward_gain_us >= forward_cost_us:
+    if forward_gain_us >= forward_cost_us:
         return selection
     return dataclasses.replace(selection, compiled_torch_no_grad=True, reason=(
         f"under torch.compile a call that needs no gradient calls PyTorch's convolution: the forward's choice gains "
