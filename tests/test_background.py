@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import convtune as ct
 from convtune import background
 from convtune.cli import main
 from convtune.network import Tuning
+from convtune.settings import settings
 
 
 def problem(n: int = 1, size: int = 6) -> ct.ConvProblem:
@@ -74,6 +76,30 @@ def test_a_problem_is_queued_once_and_each_finished_measurement_advances_the_gen
     held.set()
     assert background.wait(120)
     assert background.generation() == before + 1 and not background.queued(p, ct.Policy(), db)
+
+
+def test_the_worker_starts_once_no_problem_has_been_queued_for_the_settle_time(db, monkeypatch):
+    started: list[float] = []  # time.monotonic() as each measurement starts
+    measure = background._find
+    monkeypatch.setattr(background, "_find", lambda *args: started.append(time.monotonic()) or measure(*args))
+    with settings.override(background_settle_s=0.5):
+        assert background.measure(problem(n=3), ct.Policy(), db)
+        time.sleep(0.2)  # (less than the settle time: nothing has started)
+        queued_last = time.monotonic()
+        assert background.measure(problem(n=4), ct.Policy(), db)  # a second problem: the wait starts again
+        assert background.wait(120)
+    assert len(started) == 2 and min(started) >= queued_last + 0.5, (started, queued_last)
+
+
+def test_a_settle_time_that_does_not_parse_leaves_the_worker_running_and_is_named(db, monkeypatch, caplog):
+    monkeypatch.setenv("CONVTUNE_BACKGROUND_SETTLE_S", "soon")
+    with caplog.at_level(logging.WARNING, logger="convtune.background"):
+        assert background.measure(problem(n=5), ct.Policy(), db)
+        assert background.wait(120)  # the worker neither died nor hung on it
+    assert "CONVTUNE_BACKGROUND_SETTLE_S" in caplog.text
+    monkeypatch.delenv("CONVTUNE_BACKGROUND_SETTLE_S")
+    assert background.measure(problem(n=6), ct.Policy(), db) and background.wait(120)
+    assert db.lookup(problem(n=6)) is not None
 
 
 def test_a_failed_measurement_keeps_the_models_choice_and_is_not_asked_again(db, monkeypatch, caplog):

@@ -117,6 +117,10 @@ _SETTINGS = (
     # compiles when it first runs)
     _Setting("find_compile_threads", _at_least(0, int), _compile_threads_default,
              "threads that compile Triton candidates ahead"),
+    # the background worker starts a measurement only once no problem has been queued for this long: a training
+    # step that meets a new shape queues its layers' problems as it runs, and the worker's Python would otherwise
+    # compete with the rest of that step for the interpreter (0: at once)
+    _Setting("background_settle_s", _at_least(0), 0.1, "seconds without a new problem before measuring starts"),
     # a candidate still running its checks past this is a timeout, not timed; the timing ends at it (0: none)
     _Setting("candidate_deadline_s", _at_least(0), 60.0, "seconds a candidate's measurement may take"),
     # a candidate whose time exceeds the best so far by this factor stops being timed
