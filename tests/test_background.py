@@ -82,13 +82,30 @@ def test_the_worker_starts_once_no_problem_has_been_queued_for_the_settle_time(d
     started: list[float] = []  # time.monotonic() as each measurement starts
     measure = background._find
     monkeypatch.setattr(background, "_find", lambda *args: started.append(time.monotonic()) or measure(*args))
-    with settings.override(background_settle_s=0.5):
+    with settings.override(background_settle_s=2.0):
         assert background.measure(problem(n=3), ct.Policy(), db)
-        time.sleep(0.2)  # (less than the settle time: nothing has started)
+        time.sleep(0.1)  # (far less than the settle time: nothing has started)
         queued_last = time.monotonic()
         assert background.measure(problem(n=4), ct.Policy(), db)  # a second problem: the wait starts again
         assert background.wait(120)
-    assert len(started) == 2 and min(started) >= queued_last + 0.5, (started, queued_last)
+    assert len(started) == 2 and min(started) >= queued_last + 2.0, (started, queued_last)
+
+
+def test_problems_met_at_every_step_are_measured_all_the_same(db, monkeypatch):
+    # a problem queued every 0.05 s leaves no settle time of 0.2 s quiet: the oldest starts once it has waited
+    # SETTLE_LIMIT settle times (the measurement itself is not what this is about: a stand-in that succeeds)
+    monkeypatch.setattr(background, "SETTLE_LIMIT", 3)
+    monkeypatch.setattr(background, "_find", lambda *args: True)
+    before = background.generation()
+    with settings.override(background_settle_s=0.2):
+        for n in range(7, 107):  # at most 100 problems, 5 s
+            background.measure(problem(n=n), ct.Policy(), db)
+            if background.generation() > before:
+                break  # measured while problems kept coming
+            time.sleep(0.05)
+        else:
+            pytest.fail("nothing was measured while a problem came every 0.05 s")
+        assert background.wait(120)
 
 
 def test_a_settle_time_that_does_not_parse_leaves_the_worker_running_and_is_named(db, monkeypatch, caplog):
@@ -96,7 +113,7 @@ def test_a_settle_time_that_does_not_parse_leaves_the_worker_running_and_is_name
     with caplog.at_level(logging.WARNING, logger="convtune.background"):
         assert background.measure(problem(n=5), ct.Policy(), db)
         assert background.wait(120)  # the worker neither died nor hung on it
-    assert "CONVTUNE_BACKGROUND_SETTLE_S" in caplog.text
+    assert "the background worker starts at once" in caplog.text and "CONVTUNE_BACKGROUND_SETTLE_S" in caplog.text
     monkeypatch.delenv("CONVTUNE_BACKGROUND_SETTLE_S")
     assert background.measure(problem(n=6), ct.Policy(), db) and background.wait(120)
     assert db.lookup(problem(n=6)) is not None

@@ -3,10 +3,11 @@
 A problem the database does not know is answered at once by PyTorch's own call (or ``get``'s choice where the
 policy refuses it: ``select``), and ``measure`` queues it for ``find``; one worker thread measures the queued
 problems one at a time, in the order asked, and stores what it measures in the database. It starts a measurement
-only once no problem has been queued for ``settings.background_settle_s`` (0.1 s): a training step that meets a
-new shape queues its layers' problems as it runs, and the worker's Python would otherwise compete with the rest
-of that step for the interpreter (on the CPU, a small network's first step on a new shape took 26-27 ms with the
-worker starting at once and 11-13 ms with it held until the step ended; PyTorch's own step, 7 ms). Each finished
+only once no problem has been queued for ``settings.background_settle_s`` (0.1 s), or once the oldest has waited
+``SETTLE_LIMIT`` times that (a model meeting a new shape at every step): a training step that meets a new shape
+queues its layers' problems as it runs, and the worker's Python would otherwise compete with the rest of that step
+for the interpreter (on the CPU, a small network's first step on a new shape took 26-27 ms with the worker
+starting at once and 12-20 ms with it waiting; PyTorch's own step, 7 ms). Each finished
 measurement (stored, or failed) advances ``generation()``: whoever answered without a measurement compares it
 with the one it chose at and, once it has moved, selects again (a tuned layer does so on its next call, from the
 database). Before a stored measurement advances it, the worker calls what ``after_measuring`` registered (the
@@ -53,9 +54,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_WAIT_S = 60.0  # how long an ending process waits for the measurement under way
+SETTLE_LIMIT = 10  # the oldest queued problem waits at most this many settle times, however often others come
 
 _lock = threading.Condition()
-_queue: list[tuple[tuple, ConvProblem, Policy, Any, int]] = []  # (token, problem, policy, db, device), in order
+# (token, problem, policy, db, device, time.monotonic() when queued), in order
+_queue: list[tuple[tuple, ConvProblem, Policy, Any, int, float]] = []
 _waiting: set[tuple] = set()  # tokens queued or being measured
 _failed: set[tuple] = set()  # tokens whose measurement failed: not asked again in this process
 _worker: threading.Thread | None = None
@@ -90,8 +93,8 @@ def measure(problem: ConvProblem, policy: Policy, db: Any) -> bool:
             return False
         if token not in _waiting:
             _waiting.add(token)
-            _queue.append((token, problem, policy, db, token[-1]))
             _last_queued = time.monotonic()
+            _queue.append((token, problem, policy, db, token[-1], _last_queued))
             _start()
             _lock.notify_all()
     return True
@@ -128,8 +131,8 @@ def _start() -> None:
 
 
 def _settle_s() -> float:
-    """``settings.background_settle_s``; 0 where its environment variable does not parse (the caller's tuning
-    raises for it, naming it: ``Settings.check``), so that the worker measures all the same."""
+    """``settings.background_settle_s``; 0 where its environment variable does not parse, so that the worker goes
+    on (its ``find`` then fails on that setting, naming it, and the choices made at once stay)."""
     try:
         return settings.background_settle_s
     except ValueError as exc:
@@ -146,11 +149,13 @@ def _work() -> None:
                 _lock.wait_for(lambda: bool(_queue) or _stopping)
                 if _stopping:
                     return
-                settle = _settle_s() - (time.monotonic() - _last_queued)
-                if settle <= 0:
+                settle_s, now = _settle_s(), time.monotonic()
+                quiet = settle_s - (now - _last_queued)  # a problem queued meanwhile moves it on
+                overdue = SETTLE_LIMIT * settle_s - (now - _queue[0][-1])  # (problems met at every step)
+                if quiet <= 0 or overdue <= 0:
                     break
-                _lock.wait(settle)  # (a problem queued meanwhile moves the time it waits for)
-            token, problem, policy, db, device = _queue.pop(0)
+                _lock.wait(min(quiet, overdue, 1.0))  # (looked at again: a stop, a new problem, a huge setting)
+            token, problem, policy, db, device, _ = _queue.pop(0)
         ok = False
         try:
             ok = _find(problem, policy, db, device, streams)
