@@ -545,8 +545,9 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
     with torch.no_grad():
         fwd = _extra_us(forward(layer), forward(base), problem.device)
     # 9 rounds: the backward's figure moves more than the forward's from round to round (an H100's cuDNN backward
-    # read -14.0 once in five measurements of -2.1 to +0.6, bench/results/tie_paths.md; on this project's CPU the
-    # spread of 8 measurements fell from 4.8-8.8 us with 5 rounds to 2.1-3.7 with 9)
+    # read -14.0 once in five measurements of -2.1 to +0.6, tie_paths.md as committed in 742f573; on this project's
+    # CPU the spread of 8 measurements fell from 4.8-8.8 us with 5 rounds to 2.1-3.7 with 9; on the H200 at 402d6a8,
+    # with 9 rounds, it still read 0.4 to 31.7 in five measurements, bench/results/tie_paths.md)
     both = _extra_us(step(layer), step(base), problem.device, calls=20, rounds=9)
     return fwd, (both - fwd) / 2
 
