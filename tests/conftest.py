@@ -88,6 +88,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_INTERPRETER_TEST = "test_the_kernel_tests_pass_in_the_interpreter"
+_started = []  # the modules whose processes started here
+
+
+def pytest_collection_finish(session):
+    """The Triton interpreter's processes (tests/test_triton_interpreter.py) start as soon as their test is collected:
+    they run beside the rest of the suite instead of after it."""
+    for item in session.items:
+        if item.name == _INTERPRETER_TEST:
+            item.module.start()
+            _started.append(item.module)
+
+
+def pytest_sessionfinish(session):
+    for module in _started:
+        module.stop()
+
+
 def pytest_runtest_logreport(report):
     """Where CONVTUNE_TEST_TIMES names a file (bench/gpu_checks.sh names one beside each GPU test log), each test's
     setup, call and teardown append their seconds, outcome and test id to it as they end: a run cut by its time limit

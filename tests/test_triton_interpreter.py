@@ -30,17 +30,41 @@ RUNS = [(module, half) for module in FAMILIES[:2] for half in HALVES] + [(module
     + [(test_cubin, None)]
 
 
-@pytest.mark.slow  # about 3.5 min on a 2-core CPU
+_RUNS: list[tuple[object, subprocess.Popen]] = []
+
+
+def _lower_priority() -> None:
+    os.nice(10)  # the rest of the suite, at the default priority, keeps a core whenever it wants one
+
+
+def start() -> list[tuple[object, subprocess.Popen]]:
+    """The interpreter's processes, started once. tests/conftest.py starts them as soon as this test is collected, so
+    that they run beside the rest of the suite (which keeps its core: they run at a lower priority) instead of after
+    it; the test waits for them."""
+    if not _RUNS and not (RUNS_KERNELS or not HAS_TRITON):
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        _RUNS.extend((module, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                                                *(["-k", half] if half else ["-rs"]), module.__file__], env=env,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                               cwd=Path(__file__).resolve().parent.parent,
+                                               preexec_fn=_lower_priority))
+                     for module, half in RUNS)
+    return _RUNS
+
+
+def stop() -> None:
+    """Ends the processes still running (a session that stopped before the test waited for them)."""
+    for _, run in _RUNS:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+
+
+@pytest.mark.slow  # about 6.5 min of a 2-core CPU, mostly beside the rest of the suite
 @pytest.mark.skipif(RUNS_KERNELS or not HAS_TRITON, reason="the kernels run in this process")
 def test_the_kernel_tests_pass_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    runs = [(module, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                                       *(["-k", half] if half else ["-rs"]), module.__file__], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      cwd=Path(__file__).resolve().parent.parent))
-            for module, half in RUNS]
     passed = dict.fromkeys(FAMILIES, 0)
-    for module, run in runs:
+    for module, run in start():
         stdout, stderr = run.communicate()
         assert run.returncode == 0, stdout[-4000:] + stderr[-2000:]
         summary = stdout.strip().splitlines()[-1]
