@@ -454,9 +454,8 @@ def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_u
     that in its forward alone (``forward``: the forward's gain and the host time its executable adds in eager
     code, us), which is all that a call needing no gradient runs (a layer tuned for its forward alone is judged
     so too). There an executable that eager code measured cheaper than PyTorch's call is charged nothing, not
-    its saving: eager code's PyTorch call goes through the module's Python, which compiled code does not run.
-    (Whether this is what cost ResNet-50's compiled inference 2-3% on the H200, with 26 layers on the op where
-    those savings said they would gain, is not measured: docs/performance.md.)"""
+    its saving: eager code's PyTorch call goes through the module's Python, which compiled code does not run
+    (docs/performance.md: what it changed)."""
     if selection.native is None:  # the Python path: compiled code breaks the graph there whatever it gains
         return selection
     directions = {direction for direction, _ in selection.results}
