@@ -94,7 +94,9 @@ _started = []  # the modules whose processes started here
 
 def pytest_collection_finish(session):
     """The Triton interpreter's processes (tests/test_triton_interpreter.py) start as soon as their test is collected:
-    they run beside the rest of the suite instead of after it."""
+    they run beside the rest of the suite instead of after it (not where nothing runs: --collect-only)."""
+    if session.config.option.collectonly:
+        return
     for item in session.items:
         if item.name == _INTERPRETER_TEST:
             item.module.start()
