@@ -301,11 +301,11 @@ def native_rows(p, conv, x, xg) -> list[tuple[str, float]]:
     rounds' ratios; the target: at most 1.1).
     """
     from convtune.pytorch.modules import Conv2d
-    from convtune.pytorch.tuning import LayerSelection, signature_of
+    from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
 
     base = torch.nn.Conv2d(8, 8, 1, bias=False).to(p.device, p.torch_dtype).to(memory_format=torch.channels_last)
     base.weight.data.copy_(conv.weight.data)
-    sig = signature_of(x)
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     rows = []
     for kind in ("gemm_1x1", "cudnn", "native"):
         names = {}
@@ -425,7 +425,7 @@ def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     from convtune.kernels import depthwise
     from convtune.kernels.shared import geometry
     from convtune.pytorch.modules import Conv2d
-    from convtune.pytorch.tuning import LayerSelection, signature_of
+    from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
 
     p = ct.ConvProblem("fwd", n=1, c=64, k=64, input_size=(4, 4), kernel_size=3, padding=1, groups=64, dtype=dtype,
                        layout="NHWC", device=device)
@@ -448,7 +448,7 @@ def triton_rows(device: str, dtype: str) -> list[tuple[str, float]]:
             ("Triton: Algorithm.execute", _per_call_us(lambda: algo.execute(p, x, w, y, {}))),
             ("Triton: ops.compute (the op path's Runner)",
              _per_call_us(lambda: ops.compute(x, w, p.key, names["fwd"])))]
-    sig = signature_of(x)
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     xg = x.clone().requires_grad_()
     for native in (True, False):  # the kernels launched from C++ (where they are: CUDA), and the Python path
         for label, torch_dtype, autocast in (("float16 weights", p.torch_dtype, False),

@@ -887,39 +887,6 @@ def test_a_layer_entry_runs_its_executables_and_a_copy_makes_its_own_layer(nativ
         native.layer_entries(layer)
 
 
-@pytest.mark.parametrize("path", ["gemm:1x1", "torch:native"])  # a tuned executable, and PyTorch's call
-def test_a_float32_layer_chooses_again_under_the_other_tf32_setting_and_back(native, path):
-    # A float32 problem's executables compute under the TF32 setting they were chosen with: flipping
-    # torch.backends.cudnn.allow_tf32 after tuning makes the next call another signature (as PyTorch's benchmark
-    # mode keys its cache by it), chosen for its problem (tf32=0), and flipping it back returns to the first.
-    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
-    module = _forced(x, path, in_channels=6, out_channels=4, kernel_size=1)
-    twin = torch.nn.Conv2d(6, 4, 1)
-    twin.load_state_dict(module.state_dict())
-    first = next(iter(module.selections))
-    assert first.allow_tf32 and first.layout == "channels_last"
-    with torch.no_grad():
-        for _ in range(2):  # the second call takes the hot path
-            torch.testing.assert_close(module(x), twin(x))
-        def hot_entry():  # the executables' handles (PyTorch's call: its torch:native executable's)
-            entry = module._convtune_fast[x.shape]
-            return getattr(entry, "handle", entry)
-        hot = hot_entry()
-        try:
-            torch.backends.cudnn.allow_tf32 = False
-            for _ in range(2):
-                torch.testing.assert_close(module(x), twin(x))
-        finally:
-            torch.backends.cudnn.allow_tf32 = True
-        other = first._replace(allow_tf32=False)
-        assert set(module.selections) == {first, other}
-        assert module.selections[other].problem.endswith("tf32=0") and module.selections[first].problem.endswith(
-            "tf32=1")
-        assert hot_entry() != hot  # the hot path went to the other signature's choice
-        torch.testing.assert_close(module(x), twin(x))
-        assert hot_entry() == hot  # and back to the first's
-
-
 def test_a_layer_with_a_choice_on_the_python_path_compiles_through_its_traced_table(native, monkeypatch):
     # The layer's op cannot call the Python path: such a layer keeps the table keyed by shape under compile.
     x = torch.randn(2, 4, 6, 6)

@@ -52,15 +52,6 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-// The hot path's executables compute as they were tuned: a float32 problem tuned under one of cuDNN's TF32
-// settings (torch.backends.cudnn.allow_tf32) is another signature under the other. ValueError there: the module
-// selects for the setting in force, as PyTorch's benchmark mode keys its cache by it.
-void check_tf32(const Geometry& g) {
-  TORCH_CHECK_VALUE(g.dtype != at::kFloat || at::globalContext().allowTF32CuDNN() == g.allow_tf32, g.label,
-                    ": chosen with torch.backends.cudnn.allow_tf32=", g.allow_tf32 ? "True" : "False",
-                    ", which is now ", g.allow_tf32 ? "False" : "True");
-}
-
 LayerEntry layer_entry(const std::vector<int64_t>& handles, const std::vector<bool>& tuned) {
   TORCH_CHECK_VALUE(handles.size() == 3 && tuned.size() == 3, "convtune: a layer entry has three handles and three "
                     "flags (fwd, bwd_data, bwd_filter)");
@@ -105,14 +96,12 @@ LayerTuner python_tuner(py::object callable) {
 // tunes again for a new weight); nothing else differs from torch.nn's forward. ``inference``: the executable of
 // the problem's forward that a call needing no gradient runs instead (through tuned_conv, as the layer's op would
 // run it), where its path costs the layer less than PyTorch's call; 0: PyTorch's call whatever the call needs. Like
-// every executable it computes as tuned (a float32 problem under another TF32 setting: ValueError, check_tf32);
-// cuDNN's deterministic flag set after tuning does not reach it.
+// every executable it computes as tuned: cuDNN's flags set after tuning (allow_tf32, deterministic) do not reach it.
 at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                       bool dx_tuned, bool dw_tuned, int64_t inference) {
   const ExecutablePtr e = find_executable(fwd);
   const Geometry& g = e->geometry;
   e->check_input(x);
-  check_tf32(g);
   TORCH_CHECK_VALUE(w.sizes() == at::IntArrayRef(g.b.shape), g.label, ": weight of shape ", text(w.sizes()),
                     " is not the tuned problem's (", text(g.b.shape), ")");
   TORCH_CHECK_VALUE(x.device().type() == g.device_type, g.label, ": input x is on ", x.device().str(),
@@ -217,9 +206,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "tuned_conv",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd, int64_t bwd_data,
          int64_t bwd_filter) {
-        const ExecutablePtr e = find_executable(fwd);
-        e->check_input(x);  // the hot path's input: another layout is another signature
-        check_tf32(e->geometry);
+        find_executable(fwd)->check_input(x);  // the hot path's input: another layout is another signature
         py::gil_scoped_release no_gil;
         return conv_tuned(x, w, bias, fwd, bwd_data, bwd_filter);
       },

@@ -43,15 +43,7 @@ from convtune import background, extension
 from convtune.policy import Policy
 from convtune.problem import ConvProblem, explicit_padding, is_in_layout, per_dimension, to_layout
 from convtune.pytorch import ops, runtime
-from convtune.pytorch.tuning import (
-    LayerSelection,
-    Signature,
-    Tuning,
-    directions_needed,
-    layout_of,
-    select_for_layer,
-    signature_of,
-)
+from convtune.pytorch.tuning import LayerSelection, Signature, Tuning, directions_needed, layout_of, select_for_layer
 from convtune.settings import settings
 
 if TYPE_CHECKING:  # TunedConv is only ever mixed into a torch conv module: type it as one
@@ -367,7 +359,7 @@ class TunedConv(_ConvBase):
         dtype = cast or x.dtype
         if cast is None and weight.dtype != x.dtype:
             return super().forward(input)  # torch raises its own error for mixed dtypes
-        sig = signature_of(x, dtype)
+        sig = Signature(tuple(x.shape), dtype, x.device, layout_of(x))
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
         if not torch.compiler.is_compiling():
@@ -629,7 +621,7 @@ def _tune_layer(layer: int, x: torch.Tensor, w: torch.Tensor, need_dx: bool,
     module = _LAYERS.get(layer)
     if module is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    sig = signature_of(x)
+    sig = Signature(tuple(x.shape), x.dtype, x.device, layout_of(x))
     module._convtune_adopt_landed(sig)
     module._convtune_from_compiled.add(sig)
     try:

@@ -43,14 +43,7 @@ from convtune.plan import InfeasibleBudgetError
 from convtune.policy import Policy
 from convtune.problem import empty_in_layout, explicit_padding
 from convtune.pytorch.modules import TUNED, TunedConv, _autocast_dtype, convert
-from convtune.pytorch.tuning import (
-    LayerSelection,
-    Signature,
-    describe,
-    directions_needed,
-    select_for_layer,
-    signature_of,
-)
+from convtune.pytorch.tuning import LayerSelection, Signature, describe, directions_needed, layout_of, select_for_layer
 from convtune.results import PerfResult
 from convtune.units import parse_bytes
 
@@ -67,7 +60,7 @@ def _observed_call(module: _ConvNd, x: torch.Tensor, training: bool) -> tuple[Si
     x = x if x.dim() == len(module.kernel_size) + 2 else x.unsqueeze(0)
     dtype = _autocast_dtype(x) or x.dtype
     grad = training and torch.is_grad_enabled()
-    return (signature_of(x, dtype),
+    return (Signature(tuple(x.shape), dtype, x.device, layout_of(x)),
             grad and x.requires_grad, grad and module.weight.requires_grad)
 
 

@@ -519,7 +519,7 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
     halved. None where the layer would not run on ``runtime`` ('native' or 'python'; an executable cuDNN
     would not build here, say)."""
     from convtune.pytorch.modules import Conv2d
-    from convtune.pytorch.tuning import LayerSelection, signature_of
+    from convtune.pytorch.tuning import LayerSelection, Signature
 
     def made(cls: Any, **extra: Any) -> torch.nn.Module:
         layer = cls(problem.c, problem.k, problem.kernel_size, padding=problem.padding, groups=problem.groups,
@@ -532,7 +532,7 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
     base, layer = made(torch.nn.Conv2d), cast(Conv2d, made(Conv2d, mode="get"))
     layer.load_state_dict(base.state_dict())
     x = problem.random_inputs()[0]
-    layer._convtune_select(signature_of(x, layout="channels_last"), selection)
+    layer._convtune_select(Signature(tuple(x.shape), x.dtype, x.device, "channels_last"), selection)
     xg = x.clone().requires_grad_()
     dy = torch.ones_like(base(x))  # dense in the layout, as a network's gradients are
 

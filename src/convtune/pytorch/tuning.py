@@ -38,22 +38,12 @@ ROUTED_THROUGH_THE_OP = ("torch:native through convtune's op: PyTorch's own call
 
 
 class Signature(NamedTuple):
-    """What a layer's choice depends on besides the module: the (batched) input as the convolution sees it, and
-    cuDNN's TF32 setting when it was met (``torch.backends.cudnn.allow_tf32``: a float32 problem tuned under one
-    setting computes under it, so the other setting is another signature)."""
+    """What a layer's choice depends on besides the module: the (batched) input as the convolution sees it."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     layout: str
-    allow_tf32: bool = True
-
-
-def signature_of(x: torch.Tensor, dtype: torch.dtype | None = None, layout: str | None = None) -> Signature:
-    """The signature of the batched input ``x`` now: computed in ``dtype`` (autocast's; default x's), in ``layout``
-    (default x's own, ``layout_of``), under the TF32 setting in force."""
-    return Signature(tuple(x.shape), dtype or x.dtype, x.device, layout or layout_of(x),
-                     torch.backends.cudnn.allow_tf32)
 
 
 def layout_of(x: torch.Tensor) -> str:
@@ -180,7 +170,7 @@ def describe(module: torch.nn.Module, signature: Signature) -> ConvProblem:
     """The forward problem ``module`` solves on inputs of ``signature``; ``TypeError`` or ``ValueError`` where
     convtune cannot describe it (float64 input, say: the layer then stays on torch's path)."""
     return ConvProblem.from_module(module, signature.shape, dtype=signature.dtype, layout=signature.layout,
-                                   device=signature.device, allow_tf32=signature.allow_tf32)
+                                   device=signature.device)
 
 
 def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuning, directions: tuple[str, ...],
