@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import test_triton_depthwise_band
 import test_triton_depthwise_rows
 import test_triton_depthwise_strip
 import test_triton_grouped
+from convtune import extension
 from triton_cases import HAS_TRITON, RUNS_KERNELS
 
 FAMILIES = (test_triton_depthwise, test_triton_grouped, test_triton_depthwise_band, test_triton_depthwise_strip,
@@ -33,30 +35,30 @@ RUNS = [(module, half) for module in FAMILIES[:2] for half in HALVES] + [(module
 _RUNS: list[tuple[object, subprocess.Popen]] = []
 
 
-def _lower_priority() -> None:
-    os.nice(10)  # the rest of the suite, at the default priority, keeps a core whenever it wants one
-
-
 def start() -> list[tuple[object, subprocess.Popen]]:
     """The interpreter's processes, started once. tests/conftest.py starts them as soon as this test is collected, so
     that they run beside the rest of the suite (which keeps its core: they run at a lower priority) instead of after
-    it; the test waits for them."""
+    it; the test waits for them. The C++ extension is built (or found) here first, at the suite's priority, so that no
+    child holds its build lock; each child leads a process group of its own, which ``stop`` ends whole."""
     if not _RUNS and not (RUNS_KERNELS or not HAS_TRITON):
+        extension.load()
         env = dict(os.environ, TRITON_INTERPRET="1")
-        _RUNS.extend((module, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                                                *(["-k", half] if half else ["-rs"]), module.__file__], env=env,
-                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                               cwd=Path(__file__).resolve().parent.parent,
-                                               preexec_fn=_lower_priority))
-                     for module, half in RUNS)
+        for module, half in RUNS:
+            run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                                    *(["-k", half] if half else ["-rs"]), module.__file__], env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+            os.setpriority(os.PRIO_PROCESS, run.pid, 10)  # the rest of the suite keeps a core whenever it wants one
+            _RUNS.append((module, run))
     return _RUNS
 
 
 def stop() -> None:
-    """Ends the processes still running (a session that stopped before the test waited for them)."""
+    """Ends the processes still running, with whatever they started (a session that stopped before the test waited
+    for them)."""
     for _, run in _RUNS:
         if run.poll() is None:
-            run.kill()
+            os.killpg(run.pid, signal.SIGKILL)
             run.communicate()
 
 
