@@ -1940,3 +1940,38 @@ def test_a_child_forked_while_another_thread_runs_tuned_layers_makes_executables
         stop.set()
         worker.join()
     assert not stuck, f"a child forked while the layer ran waited for a lock (fork {stuck[0]} of {forks})"
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cudnn, "conv"), reason="a PyTorch without per-operation precisions")
+def test_a_model_runs_where_the_convolutions_tf32_setting_differs_from_the_rnns(native):
+    # PyTorch's per-operation settings (torch.backends.cudnn.conv.fp32_precision) unlike the RNNs' make reading
+    # torch.backends.cudnn.allow_tf32 raise: convtune reads the convolutions' own setting instead.
+    from convtune import isolation
+    from convtune.problem import cudnn_conv_tf32
+
+    saved = torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision
+    x = torch.randn(2, 3, 8, 8)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1))
+    twin = copy.deepcopy(model)
+    try:
+        for conv in ("ieee", "tf32"):
+            torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision = (
+                conv, "tf32" if conv == "ieee" else "ieee")
+            with pytest.raises(RuntimeError):
+                torch.backends.cudnn.allow_tf32  # noqa: B018  (the flag this test is about)
+            assert cudnn_conv_tf32() is (conv == "tf32")
+            assert ConvProblem.from_module(model[0], tuple(x.shape)).allow_tf32 is (conv == "tf32")
+            assert isolation._state()["cudnn"][1] is (conv == "tf32")
+            tuned = ct.optimize(copy.deepcopy(model), x, training=True, mode="get")
+            xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ya, yb = tuned(xa), twin(xb)
+            torch.testing.assert_close(ya, yb)
+            ya.sum().backward()
+            yb.sum().backward()
+            torch.testing.assert_close(xa.grad, xb.grad)
+            keys = {sel.problem for layer in tuned.modules() if isinstance(layer, TunedConv)
+                    for sel in layer.selections.values()}
+            assert keys and all(k.endswith(f"tf32={int(conv == 'tf32')}") for k in keys)
+    finally:
+        torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision = saved
+    assert torch.backends.cudnn.allow_tf32  # (the default again)

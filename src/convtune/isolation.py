@@ -49,7 +49,7 @@ import torch
 
 from .algorithms.base import Algorithm
 from .policy import Policy
-from .problem import ConvProblem
+from .problem import ConvProblem, cudnn_conv_tf32
 from .results import PerfResult, Status
 from .settings import settings
 
@@ -108,7 +108,8 @@ def _state() -> dict[str, Any]:
         "settings": settings.overrides(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith("CONVTUNE_")},
         "device": torch.cuda.current_device() if cuda else None,
-        "cudnn": (torch.backends.cudnn.enabled, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+        # (the convolutions' TF32 setting: the flag raises where PyTorch's per-operation settings differ)
+        "cudnn": (torch.backends.cudnn.enabled, cudnn_conv_tf32(), torch.backends.cudnn.benchmark,
                   torch.backends.cudnn.deterministic),
         "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),

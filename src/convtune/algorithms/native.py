@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from ..costmodel import Cost, gemm_dims, shape_factor
-from ..problem import ConvProblem, empty_in_layout, to_layout
+from ..problem import ConvProblem, cudnn_conv_tf32, empty_in_layout, to_layout
 from .base import Algorithm, NativeRecipe, NumericNotes
 from .registry import register
 
@@ -26,7 +26,7 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
                 transposed=False, output_padding=[0] * nd, groups=problem.groups)
     cudnn = torch.backends.cudnn
     # The usual case: no switching per call. cuDNN's flags are the process's: never switched where it is not used.
-    as_set = not a.is_cuda or (cudnn.enabled and cudnn.allow_tf32 == problem.allow_tf32)
+    as_set = not a.is_cuda or (cudnn.enabled and cudnn_conv_tf32() == problem.allow_tf32)
     flags = contextlib.nullcontext() if as_set else cudnn.flags(
         enabled=True, allow_tf32=problem.allow_tf32, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic)
     if _bfloat16_on_cpu(a):

@@ -16,11 +16,21 @@ namespace {
 class CudnnFlags {
  public:
   CudnnFlags(bool cuda, bool allow_tf32) {
+    if (!cuda) return;
     auto& ctx = at::globalContext();
-    if (!cuda || (ctx.userEnabledCuDNN() && ctx.allowTF32CuDNN() == allow_tf32)) return;
+    bool tf32 = true;
+    try {
+      tf32 = ctx.allowTF32CuDNN();
+    } catch (const c10::Error&) {
+      // PyTorch's per-operation settings differ (torch.backends.cudnn.conv.fp32_precision unlike the RNNs'), so the
+      // flag has no one value: the settings are left as the user set them (a problem described now has the
+      // convolutions' own, problem.cudnn_conv_tf32)
+      return;
+    }
+    if (ctx.userEnabledCuDNN() && tf32 == allow_tf32) return;
     changed_ = true;
     enabled_ = ctx.userEnabledCuDNN();
-    tf32_ = ctx.allowTF32CuDNN();
+    tf32_ = tf32;
     ctx.setUserEnabledCuDNN(true);
     ctx.setAllowTF32CuDNN(allow_tf32);
   }
