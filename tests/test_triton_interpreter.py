@@ -58,7 +58,10 @@ def stop() -> None:
     for them)."""
     for _, run in _RUNS:
         if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
+            try:
+                os.killpg(run.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
             run.communicate()
 
 
