@@ -6,8 +6,7 @@ problems one at a time, in the order asked, and stores what it measures in the d
 only once no problem has been queued for ``settings.background_settle_s`` (0.1 s), or once the oldest has waited
 ``SETTLE_LIMIT`` times that (a model meeting a new shape at every step): a training step that meets a new shape
 queues its layers' problems as it runs, and the worker's Python would otherwise compete with the rest of that step
-for the interpreter (on the CPU, a small network's first step on a new shape took 26-27 ms with the worker
-starting at once and 12-20 ms with it waiting; PyTorch's own step, 7 ms). Each finished
+for the interpreter (docs/runtime.md: what it changed). Each finished
 measurement (stored, or failed) advances ``generation()``: whoever answered without a measurement compares it
 with the one it chose at and, once it has moved, selects again (a tuned layer does so on its next call, from the
 database). Before a stored measurement advances it, the worker calls what ``after_measuring`` registered (the

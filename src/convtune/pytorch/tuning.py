@@ -446,7 +446,7 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
 
 
 def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_us: float, tuning: Tuning,
-                              forward: tuple[float, float] = (0.0, 0.0)) -> LayerSelection:
+                              forward: tuple[float, float]) -> LayerSelection:
     """``selection``, marked ``compiled_torch`` where its GPU gain (``gain_us`` a step) is smaller than what
     compiled code pays for it: the host time its executables add (``eager_us``, as in eager code) and the calls
     of convtune's op rather than of PyTorch's convolution, one per direction tuned (``runtime.compiled_call_us``:
