@@ -51,8 +51,12 @@ RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
 # cuDNN's order (what get would rank, were it to ask heuristics B as well).
 PRICE_RULES = ("top2", "top3", "a10", "a20", "a30", "b10", "b20")
 RULES = (*PRICE_RULES, "analytic_b")
-# find's settings simulated: (find_patience, find_prune_factor); 0: that rule off
-FIND_SETTINGS = tuple((patience, prune) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8, 16))
+# find's settings simulated: (find_patience, find_prune_factor, find_contender_factor); 0: that rule off. Every
+# patience and prune factor with the contender factor's default, and patience with the prune factor's default but
+# no contenders (the rule's share of the picks and of the time)
+CONTENDER_FACTOR = settings.find_contender_factor
+FIND_SETTINGS = (*((patience, prune, CONTENDER_FACTOR) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8, 16)),
+                 *((patience, settings.find_prune_factor, 0.0) for patience in (4, 8, 16)))
 
 
 def picks(order: list[tuple[learned.Sample, float]], heuristics: dict[str, str | None]) -> dict:
@@ -122,9 +126,12 @@ def judge(samples: list[learned.Sample], held: set, here: str, recorded: dict[st
         if len(rows) >= 2:
             heuristics, order = heuristic_names(problem, recorded), learned.ranked(model, rows)
             guessed = {s.name for s, _ in order if model.guessed(problem, s.name, s.order)}
+            named = [(s.name, s.order) for s, _ in order]
+            contenders = {f: model.contenders(problem, named, f) if f else frozenset()
+                          for f in {setting[2] for setting in FIND_SETTINGS}}
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
                             nearest=model.nearest_distance(problem), **picks(order, heuristics),
-                            find=searches(order, guessed), **prices(order, heuristics.get("B"))))
+                            find=searches(order, guessed, contenders), **prices(order, heuristics.get("B"))))
     return out
 
 
@@ -215,18 +222,21 @@ def worst_table(groups: dict[tuple, list[dict]], count: int = 12) -> str:
     return common.md_table(header, lines)
 
 
-def searches(order: list[tuple[learned.Sample, float]], guessed: set[str]) -> dict[str, list[float]]:
+def searches(order: list[tuple[learned.Sample, float]], guessed: set[str],
+             contenders: dict[float, frozenset[str]]) -> dict[str, list[float]]:
     """find's search over one problem's measured candidates in the learned order (``learned.ranked``; ``guessed``: the
-    candidates priced by a guess, ``learned.LearnedModel.guessed``), per setting
-    simulated (``learned.simulated_find`` at the default policy's tolerance; key 'patience/prune factor'): [best
+    candidates priced by a guess, ``learned.LearnedModel.guessed``; ``contenders``: per contender factor, those
+    ``learned.LearnedModel.contenders`` names), per setting simulated (``learned.simulated_find`` at the default
+    policy's tolerance; key 'patience/prune factor/contender factor'): [best
     found / best measured, share of the candidates run, share of their summed measured times (a proxy of find's
     time: a candidate's checks and timings take a multiple of its time)]."""
     rows = [s for s, _ in order]
     best, total_ms = min(s.measured_ms for s in rows), sum(s.measured_ms for s in rows)
     out = {}
-    for patience, prune in FIND_SETTINGS:
-        found, run, spent = learned.simulated_find(order, patience, Policy().tolerance, prune, guessed)
-        out[f"{patience}/{prune:g}"] = [found / best, run / len(rows), spent / total_ms]
+    for patience, prune, factor in FIND_SETTINGS:
+        found, run, spent = learned.simulated_find(order, patience, Policy().tolerance, prune, guessed,
+                                                   contenders[factor])
+        out[f"{patience}/{prune:g}/{factor:g}"] = [found / best, run / len(rows), spent / total_ms]
     return out
 
 
@@ -235,8 +245,8 @@ def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
     how often above 1.05) and the share of candidates run."""
     summary, lines = {}, []
     for key, rows in sorted(groups.items()):
-        for patience, prune in FIND_SETTINGS:
-            setting = f"{patience}/{prune:g}"
+        for patience, prune, factor in FIND_SETTINGS:
+            setting = f"{patience}/{prune:g}/{factor:g}"
             found = [row["find"][setting] for row in rows if setting in row.get("find", {})]
             if not found:
                 continue
@@ -245,10 +255,12 @@ def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
             s = dict(learned.summarize(ratios), share_run=share, time_share=time_share,
                      over_5pct=sum(r > 1.05 for r in ratios))
             summary[f"{'/'.join(key)}/{setting}"] = s
-            lines.append([*key, patience or "off", f"{prune:g}" if prune else "off", len(ratios),
+            lines.append([*key, patience or "off", f"{prune:g}" if prune else "off", f"{factor:g}" if factor else "off",
+                          len(ratios),
                           f"{s['geomean']:.3f}", f"{s['worst']:.2f}", s["over_5pct"], f"{100 * share:.0f}%",
                           f"{100 * time_share:.0f}%"])
-    header = ["held out", "direction", "dtype", "patience", "prune factor", "problems", "found / best: geomean",
+    header = ["held out", "direction", "dtype", "patience", "prune factor", "contender factor", "problems",
+              "found / best: geomean",
               "worst", "problems over 1.05", "candidates run", "their time"]
     return summary, common.md_table(header, lines)
 
@@ -338,14 +350,19 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
     report = reports[0]
     # the same splits, every ranking judged on the problems whose cuDNN heuristics' first plans are known
     split_groups: dict[tuple, list[dict]] = defaultdict(list)
+    split_finds: dict[tuple, list[dict]] = defaultdict(list)  # every split's problems, for find's table
     split_rows = ordered_rows = 0
+    last = args.seed + max(1, args.splits) - 1
+    seeds = f"seeds {args.seed}-{last}" if last > args.seed else f"seed {args.seed}"
     for i in range(max(1, args.splits)):
         for row in judge(samples, learned.held_out(samples, seed=args.seed + i), here, recorded):
             split_rows += 1
+            split_finds[(f"random, {seeds}", row["direction"], "all")].append(row)
             if row.get("cudnn_A") and row.get("cudnn_B"):
                 ordered_rows += 1
                 split_groups[(f"random, seed {args.seed + i}", row["direction"], "all")].append(row)
     split_summary, splits = table(split_groups)
+    split_find_summary, split_find = find_table(split_finds)
     summary, text = table(groups)
     all_groups = {("all", d, t): [r for k, rows in groups.items() if k[1:] == (d, t) for r in rows]
                   for d, t in sorted({k[1:] for k in groups})}
@@ -365,7 +382,7 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                "seed": args.seed, "random_split": report, "random_splits": reports,
                "random_splits_by_ranking": split_summary, "overall": overall_summary,
                "rules": rules_summary, "by_distance": distance_summary,
-               "find": find_summary, "price_errors": error_summary,
+               "find": find_summary, "find_random_splits": split_find_summary, "price_errors": error_summary,
                "by_network": summary, "rows": {f"{k[0]}/{r['problem']}": r for k, rows in groups.items() for r in rows}}
     split = "; ".join(f"seed {args.seed + i}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items())
                       for i, r in enumerate(reports))
@@ -399,9 +416,12 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"`patience` candidates in a row without a gain beyond the default tolerance "
                 f"({Policy().tolerance:g}) the rest are): the best found over the best measured (geometric mean, "
                 f"worst, how many problems above 1.05), the share of candidates run and the share of the candidates' "
-                f"summed measured times they take (find spends a multiple of a candidate's time on it). find's "
-                f"defaults: patience {settings.find_patience}, prune factor {settings.find_prune_factor:g}.\n\n"
-                f"{find_text}\n"
+                f"summed measured times they take (find spends a multiple of a candidate's time on it); with a "
+                f"`contender factor`, a candidate that one of the problem's nearest measured problems timed within "
+                f"that factor of its best still runs after the patience ran out (`LearnedModel.contenders`). find's "
+                f"defaults: patience {settings.find_patience}, prune factor {settings.find_prune_factor:g}, contender "
+                f"factor {settings.find_contender_factor:g}.\n\n{find_text}\nThe same on the random splits' problems "
+                f"(every dtype and layout; {seeds}):\n\n{split_find}\n"
                 f"## What the learned prices get wrong\n\nOn the held-out problems, each candidate's learned price "
                 f"against its measured time, per family (cuDNN's execution plans, GEMM lowerings, PyTorch's call, "
                 f"convtune's Triton kernels by kernel):\n\n{errors}\n"

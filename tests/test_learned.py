@@ -441,6 +441,35 @@ def test_a_candidate_too_few_neighbours_measured_is_priced_by_a_guess():
     assert not costmodel.Corrections(analytic=True).guessed("plugin:rare", p)
 
 
+def test_a_candidate_a_neighbour_timed_near_its_best_is_a_contender_whatever_its_price():
+    # forward problems of batch 2 to 180: 'plugin:a' is best on each and 'plugin:b' 1.5x it; 'plugin:c' is 4x it,
+    # except at batch 90, where it is best: priced by the neighbours' mean it comes last, but a neighbour found it best
+    rows = []
+    for n in range(2, 182, 2):
+        p = ConvProblem("fwd", n=n, c=64, k=64, input_size=(14, 14), kernel_size=3, padding=1)
+        floor = roofline_ms(p)
+        rows += [learned.Sample(p, name, 1.0, t * floor) for name, t in (
+            ("plugin:a", 1.0), ("plugin:b", 1.5), ("plugin:c", 0.5 if n == 90 else 4.0))]
+    model = learned.train(rows, "test-machine")
+    asked = ConvProblem("fwd", n=91, c=64, k=64, input_size=(14, 14), kernel_size=3, padding=1)  # not measured
+    named = [("plugin:a", None), ("plugin:b", None), ("plugin:c", None), ("plugin:new", None)]
+    assert model.log2_price(asked, "plugin:c", 1.0) > model.log2_price(asked, "plugin:b", 1.0)
+    assert model.contenders(asked, named, 1.1) == {"plugin:a", "plugin:c"}
+    assert model.contenders(asked, named, 1.6) == {"plugin:a", "plugin:b", "plugin:c"}  # b: 1.5x its best
+    assert model.contenders(asked, named, 1.0) == {"plugin:a", "plugin:c"}  # the neighbours' best themselves
+    far = ConvProblem("fwd", n=8, c=64, k=64, input_size=(14, 14), kernel_size=3, padding=1)  # batch 90 not near
+    assert model.contenders(far, named, 1.1) == {"plugin:a"}
+    # no answer for a direction none of whose problems were measured; none through a table of the analytic price
+    assert model.contenders(asked.replace(direction="bwd_data"), named, 1.1) == frozenset()
+    assert costmodel.Corrections(model).contenders(asked, named, 1.1) == {"plugin:a", "plugin:c"}
+    assert costmodel.Corrections(model).contenders(asked, named, 0) == frozenset()  # the rule off
+    assert costmodel.Corrections(analytic=True).contenders(asked, named, 1.1) == frozenset()
+    # a place counts as a key: cuDNN's first plan on the neighbours, whatever its name here
+    placed = learned.train(placed_samples(200), "test-machine")
+    q = problems(1, seed=11)[0]
+    assert placed.contenders(q, [("b:new", 0), ("b:new2", 1), ("plugin:rare", None)], 1.1) == {"b:new"}
+
+
 def test_a_simulated_find_tries_each_family_first_then_stops_as_find_does():
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
     measured = {"cudnn:a": 1.0, "gemm:x": 3.0, "cudnn:b": 1.2, "cudnn:c": 1.1, "cudnn:d": 1.3, "cudnn:e": 0.5,
@@ -457,6 +486,9 @@ def test_a_simulated_find_tries_each_family_first_then_stops_as_find_does():
     # fft:y's price a guess: as its family's first try it runs all the same (40 ms), then b, c, d as before
     assert learned.simulated_find(order, patience=3, tolerance=0.02, prune_factor=10.0,
                                   guessed=["fft:y"]) == (1.0, 6, pytest.approx(47.6))
+    # cudnn:e a contender: it runs after the patience ran out, and cudnn:d, no contender, does not
+    assert learned.simulated_find(order, patience=2, tolerance=0.02, prune_factor=10.0,
+                                  contenders=["cudnn:e"]) == (0.5, 5, pytest.approx(6.8))
     # a family priced 10x too high: its first try, timed at a tenth of its price, brings the rest under the prune
     measured.update({"fft:y": 0.9, "fft:z": 0.2})
     predicted.update({"fft:y": 9.0, "fft:z": 20.0})
@@ -482,8 +514,12 @@ def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeyp
         predicted = {name: measured[name] * draw.choice([0.3, 0.8, 1, 1.2, 5, 30]) for name in names}
         patience, prune = draw.choice([0, 1, 2, 3]), draw.choice([0.0, 2.0, 10.0])
         guessed = {name for name in names if draw.random() < 0.3}  # priced by a guess of the learned model
+        contenders = frozenset(name for name in names if draw.random() < 0.3)  # a neighbour timed near its best
         monkeypatch.setattr(costmodel.Corrections, "guessed",
                             lambda self, name, problem, place=None, guessed=guessed: name in guessed)
+        monkeypatch.setattr(costmodel.Corrections, "contenders",
+                            lambda self, problem, named, factor, contenders=contenders: contenders & {
+                                n for n, _ in named} if factor else frozenset())
         fakes = {name: Fake(name, time_ms=measured[name]) for name in names}
         order = sorted(names, key=lambda name: (predicted[name], name))
         monkeypatch.setattr(find_module, "ranked_predictions",
@@ -492,9 +528,10 @@ def test_the_simulated_find_runs_what_find_runs_and_ends_where_find_ends(monkeyp
         with settings.override(find_patience=patience, find_prune_factor=prune, isolate="off"):
             ran = [r for r in ct.find(p, timer=FakeTimer(), candidates=list(fakes.values())) if r.ok]
         simulated = learned.simulated_find([(learned.Sample(p, name, 1.0, measured[name]), predicted[name])
-                                            for name in order], patience, ct.Policy().tolerance, prune, guessed)
+                                            for name in order], patience, ct.Policy().tolerance, prune, guessed,
+                                           contenders)
         assert simulated[:2] == (pytest.approx(min(r.time_ms for r in ran)), len(ran)), (order, patience, prune,
-                                                                                         guessed)
+                                                                                         guessed, contenders)
 
 
 def test_a_configured_model_path_where_no_file_is_is_warned_once_and_the_analytic_model_serves(tmp_path, caplog):

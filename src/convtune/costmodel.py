@@ -206,11 +206,27 @@ class Corrections:
     def guessed(self, name: str, problem: ConvProblem, place: int | None = None) -> bool:
         """Whether the learned model prices ``name`` on ``problem`` by a guess, not from measurements of it on problems
         like this one (``learned.LearnedModel.guessed``); False with the analytic price alone."""
-        model = None if self.analytic else learned.active(problem.device) if self.model is None else self.model
+        model = self._learned(problem)
         try:
             return model is not None and model.guessed(problem, name, place)
         except Exception:  # noqa: BLE001 - a model that cannot answer prices analytically (learned.correction)
             return False
+
+    def contenders(self, problem: ConvProblem, candidates: Sequence[tuple[str, int | None]],
+                   factor: float) -> frozenset[str]:
+        """The names of ``candidates`` ((name, place)) that a measured problem like ``problem`` timed within ``factor``
+        of its best (``learned.LearnedModel.contenders``); none with the analytic price alone or ``factor`` 0."""
+        model = self._learned(problem)
+        if model is None or not factor:
+            return frozenset()
+        try:
+            return model.contenders(problem, candidates, factor)
+        except Exception:  # noqa: BLE001 - a model that cannot answer leaves the search to its other rules
+            return frozenset()
+
+    def _learned(self, problem: ConvProblem) -> learned.LearnedModel | None:
+        """The learned model this table prices ``problem`` with (None: the analytic price alone)."""
+        return None if self.analytic else learned.active(problem.device) if self.model is None else self.model
 
     def resolved(self, device: str) -> Corrections:
         """This table where it has a model; else one of the model installed for ``device`` now (``learned.installed``),

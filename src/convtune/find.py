@@ -136,7 +136,10 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
 
     Candidates run in ``search_order``: the best-ranked of each family first, then ``get``'s
     order; once ``settings.find_patience`` candidates after those were no faster than the best
-    (beyond ``policy.tolerance``), the search has converged and the rest are skipped. A candidate
+    (beyond ``policy.tolerance``), the search has converged and the rest are skipped, except those that one of the
+    measured problems most like this one timed within ``settings.find_contender_factor`` of its best (get's learned
+    model prices a candidate by its mean over those problems: one that a few of them found best can be priced
+    far down the order; ``learned.LearnedModel.contenders``). A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
     is skipped without running (``results.SearchPrices``: not a family's first try that the learned model prices
     by a guess; where a family's first timed candidate ran faster than predicted, its other prices come down by as
@@ -203,10 +206,11 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     ranked, head_size = search_order([a for a, _ in predictions])
     prices = SearchPrices({a.name: cast(float, guess.time_ms) for a, guess in predictions},  # every one has a time
                           [a.name for a in ranked[:head_size] if table.guessed(a.name, problem, a.place)])
+    contenders = table.contenders(problem, [(a.name, a.place) for a in ranked], settings.find_contender_factor)
     search = Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     try:
-        results += _search(search, ranked, head_size, prices, policy, settings.find_patience)
+        results += _search(search, ranked, head_size, prices, policy, settings.find_patience, contenders)
         if not any(r.ok and within_error(r, policy) for r in results):
             results = _slow_but_right(results, policy)
         if problem.device == "cpu" and timer is benchmark:  # a fake or another timer in tests and tools: as it says
@@ -265,8 +269,9 @@ class _Ahead:
     (``contextvars``), so that the mode is the search's own and a mode of the caller's stays as it was (the search
     then has no head start). Any fault here costs only the head start: each run compiles what it lacks."""
 
-    def __init__(self, search: Search, ranked: list[Algorithm], prices: SearchPrices) -> None:
-        self.search, self.ranked, self.prices = search, ranked, prices
+    def __init__(self, search: Search, ranked: list[Algorithm], prices: SearchPrices,
+                 contenders: frozenset[str] = frozenset()) -> None:
+        self.search, self.ranked, self.prices, self.contenders = search, ranked, prices, contenders
         self.threads = settings.find_compile_threads
         self.prepared = 0  # ranked[:prepared] were looked at
         self.priced_out: list[int] = []  # of those, the ones left for their price (it may come down: SearchPrices)
@@ -313,9 +318,10 @@ class _Ahead:
         for i in [*again, *range(self.prepared, max(self.prepared, min(end, len(self.ranked))))]:
             self.prepared = max(self.prepared, i + 1)
             algorithm = self.ranked[i]
-            skip = self.search._skip(self.prices(algorithm.name), converged)
+            stops = converged and algorithm.name not in self.contenders
+            skip = self.search._skip(self.prices(algorithm.name), stops)
             if skip is not None:
-                if skip[1] and not self.search._skip(math.inf, converged):  # its price alone leaves it
+                if skip[1] and not self.search._skip(math.inf, stops):  # its price alone leaves it
                     self.priced_out.append(i)
                 continue
             try:
@@ -344,25 +350,26 @@ class _Ahead:
 
 
 def _search(search: Search, ranked: list[Algorithm], head_size: int, prices: SearchPrices,
-            policy: Policy, patience: int) -> list[PerfResult]:
-    """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules), the next ones'
-    compiles started ahead of them (``_Ahead``)."""
+            policy: Policy, patience: int, contenders: frozenset[str] = frozenset()) -> list[PerfResult]:
+    """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules; ``contenders`` run
+    all the same), the next ones' compiles started ahead of them (``_Ahead``)."""
     def in_order() -> list[PerfResult]:
-        with _Ahead(search, ranked, prices) as ahead:
-            return _search_in_order(search, ranked, head_size, prices, policy, patience, ahead)
+        with _Ahead(search, ranked, prices, contenders) as ahead:
+            return _search_in_order(search, ranked, head_size, prices, policy, patience, ahead, contenders)
 
     return contextvars.copy_context().run(in_order)
 
 
 def _search_in_order(search: Search, ranked: list[Algorithm], head_size: int, prices: SearchPrices,
-                     policy: Policy, patience: int, ahead: _Ahead) -> list[PerfResult]:
+                     policy: Policy, patience: int, ahead: _Ahead, contenders: frozenset[str]) -> list[PerfResult]:
     results = []
     without_gain = 0
     for index, algorithm in enumerate(ranked, 1):
         converged = bool(patience and without_gain >= patience)
         ahead(index - 1, converged)
         best_before = search.best_ms
-        result = search.try_candidate(algorithm, prices(algorithm.name), converged=converged)
+        result = search.try_candidate(algorithm, prices(algorithm.name),
+                                      converged=converged and algorithm.name not in contenders)
         if result.ok:
             prices.timed(algorithm.name, result.time_ms)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it

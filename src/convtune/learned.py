@@ -313,6 +313,21 @@ class LearnedModel:
         near = self._neighbourhood(problem)
         return near is not None and not _scores(near, name, order)
 
+    def contenders(self, problem: ConvProblem, candidates: Sequence[tuple[str, int | None]],
+                   factor: float) -> frozenset[str]:
+        """The names of ``candidates`` ((name, place in its backend's order)) that one of ``problem``'s neighbours
+        measured within ``factor`` of its own best, by any key of the candidate (``keys``); none where the model does
+        not answer for the problem's direction. A price is a weighted mean over the neighbours, so a candidate that a
+        few of them found best can be priced far from the head of the order: ``find`` still runs these once its
+        search has converged (``settings.find_contender_factor``)."""
+        near = self._neighbourhood(problem)
+        if near is None:
+            return frozenset()
+        within = math.log2(factor)
+        return frozenset(name for name, order in candidates
+                         if any(regrets.get(key, math.inf) <= within
+                                for key in keys(name, order) for regrets in near.regrets))
+
     def log2_factors(self, rows: Sequence[tuple[ConvProblem, str, float, int | None]]) -> list[float]:
         """Per (problem, name, analytic ms, place) row, log2 of the price over the analytic price times
         ``costmodel.order_factor`` of the place, within ±MAX_LOG2_FACTOR (0 where the model cannot answer). A batch
@@ -673,25 +688,27 @@ def ranked(model: LearnedModel, rows: Sequence[Sample]) -> list[tuple[Sample, fl
 
 
 def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, tolerance: float,
-                   prune_factor: float, guessed: Iterable[str] = ()) -> tuple[float, int, float]:
+                   prune_factor: float, guessed: Iterable[str] = (),
+                   contenders: Iterable[str] = ()) -> tuple[float, int, float]:
     """(best time found, candidates run, their summed times) of ``find``'s search over ``order`` (``ranked``'s
     answer), from the candidates' measured times: each family's best-ranked candidate first, then the rest in
     order; a candidate predicted over ``prune_factor`` times the best measured is skipped (``SearchPrices``: not a
     family's first try priced by a guess, one of ``guessed``; a family's prices scaled down by its first timing),
     and once ``patience`` candidates in a row after the first tries gained nothing beyond ``tolerance``, the rest
-    are (0: never). A family's factor is set by its first timing here, as in ``find`` by its first ok result
-    (there, one outside the policy's error bound, or one that ran only for needing less workspace, counts too). Two
-    of find's rules are left out: a skipped candidate still runs where it may need less workspace than every
-    one measured (samples carry no workspace), and ``get``'s tie rule (times within the policy's tolerance go
-    to the smaller workspace, then to torch:native) does not reorder ``order``."""
+    are (0: never), except ``contenders`` (``LearnedModel.contenders``). A family's factor is set by its first
+    timing here, as in ``find`` by its first ok result (there, one outside the policy's error bound, or one that
+    ran only for needing less workspace, counts too). Two of find's rules are left out: a skipped candidate still
+    runs where it may need less workspace than every one measured (samples carry no workspace), and ``get``'s tie
+    rule (times within the policy's tolerance go to the smaller workspace, then to torch:native) does not reorder
+    ``order``."""
     searched, head = families_first(order, lambda entry: entry[0].name)
-    guessed = set(guessed)
+    guessed, contenders = set(guessed), set(contenders)
     prices = SearchPrices({s.name: predicted for s, predicted in order},
                           [s.name for s, _ in searched[:head] if s.name in guessed])
     best, run, spent, without_gain = math.inf, 0, 0.0, 0
     for index, (sample, _) in enumerate(searched, 1):
-        if patience and without_gain >= patience:
-            break
+        if patience and without_gain >= patience and sample.name not in contenders:
+            continue
         price = prices(sample.name)
         if prune_factor and math.isfinite(best) and math.isfinite(price) and price > prune_factor * best:
             continue

@@ -110,7 +110,11 @@ _SETTINGS = (
     # most candidates one find() times (0: no limit)
     _Setting("find_max_candidates", _at_least(0, int), 0, "candidates one find may time"),
     # the search ends once this many candidates in a row were no faster than the best (0: never)
-    _Setting("find_patience", _at_least(0, int), 8, "candidates in a row without a new best that end a find"),
+    _Setting("find_patience", _at_least(0, int), 4, "candidates in a row without a new best that end a find"),
+    # after the search converged, a candidate that one of the measured problems most like this one (get's learned
+    # model) timed within this factor of its own best still runs (0: none does)
+    _Setting("find_contender_factor", _off_or_at_least(1), 1.1,
+             "a candidate near a similar problem's best runs after convergence"),
     # a candidate predicted this many times slower than the best measured is not run (0: never)
     _Setting("find_prune_factor", _off_or_at_least(1), 10.0, "predicted slowdown that skips a candidate"),
     # threads compiling the next candidates' Triton kernels while find measures the current one (0: none, each
