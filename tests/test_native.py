@@ -1975,3 +1975,27 @@ def test_a_model_runs_where_the_convolutions_tf32_setting_differs_from_the_rnns(
     finally:
         torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision = saved
     assert torch.backends.cudnn.allow_tf32  # (the default again)
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cudnn, "conv"), reason="a PyTorch without per-operation precisions")
+def test_torch_native_switches_tf32_where_the_per_operation_settings_differ():
+    # torch:native computes a problem under its own TF32 setting (a float32 problem tuned with TF32 off, measured
+    # where it is on): torch.backends.cudnn.flags raises where the convolutions' setting differs from the RNNs', so
+    # the convolutions' own setting is switched, and put back, also when the call inside raises
+    from convtune.algorithms.native import cudnn_for
+    from convtune.problem import cudnn_conv_tf32
+
+    cudnn = torch.backends.cudnn
+    saved = cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled
+    try:
+        for conv, rnn in (("ieee", "tf32"), ("tf32", "ieee"), ("tf32", "tf32")):
+            cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = conv, rnn
+            for wanted in (True, False):
+                cudnn.enabled = False
+                with cudnn_for(wanted):
+                    assert cudnn_conv_tf32() is wanted and cudnn.enabled
+                with pytest.raises(ZeroDivisionError), cudnn_for(wanted):
+                    raise ZeroDivisionError
+                assert (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled) == (conv, rnn, False)
+    finally:
+        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled = saved

@@ -7,6 +7,7 @@ workspace is zero: that memory is not convtune's to carve or count.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -14,6 +15,32 @@ from ..costmodel import Cost, gemm_dims, shape_factor
 from ..problem import ConvProblem, cudnn_conv_tf32, empty_in_layout, to_layout
 from .base import Algorithm, NativeRecipe, NumericNotes
 from .registry import register
+
+
+@contextlib.contextmanager
+def cudnn_for(allow_tf32: bool) -> Iterator[None]:
+    """cuDNN on, its convolutions computing float32 in TF32 or not as ``allow_tf32`` says, while inside; then as
+    before. Through ``torch.backends.cudnn.flags``, or, where PyTorch's per-operation settings give the TF32 flag no
+    one value (``problem.cudnn_conv_tf32``: the convolutions' ``fp32_precision`` unlike the RNNs', where that
+    context raises), through the convolutions' own setting alone."""
+    cudnn = torch.backends.cudnn
+    try:
+        flags = cudnn.flags(enabled=True, allow_tf32=allow_tf32, benchmark=cudnn.benchmark,
+                            deterministic=cudnn.deterministic)
+        flags.__enter__()
+    except RuntimeError:
+        conv = cudnn.conv  # (the per-operation settings are what made it raise)
+        enabled, precision = cudnn.enabled, conv.fp32_precision
+        cudnn.enabled, conv.fp32_precision = True, "tf32" if allow_tf32 else "ieee"
+        try:
+            yield
+        finally:
+            conv.fp32_precision, cudnn.enabled = precision, enabled
+        return
+    try:
+        yield
+    finally:
+        flags.__exit__(None, None, None)
 
 
 def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -27,8 +54,7 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
     cudnn = torch.backends.cudnn
     # The usual case: no switching per call. cuDNN's flags are the process's: never switched where it is not used.
     as_set = not a.is_cuda or (cudnn.enabled and cudnn_conv_tf32() == problem.allow_tf32)
-    flags = contextlib.nullcontext() if as_set else cudnn.flags(
-        enabled=True, allow_tf32=problem.allow_tf32, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic)
+    flags = contextlib.nullcontext() if as_set else cudnn_for(problem.allow_tf32)
     if _bfloat16_on_cpu(a):
         return native_conv(problem, a.float(), b.float()).to(torch.bfloat16)  # rounded once, at the end
     with flags:
