@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ def cudnn_for(allow_tf32: bool) -> Iterator[None]:
                             deterministic=cudnn.deterministic)
         flags.__enter__()
     except RuntimeError:
-        conv = cudnn.conv  # (the per-operation settings are what made it raise)
+        conv: Any = getattr(cudnn, "conv")  # noqa: B009 - (the per-operation settings are what made it raise)
         enabled, precision = cudnn.enabled, conv.fp32_precision
         cudnn.enabled, conv.fp32_precision = True, "tf32" if allow_tf32 else "ieee"
         try:
