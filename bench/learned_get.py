@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune as ct  # noqa: E402
 from convtune import hardware, learned, zoo  # noqa: E402
+from convtune.costmodel import order_factor  # noqa: E402
 from convtune.hardware import fingerprint  # noqa: E402
 from convtune.policy import Policy  # noqa: E402
 from convtune.settings import settings  # noqa: E402
@@ -51,12 +52,15 @@ RANKINGS = ("learned", "analytic", "torch_bm0", "cudnn_A", "cudnn_B")
 # cuDNN's order (what get would rank, were it to ask heuristics B as well).
 PRICE_RULES = ("top2", "top3", "a10", "a20", "a30", "b10", "b20")
 RULES = (*PRICE_RULES, "analytic_b")
-# find's settings simulated: (find_patience, find_prune_factor, find_contender_factor); 0: that rule off. Every
-# patience and prune factor with the contender factor's default, and patience with the prune factor's default but
-# no contenders (the rule's share of the picks and of the time)
-CONTENDER_FACTOR = settings.find_contender_factor
-FIND_SETTINGS = (*((patience, prune, CONTENDER_FACTOR) for prune in (10.0, 100.0, 0.0) for patience in (0, 4, 8, 16)),
-                 *((patience, settings.find_prune_factor, 0.0) for patience in (4, 8, 16)))
+# find's settings simulated: (order, find_patience, find_prune_factor, find_contender_factor); 0: that rule off.
+# In the learned order, every patience and prune factor with the contender factor's default, and patience with the
+# prune factor's default but no contenders (the rule's share of the picks and of the time); in the analytic order
+# (where no learned model answers: nothing is a contender), patience with the prune factor's default
+FIND_SETTINGS = tuple(dict.fromkeys((
+    *(("learned", patience, prune, settings.find_contender_factor) for prune in (10.0, 100.0, 0.0)
+      for patience in (0, 4, 8, 16)),
+    *(("learned", patience, settings.find_prune_factor, 0.0) for patience in (4, 8, 16)),
+    *(("analytic", patience, settings.find_prune_factor, 0.0) for patience in (4, 8)))))
 
 
 def picks(order: list[tuple[learned.Sample, float]], heuristics: dict[str, str | None]) -> dict:
@@ -128,7 +132,7 @@ def judge(samples: list[learned.Sample], held: set, here: str, recorded: dict[st
             guessed = {s.name for s, _ in order if model.guessed(problem, s.name, s.order)}
             named = [(s.name, s.order) for s, _ in order]
             contenders = {f: model.contenders(problem, named, f) if f else frozenset()
-                          for f in {setting[2] for setting in FIND_SETTINGS}}
+                          for f in {setting[3] for setting in FIND_SETTINGS}}
             out.append(dict(problem=problem.key, direction=problem.direction, dtype=problem.dtype,
                             nearest=model.nearest_distance(problem), **picks(order, heuristics),
                             find=searches(order, guessed, contenders), **prices(order, heuristics.get("B"))))
@@ -222,21 +226,30 @@ def worst_table(groups: dict[tuple, list[dict]], count: int = 12) -> str:
     return common.md_table(header, lines)
 
 
+def analytic_order(rows: list[learned.Sample]) -> list[tuple[learned.Sample, float]]:
+    """One problem's measured candidates in the order ``get`` ranks them without a learned model (the analytic price
+    times ``costmodel.order_factor`` of the place, ties by name), each with that price."""
+    priced = ((s.analytic_ms * order_factor(s.order), s.name, s) for s in rows)
+    return [(s, price) for price, _, s in sorted(priced, key=lambda p: (p[0], p[1]))]
+
+
 def searches(order: list[tuple[learned.Sample, float]], guessed: set[str],
              contenders: dict[float, frozenset[str]]) -> dict[str, list[float]]:
     """find's search over one problem's measured candidates in the learned order (``learned.ranked``; ``guessed``: the
     candidates priced by a guess, ``learned.LearnedModel.guessed``; ``contenders``: per contender factor, those
-    ``learned.LearnedModel.contenders`` names), per setting simulated (``learned.simulated_find`` at the default
-    policy's tolerance; key 'patience/prune factor/contender factor'): [best
+    ``learned.LearnedModel.contenders`` names) or the analytic one, per setting simulated (``learned.simulated_find``
+    at the default policy's tolerance; key 'order/patience/prune factor/contender factor'): [best
     found / best measured, share of the candidates run, share of their summed measured times (a proxy of find's
     time: a candidate's checks and timings take a multiple of its time)]."""
     rows = [s for s, _ in order]
     best, total_ms = min(s.measured_ms for s in rows), sum(s.measured_ms for s in rows)
+    orders = {"learned": order, "analytic": analytic_order(rows)}
     out = {}
-    for patience, prune, factor in FIND_SETTINGS:
-        found, run, spent = learned.simulated_find(order, patience, Policy().tolerance, prune, guessed,
-                                                   contenders[factor])
-        out[f"{patience}/{prune:g}/{factor:g}"] = [found / best, run / len(rows), spent / total_ms]
+    for ranking, patience, prune, factor in FIND_SETTINGS:
+        searched = orders[ranking]
+        found, run, spent = learned.simulated_find(searched, patience, Policy().tolerance, prune,
+                                                   guessed if ranking == "learned" else (), contenders[factor])
+        out[f"{ranking}/{patience}/{prune:g}/{factor:g}"] = [found / best, run / len(rows), spent / total_ms]
     return out
 
 
@@ -245,8 +258,8 @@ def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
     how often above 1.05) and the share of candidates run."""
     summary, lines = {}, []
     for key, rows in sorted(groups.items()):
-        for patience, prune, factor in FIND_SETTINGS:
-            setting = f"{patience}/{prune:g}/{factor:g}"
+        for ranking, patience, prune, factor in FIND_SETTINGS:
+            setting = f"{ranking}/{patience}/{prune:g}/{factor:g}"
             found = [row["find"][setting] for row in rows if setting in row.get("find", {})]
             if not found:
                 continue
@@ -255,11 +268,11 @@ def find_table(groups: dict[tuple, list[dict]]) -> tuple[dict, str]:
             s = dict(learned.summarize(ratios), share_run=share, time_share=time_share,
                      over_5pct=sum(r > 1.05 for r in ratios))
             summary[f"{'/'.join(key)}/{setting}"] = s
-            lines.append([*key, patience or "off", f"{prune:g}" if prune else "off", f"{factor:g}" if factor else "off",
-                          len(ratios),
+            lines.append([*key, ranking, patience or "off", f"{prune:g}" if prune else "off",
+                          f"{factor:g}" if factor else "off", len(ratios),
                           f"{s['geomean']:.3f}", f"{s['worst']:.2f}", s["over_5pct"], f"{100 * share:.0f}%",
                           f"{100 * time_share:.0f}%"])
-    header = ["held out", "direction", "dtype", "patience", "prune factor", "contender factor", "problems",
+    header = ["held out", "direction", "dtype", "order", "patience", "prune factor", "contender factor", "problems",
               "found / best: geomean",
               "worst", "problems over 1.05", "candidates run", "their time"]
     return summary, common.md_table(header, lines)
@@ -418,7 +431,10 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"worst, how many problems above 1.05), the share of candidates run and the share of the candidates' "
                 f"summed measured times they take (find spends a multiple of a candidate's time on it); with a "
                 f"`contender factor`, a candidate that one of the problem's nearest measured problems timed within "
-                f"that factor of its best still runs after the patience ran out (`LearnedModel.contenders`). find's "
+                f"that factor of its best still runs after the patience ran out (`LearnedModel.contenders`). Order "
+                f"'analytic': the search in the order `get` ranks without a learned model (the analytic prices), where "
+                f"none is a contender: find without an installed model for the device and before its database holds "
+                f"{learned.MIN_MEASURED} problems of the direction. find's "
                 f"defaults: patience {settings.find_patience}, prune factor {settings.find_prune_factor:g}, contender "
                 f"factor {settings.find_contender_factor:g}.\n\n{find_text}\nThe same on the random splits' problems "
                 f"(every dtype and layout; {seeds}):\n\n{split_find}\n"

@@ -862,6 +862,43 @@ def test_find_prepares_the_next_candidates_ahead_of_their_runs_and_not_those_it_
         pass  # find left no mode of its own behind
 
 
+def test_a_converged_search_runs_its_contenders_prepared_ahead_and_a_contenders_gain_resumes_it(monkeypatch):
+    # p0..p11, each slower than the one before but p7 and p9: with patience 2 the search converges after p2; p7 and
+    # p9 are contenders (a problem like this one timed them near its best) and run all the same, prepared ahead;
+    # p9 beats the best, so the search resumes: p10 and p11 run (no contenders), p11 being the fastest
+    pytest.importorskip("triton")
+    find_module = importlib.import_module("convtune.find")
+    monkeypatch.setattr(find_module._Ahead, "_wanted", lambda self: True)  # on CUDA only; the CPU stands in
+    log: list = []
+    times = [1.0 + 0.1 * i for i in range(12)]
+    times[9], times[11] = 0.5, 0.3
+    fakes = [Preparing(f"fake:p{i}", log, time_ms=t) for i, t in enumerate(times)]
+    for i, fake in enumerate(fakes):
+        fake.place = i  # its place in its backend's order, which the learned model reads
+    asked = []
+
+    def contenders(self, problem, named, factor):
+        asked.append((list(named), factor))
+        return frozenset({"fake:p7", "fake:p9"}) if factor else frozenset()  # as Corrections.contenders
+
+    monkeypatch.setattr(costmodel.Corrections, "contenders", contenders)
+    monkeypatch.setattr(find_module, "ranked_predictions", lambda *args, **kwargs: [
+        (fake, PerfResult(fake.name, Status.OK, time_ms=1.0)) for fake in fakes])
+    with settings.override(find_patience=2, find_compile_threads=2, find_contender_factor=1.25, isolate="off"):
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+    ran = [name for name, r in results.items() if r.status is Status.OK]
+    assert sorted(ran) == sorted(f"fake:p{i}" for i in (0, 1, 2, 7, 9, 10, 11))
+    assert all("converged" in results[f"fake:p{i}"].message for i in (3, 4, 5, 6, 8))
+    for name in ran:  # each prepared before it runs
+        assert log.index(("prepare", name)) < log.index(("run", name)), name
+    assert asked == [([(f.name, f.place) for f in fakes], 1.25)]  # the candidates with their places, and the factor
+    with settings.override(find_patience=2, find_contender_factor=0, isolate="off"):  # the rule off: asked for none
+        asked.clear()
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+    assert asked == [([(f.name, f.place) for f in fakes], 0)]
+    assert sorted(n for n, r in results.items() if r.ok) == [f"fake:p{i}" for i in (0, 1, 2)]
+
+
 def test_a_candidate_left_for_its_price_is_prepared_once_its_familys_first_timing_brings_its_price_down(monkeypatch):
     # tt:k_fwd_a, its family's first try, is priced by a guess (40 ms, never pruned for it) and runs in 0.9 ms: its
     # family's prices come down 40-fold, so tt:k_fwd_b (45 ms, left when first looked at: over 10x the best 1 ms)

@@ -489,6 +489,10 @@ def test_a_simulated_find_tries_each_family_first_then_stops_as_find_does():
     # cudnn:e a contender: it runs after the patience ran out, and cudnn:d, no contender, does not
     assert learned.simulated_find(order, patience=2, tolerance=0.02, prune_factor=10.0,
                                   contenders=["cudnn:e"]) == (0.5, 5, pytest.approx(6.8))
+    # a contender that gains starts the count again: cudnn:f, no contender, runs after it (and is the best)
+    longer = [*order, (learned.Sample(p, "cudnn:f", 1.0, 0.4), 1.5)]
+    assert learned.simulated_find(longer, patience=2, tolerance=0.02, prune_factor=10.0,
+                                  contenders=["cudnn:e"]) == (0.4, 6, pytest.approx(7.2))
     # a family priced 10x too high: its first try, timed at a tenth of its price, brings the rest under the prune
     measured.update({"fft:y": 0.9, "fft:z": 0.2})
     predicted.update({"fft:y": 9.0, "fft:z": 20.0})

@@ -216,11 +216,11 @@ class Corrections:
                    factor: float) -> frozenset[str]:
         """The names of ``candidates`` ((name, place)) that a measured problem like ``problem`` timed within ``factor``
         of its best (``learned.LearnedModel.contenders``); none with the analytic price alone or ``factor`` 0."""
-        model = self._learned(problem)
-        if model is None or not factor:
+        if not factor:
             return frozenset()
         try:
-            return model.contenders(problem, candidates, factor)
+            model = self._learned(problem)
+            return frozenset() if model is None else frozenset(model.contenders(problem, candidates, factor))
         except Exception:  # noqa: BLE001 - a model that cannot answer leaves the search to its other rules
             return frozenset()
 

@@ -139,7 +139,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     (beyond ``policy.tolerance``), the search has converged and the rest are skipped, except those that one of the
     measured problems most like this one timed within ``settings.find_contender_factor`` of its best (get's learned
     model prices a candidate by its mean over those problems: one that a few of them found best can be priced
-    far down the order; ``learned.LearnedModel.contenders``). A candidate
+    far down the order; ``learned.LearnedModel.contenders``); a contender that gains resumes the search (the count
+    starts again). A candidate
     that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
     is skipped without running (``results.SearchPrices``: not a family's first try that the learned model prices
     by a guess; where a family's first timed candidate ran faster than predicted, its other prices come down by as
@@ -273,8 +274,7 @@ class _Ahead:
                  contenders: frozenset[str] = frozenset()) -> None:
         self.search, self.ranked, self.prices, self.contenders = search, ranked, prices, contenders
         self.threads = settings.find_compile_threads
-        self.prepared = 0  # ranked[:prepared] were looked at
-        self.priced_out: list[int] = []  # of those, the ones left for their price (it may come down: SearchPrices)
+        self.prepared: set[int] = set()  # the places in ranked of those prepared
         self._pool: _Compiles | None = None
         self._mode: Any = None
 
@@ -305,25 +305,30 @@ class _Ahead:
         return self
 
     def __call__(self, index: int, converged: bool) -> None:
-        """Before ``ranked[index]`` runs: prepare it and the next candidates, ``threads`` ahead of it, each once (not
-        those that the search would skip as things stand, nor more than the budget has candidates left; one left
-        for its price is looked at again while it is still ahead, its family's price having come down meanwhile)."""
+        """Before ``ranked[index]`` runs: prepare, each once, the candidates from it on that would run as things
+        stand, up to ``threads`` of them beyond it (not more than the budget has candidates left). Those passed over
+        are looked at again at the next call while still ahead: a price over the prune factor may come down
+        (``SearchPrices``), and a contender's gain resumes a converged search."""
         if self._mode is None:
             return
         budget = self.search.budget
-        end = index + self.threads + 1
+        wanted = self.threads + 1
         if budget.max_candidates:
-            end = min(end, index + max(budget.max_candidates - budget.timed, 0))
-        again, self.priced_out = [i for i in self.priced_out if i >= index], []
-        for i in [*again, *range(self.prepared, max(self.prepared, min(end, len(self.ranked))))]:
-            self.prepared = max(self.prepared, i + 1)
-            algorithm = self.ranked[i]
+            wanted = min(wanted, max(budget.max_candidates - budget.timed, 0))
+        for place in range(index, len(self.ranked)):
+            if wanted <= 0:
+                break
+            algorithm = self.ranked[place]
             stops = converged and algorithm.name not in self.contenders
             skip = self.search._skip(self.prices(algorithm.name), stops)
             if skip is not None:
-                if skip[1] and not self.search._skip(math.inf, stops):  # its price alone leaves it
-                    self.priced_out.append(i)
+                if not skip[1]:  # the budget is spent: none of the rest runs
+                    break
                 continue
+            wanted -= 1
+            if place in self.prepared:
+                continue
+            self.prepared.add(place)
             try:
                 algorithm.prepare(self.search.problem)
             except Exception as exc:  # noqa: BLE001 - its run compiles what it lacks, and fails there if it must

@@ -695,12 +695,12 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     order; a candidate predicted over ``prune_factor`` times the best measured is skipped (``SearchPrices``: not a
     family's first try priced by a guess, one of ``guessed``; a family's prices scaled down by its first timing),
     and once ``patience`` candidates in a row after the first tries gained nothing beyond ``tolerance``, the rest
-    are (0: never), except ``contenders`` (``LearnedModel.contenders``). A family's factor is set by its first
-    timing here, as in ``find`` by its first ok result (there, one outside the policy's error bound, or one that
-    ran only for needing less workspace, counts too). Two of find's rules are left out: a skipped candidate still
-    runs where it may need less workspace than every one measured (samples carry no workspace), and ``get``'s tie
-    rule (times within the policy's tolerance go to the smaller workspace, then to torch:native) does not reorder
-    ``order``."""
+    are (0: never), except ``contenders`` (``LearnedModel.contenders``; one that gains starts the count again). A
+    family's factor is set by its first timing here, as in ``find`` by its first ok result (there, one outside the
+    policy's error bound, or one that ran only for needing less workspace, counts too). Two of find's rules are left
+    out: a skipped candidate still runs where it may need less workspace than every one measured (samples carry no
+    workspace), and ``get``'s tie rule (times within the policy's tolerance go to the smaller workspace, then to
+    torch:native) does not reorder ``order``."""
     searched, head = families_first(order, lambda entry: entry[0].name)
     guessed, contenders = set(guessed), set(contenders)
     prices = SearchPrices({s.name: predicted for s, predicted in order},

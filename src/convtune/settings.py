@@ -110,7 +110,7 @@ _SETTINGS = (
     # most candidates one find() times (0: no limit)
     _Setting("find_max_candidates", _at_least(0, int), 0, "candidates one find may time"),
     # the search ends once this many candidates in a row were no faster than the best (0: never)
-    _Setting("find_patience", _at_least(0, int), 4, "candidates in a row without a new best that end a find"),
+    _Setting("find_patience", _at_least(0, int), 8, "candidates in a row without a new best that end a find"),
     # after the search converged, a candidate that one of the measured problems most like this one (get's learned
     # model) timed within this factor of its own best still runs (0: none does)
     _Setting("find_contender_factor", _off_or_at_least(1), 1.1,
