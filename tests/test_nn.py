@@ -1045,3 +1045,34 @@ def test_a_copy_made_after_a_new_weight_shape_computes_as_torch_does_compiled_an
         assert torch.allclose(compiled(x), twin(x), atol=1e-5)
         assert torch.allclose(clone(x), twin(x), atol=1e-5)  # eager: tuned again for the new weight
         assert torch.allclose(compiled(x), twin(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("ask", ["use_deterministic_algorithms", "cudnn.deterministic"])
+def test_a_model_tuned_where_pytorch_asks_for_determinism_gets_deterministic_choices(ask):
+    # PyTorch's own convolutions compute deterministically there; a tuned layer must not pick an algorithm that may
+    # differ run to run, whatever policy it was given
+    def asking(on: bool) -> None:
+        if ask == "use_deterministic_algorithms":
+            torch.use_deterministic_algorithms(on)
+        else:
+            torch.backends.cudnn.deterministic = on
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1))
+    x = torch.randn(2, 3, 8, 8)
+    tuned = {}
+    try:
+        asking(True)
+        for name, policy in (("default", None), ("given", Policy(deterministic=False, workspace_limit="1MiB"))):
+            tuned[name] = convtune.optimize(copy.deepcopy(model), x, policy=policy, training=True, mode="get")
+        alone = convtune.nn.Conv2d(3, 4, 3)
+    finally:
+        asking(False)
+    later = convtune.nn.Conv2d(3, 4, 3)
+    layers = [m for t in tuned.values() for m in t.modules() if isinstance(m, convtune.nn.Conv2d)]
+    assert len(layers) == 4
+    for layer in [*layers, alone]:
+        assert layer._convtune_tuning.policy.deterministic
+        for _, result in (s for sel in layer.selections.values() for s in sel.results):
+            assert result.deterministic, result
+    assert layers[2]._convtune_tuning.policy.workspace_limit == 1 << 20  # the rest of the policy as given
+    assert not later._convtune_tuning.policy.deterministic  # asked no more

@@ -37,8 +37,20 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 
+def deterministic_where_pytorch_asks(policy: Policy) -> Policy:
+    """``policy``, asking for determinism where PyTorch is asked for it now (``torch.use_deterministic_algorithms``,
+    warn_only too, or ``torch.backends.cudnn.deterministic``), as PyTorch's own convolutions then compute: a model
+    tuned there gets no algorithm that may differ run to run (atomics)."""
+    import torch
+
+    if policy.deterministic or not (torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic):
+        return policy
+    return dataclasses.replace(policy, deterministic=True)
+
+
 class Tuning:
-    """How layers choose: ``select(problem, policy, mode, db)``, with a memo of the answers.
+    """How layers choose: ``select(problem, policy, mode, db)``, with a memo of the answers; the policy deterministic
+    where PyTorch is asked for deterministic algorithms when the Tuning is made (``deterministic_where_pytorch_asks``).
 
     db: a ``TuningDB`` (or its path: where it cannot be opened, the process's temporary database, warned;
     ``db.opened``); None takes the default ``TuningDB()`` for the modes that read one ('hybrid',
@@ -52,7 +64,7 @@ class Tuning:
         from convtune.db import check_db
 
         check_db(db, "the tuning")
-        self.policy = DEFAULT_POLICY if policy is None else policy
+        self.policy = deterministic_where_pytorch_asks(DEFAULT_POLICY if policy is None else policy)
         self.mode = mode
         self._db = db
         self._given = db  # what pickling keeps (a temporary database standing in for a path is this process's)
