@@ -464,6 +464,12 @@ def test_a_candidate_a_neighbour_timed_near_its_best_is_a_contender_whatever_its
     assert costmodel.Corrections(model).contenders(asked, named, 1.1) == {"plugin:a", "plugin:c"}
     assert costmodel.Corrections(model).contenders(asked, named, 0) == frozenset()  # the rule off
     assert costmodel.Corrections(analytic=True).contenders(asked, named, 1.1) == frozenset()
+    # a model that cannot answer leaves the search to its other rules; any answer comes back as a frozenset
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(learned.LearnedModel, "contenders", lambda *args: 1 / 0)
+        assert costmodel.Corrections(model).contenders(asked, named, 1.1) == frozenset()
+        patch.setattr(learned.LearnedModel, "contenders", lambda *args: ["plugin:a"])
+        assert costmodel.Corrections(model).contenders(asked, named, 1.1) == frozenset({"plugin:a"})
     # a place counts as a key: cuDNN's first plan on the neighbours, whatever its name here
     placed = learned.train(placed_samples(200), "test-machine")
     q = problems(1, seed=11)[0]

@@ -1994,8 +1994,17 @@ def test_torch_native_switches_tf32_where_the_per_operation_settings_differ():
                 cudnn.enabled = False
                 with cudnn_for(wanted):
                     assert cudnn_conv_tf32() is wanted and cudnn.enabled
-                with pytest.raises(ZeroDivisionError), cudnn_for(wanted):
+                with pytest.raises(ZeroDivisionError) as raised, cudnn_for(wanted):
                     raise ZeroDivisionError
+                assert raised.value.__context__ is None  # not chained to PyTorch's complaint about the flags
                 assert (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled) == (conv, rnn, False)
+        # a convolutions' setting that defers to cuDNN's ('none') still defers after the switch
+        parent = cudnn.fp32_precision
+        cudnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = "ieee", "none", "tf32"
+        with cudnn_for(True):
+            assert cudnn_conv_tf32()
+        cudnn.fp32_precision = "tf32"
+        assert cudnn.conv.fp32_precision == "tf32"
+        cudnn.fp32_precision = parent
     finally:
         cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled = saved

@@ -1065,8 +1065,12 @@ def test_a_model_tuned_where_pytorch_asks_for_determinism_gets_deterministic_cho
         for name, policy in (("default", None), ("given", Policy(deterministic=False, workspace_limit="1MiB"))):
             tuned[name] = convtune.optimize(copy.deepcopy(model), x, policy=policy, training=True, mode="get")
         alone = convtune.nn.Conv2d(3, 4, 3)
+        # PyTorch's own call on CUDA computes its gradients deterministically under either flag: torch:native says so
+        problem = ConvProblem("bwd_filter", n=2, c=3, k=4, input_size=(8, 8), kernel_size=3, device="cuda")
+        assert convtune.get_algorithm("torch:native").is_deterministic(problem)
     finally:
         asking(False)
+    assert not convtune.get_algorithm("torch:native").is_deterministic(problem)
     later = convtune.nn.Conv2d(3, 4, 3)
     layers = [m for t in tuned.values() for m in t.modules() if isinstance(m, convtune.nn.Conv2d)]
     assert len(layers) == 4

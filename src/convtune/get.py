@@ -230,11 +230,11 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     # Everything the answer depends on: a repeated question costs a dictionary lookup. The registry's content and
     # the correction table are part of the key: one table for the whole ranking (find may store meanwhile), the
     # installed learned model looked up once, whose version names what it prices with (a new table once the db
-    # gets measurements or the installed model changes); cuDNN's global determinism flag changes what torch:native
+    # gets measurements or the installed model changes); PyTorch's determinism flags change what torch:native
     # declares; so does the GPU that hardware.measured_on prices for.
     prices = costmodel.corrections(db, problem.device).resolved(problem.device)
     key = (problem, policy, tuple(registered()), tuple(backends()), prices.version,
-           torch.backends.cudnn.deterministic, hardware.assumed_gpu())
+           torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled(), hardware.assumed_gpu())
     choices = _memo.get(key)
     if choices is None:
         settings.check()

@@ -112,7 +112,8 @@ def _state() -> dict[str, Any]:
         "cudnn": (torch.backends.cudnn.enabled, cudnn_conv_tf32(), torch.backends.cudnn.benchmark,
                   torch.backends.cudnn.deterministic),
         "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_algorithms": (torch.are_deterministic_algorithms_enabled(),
+                                     torch.is_deterministic_algorithms_warn_only_enabled()),
     }
 
 
@@ -313,7 +314,8 @@ def _apply(state: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
     cudnn = torch.backends.cudnn
     cudnn.enabled, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic = state["cudnn"]
     torch.backends.cuda.matmul.allow_tf32 = state["matmul_tf32"]
-    torch.use_deterministic_algorithms(state["deterministic_algorithms"])
+    deterministic, warn_only = state["deterministic_algorithms"]
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     return settings.override(**state["settings"])
 
 

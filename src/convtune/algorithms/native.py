@@ -30,18 +30,25 @@ def cudnn_for(allow_tf32: bool) -> Iterator[None]:
                             deterministic=cudnn.deterministic)
         flags.__enter__()
     except RuntimeError:
-        conv: Any = getattr(cudnn, "conv")  # noqa: B009 - (the per-operation settings are what made it raise)
-        enabled, precision = cudnn.enabled, conv.fp32_precision
-        cudnn.enabled, conv.fp32_precision = True, "tf32" if allow_tf32 else "ieee"
+        flags = None  # (outside the handler below: an error of the call inside is not chained to this one)
+    if flags is not None:
         try:
             yield
         finally:
-            conv.fp32_precision, cudnn.enabled = precision, enabled
+            flags.__exit__(None, None, None)
         return
+    conv: Any = getattr(cudnn, "conv")  # noqa: B009 - (the per-operation settings are what made it raise)
+    enabled, precision = cudnn.enabled, conv.fp32_precision
+    cudnn.enabled, conv.fp32_precision = True, "tf32" if allow_tf32 else "ieee"
     try:
         yield
     finally:
-        flags.__exit__(None, None, None)
+        # The getter answers what the setting resolves to ('none' defers to cuDNN's, then PyTorch's): 'none' again
+        # where that answers the same, so a setting that deferred keeps deferring
+        conv.fp32_precision = "none"
+        if conv.fp32_precision != precision:
+            conv.fp32_precision = precision
+        cudnn.enabled = enabled
 
 
 def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -109,8 +116,10 @@ class Native(Algorithm):
                     composed=False)
 
     def is_deterministic(self, problem: ConvProblem) -> bool:
-        # cuDNN's heuristics may pick atomics-based backward kernels unless PyTorch is told not to.
-        return problem.device == "cpu" or problem.direction == "fwd" or torch.backends.cudnn.deterministic
+        # cuDNN's heuristics may pick atomics-based backward kernels unless PyTorch is told not to (either flag:
+        # PyTorch's convolution asks cuDNN for deterministic algorithms under both)
+        return (problem.device == "cpu" or problem.direction == "fwd" or torch.backends.cudnn.deterministic
+                or torch.are_deterministic_algorithms_enabled())
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         half = problem.dtype != "float32"
