@@ -899,6 +899,28 @@ def test_a_converged_search_runs_its_contenders_prepared_ahead_and_a_contenders_
     assert sorted(n for n, r in results.items() if r.ok) == [f"fake:p{i}" for i in (0, 1, 2)]
 
 
+def test_find_prepares_no_candidate_its_policy_refuses_and_none_beyond_its_budget(monkeypatch):
+    # every other fake needs 4 MiB of workspace, over the policy's limit: refused before it could run, it is not
+    # compiled ahead, nor counted among the two ahead; and no more are prepared than the budget lets run
+    pytest.importorskip("triton")
+    find_module = importlib.import_module("convtune.find")
+    monkeypatch.setattr(find_module._Ahead, "_wanted", lambda self: True)  # on CUDA only; the CPU stands in
+    log: list = []
+    fakes = [Preparing(f"fake:w{i}", log, time_ms=1.0 + 0.1 * i, workspace_bytes=(4 << 20) * (i % 2))
+             for i in range(8)]
+    with settings.override(find_patience=0, find_compile_threads=2):
+        results = by_name(find(P, Policy(workspace_limit="1MiB"), timer=FakeTimer(), candidates=fakes))
+    prepared = [name for kind, name in log if kind == "prepare"]
+    assert sorted(prepared) == [f"fake:w{i}" for i in (0, 2, 4, 6)]
+    assert all(results[f"fake:w{i}"].status is Status.OVER_WORKSPACE_LIMIT for i in (1, 3, 5, 7))
+    assert [kind for kind, _ in log[:4]] == ["prepare", "prepare", "prepare", "run"]  # w0, w2, w4 before w0 runs
+    log.clear()
+    with settings.override(find_patience=0, find_compile_threads=4):
+        results = by_name(find(P, Policy(max_candidates=2), timer=FakeTimer(), candidates=fakes))
+    ran = sorted(name for name, r in results.items() if r.ok)
+    assert len(ran) == 2 and sorted(name for kind, name in log if kind == "prepare") == ran
+
+
 def test_a_candidate_left_for_its_price_is_prepared_once_its_familys_first_timing_brings_its_price_down(monkeypatch):
     # tt:k_fwd_a, its family's first try, is priced by a guess (40 ms, never pruned for it) and runs in 0.9 ms: its
     # family's prices come down 40-fold, so tt:k_fwd_b (45 ms, left when first looked at: over 10x the best 1 ms)

@@ -31,7 +31,7 @@ from .algorithms.registry import candidates as registered_candidates
 from .db import as_db
 from .errors import CANDIDATE_FAULTS, check_type
 from .get import ranked_predictions
-from .measure import Search, describe
+from .measure import Search, declared_props, describe
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import NATIVE, best, order, usable, within_error
@@ -275,6 +275,7 @@ class _Ahead:
         self.search, self.ranked, self.prices, self.contenders = search, ranked, prices, contenders
         self.threads = settings.find_compile_threads
         self.prepared: set[int] = set()  # the places in ranked of those prepared
+        self._refusals: dict[int, bool] = {}  # place in ranked -> whether the policy refuses it (``_refused``)
         self._pool: _Compiles | None = None
         self._mode: Any = None
 
@@ -319,6 +320,8 @@ class _Ahead:
             if wanted <= 0:
                 break
             algorithm = self.ranked[place]
+            if self._refused(place):  # the policy's first check refuses it: it never runs
+                continue
             stops = converged and algorithm.name not in self.contenders
             skip = self.search._skip(self.prices(algorithm.name), stops)
             if skip is not None:
@@ -334,6 +337,21 @@ class _Ahead:
             except Exception as exc:  # noqa: BLE001 - its run compiles what it lacks, and fails there if it must
                 log.debug("%s: prepare failed on %s (%s: %s)", algorithm.name, self.search.problem.key,
                           type(exc).__name__, exc)
+
+    def _refused(self, place: int) -> bool:
+        """Whether the policy refuses ``ranked[place]`` on what it declares (``measure.declared_props``, a workspace
+        costly to learn counting as none), as its try will: a Triton configuration in TF32 under allow_tf32=False, say.
+        Looked at once per candidate."""
+        known = self._refusals.get(place)
+        if known is None:
+            try:
+                props, _, _ = declared_props(self.ranked[place], self.search.problem, learn=False)
+            except Exception:  # noqa: BLE001 - its try says what is wrong with it
+                known = False
+            else:
+                known = self.search.policy.violation(**props) is not None
+            self._refusals[place] = known
+        return known
 
     def __exit__(self, *exc: object) -> None:
         self._close()

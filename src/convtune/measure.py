@@ -60,6 +60,22 @@ class Props(TypedDict):
     reduced_precision: bool
 
 
+def declared_props(algorithm: Algorithm, problem: ConvProblem, learn: bool) -> tuple[Props, bool | None, bool]:
+    """What ``algorithm`` declares on ``problem`` before it runs, as a policy judges it: its props (a workspace not
+    known without building it counts as 0 unless ``learn``: then it is built to learn it; a determinism it does not
+    know counts as deterministic until two of its runs compare), what it declared of its determinism (None: not
+    known) and whether the workspace is known. Raises what the algorithm raises."""
+    notes = algorithm.notes(problem)
+    declared = algorithm.is_deterministic(problem)
+    workspace_bytes = algorithm.known_workspace_bytes(problem)
+    if workspace_bytes is None and learn:
+        workspace_bytes = algorithm.workspace_bytes(problem)
+    props: Props = dict(workspace_bytes=0 if workspace_bytes is None else workspace_bytes,
+                        deterministic=declared is None or bool(declared),
+                        uses_tf32=notes.tf32, reduced_precision=notes.reduced_precision)
+    return props, declared, workspace_bytes is not None
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """torch.OutOfMemoryError, or an allocator's RuntimeError that says it ran out of memory."""
     if isinstance(exc, torch.OutOfMemoryError):
@@ -160,24 +176,15 @@ class Search:
         problem = self.problem
         skip = self._skip(predicted_ms, converged)
         try:
-            notes = algorithm.notes(problem)
-            declared = algorithm.is_deterministic(problem)
-            workspace_bytes = algorithm.known_workspace_bytes(problem)
-            if workspace_bytes is None and self._workspace_decides(skip):
-                workspace_bytes = algorithm.workspace_bytes(problem)
+            props, declared, learned = declared_props(algorithm, problem, learn=self._workspace_decides(skip))
         except CANDIDATE_FAULTS as exc:  # a failing candidate is data
             return PerfResult(algorithm.name, Status.FAILED, message=describe(exc))
-        learned = workspace_bytes is not None
-        # None: the algorithm does not know (cuDNN execution plans); two runs compared bit for bit decide.
-        props: Props = dict(workspace_bytes=cast(int, workspace_bytes) if learned else 0,
-                             deterministic=declared is None or bool(declared),
-                             uses_tf32=notes.tf32, reduced_precision=notes.reduced_precision)
         violation = self.policy.violation(**props)
         if violation is not None:
             return PerfResult(algorithm.name, violation[0], message=violation[1], **props)
         if skip is not None:
             message, leaner_runs = skip
-            if not (leaner_runs and learned and cast(int, workspace_bytes) < self.leanest_bytes):
+            if not (leaner_runs and learned and props["workspace_bytes"] < self.leanest_bytes):
                 if not learned:
                     message += "; workspace not learned (shown as 0)"
                 return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
