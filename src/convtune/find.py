@@ -140,11 +140,10 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     measured problems most like this one timed within ``settings.find_contender_factor`` of its best (get's learned
     model prices a candidate by its mean over those problems: one that a few of them found best can be priced
     far down the order; ``learned.LearnedModel.contenders``); a contender that gains resumes the search (the count
-    starts again). A candidate
-    that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best measured
-    is skipped without running (``results.SearchPrices``: not a family's first try that the learned model prices
-    by a guess; where a family's first timed candidate ran faster than predicted, its other prices come down by as
-    much).
+    starts again). A candidate that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best
+    measured is skipped without running (``results.SearchPrices``: not a family's first try that the learned model
+    prices by a guess; where a family's first timed candidate ran faster than predicted, its other prices come down
+    by as much).
     Neither rule skips a candidate needing less workspace than every
     one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. A
     workspace costly to learn (a cuDNN execution plan's, by building it) is learned for the candidates
