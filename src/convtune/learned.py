@@ -64,13 +64,14 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 6  # 4-6: the nearest measured problems (5: each row's count; 6: corrections taken against prices
-# with the Triton configurations' measured factors); 3 and before: multilayer perceptrons
+FEATURE_VERSION = 7  # 4-7: the nearest measured problems (5: each row's count; 6: corrections taken against prices
+# with the Triton configurations' measured factors; 7: places up to 8); 3 and before: multilayer perceptrons
 NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
 MIN_MEASURED = 2 * NEIGHBOURS  # with fewer problems of a direction measured, no answer for it: a database of a few
 # problems picked far worse than the analytic model, one of about 30 a direction a little worse (docs/performance.md)
 MIN_SUPPORT = 0.7  # of the neighbours' weight that must have measured a candidate for its own price
-PLACE_KEYS = 4  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place
+PLACE_KEYS = 8  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place (4 left find
+# one held-out layer whose best plan was cuDNN's fifth: docs/performance.md)
 MAX_LOG2_FACTOR = 20.0  # a price at most a million times the analytic one either way (a guard, not a model)
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
 MEMO_PROBLEMS = 4096  # neighbourhoods kept per model
