@@ -16,15 +16,13 @@ import math
 from collections.abc import Sequence
 from typing import Any, cast
 
-import torch
-
 from . import costmodel, hardware
 from .algorithms.base import Algorithm, NumericNotes
 from .algorithms.registry import algorithms, backends, registered
 from .db import as_db
 from .errors import CANDIDATE_FAULTS, check_type
 from .policy import DEFAULT_POLICY, Policy
-from .problem import ConvProblem
+from .problem import ConvProblem, pytorch_deterministic
 from .ranking import rank
 from .results import Choice, PerfResult, Status
 from .settings import settings
@@ -234,7 +232,7 @@ def get(problem: ConvProblem, policy: Policy | None = None, db: Any = None) -> l
     # declares; so does the GPU that hardware.measured_on prices for.
     prices = costmodel.corrections(db, problem.device).resolved(problem.device)
     key = (problem, policy, tuple(registered()), tuple(backends()), prices.version,
-           torch.backends.cudnn.deterministic, torch.are_deterministic_algorithms_enabled(), hardware.assumed_gpu())
+           pytorch_deterministic(), hardware.assumed_gpu())
     choices = _memo.get(key)
     if choices is None:
         settings.check()

@@ -28,7 +28,7 @@ from . import background
 from .errors import NoAlgorithmError, check_one_of, check_type
 from .hardware import roofline_ms
 from .policy import DEFAULT_POLICY, Policy
-from .problem import ConvProblem
+from .problem import ConvProblem, pytorch_deterministic
 from .progress import tuning_bar
 from .results import PerfResult
 from .select import MEASURES, READS_DB, SELECTION_MODES, select, stored
@@ -38,12 +38,10 @@ if TYPE_CHECKING:
 
 
 def deterministic_where_pytorch_asks(policy: Policy) -> Policy:
-    """``policy``, asking for determinism where PyTorch is asked for it now (``torch.use_deterministic_algorithms``,
-    warn_only too, or ``torch.backends.cudnn.deterministic``), as PyTorch's own convolutions then compute: a model
-    tuned there gets no algorithm that may differ run to run (atomics)."""
-    import torch
-
-    if policy.deterministic or not (torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic):
+    """``policy``, asking for determinism where PyTorch is asked for it now (``problem.pytorch_deterministic``), as
+    PyTorch's own convolutions then compute: a model tuned there gets no algorithm that may differ run to run
+    (atomics)."""
+    if policy.deterministic or not pytorch_deterministic():
         return policy
     return dataclasses.replace(policy, deterministic=True)
 

@@ -123,6 +123,12 @@ def cudnn_conv_tf32() -> bool:
     return False
 
 
+def pytorch_deterministic() -> bool:
+    """Whether PyTorch is asked for deterministic algorithms now (``torch.use_deterministic_algorithms``, warn_only
+    too, or ``torch.backends.cudnn.deterministic``): its convolutions then ask cuDNN for deterministic ones."""
+    return torch.are_deterministic_algorithms_enabled() or bool(torch.backends.cudnn.deterministic)
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvProblem:
     """One convolution: direction, shapes, dtype, layout and device.

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..costmodel import Cost, gemm_dims, shape_factor
-from ..problem import ConvProblem, cudnn_conv_tf32, empty_in_layout, to_layout
+from ..problem import ConvProblem, cudnn_conv_tf32, empty_in_layout, pytorch_deterministic, to_layout
 from .base import Algorithm, NativeRecipe, NumericNotes
 from .registry import register
 
@@ -23,21 +23,25 @@ def cudnn_for(allow_tf32: bool) -> Iterator[None]:
     """cuDNN on, its convolutions computing float32 in TF32 or not as ``allow_tf32`` says, while inside; then as
     before. Through ``torch.backends.cudnn.flags``, or, where PyTorch's per-operation settings give the TF32 flag no
     one value (``problem.cudnn_conv_tf32``: the convolutions' ``fp32_precision`` unlike the RNNs', where that
-    context raises), through the convolutions' own setting alone."""
+    context raises), through the convolutions' own setting alone (``_convolutions_for``)."""
     cudnn = torch.backends.cudnn
-    try:
-        flags = cudnn.flags(enabled=True, allow_tf32=allow_tf32, benchmark=cudnn.benchmark,
-                            deterministic=cudnn.deterministic)
-        flags.__enter__()
-    except RuntimeError:
-        flags = None  # (outside the handler below: an error of the call inside is not chained to this one)
-    if flags is not None:
+    with contextlib.ExitStack() as stack:
         try:
+            stack.enter_context(cudnn.flags(enabled=True, allow_tf32=allow_tf32, benchmark=cudnn.benchmark,
+                                            deterministic=cudnn.deterministic))
+        except RuntimeError:
+            switch: contextlib.AbstractContextManager[None] = _convolutions_for(allow_tf32)
+        else:
+            switch = contextlib.nullcontext()
+        with switch:  # (outside the handler: an error of the call inside is not chained to PyTorch's complaint)
             yield
-        finally:
-            flags.__exit__(None, None, None)
-        return
-    conv: Any = getattr(cudnn, "conv")  # noqa: B009 - (the per-operation settings are what made it raise)
+
+
+@contextlib.contextmanager
+def _convolutions_for(allow_tf32: bool) -> Iterator[None]:
+    """``cudnn_for`` through the convolutions' own TF32 setting, ``torch.backends.cudnn.conv.fp32_precision``."""
+    cudnn = torch.backends.cudnn
+    conv: Any = getattr(cudnn, "conv")  # noqa: B009 - (the per-operation settings are what made flags raise)
     enabled, precision = cudnn.enabled, conv.fp32_precision
     cudnn.enabled, conv.fp32_precision = True, "tf32" if allow_tf32 else "ieee"
     try:
@@ -116,10 +120,8 @@ class Native(Algorithm):
                     composed=False)
 
     def is_deterministic(self, problem: ConvProblem) -> bool:
-        # cuDNN's heuristics may pick atomics-based backward kernels unless PyTorch is told not to (either flag:
-        # PyTorch's convolution asks cuDNN for deterministic algorithms under both)
-        return (problem.device == "cpu" or problem.direction == "fwd" or torch.backends.cudnn.deterministic
-                or torch.are_deterministic_algorithms_enabled())
+        # cuDNN's heuristics may pick atomics-based backward kernels unless PyTorch is told not to
+        return problem.device == "cpu" or problem.direction == "fwd" or pytorch_deterministic()
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         half = problem.dtype != "float32"
