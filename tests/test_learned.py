@@ -122,6 +122,28 @@ def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
     assert model.log2_price(p, "b:first", analytic, 1) == pytest.approx(near.best)
 
 
+def test_a_price_known_by_place_alone_is_held_to_what_its_engine_measured():
+    # per problem: one engine's plan first in the order and best, another engine's plan second and 16 times slower
+    rows = []
+    for i, p in enumerate(problems(200)):
+        floor = roofline_ms(p)
+        rows += [learned.Sample(p, f"b:good_k{i}", 1.0, 2 * floor, 0), learned.Sample(p, "b:slow", 1.0, 32 * floor, 1)]
+    model = learned.train(rows, "test-machine")
+    p = problems(1, seed=11)[0]
+    near, analytic = model._neighbourhood(p), 1.0
+    # on this problem the slow engine's plan (a name no neighbour measured) comes first: its place says best,
+    # its engine says 16 times the best; the price is the engine's, ENGINE_MARGIN below
+    assert model.log2_price(p, "b:slow_k7", analytic, 0) == pytest.approx(near.best + 4.0 - learned.ENGINE_MARGIN)
+    # a plan of the good engine never measured by name, in place 1: its place's price (the engine's is lower)
+    assert model.log2_price(p, "b:good_k999", analytic, 1) == pytest.approx(near.best + 4.0)
+    # known by name: its name's and place's prices, the engine's not asked
+    assert model.log2_price(p, "b:slow", analytic, 0) == pytest.approx(near.best)
+    # a candidate with no place has no engine: priced as before (a guess: the neighbours' typical candidate)
+    assert model.guessed(p, "b:slow_k7", None)
+    assert learned.engine_key("b:slow_k7", None) is None
+    assert learned.engine_key("cudnn:eng1_k2=0_k3=0", 0) == learned.engine_key("cudnn:eng1", 5) == "cudnn:eng1*"
+
+
 def test_a_ranking_priced_together_gets_each_candidates_price_alone_and_a_fault_costs_only_its_own(monkeypatch,
                                                                                                       caplog):
     model = learned.train(placed_samples(200), "test-machine")

@@ -10,7 +10,10 @@ floor) times how far from their best the candidate measured on them (a weighted 
 A candidate is known by its name (a cuDNN execution plan's engine and knobs, a tile configuration) and, for
 a backend that lists its candidates best first by its own heuristics (cuDNN), also by its place in that list
 when it is one of the first ``PLACE_KEYS``: "cuDNN's second plan" is a candidate that means something on
-every problem, where a plan's name may be measured on few. A candidate measured on too few of the
+every problem, where a plan's name may be measured on few. A candidate known to the neighbours by its place
+but not by its name is priced no better than half what its engine's best plan measured on them (``ENGINE_MARGIN``):
+cuDNN's first plan can be of an engine that ran many times slower than the best on every one of them. A candidate
+measured on too few of the
 neighbours (less than ``MIN_SUPPORT`` of their weight) is priced as the neighbours' typical candidate, or
 by its analytic price times their typical correction if that is higher: it is not picked on a guess. No price
 is below the problem's floor, and the model answers for a direction only once ``MIN_MEASURED`` problems of it
@@ -64,14 +67,15 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 7  # 4-7: the nearest measured problems (5: each row's count; 6: corrections taken against prices
-# with the Triton configurations' measured factors; 7: places up to 8); 3 and before: multilayer perceptrons
+FEATURE_VERSION = 8  # 4-8: the nearest measured problems (5: each row's count; 6: corrections taken against prices
+# with the Triton configurations' measured factors; 7: places up to 8; 8: engines); 3 and before: multilayer perceptrons
 NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
 MIN_MEASURED = 2 * NEIGHBOURS  # with fewer problems of a direction measured, no answer for it: a database of a few
 # problems picked far worse than the analytic model, one of about 30 a direction a little worse (docs/performance.md)
 MIN_SUPPORT = 0.7  # of the neighbours' weight that must have measured a candidate for its own price
 PLACE_KEYS = 8  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place (4 left find
 # one held-out layer whose best plan was cuDNN's fifth: docs/performance.md)
+ENGINE_MARGIN = 1.0  # log2: a price from a candidate's place alone is at least half its engine's (0.75-2 judged alike)
 MAX_LOG2_FACTOR = 20.0  # a price at most a million times the analytic one either way (a guard, not a model)
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
 MEMO_PROBLEMS = 4096  # neighbourhoods kept per model
@@ -100,6 +104,14 @@ def keys(name: str, order: int | None) -> list[str]:
     if order is None or not 0 <= order < PLACE_KEYS:
         return [name]
     return [name, f"{backend_of(name)}@{order}"]
+
+
+def engine_key(name: str, order: int | None) -> str | None:
+    """The key of the engine a candidate of an ordered backend belongs to: its name up to its first knob
+    ('cudnn:eng1*' for 'cudnn:eng1_k2=0_k3=0' and for 'cudnn:eng1'); None for a candidate with no place (another
+    backend's). A row keeps under it the best of the engine's plans it measured; a price taken from a candidate's
+    place alone is held to it (``_log2_price``)."""
+    return None if order is None else name.split("_", 1)[0] + "*"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,28 +166,37 @@ class _Row:
         object.__setattr__(self, "features", problem_features(self.problem))
 
 
+def _score(near: _Neighbourhood, key: str | None) -> float | None:
+    """The weighted mean of the neighbours' log2(time / their best) for ``key``, where enough of them measured it
+    (``MIN_SUPPORT`` of their weight); else None."""
+    if key is None:
+        return None
+    support = weighted = 0.0  # over the neighbours that measured it, in their order
+    for regrets, w in zip(near.regrets, near.weights):
+        r = regrets.get(key)
+        if r is not None:
+            support += w
+            weighted += r * w
+    return weighted / support if support >= MIN_SUPPORT * near.total else None
+
+
 def _scores(near: _Neighbourhood, name: str, order: int | None) -> list[float]:
-    """Per key of the candidate (``keys``) that enough of the neighbours measured (``MIN_SUPPORT`` of their weight),
-    the weighted mean of their log2(time / their best) for it."""
-    scores = []
-    for key in keys(name, order):
-        support = weighted = 0.0  # over the neighbours that measured it, in their order
-        for regrets, w in zip(near.regrets, near.weights):
-            r = regrets.get(key)
-            if r is not None:
-                support += w
-                weighted += r * w
-        if support >= MIN_SUPPORT * near.total:
-            scores.append(weighted / support)
-    return scores
+    """``_score`` of each key of the candidate (``keys``) that enough of the neighbours measured."""
+    return [score for key in keys(name, order) if (score := _score(near, key)) is not None]
 
 
 def _log2_price(near: _Neighbourhood, name: str, log2_base: float, order: int | None) -> float:
     """``LearnedModel.log2_price`` of ``name`` from the asked problem's neighbours, given log2 of its analytic price
-    times ``costmodel.order_factor`` of its place (``log2_base``)."""
+    times ``costmodel.order_factor`` of its place (``log2_base``). A candidate that the neighbours know by its place
+    but not by its name (its backend's heuristics put it there, on them another plan stood there) is priced no
+    better than ``ENGINE_MARGIN`` below what its engine's best plan measured on them: cuDNN's first plan on a
+    problem can be an engine that ran many times slower than the best on every neighbour."""
     scores = _scores(near, name, order)
     if scores:  # never below the problem's floor: what the neighbours suggest, held to what is possible
-        return max(near.best + min(scores), near.floor)
+        score = min(scores)
+        if _score(near, name) is None and (engine := _score(near, engine_key(name, order))) is not None:
+            score = max(score, engine - ENGINE_MARGIN)
+        return max(near.best + score, near.floor)
     return max(near.best + near.typical, log2_base + near.correction, near.floor)
 
 
@@ -205,7 +226,8 @@ def _rows(samples: Sequence[Sample]) -> list[_Row]:
         fastest = min(s.measured_ms for s in rows)
         regrets: dict[str, float] = {}
         for s in rows:
-            for key in keys(s.name, s.order):
+            engine = engine_key(s.name, s.order)
+            for key in [*keys(s.name, s.order), *([engine] if engine else [])]:
                 regrets[key] = min(regrets.get(key, math.inf), math.log2(s.measured_ms / fastest))
         out.append(_Row(problem, math.log2(fastest / max(hardware.roofline_ms(problem), 1e-9)),
                         statistics.median(math.log2(s.measured_ms / fastest) for s in rows),
