@@ -75,7 +75,7 @@ MIN_MEASURED = 2 * NEIGHBOURS  # with fewer problems of a direction measured, no
 MIN_SUPPORT = 0.7  # of the neighbours' weight that must have measured a candidate for its own price
 PLACE_KEYS = 8  # a candidate among the first PLACE_KEYS of its backend's order is also known by its place (4 left find
 # one held-out layer whose best plan was cuDNN's fifth: docs/performance.md)
-ENGINE_MARGIN = 1.0  # log2: a price from a candidate's place alone is at least half its engine's (0.75-2 judged alike)
+ENGINE_MARGIN = 1.0  # log2: a price from a candidate's place alone is at least half its engine's (1-2 alike, 0.5 worse)
 MAX_LOG2_FACTOR = 20.0  # a price at most a million times the analytic one either way (a guard, not a model)
 RECHECK_S = 1.0  # how often get looks at the model file again (train-get and save() are seen at once)
 MEMO_PROBLEMS = 4096  # neighbourhoods kept per model
