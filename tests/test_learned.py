@@ -123,25 +123,33 @@ def test_a_price_is_the_neighbours_best_times_the_candidates_distance_from_it():
 
 
 def test_a_price_known_by_place_alone_is_held_to_what_its_engine_measured():
-    # per problem: one engine's plan first in the order and best, another engine's plan second and 16 times slower
+    # per problem: one engine's plan first in the order and best; another engine's two plans, 16 and 64 times slower,
+    # the faster without a place; on every third problem a third engine, 2 times slower (too few for a price)
     rows = []
     for i, p in enumerate(problems(200)):
         floor = roofline_ms(p)
-        rows += [learned.Sample(p, f"b:good_k{i}", 1.0, 2 * floor, 0), learned.Sample(p, "b:slow", 1.0, 32 * floor, 1)]
+        rows += [learned.Sample(p, f"b:good_k{i}", 1.0, 2 * floor, 0), learned.Sample(p, "b:slow_k1", 1.0, 32 * floor),
+                 learned.Sample(p, "b:slow_k2_i3", 1.0, 128 * floor, 1)]
+        if i % 3 == 0:
+            rows.append(learned.Sample(p, "b:rare", 1.0, 4 * floor, 2))
     model = learned.train(rows, "test-machine")
     p = problems(1, seed=11)[0]
     near, analytic = model._neighbourhood(p), 1.0
-    # on this problem the slow engine's plan (a name no neighbour measured) comes first: its place says best,
-    # its engine says 16 times the best; the price is the engine's, ENGINE_MARGIN below
-    assert model.log2_price(p, "b:slow_k7", analytic, 0) == pytest.approx(near.best + 4.0 - learned.ENGINE_MARGIN)
-    # a plan of the good engine never measured by name, in place 1: its place's price (the engine's is lower)
-    assert model.log2_price(p, "b:good_k999", analytic, 1) == pytest.approx(near.best + 4.0)
+    bound = max(0.0, 4.0 - learned.ENGINE_MARGIN)  # the slow engine's best plan: 16 times the best (log2 4)
+    # on this problem a plan of the slow engine no neighbour measured by name comes first: its place says best, its
+    # engine's best plan 16 times the best; the price is the engine's, ENGINE_MARGIN below
+    assert model.log2_price(p, "b:slow_k7", analytic, 0) == pytest.approx(near.best + bound)
+    # a plan of the good engine never measured by name, in place 1: its place's price (64 times), the engine's lower
+    assert model.log2_price(p, "b:good_k999", analytic, 1) == pytest.approx(near.best + 6.0)
+    # an engine measured on too few neighbours bounds nothing: cuDNN's first place, as before
+    assert model.log2_price(p, "b:rare_k5", analytic, 0) == pytest.approx(near.best)
     # known by name: its name's and place's prices, the engine's not asked
-    assert model.log2_price(p, "b:slow", analytic, 0) == pytest.approx(near.best)
-    # a candidate with no place has no engine: priced as before (a guess: the neighbours' typical candidate)
+    assert model.log2_price(p, "b:slow_k2_i3", analytic, 0) == pytest.approx(near.best)
+    # a candidate with no place is not bounded by its engine: a guess, as before
     assert model.guessed(p, "b:slow_k7", None)
-    assert learned.engine_key("b:slow_k7", None) is None
-    assert learned.engine_key("cudnn:eng1_k2=0_k3=0", 0) == learned.engine_key("cudnn:eng1", 5) == "cudnn:eng1*"
+    assert learned.engine_key("cudnn:eng1_k2=0_k3=0") == learned.engine_key("cudnn:eng1_i7") == \
+        learned.engine_key("cudnn:eng1") == "cudnn:eng1*"
+    assert learned.engine_key("my_be:eng1_k2=0") == "my_be:eng1*"  # a backend's own underscores are kept
 
 
 def test_a_ranking_priced_together_gets_each_candidates_price_alone_and_a_fault_costs_only_its_own(monkeypatch,
@@ -155,14 +163,14 @@ def test_a_ranking_priced_together_gets_each_candidates_price_alone_and_a_fault_
     assert table.prices(p, asked) == [pytest.approx(table.price(name, p, ms, place), rel=1e-12)
                                       for name, ms, place in asked]
     # a candidate the model cannot price: the analytic price for it alone, with a warning naming it
-    scores = learned._scores
+    score = learned._score
 
-    def failing(near, name, order):
-        if name == "b:new":
+    def failing(near, key):
+        if key == "b:new":
             raise ArithmeticError("no price")
-        return scores(near, name, order)
+        return score(near, key)
 
-    monkeypatch.setattr(learned, "_scores", failing)
+    monkeypatch.setattr(learned, "_score", failing)
     with caplog.at_level(logging.WARNING, logger="convtune.learned"):
         faulty = learned.corrections(p, asked, model)
     assert faulty[1] == 1.0 and faulty[:1] + faulty[2:] == together[:1] + together[2:]

@@ -106,12 +106,13 @@ def keys(name: str, order: int | None) -> list[str]:
     return [name, f"{backend_of(name)}@{order}"]
 
 
-def engine_key(name: str, order: int | None) -> str | None:
-    """The key of the engine a candidate of an ordered backend belongs to: its name up to its first knob
-    ('cudnn:eng1*' for 'cudnn:eng1_k2=0_k3=0' and for 'cudnn:eng1'); None for a candidate with no place (another
-    backend's). A row keeps under it the best of the engine's plans it measured; a price taken from a candidate's
-    place alone is held to it (``_log2_price``)."""
-    return None if order is None else name.split("_", 1)[0] + "*"
+def engine_key(name: str) -> str:
+    """The key of the engine a plan belongs to: its name up to its first knob ('cudnn:eng1*' for
+    'cudnn:eng1_k2=0_k3=0', 'cudnn:eng1_i7' and 'cudnn:eng1'). A row keeps under it the best of the engine's plans it
+    measured, for the backends that placed their candidates there (``_rows``); a price taken from a candidate's place
+    alone is held to it (``_log2_price``)."""
+    backend, _, variant = name.partition(":")
+    return f"{backend}:{variant.split('_', 1)[0]}*"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +148,8 @@ class _Neighbourhood:
 @dataclasses.dataclass(frozen=True)
 class _Row:
     """One measured problem as the model keeps it: log2(best time / floor), the medians over its candidates of
-    log2(time / best) and of log2(time / analytic price), and per candidate key (``keys``) log2(time / best)."""
+    log2(time / best) and of log2(time / analytic price), and per candidate key (``keys``) log2(time / best), and per
+    engine of a backend that placed its candidates (``engine_key``) the best of its plans' log2(time / best)."""
 
     problem: ConvProblem
     best: float
@@ -166,11 +168,9 @@ class _Row:
         object.__setattr__(self, "features", problem_features(self.problem))
 
 
-def _score(near: _Neighbourhood, key: str | None) -> float | None:
+def _score(near: _Neighbourhood, key: str) -> float | None:
     """The weighted mean of the neighbours' log2(time / their best) for ``key``, where enough of them measured it
     (``MIN_SUPPORT`` of their weight); else None."""
-    if key is None:
-        return None
     support = weighted = 0.0  # over the neighbours that measured it, in their order
     for regrets, w in zip(near.regrets, near.weights):
         r = regrets.get(key)
@@ -191,10 +191,10 @@ def _log2_price(near: _Neighbourhood, name: str, log2_base: float, order: int | 
     but not by its name (its backend's heuristics put it there, on them another plan stood there) is priced no
     better than ``ENGINE_MARGIN`` below what its engine's best plan measured on them: cuDNN's first plan on a
     problem can be an engine that ran many times slower than the best on every neighbour."""
-    scores = _scores(near, name, order)
+    scores = {key: score for key in keys(name, order) if (score := _score(near, key)) is not None}
     if scores:  # never below the problem's floor: what the neighbours suggest, held to what is possible
-        score = min(scores)
-        if _score(near, name) is None and (engine := _score(near, engine_key(name, order))) is not None:
+        score = min(scores.values())
+        if name not in scores and order is not None and (engine := _score(near, engine_key(name))) is not None:
             score = max(score, engine - ENGINE_MARGIN)
         return max(near.best + score, near.floor)
     return max(near.best + near.typical, log2_base + near.correction, near.floor)
@@ -225,9 +225,10 @@ def _rows(samples: Sequence[Sample]) -> list[_Row]:
     for problem, rows in by_problem.items():
         fastest = min(s.measured_ms for s in rows)
         regrets: dict[str, float] = {}
+        ordered = {backend_of(s.name) for s in rows if s.order is not None}  # (its plans without a place too)
         for s in rows:
-            engine = engine_key(s.name, s.order)
-            for key in [*keys(s.name, s.order), *([engine] if engine else [])]:
+            engine = [engine_key(s.name)] if backend_of(s.name) in ordered else []
+            for key in [*keys(s.name, s.order), *engine]:
                 regrets[key] = min(regrets.get(key, math.inf), math.log2(s.measured_ms / fastest))
         out.append(_Row(problem, math.log2(fastest / max(hardware.roofline_ms(problem), 1e-9)),
                         statistics.median(math.log2(s.measured_ms / fastest) for s in rows),
