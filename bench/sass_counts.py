@@ -201,8 +201,8 @@ def tools() -> Path:
 def specialized(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
     """(signature, constants, attrs, options) of what Triton's launcher compiles for ``kernel(*args, **kwargs)``:
     keywords (and integers equal to 1) as constants, every (PyTorch-allocated, so aligned) pointer and integer
-    divisible by 16 marked so, but not the kernel's ``do_not_specialize`` parameters; num_warps/num_stages as
-    options."""
+    divisible by 16 marked so, but not the kernel's ``do_not_specialize`` parameters (nor the divisibility of its
+    ``do_not_specialize_on_alignment`` ones); num_warps/num_stages as options."""
     kwargs = dict(kwargs)
     warps = kwargs.pop("num_warps", 4)
     stages = kwargs.pop("num_stages", None)
@@ -210,6 +210,7 @@ def specialized(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, di
     values = list(args) + [kwargs[n] for n in names[len(args):]]
     signature, constants, attrs = {}, {}, {}
     fixed = {p.name for p in kernel.params if p.do_not_specialize}  # compiled as run-time values whatever they are
+    unaligned = {p.name for p in kernel.params if p.do_not_specialize_on_alignment}  # 1 a constant, no divisibility
     for index, (name, value) in enumerate(zip(names, values)):
         if isinstance(value, torch.Tensor):
             signature[name] = TYPES[value.dtype]
@@ -218,7 +219,7 @@ def specialized(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, di
             signature[name], constants[name] = "constexpr", value  # a constant, or an integer equal to 1
         else:
             signature[name] = "i64" if abs(value) >= 2**31 else "i32"
-            if value % 16 == 0 and name not in fixed:
+            if value % 16 == 0 and name not in fixed and name not in unaligned:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, constants, attrs, {"num_warps": warps, **({"num_stages": stages} if stages is not None else {})}
 

@@ -118,6 +118,63 @@ def test_every_triton_configuration_compiles_for_the_gpu():
     assert compiled >= 20, out
 
 
+SIZES_SCRIPT = SCRIPT.split("JITFunction.run = catch")[0] + r"""
+JITFunction.run = catch
+# One layer's geometry at the image sizes and batches of a network's stages: in channels_last every configuration's
+# launches must specialize alike on each (kernels.shared.IMAGE_SIZES, WIDTHS), as Triton's launcher does
+# (sass_counts.specialized)
+GEOMETRIES = [dict(c=144, k=144, kernel_size=3, padding=1, groups=144), dict(c=96, k=96, kernel_size=7, padding=3,
+              groups=96), dict(c=64, k=64, kernel_size=3, stride=2, padding=1, groups=64),
+              dict(c=128, k=128, kernel_size=3, padding=1, groups=32)]
+# (batch, (height, width)): heights, widths and batches divisible by 16 and not, none giving a row of one strip or an
+# image of one run of rows (a count of 1 stays specialized)
+SIZES = [(2, (56, 56)), (3, (48, 32)), (16, (34, 112)), (5, (36, 36)), (8, (64, 48))]
+
+
+def as_specialized(kernel, args, kwargs):
+    # what Triton specializes the launch's run-time arguments on (their types, integers equal to 1 made constants,
+    # divisibility by 16); the compile-time constants the host passes by keyword are left out: a tile chosen for a
+    # small image (16 columns or 8, say) is a choice, not a specialization
+    signature, constants, attrs, _ = specialized(kernel, args, kwargs)
+    return (kernel.fn.__name__, {k: v for k, v in signature.items() if k not in kwargs},
+            {k: v for k, v in constants.items() if k not in kwargs}, attrs)
+
+
+compared = 0
+for algorithm in ct.registered():
+    if not isinstance(algorithm, TritonAlgorithm):
+        continue
+    for spec in GEOMETRIES:
+        keys = {}
+        for n, size in SIZES:
+            p = ct.ConvProblem(algorithm.directions[0], n=n, input_size=size, dtype="float16", layout="channels_last",
+                               device="cuda", **spec)
+            if not algorithm.supports(p):
+                continue
+            run_on_the_cpu(algorithm, p)
+            keys[p.key] = sorted(repr(as_specialized(kernel, args, kwargs)) for kernel, args, kwargs in caught)
+            # channels_first's width is its contiguous axis: there every launch keeps the width's divisibility
+            run_on_the_cpu(algorithm, p.replace(layout="channels_first"))
+            loose = [(kernel.fn.__name__, q.name) for kernel, _, _ in caught for q in kernel.params
+                     if q.name in ("W", "Q") and q.do_not_specialize_on_alignment]
+            assert not loose, f"{algorithm.name} in channels_first does not specialize the width: {loose}"
+        if len(set(map(tuple, keys.values()))) > 1:
+            first, *rest = keys.items()
+            other = next(k for k in rest if k[1] != first[1])
+            raise SystemExit(f"{algorithm.name} compiles again for another image size: {first[0]} launches "
+                             f"{sorted(set(first[1]) - set(other[1]))[:2]}, {other[0]} "
+                             f"{sorted(set(other[1]) - set(first[1]))[:2]}")
+        compared += len(keys) > 1
+print(f"compared {compared}")
+"""
+
+
+@pytest.mark.slow  # about 10 s on a 2-core CPU
+def test_a_configuration_compiles_once_for_every_image_size_in_channels_last():
+    out = _run_script(SIZES_SCRIPT, timeout=600)
+    assert int(out.split("compared ")[1].split()[0]) >= 40, out
+
+
 PREPARE_SCRIPT = SCRIPT.split("JITFunction.run = catch")[0] + r"""
 def catch_both(self, *args, grid, warmup, **kwargs):
     caught.append((self, grid, warmup, args, kwargs))

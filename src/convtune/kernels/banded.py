@@ -36,7 +36,7 @@ import triton.language as tl
 from .. import hardware
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, cdiv, geometry, next_power_of_2, sizes, sum_partials, tf32
+from .shared import as_4d, cdiv, for_layout, geometry, kernel, next_power_of_2, sizes, sum_partials, tf32
 
 MAX_WINDOW = 128  # the widest input window (BLOCK_J) a configuration reads per row: its band is (BLOCK_J × BLOCK_N)
 
@@ -118,7 +118,7 @@ def _rows(first, count, P, BLOCK_M: tl.constexpr):
     return row < count, n, row - n * P
 
 
-@triton.jit
+@kernel()
 def _forward(x, w, y, rows, P, Q, H, W, K,
              sxn, sxc, sxh, sxw, swk, swr, sws, syn, syk, syp, syq,
              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -150,7 +150,7 @@ def _forward(x, w, y, rows, P, Q, H, W, K,
     tl.store(out, acc.to(y.dtype.element_ty), mask=k_ok[:, None, None] & row_ok[None, :, None] & (q < Q)[None, None, :])
 
 
-@triton.jit
+@kernel()
 def _backward_data(dy, w, dx, rows, H, W, P, Q, C,
                    sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -189,7 +189,7 @@ def _backward_data(dy, w, dx, rows, H, W, P, Q, C,
     tl.store(out, acc.to(dx.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@kernel()
 def _backward_filter_partials(x, dy, partials, rows, chunk, P, Q, H, W, K,
                               sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -251,6 +251,7 @@ def _launch(kernel, problem: ConvProblem, tile: BandTile, a: torch.Tensor, w: to
     r, s, *steps = geometry(problem)
     rows = problem.n * computed[0]
     grid = (cdiv(rows, tile.rows), cdiv(computed[1], tile.columns), cdiv(channels, tile.channels))
+    kernel = for_layout(kernel, problem)
     launch(kernel, grid, a4, w4, out4, rows, *computed, *read, channels, *a4.stride(), w4.stride(0), w4.stride(2),
            w4.stride(3), *out4.stride(), *steps, M=problem.k // problem.c, R=r, S=s, TF32=tf32(problem),
            BLOCK_C=tile.channels, BLOCK_M=tile.rows, BLOCK_N=tile.columns, BLOCK_J=window(problem, tile),
@@ -285,7 +286,8 @@ def backward_filter(problem: ConvProblem, tile: BandTile, x: torch.Tensor, dy: t
     r, s, *steps = geometry(problem)
     rows = problem.n * p
     grid = (cdiv(rows, tile.chunk), cdiv(q, tile.columns), cdiv(problem.k, tile.channels))
-    launch(_backward_filter_partials, grid, x4, dy4, partials, rows, tile.chunk, p, q, h, wd, problem.k,
+    partials_kernel = for_layout(_backward_filter_partials, problem)
+    launch(partials_kernel, grid, x4, dy4, partials, rows, tile.chunk, p, q, h, wd, problem.k,
            *x4.stride(), *dy4.stride(), *steps, M=problem.k // problem.c, R=r, S=s,
            S_PAD=next_power_of_2(s), TF32=tf32(problem), BLOCK_C=tile.channels, BLOCK_M=tile.rows,
            BLOCK_N=tile.columns, BLOCK_J=window(problem, tile), num_warps=tile.warps, **_stages(problem, tile))

@@ -21,7 +21,8 @@ operands' dtype, and every sum has one fixed order: the results are deterministi
 - ``backward_data`` of a strided problem has a second form ('phases'): an input position receives
   gradient only through the taps whose offset the stride divides, the same taps for every position of
   one stride phase (h mod stride, w mod stride); a program takes positions of one phase and loops over
-  that phase's taps alone (of a 3x3 stride-2 kernel, 1, 2 or 4 of the 9).
+  that phase's taps alone (of a 3x3 stride-2 for_layout,
+    kernel, 1, 2 or 4 of the 9).
 
 The channel multiplier and the kernel's size are compile-time constants: with a multiplier of 1
 the compiler sees that a tile's channels are contiguous and loads channels_last rows in vectors.
@@ -43,8 +44,10 @@ from .recording import launch
 from .shared import (
     as_4d,
     cdiv,
+    for_layout,
     geometry,
     gradient_source,
+    kernel,
     next_power_of_2,
     patch_positions,
     positions,
@@ -95,7 +98,7 @@ def _add_tap(acc, rows, positions_ok, channels_ok, taps, AS_TILE: tl.constexpr):
     return acc + values.to(tl.float32) * weights.to(tl.float32)[None, :]
 
 
-@triton.jit
+@kernel()
 def _forward(x, w, y, total, P, Q, H, W, K,
              sxn, sxc, sxh, sxw, swk, swr, sws, syn, syk, syp, syq,
              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -120,7 +123,7 @@ def _forward(x, w, y, total, P, Q, H, W, K,
     tl.store(y + offsets, acc.to(y.dtype.element_ty), mask=pos_ok[:, None] & k_ok[None, :])
 
 
-@triton.jit
+@kernel()
 def _backward_data(dy, w, dx, total, H, W, P, Q, C,
                    sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -164,7 +167,7 @@ def _first_tap(phase, pad, dil, stride, TAPS: tl.constexpr):
     return first
 
 
-@triton.jit
+@kernel()
 def _backward_data_by_phase(dy, w, dx, H, W, P, Q, C, N, step_h, step_w,
                             sdn, sdk, sdp, sdq, swk, swr, sws, sxn, sxc, sxh, sxw,
                             stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -203,7 +206,7 @@ def _backward_data_by_phase(dy, w, dx, H, W, P, Q, C, N, step_h, step_w,
     tl.store(dx + offsets, acc.to(dx.dtype.element_ty), mask=pos_ok[:, None] & c_ok[None, :])
 
 
-@triton.jit
+@kernel()
 def _backward_filter_partials(x, dy, partials, rows, rows_per_part, P, Q, H, W, K,
                               sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -293,7 +296,7 @@ def _direct(kernel, problem: ConvProblem, tile: Tile, a: torch.Tensor, w: torch.
         programs = cdiv(total, tile.positions)
     grid = (programs, cdiv(channels, tile.channels))
     r, s, *steps = geometry(problem)
-    launch(kernel, grid, a4, w4, out4, total, *computed, *read, channels,
+    launch(for_layout(kernel, problem), grid, a4, w4, out4, total, *computed, *read, channels,
            *a4.stride(), w4.stride(0), w4.stride(2), w4.stride(3), *out4.stride(), *steps,
            M=problem.k // problem.c, R=r, S=s, BLOCK_POS=tile.positions, BLOCK_CH=tile.channels,
            AS_TILE=tile.as_tile, num_warps=tile.warps, **constants)
@@ -318,7 +321,7 @@ def backward_data(problem: ConvProblem, tile: Tile, dy: torch.Tensor, w: torch.T
         most = cdiv(h, stride_h) * cdiv(wd, stride_w) * problem.n  # the largest phase's positions
         grid = (cdiv(most, tile.positions), cdiv(problem.c, tile.channels), stride_h * stride_w)
         launch(
-            _backward_data_by_phase, grid,
+            for_layout(_backward_data_by_phase, problem), grid,
             dy4, w4, dx4, h, wd, p, q, problem.c, problem.n, stride_h // math.gcd(stride_h, dil_h),
             stride_w // math.gcd(stride_w, dil_w), *dy4.stride(), w4.stride(0), w4.stride(2), w4.stride(3),
             *dx4.stride(), stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, M=problem.k // problem.c, R=r, S=s,
@@ -340,7 +343,7 @@ def backward_filter(problem: ConvProblem, tile: Tile, x: torch.Tensor, dy: torch
     # the tile's widest extent: a tile wider than the row would idle its lanes.
     block_q = min(tile.row_positions(s), next_power_of_2(q))
     launch(
-        _backward_filter_partials, (parts, cdiv(problem.k, tile.channels)),
+        for_layout(_backward_filter_partials, problem), (parts, cdiv(problem.k, tile.channels)),
         x4, dy4, partials, problem.n * p, tile.chunk, p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), *steps,
         M=problem.k // problem.c, R=r, S=s, S_PAD=next_power_of_2(s), BLOCK_Q=block_q, BLOCK_K=tile.channels,
         num_warps=tile.warps)

@@ -33,7 +33,19 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, cdiv, geometry, gradient_source, next_power_of_2, positions, sizes, sum_partials, tf32
+from .shared import (
+    as_4d,
+    cdiv,
+    for_layout,
+    geometry,
+    gradient_source,
+    kernel,
+    next_power_of_2,
+    positions,
+    sizes,
+    sum_partials,
+    tf32,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +77,7 @@ def _packed_tile(count, WIDTH: tl.constexpr, OTHER: tl.constexpr, GROUPS: tl.con
     return channel, (local < GROUPS * WIDTH) & (channel < count), first_group * OTHER
 
 
-@triton.jit
+@kernel()
 def _forward(x, w, y, total, P, Q, H, W, C, K,
              sxn, sxc, sxh, sxw, swk, swc, swr, sws, syn, syk, syp, syq,
              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -94,7 +106,7 @@ def _forward(x, w, y, total, P, Q, H, W, C, K,
     tl.store(y + offsets, acc.to(y.dtype.element_ty), mask=pos_ok[:, None] & k_ok[None, :])
 
 
-@triton.jit
+@kernel()
 def _backward_data(dy, w, dx, total, H, W, P, Q, K, C,
                    sdn, sdk, sdp, sdq, swk, swc, swr, sws, sxn, sxc, sxh, sxw,
                    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -122,7 +134,7 @@ def _backward_data(dy, w, dx, total, H, W, P, Q, K, C,
     tl.store(dx + offsets, acc.to(dx.dtype.element_ty), mask=pos_ok[:, None] & c_ok[None, :])
 
 
-@triton.jit
+@kernel()
 def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, C, K, size,
                               sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq, swk, swc, swr, sws,
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -195,6 +207,7 @@ def _direct(kernel, problem: ConvProblem, tile: GemmTile, a: torch.Tensor, w: to
     groups, tiles = _packing(problem, block, channels)
     grid = (cdiv(total, tile.positions), tiles)
     cg, kg = problem.c // problem.groups, problem.k // problem.groups
+    kernel = for_layout(kernel, problem)
     launch(kernel, grid, a4, w4, out4, total, *computed, *read, summed * problem.groups, channels * problem.groups,
            *a4.stride(), *w4.stride(), *out4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups,
            R=r, S=s, TF32=tf32(problem), BLOCK_M=tile.positions, BLOCK_N=block,
@@ -227,7 +240,7 @@ def backward_filter(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, dy: t
     parts, size = partials.shape
     block = _lanes(kg)
     groups, tiles = _packing(problem, block, kg)
-    launch(_backward_filter_partials, (parts, tiles, r * s),
+    launch(for_layout(_backward_filter_partials, problem), (parts, tiles, r * s),
            x4, dy4, partials, total, tile.chunk, p, q, h, wd, problem.c, problem.k, size, *x4.stride(), *dy4.stride(),
            *dw4.stride(), *steps, CG=cg, KG=kg, GROUPS=groups, R=r, S=s, TF32=tf32(problem), BLOCK_P=tile.positions,
            BLOCK_J=block, BLOCK_C=_lanes(groups * cg), num_warps=tile.warps)

@@ -26,12 +26,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, cdiv, geometry, next_power_of_2, sizes, sum_partials, tf32
+from .shared import as_4d, cdiv, for_layout, geometry, kernel, next_power_of_2, sizes, sum_partials, tf32
 
 MIN_DOT = 16  # tl.dot's least M, N and K
 MAX_ACCUMULATORS = 8192  # float32 sums a program keeps: channels × padded taps (64 a thread with 4 warps)
@@ -59,7 +58,7 @@ def padded_taps(problem: ConvProblem) -> tuple[int, int]:
     return max(MIN_DOT, next_power_of_2(r)), max(MIN_DOT, next_power_of_2(s))
 
 
-@triton.jit
+@kernel()
 def _row_products(x, dy, partials, H, W, P, Q, K, rows_per_part, parts_per_image,
                   sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                   M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, R_PAD: tl.constexpr, S_PAD: tl.constexpr,
@@ -111,7 +110,8 @@ def backward_filter(problem: ConvProblem, tile: RowsTile, x: torch.Tensor, dy: t
     r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
     r_pad, s_pad = padded_taps(problem)
     parts = partials.shape[0]
-    launch(_row_products, (parts, cdiv(problem.k, tile.channels)), x4, dy4, partials, h, wd, p, q, problem.k,
+    products = for_layout(_row_products, problem)
+    launch(products, (parts, cdiv(problem.k, tile.channels)), x4, dy4, partials, h, wd, p, q, problem.k,
            tile.rows, cdiv(h, tile.rows), *x4.stride(), *dy4.stride(), stride_h, stride_w, pad_h, pad_w,
            dil_h, dil_w, M=problem.k // problem.c, R=r, S=s, R_PAD=r_pad, S_PAD=s_pad, TF32=tf32(problem),
            BLOCK_Q=tile.block_q, BLOCK_CH=tile.channels, num_warps=tile.warps)

@@ -3,12 +3,50 @@ positions, and the fixed-order sum of partial results."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
+
+# The arguments of a kernel that say how large the image (or the batch) is, not how it is laid out: Triton would
+# compile a kernel again for each of them divisible by 16 against each that is not, so the layers of one network (a
+# 112-row stage and a 56-row one, batch 32 and batch 8) would each compile their own copy of every configuration.
+# Their divisibility is not specialized (a value of 1 still is: a 1-D problem's single row, a row of one strip, fold
+# away). The width (W, Q) is, in channels_first only, where it runs along the contiguous axis and its divisibility
+# lets a tile load in vectors (``for_layout``). The channel counts and the strides stay specialized, and so do a
+# tile's own sizes (the rows a partial sum covers: rows_per_part, chunk), a configuration's constants whose
+# divisibility shortens the weight gradients' loops (bench/sass_counts.py).
+IMAGE_SIZES = frozenset({"N", "P", "H", "total", "rows", "strips", "parts_per_image"})
+WIDTHS = frozenset({"W", "Q"})
+
+
+def kernel(*fixed: str) -> Callable[[Callable[..., Any]], Any]:
+    """``triton.jit`` for a kernel the host launches: its arguments of ``IMAGE_SIZES`` not specialized on their
+    divisibility, so that a configuration compiles once for the heights and batches of a network's layers, and
+    ``fixed`` not specialized at all; its ``channels_last`` attribute the same kernel with the width (``WIDTHS``) not
+    specialized on its divisibility either, for operands whose width is not their contiguous axis (``for_layout``)."""
+    def decorate(fn: Callable[..., Any]) -> Any:
+        names = list(inspect.signature(fn).parameters)
+        unknown = [name for name in fixed if name not in names]
+        assert not unknown, f"{fn.__name__} has no parameters {unknown}"
+        sizes = [name for name in names if name in IMAGE_SIZES]
+        jitted = triton.jit(do_not_specialize=list(fixed), do_not_specialize_on_alignment=sizes)(fn)
+        jitted.channels_last = triton.jit(do_not_specialize=list(fixed), do_not_specialize_on_alignment=[
+            name for name in names if name in IMAGE_SIZES | WIDTHS])(fn)
+        return jitted
+    return decorate
+
+
+def for_layout(kernel: Any, problem: ConvProblem) -> Any:
+    """The copy of ``kernel`` (made by ``kernel``) for ``problem``'s layout: in channels_last the one whose width is
+    not specialized either, so that a configuration compiles once for every image size of a network."""
+    return getattr(kernel, "channels_last", kernel) if problem.layout == "channels_last" else kernel
 
 
 def cdiv(a: int, b: int) -> int:
@@ -86,7 +124,7 @@ def gradient_source(i, pad, tap, dilation, stride, size):
     return o, (t >= 0) & (t - o * stride == 0) & (o < size)
 
 
-@triton.jit
+@kernel("parts")  # (how many partial sums: one, for a small layer, needs no copy of its own)
 def _sum_partials(partials, out, parts, size, BLOCK_PARTS: tl.constexpr, BLOCK: tl.constexpr):
     # BLOCK_PARTS rows of partials a turn, each into its own sum (row j into sum j mod BLOCK_PARTS, in order), the
     # sums added at the end: that many independent loads in flight per element, where one row a turn waited on each

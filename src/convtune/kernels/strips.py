@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, cdiv, geometry, sizes, sum_partials
+from .shared import as_4d, cdiv, for_layout, geometry, kernel, sizes, sum_partials
 
 MAX_FILTER_TAPS = 8  # taps of a kernel row the weight gradient keeps accumulators for
 MAX_STRIP = 8  # outputs a strip: the kernels keep that many accumulators (the algorithms refuse longer strips too)
@@ -183,7 +183,7 @@ def _columns(rows, q0, h_ok, c_ok, W, ssw, pad_w, wa, wb, C_PAD, a0, a1, a2, a3,
 
 # The phase arguments are compiled as run-time integers whatever their value (Triton would make a constant of a 1 and
 # mark a multiple of 16): one binary for every phase of a layer.
-@triton.jit(do_not_specialize=["p_first", "r_first", "r_step"])
+@kernel("p_first", "r_first", "r_step")
 def _strips(src, wts, dst, total, strips, P, Q, H, W, C, C_PAD,
             ssn, ssc, ssh, ssw, sdn, sdc, sdh, sdw, stride_h, pad_h, pad_w, dil_h, p_first, r_first, r_step,
             DIV: tl.constexpr, M_IN: tl.constexpr, R: tl.constexpr, S: tl.constexpr, STRIDE_W: tl.constexpr,
@@ -290,7 +290,7 @@ def _add_product(acc, s: tl.constexpr, values, grads, q0, ok, k_ok, Q, sdq, COL:
     return acc
 
 
-@triton.jit
+@kernel()
 def _filter_partials(x, dy, partials, rows, rows_per_part, strips, P, Q, H, W, K,
                      sxn, sxc, sxh, sxw, sdn, sdk, sdp, sdq, stride_h, pad_h, pad_w, dil_h,
                      M: tl.constexpr, R: tl.constexpr, S: tl.constexpr, STRIDE_W: tl.constexpr,
@@ -388,6 +388,7 @@ def _run(problem: ConvProblem, tile: StripTile, src: torch.Tensor, w: torch.Tens
     if tile.rows == 2:
         reason = two_rows_reason(problem)
         assert reason is None and up_h == 1, reason  # the algorithms refuse it (two_rows_reason)
+    run = for_layout(_strips, problem)
     for first in range(min(up_h, made[0])):
         rows = cdiv(made[0] - first, up_h)
         # the kernel rows that meet src's rows from this phase: (first·stride_h - pad_h + r·dil_h) divisible by up_h
@@ -396,7 +397,7 @@ def _run(problem: ConvProblem, tile: StripTile, src: torch.Tensor, w: torch.Tens
         step = up_h // math.gcd(dil_h, up_h)
         total = problem.n * cdiv(rows, tile.rows) * strips
         grid = (cdiv(total, tile.strips), cdiv(channels, tile.channels))
-        launch(_strips, grid, src4, weights, dst4, total, strips, rows, made[1], *read, channels, weights.shape[1],
+        launch(run, grid, src4, weights, dst4, total, strips, rows, made[1], *read, channels, weights.shape[1],
                *src4.stride(), *dst4.stride(), stride_h, pads[0], pads[1], dil_h, first, meet[0] if meet else r, step,
                DIV=divisor, M_IN=sources, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, UP_H=up_h, UP_W=up_w,
                PHASE_W=pads[1] % up_w, T=tile.strip, U=tile.rows, SHIFT=row_shift(problem) if tile.rows == 2 else 1,
@@ -438,7 +439,8 @@ def backward_filter(problem: ConvProblem, tile: StripTile, x: torch.Tensor, dy: 
     h, wd, p, q = sizes(problem)
     r, s, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w = geometry(problem)
     parts = partials.shape[0]
-    launch(_filter_partials, (parts, cdiv(problem.k, tile.channels), r), x4, dy4, partials, problem.n * p,
+    partials_kernel = for_layout(_filter_partials, problem)
+    launch(partials_kernel, (parts, cdiv(problem.k, tile.channels), r), x4, dy4, partials, problem.n * p,
            tile.chunk, cdiv(q, tile.strip), p, q, h, wd, problem.k, *x4.stride(), *dy4.stride(), stride_h,
            pad_h, pad_w, dil_h, M=problem.k // problem.c, R=r, S=s, STRIDE_W=stride_w, DIL_W=dil_w, T=tile.strip,
            BLOCK_STRIPS=tile.strips, BLOCK_CH=tile.channels, num_warps=tile.warps)
