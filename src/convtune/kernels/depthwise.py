@@ -21,8 +21,7 @@ operands' dtype, and every sum has one fixed order: the results are deterministi
 - ``backward_data`` of a strided problem has a second form ('phases'): an input position receives
   gradient only through the taps whose offset the stride divides, the same taps for every position of
   one stride phase (h mod stride, w mod stride); a program takes positions of one phase and loops over
-  that phase's taps alone (of a 3x3 stride-2 for_layout,
-    kernel, 1, 2 or 4 of the 9).
+  that phase's taps alone (of a 3x3 stride-2 kernel, 1, 2 or 4 of the 9).
 
 The channel multiplier and the kernel's size are compile-time constants: with a multiplier of 1
 the compiler sees that a tile's channels are contiguous and loads channels_last rows in vectors.

@@ -46,7 +46,7 @@ def kernel(*fixed: str) -> Callable[[Callable[..., Any]], Any]:
 def for_layout(kernel: Any, problem: ConvProblem) -> Any:
     """The copy of ``kernel`` (made by ``kernel``) for ``problem``'s layout: in channels_last the one whose width is
     not specialized either, so that a configuration compiles once for every image size of a network."""
-    return getattr(kernel, "channels_last", kernel) if problem.layout == "channels_last" else kernel
+    return kernel.channels_last if problem.layout == "channels_last" else kernel
 
 
 def cdiv(a: int, b: int) -> int:
