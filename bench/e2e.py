@@ -14,7 +14,9 @@ Measured in each process: inference latency (eval mode, no_grad) and training-st
 cross-entropy loss, backward, SGD with momentum; no gradient scaler: timing only). Time: median of
 7 timings of 10 steps between CUDA events, after warm-up. The graph style captures the whole step
 (PyTorch's "whole network capture", warm-up on a side stream); the compile style reports its
-first-call (compile) time; Inductor's on-disk cache is the machine's, shared by the processes of a run.
+first-call (compile) time; Inductor's on-disk cache is the machine's, shared by the processes of a run, without
+AOTAutograd's cache (TORCHINDUCTOR_AUTOGRAD_CACHE=0 unless set: torch 2.11 keys its graphs by whether autocast is on,
+not by its dtype, pytorch/pytorch#181564, and served a bfloat16 process the float16 graph, casts and kernels included).
 Each timed workload also records what the process held meanwhile (its threads, resident memory, the objects Python's
 collector tracks, the CUDA caching allocator's segments and blocks: ``process_state``), in the JSON only.
 cProfile of a few inferences (and in the eager style of a few training steps) gives the host's time per step and the
@@ -489,6 +491,7 @@ def in_subprocess(cfg: dict, timeout_s: float, gpu: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
         env = dict(os.environ, CONVTUNE_PROGRESS="0", CONVTUNE_CACHE_DIR=tmp)  # never the user's database
+        env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")  # the docstring says why
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         cmd = [sys.executable, __file__, "--child", json.dumps(cfg), "--child-out", str(path)]

@@ -45,6 +45,9 @@ export PYTHONUNBUFFERED=1 CONVTUNE_CACHE_DIR=/tmp/convtune-cache CONVTUNE_EXTENS
 # Inductor's caches per src/ tree: they key a graph by its ops' names, not by the extension's C++, so a warm machine
 # would serve a graph traced by an earlier version of the layer ops.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-${BENCH_SOURCE:-$(git rev-parse --short HEAD:src 2>/dev/null || date +%s)}
+# AOTAutograd's cache off: torch 2.11 keys a graph by whether autocast is on, not by its dtype (pytorch/pytorch#181564,
+# fixed later), so a network compiled under bfloat16 after float16 would run the float16 graph (its stem measured 3x faster).
+export TORCHINDUCTOR_AUTOGRAD_CACHE=0
 # The cuDNN frontend's wheel: .whl/ here, or WHL_DIR (a frozen tree of an older revision, run from its own folder,
 # names the checkout's: WHL_DIR=../.whl). Without it cuDNN's plans are no candidates: said on stderr, since an A/B
 # of two trees is meaningless where one of them lacks it.
