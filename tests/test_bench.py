@@ -638,8 +638,10 @@ def test_tie_paths_times_five_copies_of_a_network_and_says_what_each_variant_cha
     assert row["changed"]["cudnn_ties"] == 0 and native["cudnn_ties"] == native["ties_off"] > 0
     assert row["changed"]["tuned"] == native["ties_off"] - native["tuned"]
     assert row["changed"]["no_grad_off"] == row["changed"]["tuned"]  # the same move, without the no-gradient path
-    # what the rule saw as optimize tuned the copy: the layers it moved are those it judged cheaper moved
-    assert "native" in row["host_costs_us"] and row["tie_judgements"]
+    # what the rule saw as optimize tuned the copy: the layers it moved are those it judged cheaper moved (which
+    # layers reach a judgement, a tie given to torch:native, depends on which candidates win on this CPU: none may)
+    assert "native" in row["host_costs_us"]
+    assert all(len(j) == 3 and j[1] >= 0 and j[2] >= 0 for j in row["tie_judgements"]), row["tie_judgements"]
     assert set(row["moved_problems"]) == {p for p, chosen, moved in row["tie_judgements"] if moved < chosen}
     assert row["no_grad_paths"]["ties_off"] == row["no_grad_paths"]["no_grad_off"] == 0  # (turned off there)
     again = row["host_costs_again_us"]  # the measurement made again (5 times by default)
