@@ -15,18 +15,19 @@ import test_triton_depthwise
 import test_triton_depthwise_band
 import test_triton_depthwise_rows
 import test_triton_depthwise_strip
+import test_triton_folded
 import test_triton_grouped
 from convtune import extension
 from triton_cases import HAS_TRITON, RUNS_KERNELS
 
 FAMILIES = (test_triton_depthwise, test_triton_grouped, test_triton_depthwise_band, test_triton_depthwise_strip,
-            test_triton_depthwise_rows)
+            test_triton_depthwise_rows, test_triton_folded)
 
 
 # The first two families' files in two halves (the channels_last cases, and the rest), all processes at once: the
 # interpreter runs one thread, and the depthwise file alone took 5 min of a 2-core CPU's 7. The banded family's
 # file (about 20 s: two configurations a case), the strip family's (about 90 s: one a case), the weight gradient by
-# rows' (about 10 s) and the recording's tests (test_cubin.py) are one process each.
+# rows' (about 10 s), the folded family's (about 10 s) and the recording's tests (test_cubin.py) are one process each.
 HALVES = ("channels_last", "not channels_last")
 RUNS = [(module, half) for module in FAMILIES[:2] for half in HALVES] + [(module, None) for module in FAMILIES[2:]] \
     + [(test_cubin, None)]

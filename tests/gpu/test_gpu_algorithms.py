@@ -13,7 +13,8 @@ from gpu_cases import case_id, cases
 
 pytestmark = pytest.mark.gpu
 
-# Real layers: ResNet-50's 3x3, 1x1 and strided 1x1; MobileNetV2's depthwise; a dilated 3x3; a 1-D and a 3-D conv.
+# Real layers: ResNet-50's 3x3, 1x1 and strided 1x1; MobileNetV2's depthwise; a dilated 3x3; a 1-D and a 3-D conv;
+# a 7x7 stride-2 first layer of 3 channels.
 LAYERS = [
     dict(n=8, c=64, k=64, input_size=(56, 56), kernel_size=3, padding=1),
     dict(n=8, c=256, k=64, input_size=(56, 56), kernel_size=1),
@@ -22,6 +23,7 @@ LAYERS = [
     dict(n=4, c=32, k=48, input_size=(33, 31), kernel_size=3, padding=2, dilation=2),
     dict(n=4, c=32, k=64, input_size=(200,), kernel_size=5, padding=2),
     dict(n=2, c=16, k=16, input_size=(12, 12, 12), kernel_size=3, padding=1),
+    dict(n=4, c=3, k=64, input_size=(64, 64), kernel_size=7, stride=2, padding=3),
 ]
 CASES = cases(LAYERS)
 EVERY_ALGORITHM = "test_every_gpu_algorithm_matches_float64_and_keeps_to_its_workspace"

@@ -37,6 +37,7 @@ BUILTIN_MODULES = (
     "convtune.algorithms.triton_depthwise_strip",
     "convtune.algorithms.triton_depthwise_rows",
     "convtune.algorithms.triton_grouped",
+    "convtune.algorithms.triton_folded",
 )
 # Optional backends: a missing dependency (no CUDA, no cuDNN frontend) leaves them out, logged. Each with
 # its names' prefix and the cost its candidates declare: where the module does not load, that still prices its

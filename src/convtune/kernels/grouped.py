@@ -42,6 +42,7 @@ from .shared import (
     kernel,
     next_power_of_2,
     positions,
+    run_positions,
     sizes,
     sum_partials,
     tf32,
@@ -157,11 +158,7 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, C, K, s
         c_ok = (c0 + tl.arange(0, BLOCK_C) < c_span) & (c < C)
         acc = tl.zeros((BLOCK_J, BLOCK_C), dtype=tl.float32)
         for first in range(start, stop, BLOCK_P):
-            pos = first + tl.arange(0, BLOCK_P)
-            pos_ok = pos < stop
-            q = pos % Q
-            p = (pos // Q) % P
-            n = pos // (P * Q)
+            pos_ok, n, p, q = run_positions(first, stop, P, Q, BLOCK_P)
             h = p * stride_h - pad_h + r * dil_h
             wi = q * stride_w - pad_w + s * dil_w
             ok = pos_ok & (h >= 0) & (h < H) & (wi >= 0) & (wi < W)

@@ -89,10 +89,17 @@ def tf32(problem: ConvProblem) -> bool:
 
 
 @triton.jit
+def run_positions(first, stop, rows, cols, BLOCK_POS: tl.constexpr):
+    """The BLOCK_POS positions (n, row, col) of an (N, rows, cols) grid from position ``first`` on, and which lie
+    before ``stop``."""
+    pos = first + tl.arange(0, BLOCK_POS)
+    return pos < stop, pos // (rows * cols), (pos // cols) % rows, pos % cols
+
+
+@triton.jit
 def positions(total, rows, cols, BLOCK_POS: tl.constexpr):
     """This program's positions (n, row, col) of an (N, rows, cols) grid, and which exist."""
-    pos = tl.program_id(0) * BLOCK_POS + tl.arange(0, BLOCK_POS)
-    return pos < total, pos // (rows * cols), (pos // cols) % rows, pos % cols
+    return run_positions(tl.program_id(0) * BLOCK_POS, total, rows, cols, BLOCK_POS)
 
 
 @triton.jit
