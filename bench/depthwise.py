@@ -18,9 +18,12 @@ result checked against float64 first:
     python bench/depthwise.py --ours-again    # after a kernel change: cuDNN's and PyTorch's times kept
     python bench/depthwise.py --ours-again --families depthwise_strip   # one family's again, the others' kept
     python bench/depthwise.py --sweep grouped --name grouped   # ResNeXt-50's grouped layers, 8 to 64 channels a group
+    python bench/depthwise.py --sweep first --name first_layers --directions fwd,bwd_filter   # 3-channel first layers
 
-A shape is channels:spatial:kernel:stride[:channels a group] (1, the default: depthwise; the output has as many
-channels as the input).
+A shape is channels:spatial:kernel:stride[:channels a group[:output channels]] (a group: 1, the default, depthwise;
+as many as the channels, a dense layer; the output has as many channels as the input unless given). Padding: half
+the kernel, none where the kernel is no wider than its stride (a patch embedding). A dense layer of few channels (a
+network's first) is timed against triton:folded.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from convtune.algorithms.triton_depthwise import TritonDepthwise  # noqa: E402
 from convtune.algorithms.triton_depthwise_band import TritonDepthwiseBand  # noqa: E402
 from convtune.algorithms.triton_depthwise_rows import TritonDepthwiseRows  # noqa: E402
 from convtune.algorithms.triton_depthwise_strip import TritonDepthwiseStrip  # noqa: E402
+from convtune.algorithms.triton_folded import TritonFolded  # noqa: E402
 from convtune.algorithms.triton_grouped import TritonGrouped  # noqa: E402
 from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 from convtune.timing import benchmark  # noqa: E402
@@ -57,39 +61,47 @@ DEFAULT_SHAPES = ("96:56:7:1", "384:14:7:1", "672:14:5:1", "1152:7:5:1",
                   "32:112:3:1", "144:56:3:2", "960:7:3:1", "128:56:9:1", "256:28:13:1", "512:14:31:1")
 # ResNeXt-50 32x4d's grouped 3x3 layers (4 to 32 channels a group; the strided ones open a stage), then 8, 16, 24
 # and 64 channels a group at ResNet's sizes (RegNet-like widths).
+# Networks' first layers: ResNet's and GoogLeNet's 7x7 stem, MobileNetV2's and EfficientNet's 3x3 stride 2, VGG's 3x3,
+# ConvNeXt's 4x4 patches, a ViT-B/16's 16x16 patch embedding.
+FIRST_SHAPES = ("3:224:7:2:3:64", "3:224:3:2:3:32", "3:224:3:1:3:64", "3:224:4:4:3:96", "3:224:16:16:3:768")
 GROUPED_SHAPES = ("128:56:3:1:4", "256:56:3:2:8", "256:28:3:1:8", "512:28:3:2:16", "512:14:3:1:16", "1024:14:3:2:32",
                   "1024:7:3:1:32", "128:56:3:1:8", "256:56:3:1:16", "384:28:3:1:24", "512:14:3:1:64")
 FULL = dict(channels=(32, 96, 256, 512, 1536), spatial=(7, 14, 28, 56, 112), kernels=(3, 5, 7, 9, 13, 31),
             strides=(1, 2))
 
 
-def parse_shape(text: str) -> tuple[int, int, int, int, int]:
-    """(channels, spatial size, kernel, stride, channels a group) of channels:spatial:kernel:stride[:per group]."""
+def parse_shape(text: str) -> tuple[int, int, int, int, int, int]:
+    """(channels, spatial size, kernel, stride, channels a group, output channels) of
+    channels:spatial:kernel:stride[:per group[:output channels]]."""
     try:
         values = [int(v) for v in text.split(":")]
     except ValueError:
         values = []
-    if len(values) not in (4, 5) or min(values) < 1 or (len(values) == 5 and values[0] % values[4]):
-        raise ValueError(f"shape {text!r}: expected channels:spatial:kernel:stride[:channels a group], positive whole "
-                         f"numbers, the channels a whole number of groups")
-    c, hw, r, s, *per_group = values
-    return c, hw, r, s, (per_group or [1])[0]
+    groups = values[0] // values[4] if len(values) >= 5 and min(values) >= 1 else 1
+    if len(values) not in (4, 5, 6) or min(values) < 1 or (len(values) >= 5 and values[0] % values[4]) \
+            or (len(values) == 6 and values[5] % groups):
+        raise ValueError(f"shape {text!r}: expected channels:spatial:kernel:stride[:channels a group[:output "
+                         f"channels]], positive whole numbers, the channels (in and out) a whole number of groups")
+    c, hw, r, s, *rest = values
+    per_group = rest[0] if rest else 1
+    return c, hw, r, s, per_group, rest[1] if len(rest) == 2 else c
 
 
 def make_problem(shape: str, direction: str, batch: int, dtype: str, layout: str) -> ConvProblem:
-    c, hw, r, stride, per_group = parse_shape(shape)
-    return ConvProblem(direction, n=batch, c=c, k=c, input_size=(hw, hw), kernel_size=r, stride=stride,
-                       padding=r // 2, groups=c // per_group, dtype=dtype, layout=layout, device="cuda")
+    c, hw, r, stride, per_group, k = parse_shape(shape)
+    return ConvProblem(direction, n=batch, c=c, k=k, input_size=(hw, hw), kernel_size=r, stride=stride,
+                       padding=0 if r <= stride else r // 2, groups=c // per_group, dtype=dtype, layout=layout,
+                       device="cuda")
 
 
 DEPTHWISE_FAMILIES = (TritonDepthwise, TritonDepthwiseBand, TritonDepthwiseStrip, TritonDepthwiseRows)
-OUR_FAMILIES = (*DEPTHWISE_FAMILIES, TritonGrouped)
+OUR_FAMILIES = (*DEPTHWISE_FAMILIES, TritonGrouped, TritonFolded)
 
 
 def ours(algorithm, p: ConvProblem, families: tuple[str, ...] | None = None) -> bool:
-    """Whether ``algorithm`` is one of convtune's own kernel families for ``p``'s kind (depthwise or grouped), and
-    one of ``families`` (their names, as ``depthwise_strip``; None: any)."""
-    kinds = DEPTHWISE_FAMILIES if p.groups == p.c else (TritonGrouped,)
+    """Whether ``algorithm`` is one of convtune's own kernel families for ``p``'s kind (depthwise, grouped, or dense:
+    a first layer's few channels), and one of ``families`` (their names, as ``depthwise_strip``; None: any)."""
+    kinds = DEPTHWISE_FAMILIES if p.groups == p.c else (TritonFolded,) if p.groups == 1 else (TritonGrouped,)
     return (isinstance(algorithm, kinds) and (families is None or algorithm.family in families)
             and bool(algorithm.supports(p)))
 
@@ -194,7 +206,8 @@ def markdown(env: dict, rows: dict) -> str:
             f"{common.env_line(env)}; ours: measured at the row's ours_revisions in the JSON (per family). Times in ms "
             f"(convtune.timing.benchmark, every result checked against "
             f"float64 first); a group: channels a group (1: depthwise); ours: the fastest configuration of the "
-            f"depthwise families, or of triton:grouped; strip, band, rows: the fastest of triton:depthwise_strip's (by "
+            f"depthwise families, or of triton:grouped, or (a dense first layer, channels in>out) of triton:folded; "
+            f"strip, band, rows: the fastest of triton:depthwise_strip's (by "
             f"strips of a row), of triton:depthwise_band's (the tensor cores) and of triton:depthwise_rows' (the "
             f"weight gradient by input rows; '-' where the row predates the family or the family does not compute "
             f"it); cuDNN: the fastest of every "
@@ -207,13 +220,15 @@ def markdown(env: dict, rows: dict) -> str:
         p = ConvProblem.from_key(r["problem"])
         speedup = ratio(r.get("cudnn_ms"), r.get("ours_ms"))
         theirs = {family: family_ms(r, family) for family in FAMILIES}
-        body.append([p.direction, p.dtype, p.n, p.c, p.c // p.groups, f"{p.input_size[0]}", f"{p.kernel_size[0]}",
+        channels = p.c if p.k == p.c else f"{p.c}>{p.k}"
+        body.append([p.direction, p.dtype, p.n, channels, p.c // p.groups, f"{p.input_size[0]}", f"{p.kernel_size[0]}",
                      p.stride[0], fmt(r.get("ours_ms")), *(fmt(theirs[family]) for family in FAMILIES),
                      fmt(r.get("cudnn_ms")), fmt(r.get("torch_bench1_ms")),
                      fmt(r.get("torch_bench0_ms")), fmt(r["floor_ms"]), fmt(speedup, 2),
                      fmt(ratio(r.get("ours_ms"), r["floor_ms"]), 1), r.get("ours_best") or "-"])
         kernel = p.kernel_size[0]
-        family = ("≥7" if kernel >= 7 else str(kernel)) if p.groups == p.c else f"grouped, {p.c // p.groups} a group"
+        family = (("≥7" if kernel >= 7 else str(kernel)) if p.groups == p.c else f"first layer, {kernel}x{kernel}"
+                  if p.groups == 1 else f"grouped, {p.c // p.groups} a group")
         if speedup:
             groups.setdefault((p.direction, family), []).append(speedup)
             for name, ms in theirs.items():
@@ -234,12 +249,12 @@ def markdown(env: dict, rows: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", choices=("default", "full", "sample", "grouped"), default="default",
+    parser.add_argument("--sweep", choices=("default", "full", "sample", "grouped", "first"), default="default",
                         help="sample: --per-kernel shapes of the full grid for each kernel, drawn by --seed")
     parser.add_argument("--per-kernel", type=int, default=4, help="with --sweep sample: shapes a kernel size")
     parser.add_argument("--seed", type=int, default=0, help="with --sweep sample: which shapes are drawn")
     parser.add_argument("--shape", action="append", default=[],
-                        help="channels:spatial:kernel:stride[:channels a group] (repeatable)")
+                        help="channels:spatial:kernel:stride[:channels a group[:output channels]] (repeatable)")
     parser.add_argument("--batch", type=lambda t: [int(v) for v in t.split(",")], default=[32])
     parser.add_argument("--dtype", type=lambda t: t.split(","), default=["float16"])
     parser.add_argument("--layout", default="channels_last")
@@ -264,6 +279,7 @@ def main() -> None:
     if args.per_kernel < 1:
         parser.error(f"--per-kernel {args.per_kernel}: draw at least 1 shape a kernel size")
     shapes = args.shape or {"full": full_shapes, "grouped": lambda: list(GROUPED_SHAPES),
+                            "first": lambda: list(FIRST_SHAPES),
                             "sample": lambda: sampled_shapes(args.per_kernel, args.seed)}.get(
         args.sweep, lambda: list(DEFAULT_SHAPES))()
     unknown = sorted(set(args.families or ()) - {f.family for f in OUR_FAMILIES})

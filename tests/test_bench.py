@@ -891,6 +891,28 @@ def test_the_depthwise_benchmark_takes_grouped_shapes_and_times_the_grouped_fami
     assert "| fwd | grouped, 4 a group | 1 | 0.50 | - |" in text and "| 128 | 4 | 56 | 3 | 1 | 0.1000 | - |" in text
 
 
+def test_the_depthwise_benchmark_takes_first_layers_and_times_the_folded_family_on_them(depthwise):
+    from convtune.algorithms.registry import registered
+
+    p = depthwise.make_problem("3:224:7:2:3:64", "fwd", 32, "bfloat16", "channels_last")
+    assert (p.c, p.k, p.groups, p.padding, p.output_size) == (3, 64, 1, (3, 3), (112, 112))
+    assert {a.name.rsplit("_", 2)[0] for a in registered() if depthwise.ours(a, p)} == {"triton:folded"}
+    patch = depthwise.make_problem("3:224:16:16:3:768", "bwd_filter", 32, "bfloat16", "channels_last")
+    assert (patch.k, patch.padding, patch.output_size) == (768, (0, 0), (14, 14))  # a patch embedding: no padding
+    assert not any(depthwise.ours(a, patch) for a in registered() if a.directions == ("bwd_data",))
+    assert all(depthwise.parse_shape(s) for s in depthwise.FIRST_SHAPES)
+    assert depthwise.parse_shape("96:56:7:1") == (96, 56, 7, 1, 1, 96)  # the output's channels: the input's
+    assert depthwise.parse_shape("8:56:3:1:4:6")[5] == 6  # 6 outputs in 2 groups of 4 inputs
+    with pytest.raises(ValueError, match="channels:spatial:kernel:stride"):
+        depthwise.parse_shape("3:224:7:2:3:0")
+    with pytest.raises(ValueError, match="whole number of groups"):
+        depthwise.parse_shape("8:56:3:1:4:5")  # 5 output channels in 2 groups
+    row = dict(problem=p.key, floor_ms=0.1, cudnn_ms=0.8, ours_ms=0.2, ours_best="triton:folded_fwd_p128c64w4",
+               ours={"triton:folded_fwd_p128c64w4": 0.2})
+    text = depthwise.markdown({"date": "d", "gpu": "g"}, {"a": row})
+    assert "| fwd | first layer, 7x7 | 1 | 4.00 | - |" in text and "| 32 | 3>64 | 3 | 224 | 7 | 2 | 0.2000 |" in text
+
+
 def test_a_test_runs_phases_are_logged_as_they_end_where_a_times_file_is_named(tmp_path, monkeypatch):
     # bench/gpu_checks.sh names a times file beside each GPU test log: a run its time limit cuts still shows where
     # its time went (pytest's --durations print only at the end)
