@@ -59,6 +59,21 @@ def _unfold(j, CH: tl.constexpr, S: tl.constexpr):
     return j // (CH * S), (j // CH) % S, j % CH
 
 
+@triton.jit
+def _offsets(r, s, c, dil_h, dil_w, sxc, sxh, sxw):
+    """Where the input element of folded indices (r, s, c) lies from its position's tap (0, 0), channel 0."""
+    return c * sxc + (r * dil_h) * sxh + (s * dil_w) * sxw
+
+
+@triton.jit
+def _inside(pos_ok, top, left, j_ok, r, s, dil_h, dil_w, H, W):
+    """Which (position, folded index) pairs read the input, not its padding (positions whose tap (0, 0) lies at
+    ``top``, ``left``)."""
+    h = top[:, None] + (r * dil_h)[None, :]
+    wi = left[:, None] + (s * dil_w)[None, :]
+    return pos_ok[:, None] & j_ok[None, :] & (h >= 0) & (h < H) & (wi >= 0) & (wi < W)
+
+
 @kernel()
 def _forward(x, w, y, total, P, Q, H, W, K,
              sxn, sxc, sxh, sxw, swk, swc, swr, sws, syn, syk, syp, syq,
@@ -68,19 +83,17 @@ def _forward(x, w, y, total, P, Q, H, W, K,
     pos_ok, n, p, q = positions(total, P, Q, BLOCK_M)
     k = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = k < K
-    top = (p * stride_h - pad_h)[:, None]
-    left = (q * stride_w - pad_w)[:, None]
-    rows = x + (n * sxn)[:, None]
+    top = p * stride_h - pad_h
+    left = q * stride_w - pad_w
+    corners = x + n * sxn + top * sxh + left * sxw  # each position's tap (0, 0), channel 0 (where it may lie outside)
     folded: tl.constexpr = CH * R * S
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j0 in range(0, folded, BLOCK_K):
         j = j0 + tl.arange(0, BLOCK_K)
         j_ok = j < folded
         r, s, c = _unfold(j, CH, S)
-        h = top + (r * dil_h)[None, :]
-        wi = left + (s * dil_w)[None, :]
-        ok = pos_ok[:, None] & j_ok[None, :] & (h >= 0) & (h < H) & (wi >= 0) & (wi < W)
-        a = tl.load(rows + c[None, :] * sxc + h * sxh + wi * sxw, mask=ok, other=0.0)
+        a = tl.load(corners[:, None] + _offsets(r, s, c, dil_h, dil_w, sxc, sxh, sxw)[None, :],
+                    mask=_inside(pos_ok, top, left, j_ok, r, s, dil_h, dil_w, H, W), other=0.0)
         b = tl.load(w + k[None, :] * swk + (c * swc + r * swr + s * sws)[:, None],
                     mask=j_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision="tf32" if TF32 else "ieee")
@@ -102,6 +115,7 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, K, size
     folded: tl.constexpr = CH * R * S
     j_ok = j < folded
     r, s, c = _unfold(j, CH, S)
+    offsets_j = _offsets(r, s, c, dil_h, dil_w, sxc, sxh, sxw)
     k = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = k < K
     start = part * chunk
@@ -111,10 +125,10 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, K, size
         pos_ok, n, p, q = run_positions(first, stop, P, Q, BLOCK_P)
         grad = tl.load(dy + (n * sdn + p * sdp + q * sdq)[None, :] + k[:, None] * sdk,
                        mask=k_ok[:, None] & pos_ok[None, :], other=0.0)
-        h = (p * stride_h - pad_h)[:, None] + (r * dil_h)[None, :]
-        wi = (q * stride_w - pad_w)[:, None] + (s * dil_w)[None, :]
-        ok = pos_ok[:, None] & j_ok[None, :] & (h >= 0) & (h < H) & (wi >= 0) & (wi < W)
-        inp = tl.load(x + (n * sxn)[:, None] + c[None, :] * sxc + h * sxh + wi * sxw, mask=ok, other=0.0)
+        top = p * stride_h - pad_h
+        left = q * stride_w - pad_w
+        inp = tl.load((x + n * sxn + top * sxh + left * sxw)[:, None] + offsets_j[None, :],
+                      mask=_inside(pos_ok, top, left, j_ok, r, s, dil_h, dil_w, H, W), other=0.0)
         acc = tl.dot(grad, inp, acc, input_precision="tf32" if TF32 else "ieee")
     offsets = k[:, None] * swk + (c * swc + r * swr + s * sws)[None, :]
     tl.store(partials + part * size + offsets, acc, mask=k_ok[:, None] & j_ok[None, :])
