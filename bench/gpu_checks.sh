@@ -4,7 +4,7 @@
 # those paths' tests, shared out among n pytest processes at once: the time is mostly compiling on the host), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json, or of
 # $E2E_NAME.json where E2E_NAME is set, e.g. e2e_h100 on another GPU; several e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
-# on the GPU; triton:depthwise, triton:depthwise_band, triton:depthwise_strip, triton:depthwise_rows or triton:grouped one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
+# on the GPU; triton:depthwise, triton:depthwise_band, triton:depthwise_strip, triton:depthwise_rows, triton:grouped or triton:folded one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
 # written as warm_start_<network>_b<batch>), dynamic:<dynamic_shapes.py arguments joined by +> (new input shapes
 # during training), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
 # find's element bound and allocation check), margins:<network>:<batch>[:<dtypes>[:<minutes>]] (the same on a
@@ -101,7 +101,7 @@ for step in "$@"; do
     ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}
           python3 bench/ab.py ${args//+/ } --out "$OUT" --name ab 2>&1 | quiet | tail -30 ;;
     triton) tests "$OUT/triton_tests.txt" tests/test_triton_depthwise.py tests/test_triton_depthwise_band.py tests/test_triton_depthwise_strip.py \
-              tests/test_triton_depthwise_rows.py tests/test_triton_grouped.py ;;
+              tests/test_triton_depthwise_rows.py tests/test_triton_grouped.py tests/test_triton_folded.py ;;
     triton:*) tests "$OUT/triton_tests_${step#triton:}.txt" "tests/test_triton_${step#triton:}.py" ;;
     warm:*) IFS=: read -r _ network batch dtype <<< "$step"
             python3 bench/warm_start.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" --out "$OUT" 2>&1 | sed -n '8,14p' ;;

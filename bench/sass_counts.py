@@ -47,14 +47,15 @@ from convtune.problem import DIRECTIONS, ConvProblem  # noqa: E402
 
 # Per family, the problems counted by default: layers of networks where the family is meant to win (ResNeXt-50's
 # grouped layers; depthwise layers of 3x3 to 31x31; for the banded and strip kernels, whose issue-bound time is
-# counted, every layer of bench/depthwise.py's default table, which holds the best cuDNN plan's time of each), in the
-# three directions.
+# counted, every layer of bench/depthwise.py's default table, which holds the best cuDNN plan's time of each; networks'
+# first layers, bench/depthwise.py's --sweep first), in the three directions.
 GROUPED = ("c128|k128|in56x56|r3x3|s1x1|p1x1|g32", "c256|k256|in28x28|r3x3|s1x1|p1x1|g32",
            "c512|k512|in14x14|r3x3|s1x1|p1x1|g32")
 DEPTHWISE = ("c96|k96|in56x56|r7x7|s1x1|p3x3|g96", "c672|k672|in14x14|r5x5|s1x1|p2x2|g672",
              "c144|k144|in56x56|r3x3|s2x2|p1x1|g144", "c512|k512|in14x14|r31x31|s1x1|p15x15|g512")
 DEFAULTS = {"grouped": GROUPED, "depthwise": DEPTHWISE, "depthwise_band": depthwise.DEFAULT_SHAPES,
-            "depthwise_strip": depthwise.DEFAULT_SHAPES, "depthwise_rows": depthwise.DEFAULT_SHAPES}
+            "depthwise_strip": depthwise.DEFAULT_SHAPES, "depthwise_rows": depthwise.DEFAULT_SHAPES,
+            "folded": depthwise.FIRST_SHAPES}
 TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
 # An sm_90 GPU (H100, H200): 132 SMs of 4 schedulers, each issuing one warp instruction a clock at the 1.98 GHz boost
 # clock. Other targets get no issue-bound time.
@@ -184,7 +185,7 @@ TURNS = {"depthwise_band": banded_turns, "depthwise_strip": strip_turns,
 
 def problem_keys(family: str, dtype: str, layout: str) -> list[str]:
     """The default problems of ``family`` (batch 32) as keys, in every direction."""
-    if family in ("depthwise_band", "depthwise_strip", "depthwise_rows"):
+    if family in ("depthwise_band", "depthwise_strip", "depthwise_rows", "folded"):
         return [depthwise.make_problem(shape, d, 32, dtype, layout).key for shape in DEFAULTS[family]
                 for d in DIRECTIONS]
     return [f"{d}|n32|{shape.replace('|g', '|d1x1|g')}|{dtype}|{layout}|cuda|tf32=1"

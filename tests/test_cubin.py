@@ -74,13 +74,15 @@ def test_describe_refuses_what_the_cpp_launcher_cannot_repeat(case):
                                            ("triton:depthwise_bwd_filter_p64c64w4s8", 2),
                                            ("triton:depthwise_band_fwd_r32n16c8w4", 1),
                                            ("triton:depthwise_band_bwd_filter_r32n16c8w4s256", 2),
-                                           ("triton:grouped_bwd_filter_p32c64w4s1024", 2)])
+                                           ("triton:grouped_bwd_filter_p32c64w4s1024", 2),
+                                           ("triton:folded_fwd_p128c64w4", 1),
+                                           ("triton:folded_bwd_filter_p64c64w4s4096", 2)])
 @kernels
 def test_every_launch_of_a_run_is_recorded(name, launches):
     algo = get_algorithm(name)
-    grouped = "grouped" in name
+    groups = {"grouped": 4, "folded": 1}.get(algo.family, 8)  # the family's kind: grouped, dense, depthwise
     p = ConvProblem(algo.directions[0], n=1, c=8, k=8, input_size=(5, 5), kernel_size=3, padding=1,
-                    groups=4 if grouped else 8, layout="channels_last")
+                    groups=groups, layout="channels_last")
     if not algo.supports(p):
         pytest.skip(f"{name} does not support {p.key}: {algo.supports(p).reason}")
     a, b = p.random_inputs()

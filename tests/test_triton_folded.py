@@ -13,7 +13,13 @@ import pytest
 
 from convtune.algorithms.registry import get_algorithm, registered
 from convtune.algorithms.triton_family import interpreting
-from convtune.algorithms.triton_folded import BACKWARD_FILTER_TILES, FORWARD_TILES, MAX_CHANNELS, TritonFolded
+from convtune.algorithms.triton_folded import (
+    BACKWARD_FILTER_TILES,
+    FORWARD_TILES,
+    MAX_CHANNELS,
+    MAX_FOLDED,
+    TritonFolded,
+)
 from convtune.kernels.folded import fold_block
 from convtune.problem import ConvProblem
 from triton_cases import (
@@ -21,7 +27,6 @@ from triton_cases import (
     DTYPES,
     LAYOUTS,
     check_configurations,
-    check_supporting,
     compile_ahead,
     kernels,
     needs_triton,
@@ -70,7 +75,7 @@ def test_many_tiles_and_runs_of_positions(direction):
     # positions and, for the weight gradient, two runs of 4096 (the last partial).
     p = ConvProblem(direction, n=2, c=3, k=70, input_size=(50, 45), kernel_size=3, padding=1,
                     dtype="float16", layout="channels_last", device=DEVICE)
-    check_supporting(FAMILY, p)
+    check_configurations(FAMILY, p, len(TILES[direction]))
 
 
 def test_the_reduction_tile_pads_least():
@@ -87,10 +92,12 @@ def test_the_family_declares_what_it_supports():
     assert algorithm.notes(p.replace(dtype="bfloat16")).float32_inside
     for other in (p.replace(c=MAX_CHANNELS + 1),  # wide enough for kernels.grouped's way
                   p.replace(c=8, groups=2),  # grouped
+                  p.replace(c=5, kernel_size=15, padding=7),  # 1125 taps × channels: past MAX_FOLDED
                   p.replace(input_size=(9, 9, 9), kernel_size=3, padding=1, stride=1, dilation=1)):  # 3-D
         assert not algorithm.supports(other), other.key
     assert {a.directions[0] for a in map(get_algorithm, FAMILY)} == {"fwd", "bwd_filter"}  # no data gradient
     wgrad = get_algorithm("triton:folded_bwd_filter_p64c64w4s4096")
     q = p.with_direction("bwd_filter")
     assert wgrad.buffer_bytes(q) >= 1 * 64 * 3 * 49 * 4  # one run of positions: the whole gradient in float32
+    assert algorithm.supports(p.replace(c=3, kernel_size=16, stride=16, padding=0)) and 3 * 16 * 16 <= MAX_FOLDED
     assert wgrad.supports(q.replace(c=1)) and not wgrad.supports(q.replace(k=8, groups=1, c=12))

@@ -25,6 +25,7 @@ from .base import SUPPORTED, NumericNotes, Support, unsupported
 from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes
 
 MAX_CHANNELS = 8  # past 8 a tap's channels fill half the tensor cores' 16 lanes or more: kernels.grouped's way
+MAX_FOLDED = 1024  # taps × channels: the forward unrolls its reduction at compile time (a ViT's 16x16 patches: 768)
 # (positions, output channels, warps[, positions per partial sum])
 FORWARD_TILES = ((128, 64, 4), (64, 32, 4))
 BACKWARD_FILTER_TILES = ((64, 64, 4, 4096), (64, 64, 4, 16384))
@@ -41,6 +42,10 @@ class TritonFolded(TritonAlgorithm):
         if problem.groups != 1 or problem.c > MAX_CHANNELS:
             return unsupported(f"needs a dense problem with 1 to {MAX_CHANNELS} input channels, got "
                                f"{problem.c // problem.groups} (groups={problem.groups})")
+        folded = problem.c * math.prod(problem.kernel_size)
+        if folded > MAX_FOLDED:
+            return unsupported(f"folds {folded} taps × channels into its reduction, unrolled at compile time up to "
+                               f"{MAX_FOLDED}; cuDNN and torch:native take it")
         return SUPPORTED
 
     def _family_supports(self, problem: ConvProblem) -> Support:
@@ -55,13 +60,11 @@ class TritonFolded(TritonAlgorithm):
         return tensor_core_notes(problem)
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
-        # Tensor-core products over the folded reduction, padded to its tile (kernels.folded.fold_block), the
-        # input gathered from cache per tap. Not yet measured on a GPU: priced as kernels.grouped's are.
-        m, n, folded = gemm_dims(problem)
-        block = self.module().fold_block(folded)
-        filled = folded / (-(-folded // block) * block)
-        return Cost(problem.flops, 0.3 * filled * shape_factor(m, n, folded),
-                    2 * problem.min_bytes + 2 * workspace_bytes, 1 + bool(workspace_bytes), composed=False)
+        # Tensor-core products over the folded reduction (shape_factor: a short one leaves lanes idle), the input
+        # gathered from cache per tap. Not yet measured on a GPU: priced as kernels.grouped's are (find tries the
+        # family once whatever its price, unless it is priced past the prune factor).
+        return Cost(problem.flops, 0.3 * shape_factor(*gemm_dims(problem)), 2 * problem.min_bytes + 2 * workspace_bytes,
+                    1 + bool(workspace_bytes), composed=False)
 
 
 register_family(TritonFolded, {"fwd": FORWARD_TILES, "bwd_filter": BACKWARD_FILTER_TILES})

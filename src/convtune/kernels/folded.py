@@ -9,7 +9,9 @@ the input (zeros where a tap reads padding; in channels_last the channels and co
 side in memory) and multiplies it with the weights' matching rows (``tl.dot``), summing in float32. Nothing is
 written out but the result.
 
-- ``forward``: programs over (output positions) × (tiles of output channels).
+- ``forward``: programs over (output positions) × (tiles of output channels); the reduction's steps unrolled at
+  compile time, where each step's (r, s, c) are constants (compiled for sm_90, the 7x7 stem's forward issues about a
+  quarter of the instructions of a loop over them: ``bench/sass_counts.py``).
 - ``backward_filter``: dW = dy^T · im2col(x) over the positions, for a tile of output channels and one tile of
   the folded (r, s, c), summed in runs of positions into float32 partials laid out like the gradient, which
   ``kernels.shared``'s second kernel adds in a fixed order (deterministic, no atomics). The programs of one run of
@@ -88,7 +90,7 @@ def _forward(x, w, y, total, P, Q, H, W, K,
     corners = x + n * sxn + top * sxh + left * sxw  # each position's tap (0, 0), channel 0 (where it may lie outside)
     folded: tl.constexpr = CH * R * S
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for j0 in range(0, folded, BLOCK_K):
+    for j0 in tl.static_range(0, folded, BLOCK_K):  # unrolled: each step's (r, s, c) are compile-time constants
         j = j0 + tl.arange(0, BLOCK_K)
         j_ok = j < folded
         r, s, c = _unfold(j, CH, S)
@@ -119,7 +121,7 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, K, size
     k = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_ok = k < K
     start = part * chunk
-    stop = tl.minimum(start + chunk, total)
+    stop = start + tl.minimum(chunk, total - start)  # (start + chunk may pass 2**31 where total nearly does)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for first in range(start, stop, BLOCK_P):
         pos_ok, n, p, q = run_positions(first, stop, P, Q, BLOCK_P)
