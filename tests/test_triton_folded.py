@@ -43,6 +43,10 @@ SHAPES = {  # folded = taps × channels, the reduction's length
                                       padding=(2, 2)),
     "8_channels_stride3_into_padding": dict(n=2, c=8, k=40, input_size=(7, 7), kernel_size=4, stride=3, padding=3),
     "1d_2_channels_stride2": dict(n=2, c=2, k=6, input_size=(13,), kernel_size=5, stride=2, padding=2),
+    # output rows of 64 columns and more: the weight gradient steps its positions turn by turn, carrying rows (here 3
+    # of 130 columns) into images; 1-D: each row an image
+    "rows_of_130": dict(n=2, c=3, k=8, input_size=(3, 130), kernel_size=3, padding=1),
+    "1d_rows_of_296": dict(n=3, c=1, k=4, input_size=(300,), kernel_size=5),
 }
 CASES = list(itertools.product(SHAPES, TILES, DTYPES, LAYOUTS))
 # test_matches_reference's (bfloat16 is not run in the interpreter), test_many_tiles_and_runs_of_positions' and the

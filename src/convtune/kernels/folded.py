@@ -109,9 +109,11 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, K, size
                               stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                               CH: tl.constexpr, R: tl.constexpr, S: tl.constexpr, TF32: tl.constexpr,
                               FOLD_TILES: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, STEPPED: tl.constexpr):
     # One program: a run of ``chunk`` positions, a tile of output channels and a tile of the folded (r, s, c); the
-    # first grid axis (room for 2**31 - 1 programs) runs over runs × fold tiles, the fold tile fastest.
+    # first grid axis (room for 2**31 - 1 programs) runs over runs × fold tiles, the fold tile fastest. STEPPED (an
+    # output row at least BLOCK_P wide): each turn's (n, p, q) follow from the last turn's by adding BLOCK_P columns
+    # and carrying a row and an image at most once, instead of dividing by the run-time P and Q each turn.
     part = tl.program_id(0) // FOLD_TILES
     j = (tl.program_id(0) % FOLD_TILES) * BLOCK_K + tl.arange(0, BLOCK_K)
     folded: tl.constexpr = CH * R * S
@@ -123,8 +125,12 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, K, size
     start = part * chunk
     stop = start + tl.minimum(chunk, total - start)  # (start + chunk may pass 2**31 where total nearly does)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    pos_ok, n, p, q = run_positions(start, stop, P, Q, BLOCK_P)
     for first in range(start, stop, BLOCK_P):
-        pos_ok, n, p, q = run_positions(first, stop, P, Q, BLOCK_P)
+        if STEPPED:
+            pos_ok = first + tl.arange(0, BLOCK_P) < stop
+        else:
+            pos_ok, n, p, q = run_positions(first, stop, P, Q, BLOCK_P)
         grad = tl.load(dy + (n * sdn + p * sdp + q * sdq)[None, :] + k[:, None] * sdk,
                        mask=k_ok[:, None] & pos_ok[None, :], other=0.0)
         top = p * stride_h - pad_h
@@ -132,6 +138,14 @@ def _backward_filter_partials(x, dy, partials, total, chunk, P, Q, H, W, K, size
         inp = tl.load((x + n * sxn + top * sxh + left * sxw)[:, None] + offsets_j[None, :],
                       mask=_inside(pos_ok, top, left, j_ok, r, s, dil_h, dil_w, H, W), other=0.0)
         acc = tl.dot(grad, inp, acc, input_precision="tf32" if TF32 else "ieee")
+        if STEPPED:  # the next turn's positions (q < Q and BLOCK_P <= Q: one carry at most, and one of p into n)
+            q += BLOCK_P
+            row = q >= Q
+            q = tl.where(row, q - Q, q)
+            p = tl.where(row, p + 1, p)
+            image = p >= P
+            p = tl.where(image, p - P, p)
+            n = tl.where(image, n + 1, n)
     offsets = k[:, None] * swk + (c * swc + r * swr + s * sws)[None, :]
     tl.store(partials + part * size + offsets, acc, mask=k_ok[:, None] & j_ok[None, :])
 
@@ -180,5 +194,6 @@ def backward_filter(problem: ConvProblem, tile: FoldedTile, x: torch.Tensor, dy:
     launch(for_layout(_backward_filter_partials, problem), (parts * fold_tiles, channel_tiles(problem, tile)),
            x4, dy4, partials, problem.n * p * q, tile.chunk, p, q, h, wd, problem.k, size, *x4.stride(),
            *dy4.stride(), *dw4.stride(), *steps, CH=problem.c, R=r, S=s, TF32=tf32(problem), FOLD_TILES=fold_tiles,
-           BLOCK_P=tile.positions, BLOCK_N=tile.channels, BLOCK_K=block, num_warps=tile.warps)
+           BLOCK_P=tile.positions, BLOCK_N=tile.channels, BLOCK_K=block, STEPPED=q >= tile.positions,
+           num_warps=tile.warps)
     sum_partials(partials, dw)
