@@ -37,11 +37,14 @@ sys.path.insert(0, BENCH)
 from sass_counts import specialized
 
 PROBLEMS = [  # 2-D strided, dilated (the columns: the two-row strips' data gradient takes row dilation 1 only), 1-D,
-    # a channel multiplier; grouped: 4 channels per group
+    # a channel multiplier; grouped: 4 channels per group; dense first layers of 3 and 2 channels, output rows of 70
+    # columns (the folded weight gradient steps its positions) and of 36 (it divides)
     dict(n=2, c=8, k=8, input_size=(9, 10), kernel_size=5, stride=2, padding=2, groups=8),
     dict(n=1, c=4, k=8, input_size=(11, 12), kernel_size=3, dilation=(1, 2), padding=2, groups=4),
     dict(n=2, c=6, k=6, input_size=(17,), kernel_size=7, padding=3, groups=6),
     dict(n=2, c=16, k=16, input_size=(9, 9), kernel_size=3, padding=1, groups=4),
+    dict(n=2, c=3, k=16, input_size=(9, 140), kernel_size=7, stride=2, padding=3),
+    dict(n=2, c=2, k=8, input_size=(40,), kernel_size=5),
 ]
 caught = []
 

@@ -191,9 +191,10 @@ def backward_filter(problem: ConvProblem, tile: FoldedTile, x: torch.Tensor, dy:
     parts, size = partials.shape
     block = fold_block(_folded(problem))
     fold_tiles = cdiv(_folded(problem), block)
+    stepped = q >= tile.positions  # the kernel's one carry a turn holds only where a turn's positions fit in a row
     launch(for_layout(_backward_filter_partials, problem), (parts * fold_tiles, channel_tiles(problem, tile)),
            x4, dy4, partials, problem.n * p * q, tile.chunk, p, q, h, wd, problem.k, size, *x4.stride(),
            *dy4.stride(), *dw4.stride(), *steps, CH=problem.c, R=r, S=s, TF32=tf32(problem), FOLD_TILES=fold_tiles,
-           BLOCK_P=tile.positions, BLOCK_N=tile.channels, BLOCK_K=block, STEPPED=q >= tile.positions,
+           BLOCK_P=tile.positions, BLOCK_N=tile.channels, BLOCK_K=block, STEPPED=stepped,
            num_warps=tile.warps)
     sum_partials(partials, dw)
