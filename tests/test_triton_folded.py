@@ -95,7 +95,7 @@ def test_the_family_declares_what_it_supports():
     assert algorithm.supports(p) and algorithm.buffers(p) == []
     assert algorithm.notes(p).tf32 and not algorithm.notes(p.replace(allow_tf32=False)).tf32
     assert algorithm.notes(p.replace(dtype="bfloat16")).float32_inside
-    for other in (p.replace(c=MAX_CHANNELS + 1),  # wide enough for kernels.grouped's way
+    for other in (p.replace(c=MAX_CHANNELS + 1),  # wide enough for cuDNN's implicit GEMMs
                   p.replace(c=8, groups=2),  # grouped
                   p.replace(c=5, kernel_size=15, padding=7),  # 1125 taps × channels: past MAX_FOLDED
                   p.replace(input_size=(9, 9, 9), kernel_size=3, padding=1, stride=1, dilation=1)):  # 3-D

@@ -24,7 +24,7 @@ from ..problem import ConvProblem
 from .base import SUPPORTED, NumericNotes, Support, unsupported
 from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes
 
-MAX_CHANNELS = 8  # past 8 a tap's channels fill half the tensor cores' 16 lanes or more: kernels.grouped's way
+MAX_CHANNELS = 8  # past 8, a tap's channels fill half the tensor cores' 16 lanes or more: folding gains little
 MAX_FOLDED = 1024  # taps × channels: the forward unrolls its reduction at compile time (a ViT's 16x16 patches: 768)
 # (positions, output channels, warps[, positions per partial sum])
 FORWARD_TILES = ((128, 64, 4), (64, 32, 4))
