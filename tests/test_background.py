@@ -308,6 +308,19 @@ def test_the_worker_times_on_a_device_it_shares(db, monkeypatch):
     assert seen and all(kwargs.get("shared_device") is True for kwargs in seen)
 
 
+def test_the_worker_ends_once_nothing_is_queued_and_the_next_problem_starts_another(db):
+    # A thread that has run PyTorch's CPU operators slows the caller's while it lives (up to twice, on 2 cores), so
+    # the worker does not wait for more work.
+    threads = []
+    for n in (7, 8):
+        assert background.measure(problem(n=n), ct.Policy(), db)
+        threads.append(background._worker)  # the thread measure started
+        assert background.wait(120)
+        threads[-1].join(30)
+        assert not threads[-1].is_alive() and background._worker is None
+    assert threads[0] is not threads[1] and db.lookup(problem(n=8)) is not None
+
+
 def test_the_worker_knows_it_is_the_worker(db, monkeypatch):
     # find leaves the process's cached CUDA memory alone there (no empty_cache under the caller's step).
     seen, real = [], sys.modules["convtune.find"].find

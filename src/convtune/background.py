@@ -2,7 +2,8 @@
 
 A problem the database does not know is answered at once by PyTorch's own call (or ``get``'s choice where the
 policy refuses it: ``select``), and ``measure`` queues it for ``find``; one worker thread measures the queued
-problems one at a time, in the order asked, and stores what it measures in the database. It starts a measurement
+problems one at a time, in the order asked, and stores what it measures in the database, and ends once nothing is
+queued (the next ``measure`` starts another). It starts a measurement
 only once no problem has been queued for ``settings.background_settle_s`` (0.1 s), or once the oldest has waited
 ``SETTLE_LIMIT`` times that (a model meeting a new shape at every step): a training step that meets a new shape
 queues its layers' problems as it runs, and the worker's Python would otherwise compete with the rest of that step
@@ -123,8 +124,10 @@ def wait(timeout: float | None = None) -> bool:
 
 
 def _start() -> None:
+    """A worker, unless one is at work (under ``_lock``: a worker that finds the queue empty ends, and says so, under
+    it too)."""
     global _worker
-    if _worker is None or not _worker.is_alive():
+    if _worker is None:
         _worker = threading.Thread(target=_work, name="convtune-background", daemon=True)
         _worker.start()
 
@@ -140,13 +143,17 @@ def _settle_s() -> float:
 
 
 def _work() -> None:
-    global _generation
+    global _generation, _worker
     streams: dict[int, Any] = {}
     while True:
         with _lock:
             while True:
-                _lock.wait_for(lambda: bool(_queue) or _stopping)
-                if _stopping:
+                if _stopping or not _queue:
+                    # Nothing left: the thread ends (``measure`` starts another). A thread that has run PyTorch's
+                    # CPU operators keeps their OpenMP threads while it lives, and on a small host the caller's
+                    # operators then ran up to twice as slow while it waited (docs/runtime.md).
+                    if _worker is threading.current_thread():
+                        _worker = None
                     return
                 settle_s, now = _settle_s(), time.monotonic()
                 quiet = settle_s - (now - _last_queued)  # a problem queued meanwhile moves it on
