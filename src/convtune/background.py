@@ -125,9 +125,9 @@ def wait(timeout: float | None = None) -> bool:
 
 def _start() -> None:
     """A worker, unless one is at work (under ``_lock``: a worker that finds the queue empty ends, and says so, under
-    it too)."""
+    it too; one that died otherwise is replaced)."""
     global _worker
-    if _worker is None:
+    if _worker is None or not _worker.is_alive():
         _worker = threading.Thread(target=_work, name="convtune-background", daemon=True)
         _worker.start()
 
