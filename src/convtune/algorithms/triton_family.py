@@ -227,6 +227,12 @@ class TritonAlgorithm(Algorithm):
             module.backward_filter(problem, self.tile, a, b, out, ws["partials"])
 
 
+def whole_gradient_runs(problem: ConvProblem, chunk: int) -> tuple[int, int]:
+    """The shape of a weight gradient's float32 partial sums where each run of ``chunk`` output positions sums the
+    whole gradient (the implicit GEMMs'): (runs, the gradient's elements)."""
+    return -(-problem.n * math.prod(problem.output_size) // chunk), math.prod(problem.w_shape)
+
+
 def tensor_core_notes(problem: ConvProblem) -> NumericNotes:
     """The numeric notes of a family that multiplies on the tensor cores: half operands summed in float32, float32
     ones rounded to TF32 exactly where the problem allows it."""

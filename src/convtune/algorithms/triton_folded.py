@@ -22,7 +22,7 @@ import math
 from ..costmodel import Cost, gemm_dims, shape_factor
 from ..problem import ConvProblem
 from .base import SUPPORTED, NumericNotes, Support, unsupported
-from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes
+from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes, whole_gradient_runs
 
 MAX_CHANNELS = 8  # past 8, a tap's channels fill half the tensor cores' 16 lanes or more: folding gains little
 MAX_FOLDED = 1024  # taps × channels: the forward unrolls its reduction at compile time (a ViT's 16x16 patches: 768)
@@ -36,7 +36,7 @@ class TritonFolded(TritonAlgorithm):
 
     family = "folded"
     kernels = "folded"
-    tile_type = "FoldedTile"
+    tile_type = "GemmTile"
 
     def kind(self, problem: ConvProblem) -> Support:
         if problem.groups != 1 or problem.c > MAX_CHANNELS:
@@ -53,8 +53,7 @@ class TritonFolded(TritonAlgorithm):
                               "torch:native or cuDNN")
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
-        # One float32 partial sum of the whole gradient per run of output positions.
-        return (self.module().partial_sums(problem, self.tile), math.prod(problem.w_shape))
+        return whole_gradient_runs(problem, self.tile_args[3])
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return tensor_core_notes(problem)

@@ -16,12 +16,10 @@ Where they run and what every Triton family refuses: ``triton_family``.
 
 from __future__ import annotations
 
-import math
-
 from ..costmodel import Cost, gemm_dims, shape_factor
 from ..problem import ConvProblem
 from .base import SUPPORTED, NumericNotes, Support, unsupported
-from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes
+from .triton_family import TritonAlgorithm, grid_axis_fits, register_family, tensor_core_notes, whole_gradient_runs
 
 MAX_GROUP_CHANNELS = 64
 # (positions, channels, warps[, positions per partial sum]); the channel tile is capped at the group's width.
@@ -49,9 +47,7 @@ class TritonGrouped(TritonAlgorithm):
                               "tiles of groups' channels, or the weight gradient's taps", "torch:native or cuDNN")
 
     def partials_shape(self, problem: ConvProblem) -> tuple[int, ...]:
-        # One float32 partial sum of the whole gradient per run of output positions.
-        positions = problem.n * math.prod(problem.output_size)
-        return (-(-positions // self.tile_args[3]), math.prod(problem.w_shape))
+        return whole_gradient_runs(problem, self.tile_args[3])
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return tensor_core_notes(problem)

@@ -27,26 +27,25 @@ operands of 2**31 elements or more.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
-from .shared import as_4d, cdiv, for_layout, geometry, kernel, positions, run_positions, sizes, sum_partials, tf32
-
-
-@dataclasses.dataclass(frozen=True)
-class FoldedTile:
-    """One configuration: positions per program, output channels per program, warps, and (weight gradient)
-    positions per partial sum."""
-
-    positions: int
-    channels: int
-    warps: int = 4
-    chunk: int = 0
+from .shared import (
+    GemmTile,
+    as_4d,
+    cdiv,
+    for_layout,
+    geometry,
+    kernel,
+    positions,
+    run_positions,
+    sizes,
+    sum_partials,
+    tf32,
+)
 
 
 def fold_block(folded: int) -> int:
@@ -157,19 +156,12 @@ def _folded(problem: ConvProblem) -> int:
     return problem.c * r * s
 
 
-def channel_tiles(problem: ConvProblem, tile: FoldedTile) -> int:
+def channel_tiles(problem: ConvProblem, tile: GemmTile) -> int:
     """Programs along the launch grid's second axis (CUDA holds 65535 there): tiles of output channels."""
     return cdiv(problem.k, tile.channels)
 
 
-def partial_sums(problem: ConvProblem, tile: FoldedTile) -> int:
-    """The weight gradient's runs of ``tile.chunk`` output positions: one float32 partial sum of the whole gradient
-    each."""
-    p, q = sizes(problem)[2:]
-    return cdiv(problem.n * p * q, tile.chunk)
-
-
-def forward(problem: ConvProblem, tile: FoldedTile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
+def forward(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
     """y = the convolution of x with w, into ``y``."""
     x4, w4, y4 = (as_4d(t, problem) for t in (x, w, y))
     r, s, *steps = geometry(problem)
@@ -181,7 +173,7 @@ def forward(problem: ConvProblem, tile: FoldedTile, x: torch.Tensor, w: torch.Te
            BLOCK_K=fold_block(_folded(problem)), num_warps=tile.warps)
 
 
-def backward_filter(problem: ConvProblem, tile: FoldedTile, x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor,
+def backward_filter(problem: ConvProblem, tile: GemmTile, x: torch.Tensor, dy: torch.Tensor, dw: torch.Tensor,
                     partials: torch.Tensor) -> None:
     """dw = the gradient of the weight from x and dy, into ``dw`` (dense in its layout), through ``partials``
     (float32, (parts, dw.numel()): one partial sum per run of ``tile.chunk`` output positions)."""

@@ -25,8 +25,6 @@ serves both layouts. float32 operands use TF32 exactly when the problem allows i
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +32,7 @@ import triton.language as tl
 from ..problem import ConvProblem
 from .recording import launch
 from .shared import (
+    GemmTile,
     as_4d,
     cdiv,
     for_layout,
@@ -47,17 +46,6 @@ from .shared import (
     sum_partials,
     tf32,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmTile:
-    """One configuration: positions per program, output (or, for the data gradient, input) channels per
-    program, warps, and (weight gradient) positions per partial sum."""
-
-    positions: int
-    channels: int
-    warps: int = 4
-    chunk: int = 0
 
 
 def _lanes(channels: int) -> int:

@@ -3,6 +3,7 @@ positions, and the fixed-order sum of partial results."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,19 @@ import triton.language as tl
 
 from ..problem import ConvProblem
 from .recording import launch
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTile:
+    """One configuration of an implicit GEMM on the tensor cores (``kernels.grouped``, ``kernels.folded``): positions
+    per program, output (or, for the data gradient, input) channels per program, warps, and (weight gradient)
+    positions per partial sum."""
+
+    positions: int
+    channels: int
+    warps: int = 4
+    chunk: int = 0
+
 
 # The arguments of a kernel that say how large the image (or the batch) is, not how it is laid out: Triton would
 # compile a kernel again for each of them divisible by 16 against each that is not, so the layers of one network (a
