@@ -1947,7 +1947,7 @@ def test_a_model_runs_where_the_convolutions_tf32_setting_differs_from_the_rnns(
     # PyTorch's per-operation settings (torch.backends.cudnn.conv.fp32_precision) unlike the RNNs' make reading
     # torch.backends.cudnn.allow_tf32 raise: convtune reads the convolutions' own setting instead.
     from convtune import isolation
-    from convtune.problem import cudnn_conv_tf32
+    from convtune.tf32 import conv_allowed
 
     saved = torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision
     x = torch.randn(2, 3, 8, 8)
@@ -1959,7 +1959,7 @@ def test_a_model_runs_where_the_convolutions_tf32_setting_differs_from_the_rnns(
                 conv, "tf32" if conv == "ieee" else "ieee")
             with pytest.raises(RuntimeError):
                 torch.backends.cudnn.allow_tf32  # noqa: B018  (the flag this test is about)
-            assert cudnn_conv_tf32() is (conv == "tf32")
+            assert conv_allowed() is (conv == "tf32")
             assert ConvProblem.from_module(model[0], tuple(x.shape)).allow_tf32 is (conv == "tf32")
             assert isolation._state()["cudnn"][1] is (conv == "tf32")
             tuned = ct.optimize(copy.deepcopy(model), x, training=True, mode="get")
@@ -1975,36 +1975,3 @@ def test_a_model_runs_where_the_convolutions_tf32_setting_differs_from_the_rnns(
     finally:
         torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision = saved
     assert torch.backends.cudnn.allow_tf32  # (the default again)
-
-
-@pytest.mark.skipif(not hasattr(torch.backends.cudnn, "conv"), reason="a PyTorch without per-operation precisions")
-def test_torch_native_switches_tf32_where_the_per_operation_settings_differ():
-    # torch:native computes a problem under its own TF32 setting (a float32 problem tuned with TF32 off, measured
-    # where it is on): torch.backends.cudnn.flags raises where the convolutions' setting differs from the RNNs', so
-    # the convolutions' own setting is switched, and put back, also when the call inside raises
-    from convtune.algorithms.native import cudnn_for
-    from convtune.problem import cudnn_conv_tf32
-
-    cudnn = torch.backends.cudnn
-    saved = cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled
-    try:
-        for conv, rnn in (("ieee", "tf32"), ("tf32", "ieee"), ("tf32", "tf32")):
-            cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = conv, rnn
-            for wanted in (True, False):
-                cudnn.enabled = False
-                with cudnn_for(wanted):
-                    assert cudnn_conv_tf32() is wanted and cudnn.enabled
-                with pytest.raises(ZeroDivisionError) as raised, cudnn_for(wanted):
-                    raise ZeroDivisionError
-                assert raised.value.__context__ is None  # not chained to PyTorch's complaint about the flags
-                assert (cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled) == (conv, rnn, False)
-        # a convolutions' setting that defers to cuDNN's ('none') still defers after the switch
-        parent = cudnn.fp32_precision
-        cudnn.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = "ieee", "none", "tf32"
-        with cudnn_for(True):
-            assert cudnn_conv_tf32()
-        cudnn.fp32_precision = "tf32"
-        assert cudnn.conv.fp32_precision == "tf32"
-        cudnn.fp32_precision = parent
-    finally:
-        cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision, cudnn.enabled = saved

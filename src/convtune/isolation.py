@@ -47,9 +47,10 @@ from typing import Any
 
 import torch
 
+from . import tf32
 from .algorithms.base import Algorithm
 from .policy import Policy
-from .problem import ConvProblem, cudnn_conv_tf32
+from .problem import ConvProblem
 from .results import PerfResult, Status
 from .settings import settings
 
@@ -108,10 +109,10 @@ def _state() -> dict[str, Any]:
         "settings": settings.overrides(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith("CONVTUNE_")},
         "device": torch.cuda.current_device() if cuda else None,
-        # (the convolutions' TF32 setting: the flag raises where PyTorch's per-operation settings differ)
-        "cudnn": (torch.backends.cudnn.enabled, cudnn_conv_tf32(), torch.backends.cudnn.benchmark,
+        # (TF32 as it holds now, whichever of PyTorch's interfaces set it: tf32.py)
+        "cudnn": (torch.backends.cudnn.enabled, tf32.conv_allowed(), torch.backends.cudnn.benchmark,
                   torch.backends.cudnn.deterministic),
-        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "matmul_tf32": tf32.matmul_allowed(),
         "deterministic_algorithms": (torch.are_deterministic_algorithms_enabled(),
                                      torch.is_deterministic_algorithms_warn_only_enabled()),
     }

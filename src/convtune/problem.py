@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
+from . import tf32
 from .errors import check_one_of, not_one_of
 from .units import MAX_BYTES
 
@@ -105,22 +106,6 @@ def normalize_device(value: Any) -> str:
         if kind in DEVICES and (not index or index.isdigit()):  # 'cuda:1' names a device; 'cpu:x' nothing
             return kind
     raise ValueError(f"device={value!r} is not supported; use 'cpu' or 'cuda' (or 'cuda:N')")
-
-
-def cudnn_conv_tf32() -> bool:
-    """Whether PyTorch lets cuDNN's convolutions compute float32 in TF32 now: ``torch.backends.cudnn.allow_tf32``,
-    or, where PyTorch's per-operation settings make that flag ambiguous (``torch.backends.cudnn.conv.fp32_precision``
-    set unlike the RNNs': reading it raises), the convolutions' own setting ('tf32'; 'none' defers to
-    ``torch.backends.cudnn.fp32_precision``, then to ``torch.backends.fp32_precision``)."""
-    try:
-        return bool(torch.backends.cudnn.allow_tf32)
-    except RuntimeError:
-        pass
-    for scope in (getattr(torch.backends.cudnn, "conv", None), torch.backends.cudnn, torch.backends):
-        precision = getattr(scope, "fp32_precision", "none")
-        if precision != "none":
-            return precision == "tf32"
-    return False
 
 
 def pytorch_deterministic() -> bool:
@@ -376,7 +361,7 @@ class ConvProblem:
             padding=pad, dilation=per_dimension(module.dilation, ndim), groups=module.groups,
             dtype=dtype if dtype is not None else weight.dtype,
             layout=layout, device=device if device is not None else weight.device,
-            allow_tf32=cudnn_conv_tf32() if allow_tf32 is None else allow_tf32,
+            allow_tf32=tf32.conv_allowed() if allow_tf32 is None else allow_tf32,
         )
 
     # -- tensors ---------------------------------------------------------------------------

@@ -13,12 +13,11 @@ the use cannot drift apart.
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -102,31 +101,6 @@ class Buffer:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-def matmul_tf32(device: str, allowed: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, CUDA float32 GEMMs use TF32 exactly when ``allowed``.
-
-    PyTorch's switch is global, so every algorithm that promises (or forbids) TF32 in its notes
-    sets it around its GEMMs and restores it after. A no-op on the CPU, and where the switch is
-    already as asked (a shared null context then: runs ask on every call).
-    """
-    if device != "cuda" or torch.backends.cuda.matmul.allow_tf32 == allowed:
-        return _UNCHANGED
-    return _tf32_switched(allowed)
-
-
-_UNCHANGED = contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _tf32_switched(allowed: bool) -> Iterator[None]:
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allowed
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _aligned(nbytes: int) -> int:

@@ -32,9 +32,10 @@ import math
 
 import torch
 
+from .. import tf32
 from ..costmodel import Cost, shape_factor
 from ..problem import ConvProblem
-from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
+from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, unsupported
 from .registry import register
 
 
@@ -211,7 +212,7 @@ class FFT(Algorithm):
         dft = tap_dft(transform_sizes(problem), problem.kernel_size, problem.dilation,
                       inverse=problem.direction == "bwd_filter", pinned=pinned)
         ws["filter_dft"].copy_(dft, non_blocking=pinned)
-        with matmul_tf32(problem.device, False):
+        with tf32.matmul(problem.device, False):
             runner(problem, a, b, out, ws)
 
 

@@ -33,9 +33,10 @@ from typing import cast
 
 import torch
 
+from .. import tf32
 from ..costmodel import Cost, gemm_dims, shape_factor, taps
 from ..problem import ConvProblem, layout_order
-from .base import SUPPORTED, Algorithm, Buffer, NativeRecipe, NumericNotes, Support, matmul_tf32, unsupported
+from .base import SUPPORTED, Algorithm, Buffer, NativeRecipe, NumericNotes, Support, unsupported
 from .registry import register
 from .taps import problem_taps
 
@@ -80,7 +81,7 @@ def gemm_notes(problem: ConvProblem, sums_in_dtype: bool = False) -> NumericNote
 def tf32_as_allowed(problem: ConvProblem):
     """On CUDA, float32 GEMMs use TF32 exactly when ``problem.allow_tf32``. A float16/bfloat16 problem's
     GEMMs are in its dtype, where TF32 does not apply: PyTorch's process-wide switch is left alone."""
-    return matmul_tf32(problem.device, problem.allow_tf32) if problem.dtype == "float32" else nullcontext()
+    return tf32.matmul(problem.device, problem.allow_tf32) if problem.dtype == "float32" else nullcontext()
 
 
 def gemm_sum_buffers(problem: ConvProblem, shape: tuple[int, ...], terms: int) -> list[Buffer]:

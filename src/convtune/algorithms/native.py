@@ -7,52 +7,14 @@ workspace is zero: that memory is not convtune's to carve or count.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 
+from .. import tf32
 from ..costmodel import Cost, gemm_dims, shape_factor
-from ..problem import ConvProblem, cudnn_conv_tf32, empty_in_layout, pytorch_deterministic, to_layout
+from ..problem import ConvProblem, empty_in_layout, pytorch_deterministic, to_layout
 from .base import Algorithm, NativeRecipe, NumericNotes
 from .registry import register
-
-
-@contextlib.contextmanager
-def cudnn_for(allow_tf32: bool) -> Iterator[None]:
-    """cuDNN on, its convolutions computing float32 in TF32 or not as ``allow_tf32`` says, while inside; then as
-    before. Through ``torch.backends.cudnn.flags``, or, where PyTorch's per-operation settings give the TF32 flag no
-    one value (``problem.cudnn_conv_tf32``: the convolutions' ``fp32_precision`` unlike the RNNs', where that
-    context raises), through the convolutions' own setting alone (``_convolutions_for``)."""
-    cudnn = torch.backends.cudnn
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(cudnn.flags(enabled=True, allow_tf32=allow_tf32, benchmark=cudnn.benchmark,
-                                            deterministic=cudnn.deterministic))
-        except RuntimeError:
-            switch: contextlib.AbstractContextManager[None] = _convolutions_for(allow_tf32)
-        else:
-            switch = contextlib.nullcontext()
-        with switch:  # (outside the handler: an error of the call inside is not chained to PyTorch's complaint)
-            yield
-
-
-@contextlib.contextmanager
-def _convolutions_for(allow_tf32: bool) -> Iterator[None]:
-    """``cudnn_for`` through the convolutions' own TF32 setting, ``torch.backends.cudnn.conv.fp32_precision``."""
-    cudnn = torch.backends.cudnn
-    conv: Any = getattr(cudnn, "conv")  # noqa: B009 - (the per-operation settings are what made flags raise)
-    enabled, precision = cudnn.enabled, conv.fp32_precision
-    cudnn.enabled, conv.fp32_precision = True, "tf32" if allow_tf32 else "ieee"
-    try:
-        yield
-    finally:
-        # The getter answers what the setting resolves to ('none' defers to cuDNN's, then PyTorch's): 'none' again
-        # where that answers the same, so a setting that deferred keeps deferring
-        conv.fp32_precision = "none"
-        if conv.fp32_precision != precision:
-            conv.fp32_precision = precision
-        cudnn.enabled = enabled
 
 
 def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -65,8 +27,8 @@ def native_conv(problem: ConvProblem, a: torch.Tensor, b: torch.Tensor) -> torch
                 transposed=False, output_padding=[0] * nd, groups=problem.groups)
     cudnn = torch.backends.cudnn
     # The usual case: no switching per call. cuDNN's flags are the process's: never switched where it is not used.
-    as_set = not a.is_cuda or (cudnn.enabled and cudnn_conv_tf32() == problem.allow_tf32)
-    flags = contextlib.nullcontext() if as_set else cudnn_for(problem.allow_tf32)
+    as_set = not a.is_cuda or (cudnn.enabled and tf32.conv_allowed() == problem.allow_tf32)
+    flags = contextlib.nullcontext() if as_set else tf32.cudnn_conv(problem.allow_tf32)
     if _bfloat16_on_cpu(a):
         return native_conv(problem, a.float(), b.float()).to(torch.bfloat16)  # rounded once, at the end
     with flags:

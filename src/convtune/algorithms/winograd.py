@@ -31,9 +31,10 @@ from typing import cast
 
 import torch
 
+from .. import tf32
 from ..costmodel import Cost, shape_factor
 from ..problem import ConvProblem
-from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, matmul_tf32, unsupported
+from .base import SUPPORTED, Algorithm, Buffer, NumericNotes, Support, unsupported
 from .registry import register
 from .taps import TapSlice, TensorIndex, tap_slices
 
@@ -159,7 +160,7 @@ class Winograd(Algorithm):
         for name, matrix in zip(("kron_b", "kron_g", "kron_a"), kron_transforms(self.m, problem.ndim, pinned)):
             ws[name].copy_(matrix, non_blocking=pinned)
         runner = {"fwd": _forward, "bwd_data": _backward_data, "bwd_filter": _backward_filter}[problem.direction]
-        with matmul_tf32(problem.device, False):
+        with tf32.matmul(problem.device, False):
             runner(problem, self.m, a, b, out, ws)
 
 

@@ -24,7 +24,7 @@ class CudnnFlags {
     } catch (const c10::Error&) {
       // PyTorch's per-operation settings differ (torch.backends.cudnn.conv.fp32_precision unlike the RNNs'), so the
       // flag has no one value: the settings are left as the user set them (a problem described now has the
-      // convolutions' own, problem.cudnn_conv_tf32)
+      // convolutions' own, tf32.conv_allowed)
       return;
     }
     if (ctx.userEnabledCuDNN() && tf32 == allow_tf32) return;
@@ -48,10 +48,21 @@ class CudnnFlags {
 class MatmulTf32 {
  public:
   MatmulTf32(bool cuda, bool allowed) {
+    if (!cuda) return;
     auto& ctx = at::globalContext();
-    if (!cuda || ctx.allowTF32CuBLAS() == allowed) return;
+    bool tf32 = false;
+    try {
+      tf32 = ctx.allowTF32CuBLAS();
+    } catch (const c10::Error&) {
+      // The flag disagrees with a precision set through PyTorch's newer interface
+      // (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision): left as the user set it, as in
+      // CudnnFlags (the Python path switches the precision itself, tf32.matmul; this path cannot read it on every
+      // PyTorch it builds against)
+      return;
+    }
+    if (tf32 == allowed) return;
     changed_ = true;
-    saved_ = ctx.allowTF32CuBLAS();
+    saved_ = tf32;
     ctx.setAllowTF32CuBLAS(allowed);
   }
   ~MatmulTf32() {

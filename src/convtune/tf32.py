@@ -1,0 +1,112 @@
+"""PyTorch's TF32 switches, read and set through whichever of its two interfaces holds them.
+
+PyTorch has flags (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``) and, since 2.9,
+float32 precisions per backend and operation (``torch.backends.fp32_precision``,
+``torch.backends.cuda.matmul.fp32_precision``, ``torch.backends.cudnn.conv.fp32_precision``, ...), each ``'none'``
+deferring to the one above it. Reading a flag raises where the two interfaces disagree (a user who set a precision,
+or a convolutions' precision unlike the RNNs'), and setting a flag does not override a precision set above it. So:
+
+- ``conv_allowed`` and ``matmul_allowed`` read the flag where it answers, else the operation's precision (whose
+  getter answers what it resolves to);
+- ``cudnn_conv`` and ``matmul`` switch TF32 for a block: through the flag where setting it takes effect (every
+  PyTorch, and the usual case: the flag then keeps its meaning for code that reads it meanwhile), else through the
+  operation's own precision, which overrides its parents; each puts back what it changed.
+
+The switches are the process's, not a thread's: a layer runs under them only for its own call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_UNCHANGED = contextlib.nullcontext()
+
+
+def _precision_allows(*scopes: Any) -> bool:
+    """Whether the first of ``scopes`` with a precision other than 'none' says 'tf32' (False where none has one)."""
+    for scope in scopes:
+        precision = getattr(scope, "fp32_precision", "none")
+        if precision != "none":
+            return precision == "tf32"
+    return False
+
+
+def conv_allowed() -> bool:
+    """Whether cuDNN's convolutions may compute float32 in TF32 now: ``torch.backends.cudnn.allow_tf32``, or, where
+    that flag has no one value, the convolutions' own precision ('none' defers to cuDNN's, then PyTorch's)."""
+    cudnn = torch.backends.cudnn
+    try:
+        return bool(cudnn.allow_tf32)
+    except RuntimeError:
+        return _precision_allows(getattr(cudnn, "conv", None), cudnn, torch.backends)
+
+
+def matmul_allowed() -> bool:
+    """Whether CUDA float32 matrix products may use TF32 now: ``torch.backends.cuda.matmul.allow_tf32``, or, where
+    that flag disagrees with a precision set through the newer interface, the matrix products' precision."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return _precision_allows(matmul, torch.backends)
+
+
+@contextlib.contextmanager
+def _switched(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[], bool]) -> Iterator[None]:
+    """TF32 as ``allowed`` inside (``reads`` tells what holds): ``flag_scope.allow_tf32`` where setting it takes
+    effect, else ``operation.fp32_precision``; then as before."""
+    precision = None if operation is None else operation.fp32_precision
+    try:
+        flag: bool | None = bool(flag_scope.allow_tf32)
+    except RuntimeError:
+        flag = None  # the interfaces disagree: the flag has no value to put back
+    try:
+        if flag is not None:
+            flag_scope.allow_tf32 = allowed
+            if reads() == allowed or operation is None:
+                yield
+                return
+            flag_scope.allow_tf32 = flag  # a precision above the flag decides: switch the operation's own
+            flag = None
+        operation.fp32_precision = "tf32" if allowed else "ieee"
+        yield
+    finally:
+        if flag is not None:
+            flag_scope.allow_tf32 = flag  # (setting a flag also sets its operation's precision: put back below)
+        if operation is not None:
+            # the getter answers what the precision resolves to: 'none' again where that answers the same, so a
+            # precision that deferred to its parent keeps deferring
+            operation.fp32_precision = "none"
+            if operation.fp32_precision != precision:
+                operation.fp32_precision = precision
+
+
+@contextlib.contextmanager
+def cudnn_conv(allowed: bool) -> Iterator[None]:
+    """cuDNN on, its convolutions computing float32 in TF32 exactly when ``allowed``, while inside; then as before.
+    Only those two switches: cuDNN's benchmark mode, its limit, determinism and the RNNs' precision are left as
+    they are (``torch.backends.cudnn.flags`` would set them too)."""
+    cudnn = torch.backends.cudnn
+    enabled = cudnn.enabled
+    cudnn.enabled = True
+    try:
+        with _switched(cudnn, getattr(cudnn, "conv", None), allowed, conv_allowed):
+            yield
+    finally:
+        cudnn.enabled = enabled
+
+
+def matmul(device: str, allowed: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, CUDA float32 matrix products use TF32 exactly when ``allowed``.
+
+    Every algorithm that promises (or forbids) TF32 in its notes sets it around its GEMMs. A no-op on the CPU, and
+    where the switch is already as asked (a shared null context then: runs ask on every call)."""
+    if device != "cuda" or matmul_allowed() == allowed:
+        return _UNCHANGED
+    matmul_scope = torch.backends.cuda.matmul
+    return _switched(matmul_scope, matmul_scope if hasattr(matmul_scope, "fp32_precision") else None, allowed,
+                     matmul_allowed)

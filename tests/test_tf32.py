@@ -1,0 +1,132 @@
+"""convtune.tf32: PyTorch's TF32 switches read and set whichever of its interfaces the user set them with."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from convtune import tf32
+
+PER_OPERATION = hasattr(torch.backends.cudnn, "conv") and hasattr(torch.backends.cuda.matmul, "fp32_precision")
+SCOPES = {"backends": lambda: torch.backends, "cudnn": lambda: torch.backends.cudnn,
+          "conv": lambda: torch.backends.cudnn.conv, "rnn": lambda: torch.backends.cudnn.rnn,
+          "matmul": lambda: torch.backends.cuda.matmul}
+
+
+def state() -> dict:
+    """Every switch a user can read: each flag (or that reading it raises) and each precision."""
+    out: dict = {}
+    for name in ("cudnn", "matmul"):
+        try:
+            out[f"{name}.allow_tf32"] = SCOPES[name]().allow_tf32
+        except RuntimeError:
+            out[f"{name}.allow_tf32"] = "raises"
+    if PER_OPERATION:
+        out.update({f"{name}.fp32_precision": scope().fp32_precision for name, scope in SCOPES.items()})
+    out["cudnn.enabled"] = torch.backends.cudnn.enabled
+    return out
+
+
+def user_settings() -> dict:
+    """How a user may have set TF32 (a name, and what to set), both interfaces."""
+    settings = {"as PyTorch starts": [],
+                "flags on": [("cudnn", "allow_tf32", True), ("matmul", "allow_tf32", True)],
+                "flags off": [("cudnn", "allow_tf32", False), ("matmul", "allow_tf32", False)]}
+    if PER_OPERATION:
+        settings |= {"PyTorch's precision tf32": [("backends", "fp32_precision", "tf32")],
+                     "PyTorch's precision ieee": [("backends", "fp32_precision", "ieee")],
+                     "cuDNN's precision tf32": [("cudnn", "fp32_precision", "tf32")],
+                     "convolutions ieee, RNNs tf32": [("conv", "fp32_precision", "ieee"),
+                                                      ("rnn", "fp32_precision", "tf32")],
+                     "convolutions tf32, RNNs ieee": [("conv", "fp32_precision", "tf32"),
+                                                      ("rnn", "fp32_precision", "ieee")],
+                     "matrix products tf32": [("matmul", "fp32_precision", "tf32")],
+                     "flags on, then PyTorch's precision ieee": [("cudnn", "allow_tf32", True),
+                                                                ("matmul", "allow_tf32", True),
+                                                                ("backends", "fp32_precision", "ieee")]}
+    return settings
+
+
+@pytest.fixture
+def restored():
+    """PyTorch's switches put back as they were after the test, whatever it set: the flags first (setting one sets
+    its operation's precision too), then each precision, parents first, as the switches do ('none' where that
+    resolves the same)."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    flags = [(matmul, matmul.allow_tf32), (cudnn, cudnn.allow_tf32)]
+    enabled = cudnn.enabled
+    precisions = [(scope(), scope().fp32_precision) for scope in SCOPES.values()] if PER_OPERATION else []
+    before = state()
+    yield
+    for scope, value in flags:
+        scope.allow_tf32 = value
+    cudnn.enabled = enabled
+    for scope, value in precisions:
+        scope.fp32_precision = "none"
+        if scope.fp32_precision != value:
+            scope.fp32_precision = value
+    assert state() == before  # (so that no test sees another's settings)
+
+
+@pytest.mark.parametrize("setting, allowed", list(itertools.product(user_settings(), (True, False))))
+def test_each_switch_holds_inside_and_puts_back_what_it_found(restored, setting, allowed):
+    for scope, name, value in user_settings()[setting]:
+        setattr(SCOPES[scope](), name, value)
+    torch.backends.cudnn.enabled = False
+    before = state()
+    with tf32.cudnn_conv(allowed):
+        assert tf32.conv_allowed() is allowed and torch.backends.cudnn.enabled
+    assert state() == before
+    with tf32.matmul("cuda", allowed):
+        assert tf32.matmul_allowed() is allowed
+    assert state() == before
+    with pytest.raises(ZeroDivisionError), tf32.cudnn_conv(allowed), tf32.matmul("cuda", allowed):
+        raise ZeroDivisionError  # put back also when the block raises
+    assert state() == before
+
+
+def test_a_precision_set_through_the_newer_interface_is_read_where_the_flags_raise(restored):
+    if not PER_OPERATION:
+        pytest.skip("a PyTorch without per-operation precisions")
+    for name in ("cudnn", "conv", "rnn", "matmul"):
+        SCOPES[name]().fp32_precision = "none"  # deferring to PyTorch's precision
+    torch.backends.fp32_precision = "tf32"
+    with pytest.raises(RuntimeError):
+        torch.backends.cuda.matmul.allow_tf32  # noqa: B018  (the flag this test is about)
+    assert tf32.matmul_allowed() and tf32.conv_allowed()
+    torch.backends.fp32_precision = "ieee"
+    assert not tf32.matmul_allowed() and not tf32.conv_allowed()
+
+
+def test_cudnn_conv_leaves_cudnns_other_switches(restored):
+    # torch.backends.cudnn.flags would set benchmark mode, determinism and (on newer PyTorch) the depthwise kernel's
+    # choice to its own defaults while inside
+    cudnn = torch.backends.cudnn
+    saved = cudnn.benchmark, cudnn.deterministic
+    try:
+        cudnn.benchmark, cudnn.deterministic = True, True
+        with tf32.cudnn_conv(not tf32.conv_allowed()):
+            assert (cudnn.benchmark, cudnn.deterministic) == (True, True)
+    finally:
+        cudnn.benchmark, cudnn.deterministic = saved
+
+
+def test_matmul_is_a_no_op_on_the_cpu_and_where_already_as_asked():
+    assert tf32.matmul("cpu", not tf32.matmul_allowed()) is tf32.matmul("cuda", tf32.matmul_allowed())
+
+
+def test_a_worker_process_is_handed_tf32_as_it_holds_whichever_interface_set_it(restored):
+    # isolation hands its worker PyTorch's switches; reading the matrix products' flag raised where a user had set
+    # PyTorch's precision through the newer interface
+    from convtune import isolation
+
+    if PER_OPERATION:
+        for name in ("cudnn", "conv", "rnn", "matmul"):
+            SCOPES[name]().fp32_precision = "none"
+        torch.backends.fp32_precision = "tf32"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    state = isolation._state()
+    assert state["matmul_tf32"] is True and state["cudnn"][1] is True
