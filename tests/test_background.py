@@ -427,3 +427,26 @@ def test_a_child_forked_while_another_thread_holds_a_lock_of_convtunes_takes_it(
         release.set()
         thread.join()
     assert os.waitstatus_to_exitcode(status) == 0, f"the child waited on {module}.{name}, held by a thread it lacks"
+
+
+def test_a_candidate_whose_run_would_switch_pytorchs_tf32_is_not_measured_beside_the_callers_work(db, monkeypatch):
+    # PyTorch's TF32 switches are the process's: in the worker a float32 GEMM that switches the matrix products'
+    # setting would switch it for the caller's work too (here a CPU problem, with gemm:1x1 declaring a switch)
+    from convtune import tf32
+    from convtune.algorithms.gemm import Gemm1x1
+
+    class Switching(tf32.Settings):
+        def changes(self, device: str) -> list[str]:
+            return ["the matrix products' TF32 on"]
+
+    monkeypatch.setattr(Gemm1x1, "tf32_settings", lambda self, problem: Switching(matmul=True))
+    p = ct.ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=1)
+    candidates = [ct.get_algorithm("gemm:1x1"), ct.get_algorithm("torch:native")]
+    here = {r.algorithm: r for r in ct.find(p, candidates=candidates)}
+    assert here["gemm:1x1"].ok  # in the caller's own thread it switches for its own call
+    monkeypatch.setattr(background, "in_worker", lambda: True)
+    there = {r.algorithm: r for r in ct.find(p, candidates=candidates)}
+    assert there["torch:native"].ok
+    assert there["gemm:1x1"].status is ct.Status.SKIPPED
+    message = there["gemm:1x1"].message
+    assert "not measured in the background" in message and "matrix products" in message

@@ -130,3 +130,44 @@ def test_a_worker_process_is_handed_tf32_as_it_holds_whichever_interface_set_it(
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     state = isolation._state()
     assert state["matmul_tf32"] is True and state["cudnn"][1] is True
+
+
+def test_settings_say_which_switches_a_run_would_change_now(restored):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
+    assert tf32.Settings(matmul=True).changes("cuda") == ["the matrix products' TF32 on"]
+    assert tf32.Settings(matmul=False).changes("cuda") == []
+    assert tf32.Settings(conv=True).changes("cuda") == []
+    assert tf32.Settings(conv=False, matmul=True).changes("cuda") == ["cuDNN on, its convolutions' TF32 off",
+                                                                      "the matrix products' TF32 on"]
+    torch.backends.cudnn.enabled = False  # torch:native turns cuDNN on for its call
+    assert tf32.Settings(conv=True).changes("cuda") == ["cuDNN on, its convolutions' TF32 on"]
+    assert tf32.Settings(conv=False, matmul=True).changes("cpu") == []  # (the CPU has none of them)
+    with tf32.Settings(conv=False, matmul=True).switched("cuda"):
+        assert (tf32.conv_allowed(), tf32.matmul_allowed(), torch.backends.cudnn.enabled) == (False, True, True)
+    assert (tf32.conv_allowed(), tf32.matmul_allowed(), torch.backends.cudnn.enabled) == (True, False, False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_each_algorithm_that_switches_tf32_declares_what_it_switches_to(dtype):
+    # find reads the declaration (the background worker does not measure a run that would switch them): each
+    # algorithm whose run switches says so, as its run does it (gemm.py, direct.py, fft.py, winograd.py, native.py)
+    from convtune import get_algorithm
+    from convtune.algorithms.microbatch import MicroBatch
+
+    p = ct_problem(dtype, allow_tf32=False)
+    gemm = tf32.Settings() if dtype != "float32" else tf32.Settings(matmul=False)
+    expected = {"gemm:1x1": gemm, "gemm:1x1_strided": gemm, "gemm:im2col": gemm, "gemm:im2col_chunk4": gemm,
+                "direct:taps": gemm, "fft:rfft": tf32.Settings(matmul=False),
+                "winograd:f2x3": tf32.Settings(matmul=False), "torch:native": tf32.Settings(conv=False),
+                "triton:depthwise_fwd_p64c32w4": tf32.Settings()}
+    for name, settings in expected.items():
+        assert get_algorithm(name).tf32_settings(p) == settings, name
+    assert MicroBatch("gemm:1x1", [(1, 2)]).tf32_settings(p) == gemm
+
+
+def ct_problem(dtype: str, allow_tf32: bool):
+    from convtune import ConvProblem
+
+    return ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=1, dtype=dtype, device="cuda",
+                       allow_tf32=allow_tf32)

@@ -188,6 +188,15 @@ class Search:
                 if not learned:
                     message += "; workspace not learned (shown as 0)"
                 return PerfResult(algorithm.name, Status.SKIPPED, message=message, **props)
+        switches = (algorithm.tf32_settings(problem).changes(problem.device)
+                    if background.in_worker() and not isolation.wanted(algorithm, self.timer) else [])
+        if switches:
+            # PyTorch's TF32 switches are the process's: the caller's work, which goes on meanwhile, would run under
+            # them too. A new CUDA context in a worker process would cost the caller's GPU memory for the rest of
+            # its run: not measured in the background.
+            return PerfResult(algorithm.name, Status.SKIPPED, **props, message=(
+                f"not measured in the background: its run switches PyTorch's process-wide {' and '.join(switches)}, "
+                f"which would reach the caller's work running meanwhile (find, select and optimize measure it)"))
         self.budget.timed += 1
         if declared is None:  # no promise until two of its results compare equal (one that fails makes none)
             props = cast(Props, dict(props, deterministic=False))

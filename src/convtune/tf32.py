@@ -11,13 +11,18 @@ or a convolutions' precision unlike the RNNs'), and setting a flag does not over
 - ``cudnn_conv`` and ``matmul`` switch TF32 for a block: through the flag where setting it takes effect (every
   PyTorch, and the usual case: the flag then keeps its meaning for code that reads it meanwhile), else through the
   operation's own precision, which overrides its parents; each puts back what it changed.
+- ``Settings``: what an algorithm's run switches them to (``Algorithm.tf32_settings``), and which of them a run
+  would change now (``Settings.changes``).
 
-The switches are the process's, not a thread's: a layer runs under them only for its own call.
+The switches are the process's, not a thread's: a layer runs under them only for its own call, and the background
+worker does not measure a candidate whose run would change them (``measure``), since the caller's work runs
+meanwhile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -110,3 +115,38 @@ def matmul(device: str, allowed: bool) -> contextlib.AbstractContextManager[None
     matmul_scope = torch.backends.cuda.matmul
     return _switched(matmul_scope, matmul_scope if hasattr(matmul_scope, "fp32_precision") else None, allowed,
                      matmul_allowed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The TF32 settings a run switches PyTorch's process-wide switches to, on CUDA: cuDNN's convolutions' (with
+    cuDNN on) and the matrix products'; None leaves one as it is."""
+
+    conv: bool | None = None
+    matmul: bool | None = None
+
+    def changes(self, device: str) -> list[str]:
+        """Which switches a run on ``device`` would change now, in words (none on the CPU)."""
+        if device != "cuda":
+            return []
+        out = []
+        if self.conv is not None and (not torch.backends.cudnn.enabled or conv_allowed() != self.conv):
+            out.append(f"cuDNN on, its convolutions' TF32 {'on' if self.conv else 'off'}")
+        if self.matmul is not None and matmul_allowed() != self.matmul:
+            out.append(f"the matrix products' TF32 {'on' if self.matmul else 'off'}")
+        return out
+
+    def switched(self, device: str) -> contextlib.AbstractContextManager[None]:
+        """Inside the block, the switches as these settings say (on CUDA; the CPU has none)."""
+        if device != "cuda" or (self.conv is None and self.matmul is None):
+            return _UNCHANGED
+        return self._switched()
+
+    @contextlib.contextmanager
+    def _switched(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.conv is not None:
+                stack.enter_context(cudnn_conv(self.conv))
+            if self.matmul is not None:
+                stack.enter_context(matmul("cuda", self.matmul))
+            yield

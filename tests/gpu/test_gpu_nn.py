@@ -283,6 +283,34 @@ def test_the_caller_synchronizes_the_device_while_the_background_worker_measures
         assert all(db.lookup(p) is not None for p in problems)
 
 
+def test_the_background_worker_leaves_the_callers_tf32_settings_alone(tmp_path):
+    # PyTorch's defaults: the convolutions may use TF32, the matrix products not. A float32 1x1 problem's GEMM
+    # candidates would switch the matrix products' setting on for their runs, for the caller's work too: the worker
+    # skips them (find in the foreground measures them).
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    problems = [convtune.ConvProblem("fwd", n=8, c=64, k=64, input_size=(20 + i, 20), kernel_size=1, device="cuda",
+                                     dtype="float32", allow_tf32=True) for i in range(3)]
+    try:
+        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        seen = set()
+        with TuningDB(tmp_path / "t.sqlite") as db:
+            for p in problems:
+                convtune.background.measure(p, convtune.Policy(), db)
+            while convtune.background.pending():
+                seen.add(matmul.allow_tf32)  # what the caller's matrix products would run under meanwhile
+            assert convtune.background.wait(300)
+            for p in problems:
+                gemm = db.result(p, "gemm:1x1")  # (skipped: for that reason, or priced out of the search)
+                assert gemm is not None and gemm.status is convtune.Status.SKIPPED, gemm
+                assert db.lookup(p) is not None
+        assert seen <= {False}
+        # in the foreground it runs, under the setting it asks for
+        assert convtune.find(problems[0], candidates=[convtune.get_algorithm("gemm:1x1")])[0].ok
+    finally:
+        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def test_the_shared_device_timer_captures_no_graph_and_waits_for_its_stream_only(monkeypatch):
     from convtune import timing
 

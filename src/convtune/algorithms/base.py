@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import costmodel
+from .. import costmodel, tf32
 from ..costmodel import Cost
 from ..problem import DIRECTIONS, ConvProblem, is_in_layout
 from ..results import backend_of
@@ -195,6 +195,11 @@ class Algorithm(abc.ABC):
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return NumericNotes()
+
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        """The TF32 settings a run on ``problem`` switches PyTorch's process-wide switches to (``tf32.Settings``:
+        none by default). A run that switches them says so here, where find sees it (``isolation.wanted``)."""
+        return tf32.Settings()
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         """The roofline terms of a run on ``problem`` with this workspace (``costmodel``); a family that

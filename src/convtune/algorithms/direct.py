@@ -38,10 +38,11 @@ from typing import cast
 
 import torch
 
+from .. import tf32
 from ..costmodel import Cost, gemm_dims, shape_factor, taps
 from ..problem import ConvProblem
 from .base import Algorithm, Buffer, NumericNotes
-from .gemm import GemmSum, gemm_notes, grouped_nsc, is_half, tap_index, tf32_as_allowed
+from .gemm import GemmSum, gemm_notes, gemm_tf32, grouped_nsc, is_half, tap_index, tf32_as_allowed
 from .registry import register
 from .taps import TensorIndex, problem_taps
 
@@ -110,6 +111,9 @@ class DirectTaps(Algorithm):
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return gemm_notes(problem, sums_in_dtype=problem.direction != "bwd_filter")
+
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        return gemm_tf32(problem)
 
     def _run(self, problem, a, b, out, ws) -> None:
         with tf32_as_allowed(problem):

@@ -161,6 +161,9 @@ class FFT(Algorithm):
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return NumericNotes(float32_inside=problem.dtype != "float32")
 
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        return tf32.Settings(matmul=False)  # (its products stand in for exact float32 arithmetic)
+
     def library_bytes(self, problem: ConvProblem) -> int:
         """Bytes ``torch.fft`` allocates by itself during ``run``, outside the workspace.
 
@@ -212,7 +215,7 @@ class FFT(Algorithm):
         dft = tap_dft(transform_sizes(problem), problem.kernel_size, problem.dilation,
                       inverse=problem.direction == "bwd_filter", pinned=pinned)
         ws["filter_dft"].copy_(dft, non_blocking=pinned)
-        with tf32.matmul(problem.device, False):
+        with self.tf32_settings(problem).switched(problem.device):
             runner(problem, a, b, out, ws)
 
 

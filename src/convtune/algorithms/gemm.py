@@ -27,8 +27,8 @@ overlapping taps) the sum is kept in a declared float32 buffer, never in the hal
 
 from __future__ import annotations
 
+import contextlib
 import math
-from contextlib import nullcontext
 from typing import cast
 
 import torch
@@ -78,10 +78,15 @@ def gemm_notes(problem: ConvProblem, sums_in_dtype: bool = False) -> NumericNote
     return NumericNotes(float32_inside=half, reduced_precision=half and sums_in_dtype)
 
 
-def tf32_as_allowed(problem: ConvProblem):
+def gemm_tf32(problem: ConvProblem) -> tf32.Settings:
     """On CUDA, float32 GEMMs use TF32 exactly when ``problem.allow_tf32``. A float16/bfloat16 problem's
     GEMMs are in its dtype, where TF32 does not apply: PyTorch's process-wide switch is left alone."""
-    return tf32.matmul(problem.device, problem.allow_tf32) if problem.dtype == "float32" else nullcontext()
+    return tf32.Settings(matmul=problem.allow_tf32) if problem.dtype == "float32" else tf32.Settings()
+
+
+def tf32_as_allowed(problem: ConvProblem) -> contextlib.AbstractContextManager[None]:
+    """``gemm_tf32``'s settings while inside."""
+    return gemm_tf32(problem).switched(problem.device)
 
 
 def gemm_sum_buffers(problem: ConvProblem, shape: tuple[int, ...], terms: int) -> list[Buffer]:
@@ -206,6 +211,9 @@ class Gemm1x1(Algorithm):
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return gemm_notes(problem)
 
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        return gemm_tf32(problem)
+
     def native_recipe(self, problem: ConvProblem) -> NativeRecipe:
         return NativeRecipe("gemm_1x1")
 
@@ -296,6 +304,9 @@ class Gemm1x1Strided(Algorithm):
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return gemm_notes(problem)
 
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        return gemm_tf32(problem)
+
     def native_recipe(self, problem: ConvProblem) -> NativeRecipe:
         return NativeRecipe("gemm_1x1_strided")
 
@@ -384,6 +395,9 @@ class Im2col(Algorithm):
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return gemm_notes(problem)
+
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        return gemm_tf32(problem)
 
     def _run(self, problem, a, b, out, ws) -> None:
         step = self._batch(problem)

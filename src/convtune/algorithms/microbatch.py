@@ -41,6 +41,7 @@ from typing import Any, cast
 
 import torch
 
+from .. import tf32
 from ..costmodel import Cost
 from ..policy import Policy
 from ..problem import ConvProblem, layout_order
@@ -235,6 +236,10 @@ class MicroBatch(Algorithm):
         if any(inner.known_workspace_bytes(sub) is None for sub, inner in self._subs(problem)):
             return None
         return self.workspace_bytes(problem)
+
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        sub, inner = self._subs(problem)[0]  # (every sub-batch has the problem's dtype and TF32 setting)
+        return inner.tf32_settings(sub)
 
     def notes(self, problem: ConvProblem) -> NumericNotes:
         notes = [inner.notes(sub) for sub, inner in self._subs(problem)]

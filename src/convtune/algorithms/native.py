@@ -85,6 +85,9 @@ class Native(Algorithm):
         # cuDNN's heuristics may pick atomics-based backward kernels unless PyTorch is told not to
         return problem.device == "cpu" or problem.direction == "fwd" or pytorch_deterministic()
 
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        return tf32.Settings(conv=problem.allow_tf32)  # (native_conv switches only where the process's differ)
+
     def notes(self, problem: ConvProblem) -> NumericNotes:
         half = problem.dtype != "float32"
         if problem.device == "cuda":

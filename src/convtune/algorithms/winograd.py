@@ -130,6 +130,9 @@ class Winograd(Algorithm):
     def notes(self, problem: ConvProblem) -> NumericNotes:
         return NumericNotes(float32_inside=problem.dtype != "float32")
 
+    def tf32_settings(self, problem: ConvProblem) -> tf32.Settings:
+        return tf32.Settings(matmul=False)  # (its products stand in for exact float32 arithmetic)
+
     def buffers(self, problem: ConvProblem) -> list[Buffer]:
         nd, m = problem.ndim, self.m
         alpha, taps, outs = (m + 2) ** nd, KERNEL ** nd, m ** nd
@@ -160,7 +163,7 @@ class Winograd(Algorithm):
         for name, matrix in zip(("kron_b", "kron_g", "kron_a"), kron_transforms(self.m, problem.ndim, pinned)):
             ws[name].copy_(matrix, non_blocking=pinned)
         runner = {"fwd": _forward, "bwd_data": _backward_data, "bwd_filter": _backward_filter}[problem.direction]
-        with tf32.matmul(problem.device, False):
+        with self.tf32_settings(problem).switched(problem.device):
             runner(problem, self.m, a, b, out, ws)
 
 
