@@ -1,5 +1,6 @@
 """The benchmark scripts run on the CPU, and their result files can be written again from their JSON."""
 
+import dataclasses
 import gzip
 import importlib
 import importlib.util
@@ -986,6 +987,16 @@ def test_get_latency_times_each_distinct_problem_once_cold_and_warm(get_latency,
 fit_triton_prices = _bench_script("fit_triton_prices")
 
 
+def _timed_once(common, path, gpu: str, problems: list, names: dict) -> Path:
+    """A bench/depthwise.py results file at ``path`` (of ``gpu``) in which each of ``names`` took 1 ms on each problem
+    of its direction."""
+    env = dict(common.environment(), gpu=gpu, revision="test")
+    path.write_text(json.dumps({"environment": env, "rows": {p.key: {"ours": {n: 1.0 for n in names
+                                                                             if f"_{p.direction}_" in n}}
+                                                               for p in problems}}))
+    return path
+
+
 def test_fitting_the_triton_prices_recovers_each_configurations_measured_factor(fit_triton_prices, tmp_path):
     # Results whose every time is its configuration's roofline price times a factor of its own: the fit gives those
     # factors back, over the strips' fastest one's in each direction, and get's first pick becomes the fastest.
@@ -996,11 +1007,7 @@ def test_fitting_the_triton_prices_recovers_each_configurations_measured_factor(
     wanted = {"triton:depthwise_strip_fwd_t8b16c32w4": 0.5, "triton:depthwise_strip_fwd_t2b64c16w4": 2.0,
               "triton:depthwise_band_fwd_r32n16c8w4": 3.0, "triton:depthwise_strip_bwd_filter_t8b16c32w4s8": 1.5,
               "triton:depthwise_rows_bwd_filter_r8q16c8w4": 4.5}
-    env = dict(common.environment(), gpu="NVIDIA H200", revision="test")
-    results = tmp_path / "depthwise.json"
-    results.write_text(json.dumps({"environment": env, "rows": {p.key: {"ours": {n: 1.0 for n in wanted
-                                                                                if f"_{p.direction}_" in n}}
-                                                                  for p in problems}}))
+    results = _timed_once(common, tmp_path / "depthwise.json", "NVIDIA H200", problems, wanted)
     _, rows = fit_triton_prices.raw_prices(results)
     for row in rows:  # the same file, each time made its work's price times its factor
         for name, (_, work, launch, workspace) in row["entries"].items():
@@ -1017,6 +1024,41 @@ def test_fitting_the_triton_prices_recovers_each_configurations_measured_factor(
     expected = {n: f / (0.5 if "_fwd_" in n else 1.5) for n, f in wanted.items()}  # the strips' least: 1
     assert factors == pytest.approx(expected)
     assert all(v == [1.0] * len(v) for v in fit_triton_prices.picks(rows, factors).values())
+
+
+def test_the_folded_kernels_prices_are_fitted_against_cudnns_fastest_plan(fit_triton_prices, tmp_path):
+    # First layers (no earlier balance to keep): each folded configuration's factor is its measured time over its
+    # price, over cuDNN's fastest plan's measured time over a plan's price on the same layers, so that get picks
+    # between them as their times stood.
+    ct, common = fit_triton_prices.ct, fit_triton_prices.common
+    problems = [ct.ConvProblem(d, n=128, c=3, k=k, input_size=(224, 224), kernel_size=r, stride=s, padding=r // 2,
+                               dtype="bfloat16", layout="channels_last", device="cuda")
+                for d in ("fwd", "bwd_filter") for k, r, s in ((64, 7, 2), (32, 3, 2))]
+    wanted = {"triton:folded_fwd_p128c64w4": 2.0, "triton:folded_fwd_p64c32w4": 3.0,
+              "triton:folded_bwd_filter_p64c64w4s4096": 4.0}
+    cudnn_over_price = {"fwd": 8.0, "bwd_filter": 2.0}  # cuDNN's fastest plan: its price times this
+    gpu = "NVIDIA H100 80GB HBM3"
+    results = _timed_once(common, tmp_path / "first_layers.json", gpu, problems, wanted)
+    _, rows = fit_triton_prices.raw_prices(results)
+    payload = json.loads(results.read_text())
+    for row in rows:
+        key = row["problem"].key
+        payload["rows"][key]["ours"] = {n: work * wanted[n] for n, (_, work, _, _) in row["entries"].items()}
+        plan = dataclasses.replace(fit_triton_prices.execution_plan_cost(row["problem"]), launches=0)
+        with fit_triton_prices.hardware.measured_on(f"cuda|{gpu}|fit|fit|fit"):
+            price = fit_triton_prices.costmodel.roofline_ms(plan, row["problem"], True)
+        payload["rows"][key]["cudnn_ms"] = price * cudnn_over_price[row["problem"].direction]
+    results.write_text(json.dumps(payload))
+    out = tmp_path / "prices.json"
+    assert fit_triton_prices.main(["--results", str(results), "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["anchors"]["folded"] == "cudnn"
+    expected = {n: f / cudnn_over_price["fwd" if "_fwd_" in n else "bwd_filter"] for n, f in wanted.items()}
+    assert written["factors"] == pytest.approx(expected)
+    _, rows = fit_triton_prices.raw_prices(results)
+    # fitted, get picks the faster of the two on every layer: the forwards' folded kernels (2x, against cuDNN's 8x),
+    # cuDNN's plan for the weight gradients (2x, against 4x)
+    assert all(v == pytest.approx([1.0] * len(v)) for v in fit_triton_prices.against_cudnn(rows, expected).values())
 
 
 def test_the_sampled_depthwise_sweep_takes_every_kernel_in_turns_and_the_same_shapes_each_time(depthwise):

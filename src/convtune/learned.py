@@ -67,8 +67,9 @@ from .settings import settings
 
 log = logging.getLogger(__name__)
 
-FEATURE_VERSION = 8  # 4-8: the nearest measured problems (5: each row's count; 6: corrections taken against prices
-# with the Triton configurations' measured factors; 7: places up to 8; 8: engines); 3 and before: multilayer perceptrons
+FEATURE_VERSION = 9  # 4-9: the nearest measured problems (5: each row's count; 6: corrections taken against prices
+# with the Triton configurations' measured factors; 7: places up to 8; 8: engines; 9: the folded kernels' factors);
+# 3 and before: multilayer perceptrons
 NEIGHBOURS = 30  # measured problems a price is taken from (20 to 50 judged alike: docs/performance.md)
 MIN_MEASURED = 2 * NEIGHBOURS  # with fewer problems of a direction measured, no answer for it: a database of a few
 # problems picked far worse than the analytic model, one of about 30 a direction a little worse (docs/performance.md)

@@ -60,10 +60,10 @@ class TritonFolded(TritonAlgorithm):
 
     def cost(self, problem: ConvProblem, workspace_bytes: int) -> Cost:
         # Tensor-core products over the folded reduction (shape_factor: a short one leaves lanes idle), the input
-        # gathered from cache per tap. Not yet measured on a GPU: priced as kernels.grouped's are (find tries the
-        # family once whatever its price, unless it is priced past the prune factor).
+        # gathered from cache per tap: priced as kernels.grouped's are, each configuration's measured factor
+        # (bench/fit_triton_prices.py, against cuDNN's fastest plan on the same first layers) scaling it.
         return Cost(problem.flops, 0.3 * shape_factor(*gemm_dims(problem)), 2 * problem.min_bytes + 2 * workspace_bytes,
-                    1 + bool(workspace_bytes), composed=False)
+                    1 + bool(workspace_bytes), composed=False, measured_factor=self.measured_factor())
 
 
 register_family(TritonFolded, {"fwd": FORWARD_TILES, "bwd_filter": BACKWARD_FILTER_TILES})
