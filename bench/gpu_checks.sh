@@ -3,7 +3,7 @@
 # command line: native (the native runtime's GPU tests), gpu (every GPU test), gpu:<n>[:<test paths joined by +>] (every GPU test, or
 # those paths' tests, shared out among n pytest processes at once: the time is mostly compiling on the host), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json, or of
-# $E2E_NAME.json where E2E_NAME is set, e.g. e2e_h100 on another GPU; several e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise), triton (the Triton kernels' tests
+# $E2E_NAME.json where E2E_NAME is set; by default e2e.json on an H200 and e2e_h100.json on an H100; several e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise: ab.json or ab_h100.json, or $AB_NAME.json), triton (the Triton kernels' tests
 # on the GPU; triton:depthwise, triton:depthwise_band, triton:depthwise_strip, triton:depthwise_rows, triton:grouped or triton:folded one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
 # written as warm_start_<network>_b<batch>), dynamic:<dynamic_shapes.py arguments joined by +> (new input shapes
 # during training), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
@@ -61,6 +61,8 @@ else
 fi
 # The extension's build status on stdout only: $OUT is kept for result files.
 python3 -m convtune.cli native --json 2>&1
+# The results files of another GPU than the H200 carry its name (e2e_h100.json): each file holds one GPU's rows.
+GPU_SUFFIX=$(python3 -c 'import torch; n = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""; print("_h100" if "H100" in n else "")' 2>/dev/null)
 # The first line of a test log: when, where, what software and which revision it tested.
 header() { echo "# pytest $1 on $(date -u '+%Y-%m-%d %H:%M UTC'), $(python3 -c 'import platform, torch; g = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"; print(g + ", torch", torch.__version__ + ", cuDNN", str(torch.backends.cudnn.version()) + ", CUDA", str(torch.version.cuda) + ", Python", platform.python_version())'); revision ${BENCH_REVISION:-unknown} (bench/gpu_checks.sh)"; }
 # Exit-time lines of the cuDNN frontend's bindings (objects it reports as leaked), not test output.
@@ -94,12 +96,12 @@ for step in "$@"; do
                 python3 bench/tuning_cost.py --network "$network" --batch "$batch" --layers 0 --whole \
                   ${threads:+--compile-threads "$threads"} --out "$OUT" \
                   --name "tuning_cost_${network}_b${batch}${threads:+_t$threads}${tag:+_$tag}" 2>&1 | sed -n '/whole network, cold/,/Host cost/p' ;;
-    e2e:*) name=${E2E_NAME:-e2e}; [ -e "$OUT/$name.json" ] || cp "bench/results/$name.json" "$OUT/" 2>/dev/null; args=${step#e2e:}
+    e2e:*) name=${E2E_NAME:-e2e$GPU_SUFFIX}; [ -e "$OUT/$name.json" ] || cp "bench/results/$name.json" "$OUT/" 2>/dev/null; args=${step#e2e:}
            python3 bench/e2e.py ${args//+/ } --out "$OUT" --name "$name" 2>&1 | tail -30 ;;
     tiepaths|tiepaths:*) args=${step#tiepaths}; args=${args#:}
                         python3 bench/tie_paths.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -14 ;;
-    ab:*) [ -e "$OUT/ab.json" ] || cp bench/results/ab.json "$OUT/" 2>/dev/null; args=${step#ab:}
-          python3 bench/ab.py ${args//+/ } --out "$OUT" --name ab 2>&1 | quiet | tail -30 ;;
+    ab:*) name=${AB_NAME:-ab$GPU_SUFFIX}; [ -e "$OUT/$name.json" ] || cp "bench/results/$name.json" "$OUT/" 2>/dev/null
+          args=${step#ab:}; python3 bench/ab.py ${args//+/ } --out "$OUT" --name "$name" 2>&1 | quiet | tail -30 ;;
     triton) tests "$OUT/triton_tests.txt" tests/test_triton_depthwise.py tests/test_triton_depthwise_band.py tests/test_triton_depthwise_strip.py \
               tests/test_triton_depthwise_rows.py tests/test_triton_grouped.py tests/test_triton_folded.py ;;
     triton:*) tests "$OUT/triton_tests_${step#triton:}.txt" "tests/test_triton_${step#triton:}.py" ;;
