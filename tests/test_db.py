@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import convtune as ct
 from convtune import ConvProblem, PerfResult, Policy, Status, TuningDB, db_file, export_lines, hardware, salvage
 from convtune import db as db_module
 from convtune.settings import settings
@@ -263,9 +264,51 @@ def _random_bytes(path: Path) -> None:
                      .numpy().tobytes())
 
 
+@pytest.mark.parametrize("content", [b"{\"lr\": 0.1}\n", b"PK\x03\x04model", None], ids=["json", "zip", "random"])
+def test_a_file_the_caller_names_that_is_not_a_database_is_refused_and_left_as_it_is(tmp_path, caplog, content):
+    # A path given by mistake (a config, a checkpoint) was moved aside as a damaged database, and a new database took
+    # its name: only convtune's own database is moved aside where it is not a SQLite file.
+    path = tmp_path / "model.pt"
+    if content is None:
+        _random_bytes(path)
+    else:
+        path.write_bytes(content)
+    before = path.read_bytes()
+    for attempt in (lambda: TuningDB(path), lambda: ct.get(problem(1), db=str(path))):
+        with pytest.raises(ValueError, match=r"model\.pt is not a tuning database \(not a SQLite file\), and is left"):
+            attempt()
+    # optimize, where a database is only a means: the temporary one, with a warning naming the file
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        ct.optimize(torch.nn.Conv2d(2, 2, 3), torch.randn(1, 2, 6, 6), db=str(path))
+    assert any("model.pt is not a tuning database" in r.getMessage() for r in caplog.records)
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_nothing_convtune_writes_replaces_a_tuning_database(tmp_path):
+    # An export, a learned model, an HTML report: each refuses a SQLite database, or its companions, as its path.
+    from convtune import learned
+    from convtune.html_report import write_report
+
+    path = tmp_path / "keep.sqlite"
+    with TuningDB(path) as tdb:
+        tdb.store(problem(1), [PerfResult("x", "ok", time_ms=1.0)])
+    before = path.read_bytes()
+    (tmp_path / "keep.sqlite-wal").write_bytes(b"")
+    db = TuningDB(path)
+    writers = (db.export, learned.writable_model_path,
+               lambda target: write_report(ct.plan([problem(1)], "1KiB", db=db), target, "t", db=db))
+    for target in (path, tmp_path / "keep.sqlite-wal"):
+        for write in writers:
+            with pytest.raises(ValueError, match="is a SQLite database"):
+                write(target)
+    db.close()
+    assert path.read_bytes() == before
+
+
 @pytest.mark.parametrize("damage", [_random_bytes, _truncated_db], ids=["random_bytes", "truncated"])
 def test_corrupt_file_is_moved_aside_and_what_is_intact_salvaged(tmp_path, caplog, damage):
-    path = tmp_path / "tuning.sqlite"
+    path = settings.db_path  # convtune's own database (a file the caller names is never moved unless it is SQLite's)
+    path.parent.mkdir(parents=True, exist_ok=True)
     damage(path)
     damaged = path.read_bytes()
     with caplog.at_level(logging.WARNING, logger="convtune.db_file"):

@@ -41,8 +41,9 @@ from typing import Any, cast
 
 import torch
 
-from . import db_file, export_lines, forks, hardware, sqlite_pages
+from . import db_file, export_lines, forks, hardware
 from .errors import check_type
+from .files import refuse_database
 from .policy import Policy
 from .problem import ConvProblem, normalize_device
 from .ranking import best
@@ -99,6 +100,11 @@ class TuningDB:
         if self.path.exists() and not self.path.is_file():
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
+        if path is not None and self.path != settings.db_path and not db_file.may_be_ours(self.path):
+            # (a damaged tuning database is moved aside and what is intact salvaged; a file the caller named that
+            # neither is a SQLite file nor holds the tables' definitions may be anything of theirs: left as it is)
+            raise ValueError(f"TuningDB path {self.path} is not a tuning database (not a SQLite file), and is left "
+                             f"as it is; give a database file's path, or a new one")
         try:
             self._run(lambda conn: None)  # open now, so a bad file is reported (and replaced) at construction
         except sqlite3.Error as exc:
@@ -210,7 +216,7 @@ class TuningDB:
         """Write every stored result (all machines) to ``path`` as JSON lines, gzip-compressed where the name
         ends in ``.gz`` (a sweep's dataset: about 17x smaller); returns lines written. ``ValueError`` where ``path``
         is a SQLite file (this database, another one): an export never replaces a database."""
-        _refuse_database(path)
+        refuse_database(path)
         rows = self._read("SELECT fingerprint, software, problem, stored_at, result, algorithm, checksum FROM results "
                           "ORDER BY fingerprint, software, problem, rowid")
         lines = []
@@ -580,13 +586,3 @@ def _here(device: str) -> tuple[str, str] | None:
     if device == "cuda" and not torch.cuda.is_available():
         return None
     return hardware.fingerprint(device), hardware.software_versions()
-
-
-def _refuse_database(path: str | os.PathLike) -> None:
-    """``ValueError`` where ``path`` holds a SQLite file (its header), or is one's write-ahead log, shared memory or
-    journal, which an export would replace with text; ``OSError`` where it holds a file that cannot be read."""
-    name = str(path)
-    base = next((name[:-len(end)] for end in ("-wal", "-shm", "-journal") if name.endswith(end)), None)
-    if db_file.header(path) == sqlite_pages.HEADER or base and db_file.header(base) == sqlite_pages.HEADER:
-        raise ValueError(f"{path} is a SQLite database (a tuning database?); an export writes JSON lines and would "
-                         f"replace it: give another file, e.g. tuning.jsonl")

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from . import salvage
+from . import salvage, sqlite_pages
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,18 @@ CREATE TABLE executables (
     PRIMARY KEY (fingerprint, software, problem, algorithm)
 );
 """
+_RESULTS_TABLE = b"CREATE TABLE results ("  # as SQLite keeps it in the file (the schema's own text)
+
+
+def may_be_ours(path: str | os.PathLike) -> bool:
+    """Whether the regular file at ``path`` may be a tuning database, damaged or not: it starts as a SQLite file does,
+    or its first pages still hold the results table's definition (SQLite keeps it as text near the end of the first
+    page: damage to the header leaves it). Not a file, or an empty one: True (SQLite makes a database there)."""
+    if not os.path.isfile(path):
+        return True
+    with open(path, "rb") as f:
+        start = f.read(1 << 16)
+    return not start or start.startswith(sqlite_pages.HEADER) or _RESULTS_TABLE in start
 
 
 def header(path: str | os.PathLike) -> bytes | None:

@@ -3,8 +3,8 @@
 ``write_whole(path, write)`` calls ``write(target)`` on a temporary file beside ``path`` and renames it
 over ``path``. A path that is not a regular file is never renamed over: a device or a pipe
 (``/dev/stdout``, a FIFO) is written into directly, a symbolic link's target is what gets replaced
-(the link stays), and a folder, or a file that nobody may write (kept from being replaced on purpose), is refused
-with ``ValueError``.
+(the link stays), and a folder, a file that nobody may write (kept from being replaced on purpose), or a SQLite
+database (a tuning database: its write-ahead log, shared memory and journal too) is refused with ``ValueError``.
 
     >>> import tempfile, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
@@ -19,13 +19,37 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from .sqlite_pages import HEADER as SQLITE_HEADER  # the first 16 bytes of every SQLite database file
+
+SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # the files SQLite keeps beside a database, by their name's ending
+
+
+def is_database(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a regular file that starts as a SQLite database does (a pipe is not opened: that would
+    wait for a writer); ``OSError`` naming it where it cannot be read."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return f.read(16) == SQLITE_HEADER
+
+
+def refuse_database(path: str | os.PathLike) -> None:
+    """``ValueError`` where ``path`` is a SQLite database or one's write-ahead log, shared memory or journal, which
+    writing another kind of file there would destroy (a tuning database's measurements)."""
+    name = str(path)
+    base = next((name[:-len(end)] for end in SQLITE_COMPANIONS if name.endswith(end)), None)
+    if is_database(path) or (base and is_database(base)):
+        raise ValueError(f"{path} is a SQLite database (a tuning database?){' or beside one' if base else ''}; "
+                         f"writing this file there would replace it: give another path")
+
 
 def writable(path: str | os.PathLike, make_folder: bool = False) -> Path:
     """The path ``write_whole`` writes for ``path``, checked as it checks before writing: ``ValueError`` naming
     ``path`` where it is a folder, a regular file that nobody may write (chmod a-w: kept from being replaced on
-    purpose), or in a folder that is missing (with ``make_folder``: whose nearest existing folder up the path is not
-    one) or is not one. A device or a pipe (``/dev/stdout``, a FIFO) is its path as given; a regular file, its real
-    path (through symbolic links: a link given stays a link, its target is replaced)."""
+    purpose), a SQLite database (``refuse_database``), or in a folder that is missing (with ``make_folder``: whose
+    nearest existing folder up the path is not one) or is not one. A device or a pipe (``/dev/stdout``, a FIFO) is
+    its path as given; a regular file, its real path (through symbolic links: a link given stays a link, its target
+    is replaced)."""
     given = path
     try:
         mode = os.stat(given).st_mode  # through links: /dev/stdout may be a pipe
@@ -39,6 +63,7 @@ def writable(path: str | os.PathLike, make_folder: bool = False) -> Path:
         return Path(given)
     if mode is not None and not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
         raise ValueError(f"{given} is read-only (nobody may write it); make it writable or give another path")
+    refuse_database(given)
     path = Path(os.path.realpath(given))
     folder = path.parent
     while make_folder and not folder.exists() and folder != folder.parent:

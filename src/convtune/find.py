@@ -36,7 +36,7 @@ from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import NATIVE, best, order, usable, within_error
 from .results import PerfResult, SearchPrices, Status, families_first
-from .settings import settings
+from .settings import check_seed, settings
 from .timing import Timer, benchmark
 from .units import format_bytes, format_ms
 
@@ -169,6 +169,9 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     check_type(problem, ConvProblem, "find()'s problem")
     problem.require_device("find()")
     check_type(policy, Policy, "find()'s policy", optional=True)
+    if seed is not None:
+        check_type(seed, int, "find()'s seed")
+        check_seed(seed, f"find(seed={seed})")
     db = as_db(db, "find()")
     policy = DEFAULT_POLICY if policy is None else policy
     settings.check()

@@ -18,6 +18,7 @@ from typing import Any, cast
 from matplotlib.figure import Figure  # Figure + savefig renders with Agg, never touching pyplot's global backend
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
 
+from .files import writable
 from .hardware import fingerprint, roofline_ms, software_versions
 from .plan import Plan, budget_curve
 from .policy import Policy
@@ -77,6 +78,7 @@ def write_report(plan: Plan, path: str | Path, title: str, budgets: Sequence[int
         from .db import TuningDB
 
         db = TuningDB()
+    writable(path, make_folder=True)  # (a tuning database given by mistake is refused before any work)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     names = _names(plan, names)

@@ -63,6 +63,19 @@ def _at_least(low: float, kind: type = float, above: bool = False) -> Callable[[
     return parse
 
 
+def _seed(text: str) -> int:
+    """A parser of a random generator's seed (``check_seed``)."""
+    return check_seed(int(text), repr(text))
+
+
+def check_seed(seed: int, shown: str) -> int:
+    """``seed`` where it is 0 to 2**63 - 1 (PyTorch's generators take up to 2**64 - 1, and each verification case
+    adds its number to the seed); ``ValueError`` naming it as ``shown``."""
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"expected an integer from 0 to 2**63 - 1 (a random generator's seed), got {shown}")
+    return seed
+
+
 def _off_or_at_least(low: float) -> Callable[[str], float]:
     """A parser of 0 (the rule off) or a finite number >= ``low``."""
     def parse(text: str) -> float:
@@ -102,7 +115,7 @@ _SETTINGS = (
     # where the tuning database lives unless a path is given
     _Setting("cache_dir", _folder, _cache_dir_default, "folder of tuning.sqlite"),
     # seed of the random inputs that verification uses
-    _Setting("verify_seed", int, 0, "seed of verification inputs"),
+    _Setting("verify_seed", _seed, 0, "seed of verification inputs"),
     # every element of a result within this many tolerances of the reference, scaled by |ref| + rms (0: no bound)
     _Setting("element_factor", _at_least(0), 5.0, "the element bound, in tolerances (0: the norm alone)"),
     # wall-clock budget of one find() in seconds (0: no limit)
