@@ -124,6 +124,32 @@ def test_the_layer_file_of_the_docs_loads_and_empty_or_binary_files_are_refused_
         assert code == 2 and f"layer file {tmp_path / name} {words}" in err, err
 
 
+@pytest.mark.parametrize("text, words", [
+    # a column DeepBench's format lacks was left out: groups=4 and dilation 2 tuned as a dense, undilated layer
+    ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h,groups\n8,8,4,2,4,3,3,1,1,1,1,4\n",
+     "the column 'groups' is not one of DeepBench's; the columns must be"),
+    ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,strideh\n8,8,4,2,4,3,3,1,1,1,1\n",
+     "the column 'strideh' is not one of DeepBench's (did you mean 'stride_h'?)"),
+    ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w\n8,8,4,2,4,3,3,1,1,1\n", "lacks stride_h"),
+    ("8,8,4,2,4,3,3,1,1,1,1\n", "the first row (8,8,4,2,4,3,3,1,1,1,1) is not a header"),
+    ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h\n8,8,4,2,4,3,3,1,1,1\n",
+     "row 1 has 10 cells, where the header names 11"),
+    ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h\n8,8,4,2,4,3,3,1,1,1,x\n", "row 1 is not a valid convolution"),
+])
+def test_a_csv_layer_file_that_is_not_deepbenchs_format_is_refused_by_what_is_wrong(capsys, tmp_path, text, words):
+    path = tmp_path / "layers.csv"
+    path.write_text(text)
+    code, _, err = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get")
+    assert code == 2 and words in err, err
+
+
+def test_a_csv_layer_file_may_start_with_a_byte_order_mark_and_put_its_columns_in_any_order(capsys, tmp_path):
+    path = tmp_path / "layers.csv"
+    path.write_text("\ufeffn,c,k,h,w,r,s,pad_h,pad_w,stride_h,stride_w\n2,4,4,8,6,3,3,1,1,1,1\n", encoding="utf-8")
+    code, out, _ = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get", "--device", "cpu", "--json")
+    assert code == 0 and json.loads(out)["layers"][0]["problem"].startswith("fwd|n2|c4|k4|in8x6|r3x3|s1x1|p1x1")
+
+
 def test_cache_export_import_clear(capsys, tmp_path):
     db, other, dump = str(tmp_path / "a.sqlite"), str(tmp_path / "b.sqlite"), str(tmp_path / "dump.jsonl")
     assert run(capsys, "find", *SMALL, "--db", db)[0] == 0

@@ -84,20 +84,46 @@ def _from_entries(entries: list[dict[str, Any]], source: str, batch: int | None,
     return layers
 
 
+CSV_COLUMNS = ("w", "h", "c", "n", "k", "s", "r", "pad_w", "pad_h", "stride_w", "stride_h")  # DeepBench's
+
+
 def _from_deepbench_csv(text: str, source: str, batch: int | None, **fields: Any) -> list[Layer]:
-    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    """Layers from DeepBench-style CSV: a header row naming exactly ``CSV_COLUMNS`` (in any order), then a row of
+    integers per layer. A column it does not know is refused, not left out (``groups=4`` left out is another
+    layer tuned than meant)."""
+    lines = [line for line in text.lstrip("\ufeff").splitlines() if line.strip() and not line.startswith("#")]
+    rows = list(csv.reader(lines))
+    if not rows:
+        return []
+    header = [name.strip() for name in rows[0]]
+    columns = ",".join(CSV_COLUMNS)
+    if all(name.lstrip("-").isdigit() for name in header):
+        raise ValueError(f"{source}: the first row ({','.join(header)}) is not a header; a DeepBench-style CSV "
+                         f"starts with the row {columns}")
+    unknown = [name for name in header if name not in CSV_COLUMNS]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], CSV_COLUMNS, n=1)
+        raise ValueError(f"{source}: the column {unknown[0]!r} is not one of DeepBench's"
+                         + (f" (did you mean {near[0]!r}?)" if near else "")
+                         + f"; the columns must be {columns} (groups or dilation: give a JSON layer file)")
+    missing = [name for name in CSV_COLUMNS if name not in header]
+    if missing or len(set(header)) < len(header):
+        raise ValueError(f"{source}: the header {','.join(header)} "
+                         + (f"lacks {', '.join(missing)}" if missing else "names a column twice")
+                         + f"; the columns must be {columns}")
     layers = []
-    for i, row in enumerate(csv.DictReader(lines)):
+    for i, cells in enumerate(rows[1:]):
+        if len(cells) != len(header):
+            raise ValueError(f"{source}: row {i + 1} has {len(cells)} cells, where the header names {len(header)} "
+                             f"columns ({columns})")
         try:
-            v = {key: int(value) for key, value in row.items()}
+            v = {name: int(value) for name, value in zip(header, cells)}
             problem = ConvProblem(
                 n=batch or v["n"], c=v["c"], k=v["k"], input_size=(v["h"], v["w"]), kernel_size=(v["r"], v["s"]),
                 stride=(v["stride_h"], v["stride_w"]), padding=(v["pad_h"], v["pad_w"]), **fields)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(
-                f"{source}: row {i + 1} is not a valid convolution ({type(exc).__name__}: {exc}); columns must be "
-                "w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h"
-            ) from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: row {i + 1} is not a valid convolution ({type(exc).__name__}: "
+                             f"{exc})") from None
         layers.append(Layer(f"D{i:02d}", problem))
     return layers
 
