@@ -368,9 +368,35 @@ def test_corruption_found_in_use_replaces_the_file(db, caplog):
     assert db.lookup(problem(2)).algorithm == "cpu:fast"
 
 
-@pytest.mark.parametrize("version", [db_file.SCHEMA_VERSION + 1, 0])
+def _other_schema(path: Path, version: int) -> bytes:
+    """A SQLite file at ``path`` of schema ``version`` (0: another program's database); its bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE results (anything TEXT)")
+        conn.execute("INSERT INTO results VALUES ('not ours')")
+        conn.execute(f"PRAGMA user_version={version}")
+    conn.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("version, where", [(db_file.SCHEMA_VERSION + 1, "named"), (db_file.SCHEMA_VERSION + 1, "own"),
+                                            (0, "named")])
+def test_a_newer_convtunes_database_and_another_programs_named_one_are_left_as_they_are(tmp_path, version, where):
+    # A newer convtune's file was moved aside by any command of an older one (and back again by the newer): each
+    # lost the other's measurements from view. Another program's SQLite file given as the path was renamed.
+    path = tmp_path / "app.sqlite" if where == "named" else settings.db_path
+    before = _other_schema(path, version)
+    words = "written by a newer convtune" if version else "another program's SQLite database"
+    with pytest.raises(ValueError, match=words):
+        TuningDB(path if where == "named" else None)
+    assert path.read_bytes() == before and sorted(path.parent.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("version", [db_file.SCHEMA_VERSION - 1, 0])
 def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
-    path = tmp_path / "tuning.sqlite"
+    # (an older convtune's database; another program's where the path is convtune's own)
+    path = settings.db_path
+    path.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path) as conn:  # a file of another schema (0: another program's database)
         conn.execute("CREATE TABLE results (anything TEXT)")
         conn.execute("INSERT INTO results VALUES ('not ours')")

@@ -100,7 +100,8 @@ class TuningDB:
         if self.path.exists() and not self.path.is_file():
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
-        if path is not None and self.path != settings.db_path and not db_file.may_be_ours(self.path):
+        self._mine = path is None or self.path == settings.db_path  # (only convtune's own file is moved aside)
+        if not self._mine and not db_file.may_be_ours(self.path):
             # (a damaged tuning database is moved aside and what is intact salvaged; a file the caller named that
             # neither is a SQLite file nor holds the tables' definitions may be anything of theirs: left as it is)
             raise ValueError(f"TuningDB path {self.path} is not a tuning database (not a SQLite file), and is left "
@@ -436,7 +437,7 @@ class TuningDB:
             # it cannot be, opening fails as it would have, with SQLite's error).
             with contextlib.suppress(OSError):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn = db_file.open_checked(self.path)
+            self._conn = db_file.open_checked(self.path, mine=self._mine)
             self._identity = db_file.identity(self.path)
         return self._conn
 

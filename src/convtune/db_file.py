@@ -1,12 +1,14 @@
 """The tuning database's file: opening it, checking it, locking it, and recovering it when it is damaged.
 
 ``open_checked`` gives a connection to a checked file of this schema in WAL mode (the tables made when the file is
-empty). A file that is not a database, fails ``PRAGMA integrity_check`` or has another schema version is moved aside
+empty). A file that is not a database, fails ``PRAGMA integrity_check`` or has an older schema version is moved aside
 (renamed with a suffix, with a warning) under a lock between processes, and a fresh one is started, holding the
 results rows of the damaged file that still read (``salvage`` reads them) and still match their checksum
 (``row_checksum``). A file in a folder that may not be written is read as it is. ``transaction`` is a write transaction
 (``BEGIN IMMEDIATE``); ``identity``, ``file_lock`` and ``move_aside`` let a database in use follow a file that
-another process replaced, or replace one found damaged in use. What the rows mean, and the API over them, is ``db``'s.
+another process replaced, or replace one found damaged in use. A newer convtune's database (a newer schema version) is
+never moved: ``ValueError`` says so, and the file stays for the convtune that wrote it; nor, where the caller named
+the path (``mine=False``), another program's SQLite database. What the rows mean, and the API over them, is ``db``'s.
 """
 
 from __future__ import annotations
@@ -91,9 +93,11 @@ def row_checksum(fingerprint: str, software: str, problem: str, algorithm: str, 
     return digest.hexdigest()
 
 
-def open_checked(path: Path) -> sqlite3.Connection:
-    """A connection to a checked database at ``path``; a bad file is moved aside and replaced. In a folder that
-    may not be written (SQLite cannot make its journal there), the file is read as it is (``_open_as_it_is``)."""
+def open_checked(path: Path, mine: bool = True) -> sqlite3.Connection:
+    """A connection to a checked database at ``path``; a bad file is moved aside and replaced, but not a newer
+    convtune's database, nor, unless the path is convtune's own (``mine``), another program's (``ValueError``). In a
+    folder that may not be written (SQLite cannot make its journal there), the file is read as it is
+    (``_open_as_it_is``)."""
     for _ in range(3):
         conn = _connect(path)
         try:
@@ -106,17 +110,31 @@ def open_checked(path: Path) -> sqlite3.Connection:
         if fault is None:
             return conn
         conn.close()
+        _refuse_to_move(path, fault, mine)
         with file_lock(path):
             # Another process may have replaced the file meanwhile: look again under the lock.
             conn = _connect(path)
             fault = _check(conn)
             conn.close()
             if fault is not None:
+                _refuse_to_move(path, fault, mine)
                 rows = salvage.results(path, _intact, BUSY_TIMEOUT_MS / 1000) if fault[0] == "corrupt" else []
                 move_aside(path, *fault)
                 if rows:
                     _restore(path, rows)
     raise RuntimeError(f"could not open a fresh tuning database at {path}; remove the file or set CONVTUNE_CACHE_DIR")
+
+
+def _refuse_to_move(path: Path, fault: tuple[str, str], mine: bool) -> None:
+    """``ValueError`` where the file ``_check`` found ``fault`` in is not to be moved aside: a newer convtune's
+    database, or (where the path is not convtune's own) another program's SQLite database."""
+    kind, reason = fault
+    if kind == "newer":
+        raise ValueError(f"the tuning database {path} was written by a newer convtune ({reason}); it is left as it is "
+                         f"for that convtune: upgrade this one, or give another path or set CONVTUNE_CACHE_DIR")
+    if kind == "schema0" and not mine:
+        raise ValueError(f"{path} is another program's SQLite database (it has no tuning tables), and is left as it "
+                         f"is; give a tuning database's path, or a new one")
 
 
 def _open_as_it_is(path: Path) -> sqlite3.Connection:
@@ -164,6 +182,13 @@ def _check(conn: sqlite3.Connection) -> tuple[str, str] | None:
         verdict = [row[0] for row in conn.execute("PRAGMA integrity_check").fetchall()]
         if verdict != ["ok"]:
             return "corrupt", "; ".join(verdict[:3])
+        # A file that is not to be moved aside (open_checked's refusals) is told before anything in it changes
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if version > SCHEMA_VERSION:
+            return "newer", f"schema version {version}, this convtune uses {SCHEMA_VERSION}"
+        if version == 0 and tables:
+            return "schema0", f"schema version 0 (no tuning tables), this convtune uses {SCHEMA_VERSION}"
         _retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
         conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash may lose the last write, never corrupt
         with transaction(conn):
