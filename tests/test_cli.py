@@ -150,6 +150,15 @@ def test_a_csv_layer_file_may_start_with_a_byte_order_mark_and_put_its_columns_i
     assert code == 0 and json.loads(out)["layers"][0]["problem"].startswith("fwd|n2|c4|k4|in8x6|r3x3|s1x1|p1x1")
 
 
+def test_cache_export_import_clear_answer_in_json_when_asked(capsys, tmp_path):
+    db, dump = str(tmp_path / "a.sqlite"), str(tmp_path / "dump.jsonl")
+    assert run(capsys, "find", *SMALL, "--db", db)[0] == 0
+    for action, path in (("export", dump), ("import", dump), ("clear", None)):
+        code, out, _ = run(capsys, "cache", action, *([path] if path else []), "--db", db, "--json")
+        answer = json.loads(out)
+        assert code == 0 and answer["action"] == action and answer["results"] > 0 and answer["file"] == path
+
+
 def test_cache_export_import_clear(capsys, tmp_path):
     db, other, dump = str(tmp_path / "a.sqlite"), str(tmp_path / "b.sqlite"), str(tmp_path / "dump.jsonl")
     assert run(capsys, "find", *SMALL, "--db", db)[0] == 0

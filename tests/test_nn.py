@@ -1080,3 +1080,17 @@ def test_a_model_tuned_where_pytorch_asks_for_determinism_gets_deterministic_cho
             assert result.deterministic, result
     assert layers[2]._convtune_tuning.policy.workspace_limit == 1 << 20  # the rest of the policy as given
     assert not later._convtune_tuning.policy.deterministic  # asked no more
+
+
+def test_torch_jit_trace_leaves_no_tuning_state_behind_and_export_still_works():
+    # torch.jit.trace gives sizes as tensors: the layers recorded selections for signatures made of tensors
+    # (explain showed them, 'ConvProblem.n must be an int, got tensor(2)'), and torch.export failed afterwards
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.ReLU())
+    x = torch.randn(2, 4, 12, 12)
+    tuned = convtune.optimize(copy.deepcopy(model), x)
+    traced = torch.jit.trace(tuned, torch.randn(3, 4, 12, 12), check_trace=False)
+    rows = convtune.explain(tuned)
+    assert rows and all("tensor(" not in str(r) for r in rows), rows
+    torch.testing.assert_close(traced(x), model(x))
+    exported = torch.export.export(tuned, (x,))
+    torch.testing.assert_close(exported.module()(x), model(x))

@@ -433,15 +433,21 @@ def cmd_cache(args, out: Console) -> int:
     if args.action in ("export", "import") and not args.path:
         raise UsageError(f"cache {args.action} needs a file path: convtune cache {args.action} FILE.jsonl")
     with _db(args, reads_only=args.action in ("ls", "export")) as db:
-        if args.action == "export":
-            n = db.export(args.path)
-            out.print(f"exported {n} results to {args.path}")
-        elif args.action == "import":
-            n = db.import_(args.path)
-            out.print(f"imported {n} results from {args.path} into {db.path}")
-        elif args.action == "clear":
-            n = db.clear()
-            out.print(f"removed {n} results from {db.path}")
+        if args.action in ("export", "import", "clear"):
+            if args.action == "export":
+                n = db.export(args.path)
+                said = f"exported {n} results to {args.path}"
+            elif args.action == "import":
+                n = db.import_(args.path)
+                said = f"imported {n} results from {args.path} into {db.path}"
+            else:
+                n = db.clear()
+                said = f"removed {n} results from {db.path}"
+            if args.json:
+                out.print_json(json.dumps({"action": args.action, "results": n, "database": str(db.path),
+                                           "file": None if args.path is None else str(args.path)}))
+            else:
+                out.print(said)
         else:
             entries = db.entries()
             table = Table(title=f"tuning database {db.path}")

@@ -351,6 +351,10 @@ class TunedConv(_ConvBase):
         self._convtune_fast[shape] = entry
 
     def _convtune_forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():
+            # torch.jit.trace gives sizes as tensors: an input it brings here (one of a shape the layer has no
+            # hot path for) is neither tuned nor remembered, and the trace records PyTorch's convolution
+            return super().forward(input)
         nd = len(self.kernel_size)
         batched = input.dim() == nd + 2
         x = input if batched else input.unsqueeze(0)  # unbatched (C, *spatial), as torch allows
