@@ -1025,3 +1025,17 @@ def test_a_path_with_a_tilde_and_a_cache_folder_with_one_are_the_home_folders(tm
     with settings.override(cache_dir="~/cache"):
         assert settings.db_path == tmp_path / "cache" / "tuning.sqlite"
     assert not (tmp_path / "~").exists()
+
+
+def test_convtunes_own_database_is_known_however_its_path_is_written(tmp_path, monkeypatch):
+    # (db.opened gives TuningDB the resolved path: where the cache folder is given through a link, or relative, the
+    # default database is still convtune's own, moved aside and salvaged where it is damaged past its header)
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.chdir(tmp_path)
+    for cache in (str(tmp_path / "link"), "link"):
+        _random_bytes(real / "tuning.sqlite")
+        with settings.override(cache_dir=cache), TuningDB((real / "tuning.sqlite").resolve()) as tdb:
+            assert tdb.entries() == []
+        assert len(aside(real / "tuning.sqlite", "corrupt")) == (1 if cache != "link" else 2)

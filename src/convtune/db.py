@@ -100,7 +100,8 @@ class TuningDB:
         if self.path.exists() and not self.path.is_file():
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
-        self._mine = path is None or self.path == settings.db_path  # (only convtune's own file is moved aside)
+        self._mine = path is None or _resolved(self.path) == _resolved(settings.db_path)  # (only convtune's own
+        # file is moved aside: the default path, however it is written)
         if not self._mine and not db_file.may_be_ours(self.path):
             # (a damaged tuning database is moved aside and what is intact salvaged; a file the caller named that
             # neither is a SQLite file nor holds the tables' definitions may be anything of theirs: left as it is)
@@ -580,6 +581,14 @@ def _encode(result: PerfResult) -> tuple[str, str]:
     data = result.to_dict()
     PerfResult.from_dict(data)  # refuse now what could not be read back
     return result.algorithm, json.dumps(data)
+
+
+def _resolved(path: Path) -> Path:
+    """``path`` through symbolic links and the home folder, as far as it resolves (``path`` itself where not)."""
+    try:
+        return path.expanduser().resolve()
+    except (OSError, RuntimeError):  # a loop of links, a home folder that cannot be found
+        return path
 
 
 def _here(device: str) -> tuple[str, str] | None:
