@@ -1,11 +1,13 @@
 """The command line end to end, on the CPU portfolio, in a temporary tuning database."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from convtune.cli import main
+from convtune.settings import settings
 
 SMALL = ["--n", "2", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3", "--pad", "1", "--device", "cpu"]
 
@@ -157,6 +159,19 @@ def test_cache_export_import_clear_answer_in_json_when_asked(capsys, tmp_path):
         code, out, _ = run(capsys, "cache", action, *([path] if path else []), "--db", db, "--json")
         answer = json.loads(out)
         assert code == 0 and answer["action"] == action and answer["results"] > 0 and answer["file"] == path
+
+
+def test_a_default_database_that_cannot_be_opened_leaves_the_commands_it_is_a_means_for_running(capsys, tmp_path,
+                                                                                                 caplog):
+    # (a cache folder that cannot be made or written: get, find and tune go on with a temporary database, warned;
+    # the cache commands, which act on the database itself, say why they cannot)
+    (tmp_path / "file").write_text("")
+    with settings.override(cache_dir=str(tmp_path / "file" / "cache")), caplog.at_level(logging.WARNING):
+        for command in (("get", *SMALL), ("find", *SMALL)):
+            assert run(capsys, *command)[0] == 0, command
+        code, _, err = run(capsys, "cache", "ls")
+    assert code == 2 and "cannot make the folder of the tuning database" in err
+    assert "temporary database" in caplog.text
 
 
 def test_cache_export_import_clear(capsys, tmp_path):

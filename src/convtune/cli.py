@@ -146,11 +146,20 @@ def _check_device(device: str) -> None:
         raise UsageError("--device cuda was asked for, but PyTorch sees no CUDA device here; use --device cpu")
 
 
-def _db(args, reads_only: bool = False):
+def _db(args, reads_only: bool = False, means: bool = False):
     """The database of ``--db`` (default: the cache folder's). A command that only reads it refuses a path where
     no file is (rather than make one, and its folder); any command refuses a file that is not a SQLite database
-    (rather than move it aside as a damaged database, as the library does)."""
-    from .db import TuningDB
+    (rather than move it aside as a damaged database, as the library does). A command for which the default database
+    is only a means (``means``: get, find, tune, report) goes on with a temporary one, with the library's warning,
+    where it cannot be opened (a read-only cache folder without one, say)."""
+    from .db import TuningDB, opened
+
+    if args.db is None and means:
+        db = opened()
+        if db is None:
+            raise UsageError("no tuning database can be opened, not even a temporary one; set CONVTUNE_CACHE_DIR to "
+                             "a writable folder")
+        return db
 
     path = None if args.db is None else Path(args.db).expanduser()
     if path is not None:
@@ -287,7 +296,7 @@ def cmd_get(args, out: Console) -> int:
     _check_device(problem.device)
     from .costmodel import basis
 
-    with _db(args, reads_only=True) as db:
+    with _db(args, reads_only=True, means=True) as db:
         choices = get(problem, _policy(args), db=db)
         priced_from = basis(db, problem)
     payload = {"problem": problem.key, "priced_from": priced_from, "choices": [c.__dict__ for c in choices]}
@@ -302,7 +311,7 @@ def cmd_find(args, out: Console) -> int:
 
     problem = _problem(args)
     _check_device(problem.device)
-    with _db(args) as db:
+    with _db(args, means=True) as db:
         results = find(problem, _policy(args), db=None if args.no_store else db)
     payload = {"problem": problem.key, "results": [r.to_dict() for r in results]}
     _print(out, args, perf_table(problem, results), payload)
@@ -377,7 +386,7 @@ def cmd_tune(args, out: Console, err: Console) -> int:
     policy = _policy(args)
     payload: dict = {"network": args.network}
     total_workspace, caption = None, None
-    with _db(args) as db:
+    with _db(args, means=True) as db:
         tuning = Tuning(policy, args.mode, db)
         rows = _select_layers(args, layers, tuning, err)
         title = (f"convtune tune {args.network}: {len(rows)} layers, {rows[0].problem.dtype if rows else ''} "
@@ -410,7 +419,7 @@ def cmd_report(args, out: Console, err: Console) -> int:
         budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",") if b.strip()]
     layers = _tune_layers(args)
     policy = _policy(args)
-    with _db(args) as db:
+    with _db(args, means=True) as db:
         tuning = Tuning(policy, "hybrid", db)
         rows = _select_layers(args, layers, tuning, err)
         failed = [r for r in rows if not r.result]
