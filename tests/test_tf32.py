@@ -12,7 +12,16 @@ from convtune import tf32
 PER_OPERATION = hasattr(torch.backends.cudnn, "conv") and hasattr(torch.backends.cuda.matmul, "fp32_precision")
 SCOPES = {"backends": lambda: torch.backends, "cudnn": lambda: torch.backends.cudnn,
           "conv": lambda: torch.backends.cudnn.conv, "rnn": lambda: torch.backends.cudnn.rnn,
-          "matmul": lambda: torch.backends.cuda.matmul}
+          "matmul": lambda: torch.backends.cuda.matmul, "onednn matmul": lambda: torch.backends.mkldnn.matmul}
+if not hasattr(torch.backends.mkldnn, "matmul"):
+    del SCOPES["onednn matmul"]
+
+
+def _matmul_precision() -> str:
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:  # (PyTorch's interfaces mixed)
+        return "raises"
 
 
 def state() -> dict:
@@ -26,6 +35,7 @@ def state() -> dict:
     if PER_OPERATION:
         out.update({f"{name}.fp32_precision": scope().fp32_precision for name, scope in SCOPES.items()})
     out["cudnn.enabled"] = torch.backends.cudnn.enabled
+    out["float32 matmul precision"] = _matmul_precision()
     return out
 
 
@@ -45,8 +55,23 @@ def user_settings() -> dict:
                      "matrix products tf32": [("matmul", "fp32_precision", "tf32")],
                      "flags on, then PyTorch's precision ieee": [("cudnn", "allow_tf32", True),
                                                                 ("matmul", "allow_tf32", True),
-                                                                ("backends", "fp32_precision", "ieee")]}
+                                                                ("backends", "fp32_precision", "ieee")],
+                     # (setting cuDNN's flag sets the RNNs' precision too, which cudnn_conv must put back)
+                     "cuDNN's flag off, RNNs ieee, PyTorch's precision tf32": [
+                         ("cudnn", "allow_tf32", False), ("backends", "fp32_precision", "tf32"),
+                         ("conv", "fp32_precision", "ieee"), ("rnn", "fp32_precision", "ieee")],
+                     # ('medium': a precision no flag has, which putting the flag back would make 'high')
+                     "float32 matmul precision medium": [(None, "set_float32_matmul_precision", "medium")]}
+    settings["float32 matmul precision high"] = [(None, "set_float32_matmul_precision", "high")]
     return settings
+
+
+def apply(setting: str) -> None:
+    for scope, name, value in user_settings()[setting]:
+        if scope is None:
+            getattr(torch, name)(value)
+        else:
+            setattr(SCOPES[scope](), name, value)
 
 
 @pytest.fixture
@@ -58,11 +83,13 @@ def restored():
     flags = [(matmul, matmul.allow_tf32), (cudnn, cudnn.allow_tf32)]
     enabled = cudnn.enabled
     precisions = [(scope(), scope().fp32_precision) for scope in SCOPES.values()] if PER_OPERATION else []
+    matmul_precision = torch.get_float32_matmul_precision()
     before = state()
     yield
     for scope, value in flags:
         scope.allow_tf32 = value
     cudnn.enabled = enabled
+    torch.set_float32_matmul_precision(matmul_precision)
     for scope, value in precisions:
         scope.fp32_precision = "none"
         if scope.fp32_precision != value:
@@ -72,8 +99,7 @@ def restored():
 
 @pytest.mark.parametrize("setting, allowed", list(itertools.product(user_settings(), (True, False))))
 def test_each_switch_holds_inside_and_puts_back_what_it_found(restored, setting, allowed):
-    for scope, name, value in user_settings()[setting]:
-        setattr(SCOPES[scope](), name, value)
+    apply(setting)
     torch.backends.cudnn.enabled = False
     before = state()
     with tf32.cudnn_conv(allowed):

@@ -60,11 +60,31 @@ def matmul_allowed() -> bool:
         return _precision_allows(matmul, torch.backends)
 
 
+def _legacy_matmul() -> str | None:
+    """``torch.get_float32_matmul_precision()`` ('highest', 'high', 'medium'); None where it raises (the interfaces
+    mixed)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
+def _put_back(scope: Any, precision: str) -> None:
+    """``scope.fp32_precision`` as it read (``precision``): 'none' again where that reads the same (the getter
+    answers what the precision resolves to), so a precision that deferred to its parent keeps deferring."""
+    scope.fp32_precision = "none"
+    if scope.fp32_precision != precision:
+        scope.fp32_precision = precision
+
+
 @contextlib.contextmanager
-def _switched(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[], bool]) -> Iterator[None]:
+def _switched(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[], bool],
+              touched: tuple[Any, ...] = ()) -> Iterator[None]:
     """TF32 as ``allowed`` inside (``reads`` tells what holds): ``flag_scope.allow_tf32`` where setting it takes
-    effect, else ``operation.fp32_precision``; then as before."""
-    precision = None if operation is None else operation.fp32_precision
+    effect, else ``operation.fp32_precision``; then as before. ``touched``: other precisions that setting the flag
+    also sets (the RNNs' for cuDNN's flag; oneDNN's matrix products' for the legacy matmul precision)."""
+    saved = [(scope, scope.fp32_precision) for scope in (operation, *touched) if scope is not None]
+    legacy = _legacy_matmul() if flag_scope is torch.backends.cuda.matmul else None
     try:
         flag: bool | None = bool(flag_scope.allow_tf32)
     except RuntimeError:
@@ -75,19 +95,18 @@ def _switched(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[]
             if reads() == allowed or operation is None:
                 yield
                 return
-            flag_scope.allow_tf32 = flag  # a precision above the flag decides: switch the operation's own
-            flag = None
+            operation.fp32_precision = "tf32" if allowed else "ieee"  # a precision above the flag decides
+            yield
+            return
         operation.fp32_precision = "tf32" if allowed else "ieee"
         yield
     finally:
         if flag is not None:
-            flag_scope.allow_tf32 = flag  # (setting a flag also sets its operation's precision: put back below)
-        if operation is not None:
-            # the getter answers what the precision resolves to: 'none' again where that answers the same, so a
-            # precision that deferred to its parent keeps deferring
-            operation.fp32_precision = "none"
-            if operation.fp32_precision != precision:
-                operation.fp32_precision = precision
+            flag_scope.allow_tf32 = flag  # (setting a flag also sets precisions: put back below)
+        if legacy is not None and _legacy_matmul() != legacy:
+            torch.set_float32_matmul_precision(legacy)  # ('medium' is not a flag's value)
+        for scope, precision in saved:
+            _put_back(scope, precision)
 
 
 @contextlib.contextmanager
@@ -98,8 +117,11 @@ def cudnn_conv(allowed: bool) -> Iterator[None]:
     cudnn = torch.backends.cudnn
     enabled = cudnn.enabled
     cudnn.enabled = True
+    conv = getattr(cudnn, "conv", None)
+    switch = (contextlib.nullcontext() if conv_allowed() == allowed else
+              _switched(cudnn, conv, allowed, conv_allowed, (getattr(cudnn, "rnn", None),) if conv is not None else ()))
     try:
-        with _switched(cudnn, getattr(cudnn, "conv", None), allowed, conv_allowed):
+        with switch:
             yield
     finally:
         cudnn.enabled = enabled
@@ -113,8 +135,10 @@ def matmul(device: str, allowed: bool) -> contextlib.AbstractContextManager[None
     if device != "cuda" or matmul_allowed() == allowed:
         return _UNCHANGED
     matmul_scope = torch.backends.cuda.matmul
-    return _switched(matmul_scope, matmul_scope if hasattr(matmul_scope, "fp32_precision") else None, allowed,
-                     matmul_allowed)
+    per_operation = hasattr(matmul_scope, "fp32_precision")
+    onednn = getattr(torch.backends.mkldnn, "matmul", None) if per_operation else None
+    return _switched(matmul_scope, matmul_scope if per_operation else None, allowed, matmul_allowed,
+                     (onednn,) if onednn is not None else ())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,14 +63,27 @@ class MatmulTf32 {
     if (tf32 == allowed) return;
     changed_ = true;
     saved_ = tf32;
+    precision_ = ctx.float32MatmulPrecision();
     ctx.setAllowTF32CuBLAS(allowed);
   }
   ~MatmulTf32() {
-    if (changed_) at::globalContext().setAllowTF32CuBLAS(saved_);
+    if (!changed_) return;
+    auto& ctx = at::globalContext();
+    ctx.setAllowTF32CuBLAS(saved_);
+    // The flag put back is 'high' where it allows TF32: a user's 'medium' (torch.set_float32_matmul_precision) is
+    // put back by name, as tf32.matmul does.
+    try {
+      if (ctx.float32MatmulPrecision() != precision_) {
+        ctx.setFloat32MatmulPrecision(precision_ == at::Float32MatmulPrecision::MEDIUM ? "medium"
+                                      : precision_ == at::Float32MatmulPrecision::HIGH ? "high" : "highest");
+      }
+    } catch (const c10::Error&) {  // (a destructor throws nothing; the flag is back whatever happens here)
+    }
   }
 
  private:
   bool changed_ = false, saved_ = false;
+  at::Float32MatmulPrecision precision_ = at::Float32MatmulPrecision::HIGHEST;
 };
 
 // -- torch:native ----------------------------------------------------------------------------
