@@ -95,14 +95,14 @@ def fit(rows: list[dict]) -> dict[str, float]:
     the strips' configurations (which so keep their prices), or cuDNN's fastest plan's mean over a plan's price on the
     same layers."""
     ratios: dict[str, list[float]] = defaultdict(list)
-    cudnn: dict[str, list[float]] = defaultdict(list)  # per configuration, cuDNN's ratio on the layers it was timed
-    direction: dict[str, str] = {}
+    over_cudnn: dict[str, list[float]] = defaultdict(list)  # per configuration and layer with cuDNN's plan timed:
+    direction: dict[str, str] = {}  # its ratio over the plan's
     for row in rows:
         for name, (ms, work, _, _) in row["entries"].items():
             ratios[name].append(ms / work)
             direction[name] = row["problem"].direction
             if row["cudnn"]:
-                cudnn[name].append(row["cudnn"][0] / row["cudnn"][1])
+                over_cudnn[name].append(ms / work / (row["cudnn"][0] / row["cudnn"][1]))
     means = {name: common.geomean(v) for name, v in ratios.items()}
     level: dict[tuple[str, str], float] = {}  # (anchor family, direction) -> its level
     for name, mean in means.items():
@@ -114,8 +114,8 @@ def fit(rows: list[dict]) -> dict[str, float]:
     for name, mean in means.items():
         anchor = ANCHORS[common.family_of(name)]
         if anchor == CUDNN:
-            if cudnn[name]:
-                factors[name] = mean / common.geomean(cudnn[name])
+            if over_cudnn[name]:  # (over the same layers: where cuDNN's plan was timed)
+                factors[name] = common.geomean(over_cudnn[name])
         elif (anchor, direction[name]) in level:
             factors[name] = mean / level[anchor, direction[name]]
     return factors
@@ -146,7 +146,7 @@ def against_cudnn(rows: list[dict], factors: dict[str, float] | None,
                   held_out: bool = False) -> dict[str, list[float]]:
     """Per direction, on the layers of families anchored on cuDNN: ``get``'s pick between their cheapest priced
     configuration and cuDNN's fastest plan (priced as every plan is, launch included), its measured time over the
-    faster of the two's."""
+    fastest measured there (cuDNN's plan, or any of the configurations)."""
     out: dict[str, list[float]] = defaultdict(list)
     for i, row in enumerate(rows):
         if not row["cudnn"] or any(ANCHORS[common.family_of(n)] != CUDNN for n in row["entries"]):

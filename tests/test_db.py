@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import doctest
 import gzip
@@ -264,7 +265,9 @@ def _random_bytes(path: Path) -> None:
                      .numpy().tobytes())
 
 
-@pytest.mark.parametrize("content", [b"{\"lr\": 0.1}\n", b"PK\x03\x04model", None], ids=["json", "zip", "random"])
+@pytest.mark.parametrize("content", [b"{\"lr\": 0.1}\n", b"PK\x03\x04model", None,
+                                     b"CREATE TABLE results (fingerprint TEXT);\n" * 20],
+                         ids=["json", "zip", "random", "sql"])
 def test_a_file_the_caller_names_that_is_not_a_database_is_refused_and_left_as_it_is(tmp_path, caplog, content):
     # A path given by mistake (a config, a checkpoint) was moved aside as a damaged database, and a new database took
     # its name: only convtune's own database is moved aside where it is not a SQLite file.
@@ -297,7 +300,8 @@ def test_nothing_convtune_writes_replaces_a_tuning_database(tmp_path):
     db = TuningDB(path)
     writers = (db.export, learned.writable_model_path,
                lambda target: write_report(ct.plan([problem(1)], "1KiB", db=db), target, "t", db=db))
-    for target in (path, tmp_path / "keep.sqlite-wal"):
+    (tmp_path / "out.jsonl").symlink_to(tmp_path / "keep.sqlite-wal")  # (a link's name says nothing)
+    for target in (path, tmp_path / "keep.sqlite-wal", tmp_path / "out.jsonl"):
         for write in writers:
             with pytest.raises(ValueError, match="is a SQLite database"):
                 write(target)
@@ -379,14 +383,24 @@ def _other_schema(path: Path, version: int) -> bytes:
     return path.read_bytes()
 
 
+def _newer(path: Path, version: int) -> bytes:
+    """A database of convtune's tables at ``path`` that says it is of schema ``version``; its bytes."""
+    with TuningDB(path) as tdb:
+        tdb.store(problem(), FIND)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute(f"PRAGMA user_version={version}")
+        conn.execute("PRAGMA journal_mode=DELETE")
+    return path.read_bytes()
+
+
 @pytest.mark.parametrize("version, where", [(db_file.SCHEMA_VERSION + 1, "named"), (db_file.SCHEMA_VERSION + 1, "own"),
-                                            (0, "named")])
+                                            (0, "named"), (2, "named")])
 def test_a_newer_convtunes_database_and_another_programs_named_one_are_left_as_they_are(tmp_path, version, where):
     # A newer convtune's file was moved aside by any command of an older one (and back again by the newer): each
     # lost the other's measurements from view. Another program's SQLite file given as the path was renamed.
     path = tmp_path / "app.sqlite" if where == "named" else settings.db_path
-    before = _other_schema(path, version)
-    words = "written by a newer convtune" if version else "another program's SQLite database"
+    before = _other_schema(path, version) if where == "named" else _newer(path, version)
+    words = "written by a newer convtune" if where == "own" else "another program's SQLite database"
     with pytest.raises(ValueError, match=words):
         TuningDB(path if where == "named" else None)
     assert path.read_bytes() == before and sorted(path.parent.iterdir()) == [path]
@@ -398,6 +412,8 @@ def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
     path = settings.db_path
     path.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path) as conn:  # a file of another schema (0: another program's database)
+        if version:  # (every schema of convtune's had both tables)
+            conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         conn.execute("CREATE TABLE results (anything TEXT)")
         conn.execute("INSERT INTO results VALUES ('not ours')")
         conn.execute(f"PRAGMA user_version={version}")
@@ -405,7 +421,7 @@ def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
     with caplog.at_level(logging.WARNING, logger="convtune.db_file"):
         tdb = TuningDB(path)
     assert any(f"schema version {version}" in r.getMessage() for r in caplog.records)
-    [moved] = aside(path, f"schema{version}")
+    [moved] = aside(path, f"schema{version}" if version else "foreign")
     with sqlite3.connect(moved) as conn:
         assert conn.execute("SELECT anything FROM results").fetchall() == [("not ours",)]
     conn.close()
@@ -1039,3 +1055,12 @@ def test_convtunes_own_database_is_known_however_its_path_is_written(tmp_path, m
         with settings.override(cache_dir=cache), TuningDB((real / "tuning.sqlite").resolve()) as tdb:
             assert tdb.entries() == []
         assert len(aside(real / "tuning.sqlite", "corrupt")) == (1 if cache != "link" else 2)
+
+
+def test_a_named_database_opens_whatever_the_default_folders_setting_says(tmp_path, monkeypatch):
+    # (whether a path is convtune's own default file was asked of a cache folder setting that did not parse)
+    monkeypatch.setenv("CONVTUNE_CACHE_DIR", "")
+    monkeypatch.setattr(settings, "_overrides", {})
+    with TuningDB(tmp_path / "named.sqlite") as tdb:
+        tdb.store(problem(), FIND)
+        assert tdb.lookup(problem()) is not None

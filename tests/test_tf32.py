@@ -197,3 +197,50 @@ def ct_problem(dtype: str, allow_tf32: bool):
 
     return ConvProblem("fwd", n=2, c=4, k=4, input_size=(6, 6), kernel_size=1, dtype=dtype, device="cuda",
                        allow_tf32=allow_tf32)
+
+
+def test_one_thread_switches_at_a_time_so_overlapping_switches_leave_nothing_behind(restored):
+    # Two threads' overlapping switches each put back what the other had set: a layer of allow_tf32=True in the
+    # caller and an FFT candidate (TF32 off) in another thread left the matrix products' TF32 on for good.
+    import threading
+    import time
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    events: list[str] = []
+    inside = threading.Event()
+
+    def first():
+        with tf32.matmul("cuda", True):
+            inside.set()
+            time.sleep(0.2)
+            events.append("first out")
+
+    def second():
+        inside.wait(5)
+        with tf32.matmul("cuda", False):  # (a switch: the first thread's is on)
+            events.append("second in")
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert events == ["first out", "second in"] and tf32.matmul_allowed() is False
+
+
+def test_a_thread_that_may_not_switch_is_refused_where_a_switch_is_needed_only(restored):
+    # (the background worker's thread: the caller's work runs meanwhile under whatever it switched)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with tf32.refused_here():
+        with tf32.matmul("cuda", False), tf32.matmul("cpu", True), tf32.cudnn_conv(tf32.conv_allowed()):
+            pass  # nothing to switch
+        with pytest.raises(tf32.SwitchRefused, match="may not"), tf32.matmul("cuda", True):
+            pass
+        with pytest.raises(tf32.SwitchRefused), tf32.cudnn_conv(not tf32.conv_allowed()):
+            pass
+        torch.backends.cudnn.enabled = False
+        with pytest.raises(tf32.SwitchRefused, match="cuDNN switch"), tf32.cudnn_conv(tf32.conv_allowed()):
+            pass
+    torch.backends.cudnn.enabled = True
+    with tf32.matmul("cuda", True):  # (this thread may switch again)
+        assert tf32.matmul_allowed()

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import tf32
 from .policy import Policy
 from .problem import ConvProblem
 from .settings import settings
@@ -184,10 +185,11 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: d
                 stream = streams.get(device)
                 if stream is None:
                     stream = streams[device] = torch.cuda.Stream()
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream), tf32.refused_here():
                     results = find(problem, policy, db, timer=_timer)
         else:
-            results = find(problem, policy, db, timer=_timer)
+            with tf32.refused_here():
+                results = find(problem, policy, db, timer=_timer)
     except Exception as exc:  # the model's choice stands; the user's step goes on
         log.warning("measuring %s in the background failed, so the choice made at once stays: %s", problem.key, exc)
         return False

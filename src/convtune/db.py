@@ -100,8 +100,11 @@ class TuningDB:
         if self.path.exists() and not self.path.is_file():
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
-        self._mine = path is None or _resolved(self.path) == _resolved(settings.db_path)  # (only convtune's own
-        # file is moved aside: the default path, however it is written)
+        try:  # (only convtune's own file is moved aside: the default path, however it is written)
+            default: Path | None = _resolved(settings.db_path)
+        except ValueError:  # a cache folder setting that does not parse: a path given is not the default one
+            default = None
+        self._mine = path is None or _resolved(self.path) == default
         if not self._mine and not db_file.may_be_ours(self.path):
             # (a damaged tuning database is moved aside and what is intact salvaged; a file the caller named that
             # neither is a SQLite file nor holds the tables' definitions may be anything of theirs: left as it is)

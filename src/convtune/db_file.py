@@ -51,12 +51,14 @@ CREATE TABLE executables (
     PRIMARY KEY (fingerprint, software, problem, algorithm)
 );
 """
-_RESULTS_TABLE = b"CREATE TABLE results ("  # as SQLite keeps it in the file (the schema's own text)
+# The results table's row in SQLite's own table of tables (type, name and table name side by side, then its
+# definition), as the file keeps it: no text file holds it, damage to the file's header leaves it
+_RESULTS_TABLE = b"tableresultsresults"
 
 
 def may_be_ours(path: str | os.PathLike) -> bool:
     """Whether the regular file at ``path`` may be a tuning database, damaged or not: it starts as a SQLite file does,
-    or its first pages still hold the results table's definition (SQLite keeps it as text near the end of the first
+    or its first pages still hold the results table's row in SQLite's table of tables (near the end of the first
     page: damage to the header leaves it). Not a file, or an empty one: True (SQLite makes a database there)."""
     if not os.path.isfile(path):
         return True
@@ -132,7 +134,7 @@ def _refuse_to_move(path: Path, fault: tuple[str, str], mine: bool) -> None:
     if kind == "newer":
         raise ValueError(f"the tuning database {path} was written by a newer convtune ({reason}); it is left as it is "
                          f"for that convtune: upgrade this one, or give another path or set CONVTUNE_CACHE_DIR")
-    if kind == "schema0" and not mine:
+    if kind == "foreign" and not mine:
         raise ValueError(f"{path} is another program's SQLite database (it has no tuning tables), and is left as it "
                          f"is; give a tuning database's path, or a new one")
 
@@ -185,10 +187,10 @@ def _check(conn: sqlite3.Connection) -> tuple[str, str] | None:
         # A file that is not to be moved aside (open_checked's refusals) is told before anything in it changes
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if tables and not (version >= 1 and {"meta", "results"} <= tables):  # (every schema of convtune's has both)
+            return "foreign", f"schema version {version} without a tuning database's tables"
         if version > SCHEMA_VERSION:
             return "newer", f"schema version {version}, this convtune uses {SCHEMA_VERSION}"
-        if version == 0 and tables:
-            return "schema0", f"schema version 0 (no tuning tables), this convtune uses {SCHEMA_VERSION}"
         _retry_busy(lambda: conn.execute("PRAGMA journal_mode=WAL"))
         conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash may lose the last write, never corrupt
         with transaction(conn):

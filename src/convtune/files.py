@@ -36,11 +36,11 @@ def is_database(path: str | os.PathLike) -> bool:
 def refuse_database(path: str | os.PathLike) -> None:
     """``ValueError`` where ``path`` is a SQLite database or one's write-ahead log, shared memory or journal, which
     writing another kind of file there would destroy (a tuning database's measurements)."""
-    name = str(path)
-    base = next((name[:-len(end)] for end in SQLITE_COMPANIONS if name.endswith(end)), None)
-    if is_database(path) or (base and is_database(base)):
-        raise ValueError(f"{path} is a SQLite database (a tuning database?){' or beside one' if base else ''}; "
-                         f"writing this file there would replace it: give another path")
+    for name in dict.fromkeys((str(path), os.path.realpath(path))):  # (a link's name, and the file it leads to)
+        base = next((name[:-len(end)] for end in SQLITE_COMPANIONS if name.endswith(end)), None)
+        if is_database(name) or (base and is_database(base)):
+            raise ValueError(f"{path} is a SQLite database (a tuning database?){' or beside one' if base else ''}; "
+                             f"writing this file there would replace it: give another path")
 
 
 def writable(path: str | os.PathLike, make_folder: bool = False) -> Path:

@@ -69,10 +69,10 @@ def _seed(text: str) -> int:
 
 
 def check_seed(seed: int, shown: str) -> int:
-    """``seed`` where it is 0 to 2**63 - 1 (PyTorch's generators take up to 2**64 - 1, and each verification case
-    adds its number to the seed); ``ValueError`` naming it as ``shown``."""
-    if not 0 <= seed < 2**63:
-        raise ValueError(f"expected an integer from 0 to 2**63 - 1 (a random generator's seed), got {shown}")
+    """``seed`` where it is a signed 64-bit integer (PyTorch's generators take -2**63 to 2**64 - 1, and each
+    verification case adds its number to the seed); ``ValueError`` naming it as ``shown``."""
+    if not -2**63 <= seed < 2**63:
+        raise ValueError(f"expected an integer from -2**63 to 2**63 - 1 (a random generator's seed), got {shown}")
     return seed
 
 

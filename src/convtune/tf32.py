@@ -14,21 +14,49 @@ or a convolutions' precision unlike the RNNs'), and setting a flag does not over
 - ``Settings``: what an algorithm's run switches them to (``Algorithm.tf32_settings``), and which of them a run
   would change now (``Settings.changes``).
 
-The switches are the process's, not a thread's: a layer runs under them only for its own call, and the background
-worker does not measure a candidate whose run would change them (``measure``), since the caller's work runs
-meanwhile.
+The switches are the process's, not a thread's: a layer runs under them only for its own call; one thread switches
+at a time (two threads' overlapping switches would each put back what the other set, and leave it so); and the
+background worker switches none (``refused_here``: the caller's work runs meanwhile): it does not measure a candidate
+whose run would change them (``measure``), and a run that would all the same raises ``SwitchRefused``.
+
+What is put back is what each setting read: a precision that read the same as its parent's is put back as
+deferring to it (PyTorch tells no other), so a precision set explicitly to its parent's value comes back deferring.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 _UNCHANGED = contextlib.nullcontext()
+_LOCK = threading.RLock()  # one thread's switch at a time
+_REFUSING = threading.local()  # .on: this thread may not switch (refused_here)
+
+
+class SwitchRefused(RuntimeError):
+    """A switch of PyTorch's process-wide TF32 settings on a thread that may not switch them (``refused_here``)."""
+
+
+@contextlib.contextmanager
+def refused_here() -> Iterator[None]:
+    """While inside, on this thread, a switch that would change a setting raises ``SwitchRefused`` (the background
+    worker's thread: the caller's work, which runs meanwhile, would compute under it)."""
+    _REFUSING.on = True
+    try:
+        yield
+    finally:
+        _REFUSING.on = False
+
+
+def _refuse_on_this_thread(what: str) -> None:
+    if getattr(_REFUSING, "on", False):
+        raise SwitchRefused(f"this run switches PyTorch's process-wide {what}, which this thread may not (the "
+                            f"background worker: the caller's work runs meanwhile)")
 
 
 def _precision_allows(*scopes: Any) -> bool:
@@ -83,6 +111,15 @@ def _switched(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[]
     """TF32 as ``allowed`` inside (``reads`` tells what holds): ``flag_scope.allow_tf32`` where setting it takes
     effect, else ``operation.fp32_precision``; then as before. ``touched``: other precisions that setting the flag
     also sets (the RNNs' for cuDNN's flag; oneDNN's matrix products' for the legacy matmul precision)."""
+    _refuse_on_this_thread("TF32 setting")
+    with _LOCK:
+        with _switched_unlocked(flag_scope, operation, allowed, reads, touched):
+            yield
+
+
+@contextlib.contextmanager
+def _switched_unlocked(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[], bool],
+                       touched: tuple[Any, ...]) -> Iterator[None]:
     saved = [(scope, scope.fp32_precision) for scope in (operation, *touched) if scope is not None]
     legacy = _legacy_matmul() if flag_scope is torch.backends.cuda.matmul else None
     try:
@@ -115,16 +152,20 @@ def cudnn_conv(allowed: bool) -> Iterator[None]:
     Only those two switches: cuDNN's benchmark mode, its limit, determinism and the RNNs' precision are left as
     they are (``torch.backends.cudnn.flags`` would set them too)."""
     cudnn = torch.backends.cudnn
-    enabled = cudnn.enabled
-    cudnn.enabled = True
-    conv = getattr(cudnn, "conv", None)
-    switch = (contextlib.nullcontext() if conv_allowed() == allowed else
-              _switched(cudnn, conv, allowed, conv_allowed, (getattr(cudnn, "rnn", None),) if conv is not None else ()))
-    try:
-        with switch:
-            yield
-    finally:
-        cudnn.enabled = enabled
+    if not cudnn.enabled:
+        _refuse_on_this_thread("cuDNN switch")
+    with _LOCK:
+        enabled = cudnn.enabled
+        cudnn.enabled = True
+        conv = getattr(cudnn, "conv", None)
+        switch = (contextlib.nullcontext() if conv_allowed() == allowed else
+                  _switched(cudnn, conv, allowed, conv_allowed,
+                            (getattr(cudnn, "rnn", None),) if conv is not None else ()))
+        try:
+            with switch:
+                yield
+        finally:
+            cudnn.enabled = enabled
 
 
 def matmul(device: str, allowed: bool) -> contextlib.AbstractContextManager[None]:
