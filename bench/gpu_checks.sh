@@ -4,7 +4,7 @@
 # those paths' tests, shared out among n pytest processes at once: the time is mostly compiling on the host), host (the host-cost table),
 # e2e:<e2e.py arguments joined by +> (end-to-end rows, merged into a copy of bench/results/e2e.json, or of
 # $E2E_NAME.json where E2E_NAME is set; by default e2e.json on an H200 and e2e_h100.json on an H100; several e2e steps add to the same copy), ab:<ab.py arguments joined by +> (likewise: ab.json or ab_h100.json, or $AB_NAME.json), triton (the Triton kernels' tests
-# on the GPU; triton:depthwise, triton:depthwise_band, triton:depthwise_strip, triton:depthwise_rows, triton:grouped or triton:folded one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +>, warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
+# on the GPU; triton:depthwise, triton:depthwise_band, triton:depthwise_strip, triton:depthwise_rows, triton:grouped or triton:folded one family's, for a call's time limit), depthwise:<depthwise.py arguments joined by +> (added to a copy of bench/results/<its --name, default depthwise>.json), warm:<network>:<batch>[:<dtype>] (bench/warm_start.py,
 # written as warm_start_<network>_b<batch>), dynamic:<dynamic_shapes.py arguments joined by +> (new input shapes
 # during training), margins (bench/verification_margins.py on CUDA: every cuDNN execution plan against
 # find's element bound and allocation check), margins:<network>:<batch>[:<dtypes>[:<minutes>]] (the same on a
@@ -112,7 +112,10 @@ for step in "$@"; do
                  python3 bench/layer_host.py --network "$network" --batch "$batch" --dtype "${dtype:-float16}" \
                    $grad --out "$OUT" 2>&1 | quiet | grep -v '^[a-z_0-9.]*: host' | head -40 ;;
     dynamic:*) args=${step#dynamic:}; python3 bench/dynamic_shapes.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -12 ;;
-    depthwise:*) [ -e "$OUT/depthwise.json" ] || cp bench/results/depthwise.json "$OUT/" 2>/dev/null; args=${step#depthwise:}; python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
+    depthwise:*) args=${step#depthwise:}; name=$(sed -n 's/.*+--name+\([^+]*\)+.*/\1/p' <<< "+$args+")
+                 # (the committed results of the file it adds to, as e2e and ab do: rows measured now replace theirs)
+                 name=${name:-depthwise}; [ -e "$OUT/$name.json" ] || cp "bench/results/$name.json" "$OUT/" 2>/dev/null
+                 python3 bench/depthwise.py ${args//+/ } --out "$OUT" 2>&1 | quiet | tail -40 ;;
     compileprofile:*) args=${step#compileprofile:}
                       TORCH_LOGS=output_code python3 bench/compile_profile.py ${args//+/ } --out "$OUT" \
                         2> "$OUT/compile_output_code.txt" | tail -40
