@@ -179,7 +179,7 @@ def test_peak_measure_sees_a_temporary_freed_inside_an_op():
 @pytest.mark.parametrize("dtype, inside", [("float32", True), ("float16", False), ("bfloat16", False)])
 def test_gemms_switch_tf32_for_float32_problems_only(dtype, inside):
     # PyTorch's TF32 switch is process-wide: a half-dtype problem's GEMMs (where TF32 does not apply) leave it.
-    from convtune.algorithms.gemm import tf32_as_allowed
+    from convtune import get_algorithm
 
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(4, 4), kernel_size=1, dtype=dtype, device="cuda",
                     allow_tf32=True)
@@ -187,7 +187,7 @@ def test_gemms_switch_tf32_for_float32_problems_only(dtype, inside):
     saved = matmul.allow_tf32
     try:
         matmul.allow_tf32 = False
-        with tf32_as_allowed(p):
+        with get_algorithm("gemm:1x1").tf32_settings(p).switched(p.device):
             assert matmul.allow_tf32 is inside
         assert matmul.allow_tf32 is False
     finally:

@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import db_file, sqlite_pages, zoo
+from . import files, sqlite_pages, zoo
 from .errors import ConvtuneError, NoAlgorithmError
 from .network import LayerRow, Tuning, plan_layers, planned_rows, run_names, select_layers
 from .plan import BUDGET_MODES
@@ -167,7 +167,7 @@ def _db(args, reads_only: bool = False, means: bool = False):
             raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
                              f"for the default one")
         if path.is_file() and path.stat().st_size:
-            head = db_file.header(path) or b""  # (OSError where it cannot be read: it says why)
+            head = files.header(path) or b""  # (OSError where it cannot be read: it says why)
             if head != sqlite_pages.HEADER:
                 raise UsageError(f"--db {args.db} is not a tuning database (not a SQLite file: it starts with "
                                  f"{head[:8]!r}); give a database file's path, or a new one")

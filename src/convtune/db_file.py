@@ -67,16 +67,6 @@ def may_be_ours(path: str | os.PathLike) -> bool:
     return not start or start.startswith(sqlite_pages.HEADER) or _RESULTS_TABLE in start
 
 
-def header(path: str | os.PathLike) -> bytes | None:
-    """The first 16 bytes of the regular file at ``path`` (a SQLite file's are ``sqlite_pages.HEADER``); None where
-    there is no regular file (a pipe is not opened: that would wait for a writer). ``OSError`` (naming the path)
-    where there is one that cannot be read."""
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        return f.read(16)
-
-
 def identity(path: Path) -> tuple[int, int] | None:
     """(device, inode) of the file at ``path``, None where there is none: a database in use compares it with its
     connection's to notice a file another process replaced."""

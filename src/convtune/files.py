@@ -24,13 +24,19 @@ from .sqlite_pages import HEADER as SQLITE_HEADER  # the first 16 bytes of every
 SQLITE_COMPANIONS = ("-wal", "-shm", "-journal")  # the files SQLite keeps beside a database, by their name's ending
 
 
-def is_database(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a regular file that starts as a SQLite database does (a pipe is not opened: that would
-    wait for a writer); ``OSError`` naming it where it cannot be read."""
+def header(path: str | os.PathLike) -> bytes | None:
+    """The first 16 bytes of the regular file at ``path`` (a SQLite file's are ``SQLITE_HEADER``); None where there
+    is no regular file (a pipe is not opened: that would wait for a writer). ``OSError`` (naming the path) where
+    there is one that cannot be read."""
     if not os.path.isfile(path):
-        return False
+        return None
     with open(path, "rb") as f:
-        return f.read(16) == SQLITE_HEADER
+        return f.read(16)
+
+
+def is_database(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a regular file that starts as a SQLite database does (``header``)."""
+    return header(path) == SQLITE_HEADER
 
 
 def refuse_database(path: str | os.PathLike) -> None:

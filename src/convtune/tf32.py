@@ -109,41 +109,29 @@ def _put_back(scope: Any, precision: str) -> None:
 def _switched(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[], bool],
               touched: tuple[Any, ...] = ()) -> Iterator[None]:
     """TF32 as ``allowed`` inside (``reads`` tells what holds): ``flag_scope.allow_tf32`` where setting it takes
-    effect, else ``operation.fp32_precision``; then as before. ``touched``: other precisions that setting the flag
-    also sets (the RNNs' for cuDNN's flag; oneDNN's matrix products' for the legacy matmul precision)."""
+    effect, else ``operation.fp32_precision`` too; then as before. ``touched``: other precisions that setting the
+    flag also sets (the RNNs' for cuDNN's flag; oneDNN's matrix products' for the legacy matmul precision)."""
     _refuse_on_this_thread("TF32 setting")
     with _LOCK:
-        with _switched_unlocked(flag_scope, operation, allowed, reads, touched):
+        saved = [(scope, scope.fp32_precision) for scope in (operation, *touched) if scope is not None]
+        legacy = _legacy_matmul() if flag_scope is torch.backends.cuda.matmul else None
+        try:
+            flag: bool | None = bool(flag_scope.allow_tf32)
+        except RuntimeError:
+            flag = None  # the interfaces disagree: the flag has no value to put back
+        try:
+            if flag is not None:
+                flag_scope.allow_tf32 = allowed
+            if operation is not None and (flag is None or reads() != allowed):
+                operation.fp32_precision = "tf32" if allowed else "ieee"  # a precision above the flag decides
             yield
-
-
-@contextlib.contextmanager
-def _switched_unlocked(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[], bool],
-                       touched: tuple[Any, ...]) -> Iterator[None]:
-    saved = [(scope, scope.fp32_precision) for scope in (operation, *touched) if scope is not None]
-    legacy = _legacy_matmul() if flag_scope is torch.backends.cuda.matmul else None
-    try:
-        flag: bool | None = bool(flag_scope.allow_tf32)
-    except RuntimeError:
-        flag = None  # the interfaces disagree: the flag has no value to put back
-    try:
-        if flag is not None:
-            flag_scope.allow_tf32 = allowed
-            if reads() == allowed or operation is None:
-                yield
-                return
-            operation.fp32_precision = "tf32" if allowed else "ieee"  # a precision above the flag decides
-            yield
-            return
-        operation.fp32_precision = "tf32" if allowed else "ieee"
-        yield
-    finally:
-        if flag is not None:
-            flag_scope.allow_tf32 = flag  # (setting a flag also sets precisions: put back below)
-        if legacy is not None and _legacy_matmul() != legacy:
-            torch.set_float32_matmul_precision(legacy)  # ('medium' is not a flag's value)
-        for scope, precision in saved:
-            _put_back(scope, precision)
+        finally:
+            if flag is not None:
+                flag_scope.allow_tf32 = flag  # (setting a flag also sets precisions: put back below)
+            if legacy is not None and _legacy_matmul() != legacy:
+                torch.set_float32_matmul_precision(legacy)  # ('medium' is not a flag's value)
+            for scope, precision in saved:
+                _put_back(scope, precision)
 
 
 @contextlib.contextmanager

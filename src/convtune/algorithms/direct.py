@@ -42,7 +42,7 @@ from .. import tf32
 from ..costmodel import Cost, gemm_dims, shape_factor, taps
 from ..problem import ConvProblem
 from .base import Algorithm, Buffer, NumericNotes
-from .gemm import GemmSum, gemm_notes, gemm_tf32, grouped_nsc, is_half, tap_index, tf32_as_allowed
+from .gemm import GemmSum, gemm_notes, gemm_tf32, grouped_nsc, is_half, tap_index
 from .registry import register
 from .taps import TensorIndex, problem_taps
 
@@ -116,7 +116,7 @@ class DirectTaps(Algorithm):
         return gemm_tf32(problem)
 
     def _run(self, problem, a, b, out, ws) -> None:
-        with tf32_as_allowed(problem):
+        with self.tf32_settings(problem).switched(problem.device):
             if problem.direction == "bwd_filter":
                 _filter(problem, a, b, out, ws)
             else:

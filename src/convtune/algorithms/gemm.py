@@ -27,7 +27,6 @@ overlapping taps) the sum is kept in a declared float32 buffer, never in the hal
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import cast
 
@@ -62,7 +61,7 @@ def is_half(problem: ConvProblem) -> bool:
 
 
 def gemm_notes(problem: ConvProblem, sums_in_dtype: bool = False) -> NumericNotes:
-    """Numeric notes of an algorithm made of PyTorch GEMMs (run under ``tf32_as_allowed``).
+    """Numeric notes of an algorithm made of PyTorch GEMMs (run under ``gemm_tf32``'s settings).
 
     ``sums_in_dtype``: the algorithm adds GEMM results together in a float16/bfloat16 tensor.
     """
@@ -83,10 +82,6 @@ def gemm_tf32(problem: ConvProblem) -> tf32.Settings:
     GEMMs are in its dtype, where TF32 does not apply: PyTorch's process-wide switch is left alone."""
     return tf32.Settings(matmul=problem.allow_tf32) if problem.dtype == "float32" else tf32.Settings()
 
-
-def tf32_as_allowed(problem: ConvProblem) -> contextlib.AbstractContextManager[None]:
-    """``gemm_tf32``'s settings while inside."""
-    return gemm_tf32(problem).switched(problem.device)
 
 
 def gemm_sum_buffers(problem: ConvProblem, shape: tuple[int, ...], terms: int) -> list[Buffer]:
@@ -224,7 +219,7 @@ class Gemm1x1(Algorithm):
 
     def _run(self, problem, a, b, out, ws) -> None:
         g = problem.groups
-        with tf32_as_allowed(problem):
+        with self.tf32_settings(problem).switched(problem.device):
             if problem.layout == "channels_last":
                 self._channels_last(problem.direction, a, b, out, g)
             else:
@@ -403,7 +398,7 @@ class Im2col(Algorithm):
         step = self._batch(problem)
         w = None if problem.direction == "bwd_filter" else weight_matrix(b, problem)
         total = GemmSum.in_workspace(weight_matrix(out, problem), ws) if problem.direction == "bwd_filter" else None
-        with tf32_as_allowed(problem):
+        with self.tf32_settings(problem).switched(problem.device):
             for start in range(0, problem.n, step):
                 rows = slice(start, min(start + step, problem.n))
                 cols = ws["cols"][: rows.stop - rows.start]
