@@ -27,7 +27,7 @@ exception escapes.
 Then the tuning database damaged (tests/damage.py, as tests/test_db.py runs it): a file of 30 stored
 finds truncated at 24 offsets, 48 random bit flips, flips that change a stored time and still read as
 valid JSON, 12 runs of garbage. Per damaged copy: clean when opening it, looking every problem up and
-storing a new find raised nothing, every answer was a stored successful row of its problem (or none),
+storing a new find raised nothing, every answer was what the undamaged file served (or none),
 and the new find is served; unclean otherwise; crash when an exception escaped; lost: the lookups that
 found nothing (a lost row is measured again, never a wrong selection); and of the rows on pages the damage
 left as they were, how many were lost (none should be).
@@ -208,8 +208,8 @@ def _database_markdown(payload: dict) -> str:
     rows = [[kind, t["damages"], t["lost"]] for kind, t in db["lost_by_kind"].items()]
     return ("\n\n## The tuning database damaged\n\n`tests/damage.py`'s corruption suite: copies of a file of "
             f"{db['problems']} stored finds, each damaged once, opened, every problem looked up and a new find "
-            "stored (clean: nothing raised, nothing served that was not stored for that problem, the new find "
-            "served).\n\n"
+            "stored (clean: nothing raised, nothing served but what the undamaged file served for that problem, the "
+            "new find served).\n\n"
             f"Totals: {c['tried']} tried, {c['clean']} clean, {c['unclean']} unclean, {c['crashes']} crashes, "
             f"{c['lost']} of {c['tried'] * db['problems']} lookups lost (measured again, never served wrong)"
             + (f"; of the {c['intact_rows']} rows on pages the damage left as they were (summed over the copies), "

@@ -443,9 +443,52 @@ def test_a_row_that_no_longer_validates_is_ignored(db, caplog):
                      (json.dumps({**FIND[0].to_dict(), "time_ms": -1.0}),))
     conn.close()
     with caplog.at_level(logging.WARNING, logger="convtune.db"):
-        assert db.results(p) == FIND[1:2]
-        assert db.lookup(p).algorithm == "cpu:lean"
+        # the rest of that find is not served: the row it lost may be (here: is) the best
+        assert db.results(p) == [] and db.lookup(p) is None
     assert [r.getMessage() for r in caplog.records if "damaged row" in r.getMessage()]
+    assert "only 1 of the 2 its measurement stored can be read" in caplog.text
+    # rows stored before the count was kept are served as they are: what of a find still reads
+    with sqlite3.connect(db.path) as conn:
+        for name, text in (("cpu:fast", json.dumps({**FIND[0].to_dict(), "time_ms": -1.0})),
+                           ("cpu:lean", json.dumps(FIND[1].to_dict()))):
+            fp, sw = conn.execute("SELECT fingerprint, software FROM results WHERE algorithm=?", (name,)).fetchone()
+            conn.execute("UPDATE results SET result=?, checksum=? WHERE algorithm=?",
+                         (text, db_file.row_checksum(fp, sw, p.key, name, text), name))
+    conn.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        assert db.results(p) == FIND[1:2]
+    assert "no longer validates" in caplog.text
+
+
+def test_a_find_that_lost_a_row_is_not_served_whether_stored_or_imported(db, tmp_path, caplog):
+    p = problem()
+    db.store(p, FIND)
+    db.export(tmp_path / "all.jsonl")
+    for how in ("stored", "imported"):
+        if how == "imported":
+            db.clear()
+            assert db.import_(tmp_path / "all.jsonl") == len(FIND)
+        assert db.lookup(p).algorithm == "cpu:fast"
+        with sqlite3.connect(db.path) as conn:  # its best row gone (a damaged page, a row deleted by hand)
+            conn.execute("DELETE FROM results WHERE algorithm='cpu:fast'")
+        conn.close()
+        with caplog.at_level(logging.WARNING, logger="convtune.db"):
+            assert db.results(p) == [] and db.lookup(p) is None  # never cpu:mid served as the best
+        assert f"only {len(FIND) - 1} of the {len(FIND)}" in caplog.text
+    # a count that is no count makes its row one that no longer validates
+    db.store(p, FIND[:2])
+    with sqlite3.connect(db.path) as conn:
+        fp, sw, text = conn.execute("SELECT fingerprint, software, result FROM results WHERE algorithm='cpu:lean'"
+                                    ).fetchone()
+        text = json.dumps({**json.loads(text), db_module.ROWS_OF_FIND: 0})
+        conn.execute("UPDATE results SET result=?, checksum=? WHERE algorithm='cpu:lean'",
+                     (text, db_file.row_checksum(fp, sw, p.key, "cpu:lean", text)))
+    conn.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="convtune.db"):
+        assert db.results(p) == []
+    assert "rows_of_find=0 is not a count of rows" in caplog.text
 
 
 @pytest.mark.parametrize("column, value", [("result", None), ("problem", "other")])
@@ -701,7 +744,7 @@ def test_export_lines_of_the_previous_schema_still_import(tmp_path):
         assert db.import_(path) == 1
 
 
-def test_a_row_that_is_not_utf8_is_ignored_and_the_rest_still_served(tmp_path):
+def test_a_row_that_is_not_utf8_is_ignored_and_its_find_measured_again(tmp_path):
     path = tmp_path / "t.sqlite"
     with TuningDB(path) as db:
         db.store(problem(), [PerfResult("fast", "ok", time_ms=1.0), PerfResult("slow", "ok", time_ms=2.0)])
@@ -710,8 +753,8 @@ def test_a_row_that_is_not_utf8_is_ignored_and_the_rest_still_served(tmp_path):
     conn.commit()
     conn.close()
     with TuningDB(path) as db:
-        assert db.lookup(problem()).algorithm == "slow"  # the damaged row is ignored, with a warning
-        assert len(db.entries()) == 1 and db.export(tmp_path / "out.jsonl") == 1
+        assert db.lookup(problem()) is None  # the damaged row ignored, with a warning, and so the rest of its find
+        assert len(db.entries()) == 1 and db.export(tmp_path / "out.jsonl") == 1  # (each row that reads is exported)
 
 
 def test_the_rows_of_a_file_that_still_reads_are_salvaged_into_a_fresh_one(tmp_path, caplog):
@@ -750,22 +793,22 @@ def test_a_damaged_file_never_crashes_never_serves_what_was_not_stored_and_stays
     # Truncations at 24 offsets, 48 random bit flips, 12 flips that change a stored time and still read
     # as valid JSON, and 12 runs of garbage, each over a closed database of 30 finds:
     # opening it, looking every problem up and storing again must raise nothing, and every answer
-    # must be a stored successful row of that problem (or none: a lost row is a new measurement,
-    # never a wrong selection). The counts are in the reliability report of the closing note.
+    # must be what the undamaged file served (or none: a lost row is a new measurement, never a wrong
+    # selection: the rest of a find that lost its best row would serve the next best as the best).
     counts, lost, faults = corruption_suite(tmp_path)
     assert not faults, faults[:3]
     assert counts["tried"] == counts["clean"] == 96 and counts["crashes"] == 0
     # Salvage reads every row it can still reach (through the table's indexes, the table scanned and sought
     # past its damage, and every leaf page read straight): no row on a page the damage left as it was is ever
-    # lost, a bit flip loses no problem (its row fails its checksum, and the problem is served by its other
-    # rows), a cut through the file's last pages loses only the rows there (at 23/24 of the file, at most the
-    # one or two problems whose rows all lay on the last page; where that page falls depends on the rows'
-    # length, which names the installed software), the losses fall as the cut moves later, and garbage loses
-    # at most the few problems whose rows were on the page it hit.
+    # lost, a bit flip loses at most the one problem whose row it hit (its row fails its checksum, and the rest
+    # of that find is not served), a cut through the file's last pages loses only the problems with rows there
+    # (at 23/24 of the file, at most the two or three problems whose rows lay on the last page; where that page
+    # falls depends on the rows' length, which names the installed software), the losses fall as the cut moves
+    # later, and garbage loses at most the few problems whose rows were on the page it hit.
     assert counts["intact_lost"] == 0 and counts["intact_rows"] > 0
-    assert all(n == 0 for (kind, _), n in lost.items() if kind == "flip")
+    assert all(n <= 1 for (kind, _), n in lost.items() if kind == "flip")
     cuts = [n for (kind, _), n in lost.items() if kind == "truncate"]
-    assert cuts[-1] <= 2 and cuts == sorted(cuts, reverse=True) and cuts[-8] < 30
+    assert cuts[-1] <= 3 and cuts == sorted(cuts, reverse=True) and cuts[-8] < 30
     assert all(n <= 3 for (kind, at), n in lost.items() if kind == "garbage")
 
 
@@ -968,7 +1011,7 @@ def test_an_index_that_lost_its_entries_is_found_and_nothing_is_lost(tmp_path):
         assert conn.execute("PRAGMA quick_check").fetchall() == [("ok",)]  # what a lighter check would miss
     with TuningDB(path) as tdb:
         served = {key: tdb.lookup(ConvProblem.from_key(key)) for key in allowed}
-    assert all(r is not None and (r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) in allowed[key]
+    assert all(r is not None and (r.algorithm, r.time_ms, r.workspace_bytes, r.rel_error) == allowed[key]
                for key, r in served.items())
 
 

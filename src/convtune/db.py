@@ -96,7 +96,7 @@ class TuningDB:
         self._warned: set[str] = set()
         # Each row decoded once: a row is immutable (its checksum binds all it says), and a warm start reads
         # a problem's rows more than once (selecting, then judging the host-cost rule).
-        self._decoded: dict[tuple[str, ...], PerfResult | None] = {}
+        self._decoded: dict[tuple[str, ...], tuple[PerfResult, int | None] | None] = {}
         if self.path.exists() and not self.path.is_file():
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
@@ -128,7 +128,7 @@ class TuningDB:
         validate (e.g. a NaN time), and ValueError when the problem's device is not present here.
         """
         check_type(problem, ConvProblem, "TuningDB.store()'s problem")
-        rows = [_encode(r) for r in results]
+        rows = _encoded(list(results))
         here = _here(problem.device)
         if here is None:
             raise ValueError(f"cannot store results of {problem.key}: no {problem.device} device on this machine")
@@ -156,8 +156,17 @@ class TuningDB:
                             "ignoring %d stored result(s) of %s measured on another machine or software "
                             "(see `convtune cache ls`); tune again to refresh them", len(rows) - len(mine), problem.key)
         key = problem.key
-        decoded = (self._decode(text, key, (fp, sw, name, checksum)) for fp, sw, name, text, checksum in mine)
-        return [r for r in decoded if r is not None]
+        decoded = [self._decoded_row(text, key, (fp, sw, name, checksum)) for fp, sw, name, text, checksum in mine]
+        read = [r for r, _ in (row for row in decoded if row is not None)]
+        stored = max((n for _, n in (row for row in decoded if row is not None) if n is not None), default=0)
+        if len(read) < stored:
+            # One find's results are a whole: a lost row may be its best, and the rest would pick the next best as if
+            # it were. (Rows from before the count was stored have none: served as they are.)
+            self._warn_once(f"partial:{key}:{len(read)}:{stored}", "ignoring the stored results of %s: only %d of "
+                            "the %d its measurement stored can be read (a damaged database); it is measured again "
+                            "when next tuned", key, len(read), stored)
+            return []
+        return read
 
     def result(self, problem: ConvProblem, algorithm: str) -> PerfResult | None:
         """The stored result of ``algorithm`` on ``problem`` measured on this machine and software, or None
@@ -247,16 +256,16 @@ class TuningDB:
                     parsed.append(export_lines.parse(raw))
                 except ValueError as exc:
                     raise ValueError(f"{path}:{number}: {exc}; nothing was imported") from None
-        groups = {(fp, sw, p.key) for fp, sw, p, _, _ in parsed}
+        groups: dict[tuple[str, str, str], list[tuple[ConvProblem, float, PerfResult]]] = {}
+        for fp, sw, p, at, r in parsed:  # (a problem's results on one machine and software: one find's, stored whole)
+            groups.setdefault((fp, sw, p.key), []).append((p, at, r))
+        rows = [(fp, sw, key, r.algorithm, p.device, at, text, db_file.row_checksum(fp, sw, key, r.algorithm, text))
+                for (fp, sw, key), found in groups.items()
+                for (p, at, r), (_, text) in zip(found, _encoded([r for _, _, r in found]))]
 
         def replace(conn: sqlite3.Connection) -> None:
-            conn.executemany("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", groups)
-            conn.executemany(
-                "INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [(fp, sw, p.key, r.algorithm, p.device, at, text,
-                  db_file.row_checksum(fp, sw, p.key, r.algorithm, text))
-                 for fp, sw, p, at, r in parsed for text in (json.dumps(r.to_dict()),)],
-            )
+            conn.executemany("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", list(groups))
+            conn.executemany("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
         self._write(replace, asked=f"import {path}")
         log.info("imported %d result(s) of %d problem(s) from %s", len(parsed), len(groups), path)
@@ -367,6 +376,11 @@ class TuningDB:
         row: (fingerprint, software, algorithm, checksum) of the row, which the checksum binds together
         with the problem key and the text: a bit flipped anywhere in them is a damaged row, never served.
         """
+        decoded = self._decoded_row(text, key, row)
+        return None if decoded is None else decoded[0]
+
+    def _decoded_row(self, text: str, key: str, row: tuple[str, str, str, str]) -> tuple[PerfResult, int | None] | None:
+        """``_decode``'s result with the number of rows its find stored (None in rows stored before it was kept)."""
         memo = (key, *row, text)
         if memo not in self._decoded:
             if len(self._decoded) >= DECODED_ROWS:  # a long-lived process: start again rather than grow
@@ -374,17 +388,21 @@ class TuningDB:
             self._decoded[memo] = self._decode_row(text, key, row)
         return self._decoded[memo]
 
-    def _decode_row(self, text: str, key: str, row: tuple[str, str, str, str]) -> PerfResult | None:
+    def _decode_row(self, text: str, key: str, row: tuple[str, str, str, str]) -> tuple[PerfResult, int | None] | None:
         fp, sw, name, checksum = row
         if checksum != db_file.row_checksum(fp, sw, key, name, text):
             self._warn_once(f"checksum:{key}:{name}:{checksum}", "ignoring a stored result of %s by %s whose "
                             "checksum does not match (a damaged row); tune it again", key, name)
             return None
         try:
-            result = PerfResult.from_dict(json.loads(text))
+            data = json.loads(text)
+            stored = data.pop(ROWS_OF_FIND, None) if isinstance(data, dict) else None
+            if stored is not None and (isinstance(stored, bool) or not isinstance(stored, int) or stored < 1):
+                raise ValueError(f"its {ROWS_OF_FIND}={stored!r} is not a count of rows")
+            result = PerfResult.from_dict(data)
             if result.algorithm != name:
                 raise ValueError(f"it names {result.algorithm}, its row {name}")
-            return result
+            return result, stored
         except ValueError as exc:  # json.JSONDecodeError is a ValueError too
             self._warn_once(f"row:{key}:{text}", "ignoring a stored result of %s that no longer validates: %s",
                             key, exc)
@@ -567,6 +585,8 @@ def _temporary() -> TuningDB | None:
     return _fallback
 
 
+# In a result row's text beside the result's fields: how many rows the find that stored it stored.
+ROWS_OF_FIND = "rows_of_find"
 DECODED_ROWS = 100_000  # rows a TuningDB keeps decoded (a few hundred bytes each)
 
 
@@ -578,12 +598,17 @@ def _executable_checksum(fingerprint: str, software: str, problem: str, algorith
                                 recipe + "\0" + hashlib.blake2b(serialized).hexdigest())
 
 
-def _encode(result: PerfResult) -> tuple[str, str]:
-    if not isinstance(result, PerfResult):
-        raise TypeError(f"TuningDB.store needs PerfResults, got {type(result).__name__}: {result!r}")
-    data = result.to_dict()
-    PerfResult.from_dict(data)  # refuse now what could not be read back
-    return result.algorithm, json.dumps(data)
+def _encoded(results: list[PerfResult]) -> list[tuple[str, str]]:
+    """(algorithm, text) of each of one find's ``results``: its result's fields and how many rows the find stores
+    (``ROWS_OF_FIND``), so that a set that lost rows in a damaged file is known as such."""
+    rows = []
+    for result in results:
+        if not isinstance(result, PerfResult):
+            raise TypeError(f"TuningDB.store needs PerfResults, got {type(result).__name__}: {result!r}")
+        data = result.to_dict()
+        PerfResult.from_dict(data)  # refuse now what could not be read back
+        rows.append((result.algorithm, json.dumps({**data, ROWS_OF_FIND: len(results)})))
+    return rows
 
 
 def _resolved(path: Path) -> Path:
