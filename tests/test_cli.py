@@ -58,8 +58,18 @@ def test_a_command_that_only_reads_refuses_a_missing_database_and_none_takes_ove
     script.write_text("print(1)\n")
     for command in (["cache", "ls"], ["find", *SMALL]):
         code, _, err = run(capsys, *command, "--db", str(script))
-        assert code == 2 and "is not a tuning database (not a SQLite file: it starts with b'print(1)')" in err
+        assert code == 2 and f"--db {script}: TuningDB path {script} is not a tuning database (not a SQLite" in err
     assert script.read_text() == "print(1)\n" and sorted(p.name for p in tmp_path.iterdir()) == ["mine.py"]
+    # a tuning database whose header was damaged is the library's case too: moved aside, what still reads salvaged
+    from convtune import ConvProblem, PerfResult, TuningDB
+
+    damaged = tmp_path / "damaged.sqlite"
+    with TuningDB(damaged) as db:
+        db.store(ConvProblem("fwd", n=1, c=2, k=2, input_size=(5, 5), kernel_size=3),
+                 [PerfResult("x", "ok", time_ms=1.0)])
+    damaged.write_bytes(b"\0" * 100 + damaged.read_bytes()[100:])
+    code, out, _ = run(capsys, "cache", "ls", "--db", str(damaged), "--json")
+    assert code == 0 and len(json.loads(out)) == 1
 
 
 def test_find_measures_checks_and_stores(capsys, tmp_path):

@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import files, sqlite_pages, zoo
+from . import zoo
 from .errors import ConvtuneError, NoAlgorithmError
 from .network import LayerRow, Tuning, plan_layers, planned_rows, run_names, select_layers
 from .plan import BUDGET_MODES
@@ -148,8 +148,8 @@ def _check_device(device: str) -> None:
 
 def _db(args, reads_only: bool = False, means: bool = False):
     """The database of ``--db`` (default: the cache folder's). A command that only reads it refuses a path where
-    no file is (rather than make one, and its folder); any command refuses a file that is not a SQLite database
-    (rather than move it aside as a damaged database, as the library does). A command for which the default database
+    no file is (rather than make one, and its folder); a file that is not a tuning database is refused as
+    ``TuningDB`` refuses it (a damaged one is salvaged, as the library does). A command for which the default database
     is only a means (``means``: get, find, tune, report) goes on with a temporary one, with the library's warning,
     where it cannot be opened (a read-only cache folder without one, say)."""
     from .db import TuningDB, opened
@@ -162,16 +162,13 @@ def _db(args, reads_only: bool = False, means: bool = False):
         return db
 
     path = None if args.db is None else Path(args.db).expanduser()
-    if path is not None:
-        if reads_only and not path.exists():
-            raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
-                             f"for the default one")
-        if path.is_file() and path.stat().st_size:
-            head = files.header(path) or b""  # (OSError where it cannot be read: it says why)
-            if head != sqlite_pages.HEADER:
-                raise UsageError(f"--db {args.db} is not a tuning database (not a SQLite file: it starts with "
-                                 f"{head[:8]!r}); give a database file's path, or a new one")
-    return TuningDB(path)
+    if path is not None and reads_only and not path.exists():
+        raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
+                         f"for the default one")
+    try:
+        return TuningDB(path)
+    except ValueError as exc:
+        raise UsageError(f"--db {args.db}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
