@@ -72,6 +72,13 @@ def test_a_command_that_only_reads_refuses_a_missing_database_and_none_takes_ove
     assert code == 0 and len(json.loads(out)) == 1
 
 
+def test_a_default_database_that_cannot_be_opened_is_named_by_its_own_path(capsys, tmp_path):
+    (tmp_path / "afile").write_text("")
+    with settings.override(cache_dir=str(tmp_path / "afile" / "sub")):  # a folder below a file
+        code, _, err = run(capsys, "cache", "ls")
+    assert code == 2 and "--db" not in err and str(tmp_path / "afile") in err
+
+
 def test_find_measures_checks_and_stores(capsys, tmp_path):
     db = str(tmp_path / "t.sqlite")
     code, out, _ = run(capsys, "find", *SMALL, "--db", db, "--json")

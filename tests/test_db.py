@@ -476,6 +476,19 @@ def test_a_find_that_lost_a_row_is_not_served_whether_stored_or_imported(db, tmp
         with caplog.at_level(logging.WARNING, logger="convtune.db"):
             assert db.results(p) == [] and db.lookup(p) is None  # never cpu:mid served as the best
         assert f"only {len(FIND) - 1} of the {len(FIND)}" in caplog.text
+        [entry] = db.entries()  # listed with the rows that read, and nothing it would serve
+        assert entry.num_results == len(FIND) - 1 and entry.best_algorithm is None
+    # nor exported: imported, the rest would be taken for a whole find
+    assert db.export(tmp_path / "partial.jsonl") == 0
+    # an algorithm given twice is one row (the last result), and the find whole: in a store, and in an import of an
+    # export file with each line twice (two exports joined)
+    db.store(p, [*FIND, dataclasses.replace(FIND[0], time_ms=0.5)])
+    assert db.lookup(p).time_ms == 0.5 and len(db.results(p)) == len(FIND)
+    assert db.export(tmp_path / "once.jsonl") == len(FIND)
+    (tmp_path / "twice.jsonl").write_text((tmp_path / "once.jsonl").read_text() * 2)
+    db.clear()
+    db.import_(tmp_path / "twice.jsonl")
+    assert db.lookup(p).time_ms == 0.5 and len(db.results(p)) == len(FIND)
     # a count that is no count makes its row one that no longer validates
     db.store(p, FIND[:2])
     with sqlite3.connect(db.path) as conn:
@@ -754,7 +767,7 @@ def test_a_row_that_is_not_utf8_is_ignored_and_its_find_measured_again(tmp_path)
     conn.close()
     with TuningDB(path) as db:
         assert db.lookup(problem()) is None  # the damaged row ignored, with a warning, and so the rest of its find
-        assert len(db.entries()) == 1 and db.export(tmp_path / "out.jsonl") == 1  # (each row that reads is exported)
+        assert len(db.entries()) == 1 and db.export(tmp_path / "out.jsonl") == 0  # (nor exported: not whole)
 
 
 def test_the_rows_of_a_file_that_still_reads_are_salvaged_into_a_fresh_one(tmp_path, caplog):

@@ -168,7 +168,7 @@ def _db(args, reads_only: bool = False, means: bool = False):
     try:
         return TuningDB(path)
     except ValueError as exc:
-        raise UsageError(f"--db {args.db}: {exc}") from None
+        raise UsageError(str(exc) if args.db is None else f"--db {args.db}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

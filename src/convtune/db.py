@@ -156,17 +156,8 @@ class TuningDB:
                             "ignoring %d stored result(s) of %s measured on another machine or software "
                             "(see `convtune cache ls`); tune again to refresh them", len(rows) - len(mine), problem.key)
         key = problem.key
-        decoded = [self._decoded_row(text, key, (fp, sw, name, checksum)) for fp, sw, name, text, checksum in mine]
-        read = [r for r, _ in (row for row in decoded if row is not None)]
-        stored = max((n for _, n in (row for row in decoded if row is not None) if n is not None), default=0)
-        if len(read) < stored:
-            # One find's results are a whole: a lost row may be its best, and the rest would pick the next best as if
-            # it were. (Rows from before the count was stored have none: served as they are.)
-            self._warn_once(f"partial:{key}:{len(read)}:{stored}", "ignoring the stored results of %s: only %d of "
-                            "the %d its measurement stored can be read (a damaged database); it is measured again "
-                            "when next tuned", key, len(read), stored)
-            return []
-        return read
+        return self._whole(key, [self._decoded_row(text, key, (fp, sw, name, checksum))
+                                 for fp, sw, name, text, checksum in mine]) or []
 
     def result(self, problem: ConvProblem, algorithm: str) -> PerfResult | None:
         """The stored result of ``algorithm`` on ``problem`` measured on this machine and software, or None
@@ -215,12 +206,12 @@ class TuningDB:
         here = {device: _here(device) for device in {row[3] for row in rows}}
         entries = []
         for (key, fp, sw), items in groups.items():
-            decoded = (self._decode(text, key, (fp, sw, name, checksum)) for _, _, text, name, checksum in items)
-            results = [r for r in decoded if r is not None]
+            decoded = [self._decoded_row(text, key, (fp, sw, name, checksum)) for _, _, text, name, checksum in items]
+            results = self._whole(key, decoded)  # None: a find that lost rows, which nothing serves
             problem = self._problem(key)
-            first = best(results, Policy(), problem.dtype if problem is not None else None)
+            first = best(results or [], Policy(), problem.dtype if problem is not None else None)
             entries.append(Entry(
-                problem=key, fingerprint=fp, software=sw, num_results=len(results),
+                problem=key, fingerprint=fp, software=sw, num_results=sum(row is not None for row in decoded),
                 best_algorithm=first.algorithm if first else None, best_ms=first.time_ms if first else None,
                 stored_at=max(item[1] for item in items), usable=here[items[0][0]] == (fp, sw),
             ))
@@ -233,11 +224,16 @@ class TuningDB:
         refuse_database(path)
         rows = self._read("SELECT fingerprint, software, problem, stored_at, result, algorithm, checksum FROM results "
                           "ORDER BY fingerprint, software, problem, rowid")
-        lines = []
+        groups: dict[tuple[str, str, str], list[tuple[float, Any]]] = {}
         for fp, sw, key, stored_at, text, name, checksum in rows:
-            result = self._decode(text, key, (fp, sw, name, checksum))
-            if result is not None:
-                lines.append(export_lines.line(db_file.SCHEMA_VERSION, fp, sw, key, stored_at, result))
+            groups.setdefault((fp, sw, key), []).append((stored_at, self._decoded_row(text, key, (fp, sw, name,
+                                                                                                     checksum))))
+        lines = []
+        for (fp, sw, key), found in groups.items():
+            # (a find that lost rows is left out: imported, its rest would be taken for a whole find)
+            if self._whole(key, [row for _, row in found]) is not None:
+                lines += [export_lines.line(db_file.SCHEMA_VERSION, fp, sw, key, stored_at, row[0])
+                          for stored_at, row in found if row is not None]
         export_lines.write(path, lines)
         return len(lines)
 
@@ -256,12 +252,16 @@ class TuningDB:
                     parsed.append(export_lines.parse(raw))
                 except ValueError as exc:
                     raise ValueError(f"{path}:{number}: {exc}; nothing was imported") from None
-        groups: dict[tuple[str, str, str], list[tuple[ConvProblem, float, PerfResult]]] = {}
-        for fp, sw, p, at, r in parsed:  # (a problem's results on one machine and software: one find's, stored whole)
-            groups.setdefault((fp, sw, p.key), []).append((p, at, r))
-        rows = [(fp, sw, key, r.algorithm, p.device, at, text, db_file.row_checksum(fp, sw, key, r.algorithm, text))
+        # a problem's results on one machine and software: one find's, stored whole (an algorithm's last line wins,
+        # as the table's key keeps one row an algorithm)
+        groups: dict[tuple[str, str, str], dict[str, tuple[ConvProblem, float, PerfResult]]] = {}
+        for fp, sw, p, at, r in parsed:
+            group = groups.setdefault((fp, sw, p.key), {})
+            group.pop(r.algorithm, None)
+            group[r.algorithm] = (p, at, r)
+        rows = [(fp, sw, key, name, p.device, at, text, db_file.row_checksum(fp, sw, key, name, text))
                 for (fp, sw, key), found in groups.items()
-                for (p, at, r), (_, text) in zip(found, _encoded([r for _, _, r in found]))]
+                for (p, at, _), (name, text) in zip(found.values(), _encoded([r for _, _, r in found.values()]))]
 
         def replace(conn: sqlite3.Connection) -> None:
             conn.executemany("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", list(groups))
@@ -370,6 +370,19 @@ class TuningDB:
         return f"TuningDB({str(self.path)!r})"
 
     # -- rows --------------------------------------------------------------------------------
+    def _whole(self, key: str, decoded: list[tuple[PerfResult, int | None] | None]) -> list[PerfResult] | None:
+        """The results of one find of ``key`` (its rows ``_decoded_row``), or None (warned once) where fewer can be
+        read than it stored: a lost row may be its best, and the rest would pick the next best as if it were. Rows
+        stored before the count was kept have none: taken as they are."""
+        read = [row for row in decoded if row is not None]
+        stored = max((n for _, n in read if n is not None), default=0)
+        if len(read) < stored:
+            self._warn_once(f"partial:{key}:{len(read)}:{stored}", "ignoring the stored results of %s: only %d of "
+                            "the %d its measurement stored can be read (a damaged database); it is measured again "
+                            "when next tuned", key, len(read), stored)
+            return None
+        return [result for result, _ in read]
+
     def _decode(self, text: str, key: str, row: tuple[str, str, str, str]) -> PerfResult | None:
         """The result a row holds, or None (warned once) when it fails its checksum or no longer validates.
 
@@ -601,14 +614,15 @@ def _executable_checksum(fingerprint: str, software: str, problem: str, algorith
 def _encoded(results: list[PerfResult]) -> list[tuple[str, str]]:
     """(algorithm, text) of each of one find's ``results``: its result's fields and how many rows the find stores
     (``ROWS_OF_FIND``), so that a set that lost rows in a damaged file is known as such."""
-    rows = []
+    encoded: dict[str, dict[str, Any]] = {}  # one row an algorithm: the last result given for it, as the table keeps
     for result in results:
         if not isinstance(result, PerfResult):
             raise TypeError(f"TuningDB.store needs PerfResults, got {type(result).__name__}: {result!r}")
         data = result.to_dict()
         PerfResult.from_dict(data)  # refuse now what could not be read back
-        rows.append((result.algorithm, json.dumps({**data, ROWS_OF_FIND: len(results)})))
-    return rows
+        encoded.pop(result.algorithm, None)
+        encoded[result.algorithm] = data
+    return [(name, json.dumps({**data, ROWS_OF_FIND: len(encoded)})) for name, data in encoded.items()]
 
 
 def _resolved(path: Path) -> Path:
