@@ -69,7 +69,7 @@ def cudnn_dirs() -> tuple[Path, Path] | None:
                for include in (Path(cuda_home) / "include", *Path(cuda_home).glob("targets/*/include"))):
         return None
     roots = []
-    home = os.environ.get("CONVTUNE_CUDNN_HOME")
+    home = settings.cudnn_home
     if home:
         roots.append(Path(home))
     spec = importlib.util.find_spec("nvidia.cudnn") if importlib.util.find_spec("nvidia") else None

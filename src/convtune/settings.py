@@ -176,6 +176,9 @@ _SETTINGS = (
     _Setting("triton", _bool, True, "convtune's Triton kernels join the portfolio"),
     # where the C++ extension is built and cached (one folder per sources and software versions)
     _Setting("extension_dir", _folder, _extension_dir_default, "folder of the C++ extension's builds"),
+    # a folder with cuDNN's include/cudnn.h and lib/libcudnn.so*, looked in first by the C++ build ('': where
+    # PyTorch's nvidia-cudnn wheel put them, then /usr/local/cuda and /usr)
+    _Setting("cudnn_home", str, "", "folder of cuDNN's headers and library for the C++ build"),
     # show a progress bar in the command line
     _Setting("progress", _bool, True, "progress bars in the CLI"),
 )
