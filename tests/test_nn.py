@@ -287,6 +287,39 @@ def test_optimize_for_training_then_a_backward_pass(db):
     model.load_state_dict(twin.state_dict())  # and back: the keys are torch's
 
 
+class _Counting(torch.nn.Module):
+    """A model whose forward assigns a buffer anew (a step counter), beside a spectrally normalized conv (a weight
+    that reading computes: in training each read runs a power iteration, updating the parametrization's state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.normed = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Conv2d(3, 4, 3))
+        self.conv = torch.nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.steps = self.steps + 1
+        return self.conv(self.normed(x))
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_the_example_run_changes_no_state_of_the_model(db, warm):
+    # the dry run alone (warm database) and the dry run then the real one (cold): neither may leave a trace
+    torch.manual_seed(0)
+    model, x = _Counting(), torch.randn(2, 3, 8, 8)
+    if warm:
+        convtune.optimize(copy.deepcopy(model), x, training=True, db=db)
+    steps = model.steps
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    convtune.optimize(model, x, training=True, db=db)
+    assert model.steps is steps and int(model.steps) == 0  # the same buffer, as it was
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+
+
 def _counting_torch_convs(monkeypatch) -> list[torch.nn.Module]:
     """The conv layers whose torch convolution runs, one entry per call."""
     calls: list[torch.nn.Module] = []

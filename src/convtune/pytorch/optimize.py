@@ -82,8 +82,11 @@ def _call(model: torch.nn.Module, example_inputs: Any) -> None:
 
 @contextlib.contextmanager
 def _leave_no_trace(model: torch.nn.Module, example_inputs: Any) -> Iterator[None]:
-    """Restore the model's buffers and the random generators after the example run."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    """Restore the model's buffers and the random generators after the example run: each buffer the same tensor
+    (one the forward assigned anew, a counter's ``self.steps = self.steps + 1``, say, is put back) holding the values
+    it held."""
+    buffers = [(module, name, b, b.detach().clone()) for module in model.modules()
+               for name, b in module.named_buffers(recurse=False)]
     tensors = example_inputs.values() if isinstance(example_inputs, dict) else (
         example_inputs if isinstance(example_inputs, (tuple, list)) else [example_inputs])
     cuda = sorted({t.device.index for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
@@ -92,7 +95,9 @@ def _leave_no_trace(model: torch.nn.Module, example_inputs: Any) -> Iterator[Non
             yield
     finally:
         with torch.no_grad():
-            for b, saved in buffers:
+            for module, name, b, saved in buffers:
+                if getattr(module, name, None) is not b:
+                    setattr(module, name, b)  # (a registered buffer's name: it stays one, persistent or not)
                 b.copy_(saved)
 
 
@@ -162,6 +167,8 @@ def _answered(seen: dict[str, tuple[torch.nn.Module, dict]], tuning: Tuning) -> 
     if tuning.mode == "find":  # measures every time: nothing is answered
         return False
     for module, calls in seen.values():
+        if not _tunable(module):
+            continue  # left alone (and its weight not read: a parametrized one computes it, changing its state)
         for sig, (need_dx, need_dw) in calls.items():
             try:
                 problem = describe(module, sig)
@@ -200,7 +207,7 @@ def _observe_run(model: torch.nn.Module, example_inputs: Any, training: bool,
                 # Already converted (optimize called again): observe on torch's path, tune nothing yet.
                 base = next(c for c in type(module).__mro__ if c in TUNED)
                 forward, changed = functools.partial(base.forward, module), True
-            if dry and (isinstance(module, TunedConv) or type(module) in TUNED):
+            if dry and _tunable(module):
                 # (a subclass of a conv module, whose forward may differ, runs its own: it is not tuned)
                 forward, changed = functools.partial(_dry_forward, module, forward, training), True
             if changed:
@@ -222,6 +229,12 @@ def _observe_run(model: torch.nn.Module, example_inputs: Any, training: bool,
 
 
 _NONE = object()  # a module without a forward of its own (an instance attribute)
+
+
+def _tunable(module: torch.nn.Module) -> bool:
+    """Whether ``optimize`` tunes ``module``: a conv module of torch's own (or one it converted already); a subclass,
+    whose forward may differ (a parametrized one, say), is left alone."""
+    return isinstance(module, TunedConv) or type(module) in TUNED
 
 
 def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None = None, training: bool = False,
@@ -268,11 +281,11 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
         tuning.mode = "hybrid"  # in the background, from the end of this call
     seen = _observe(model, example_inputs, training, tuning)
     for name, module in model.named_modules():
-        if isinstance(module, _CONV_TYPES) and not isinstance(module, TunedConv) and type(module) not in TUNED:
+        if isinstance(module, _CONV_TYPES) and not _tunable(module):
             log.warning("%s is a %s, a subclass of a torch conv module whose forward may differ: left on "
                         "torch's path", name or "the model", type(module).__name__)
     jobs = [(name, module, sig, needs) for name, (module, calls) in seen.items()
-            if isinstance(module, TunedConv) or type(module) in TUNED for sig, needs in calls.items()]
+            if _tunable(module) for sig, needs in calls.items()]
     if not jobs:
         transposes = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
         transposed = [name or "the model" for name, module in model.named_modules() if isinstance(module, transposes)]
