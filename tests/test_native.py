@@ -1262,6 +1262,41 @@ def test_a_forward_mode_tangent_takes_pytorchs_call_or_raises_never_lost(native,
                                               *module._convtune_geometry, module._convtune_layer, False, False)
 
 
+def test_torch_func_transforms_and_fx_tracing_take_pytorchs_convolution(native, monkeypatch, tmp_path):
+    # grad, vmap (per-sample gradients) and vjp on a layer that runs its own executables in every direction: the
+    # transforms' wrapped tensors run PyTorch's convolution, which they know; symbolic tracing records it
+    from convtune.pytorch.tuning import LayerSelection
+
+    x = torch.randn(2, 6, 5, 5)
+    module = _tied_for_training(monkeypatch, tmp_path, x, -8.0)
+    sig, selection = next(iter(module.selections.items()))
+    module._convtune_select(sig, LayerSelection(selection.problem, "gemm:1x1", "gemm:1x1", "gemm:1x1"))
+    module(x)  # the hot path from the next call on
+    params = {name: p.detach() for name, p in module.named_parameters()}
+
+    def loss(params, inp):
+        return torch.func.functional_call(module, params, (inp,)).square().sum()
+
+    def torch_loss(params, inp):
+        return F.conv2d(inp, params["weight"], params.get("bias")).square().sum()
+
+    for transform in (lambda f: torch.func.grad(f), lambda f: torch.func.grad(f, argnums=(0, 1))):
+        got, expected = transform(loss)(params, x), transform(torch_loss)(params, x)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x.unsqueeze(1))
+    expected = torch.func.vmap(torch.func.grad(torch_loss), in_dims=(None, 0))(params, x.unsqueeze(1))
+    torch.testing.assert_close(per_sample, expected, atol=1e-4, rtol=1e-4)
+    _, pull = torch.func.vjp(module, x)
+    torch.testing.assert_close(pull(torch.ones(2, module.out_channels, 5, 5))[0],
+                               torch.func.vjp(lambda inp: F.conv2d(inp, module.weight, module.bias), x)[1](
+                                   torch.ones(2, module.out_channels, 5, 5))[0], atol=1e-4, rtol=1e-4)
+    assert module(x).requires_grad and module._convtune_fast  # the layer runs on afterwards as before
+
+    traced = torch.fx.symbolic_trace(torch.nn.Sequential(module, torch.nn.ReLU()))
+    torch.testing.assert_close(traced(x), torch.relu(F.conv2d(x, module.weight, module.bias)), atol=1e-5, rtol=1e-4)
+    assert any(node.target is F.conv2d or node.target is torch.conv2d for node in traced.graph.nodes), traced.graph
+
+
 def test_ties_move_direction_by_direction_to_the_cheapest_member_the_policy_allows(native, monkeypatch, tmp_path):
     from convtune.algorithms.base import Algorithm
     from convtune.algorithms.native import native_conv

@@ -101,6 +101,7 @@ at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optio
                       bool dx_tuned, bool dw_tuned, int64_t inference) {
   const ExecutablePtr e = find_executable(fwd);
   const Geometry& g = e->geometry;
+  if (under_transform()) return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);  // torch.func
   e->check_input(x);
   TORCH_CHECK_VALUE(w.sizes() == at::IntArrayRef(g.b.shape), g.label, ": weight of shape ", text(w.sizes()),
                     " is not the tuned problem's (", text(g.b.shape), ")");
@@ -114,19 +115,13 @@ at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optio
   TORCH_CHECK_VALUE(dx_tuned || !(grad && x.requires_grad()), g.label, ": the input's gradient was not chosen for");
   TORCH_CHECK_VALUE(dw_tuned || !(grad && w.requires_grad()), g.label, ": the weight's gradient was not chosen for");
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
-  // (a forward-mode tangent, or a torch.func transform, needs PyTorch's convolution: the op has no such derivative)
-  const bool transformed =
-      c10::impl::tls_local_dispatch_key_set().included_.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
-  if (inference != 0 && !(grad && (x.requires_grad() || w.requires_grad() || bias_grad)) && !transformed &&
-      !has_tangent(x, w, bias)) {
+  // (a forward-mode tangent needs PyTorch's convolution: the op has no such derivative)
+  if (inference != 0 && !(grad && (x.requires_grad() || w.requires_grad() || bias_grad)) && !has_tangent(x, w, bias)) {
     py::gil_scoped_release no_gil;
     return conv_tuned(x, w, bias, inference, 0, 0);  // (whose forward checks that the executable computes one)
   }
   py::gil_scoped_release no_gil;
-  // The op torch.nn's forward calls (aten::conv1d/2d/3d: autocast's lists name these, not aten::convolution).
-  if (x.dim() == 3) return at::conv1d(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
-  if (x.dim() == 4) return at::conv2d(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
-  return at::conv3d(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+  return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
 }
 
 }  // namespace
@@ -206,13 +201,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "tuned_conv",
       [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd, int64_t bwd_data,
          int64_t bwd_filter) {
-        find_executable(fwd)->check_input(x);  // the hot path's input: another layout is another signature
+        const ExecutablePtr e = find_executable(fwd);
+        if (under_transform()) {  // torch.func's wrapped tensors: PyTorch's convolution, which its transforms know
+          const Geometry& g = e->geometry;
+          return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+        }
+        e->check_input(x);  // the hot path's input: another layout is another signature
         py::gil_scoped_release no_gil;
         return conv_tuned(x, w, bias, fwd, bwd_data, bwd_filter);
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("bwd_data"), py::arg("bwd_filter"),
       "torch.ops.convtune.tuned_conv called directly (unboxed): eager code's hot path, for plain tensors only "
       "(no __torch_function__ is consulted); unlike the op it raises ValueError for an input of other strides.");
+  m.def("under_transform", &under_transform,
+        "Whether a torch.func transform (grad, vjp, vmap, jacrev, jvp) is active on this thread: a tuned layer then "
+        "calls PyTorch's convolution, which the transforms know.");
   m.def("torch_conv", &torch_conv, py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fwd"), py::arg("dx_tuned"),
         py::arg("dw_tuned"), py::arg("inference") = 0,
         "PyTorch's convolution for an input of the signature the torch:native executable fwd was made for (eager "

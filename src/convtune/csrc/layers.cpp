@@ -373,6 +373,7 @@ struct LayerConv : public torch::autograd::Function<LayerConv> {
 
 at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, Arrays stride,
                          Arrays padding, Arrays dilation, int64_t groups, int64_t id, bool need_dx, bool need_dw) {
+  if (under_transform()) return torch_convolution(x, w, bias, stride, padding, dilation, groups);  // (torch.func)
   TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(x, w, bias), "convtune's layer op has no forward-mode derivative "
                               "(torch.autograd.forward_ad), so the tangent would be lost; run that model on torch's "
                               "convolutions");

@@ -45,5 +45,11 @@ at::Tensor conv_tuned(const at::Tensor& x, const at::Tensor& w, const std::optio
                       int64_t bwd_data, int64_t bwd_filter);
 // Whether an operand carries a forward-mode tangent (torch.autograd.forward_ad), which tuned_conv has no derivative for.
 bool has_tangent(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// Whether a torch.func transform (grad, vjp, vmap, jacrev, jvp) is active on this thread: its tensors are wrappers
+// that no executable runs on, and the ops' autograd Functions do not work under it; PyTorch's convolution does.
+bool under_transform();
+// PyTorch's convolution, the op torch.nn's forward calls (aten::conv1d/2d/3d: autocast's lists name these).
+at::Tensor torch_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                             at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
 
 }  // namespace convtune

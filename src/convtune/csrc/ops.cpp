@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -121,6 +122,10 @@ void check_gradient_tuned(const char* name, bool needed, int64_t handle, int64_t
 
 at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t fwd,
                          int64_t bwd_data, int64_t bwd_filter) {
+  if (under_transform()) {  // (torch.func: PyTorch's convolution, which its transforms know)
+    const Geometry& g = find_executable(fwd)->geometry;
+    return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+  }
   TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(x, w, bias), find_executable(fwd)->geometry.label,
                               ": convtune::tuned_conv has no forward-mode derivative (torch.autograd.forward_ad), so "
                               "the tangent would be lost; run that model on torch's convolutions");
@@ -184,6 +189,17 @@ at::Tensor conv_tuned(const at::Tensor& x, const at::Tensor& w, const std::optio
 bool has_tangent(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   return x._fw_grad(0).defined() || w._fw_grad(0).defined() ||
          (bias.has_value() && bias->defined() && bias->_fw_grad(0).defined());
+}
+
+bool under_transform() {
+  return c10::impl::tls_local_dispatch_key_set().included_.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+}
+
+at::Tensor torch_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                             at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  if (x.dim() == 3) return at::conv1d(x, w, bias, stride, padding, dilation, groups);
+  if (x.dim() == 4) return at::conv2d(x, w, bias, stride, padding, dilation, groups);
+  return at::conv3d(x, w, bias, stride, padding, dilation, groups);
 }
 
 TORCH_LIBRARY_FRAGMENT(convtune, m) {

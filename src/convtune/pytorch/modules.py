@@ -308,6 +308,8 @@ class TunedConv(_ConvBase):
         # tensor subclass or mode, an unbatched input or one not dense in its layout).
         if torch.compiler.is_compiling():  # traced: the hot path's dict would only add guards
             return self._convtune_traced_forward(input)
+        if isinstance(input, _Proxy):  # torch.fx.symbolic_trace: its graph calls PyTorch's convolution, as torch.nn's
+            return super().forward(input)  # layer would (the proxy has no shape to tune for)
         fast = self._convtune_fast
         if fast:
             entry = fast.get(input.shape)
@@ -354,6 +356,11 @@ class TunedConv(_ConvBase):
         if torch.jit.is_tracing():
             # torch.jit.trace gives sizes as tensors: an input it brings here (one of a shape the layer has no
             # hot path for) is neither tuned nor remembered, and the trace records PyTorch's convolution
+            return super().forward(input)
+        native = None if torch.compiler.is_compiling() else extension.loaded()  # (traced code: the op decides)
+        if native is not None and native.under_transform():
+            # torch.func (grad, vmap, ...): its wrapped tensors run PyTorch's convolution, which it knows (the native
+            # ops do so themselves; the Python path's autograd Function would fail), and tune nothing
             return super().forward(input)
         nd = len(self.kernel_size)
         batched = input.dim() == nd + 2
@@ -528,6 +535,7 @@ def _traced_keys(sig: Signature, weight_shape: tuple[int, ...]) -> list[tuple[tu
 
 
 _HOT_SHAPES = 16  # input shapes a layer keeps a hot path for (a detection head sees one per level)
+_Proxy = torch.fx.Proxy  # (looked up once, for the hot path)
 
 
 class TorchDirect:
