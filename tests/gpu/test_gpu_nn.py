@@ -18,6 +18,7 @@ match eager within ``SAME_ALGORITHMS_TOL`` (only the summation order may differ)
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -299,6 +300,7 @@ def test_the_background_worker_leaves_the_callers_tf32_settings_alone(tmp_path):
                 convtune.background.measure(p, convtune.Policy(), db)
             while convtune.background.pending():
                 seen.add(matmul.allow_tf32)  # what the caller's matrix products would run under meanwhile
+                time.sleep(0.001)  # (a loop that never waits would starve the worker of the interpreter)
             assert convtune.background.wait(300)
             for p in problems:
                 gemm = db.result(p, "gemm:1x1")  # (skipped: for that reason, or priced out of the search)
