@@ -112,9 +112,9 @@ def test_plan_is_optimal_against_brute_force(mode):
         best = brute_force(problems, db, budget, mode)
         if math.isinf(best):
             with pytest.raises(InfeasibleBudgetError):
-                plan(problems, budget, mode, db=db)
+                plan(problems, budget, mode=mode, db=db)
             continue
-        result = plan(problems, budget, mode, db=db)
+        result = plan(problems, budget, mode=mode, db=db)
         assert result.total_time_ms == best
         assert result.total_time_ms == sum(c.time_ms for c in result.choices)
         needs = [c.workspace_bytes for c in result.choices]
@@ -127,10 +127,10 @@ def test_plan_is_optimal_against_brute_force(mode):
 def test_divided_mode_may_split_a_problem_listed_twice():
     p = problem(0)
     db = Stored({p: [ok("a:fast", 1.0, 100), ok("a:lean", 4.0, 0)]})
-    divided = plan([p, p], 100, "divided", db=db)
+    divided = plan([p, p], 100, mode="divided", db=db)
     assert sorted(c.algorithm for c in divided.choices) == ["a:fast", "a:lean"]
     assert divided.total_time_ms == 5.0 and divided.workspace_bytes == 100
-    shared = plan([p, p], 100, "shared", db=db)
+    shared = plan([p, p], 100, mode="shared", db=db)
     assert [c.algorithm for c in shared.choices] == ["a:fast", "a:fast"] and shared.total_time_ms == 2.0
 
 
@@ -140,16 +140,16 @@ def test_more_budget_is_never_slower_and_the_curve_matches_plan(mode):
     budgets = [0, 1, 2, 3, 5, 8, 13, 21, 34]
     for _ in range(60):
         problems, db = random_instance(rng)
-        curve = budget_curve(problems, budgets, mode, db=db)
+        curve = budget_curve(problems, budgets, mode=mode, db=db)
         assert [b for b, _ in curve] == budgets
         times = [t for _, t in curve]
         assert all(later <= earlier for earlier, later in itertools.pairwise(times))
         for budget, total in curve:
             if math.isinf(total):
                 with pytest.raises(InfeasibleBudgetError):
-                    plan(problems, budget, mode, db=db)
+                    plan(problems, budget, mode=mode, db=db)
             else:
-                assert plan(problems, budget, mode, db=db).total_time_ms == pytest.approx(total, rel=1e-12)
+                assert plan(problems, budget, mode=mode, db=db).total_time_ms == pytest.approx(total, rel=1e-12)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -157,7 +157,7 @@ def test_a_zero_budget_takes_each_problems_fastest_zero_workspace_result(mode):
     a, b = problem(0), problem(1)
     db = Stored({a: [ok("a:fast", 1.0, 64), ok("a:zero_slow", 9.0, 0), ok("a:zero", 3.0, 0)],
                  b: [ok("b:zero", 2.0, 0), ok("b:fast", 0.5, 8)]})
-    result = plan([a, b, a], 0, mode, db=db)
+    result = plan([a, b, a], 0, mode=mode, db=db)
     assert [c.algorithm for c in result.choices] == ["a:zero", "b:zero", "a:zero"]
     assert result.total_time_ms == 8.0 and result.workspace_bytes == 0
 
@@ -170,7 +170,7 @@ def test_no_budget_and_size_strings():
     assert free.choices == free.unconstrained and [c.algorithm for c in free.choices] == ["a:fast", "b:fast"]
     assert plan([a, b], "1KiB", db=db).workspace_budget == 1024
     assert [c.algorithm for c in plan([a, b], "1KiB", db=db).choices] == ["a:zero", "b:fast"]
-    assert [c.algorithm for c in plan([a, b], "2KiB", "divided", db=db).choices] == ["a:fast", "b:zero"]
+    assert [c.algorithm for c in plan([a, b], "2KiB", mode="divided", db=db).choices] == ["a:fast", "b:zero"]
     assert plan([], "1KiB", db=db).total_time_ms == 0
 
 
@@ -181,12 +181,12 @@ def test_an_infeasible_budget_names_the_smallest_feasible_one(mode, smallest):
     a, b = problem(0), problem(1)
     db = Stored({a: [ok("a:x", 1.0, 300), ok("a:y", 0.5, 900)], b: [ok("b:x", 1.0, 200)]})
     with pytest.raises(InfeasibleBudgetError) as info:
-        plan([a, b, b], smallest - 1, mode, db=db)
+        plan([a, b, b], smallest - 1, mode=mode, db=db)
     assert isinstance(info.value, ValueError)
     assert info.value.smallest_feasible_bytes == smallest
     message = str(info.value)
     assert f"smallest feasible budget is {smallest} bytes" in message and mode in message and "Raise" in message
-    assert plan([a, b, b], smallest, mode, db=db).workspace_bytes == smallest
+    assert plan([a, b, b], smallest, mode=mode, db=db).workspace_bytes == smallest
 
 
 def test_report_shows_the_time_lost_and_memory_saved_per_problem():
@@ -211,7 +211,7 @@ def test_the_policy_filters_what_the_plan_may_choose():
                      ok("a:det", 2.0, 0), ok("a:det_big", 1.8, 4096)]})
     assert plan([a], 0, db=db).choices[0].algorithm == "a:fast_nondet"
     for mode in MODES:
-        result = plan([a, a], None, mode, db=db, policy=Policy(deterministic=True))
+        result = plan([a, a], None, mode=mode, db=db, policy=Policy(deterministic=True))
         assert all(c.deterministic for c in result.choices + result.unconstrained)
         assert all(r.deterministic for r in result.pareto(0))
     assert plan([a], 0, db=db, policy=Policy(deterministic=True, allow_tf32=False)).choices[0].algorithm == "a:det"
@@ -223,8 +223,13 @@ def test_the_policy_filters_what_the_plan_may_choose():
 def test_bad_arguments_are_named():
     a = problem(0)
     db = Stored({a: [ok("a:x", 1.0, 0)]})
+    # the database third, as the API names it (ct.plan(problems, workspace_budget, db=None)); the mode by name only
+    assert plan([a], None, db).choices == plan([a], None, db=db).choices
+    assert budget_curve([a], [0], db) == budget_curve([a], [0], db=db)
+    with pytest.raises(TypeError):
+        plan([a], None, db, None, "divided")  # type: ignore[misc]
     with pytest.raises(ValueError, match="mode='both'"):
-        plan([a], None, "both", db=db)
+        plan([a], None, mode="both", db=db)
     with pytest.raises(TypeError, match="wrap a single problem"):
         plan(a, None, db=db)
     with pytest.raises(TypeError, match="got a str"):
@@ -266,7 +271,7 @@ def test_plan_measures_what_the_database_does_not_know_then_reads_it(tmp_path, m
         first = plan([p, p], 0, db=db)
         assert finds == [p.key]  # measured once, though listed twice
         assert db.results(p), "find stores what it measured"
-        again = plan([p, p], 0, "divided", db=db)
+        again = plan([p, p], 0, mode="divided", db=db)
         assert finds == [p.key]  # read from the database this time
     for result in (first, again):
         assert all(c.ok and c.workspace_bytes == 0 and c.time_ms > 0 for c in result.choices)

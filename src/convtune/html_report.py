@@ -93,7 +93,7 @@ def write_report(plan: Plan, path: str | Path, title: str, budgets: Sequence[int
         budgets = default_budgets(plan)
     budgets = [parse_bytes(b, "write_report(budgets=...)") for b in budgets]
     budgets = sorted(set(budgets) | {plan.workspace_budget or 0})
-    _budget_figure(plan, budget_curve(plan.problems, budgets, plan.mode, db, policy), curve_png)
+    _budget_figure(plan, budget_curve(plan.problems, budgets, db, policy, mode=plan.mode), curve_png)
     path.write_text(_html(plan, title, names, figures, curve_png.name), encoding="utf-8")
     return path
 

@@ -208,7 +208,7 @@ def plan_layers(rows: Sequence[LayerRow], tuning: Tuning, workspace_budget: int,
     from .plan import plan
 
     problems = [row.problem for row in rows if row.result for _ in range(row.count)]
-    return plan(problems, workspace_budget, mode, db=tuning.db, policy=tuning.policy,
+    return plan(problems, workspace_budget, db=tuning.db, policy=tuning.policy, mode=mode,
                 find_missing=tuning.measures)
 
 

@@ -126,8 +126,8 @@ def pareto_front(results: Iterable[PerfResult], policy: Policy | None = None,
     return front
 
 
-def plan(problems: Sequence[ConvProblem], workspace_budget: int | str | None, mode: str = "shared",
-         db: Any = None, policy: Policy | None = None, *, find_missing: bool = True) -> Plan:
+def plan(problems: Sequence[ConvProblem], workspace_budget: int | str | None, db: Any = None,
+         policy: Policy | None = None, *, mode: str = "shared", find_missing: bool = True) -> Plan:
     """The choice per problem that minimises the total time with the workspace within ``workspace_budget``.
 
     problems: the network's convolutions, in order; one listed twice counts twice. workspace_budget:
@@ -164,8 +164,9 @@ def plan(problems: Sequence[ConvProblem], workspace_budget: int | str | None, mo
     return result
 
 
-def budget_curve(problems: Sequence[ConvProblem], budgets: Iterable[int | str], mode: str = "shared",
-                 db: Any = None, policy: Policy | None = None, *, find_missing: bool = True) -> list[tuple[int, float]]:
+def budget_curve(problems: Sequence[ConvProblem], budgets: Iterable[int | str], db: Any = None,
+                 policy: Policy | None = None, *, mode: str = "shared",
+                 find_missing: bool = True) -> list[tuple[int, float]]:
     """(budget in bytes, the best plan's total time in ms) per budget; ``math.inf`` where none fits.
 
     Arguments as in ``plan``; the measurements are read once for all budgets.
