@@ -11,14 +11,9 @@ from hypothesis import strategies as st
 
 from convtune import ConvProblem, Policy, Status, find
 from convtune.algorithms.base import ALIGN_BYTES, Buffer, allocate_workspace
-from convtune.algorithms.microbatch import (
-    MicroBatch,
-    best_split,
-    micro_batch_name,
-    parse_micro_batch_name,
-    sub_batch_sizes,
-)
+from convtune.algorithms.microbatch import MicroBatch, micro_batch_name, parse_micro_batch_name
 from convtune.algorithms.registry import get_algorithm, isolated
+from convtune.microbatch_search import best_split, sub_batch_sizes
 from convtune.verify import check, reference_case, rel_error, tolerance
 from fakes import CLOCK, CostlyWorkspace, Fake, FakeDB, FakeTimer
 

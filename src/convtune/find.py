@@ -26,12 +26,12 @@ from typing import Any, cast
 
 from . import background, costmodel, hardware, isolation
 from .algorithms.base import Algorithm
-from .algorithms.microbatch import micro_batch_offers
 from .algorithms.registry import candidates as registered_candidates
 from .db import as_db
 from .errors import CANDIDATE_FAULTS, check_type
 from .get import ranked_predictions
 from .measure import Search, declared_props, describe
+from .microbatch_search import micro_batch_offers
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import NATIVE, best, order, usable, within_error
@@ -150,7 +150,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     that run, for all of them under a ``workspace_limit``, and for a skipped one only while a
     candidate can still be leaner than the leanest measured; a skipped candidate whose workspace
     was not learned shows 0 bytes and says so in its message. With ``policy.micro_batching`` and
-    a ``workspace_limit``, the batch splits that ``algorithms.microbatch.micro_batch_offers`` proposes (from
+    a ``workspace_limit``, the batch splits that ``microbatch_search.micro_batch_offers`` proposes (from
     finds on sub-batches) are tried last, verified and timed by ``timer`` like any candidate.
 
     Each result's status: ok (timed; one clearly slower than the best so far stops being timed
@@ -409,7 +409,7 @@ def _search_in_order(search: Search, ranked: list[Algorithm], head_size: int, pr
 
 def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResult], search: Search,
                    **find_kw: Any) -> list[PerfResult]:
-    """The splits ``algorithms.microbatch.micro_batch_offers`` proposes, each verified and timed like any candidate."""
+    """The splits ``microbatch_search.micro_batch_offers`` proposes, each verified and timed like any candidate."""
     def find_sub(sub: ConvProblem, sub_policy: Policy) -> list[PerfResult]:
         return find(sub, sub_policy, **find_kw)
 
