@@ -487,7 +487,7 @@ def test_a_find_that_lost_a_row_is_not_served_whether_stored_or_imported(db, tmp
     assert db.export(tmp_path / "once.jsonl") == len(FIND)
     (tmp_path / "twice.jsonl").write_text((tmp_path / "once.jsonl").read_text() * 2)
     db.clear()
-    db.import_(tmp_path / "twice.jsonl")
+    assert db.import_(tmp_path / "twice.jsonl") == len(FIND)  # (each result once)
     assert db.lookup(p).time_ms == 0.5 and len(db.results(p)) == len(FIND)
     # a count that is no count makes its row one that no longer validates
     db.store(p, FIND[:2])
@@ -757,7 +757,7 @@ def test_export_lines_of_the_previous_schema_still_import(tmp_path):
         assert db.import_(path) == 1
 
 
-def test_a_row_that_is_not_utf8_is_ignored_and_its_find_measured_again(tmp_path):
+def test_a_row_that_is_not_utf8_is_ignored_and_its_find_not_served(tmp_path):
     path = tmp_path / "t.sqlite"
     with TuningDB(path) as db:
         db.store(problem(), [PerfResult("fast", "ok", time_ms=1.0), PerfResult("slow", "ok", time_ms=2.0)])

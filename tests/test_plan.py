@@ -228,6 +228,9 @@ def test_bad_arguments_are_named():
     assert budget_curve([a], [0], db) == budget_curve([a], [0], db=db)
     with pytest.raises(TypeError):
         plan([a], None, db, None, "divided")  # type: ignore[misc]
+    for call in (plan, budget_curve):  # the mode where it came before: refused, never a database file named so
+        with pytest.raises(TypeError, match="give the mode by name, mode='divided'"):
+            call([a], None if call is plan else [0], "divided")
     with pytest.raises(ValueError, match="mode='both'"):
         plan([a], None, mode="both", db=db)
     with pytest.raises(TypeError, match="wrap a single problem"):

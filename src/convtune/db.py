@@ -218,7 +218,8 @@ class TuningDB:
         return entries
 
     def export(self, path: str | os.PathLike) -> int:
-        """Write every stored result (all machines) to ``path`` as JSON lines, gzip-compressed where the name
+        """Write every stored result (all machines; a find that lost rows is left out, ``results``) to ``path`` as
+        JSON lines, gzip-compressed where the name
         ends in ``.gz`` (a sweep's dataset: about 17x smaller); returns lines written. ``ValueError`` where ``path``
         is a SQLite file (this database, another one): an export never replaces a database."""
         refuse_database(path)
@@ -238,7 +239,8 @@ class TuningDB:
         return len(lines)
 
     def import_(self, path: str | os.PathLike) -> int:
-        """Import an ``export`` file; returns the number of results imported.
+        """Import an ``export`` file; returns the number of results imported (an algorithm's last line for a problem
+        on one machine and software: one result).
 
         Every line is validated first; a malformed one raises ValueError naming the file, the line
         and the fault, and nothing is imported. Rows keep their fingerprint and software, and replace
@@ -268,8 +270,8 @@ class TuningDB:
             conn.executemany("INSERT OR REPLACE INTO results VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
         self._write(replace, asked=f"import {path}")
-        log.info("imported %d result(s) of %d problem(s) from %s", len(parsed), len(groups), path)
-        return len(parsed)
+        log.info("imported %d result(s) of %d problem(s) from %s", len(rows), len(groups), path)
+        return len(rows)
 
     def clear(self) -> int:
         """Remove every stored result, executable and host cost (all machines); returns the number of results

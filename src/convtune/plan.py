@@ -131,18 +131,18 @@ def plan(problems: Sequence[ConvProblem], workspace_budget: int | str | None, db
     """The choice per problem that minimises the total time with the workspace within ``workspace_budget``.
 
     problems: the network's convolutions, in order; one listed twice counts twice. workspace_budget:
-    bytes or a size like '64MiB'; None for no budget. mode: 'shared' (one buffer for layers run one
-    after another: the largest workspace must fit) or 'divided' (concurrent layers: the sum must
-    fit). db: where the measurements are (a ``TuningDB`` or any object with ``results(problem)``;
-    None: the default ``TuningDB()``). policy: which results are usable (determinism, TF32, error;
-    its workspace_limit is ignored: the budget replaces it). find_missing: run ``convtune.find``
-    (storing in ``db``) for a problem with no usable stored result.
+    bytes or a size like '64MiB'; None for no budget. db: where the measurements are (a ``TuningDB``, its path, or
+    any object with ``results(problem)``; None: the default ``TuningDB()``). policy: which results are usable
+    (determinism, TF32, error; its workspace_limit is ignored: the budget replaces it). mode (by name): 'shared' (one
+    buffer for layers run one after another: the largest workspace must fit) or 'divided' (concurrent layers: the
+    sum must fit). find_missing: run ``convtune.find`` (storing in ``db``) for a problem with no usable stored
+    result.
 
     Raises ``InfeasibleBudgetError`` (a ``ValueError`` naming the smallest feasible budget) when
     no plan fits, ``NoAlgorithmError`` for a problem with no usable measurement (none stored and
     ``find_missing`` off, or none that find could measure), ``ValueError``/``TypeError`` for bad arguments.
     """
-    budget, policy = _check(problems, workspace_budget, mode, policy)
+    budget, policy = _check(problems, workspace_budget, mode, policy, db)
     fronts = _fronts(problems, db, policy, find_missing)
     per_problem = [fronts[p] for p in problems]
     smallest = _aggregate(mode, [f[0].workspace_bytes for f in per_problem])
@@ -179,7 +179,7 @@ def budget_curve(problems: Sequence[ConvProblem], budgets: Iterable[int | str], 
         >>> budget_curve([p], [0, "64B"], db=Stored())
         [(0, inf), (64, 1.0)]
     """
-    _, policy = _check(problems, None, mode, policy, "budget_curve()")
+    _, policy = _check(problems, None, mode, policy, db, "budget_curve()")
     sizes = [parse_bytes(b, "budget_curve(budgets=...)") for b in budgets]
     fronts = _fronts(problems, db, policy, find_missing, "budget_curve()")
     per_problem = [fronts[p] for p in problems]
@@ -205,7 +205,7 @@ def _without_limit(policy: Policy | None) -> Policy:
     return dataclasses.replace(policy, workspace_limit=None) if policy.workspace_limit is not None else policy
 
 
-def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any,
+def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any, db: Any,
            who: str = "plan()") -> tuple[int | None, Policy]:
     """The budget in bytes and the policy (without a workspace limit) of a ``who`` call (plan or budget_curve), its
     arguments checked."""
@@ -216,6 +216,9 @@ def _check(problems: Any, workspace_budget: Any, mode: str, policy: Any,
         check_type(p, ConvProblem, f"each of {who}'s problems")
     check_one_of("mode", mode, BUDGET_MODES, who)
     check_type(policy, Policy, f"{who}'s policy", optional=True)
+    if isinstance(db, str) and db in BUDGET_MODES:  # (the mode came third before: it would name a database file)
+        raise TypeError(f"{who}'s third argument is the database, got {db!r}: give the mode by name, "
+                        f"mode={db!r}")
     budget = None if workspace_budget is None else parse_bytes(workspace_budget, f"{who[:-2]}(workspace_budget=...)")
     return budget, _without_limit(policy)
 
