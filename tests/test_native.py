@@ -1273,6 +1273,7 @@ def test_torch_func_transforms_and_fx_tracing_take_pytorchs_convolution(native, 
     module._convtune_select(sig, LayerSelection(selection.problem, "gemm:1x1", "gemm:1x1", "gemm:1x1"))
     module(x)  # the hot path from the next call on
     params = {name: p.detach() for name, p in module.named_parameters()}
+    selections, fast = dict(module.selections), dict(module._convtune_fast)
 
     def loss(params, inp):
         return torch.func.functional_call(module, params, (inp,)).square().sum()
@@ -1290,6 +1291,16 @@ def test_torch_func_transforms_and_fx_tracing_take_pytorchs_convolution(native, 
     torch.testing.assert_close(pull(torch.ones(2, module.out_channels, 5, 5))[0],
                                torch.func.vjp(lambda inp: F.conv2d(inp, module.weight, module.bias), x)[1](
                                    torch.ones(2, module.out_channels, 5, 5))[0], atol=1e-4, rtol=1e-4)
+    w = module.weight.detach()
+    torch.testing.assert_close(torch.func.jacrev(lambda inp: module(inp).sum(0))(x[:1]),
+                               torch.func.jacrev(lambda inp: F.conv2d(inp, w, module.bias).sum(0))(x[:1]),
+                               atol=1e-4, rtol=1e-4)
+    t = torch.randn_like(x)
+    torch.testing.assert_close(torch.func.jvp(module, (x,), (t,))[1], F.conv2d(t, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.func.vmap(module)(x.unsqueeze(1)).squeeze(1), module(x), atol=1e-5, rtol=1e-4)
+    # a shape met first under a transform is not tuned, and nothing the layer had changed
+    torch.func.grad(loss)(params, torch.randn(3, 6, 7, 7))
+    assert dict(module.selections) == selections and dict(module._convtune_fast) == fast
     assert module(x).requires_grad and module._convtune_fast  # the layer runs on afterwards as before
 
     traced = torch.fx.symbolic_trace(torch.nn.Sequential(module, torch.nn.ReLU()))

@@ -320,6 +320,19 @@ def test_the_example_run_changes_no_state_of_the_model(db, warm):
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
 
 
+def test_forward_hooks_fire_in_the_example_run_once_dry_and_again_where_it_measures(db):
+    # as docs/runtime.md says: a hook that collects activations sees the dry run's zeros, so it belongs after optimize
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), torch.randn(1, 3, 6, 6)
+    seen: list[float] = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(float(out.abs().sum())))
+    convtune.optimize(copy.deepcopy(model), x, db=db)  # cold: a dry run, then the real one
+    assert len(seen) == 2 and seen[0] == 0.0 and seen[1] > 0
+    seen.clear()
+    convtune.optimize(model, x, db=db)  # warm: the dry run alone
+    assert seen == [0.0]
+
+
 def _counting_torch_convs(monkeypatch) -> list[torch.nn.Module]:
     """The conv layers whose torch convolution runs, one entry per call."""
     calls: list[torch.nn.Module] = []

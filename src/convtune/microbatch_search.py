@@ -38,6 +38,7 @@ DID_NOT_FIT = (Status.OVER_WORKSPACE_LIMIT, Status.OUT_OF_MEMORY)
 
 Option = tuple[float, int, Any]  # (time_ms, workspace_bytes, algorithm) of one sub-batch size
 
+
 def best_split(n: int, options: Mapping[int, Option],
                workspace_limit: int | None = None) -> tuple[float, int, list[tuple[int, int, Any]]] | None:
     """The fastest cover of a batch of ``n`` by sub-batches, each size's time and workspace given.

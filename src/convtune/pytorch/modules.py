@@ -308,8 +308,8 @@ class TunedConv(_ConvBase):
         # tensor subclass or mode, an unbatched input or one not dense in its layout).
         if torch.compiler.is_compiling():  # traced: the hot path's dict would only add guards
             return self._convtune_traced_forward(input)
-        if isinstance(input, _Proxy):  # torch.fx.symbolic_trace: its graph calls PyTorch's convolution, as torch.nn's
-            return super().forward(input)  # layer would (the proxy has no shape to tune for)
+        if isinstance(input, _Proxy):  # torch.fx.symbolic_trace: its graph calls PyTorch's convolution (a function on
+            return super().forward(input)  # the layer's parameters; the proxy has no shape to tune for)
         fast = self._convtune_fast
         if fast:
             entry = fast.get(input.shape)

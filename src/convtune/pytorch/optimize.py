@@ -242,8 +242,10 @@ def optimize(model: torch.nn.Module, example_inputs: Any, policy: Policy | None 
     """Tune every convolution of ``model`` for the inputs it sees, and make it run the selections.
 
     example_inputs: a tensor, a tuple of the model's positional arguments, or a dict of keyword
-    arguments; the model runs on them once (in its current train/eval mode; buffers and random
-    generators are restored). Each nn.Conv1d/2d/3d that runs is tuned for the input it receives
+    arguments; the model runs on them (in its current train/eval mode; buffers and random generators are restored):
+    once dry, its conv layers computing nothing, and again with them where the database does not answer what that
+    run met (forward hooks fire in each run; docs/runtime.md, "Warm starts"). Each nn.Conv1d/2d/3d that runs is
+    tuned for the input it receives
     (its shape, dtype, device and memory layout: a channels_last input makes a channels_last
     problem; under ``torch.autocast`` the autocast dtype, so call ``optimize`` inside the same
     autocast region the model will run under: a signature met first inside a CUDA-graph capture
