@@ -144,7 +144,8 @@ PHASES = (
 
 def training_problems(network: str, batch: int, dtype: str, layout: str, device: str) -> list:
     """Every distinct problem of the network's training step, as ``optimize(training=True)`` meets them."""
-    layers = zoo.network_layers(network, batch, dtype=dtype, layout=layout, device=device)
+    # (a built-in network's name, or a layer file's path)
+    layers = zoo.resolve(network, batch, direction="fwd", dtype=dtype, layout=layout, device=device)
     return list(dict.fromkeys(layer.problem.with_direction(d) for i, layer in enumerate(layers)
                               for d in ("fwd", "bwd_data", "bwd_filter") if d != "bwd_data" or i > 0))
 
@@ -538,8 +539,8 @@ def main() -> None:
         warm_child(args)
         return
     problems = [layer.problem.with_direction(d)
-                for layer in zoo.network_layers(args.network, args.batch, dtype=args.dtype, layout=args.layout,
-                                                device=args.device)[: args.layers]
+                for layer in zoo.resolve(args.network, args.batch, direction="fwd", dtype=args.dtype,
+                                         layout=args.layout, device=args.device)[: args.layers]
                 for d in ("fwd", "bwd_data", "bwd_filter")]
     host = host_rows(args.device, args.dtype)
     rows = tuning_rows(problems, args.threads)

@@ -39,7 +39,12 @@ sweep = _bench_script("sweep")
 @pytest.mark.slow
 def test_tuning_cost_profiles_a_whole_network_cold_and_warm_on_the_cpu(tmp_path, tuning_cost):
     env = dict(os.environ, CONVTUNE_CACHE_DIR=str(tmp_path / "cache"), CONVTUNE_PROGRESS="0")
-    subprocess.run([sys.executable, str(BENCH / "tuning_cost.py"), "--device", "cpu", "--network", "resnet18",
+    layers = tmp_path / "net.json"  # a small network of its own (a layer file): ResNet-18's whole took 155 s here
+    layers.write_text(json.dumps([{"c": 3, "k": 16, "spatial": [32, 32], "kernel": 7, "stride": 2, "padding": 3},
+                                  {"c": 16, "k": 16, "spatial": [16, 16], "kernel": 3, "padding": 1, "count": 2},
+                                  {"c": 16, "k": 32, "spatial": [16, 16], "kernel": 1, "stride": 2},
+                                  {"c": 32, "k": 32, "spatial": [8, 8], "kernel": 3, "padding": 1, "groups": 32}]))
+    subprocess.run([sys.executable, str(BENCH / "tuning_cost.py"), "--device", "cpu", "--network", str(layers),
                     "--batch", "1", "--dtype", "float32", "--layout", "nchw", "--layers", "1", "--whole",
                     "--compile-threads", "3", "--out", str(tmp_path), "--name", "t"], check=True, env=env,
                    capture_output=True, timeout=300)
