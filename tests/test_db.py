@@ -435,6 +435,18 @@ def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
     conn.close()
 
 
+def _rewrite_row(path: Path, p: ConvProblem, algorithm: str, change) -> None:
+    """Replace the text of ``p``'s row by ``algorithm`` with ``change(text)``, its checksum made anew: a row as a
+    convtune that wrote it so would have stored it (not a damaged one)."""
+    with sqlite3.connect(path) as conn:
+        fp, sw, text = conn.execute("SELECT fingerprint, software, result FROM results WHERE problem=? AND "
+                                    "algorithm=?", (p.key, algorithm)).fetchone()
+        text = change(text)
+        conn.execute("UPDATE results SET result=?, checksum=? WHERE problem=? AND algorithm=?",
+                     (text, db_file.row_checksum(fp, sw, p.key, algorithm, text), p.key, algorithm))
+    conn.close()
+
+
 def test_a_row_that_no_longer_validates_is_ignored(db, caplog):
     p = problem()
     db.store(p, FIND[:2])
@@ -448,13 +460,8 @@ def test_a_row_that_no_longer_validates_is_ignored(db, caplog):
     assert [r.getMessage() for r in caplog.records if "damaged row" in r.getMessage()]
     assert "only 1 of the 2 its measurement stored can be read" in caplog.text
     # rows stored before the count was kept are served as they are: what of a find still reads
-    with sqlite3.connect(db.path) as conn:
-        for name, text in (("cpu:fast", json.dumps({**FIND[0].to_dict(), "time_ms": -1.0})),
-                           ("cpu:lean", json.dumps(FIND[1].to_dict()))):
-            fp, sw = conn.execute("SELECT fingerprint, software FROM results WHERE algorithm=?", (name,)).fetchone()
-            conn.execute("UPDATE results SET result=?, checksum=? WHERE algorithm=?",
-                         (text, db_file.row_checksum(fp, sw, p.key, name, text), name))
-    conn.close()
+    _rewrite_row(db.path, p, "cpu:fast", lambda text: json.dumps({**FIND[0].to_dict(), "time_ms": -1.0}))
+    _rewrite_row(db.path, p, "cpu:lean", lambda text: json.dumps(FIND[1].to_dict()))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="convtune.db"):
         assert db.results(p) == FIND[1:2]
@@ -491,13 +498,7 @@ def test_a_find_that_lost_a_row_is_not_served_whether_stored_or_imported(db, tmp
     assert db.lookup(p).time_ms == 0.5 and len(db.results(p)) == len(FIND)
     # a count that is no count makes its row one that no longer validates
     db.store(p, FIND[:2])
-    with sqlite3.connect(db.path) as conn:
-        fp, sw, text = conn.execute("SELECT fingerprint, software, result FROM results WHERE algorithm='cpu:lean'"
-                                    ).fetchone()
-        text = json.dumps({**json.loads(text), db_module.ROWS_OF_FIND: 0})
-        conn.execute("UPDATE results SET result=?, checksum=? WHERE algorithm='cpu:lean'",
-                     (text, db_file.row_checksum(fp, sw, p.key, "cpu:lean", text)))
-    conn.close()
+    _rewrite_row(db.path, p, "cpu:lean", lambda text: json.dumps({**json.loads(text), db_module.ROWS_OF_FIND: 0}))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="convtune.db"):
         assert db.results(p) == []

@@ -180,15 +180,15 @@ def _find(problem: ConvProblem, policy: Policy, db: Any, device: int, streams: d
     from .find import find  # find imports the algorithms: only when something is measured
 
     try:
-        if device >= 0:
-            with torch.cuda.device(device):
-                stream = streams.get(device)
-                if stream is None:
-                    stream = streams[device] = torch.cuda.Stream()
-                with torch.cuda.stream(stream), tf32.refused_here():
-                    results = find(problem, policy, db, timer=_timer)
-        else:
-            with tf32.refused_here():
+        with tf32.refused_here():
+            if device >= 0:
+                with torch.cuda.device(device):
+                    stream = streams.get(device)
+                    if stream is None:
+                        stream = streams[device] = torch.cuda.Stream()
+                    with torch.cuda.stream(stream):
+                        results = find(problem, policy, db, timer=_timer)
+            else:
                 results = find(problem, policy, db, timer=_timer)
     except Exception as exc:  # the model's choice stands; the user's step goes on
         log.warning("measuring %s in the background failed, so the choice made at once stays: %s", problem.key, exc)

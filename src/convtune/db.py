@@ -263,7 +263,8 @@ class TuningDB:
             group[r.algorithm] = (p, at, r)
         rows = [(fp, sw, key, name, p.device, at, text, db_file.row_checksum(fp, sw, key, name, text))
                 for (fp, sw, key), found in groups.items()
-                for (p, at, _), (name, text) in zip(found.values(), _encoded([r for _, _, r in found.values()]))]
+                for texts in (dict(_encoded([r for _, _, r in found.values()])),)
+                for name, (p, at, _) in found.items() for text in (texts[name],)]
 
         def replace(conn: sqlite3.Connection) -> None:
             conn.executemany("DELETE FROM results WHERE fingerprint=? AND software=? AND problem=?", list(groups))

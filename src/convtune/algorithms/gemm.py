@@ -83,7 +83,6 @@ def gemm_tf32(problem: ConvProblem) -> tf32.Settings:
     return tf32.Settings(matmul=problem.allow_tf32) if problem.dtype == "float32" else tf32.Settings()
 
 
-
 def gemm_sum_buffers(problem: ConvProblem, shape: tuple[int, ...], terms: int) -> list[Buffer]:
     """The buffers ``GemmSum`` needs to add ``terms`` GEMM results of ``shape`` without half-dtype rounding.
 
