@@ -1,6 +1,6 @@
 """The host-cost rule's measurement on several probe layers: what each path of a tuned layer costs the host over
-``torch.nn.Conv2d``'s per direction (``convtune.pytorch.runtime._measured``), on the layer the rule measures
-(``runtime.probe_problem``) and on others, each in its own process, so that one can see whether the layer the rule
+``torch.nn.Conv2d``'s per direction (``convtune.pytorch.host_costs._measured``), on the layer the rule measures
+(``host_costs.probe_problem``) and on others, each in its own process, so that one can see whether the layer the rule
 measures on stands for a network's layers.
 
     python bench/host_probe.py                      # on CUDA: 8 channels at 4x4, 256 and 1024->256 at 14x14
@@ -27,11 +27,11 @@ KINDS = ["native", "gemm_1x1", "cudnn", "python", "triton"]
 
 def child(device: str, n: int, c: int, k: int, size: int) -> dict:
     from convtune.problem import ConvProblem
-    from convtune.pytorch import runtime
+    from convtune.pytorch import host_costs
 
     p = ConvProblem("fwd", n=n, c=c, k=k, input_size=(size, size), kernel_size=1, layout="channels_last",
                     dtype="float16" if device == "cuda" else "float32", device=device)
-    overheads = {kind: round(us, 1) for kind, us in runtime._measured(device, p).items()}
+    overheads = {kind: round(us, 1) for kind, us in host_costs._measured(device, p).items()}
     return {"problem": p.key, "layer": label(n, c, k, size), "overheads": overheads}
 
 
@@ -48,7 +48,7 @@ def markdown(env: dict, rows: list[dict]) -> str:
     table = [[row["layer"], *(cell(row, k) for k in KINDS)] for row in rows]
     return (f"# The host-cost rule's measurement on several layers\n\n{common.env_line(env)}. Host microseconds a "
             "tuned layer's path adds over `torch.nn.Conv2d`'s, forward / each gradient's share of the backward "
-            "(`convtune.pytorch.runtime._measured`; native: the op's forward on PyTorch's convolution; triton: the "
+            "(`convtune.pytorch.host_costs._measured`; native: the op's forward on PyTorch's convolution; triton: the "
             "depthwise 3x3 layer of those channels); each layer in its own process, in the order listed. "
             "`bench/host_probe.py`.\n\n" + common.md_table(["probe layer (1x1)", *KINDS], table))
 

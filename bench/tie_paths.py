@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import convtune  # noqa: E402
 import e2e  # noqa: E402
-from convtune.pytorch import runtime, tuning  # noqa: E402
+from convtune.pytorch import host_costs, tuning  # noqa: E402
 from convtune.pytorch.tuning import LayerSelection, tie_costs  # noqa: E402
 from convtune.ranking import NATIVE  # noqa: E402
 
@@ -133,7 +133,7 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
         models = dict(torch=base, tuned=tuned, no_grad_off=no_grad_off, ties_off=ties_off, cudnn_ties=cudnn_ties)
         moved = {who: differing(models[who], ties_off) for who in ("tuned", "no_grad_off", "cudnn_ties")}
         changed = {who: sum(m.values()) for who, m in moved.items()}
-        host_costs = runtime.host_overheads_us(device, db)  # what the rule read (measured once, kept in db)
+        rule_costs = host_costs.host_overheads_us(device, db)  # what the rule read (measured once, kept in db)
         # layers whose calls without gradients run another forward
         no_grad = {who: sum(bool(s.no_grad) for m in tuned_layers(models[who]) for s in m._convtune_selections.values())
                    for who in ("tuned", "no_grad_off", "ties_off")}
@@ -170,10 +170,10 @@ def run(model_name: str, batch: int, dtype_name: str, device: str, tiny: bool, s
                 f"{who} {row[who]['ms']:.3f} ms ({row[who]['ratio']:.3f})" for who in models), file=sys.stderr,
                 flush=True)
     # the same measurement made again, as a fresh process would: how far the rule's inputs move on this host
-    again = [runtime.measure_host_overheads(device) for _ in range(host_repeats)]  # (the costs kept stay)
+    again = [host_costs.measure_host_overheads(device) for _ in range(host_repeats)]  # (the costs kept stay)
     return dict(rows=rows, tune_s=tune_s, changed=changed, no_grad_paths=no_grad, torch_native_directions=on_native,
                 host_costs_again_us=again, steps=steps,
-                rounds=rounds, host_costs_us=host_costs, tie_judgements=judgements,
+                rounds=rounds, host_costs_us=rule_costs, tie_judgements=judgements,
                 moved_problems=sorted(moved["tuned"]))
 
 

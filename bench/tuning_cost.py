@@ -275,9 +275,9 @@ def host_rows(device: str, dtype: str) -> list[tuple[str, float]]:
     rows += compiled_rows(p, x)
     if device == "cuda":  # Triton runs on the CPU only in its interpreter
         rows += triton_rows(device, dtype)
-    from convtune.pytorch import runtime
-    runtime.forget_host_costs()  # measured here, not read from a database
-    rows += [(f"host-cost rule's measure: {kind}", us) for kind, us in runtime.host_overheads_us(device).items()]
+    from convtune.pytorch import host_costs
+    host_costs.forget_host_costs()  # measured here, not read from a database
+    rows += [(f"host-cost rule's measure: {kind}", us) for kind, us in host_costs.host_overheads_us(device).items()]
     call = next(iter(conv.selections.values())).call
     if call is not None:  # the backward's two runs without autograd around them
         dy = conv(x).detach()

@@ -226,13 +226,13 @@ def test_the_worker_makes_the_executables_a_layer_switches_to_before_the_switch(
 def test_after_a_measurement_the_worker_makes_the_first_and_the_tie_member_the_rule_takes(db, monkeypatch, native_ms,
                                                                                          host_rule, made):
     from convtune import extension
-    from convtune.pytorch import runtime, tuning
+    from convtune.pytorch import host_costs, runtime, tuning
     from convtune.results import PerfResult, Status
     from convtune.settings import settings
 
     if not runtime.available():
         pytest.skip(f"the C++ extension is not available here: {extension.status()}")
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 50.0, "native": 5.0, "gemm_1x1": -8.0, "gemm_1x1 backward": -8.0})
     p = ct.ConvProblem("fwd", n=3, c=6, k=5, input_size=(7, 9), kernel_size=1)  # a problem no other test makes
     db.store(p, [PerfResult("torch:native", Status.OK, time_ms=native_ms, rel_error=0.0),
@@ -405,7 +405,8 @@ def test_compiled_code_on_the_full_path_goes_on_running_right_when_a_pending_mea
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")  # (Python 3.12: fork with threads)
 @pytest.mark.parametrize("module,name", [("convtune.costmodel", "_tables_lock"), ("convtune.db", "_opened_lock"),
                                          ("convtune.extension", "_lock"), ("convtune.pytorch.workspace", "_lock"),
-                                         ("convtune.pytorch.runtime", "_prepared_lock")])
+                                         ("convtune.pytorch.runtime", "_prepared_lock"),
+                                         ("convtune.pytorch.host_costs", "_host_costs_lock")])
 def test_a_child_forked_while_another_thread_holds_a_lock_of_convtunes_takes_it(module, name):
     owner = importlib.import_module(module)
     held, release = threading.Event(), threading.Event()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import convtune as ct
 from convtune import extension
 from convtune.problem import ConvProblem, explicit_padding, is_in_layout
-from convtune.pytorch import runtime
+from convtune.pytorch import host_costs, runtime
 from convtune.pytorch.modules import TunedConv, _traced_keys
 from convtune.pytorch.tuning import LayerSelection, Signature, layout_of
 from convtune.settings import settings
@@ -1081,10 +1081,10 @@ def test_a_copy_rebuilds_its_traced_table_from_its_selections(native, monkeypatc
 # -- the host-cost rule ----------------------------------------------------------------------------
 
 def test_each_path_and_direction_pays_its_own_measured_host_cost(monkeypatch):
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 10.0, "python backward": 30.0, "triton": 40.0, "triton backward": 90.0, "native": 2.0})
     p = ConvProblem("fwd", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
-    paid = {(kind, d): runtime.extra_host_us(p.with_direction(d), kind)
+    paid = {(kind, d): host_costs.extra_host_us(p.with_direction(d), kind)
             for kind in ("python", "triton", "native", "cudnn") for d in ("fwd", "bwd_data", "bwd_filter")}
     assert paid == {("python", "fwd"): 10.0, ("python", "bwd_data"): 30.0, ("python", "bwd_filter"): 30.0,
                     ("triton", "fwd"): 40.0, ("triton", "bwd_data"): 90.0, ("triton", "bwd_filter"): 90.0,
@@ -1099,7 +1099,7 @@ def test_the_host_cost_rule_charges_a_triton_choice_its_launcher(native, monkeyp
     from convtune.results import PerfResult, Status
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that the Triton kernels support CPU problems
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 1.0, "python backward": 1.0, "triton": 50.0, "triton backward": 50.0})
     x = torch.randn(1, 64, 4, 4).to(memory_format=torch.channels_last)
     module = ct.nn.Conv2d(64, 64, 3, padding=1, groups=64, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
@@ -1120,7 +1120,7 @@ def test_the_host_cost_rule_charges_a_triton_choice_its_launcher(native, monkeyp
 def test_a_layer_that_gains_less_than_its_host_cost_calls_pytorch(native, monkeypatch, tmp_path, gain_ms, expected):
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us",
+    monkeypatch.setattr(host_costs, "host_overheads_us",
                         lambda device, db=None: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
     x = torch.randn(2, 6, 5, 5)
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
@@ -1153,7 +1153,7 @@ def test_a_tie_given_to_torch_native_runs_the_executable_whose_path_costs_the_la
                                                                                          host_us, expected):
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 50.0, "native": 5.0, "gemm_1x1": host_us, "gemm_1x1 backward": host_us})
     x = torch.randn(2, 6, 5, 5)
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
@@ -1183,7 +1183,7 @@ def _tied_for_training(monkeypatch, tmp_path, x, fwd_host_us, policy=None):
     moving the layer costs it more than the forward saves (``on_the_cheaper_path`` keeps it on PyTorch's call)."""
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 50.0, "native": 5.0, "gemm_1x1": fwd_host_us, "gemm_1x1 backward": 20.0})
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"), policy=policy)
     p = ConvProblem.from_module(module, tuple(x.shape))
@@ -1323,7 +1323,7 @@ def test_ties_move_direction_by_direction_to_the_cheapest_member_the_policy_allo
         def _run(self, problem, a, b, out, ws):
             out.copy_(native_conv(problem, a, b))
 
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 50.0, "native": 5.0, "gemm_1x1": -8.0, "gemm_1x1 backward": -8.0})
     x = torch.randn(2, 6, 5, 5)
     db = ct.TuningDB(tmp_path / "t.sqlite")
@@ -1350,12 +1350,13 @@ def test_ties_move_direction_by_direction_to_the_cheapest_member_the_policy_allo
 
 
 def test_a_path_cheaper_than_pytorchs_call_keeps_its_cost_below_zero(native, monkeypatch):
-    monkeypatch.setattr(runtime, "_measured", lambda device, p=None: {"cudnn": -6.5, "gemm_1x1": -0.5, "native": 4.0})
-    runtime.forget_host_costs()
+    monkeypatch.setattr(host_costs, "_measured",
+                        lambda device, p=None: {"cudnn": -6.5, "gemm_1x1": -0.5, "native": 4.0})
+    host_costs.forget_host_costs()
     try:
-        overheads = runtime.host_overheads_us("cpu")
+        overheads = host_costs.host_overheads_us("cpu")
     finally:
-        runtime.forget_host_costs()
+        host_costs.forget_host_costs()
     assert overheads["cudnn"] == -6.5 and overheads["gemm_1x1_strided"] == -0.5 and overheads["native"] == 4.0
 
 
@@ -1365,7 +1366,7 @@ def test_compiled_code_calls_pytorch_where_a_layer_gains_less_than_the_op_call_c
     from convtune.results import PerfResult, Status
 
     # Eager code pays nothing for gemm:1x1's executables; compiled code pays 5 us a call of convtune's op.
-    monkeypatch.setattr(runtime, "host_overheads_us",
+    monkeypatch.setattr(host_costs, "host_overheads_us",
                         lambda device, db=None: {"python": 50.0, "gemm_1x1": 0.0, "native": 0.0, "compiled": 5.0})
     x = torch.randn(2, 6, 5, 5)
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
@@ -1401,7 +1402,7 @@ def test_compiled_inference_calls_pytorch_where_only_the_gradients_gain(native, 
     # gemm:1x1 gains 0.3 us in the forward (past the tie's 2%) and 20 us in each gradient; compiled code pays 5 us
     # a call of convtune's op: worth it for a training step (40.3 us against 15), not for a call without gradients;
     # what eager code saves on gemm:1x1's executables (-4.9 us a direction) is no saving in compiled code
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 50.0, "gemm_1x1": eager_us, "native": 0.0, "compiled": 5.0})
     x = torch.randn(2, 6, 5, 5)
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
@@ -1444,12 +1445,12 @@ def test_compiled_inference_calls_pytorch_where_only_the_gradients_gain(native, 
 
 def test_what_compiled_code_pays_to_call_the_op_is_measured_on_tuned_run_of_pytorchs_convolution(native,
                                                                                                  monkeypatch):
-    overheads = runtime._measured("cpu")
+    overheads = host_costs._measured("cpu")
     assert math.isfinite(overheads["compiled"])  # (its value is the host's: that it was measured is checked)
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {"compiled": 50.0})
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {"compiled": 50.0})
     p = ConvProblem("fwd", n=1, c=2, k=2, input_size=(3, 3), kernel_size=1)
-    assert runtime.extra_host_us(p, "cudnn") == 0.0  # not a path's cost: no path is charged it
-    p = runtime.probe_problem("cpu")
+    assert host_costs.extra_host_us(p, "cudnn") == 0.0  # not a path's cost: no path is charged it
+    p = host_costs.probe_problem("cpu")
     x, w = p.random_inputs()
     with torch.no_grad():  # what is timed: tuned_run on torch:native's executable, which is PyTorch's convolution
         torch.testing.assert_close(torch.ops.convtune.tuned_run.default(x, w, runtime.prepare(p, "torch:native")[0]),
@@ -1727,7 +1728,7 @@ def test_the_host_cost_calibration_runs_in_any_mode_the_caller_is_in_and_is_kept
         raise AssertionError("a probe layer tuned itself instead of running the selection it was given")
 
     monkeypatch.setattr(TunedConv, "_convtune_tune", tuned)
-    runtime.forget_host_costs()
+    host_costs.forget_host_costs()
     region = {"autocast": torch.autocast("cpu", dtype=torch.bfloat16), "no_grad": torch.no_grad(),
               "inference_mode": torch.inference_mode()}[mode]
     torch.manual_seed(0)
@@ -1735,19 +1736,19 @@ def test_the_host_cost_calibration_runs_in_any_mode_the_caller_is_in_and_is_kept
     torch.manual_seed(0)
     try:
         with region, ct.TuningDB(tmp_path / "t.sqlite") as db:
-            overheads = runtime.host_overheads_us("cpu", db)
+            overheads = host_costs.host_overheads_us("cpu", db)
             assert torch.equal(torch.rand(3), drawn)  # measuring drew nothing from the caller's generator
-            assert db.host_costs("cpu") == {**overheads, "method": runtime.HOST_COST_METHOD}  # kept for the next
-            runtime.forget_host_costs()
+            assert db.host_costs("cpu") == {**overheads, "method": host_costs.HOST_COST_METHOD}  # kept for the next
+            host_costs.forget_host_costs()
             kept = {"python": 1.0, "python backward": 2.0, "native": 0.5}
-            db.store_host_costs("cpu", {**kept, "method": runtime.HOST_COST_METHOD})
-            assert runtime.host_overheads_us("cpu", db) == kept  # read, not measured
-            runtime.forget_host_costs()
+            db.store_host_costs("cpu", {**kept, "method": host_costs.HOST_COST_METHOD})
+            assert host_costs.host_overheads_us("cpu", db) == kept  # read, not measured
+            host_costs.forget_host_costs()
             db.store_host_costs("cpu", kept)  # as a version that measured otherwise kept it
-            assert "gemm_1x1 backward" in runtime.host_overheads_us("cpu", db)  # measured again
+            assert "gemm_1x1 backward" in host_costs.host_overheads_us("cpu", db)  # measured again
             assert "gemm_1x1 backward" in db.host_costs("cpu")  # and kept
     finally:
-        runtime.forget_host_costs()
+        host_costs.forget_host_costs()
     assert {"python", "python backward", "native", "gemm_1x1", "gemm_1x1 backward", "gemm_1x1_strided",
             "gemm_1x1_strided backward"} <= set(overheads)
     assert all(math.isfinite(us) for us in overheads.values())  # a path cheaper than PyTorch's call: below 0
@@ -1760,24 +1761,24 @@ def test_a_path_whose_host_cost_cannot_be_measured_is_left_out_not_the_tuning(na
         raise RuntimeError("no kernel image for this device")
 
     monkeypatch.setattr(ops.Runner, "__call__", broken)  # every run on the Python path fails here
-    runtime.forget_host_costs()
+    host_costs.forget_host_costs()
     try:
-        overheads = runtime.host_overheads_us("cpu")
+        overheads = host_costs.host_overheads_us("cpu")
     finally:
-        runtime.forget_host_costs()
+        host_costs.forget_host_costs()
     assert "python" not in overheads and "gemm_1x1 backward" in overheads  # the native paths are measured
     assert "could not measure the host cost of the python path (RuntimeError: no kernel image" in caplog.text
     p = ConvProblem("bwd_data", n=1, c=4, k=4, input_size=(5, 5), kernel_size=3)
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: overheads)
-    assert runtime.extra_host_us(p, "python") == max(us for kind, us in overheads.items() if kind != "compiled")
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {})
-    assert runtime.extra_host_us(p, "python") == 0.0  # nothing measurable: nothing charged, nothing raised
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: overheads)
+    assert host_costs.extra_host_us(p, "python") == max(us for kind, us in overheads.items() if kind != "compiled")
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {})
+    assert host_costs.extra_host_us(p, "python") == 0.0  # nothing measurable: nothing charged, nothing raised
 
 
 def test_a_python_path_layer_pays_that_path_in_its_native_directions_too(native, monkeypatch, tmp_path):
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 4.0, "python backward": 4.0, "gemm_1x1": 0.0, "gemm_1x1 backward": 0.0})
     x = torch.randn(2, 6, 5, 5)
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite"))
@@ -1828,7 +1829,7 @@ def test_a_layer_keeps_a_hot_path_per_input_shape(native):
 def test_the_host_cost_rule_judges_every_tuned_direction_whatever_the_order(native, monkeypatch, tmp_path):
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us",
+    monkeypatch.setattr(host_costs, "host_overheads_us",
                         lambda device, db=None: {"python": 50.0, "gemm_1x1": 5.0, "native": 2.0})
     x = torch.randn(2, 6, 5, 5)
     plans = []
@@ -1907,7 +1908,7 @@ def test_the_host_cost_rule_leaves_a_cpu_bfloat16_layer_on_its_choice(native, mo
     # which would send a layer whose gain does not pay its host cost there, keeps its measured choice.
     from convtune.results import PerfResult, Status
 
-    monkeypatch.setattr(runtime, "host_overheads_us",
+    monkeypatch.setattr(host_costs, "host_overheads_us",
                         lambda device, db=None: {"python": 50.0, "gemm_1x1": 50.0, "native": 50.0})
     module = ct.nn.Conv2d(6, 4, 1, mode="hybrid", db=ct.TuningDB(tmp_path / "t.sqlite")).to(torch.bfloat16)
     x = torch.randn(2, 6, 5, 5, dtype=torch.bfloat16)

@@ -14,7 +14,7 @@ import torch
 import convtune as ct
 from convtune import extension
 from convtune.algorithms.base import allocate_workspace
-from convtune.pytorch import runtime
+from convtune.pytorch import host_costs, runtime
 from convtune.settings import settings
 from convtune.verify import reference, rel_error, tolerance
 from gpu_cases import case_id, cases
@@ -386,7 +386,7 @@ def test_a_layer_on_pytorchs_call_for_training_runs_a_cudnn_plan_for_calls_witho
 
     # The plan's backward costs 20 us a direction over PyTorch's call, its forward 8 us less: the layer stays on
     # PyTorch's call for training, and a call without gradients runs the plan (tuning.for_calls_without_gradients).
-    monkeypatch.setattr(runtime, "host_overheads_us", lambda device, db=None: {
+    monkeypatch.setattr(host_costs, "host_overheads_us", lambda device, db=None: {
         "python": 50.0, "native": 5.0, "cudnn": -8.0, "cudnn backward": 20.0})
     torch.manual_seed(0)
     db = ct.TuningDB(tmp_path / "t.sqlite")

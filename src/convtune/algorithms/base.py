@@ -150,7 +150,7 @@ class Algorithm(abc.ABC):
     that ranks its candidates by its own heuristics (cuDNN's), its fixed place in that order for its problem
     (0: the heuristics' first choice), which get prices (``costmodel.order_factor``) and its learned
     model reads; None for everything else. host_kind: which of the host costs the Python path's runs of it pay
-    (``convtune.pytorch.runtime.host_overheads_us``; where it has no native executable): 'python', or
+    (``convtune.pytorch.host_costs.host_overheads_us``; where it has no native executable): 'python', or
     'triton' for a Triton kernel, whose launcher costs more host time. alignment: the bytes to which its operands'
     first elements must be aligned (1: any address), which ``run`` and a tuned layer's Python path check.
     """

@@ -27,7 +27,7 @@ from convtune.errors import CANDIDATE_FAULTS, NoAlgorithmError
 from convtune.network import Tuning
 from convtune.policy import Policy
 from convtune.problem import DIRECTIONS, ConvProblem, is_in_layout
-from convtune.pytorch import ops, runtime, workspace
+from convtune.pytorch import host_costs, ops, runtime, workspace
 from convtune.ranking import NATIVE
 from convtune.results import PerfResult
 from convtune.settings import settings
@@ -238,7 +238,7 @@ def select_for_layer(module: torch.nn.Module, signature: Signature, tuning: Tuni
 def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
     """``selection``, its directions that chose torch:native each moved to the member of their tie whose path costs
     the layer least, where that lowers the layer's cost: GPU time measured plus the host time its path adds over
-    PyTorch's call (``runtime.extra_host_us``).
+    PyTorch's call (``host_costs.extra_host_us``).
 
     select gives a tie (results within ``policy.tolerance`` of the fastest) to torch:native, which needs no
     workspace of convtune's. On the native runtime a cuDNN execution plan's executable costs the host less a call
@@ -268,7 +268,7 @@ def on_the_cheaper_path(selection: LayerSelection, tuning: Tuning) -> LayerSelec
 def for_calls_without_gradients(selection: LayerSelection, tuning: Tuning) -> LayerSelection:
     """``selection``, given the forward's path that a call needing no gradient takes (``no_grad``) where the layer
     calls PyTorch's convolution for a tuned gradient: the member of the forward's tie whose path costs that call less
-    than PyTorch's call does (GPU time measured plus the host time its executable adds, ``runtime.extra_host_us``).
+    than PyTorch's call does (GPU time measured plus the host time its executable adds, ``host_costs.extra_host_us``).
 
     A layer tuned for training is judged by the sum over its directions (``on_the_cheaper_path``), so where its
     backward's paths cost more than its forward saves it stays on PyTorch's call, and so did its inference calls; an
@@ -326,7 +326,7 @@ def tie_costs(selection: LayerSelection, tuning: Tuning) -> TieCosts | None:
         native = tuning.db.result(problem, NATIVE)  # measured (select's answer in mode 'get' is a prediction)
         if native is None or not (native.ok and native.time_ms):
             return None
-        through_op = 1e3 * native.time_ms + runtime.extra_host_us(problem, "native", tuning.db)
+        through_op = 1e3 * native.time_ms + host_costs.extra_host_us(problem, "native", tuning.db)
         as_chosen += through_op if not on_torch else 1e3 * native.time_ms
         cheapest, cost = _cheapest_of_the_tie(problem, _usable(problem, tuning.policy, tuning.db), tuning.policy,
                                               tuning.db, through_op)
@@ -356,7 +356,7 @@ def _cheapest_of_the_tie(problem: ConvProblem, usable: list[PerfResult], policy:
         if cast(float, result.time_ms) > limit or result.algorithm == NATIVE:
             continue
         try:
-            here = 1e3 * cast(float, result.time_ms) + runtime.extra_host_us(
+            here = 1e3 * cast(float, result.time_ms) + host_costs.extra_host_us(
                 problem, runtime.kind_of(problem, result.algorithm, db), db)
         except CANDIDATE_FAULTS as exc:  # the Python path, no executable here (REFUSALS), or a faulty plug-in
             log.debug("%s: %s is no executable of the tie (%s)", problem.key, result.algorithm, exc)
@@ -380,7 +380,7 @@ def make_measured_executables(problem: ConvProblem, policy: Policy, db: Any) -> 
     first = ranking.rank(usable, policy, problem.dtype)[0]
     wanted = [first.algorithm]
     if first.algorithm == NATIVE and settings.host_rule and policy.prefer != "least_memory":
-        through_op = 1e3 * cast(float, first.time_ms) + runtime.extra_host_us(problem, "native", db)
+        through_op = 1e3 * cast(float, first.time_ms) + host_costs.extra_host_us(problem, "native", db)
         member, _ = _cheapest_of_the_tie(problem, usable, policy, db, through_op)
         if member is not None:
             wanted.append(member.algorithm)
@@ -401,7 +401,7 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
 
     The rule: a layer gains, per step, the measured GPU time of torch:native minus that of its choice,
     summed over its tuned directions; it pays, per step, the host time its path adds over PyTorch's
-    call (``runtime.extra_host_us``, measured once per machine and kept in the database: an executable's, or
+    call (``host_costs.extra_host_us``, measured once per machine and kept in the database: an executable's, or
     the Python path's as a layer pays it, a Triton kernel's apart). Where the gain is smaller than the cost,
     the layer calls PyTorch. Only measured choices are judged (the database holds torch:native's
     time for every tuned direction); settings.host_rule=False turns the rule off.
@@ -430,7 +430,7 @@ def where_the_host_pays(selection: LayerSelection, tuning: Tuning) -> LayerSelec
             kind = "python"
         else:
             kind = get_algorithm(chosen.algorithm, problem).host_kind
-        extra_us = runtime.extra_host_us(problem, kind, tuning.db)
+        extra_us = host_costs.extra_host_us(problem, kind, tuning.db)
         cost_us += extra_us
         if direction == "fwd":
             forward = (1e3 * (native.time_ms - chosen.time_ms), extra_us)
@@ -449,7 +449,7 @@ def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_u
                               forward: tuple[float, float]) -> LayerSelection:
     """``selection``, marked ``compiled_torch`` where its GPU gain (``gain_us`` a step) is smaller than what
     compiled code pays for it: the host time its executables add (``eager_us``, as in eager code) and the calls
-    of convtune's op rather than of PyTorch's convolution, one per direction tuned (``runtime.compiled_call_us``:
+    of convtune's op rather than of PyTorch's convolution, one per direction tuned (``host_costs.compiled_call_us``:
     a static shape's call, ``tuned_run``); else marked ``compiled_torch_no_grad`` where the layer gains less than
     that in its forward alone (``forward``: the forward's gain and the host time its executable adds in eager
     code, us), which is all that a call needing no gradient runs (a layer tuned for its forward alone is judged
@@ -459,7 +459,7 @@ def _where_compiled_code_pays(selection: LayerSelection, gain_us: float, eager_u
     if selection.native is None:  # the Python path: compiled code breaks the graph there whatever it gains
         return selection
     directions = {direction for direction, _ in selection.results}
-    call_us = runtime.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
+    call_us = host_costs.compiled_call_us(ConvProblem.from_key(selection.problem).device, tuning.db)
     cost_us = eager_us + len(directions) * call_us
     if gain_us < cost_us:
         return dataclasses.replace(selection, compiled_torch=True, reason=(
