@@ -228,10 +228,10 @@ def _compiled_call_us(p: ConvProblem, device: str) -> float:
 
 
 def _add_layer_costs(overheads: dict[str, float], kind: str, problem: ConvProblem, names: dict[str, str],
-                     runtime: str) -> None:
+                     path: str) -> None:
     """Measure a layer of ``kind`` (``_layer_us``) into ``overheads``; for the Python path, less what its probe
     algorithm's runs cost the host over torch:native's on the Python path (``_algorithm_us``)."""
-    measured = _probe(kind, lambda: _layer_us(problem, names, runtime))
+    measured = _probe(kind, lambda: _layer_us(problem, names, path))
     if measured is None:
         return
     forward, backward = measured
@@ -258,11 +258,11 @@ def _algorithm_us(problem: ConvProblem, names: dict[str, str]) -> tuple[float, f
     return extra[0], extra[1], extra[2]
 
 
-def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tuple[float, float] | None:
+def _layer_us(problem: ConvProblem, names: dict[str, str], path: str) -> tuple[float, float] | None:
     """(forward, each gradient): host microseconds that a layer running ``names`` on ``problem`` (2-D,
     channels_last) adds over ``torch.nn.Conv2d``'s: its forward without autograd, and its forward and backward
     (autograd's call of the backward, the layout of the gradient, both gradients' runs), less that forward,
-    halved. None where the layer would not run on ``runtime`` ('native' or 'python'; an executable cuDNN
+    halved. None where the layer would not run on ``path`` ('native' or 'python'; an executable cuDNN
     would not build here, say)."""
     from convtune.pytorch.modules import Conv2d
     from convtune.pytorch.tuning import LayerSelection, Signature
@@ -273,7 +273,7 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], runtime: str) -> tupl
         return layer.to(problem.device, problem.torch_dtype).to(memory_format=torch.channels_last)
 
     selection = LayerSelection(problem.key, names["fwd"], names["bwd_data"], names["bwd_filter"])
-    if selection.runtime != runtime:
+    if selection.runtime != path:
         return None
     base, layer = made(torch.nn.Conv2d), cast(Conv2d, made(Conv2d, mode="get"))
     layer.load_state_dict(base.state_dict())
