@@ -35,7 +35,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -198,22 +198,17 @@ class TuningDB:
 
     def entries(self) -> list[Entry]:
         """One Entry per stored (problem, fingerprint, software), sorted by problem key."""
-        rows = self._read("SELECT problem, fingerprint, software, device, stored_at, result, algorithm, checksum "
-                          "FROM results ORDER BY problem, fingerprint, software, rowid")
-        groups: dict[tuple[str, str, str], list[Any]] = {}
-        for key, fp, sw, device, stored_at, text, name, checksum in rows:
-            groups.setdefault((key, fp, sw), []).append((device, stored_at, text, name, checksum))
-        here = {device: _here(device) for device in {row[3] for row in rows}}
-        entries = []
-        for (key, fp, sw), items in groups.items():
-            decoded = [self._decoded_row(text, key, (fp, sw, name, checksum)) for _, _, text, name, checksum in items]
-            results = self._whole(key, decoded)  # None: a find that lost rows, which nothing serves
+        entries, here = [], {}
+        for (key, fp, sw), rows, results in self._finds("problem, fingerprint, software"):
             problem = self._problem(key)
             first = best(results or [], Policy(), problem.dtype if problem is not None else None)
+            device = rows[0][0]
+            if device not in here:
+                here[device] = _here(device)
             entries.append(Entry(
-                problem=key, fingerprint=fp, software=sw, num_results=sum(row is not None for row in decoded),
+                problem=key, fingerprint=fp, software=sw, num_results=sum(row is not None for _, _, row in rows),
                 best_algorithm=first.algorithm if first else None, best_ms=first.time_ms if first else None,
-                stored_at=max(item[1] for item in items), usable=here[items[0][0]] == (fp, sw),
+                stored_at=max(stored_at for _, stored_at, _ in rows), usable=here[device] == (fp, sw),
             ))
         return entries
 
@@ -223,18 +218,12 @@ class TuningDB:
         ends in ``.gz`` (a sweep's dataset: about 17x smaller); returns lines written. ``ValueError`` where ``path``
         is a SQLite file (this database, another one): an export never replaces a database."""
         refuse_database(path)
-        rows = self._read("SELECT fingerprint, software, problem, stored_at, result, algorithm, checksum FROM results "
-                          "ORDER BY fingerprint, software, problem, rowid")
-        groups: dict[tuple[str, str, str], list[tuple[float, Any]]] = {}
-        for fp, sw, key, stored_at, text, name, checksum in rows:
-            groups.setdefault((fp, sw, key), []).append((stored_at, self._decoded_row(text, key, (fp, sw, name,
-                                                                                                     checksum))))
         lines = []
-        for (fp, sw, key), found in groups.items():
+        for (key, fp, sw), rows, results in self._finds("fingerprint, software, problem"):
             # (a find that lost rows is left out: imported, its rest would be taken for a whole find)
-            if self._whole(key, [row for _, row in found]) is not None:
+            if results is not None:
                 lines += [export_lines.line(db_file.SCHEMA_VERSION, fp, sw, key, stored_at, row[0])
-                          for stored_at, row in found if row is not None]
+                          for _, stored_at, row in rows if row is not None]
         export_lines.write(path, lines)
         return len(lines)
 
@@ -373,6 +362,20 @@ class TuningDB:
         return f"TuningDB({str(self.path)!r})"
 
     # -- rows --------------------------------------------------------------------------------
+    def _finds(self, order: str) -> Iterator[tuple[tuple[str, str, str], list[tuple[str, float, Any]],
+                                                    list[PerfResult] | None]]:
+        """Every stored find, on every machine and software, in ``order`` (columns of the results table): its
+        (problem key, fingerprint, software), its rows in stored order as (device, stored_at, ``_decoded_row``), and
+        its results where they are whole (``_whole``; None for a find that lost rows)."""
+        rows = self._read("SELECT problem, fingerprint, software, device, stored_at, result, algorithm, checksum "
+                          f"FROM results ORDER BY {order}, rowid")
+        groups: dict[tuple[str, str, str], list[tuple[str, float, Any]]] = {}
+        for key, fp, sw, device, stored_at, text, name, checksum in rows:
+            groups.setdefault((key, fp, sw), []).append(
+                (device, stored_at, self._decoded_row(text, key, (fp, sw, name, checksum))))
+        for (key, fp, sw), found in groups.items():
+            yield (key, fp, sw), found, self._whole(key, [row for _, _, row in found])
+
     def _whole(self, key: str, decoded: list[tuple[PerfResult, int | None] | None]) -> list[PerfResult] | None:
         """The results of one find of ``key`` (its rows ``_decoded_row``), or None (warned once) where fewer can be
         read than it stored: a lost row may be its best, and the rest would pick the next best as if it were. Rows

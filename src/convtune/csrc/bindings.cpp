@@ -101,7 +101,7 @@ at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optio
                       bool dx_tuned, bool dw_tuned, int64_t inference) {
   const ExecutablePtr e = find_executable(fwd);
   const Geometry& g = e->geometry;
-  if (under_transform()) return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);  // torch.func
+  if (under_transform()) return torch_convolution(x, w, bias, g);  // torch.func
   e->check_input(x);
   TORCH_CHECK_VALUE(w.sizes() == at::IntArrayRef(g.b.shape), g.label, ": weight of shape ", text(w.sizes()),
                     " is not the tuned problem's (", text(g.b.shape), ")");
@@ -121,7 +121,7 @@ at::Tensor torch_conv(const at::Tensor& x, const at::Tensor& w, const std::optio
     return conv_tuned(x, w, bias, inference, 0, 0);  // (whose forward checks that the executable computes one)
   }
   py::gil_scoped_release no_gil;
-  return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+  return torch_convolution(x, w, bias, g);
 }
 
 }  // namespace
@@ -204,7 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         const ExecutablePtr e = find_executable(fwd);
         if (under_transform()) {  // torch.func's wrapped tensors: PyTorch's convolution, which its transforms know
           const Geometry& g = e->geometry;
-          return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+          return torch_convolution(x, w, bias, g);
         }
         e->check_input(x);  // the hot path's input: another layout is another signature
         py::gil_scoped_release no_gil;

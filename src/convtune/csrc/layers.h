@@ -51,5 +51,9 @@ bool under_transform();
 // PyTorch's convolution, the op torch.nn's forward calls (aten::conv1d/2d/3d: autocast's lists name these).
 at::Tensor torch_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                              at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups);
+struct Geometry;
+// The same with an executable's stride, padding, dilation and groups (executable.h).
+at::Tensor torch_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                             const Geometry& g);
 
 }  // namespace convtune

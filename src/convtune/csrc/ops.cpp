@@ -124,7 +124,7 @@ at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::op
                          int64_t bwd_data, int64_t bwd_filter) {
   if (under_transform()) {  // (torch.func: PyTorch's convolution, which its transforms know)
     const Geometry& g = find_executable(fwd)->geometry;
-    return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
+    return torch_convolution(x, w, bias, g);
   }
   TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(x, w, bias), find_executable(fwd)->geometry.label,
                               ": convtune::tuned_conv has no forward-mode derivative (torch.autograd.forward_ad), so "
@@ -200,6 +200,11 @@ at::Tensor torch_convolution(const at::Tensor& x, const at::Tensor& w, const std
   if (x.dim() == 3) return at::conv1d(x, w, bias, stride, padding, dilation, groups);
   if (x.dim() == 4) return at::conv2d(x, w, bias, stride, padding, dilation, groups);
   return at::conv3d(x, w, bias, stride, padding, dilation, groups);
+}
+
+at::Tensor torch_convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                             const Geometry& g) {
+  return torch_convolution(x, w, bias, g.stride, g.padding, g.dilation, g.groups);
 }
 
 TORCH_LIBRARY_FRAGMENT(convtune, m) {
