@@ -372,10 +372,13 @@ def test_corruption_found_in_use_replaces_the_file(db, caplog):
     assert db.lookup(problem(2)).algorithm == "cpu:fast"
 
 
-def _other_schema(path: Path, version: int) -> bytes:
-    """A SQLite file at ``path`` of schema ``version`` (0: another program's database); its bytes."""
+def _other_schema(path: Path, version: int, meta: bool = False) -> bytes:
+    """A SQLite file at ``path`` of schema ``version`` (0: another program's database), with a ``meta`` table where
+    ``meta`` (every schema of convtune's had both tables); its bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with sqlite3.connect(path) as conn:
+        if meta:
+            conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         conn.execute("CREATE TABLE results (anything TEXT)")
         conn.execute("INSERT INTO results VALUES ('not ours')")
         conn.execute(f"PRAGMA user_version={version}")
@@ -410,14 +413,7 @@ def test_a_newer_convtunes_database_and_another_programs_named_one_are_left_as_t
 def test_another_schema_is_moved_aside_never_read(tmp_path, caplog, version):
     # (an older convtune's database; another program's where the path is convtune's own)
     path = settings.db_path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with sqlite3.connect(path) as conn:  # a file of another schema (0: another program's database)
-        if version:  # (every schema of convtune's had both tables)
-            conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        conn.execute("CREATE TABLE results (anything TEXT)")
-        conn.execute("INSERT INTO results VALUES ('not ours')")
-        conn.execute(f"PRAGMA user_version={version}")
-    conn.close()
+    _other_schema(path, version, meta=bool(version))
     with caplog.at_level(logging.WARNING, logger="convtune.db_file"):
         tdb = TuningDB(path)
     assert any(f"schema version {version}" in r.getMessage() for r in caplog.records)

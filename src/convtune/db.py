@@ -100,11 +100,8 @@ class TuningDB:
         if self.path.exists() and not self.path.is_file():
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
-        try:  # (only convtune's own file is moved aside: the default path, however it is written)
-            default: Path | None = _resolved(settings.db_path)
-        except ValueError:  # a cache folder setting that does not parse: a path given is not the default one
-            default = None
-        self._mine = path is None or _resolved(self.path) == default
+        # (only convtune's own file is moved aside: the default path, however it is written)
+        self._mine = path is None or _resolved(self.path) == _default_path()
         if not self._mine and not db_file.may_be_ours(self.path):
             # (a damaged tuning database is moved aside and what is intact salvaged; a file the caller named that
             # neither is a SQLite file nor holds the tables' definitions may be anything of theirs: left as it is)
@@ -637,6 +634,15 @@ def _resolved(path: Path) -> Path:
         return path.expanduser().resolve()
     except (OSError, RuntimeError):  # a loop of links, a home folder that cannot be found
         return path
+
+
+def _default_path() -> Path | None:
+    """The default database's path (``_resolved``); None where the cache folder setting does not parse (a path given
+    is then not the default one)."""
+    try:
+        return _resolved(settings.db_path)
+    except ValueError:
+        return None
 
 
 def _here(device: str) -> tuple[str, str] | None:

@@ -107,14 +107,16 @@ def _put_back(scope: Any, precision: str) -> None:
 
 @contextlib.contextmanager
 def _switched(flag_scope: Any, operation: Any, allowed: bool, reads: Callable[[], bool],
-              touched: tuple[Any, ...] = ()) -> Iterator[None]:
+              touched: tuple[Any, ...] = (), matmul_precision: bool = False) -> Iterator[None]:
     """TF32 as ``allowed`` inside (``reads`` tells what holds): ``flag_scope.allow_tf32`` where setting it takes
     effect, else ``operation.fp32_precision`` too; then as before. ``touched``: other precisions that setting the
-    flag also sets (the RNNs' for cuDNN's flag; oneDNN's matrix products' for the legacy matmul precision)."""
+    flag also sets (the RNNs' for cuDNN's flag; oneDNN's matrix products' for the legacy matmul precision).
+    ``matmul_precision``: the flag is the matrix products', which also sets ``torch.get_float32_matmul_precision()``
+    (put back too: 'medium' is not a flag's value)."""
     _refuse_on_this_thread("TF32 setting")
     with _LOCK:
         saved = [(scope, scope.fp32_precision) for scope in (operation, *touched) if scope is not None]
-        legacy = _legacy_matmul() if flag_scope is torch.backends.cuda.matmul else None
+        legacy = _legacy_matmul() if matmul_precision else None
         try:
             flag: bool | None = bool(flag_scope.allow_tf32)
         except RuntimeError:
@@ -167,7 +169,7 @@ def matmul(device: str, allowed: bool) -> contextlib.AbstractContextManager[None
     per_operation = hasattr(matmul_scope, "fp32_precision")
     onednn = getattr(torch.backends.mkldnn, "matmul", None) if per_operation else None
     return _switched(matmul_scope, matmul_scope if per_operation else None, allowed, matmul_allowed,
-                     (onednn,) if onednn is not None else ())
+                     (onednn,) if onednn is not None else (), matmul_precision=True)
 
 
 @dataclasses.dataclass(frozen=True)
