@@ -425,7 +425,7 @@ def judge_all(parser: argparse.ArgumentParser, args: argparse.Namespace, db: ct.
                 f"problem's measurements (`learned.simulated_find`: each family's first-ranked candidate, then the "
                 f"learned order; a candidate predicted over `prune factor` times the best measured is skipped, not a "
                 f"family's first try priced by a guess, and a family's prices come down by as much as its first "
-                f"timing ran faster than predicted (`results.SearchPrices`); after "
+                f"timing ran faster than predicted (`search_rules.SearchPrices`); after "
                 f"`patience` candidates in a row without a gain beyond the default tolerance "
                 f"({Policy().tolerance:g}) the rest are): the best found over the best measured (geometric mean, "
                 f"worst, how many problems above 1.05), the share of candidates run and the share of the candidates' "

@@ -35,7 +35,8 @@ from .microbatch_search import micro_batch_offers
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import NATIVE, best, order, usable, within_error
-from .results import PerfResult, SearchPrices, Status, families_first
+from .results import PerfResult, Status
+from .search_rules import SearchPrices, StopRules, families_first
 from .settings import check_seed, settings
 from .timing import Timer, benchmark
 from .units import format_bytes, format_ms
@@ -98,7 +99,7 @@ def search_order(ranked: Sequence[Algorithm]) -> tuple[list[Algorithm], int]:
     The cost model ranks families against each other less surely than candidates within one
     family (and a family its measurements have not met yet no better than their typical candidate), so each
     family gets one early try (skipped like any candidate where ``get`` predicts it over the prune factor times
-    the best measured, unless the learned model priced it by a guess: ``results.SearchPrices``); the rest follow in
+    the best measured, unless the learned model priced it by a guess: ``search_rules.SearchPrices``); the rest follow in
     ``get``'s order.
 
         >>> class A:
@@ -141,7 +142,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     model prices a candidate by its mean over those problems: one that a few of them found best can be priced
     far down the order; ``learned.LearnedModel.contenders``); a contender that gains resumes the search (the count
     starts again). A candidate that ``get`` predicts over ``settings.find_prune_factor`` times slower than the best
-    measured is skipped without running (``results.SearchPrices``: not a family's first try that the learned model
+    measured is skipped without running (``search_rules.SearchPrices``: not a family's first try that the learned model
     prices by a guess; where a family's first timed candidate ran faster than predicted, its other prices come down
     by as much).
     Neither rule skips a candidate needing less workspace than every
@@ -210,17 +211,19 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     prices = SearchPrices({a.name: cast(float, guess.time_ms) for a, guess in predictions},  # every one has a time
                           [a.name for a in ranked[:head_size] if table.guessed(a.name, problem, a.place)])
     contenders = table.contenders(problem, [(a.name, a.place) for a in ranked], settings.find_contender_factor)
+    rules = StopRules(prices, head_size, patience=settings.find_patience, tolerance=policy.tolerance,
+                      prune_factor=settings.find_prune_factor, contenders=contenders)
     search = Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     try:
-        results += _search(search, ranked, head_size, prices, policy, settings.find_patience, contenders)
+        results += _search(search, ranked, rules)
         if not any(r.ok and within_error(r, policy) for r in results):
             results = _slow_but_right(results, policy)
         if problem.device == "cpu" and timer is benchmark:  # a fake or another timer in tests and tools: as it says
             results = _confirm(search, results, {a.name: a for a in ranked})
         if policy.micro_batching:
-            results += _micro_batched(problem, policy, results, search, db=db, timer=timer, candidates=given,
-                                      seed=seed)
+            results += _micro_batched(problem, policy, results, search, rules, db=db, timer=timer,
+                                      candidates=given, seed=seed)
     finally:
         if search.isolated:
             isolation.release()  # the worker drops this problem's inputs and reference
@@ -272,9 +275,8 @@ class _Ahead:
     (``contextvars``), so that the mode is the search's own and a mode of the caller's stays as it was (the search
     then has no head start). Any fault here costs only the head start: each run compiles what it lacks."""
 
-    def __init__(self, search: Search, ranked: list[Algorithm], prices: SearchPrices,
-                 contenders: frozenset[str] = frozenset()) -> None:
-        self.search, self.ranked, self.prices, self.contenders = search, ranked, prices, contenders
+    def __init__(self, search: Search, ranked: list[Algorithm], rules: StopRules) -> None:
+        self.search, self.ranked, self.rules = search, ranked, rules
         self.threads = settings.find_compile_threads
         self.prepared: set[int] = set()  # the places in ranked of those prepared
         self._refusals: dict[int, bool] = {}  # place in ranked -> whether the policy refuses it (``_refused``)
@@ -307,7 +309,7 @@ class _Ahead:
             self._mode = mode
         return self
 
-    def __call__(self, index: int, converged: bool) -> None:
+    def __call__(self, index: int) -> None:
         """Before ``ranked[index]`` runs: prepare, each once, the candidates from it on that would run as things
         stand, up to ``threads`` of them beyond it (not more than the budget has candidates left). Those passed over
         are looked at again at the next call while still ahead: a price over the prune factor may come down
@@ -324,8 +326,7 @@ class _Ahead:
             algorithm = self.ranked[place]
             if self._refused(place):  # the policy's first check refuses it: it never runs
                 continue
-            stops = converged and algorithm.name not in self.contenders
-            skip = self.search._skip(self.prices(algorithm.name), stops)
+            skip = self.search._skip(self.rules.why_skipped(algorithm.name, self.search.best_ms))
             if skip is not None:
                 if not skip[1]:  # the budget is spent: none of the rest runs
                     break
@@ -374,48 +375,41 @@ class _Ahead:
         self._pool = self._mode = None
 
 
-def _search(search: Search, ranked: list[Algorithm], head_size: int, prices: SearchPrices,
-            policy: Policy, patience: int, contenders: frozenset[str] = frozenset()) -> list[PerfResult]:
-    """Each candidate of ``ranked`` tried in turn, until the search converges (``find``'s rules; ``contenders`` run
-    all the same), the next ones' compiles started ahead of them (``_Ahead``)."""
+def _search(search: Search, ranked: list[Algorithm], rules: StopRules) -> list[PerfResult]:
+    """Each candidate of ``ranked`` tried in turn, until the search converges (``rules``: ``find``'s), the next ones'
+    compiles started ahead of them (``_Ahead``)."""
     def in_order() -> list[PerfResult]:
-        with _Ahead(search, ranked, prices, contenders) as ahead:
-            return _search_in_order(search, ranked, head_size, prices, policy, patience, ahead, contenders)
+        with _Ahead(search, ranked, rules) as ahead:
+            return _search_in_order(search, ranked, rules, ahead)
 
     return contextvars.copy_context().run(in_order)
 
 
-def _search_in_order(search: Search, ranked: list[Algorithm], head_size: int, prices: SearchPrices,
-                     policy: Policy, patience: int, ahead: _Ahead, contenders: frozenset[str]) -> list[PerfResult]:
+def _search_in_order(search: Search, ranked: list[Algorithm], rules: StopRules, ahead: _Ahead) -> list[PerfResult]:
     results = []
-    without_gain = 0
     for index, algorithm in enumerate(ranked, 1):
-        converged = bool(patience and without_gain >= patience)
-        ahead(index - 1, converged)
+        ahead(index - 1)
         best_before = search.best_ms
-        result = search.try_candidate(algorithm, prices(algorithm.name),
-                                      converged=converged and algorithm.name not in contenders)
-        if result.ok:
-            prices.timed(algorithm.name, result.time_ms)
+        result = search.try_candidate(algorithm, rules.why_skipped(algorithm.name, best_before))
+        if result.ok:  # (the best before and after it: of the results this policy can use)
+            rules.timed(index, algorithm.name, result.time_ms, best_before, search.best_ms)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it
             result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)
-        if result.ok and index > head_size:  # the first try of each family does not count
-            gained = search.best_ms < best_before * (1 - policy.tolerance)  # what this policy can use
-            without_gain = 0 if gained or not math.isfinite(best_before) else without_gain + 1
         _log_result(index, len(ranked), result, search.best_ms)
     return results
 
 
 def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResult], search: Search,
-                   **find_kw: Any) -> list[PerfResult]:
-    """The splits ``microbatch_search.micro_batch_offers`` proposes, each verified and timed like any candidate."""
+                   rules: StopRules, **find_kw: Any) -> list[PerfResult]:
+    """The splits ``microbatch_search.micro_batch_offers`` proposes, each verified and timed like any candidate (its
+    price over the prune factor times the best measured: skipped, ``rules``)."""
     def find_sub(sub: ConvProblem, sub_policy: Policy) -> list[PerfResult]:
         return find(sub, sub_policy, **find_kw)
 
     out = []
     for offer in micro_batch_offers(problem, policy, results, find_sub, find_kw["candidates"]):
-        result = search.try_candidate(offer.algorithm, offer.predicted_ms)
+        result = search.try_candidate(offer.algorithm, rules.pruned(offer.predicted_ms, search.best_ms))
         out.append(dataclasses.replace(result, message="; ".join(filter(None, (offer.note, result.message)))))
     return out
 

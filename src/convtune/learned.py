@@ -62,7 +62,8 @@ from . import hardware
 from .errors import first_line
 from .files import writable, write_whole
 from .problem import DIRECTIONS, ConvProblem
-from .results import SearchPrices, backend_of, families_first
+from .results import backend_of
+from .search_rules import SearchPrices, StopRules, families_first
 from .settings import settings
 
 log = logging.getLogger(__name__)
@@ -716,35 +717,30 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
                    prune_factor: float, guessed: Iterable[str] = (),
                    contenders: Iterable[str] = ()) -> tuple[float, int, float]:
     """(best time found, candidates run, their summed times) of ``find``'s search over ``order`` (``ranked``'s
-    answer), from the candidates' measured times: each family's best-ranked candidate first, then the rest in
-    order; a candidate predicted over ``prune_factor`` times the best measured is skipped (``SearchPrices``: not a
-    family's first try priced by a guess, one of ``guessed``; a family's prices scaled down by its first timing),
-    and once ``patience`` candidates in a row after the first tries gained nothing beyond ``tolerance``, the rest
-    are (0: never), except ``contenders`` (``LearnedModel.contenders``; one that gains starts the count again). A
-    family's factor is set by its first timing here, as in ``find`` by its first ok result (there, one outside the
-    policy's error bound, or one that ran only for needing less workspace, counts too). Two of find's rules are left
-    out: a skipped candidate still runs where it may need less workspace than every one measured (samples carry no
-    workspace), and ``get``'s tie rule (times within the policy's tolerance go to the smaller workspace, then to
-    torch:native) does not reorder ``order``."""
+    answer), by find's own rules (``search_rules.StopRules``) on the candidates' measured times: each family's
+    best-ranked candidate first, then the rest in order; a candidate predicted over ``prune_factor`` times the best
+    measured is skipped (``SearchPrices``: not a family's first try priced by a guess, one of ``guessed``; a family's
+    prices scaled down by its first timing), and once ``patience`` candidates in a row after the first tries gained
+    nothing beyond ``tolerance``, the rest are (0: never), except ``contenders`` (``LearnedModel.contenders``; one
+    that gains starts the count again). A family's factor is set by its first timing here, as in ``find`` by its
+    first ok result (there, one outside the policy's error bound, or one that ran only for needing less workspace,
+    counts too). Two of find's rules are left out: a skipped candidate still runs where it may need less workspace
+    than every one measured (samples carry no workspace), and ``get``'s tie rule (times within the policy's
+    tolerance go to the smaller workspace, then to torch:native) does not reorder ``order``."""
     searched, head = families_first(order, lambda entry: entry[0].name)
-    guessed, contenders = set(guessed), set(contenders)
+    guessed = set(guessed)
     prices = SearchPrices({s.name: predicted for s, predicted in order},
                           [s.name for s, _ in searched[:head] if s.name in guessed])
-    best, run, spent, without_gain = math.inf, 0, 0.0, 0
+    rules = StopRules(prices, head, patience=patience, tolerance=tolerance, prune_factor=prune_factor,
+                      contenders=contenders)
+    best, run, spent = math.inf, 0, 0.0
     for index, (sample, _) in enumerate(searched, 1):
-        if patience and without_gain >= patience and sample.name not in contenders:
+        if rules.why_skipped(sample.name, best) is not None:
             continue
-        price = prices(sample.name)
-        if prune_factor and math.isfinite(best) and math.isfinite(price) and price > prune_factor * best:
-            continue
-        prices.timed(sample.name, sample.measured_ms)
         run += 1
         spent += sample.measured_ms
-        before = best
-        best = min(best, sample.measured_ms)
-        if index > head:
-            gained = sample.measured_ms < before * (1 - tolerance)
-            without_gain = 0 if gained or not math.isfinite(before) else without_gain + 1
+        before, best = best, min(best, sample.measured_ms)
+        rules.timed(index, sample.name, sample.measured_ms, before, best)
     return best, run, spent
 
 

@@ -10,7 +10,7 @@ deterministic, that result is compared bit for bit with its first run's on the s
 determinism runs it a third time before timing instead: a candidate that fails it is not timed). The shared inputs
 are compared with their pristine copies once a candidate is done, after a failed check (which they may explain) and
 after a slow checked run: a candidate that wrote into them fails, and the next one sees them as they were.
-``find`` chooses the order and when to stop.
+``find`` chooses the order and when to stop (``search_rules``).
 """
 
 from __future__ import annotations
@@ -157,15 +157,13 @@ class Search:
                 t.copy_(t0)
         return any(changed)
 
-    def try_candidate(self, algorithm: Algorithm, predicted_ms: float = math.inf,
-                      converged: bool = False) -> PerfResult:
+    def try_candidate(self, algorithm: Algorithm, ruled_out: str | None = None) -> PerfResult:
         """The result of one candidate; nothing it raises escapes.
 
-        predicted_ms: get's guess (as ``find`` prices it: ``results.SearchPrices``); far above the best measured,
-        the candidate is not run.
-        converged: the search has stopped finding faster candidates. Either way, a candidate that
-        needs less workspace than every one measured so far still runs: it is a new point of the
-        time/workspace trade-off that a workspace budget (``plan``) may need.
+        ruled_out: why the search's rules would not run it (``search_rules.StopRules``: its price far above the best
+        measured, or the search converged); None: they would. A candidate so ruled out that needs less workspace
+        than every one measured so far still runs: it is a new point of the time/workspace trade-off that a
+        workspace budget (``plan``) may need.
 
         A workspace that is costly to learn (``known_workspace_bytes`` is None: an unbuilt cuDNN
         plan) is learned only where it decides: against the policy's workspace limit, for a run,
@@ -174,7 +172,7 @@ class Search:
         message says the workspace was not learned.
         """
         problem = self.problem
-        skip = self._skip(predicted_ms, converged)
+        skip = self._skip(ruled_out)
         try:
             props, declared, learned = declared_props(algorithm, problem, learn=self._workspace_decides(skip))
         except CANDIDATE_FAULTS as exc:  # a failing candidate is data
@@ -278,19 +276,13 @@ class Search:
                 self.restore_inputs()
             return PerfResult(algorithm.name, status, message=describe(exc), **props)
 
-    def _skip(self, predicted_ms: float, converged: bool) -> tuple[str, bool] | None:
-        """Why the next candidate need not run, and whether a leaner one runs all the same; None: it runs."""
+    def _skip(self, ruled_out: str | None) -> tuple[str, bool] | None:
+        """Why the next candidate need not run (the budget, else ``ruled_out``: ``try_candidate``), and whether a
+        leaner one runs all the same; None: it runs."""
         exhausted = self.budget.exhausted()
         if exhausted:
             return exhausted, False
-        if converged:
-            return (f"search converged: {settings.find_patience} candidates in a row were no faster "
-                    f"than the best"), True
-        prune = settings.find_prune_factor
-        if (prune and math.isfinite(self.best_ms) and math.isfinite(predicted_ms)
-                and predicted_ms > prune * self.best_ms):
-            return f"predicted {predicted_ms:.4g} ms, over {prune:g}x the best measured ({self.best_ms:.4g} ms)", True
-        return None
+        return None if ruled_out is None else (ruled_out, True)
 
     def _workspace_decides(self, skip: tuple[str, bool] | None) -> bool:
         """Whether a candidate's workspace changes what happens to it, given why it would be skipped."""

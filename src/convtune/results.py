@@ -6,10 +6,8 @@ import dataclasses
 import enum
 import math
 import re
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-T = TypeVar("T")
 MICRO_BATCH_BACKEND = "mb"  # the backend of micro-batched algorithms: 'mb:<inner backend>.<variant>_s<split>'
 
 
@@ -35,62 +33,6 @@ def family_of(name: str) -> str:
     """
     kernels = re.match(r"([^:]+:\w+?)_(?:fwd|bwd_data|bwd_filter)_", name)
     return kernels.group(1) if kernels else backend_of(name)
-
-
-def families_first(items: Sequence[T], name: Callable[[T], str]) -> tuple[list[T], int]:
-    """``items`` (ranked best first) with the first of every ``family_of`` family ahead of the rest, and how many
-    those are: the order ``find`` searches in (``find.search_order``), and its simulation (``learned``).
-
-        >>> families_first(["cudnn:a", "triton:depthwise_fwd_p64", "cudnn:b", "gemm:1x1"], str)
-        (['cudnn:a', 'triton:depthwise_fwd_p64', 'gemm:1x1', 'cudnn:b'], 3)
-    """
-    firsts: dict[str, T] = {}
-    for item in items:
-        firsts.setdefault(family_of(name(item)), item)
-    head = list(firsts.values())
-    return head + [item for item in items if item not in head], len(head)
-
-
-class SearchPrices:
-    """``get``'s predicted times as ``find`` prunes by them (``find``, and its simulation ``learned.simulated_find``).
-
-    ``unpruned``: candidates never pruned by their price (``find``: a family's first try whose price is a guess of
-    the learned model, ``learned.LearnedModel.guessed``: only running it tells). The first timing of a family sets
-    its factor: where that candidate ran faster than predicted, the rest of the family is priced lower by as much
-    (never higher, and later timings change nothing): a price off for a whole family (a kernel measured on few
-    problems like this one) does not prune its other candidates too.
-
-        >>> prices = SearchPrices({"triton:dw_fwd_a": 2.0, "triton:dw_fwd_b": 4.0, "cudnn:x": 1.0, "cudnn:y": 3.0},
-        ...                       ["cudnn:x"])
-        >>> prices("cudnn:x"), prices("triton:dw_fwd_b")
-        (inf, 4.0)
-        >>> prices.timed("cudnn:x", 2.0)  # slower than predicted: the family's prices stay
-        >>> prices("cudnn:y")
-        3.0
-        >>> prices.timed("triton:dw_fwd_a", 0.5)  # a quarter of its price
-        >>> prices("triton:dw_fwd_b"), prices("cudnn:z")
-        (1.0, inf)
-        >>> prices.timed("triton:dw_fwd_b", 0.01)  # the family's factor is set: a later timing changes nothing
-        >>> prices("triton:dw_fwd_b")
-        1.0
-    """
-
-    def __init__(self, predicted_ms: dict[str, float], unpruned: Sequence[str] = ()) -> None:
-        self._predicted, self._unpruned = predicted_ms, frozenset(unpruned)
-        self._scale: dict[str, float] = {}
-
-    def __call__(self, name: str) -> float:
-        """The time to prune ``name`` by (inf: never pruned; a candidate without a prediction is not)."""
-        if name in self._unpruned:
-            return math.inf
-        return self._predicted.get(name, math.inf) * self._scale.get(family_of(name), 1.0)
-
-    def timed(self, name: str, ms: float | None) -> None:
-        """``name`` measured ``ms``: the first timing of its family sets the family's factor (a time that is not
-        positive and finite sets nothing)."""
-        family, predicted = family_of(name), self._predicted.get(name, math.inf)
-        if family not in self._scale and ms is not None and 0 < ms < math.inf and 0 < predicted < math.inf:
-            self._scale[family] = min(1.0, ms / predicted)
 
 
 class Status(str, enum.Enum):
