@@ -100,6 +100,7 @@ PHASES = (
     ("selecting from the database", ("network.py:select_layers",)),
     ("making each layer's selection (executables)", ("tuning.py:select_for_layer",)),
     ("native executables made", ("runtime.py:",)),
+    ("host costs measured (once a machine; kept in the database)", ("host_costs.py:",)),
 )
 
 

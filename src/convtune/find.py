@@ -36,7 +36,7 @@ from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
 from .ranking import NATIVE, best, order, usable, within_error
 from .results import PerfResult, Status
-from .search_rules import SearchPrices, StopRules, families_first
+from .search_rules import SearchPrices, SearchRules, families_first
 from .settings import check_seed, settings
 from .timing import Timer, benchmark
 from .units import format_bytes, format_ms
@@ -211,7 +211,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     prices = SearchPrices({a.name: cast(float, guess.time_ms) for a, guess in predictions},  # every one has a time
                           [a.name for a in ranked[:head_size] if table.guessed(a.name, problem, a.place)])
     contenders = table.contenders(problem, [(a.name, a.place) for a in ranked], settings.find_contender_factor)
-    rules = StopRules(prices, head_size, patience=settings.find_patience, tolerance=policy.tolerance,
+    rules = SearchRules(prices, head_size, patience=settings.find_patience, tolerance=policy.tolerance,
                       prune_factor=settings.find_prune_factor, contenders=contenders)
     search = Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
@@ -275,7 +275,7 @@ class _Ahead:
     (``contextvars``), so that the mode is the search's own and a mode of the caller's stays as it was (the search
     then has no head start). Any fault here costs only the head start: each run compiles what it lacks."""
 
-    def __init__(self, search: Search, ranked: list[Algorithm], rules: StopRules) -> None:
+    def __init__(self, search: Search, ranked: list[Algorithm], rules: SearchRules) -> None:
         self.search, self.ranked, self.rules = search, ranked, rules
         self.threads = settings.find_compile_threads
         self.prepared: set[int] = set()  # the places in ranked of those prepared
@@ -375,7 +375,7 @@ class _Ahead:
         self._pool = self._mode = None
 
 
-def _search(search: Search, ranked: list[Algorithm], rules: StopRules) -> list[PerfResult]:
+def _search(search: Search, ranked: list[Algorithm], rules: SearchRules) -> list[PerfResult]:
     """Each candidate of ``ranked`` tried in turn, until the search converges (``rules``: ``find``'s), the next ones'
     compiles started ahead of them (``_Ahead``)."""
     def in_order() -> list[PerfResult]:
@@ -385,14 +385,14 @@ def _search(search: Search, ranked: list[Algorithm], rules: StopRules) -> list[P
     return contextvars.copy_context().run(in_order)
 
 
-def _search_in_order(search: Search, ranked: list[Algorithm], rules: StopRules, ahead: _Ahead) -> list[PerfResult]:
+def _search_in_order(search: Search, ranked: list[Algorithm], rules: SearchRules, ahead: _Ahead) -> list[PerfResult]:
     results = []
     for index, algorithm in enumerate(ranked, 1):
         ahead(index - 1)
         best_before = search.best_ms
         result = search.try_candidate(algorithm, rules.why_skipped(algorithm.name, best_before))
         if result.ok:  # (the best before and after it: of the results this policy can use)
-            rules.timed(index, algorithm.name, result.time_ms, best_before, search.best_ms)
+            rules.timed(index, algorithm.name, result.time_ms, best_before_ms=best_before, best_ms=search.best_ms)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it
             result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)
@@ -401,7 +401,7 @@ def _search_in_order(search: Search, ranked: list[Algorithm], rules: StopRules, 
 
 
 def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResult], search: Search,
-                   rules: StopRules, **find_kw: Any) -> list[PerfResult]:
+                   rules: SearchRules, **find_kw: Any) -> list[PerfResult]:
     """The splits ``microbatch_search.micro_batch_offers`` proposes, each verified and timed like any candidate (its
     price over the prune factor times the best measured: skipped, ``rules``)."""
     def find_sub(sub: ConvProblem, sub_policy: Policy) -> list[PerfResult]:

@@ -63,7 +63,7 @@ from .errors import first_line
 from .files import writable, write_whole
 from .problem import DIRECTIONS, ConvProblem
 from .results import backend_of
-from .search_rules import SearchPrices, StopRules, families_first
+from .search_rules import SearchPrices, SearchRules, families_first
 from .settings import settings
 
 log = logging.getLogger(__name__)
@@ -717,7 +717,7 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
                    prune_factor: float, guessed: Iterable[str] = (),
                    contenders: Iterable[str] = ()) -> tuple[float, int, float]:
     """(best time found, candidates run, their summed times) of ``find``'s search over ``order`` (``ranked``'s
-    answer), by find's own rules (``search_rules.StopRules``) on the candidates' measured times: each family's
+    answer), by find's own rules (``search_rules.SearchRules``) on the candidates' measured times: each family's
     best-ranked candidate first, then the rest in order; a candidate predicted over ``prune_factor`` times the best
     measured is skipped (``SearchPrices``: not a family's first try priced by a guess, one of ``guessed``; a family's
     prices scaled down by its first timing), and once ``patience`` candidates in a row after the first tries gained
@@ -731,7 +731,7 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     guessed = set(guessed)
     prices = SearchPrices({s.name: predicted for s, predicted in order},
                           [s.name for s, _ in searched[:head] if s.name in guessed])
-    rules = StopRules(prices, head, patience=patience, tolerance=tolerance, prune_factor=prune_factor,
+    rules = SearchRules(prices, head, patience=patience, tolerance=tolerance, prune_factor=prune_factor,
                       contenders=contenders)
     best, run, spent = math.inf, 0, 0.0
     for index, (sample, _) in enumerate(searched, 1):
@@ -740,7 +740,7 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
         run += 1
         spent += sample.measured_ms
         before, best = best, min(best, sample.measured_ms)
-        rules.timed(index, sample.name, sample.measured_ms, before, best)
+        rules.timed(index, sample.name, sample.measured_ms, best_before_ms=before, best_ms=best)
     return best, run, spent
 
 

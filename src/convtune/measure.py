@@ -160,7 +160,7 @@ class Search:
     def try_candidate(self, algorithm: Algorithm, ruled_out: str | None = None) -> PerfResult:
         """The result of one candidate; nothing it raises escapes.
 
-        ruled_out: why the search's rules would not run it (``search_rules.StopRules``: its price far above the best
+        ruled_out: why the search's rules would not run it (``search_rules.SearchRules``: its price far above the best
         measured, or the search converged); None: they would. A candidate so ruled out that needs less workspace
         than every one measured so far still runs: it is a new point of the time/workspace trade-off that a
         workspace budget (``plan``) may need.

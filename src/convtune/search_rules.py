@@ -1,6 +1,7 @@
 """find's search rules: the order it tries candidates in (``families_first``), the prices it prunes them by
-(``SearchPrices``), and when it skips a candidate or stops (``StopRules``). ``find`` follows them as it measures, and
-``learned.simulated_find`` over recorded times: one copy of the rules, so that the simulation cannot drift from find.
+(``SearchPrices``), and when it skips a candidate or stops (``SearchRules``). ``find`` follows them as it measures, and
+``learned.simulated_find`` over recorded times: one copy of the rules, which the simulation shares with find (but for
+the two of find's rules it leaves out, named in its docstring).
 """
 
 from __future__ import annotations
@@ -62,15 +63,15 @@ class SearchPrices:
             return math.inf
         return self._predicted.get(name, math.inf) * self._scale.get(family_of(name), 1.0)
 
-    def timed(self, name: str, ms: float | None) -> None:
-        """``name`` measured ``ms``: the first timing of its family sets the family's factor (a time that is not
+    def timed(self, name: str, time_ms: float | None) -> None:
+        """``name`` measured ``time_ms``: the first timing of its family sets the family's factor (a time that is not
         positive and finite sets nothing)."""
         family, predicted = family_of(name), self._predicted.get(name, math.inf)
-        if family not in self._scale and ms is not None and 0 < ms < math.inf and 0 < predicted < math.inf:
-            self._scale[family] = min(1.0, ms / predicted)
+        if family not in self._scale and time_ms is not None and 0 < time_ms < math.inf and 0 < predicted < math.inf:
+            self._scale[family] = min(1.0, time_ms / predicted)
 
 
-class StopRules:
+class SearchRules:
     """Which candidates of ``find``'s search run, in the order ``families_first`` gives, whose first ``head_size``
     are each family's first try, and when the search stops:
 
@@ -82,12 +83,12 @@ class StopRules:
     ``find`` asks before each candidate (``why_skipped``; there a candidate needing less workspace than every one
     measured runs all the same: ``measure.Search.try_candidate``) and tells it each ok timing (``timed``).
 
-        >>> rules = StopRules(SearchPrices({"a:x": 1.0, "a:y": 1.0, "a:z": 30.0}), 1, patience=1, tolerance=0.02,
+        >>> rules = SearchRules(SearchPrices({"a:x": 1.0, "a:y": 1.0, "a:z": 30.0}), 1, patience=1, tolerance=0.02,
         ...                   prune_factor=10.0, contenders=["a:z"])
         >>> rules.why_skipped("a:y", 1.0) is None
         True
-        >>> rules.timed(1, "a:x", 1.0, math.inf, 1.0)  # a family's first try: not counted
-        >>> rules.timed(2, "a:y", 1.0, 1.0, 1.0)  # no faster: a patience of 1 runs out
+        >>> rules.timed(1, "a:x", 1.0, best_before_ms=math.inf, best_ms=1.0)  # a family's first try: not counted
+        >>> rules.timed(2, "a:y", 1.0, best_before_ms=1.0, best_ms=1.0)  # no faster: a patience of 1 runs out
         >>> rules.why_skipped("a:w", 1.0)
         'search converged: 1 candidates in a row were no faster than the best'
         >>> rules.why_skipped("a:z", 1.0)  # a contender runs after convergence, unless its price prunes it
@@ -115,7 +116,7 @@ class StopRules:
             return f"predicted {price_ms:.4g} ms, over {prune:g}x the best measured ({best_ms:.4g} ms)"
         return None
 
-    def timed(self, index: int, name: str, time_ms: float | None, best_before_ms: float, best_ms: float) -> None:
+    def timed(self, index: int, name: str, time_ms: float | None, *, best_before_ms: float, best_ms: float) -> None:
         """The candidate ``name``, at ``index`` (from 1) in the search's order, timed ``time_ms``, and the best
         measured went from ``best_before_ms`` to ``best_ms``: its family's prices take it in (``SearchPrices.timed``),
         and after the first tries the patience count (a gain beyond the tolerance, or a first best, starts it again)."""

@@ -145,6 +145,8 @@ def probe_problem(device: str) -> ConvProblem:
 
 
 def _measured(device: str, p: ConvProblem | None = None) -> dict[str, float]:
+    """``measure_host_overheads``'s measurement on the probe problem ``p`` (default ``probe_problem(device)``): each
+    executable kind that builds here, then the Python path, as ``host_overheads_us`` keys them."""
     p = p or probe_problem(device)
     overheads: dict[str, float] = {}
     if runtime.available():
@@ -228,10 +230,10 @@ def _compiled_call_us(p: ConvProblem, device: str) -> float:
 
 
 def _add_layer_costs(overheads: dict[str, float], kind: str, problem: ConvProblem, names: dict[str, str],
-                     path: str) -> None:
+                     layer_runtime: str) -> None:
     """Measure a layer of ``kind`` (``_layer_us``) into ``overheads``; for the Python path, less what its probe
     algorithm's runs cost the host over torch:native's on the Python path (``_algorithm_us``)."""
-    measured = _probe(kind, lambda: _layer_us(problem, names, path))
+    measured = _probe(kind, lambda: _layer_us(problem, names, layer_runtime))
     if measured is None:
         return
     forward, backward = measured
@@ -258,11 +260,11 @@ def _algorithm_us(problem: ConvProblem, names: dict[str, str]) -> tuple[float, f
     return extra[0], extra[1], extra[2]
 
 
-def _layer_us(problem: ConvProblem, names: dict[str, str], path: str) -> tuple[float, float] | None:
+def _layer_us(problem: ConvProblem, names: dict[str, str], layer_runtime: str) -> tuple[float, float] | None:
     """(forward, each gradient): host microseconds that a layer running ``names`` on ``problem`` (2-D,
     channels_last) adds over ``torch.nn.Conv2d``'s: its forward without autograd, and its forward and backward
     (autograd's call of the backward, the layout of the gradient, both gradients' runs), less that forward,
-    halved. None where the layer would not run on ``path`` ('native' or 'python'; an executable cuDNN
+    halved. None where the layer would not run on ``layer_runtime`` ('native' or 'python'; an executable cuDNN
     would not build here, say)."""
     from convtune.pytorch.modules import Conv2d
     from convtune.pytorch.tuning import LayerSelection, Signature
@@ -273,7 +275,7 @@ def _layer_us(problem: ConvProblem, names: dict[str, str], path: str) -> tuple[f
         return layer.to(problem.device, problem.torch_dtype).to(memory_format=torch.channels_last)
 
     selection = LayerSelection(problem.key, names["fwd"], names["bwd_data"], names["bwd_filter"])
-    if selection.runtime != path:
+    if selection.runtime != layer_runtime:
         return None
     base, layer = made(torch.nn.Conv2d), cast(Conv2d, made(Conv2d, mode="get"))
     layer.load_state_dict(base.state_dict())
