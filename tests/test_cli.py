@@ -349,3 +349,21 @@ def test_bad_input_gets_one_line_and_status_2_never_an_internal_error(capsys, tm
             "zero_count": ["tune", str(zero), "--device", "cpu"]}[case]
     code, _, err = run(capsys, *argv)
     assert code == 2 and "internal error" not in err and err.strip(), err
+
+
+def test_a_layer_count_too_large_to_plan_is_refused_before_anything_is_tuned(capsys, tmp_path):
+    # A plan lists every run of every layer: a count of 10**23 made tune --workspace-budget and report build that list
+    # until the process was killed for its memory.
+    from convtune.network import MAX_PLANNED_RUNS
+
+    path, db = tmp_path / "layers.json", tmp_path / "t.sqlite"
+    path.write_text(json.dumps([{"c": 4, "k": 4, "spatial": [6, 6], "kernel": 3, "count": MAX_PLANNED_RUNS},
+                                {"c": 4, "k": 8, "spatial": [6, 6], "kernel": 1}]))
+    for command in (["tune", "--workspace-budget", "1MiB"], ["report", "--workspace-budget", "1MiB", "--out",
+                                                             str(tmp_path / "r.html")]):
+        code, _, err = run(capsys, command[0], str(path), *command[1:], "--batch", "1", "--device", "cpu", "--db",
+                           str(db))
+        assert code == 2 and f"run {MAX_PLANNED_RUNS + 1} times in all" in err and "internal error" not in err, err
+    assert not db.exists()  # refused while the layers were read: nothing tuned
+    code, out, _ = run(capsys, "tune", str(path), "--batch", "1", "--device", "cpu", "--mode", "get", "--json")
+    assert code == 0 and json.loads(out)["layers"][0]["count"] == MAX_PLANNED_RUNS  # no plan: a count only weighs

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from . import zoo
 from .errors import ConvtuneError, NoAlgorithmError
-from .network import LayerRow, Tuning, plan_layers, planned_rows, run_names, select_layers
+from .network import LayerRow, Tuning, check_plannable, plan_layers, planned_rows, run_names, select_layers
 from .plan import BUDGET_MODES
 from .policy import PREFERENCES, Policy
 from .problem import DIRECTIONS, ConvProblem
@@ -349,6 +349,8 @@ def _tune_layers(args):
         found = found[: args.layers] if args.layers else found
         suffix = "" if len(directions) == 1 else f"/{direction}"
         layers += [zoo.Layer(layer.name + suffix, layer.problem, layer.count) for layer in found]
+    if args.workspace_budget is not None:  # before any layer is tuned
+        check_plannable([layer.count for layer in layers], args.network)
     return layers
 
 
