@@ -124,3 +124,22 @@ def test_a_seed_past_pytorchs_generators_is_refused_with_its_name():
     with pytest.raises(ValueError, match=r"got find\(seed=1180591620717411303424\)"):
         ct.find(p, seed=2**70)
     assert ct.find(p, seed=2**63 - 1)[0].ok and ct.find(p, seed=-2**63)[0].ok and ct.find(p, seed=-1)[0].ok
+
+
+@pytest.mark.parametrize("name, value", [("CONVTUNE_CANDIDATE_DEADLINE_S", "600000"),  # a week: "no limit"
+                                         ("CONVTUNE_TIMING_BUDGET_S", "1e300")])
+def test_a_long_deadline_or_timing_budget_holds_in_a_worker_process_too(monkeypatch, name, value):
+    # The worker's limit (4 deadlines and 10 timing budgets) was waited for in one poll: past 24.8 days the wait
+    # raised OverflowError, and find failed with it ('convtune find': internal error).
+    import adversaries
+    import convtune as ct
+    from convtune import isolation
+
+    monkeypatch.setenv(name, value)
+    problem = ct.ConvProblem("fwd", n=1, c=2, k=2, input_size=(6, 6), kernel_size=3)
+    try:
+        with settings.override(isolate="plugins", timing_min_repeats=1, timing_max_repeats=2):
+            results = ct.find(problem, candidates=[adversaries.Correct()])
+    finally:
+        isolation._worker.close()
+    assert results[0].ok, results[0].message

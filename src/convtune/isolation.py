@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 START_LIMIT_S = 300.0  # a worker that has not imported convtune, or made its reference, by then is not coming
 NO_DEADLINE_LIMIT_S = 3600.0  # where no per-candidate deadline is set
+MAX_WAIT_S = 2**31 // 1000 - 1  # poll() takes milliseconds in a C int (24.8 days): a longer wait raises OverflowError
 
 
 class NotSendable(Exception):
@@ -93,11 +94,11 @@ def wanted(algorithm: Algorithm, timer: Any = None) -> bool:
 
 
 def hard_limit_s(deadline_s: float, timer_budget_s: float | None) -> float:
-    """Seconds an isolated candidate's measurement may take before its worker is killed."""
+    """Seconds an isolated candidate's measurement may take before its worker is killed (at most ``MAX_WAIT_S``)."""
     if not math.isfinite(deadline_s) or deadline_s <= 0:
         return NO_DEADLINE_LIMIT_S
     # four deadlines: a candidate past the deadline still runs its second checked run (a timeout may answer)
-    return 4 * deadline_s + 10 * (timer_budget_s or settings.timing_budget_s) + 5.0
+    return min(4 * deadline_s + 10 * (timer_budget_s or settings.timing_budget_s) + 5.0, MAX_WAIT_S)
 
 
 def _state() -> dict[str, Any]:
