@@ -168,3 +168,11 @@ def test_a_tensor_for_a_shape_or_a_seed_that_is_not_an_integer_is_refused_by_nam
         with pytest.raises(TypeError, match=r"random_inputs\(seed=...\) takes an integer"):
             p.random_inputs(seed=seed)
     assert torch.equal(p.random_inputs(seed=3)[0], p.random_inputs(seed=3)[0])
+
+
+@pytest.mark.parametrize("field", ["tolerance", "max_rel_error", "budget_s", "deadline_s"])
+def test_a_policy_number_too_large_for_a_float_is_refused_naming_the_field(field):
+    # (math.isfinite raised OverflowError: neither ValueError nor TypeError, and naming nothing)
+    with pytest.raises(ValueError, match=rf"Policy.{field} is an integer of 1329 bits, more than a float holds"):
+        ct.Policy(**{field: 10**400})
+    assert getattr(ct.Policy(**{field: 2**1023 if field != "tolerance" else 0}), field) >= 0  # a float holds it

@@ -104,7 +104,12 @@ def _number(name: str, value: object) -> None:
     """Raise unless ``value`` is a finite real number (not a bool, not a tensor)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"Policy.{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past the largest float
+        raise ValueError(f"Policy.{name} is an integer of {int(value).bit_length()} bits, more than a float holds; "
+                         f"give a finite number") from None
+    if not finite:
         raise ValueError(f"Policy.{name}={value} must be finite")
 
 
