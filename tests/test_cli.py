@@ -367,3 +367,19 @@ def test_a_layer_count_too_large_to_plan_is_refused_before_anything_is_tuned(cap
     assert not db.exists()  # refused while the layers were read: nothing tuned
     code, out, _ = run(capsys, "tune", str(path), "--batch", "1", "--device", "cpu", "--mode", "get", "--json")
     assert code == 0 and json.loads(out)["layers"][0]["count"] == MAX_PLANNED_RUNS  # no plan: a count only weighs
+
+
+def test_an_empty_out_path_is_refused_by_name_before_anything_is_built(capsys, tmp_path, monkeypatch):
+    # train-get --out "" (a variable left unset) wrote the model to the default path, where get then used it; report
+    # --out "" tuned the network, then failed with "PosixPath('.') has an empty name".
+    from convtune import learned
+
+    db = tmp_path / "a.sqlite"
+    assert run(capsys, "find", *SMALL, "--db", str(db))[0] == 0
+    monkeypatch.setattr(learned, "default_path", lambda device: tmp_path / "default.pt")
+    code, _, err = run(capsys, "train-get", "--device", "cpu", "--db", str(db), "--out", "")
+    assert code == 2 and "--out '' is an empty path" in err and not (tmp_path / "default.pt").exists(), err
+    fresh = tmp_path / "fresh.sqlite"
+    code, _, err = run(capsys, "report", "resnet18", "--layers", "1", "--batch", "1", "--device", "cpu",
+                       "--workspace-budget", "1GiB", "--out", "", "--db", str(fresh))
+    assert code == 2 and "--out '' is an empty path" in err and not fresh.exists(), err

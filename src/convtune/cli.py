@@ -410,9 +410,18 @@ def cmd_tune(args, out: Console, err: Console) -> int:
     return 0 if all(r.result for r in rows) else 1
 
 
+def _check_out(args) -> None:
+    """Refuse an empty ``--out`` (a variable left unset), which would name the current folder or the default file."""
+    if args.out == "":
+        raise UsageError("--out '' is an empty path; give a file's path, or leave --out out for the default")
+
+
 def cmd_report(args, out: Console, err: Console) -> int:
+    from .files import writable
     from .html_report import write_report
 
+    _check_out(args)
+    writable(args.out, make_folder=True)  # before the network is tuned, not after
     budgets = None
     if args.budgets is not None:
         budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",") if b.strip()]
@@ -500,6 +509,7 @@ def cmd_train_get(args, out: Console) -> int:
     if args.epochs is not None:
         raise UsageError("--epochs: get's learned model is no longer trained (it is built from the nearest measured "
                          "problems, in about a second); leave the option out")
+    _check_out(args)
     out_path = learned.writable_model_path(args.out or learned.default_path(device))  # before the work, not after
     with _db(args, reads_only=True) as db:
         samples = learned.samples_from(db, device)

@@ -50,13 +50,15 @@ def refuse_database(path: str | os.PathLike) -> None:
 
 
 def writable(path: str | os.PathLike, make_folder: bool = False) -> Path:
-    """The path ``write_whole`` writes for ``path``, checked as it checks before writing: ``ValueError`` naming
-    ``path`` where it is a folder, a regular file that nobody may write (chmod a-w: kept from being replaced on
-    purpose), a SQLite database (``refuse_database``), or in a folder that is missing (with ``make_folder``: whose
-    nearest existing folder up the path is not one) or is not one. A device or a pipe (``/dev/stdout``, a FIFO) is
-    its path as given; a regular file, its real path (through symbolic links: a link given stays a link, its target
-    is replaced)."""
+    """The path ``write_whole`` writes for ``path``, checked as it checks before writing: ``ValueError`` where it
+    is empty, and naming ``path`` where it is a folder, a regular file that nobody may write (chmod a-w: kept from
+    being replaced on purpose), a SQLite database (``refuse_database``), or in a folder that is missing (with
+    ``make_folder``: whose nearest existing folder up the path is not one) or is not one. A device or a pipe
+    (``/dev/stdout``, a FIFO) is its path as given; a regular file, its real path (through symbolic links: a link
+    given stays a link, its target is replaced)."""
     given = path
+    if not os.fspath(given):  # Path('') is the current folder
+        raise ValueError("an empty path was given to write; give a file's path")
     try:
         mode = os.stat(given).st_mode  # through links: /dev/stdout may be a pipe
     except FileNotFoundError:
