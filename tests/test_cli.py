@@ -383,3 +383,15 @@ def test_an_empty_out_path_is_refused_by_name_before_anything_is_built(capsys, t
     code, _, err = run(capsys, "report", "resnet18", "--layers", "1", "--batch", "1", "--device", "cpu",
                        "--workspace-budget", "1GiB", "--out", "", "--db", str(fresh))
     assert code == 2 and "--out '' is an empty path" in err and not fresh.exists(), err
+
+
+def test_a_json_layer_file_may_start_with_a_byte_order_mark_and_may_not_give_a_field_twice(capsys, tmp_path):
+    # A BOM was refused with Python's advice ("decode using utf-8-sig"), where a CSV file's is read; a field given
+    # twice took its last value, and another layer was tuned than one of them meant.
+    path = tmp_path / "layers.json"
+    path.write_text('\ufeff[{"c": 4, "k": 4, "spatial": [6, 6], "kernel": 3}]', encoding="utf-8")
+    code, out, err = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get", "--device", "cpu", "--json")
+    assert code == 0 and json.loads(out)["layers"][0]["problem"].startswith("fwd|n2|c4|k4|in6x6|r3x3"), err
+    path.write_text('{"layers": [{"c": 4, "k": 4, "spatial": [6, 6], "kernel": 3, "c": 8}]}')
+    code, _, err = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get", "--device", "cpu")
+    assert code == 2 and f"layer file {path} gives the field 'c' twice" in err, err

@@ -140,6 +140,20 @@ def network_layers(name: str, batch: int | None = None, *, direction: str = "fwd
     return _from_entries(_models()[name]["layers"], name, batch, **fields)
 
 
+class _GivenTwice(Exception):
+    """A JSON object names a field twice (``json.loads`` would keep the last value)."""
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's fields as a dict; ``_GivenTwice`` naming a field given twice."""
+    fields: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in fields:
+            raise _GivenTwice(name)
+        fields[name] = value
+    return fields
+
+
 def load_layers(path: str | Path, batch: int | None = None, **fields: Any) -> list[Layer]:
     """Layers from a JSON or DeepBench-style CSV file (see the module docstring for the formats)."""
     path = Path(path)
@@ -154,9 +168,12 @@ def load_layers(path: str | Path, batch: int | None = None, **fields: Any) -> li
         layers = _from_deepbench_csv(text, str(path), batch, **fields)
     else:
         try:
-            data = json.loads(text)
+            data = json.loads(text.removeprefix("\ufeff"), object_pairs_hook=_once_each)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"layer file {path} is not valid JSON: {exc}") from None
+        except _GivenTwice as exc:  # the value kept would be the last, another layer than the first one meant
+            raise ValueError(f"layer file {path} gives the field {exc.args[0]!r} twice in one object; give it "
+                             f"once") from None
         entries = data.get("layers") if isinstance(data, dict) else data
         if not isinstance(entries, list):
             raise ValueError(f"layer file {path} must hold a list of layers, or an object with a 'layers' list")
