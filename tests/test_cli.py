@@ -154,6 +154,8 @@ def test_the_layer_file_of_the_docs_loads_and_empty_or_binary_files_are_refused_
     ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h\n8,8,4,2,4,3,3,1,1,1\n",
      "row 1 has 10 cells, where the header names 11"),
     ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h\n8,8,4,2,4,3,3,1,1,1,x\n", "row 1 is not a valid convolution"),
+    ("w,h,c,n,k,s,r,pad_w,pad_h,stride_w,stride_h\n8,8,4,2,4,3,3,1,1,1,1_0\n",  # it was read as 10
+     "row 1 is not a valid convolution (ValueError: stride_h '1_0' is not a whole number"),
 ])
 def test_a_csv_layer_file_that_is_not_deepbenchs_format_is_refused_by_what_is_wrong(capsys, tmp_path, text, words):
     path = tmp_path / "layers.csv"
@@ -280,6 +282,7 @@ def test_an_export_to_standard_output_through_a_pipe(capsys, tmp_path):
     (["report", "resnet18", "--workspace-budget", "1MiB", "--budgets", "0,1MiB,xx"], "'xx' is not a size"),
     (["get", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3x3x3"], "kernel_size"),
     (["get", "--c", "8", "--k", "8", "--size", "ten"], "--size"),
+    (["get", "--c", "8", "--k", "8", "--size", "5_5"], "--size '5_5' is not a size"),  # it was read as 55
     (["tune", "alexnet"], "alexnet"),
     (["tune", "resnet50", "--batch", "0"], "--batch"),
     (["cache", "export"], "path"),

@@ -30,7 +30,7 @@ from .problem import DIRECTIONS, ConvProblem
 from .report import choices_table, perf_table, tune_table
 from .select import SELECTION_MODES
 from .settings import settings
-from .units import format_bytes, format_ms, parse_bytes
+from .units import format_bytes, format_ms, parse_bytes, parse_int
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -48,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
 def _dims(text: str, what: str) -> tuple[int, ...]:
     """'56x56' -> (56, 56); '3' -> (3,)."""
     try:
-        values = tuple(int(v) for v in text.lower().split("x"))
+        values = tuple(parse_int(v, what) for v in text.lower().split("x"))
     except ValueError:
         raise UsageError(f"--{what} {text!r} is not a size; write it like 56x56, 3x3 or 2") from None
     return values

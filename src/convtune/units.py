@@ -47,6 +47,21 @@ def parse_bytes(text: str | int, what: str = "size") -> int:
     return value
 
 
+_WHOLE = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def parse_int(text: str, what: str) -> int:
+    """A whole number written in digits, with an optional sign; ``ValueError`` naming ``what`` otherwise (``int``
+    alone reads '1_0' as 10 and '５' as 5: a typo would be another size).
+
+    >>> parse_int(" -12", "stride")
+    -12
+    """
+    if not _WHOLE.fullmatch(text):
+        raise ValueError(f"{what} {text!r} is not a whole number")
+    return int(text)
+
+
 def format_ms(value: float | None) -> str:
     """A time in ms for a table: four decimals below 1 ms, three above; '-' for none.
 

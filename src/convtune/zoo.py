@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .problem import ConvProblem
+from .units import parse_int
 
 MODELS = ("resnet50", "resnet18", "vgg16", "mobilenet_v2", "resnext50_32x4d", "densenet121", "googlenet")
 NETWORKS = (*MODELS, "deepbench")
@@ -117,7 +118,7 @@ def _from_deepbench_csv(text: str, source: str, batch: int | None, **fields: Any
             raise ValueError(f"{source}: row {i + 1} has {len(cells)} cells, where the header names {len(header)} "
                              f"columns ({columns})")
         try:
-            v = {name: int(value) for name, value in zip(header, cells)}
+            v = {name: parse_int(value, name) for name, value in zip(header, cells)}
             problem = ConvProblem(
                 n=batch or v["n"], c=v["c"], k=v["k"], input_size=(v["h"], v["w"]), kernel_size=(v["r"], v["s"]),
                 stride=(v["stride_h"], v["stride_w"]), padding=(v["pad_h"], v["pad_w"]), **fields)
