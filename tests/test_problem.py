@@ -176,3 +176,15 @@ def test_a_policy_number_too_large_for_a_float_is_refused_naming_the_field(field
     with pytest.raises(ValueError, match=rf"Policy.{field} is an integer of 1329 bits, more than a float holds"):
         ct.Policy(**{field: 10**400})
     assert getattr(ct.Policy(**{field: 2**1023 if field != "tolerance" else 0}), field) >= 0  # a float holds it
+
+
+KEY = "fwd|n1|c1|k1|in5|r3|s1|p0|d1|g1|float32|channels_first|cpu|tf32=1"
+
+
+@pytest.mark.parametrize("key", [KEY + "\n", KEY.replace("in5", "in\u0665"), KEY.replace("n1", "n" + "9" * 5000)])
+def test_from_key_refuses_what_no_key_holds_naming_the_key(key):
+    # A trailing newline and other scripts' digits were read as if absent and as 0-9; a 5000-digit batch raised
+    # Python's own "Exceeds the limit (4300 digits) for integer string conversion", naming no key.
+    assert ct.ConvProblem.from_key(KEY).key == KEY
+    with pytest.raises(ValueError, match="is not a ConvProblem key"):
+        ct.ConvProblem.from_key(key)

@@ -260,10 +260,11 @@ class ConvProblem:
             f"|{self.dtype}|{self.layout}|{self.device}|tf32={int(self.allow_tf32)}"
         )
 
-    _KEY = re.compile(
-        r"^(?P<direction>\w+)\|n(?P<n>\d+)\|c(?P<c>\d+)\|k(?P<k>\d+)\|in(?P<input_size>[\dx]+)"
+    _KEY = re.compile(  # (matched whole, in ASCII: '$' would let a newline end it, '\d' other scripts' digits)
+        r"(?P<direction>\w+)\|n(?P<n>\d+)\|c(?P<c>\d+)\|k(?P<k>\d+)\|in(?P<input_size>[\dx]+)"
         r"\|r(?P<kernel_size>[\dx]+)\|s(?P<stride>[\dx]+)\|p(?P<padding>[\dx]+)\|d(?P<dilation>[\dx]+)"
-        r"\|g(?P<groups>\d+)\|(?P<dtype>\w+)\|(?P<layout>\w+)\|(?P<device>\w+)\|tf32=(?P<allow_tf32>[01])$"
+        r"\|g(?P<groups>\d+)\|(?P<dtype>\w+)\|(?P<layout>\w+)\|(?P<device>\w+)\|tf32=(?P<allow_tf32>[01])",
+        re.ASCII,
     )
 
     @classmethod
@@ -279,17 +280,18 @@ class ConvProblem:
 
     @classmethod
     def _parse_key(cls, key: str) -> ConvProblem:
-        match = cls._KEY.match(key) if isinstance(key, str) else None
+        match = cls._KEY.fullmatch(key) if isinstance(key, str) else None
         if match is None:
             raise ValueError(f"{key!r} is not a ConvProblem key (expected the form of ConvProblem.key)")
         f = match.groupdict()
         try:
             spatial = {name: tuple(int(v) for v in f[name].split("x"))
                        for name in ("input_size", "kernel_size", "stride", "padding", "dilation")}
-        except ValueError:
-            raise ValueError(f"{key!r} is not a ConvProblem key: malformed sizes") from None
+            n, c, k, groups = (int(f[name]) for name in ("n", "c", "k", "groups"))
+        except ValueError:  # (an empty size, or one of more digits than int() reads)
+            raise ValueError(f"{key[:200]!r} is not a ConvProblem key: malformed sizes") from None
         return cls(
-            direction=f["direction"], n=int(f["n"]), c=int(f["c"]), k=int(f["k"]), groups=int(f["groups"]),
+            direction=f["direction"], n=n, c=c, k=k, groups=groups,
             dtype=f["dtype"], layout=f["layout"], device=f["device"], allow_tf32=f["allow_tf32"] == "1",
             **spatial,
         )
