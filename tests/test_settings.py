@@ -12,7 +12,7 @@ from convtune.settings import settings
 @pytest.mark.parametrize("name, value", [
     ("timing_min_repeats", "0"), ("timing_max_repeats", "-3"), ("find_budget_s", "-1"), ("find_budget_s", "nan"),
     ("timing_budget_s", "0"), ("timing_rel_spread", "inf"), ("early_stop_factor", "0.5"), ("find_patience", "1.5"),
-    ("find_prune_factor", "0.5"), ("find_prune_factor", "-1"), ("cache_dir", ""), ("extension_dir", " "),
+    ("find_prune_factor", "0.5"), ("find_prune_factor", "-1"),
     ("verify_seed", "99999999999999999999"), ("verify_seed", str(-2**63 - 1)),
 ])
 def test_a_setting_that_would_break_every_search_is_refused(monkeypatch, name, value):
@@ -20,6 +20,23 @@ def test_a_setting_that_would_break_every_search_is_refused(monkeypatch, name, v
     monkeypatch.setattr(settings, "_overrides", {})  # (the tests' own cache folder is an override)
     with pytest.raises(ValueError, match=f"CONVTUNE_{name.upper()}"):
         getattr(settings, name)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_variable_is_an_unset_one(monkeypatch, value):
+    # CONVTUNE_NATIVE= (and every other setting on by default) read as off, the opposite of no variable; an empty
+    # number was refused as "could not convert string to float", an empty folder refused
+    from convtune.settings import _SETTINGS
+
+    monkeypatch.setattr(settings, "_overrides", {})
+    for setting in _SETTINGS:
+        monkeypatch.delenv(setting.env, raising=False)
+    defaults = {setting.name: getattr(settings, setting.name) for setting in _SETTINGS}
+    for setting in _SETTINGS:
+        monkeypatch.setenv(setting.env, value)
+    assert {setting.name: getattr(settings, setting.name) for setting in _SETTINGS} == defaults
+    assert settings.native is True and settings.progress is True
+    settings.check()
 
 
 def test_settings_in_range_are_read(monkeypatch):

@@ -86,18 +86,11 @@ def _off_or_at_least(low: float) -> Callable[[str], float]:
     return parse
 
 
-def _folder(text: str) -> str:
-    """A folder's path: not empty (an empty variable would put the files in whatever folder the process runs in)."""
-    if not text.strip():
-        raise ValueError("expected a folder's path, got an empty value; unset the variable for the default folder")
-    return text
-
-
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
-    if value in ("0", "false", "no", "off", ""):
+    if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
 
@@ -113,7 +106,7 @@ def _one_of(*choices: str) -> Callable[[str], str]:
 
 _SETTINGS = (
     # where the tuning database lives unless a path is given
-    _Setting("cache_dir", _folder, _cache_dir_default, "folder of tuning.sqlite"),
+    _Setting("cache_dir", str, _cache_dir_default, "folder of tuning.sqlite"),
     # seed of the random inputs that verification uses
     _Setting("verify_seed", _seed, 0, "seed of verification inputs"),
     # every element of a result within this many tolerances of the reference, scaled by |ref| + rms (0: no bound)
@@ -175,7 +168,7 @@ _SETTINGS = (
     # convtune's own Triton kernels (triton:*) are candidates wherever they support a problem
     _Setting("triton", _bool, True, "convtune's Triton kernels join the portfolio"),
     # where the C++ extension is built and cached (one folder per sources and software versions)
-    _Setting("extension_dir", _folder, _extension_dir_default, "folder of the C++ extension's builds"),
+    _Setting("extension_dir", str, _extension_dir_default, "folder of the C++ extension's builds"),
     # a folder with cuDNN's include/cudnn.h and lib/libcudnn.so*, looked in first by the C++ build ('': where
     # PyTorch's nvidia-cudnn wheel put them, then /usr/local/cuda and /usr)
     _Setting("cudnn_home", str, "", "folder of cuDNN's headers and library for the C++ build"),
@@ -201,7 +194,9 @@ class Settings:
             return self._overrides[name]
         setting = by_name[name]
         raw = os.environ.get(setting.env)
-        if raw is not None:
+        # an empty variable is an unset one, as most tools read it: CONVTUNE_NATIVE= is the default (on), not off,
+        # and CONVTUNE_CACHE_DIR= the default folder, not the one the process runs in
+        if raw is not None and raw.strip():
             try:
                 return setting.parse(raw)
             except ValueError as exc:
