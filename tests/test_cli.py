@@ -47,12 +47,14 @@ def test_get_says_what_it_priced_from(capsys, tmp_path):
     assert code == 0 and json.loads(out)["priced_from"].startswith("how each candidate ran on the 30 measured")
 
 
-def test_a_command_that_only_reads_refuses_a_missing_database_and_none_takes_over_a_file_that_is_not_one(
+def test_a_command_that_reads_or_clears_refuses_a_missing_database_and_none_takes_over_a_file_that_is_not_one(
         capsys, tmp_path):
     missing = tmp_path / "typo" / "t.sqlite"
-    for command in (["get", *SMALL], ["cache", "ls"], ["cache", "export", str(tmp_path / "out.jsonl")]):
+    # (cache clear made an empty database there and said it removed 0 results)
+    for command in (["get", *SMALL], ["cache", "ls"], ["cache", "export", str(tmp_path / "out.jsonl")],
+                    ["cache", "clear"]):
         code, _, err = run(capsys, *command, "--db", str(missing))
-        assert code == 2 and f"--db {missing}: no such file" in err, (command, err)
+        assert code == 2 and f"--db {missing}: no such file, so no tuning database at {missing}" in err, (command, err)
     assert not missing.parent.exists()  # nothing made in its place
     script = tmp_path / "mine.py"
     script.write_text("print(1)\n")

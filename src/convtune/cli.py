@@ -146,12 +146,13 @@ def _check_device(device: str) -> None:
         raise UsageError("--device cuda was asked for, but PyTorch sees no CUDA device here; use --device cpu")
 
 
-def _db(args, reads_only: bool = False, means: bool = False):
-    """The database of ``--db`` (default: the cache folder's). A command that only reads it refuses a path where
-    no file is (rather than make one, and its folder); a file that is not a tuning database is refused as
-    ``TuningDB`` refuses it (a damaged one is salvaged, as the library does). A command for which the default database
-    is only a means (``means``: get, find, tune, report) goes on with a temporary one, with the library's warning,
-    where it cannot be opened (a read-only cache folder without one, say)."""
+def _db(args, existing: bool = False, means: bool = False):
+    """The database of ``--db`` (default: the cache folder's). A command that only reads it or removes from it
+    (``existing``) refuses a path where no file is (rather than make one, and its folder); a file that is not a
+    tuning database is refused as ``TuningDB`` refuses it (a damaged one is salvaged, as the library does). A
+    command for which the default database is only a means (``means``: get, find, tune, report) goes on with a
+    temporary one, with the library's warning, where it cannot be opened (a read-only cache folder without one,
+    say)."""
     from .db import TuningDB, opened
 
     if args.db is None and means:
@@ -162,9 +163,9 @@ def _db(args, reads_only: bool = False, means: bool = False):
         return db
 
     path = None if args.db is None else Path(args.db).expanduser()
-    if path is not None and reads_only and not path.exists():
-        raise UsageError(f"--db {args.db}: no such file; give an existing tuning database, or leave --db out "
-                         f"for the default one")
+    if path is not None and existing and not path.exists():
+        raise UsageError(f"--db {args.db}: no such file, so no tuning database at {path}; give an existing "
+                         f"database's path, or leave --db out for the default one")
     try:
         return TuningDB(path)
     except ValueError as exc:
@@ -293,7 +294,7 @@ def cmd_get(args, out: Console) -> int:
     _check_device(problem.device)
     from .costmodel import basis
 
-    with _db(args, reads_only=True, means=True) as db:
+    with _db(args, existing=True, means=True) as db:
         choices = get(problem, _policy(args), db=db)
         priced_from = basis(db, problem)
     payload = {"problem": problem.key, "priced_from": priced_from, "choices": [c.__dict__ for c in choices]}
@@ -449,7 +450,7 @@ def cmd_cache(args, out: Console) -> int:
                          f"convtune cache {args.action} --db {args.path}")
     if args.action in ("export", "import") and not args.path:
         raise UsageError(f"cache {args.action} needs a file path: convtune cache {args.action} FILE.jsonl")
-    with _db(args, reads_only=args.action in ("ls", "export")) as db:
+    with _db(args, existing=args.action in ("ls", "export", "clear")) as db:  # import may start a database
         if args.action in ("export", "import", "clear"):
             if args.action == "export":
                 n = db.export(args.path)
@@ -511,7 +512,7 @@ def cmd_train_get(args, out: Console) -> int:
                          "problems, in about a second); leave the option out")
     _check_out(args)
     out_path = learned.writable_model_path(args.out or learned.default_path(device))  # before the work, not after
-    with _db(args, reads_only=True) as db:
+    with _db(args, existing=True) as db:
         samples = learned.samples_from(db, device)
     if not samples:
         raise UsageError(f"the database holds no measurements of this machine's {device}: tune first "
