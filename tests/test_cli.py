@@ -230,6 +230,17 @@ def test_cache_guards_what_a_mistyped_command_would_lose(capsys, tmp_path):
         assert code == 0 and len(json.loads(out)) == 1
 
 
+def test_cache_import_of_a_folder_or_of_no_file_says_what_to_give(capsys, tmp_path):
+    # (a folder was "[Errno 21] Is a directory", a missing file "[Errno 2] No such file or directory", and the
+    # database named by --db was made first)
+    db = tmp_path / "new.sqlite"
+    for source, what in ((tmp_path, "a folder"), (tmp_path / "typo.jsonl", "no file")):
+        code, _, err = run(capsys, "cache", "import", str(source), "--db", str(db))
+        assert code == 2 and f"{source} is {what}, not an export file; give a file that `convtune cache export`" \
+            in " ".join(err.split()), err
+    assert not db.exists()
+
+
 def test_a_layer_files_misspelled_field_is_refused_with_the_field_it_meant(capsys, tmp_path):
     path = tmp_path / "typo.json"
     path.write_text(json.dumps([{"c": 2, "k": 2, "spatial": [6, 6], "kernel": 3, "pad": 1}]))

@@ -450,6 +450,10 @@ def cmd_cache(args, out: Console) -> int:
                          f"convtune cache {args.action} --db {args.path}")
     if args.action in ("export", "import") and not args.path:
         raise UsageError(f"cache {args.action} needs a file path: convtune cache {args.action} FILE.jsonl")
+    if args.action == "import":  # before the database is opened: a fresh one is made for an import only
+        from .export_lines import check_source
+
+        check_source(Path(args.path))
     with _db(args, existing=args.action in ("ls", "export", "clear")) as db:  # import may start a database
         if args.action in ("export", "import", "clear"):
             if args.action == "export":

@@ -103,10 +103,19 @@ def parse(raw: bytes) -> tuple[str, str, ConvProblem, float, PerfResult]:
     return fields["fingerprint"], fields["software"], problem, float(at), result
 
 
+def check_source(path: Path) -> None:
+    """``ValueError`` naming ``path`` where it is a folder or where nothing is (what to import is a file)."""
+    if path.is_dir() or not path.exists():
+        what = "a folder" if path.is_dir() else "no file"
+        raise ValueError(f"{path} is {what}, not an export file; give a file that `convtune cache export` "
+                         f"(TuningDB.export) wrote; nothing was imported")
+
+
 def read(path: Path) -> Iterator[bytes]:
     """An export file's lines, one at a time: as stored, or decompressed where it is gzip's (by its first
-    bytes, whatever its name); ``ValueError`` naming the file for a damaged one or one over
-    IMPORT_LIMIT_BYTES of lines (an import keeps every parsed line until it stores them together)."""
+    bytes, whatever its name); ``ValueError`` naming the file for a folder, a missing file, a damaged one or one
+    over IMPORT_LIMIT_BYTES of lines (an import keeps every parsed line until it stores them together)."""
+    check_source(path)
     with open(path, "rb") as raw:
         packed = raw.read(2) == b"\x1f\x8b"
     read_bytes = 0
