@@ -248,6 +248,20 @@ def test_a_layer_files_misspelled_field_is_refused_with_the_field_it_meant(capsy
     assert code == 2 and "layer 0 has the field 'pad'" in err and "did you mean 'padding'?" in err, err
 
 
+def test_a_layer_files_transposed_field_takes_true_or_false_only(capsys, tmp_path):
+    # ("no" and "false" were refused as transposed convolutions, 0 and null taken as false)
+    path = tmp_path / "layers.json"
+    for value in ("no", "false", 0, 1, None):
+        path.write_text(json.dumps([{"c": 2, "k": 2, "spatial": [6, 6], "kernel": 3, "transposed": value}]))
+        code, _, err = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get", "--device", "cpu")
+        assert code == 2 and f"layer 0 has transposed {value!r}; transposed is true or false" in err, err
+    path.write_text(json.dumps([{"c": 2, "k": 2, "spatial": [6, 6], "kernel": 3, "transposed": True}]))
+    code, _, err = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get", "--device", "cpu")
+    assert code == 2 and "transposed convolutions are not supported" in err, err
+    path.write_text(json.dumps([{"c": 2, "k": 2, "spatial": [6, 6], "kernel": 3, "transposed": False}]))
+    assert run(capsys, "tune", str(path), "--batch", "2", "--mode", "get", "--device", "cpu")[0] == 0
+
+
 def test_train_get_refuses_an_output_it_cannot_write_before_building(capsys, tmp_path, monkeypatch):
     from convtune import learned
 

@@ -67,9 +67,14 @@ def _from_entries(entries: list[dict[str, Any]], source: str, batch: int | None,
             raise ValueError(f"{source}: layer {i} has the field {unknown[0]!r}, which a layer does not have"
                              + (f" (did you mean {near[0]!r}?)" if near else "")
                              + f"; a layer's fields: {', '.join(LAYER_FIELDS[:-1])}")
+        transposed = entry.get("transposed", False)
+        if not isinstance(transposed, bool):  # "no" or "false" would read as true, 0 or null as false
+            raise ValueError(f"{source}: layer {i} has transposed {transposed!r}; transposed is true or false (a "
+                             f"JSON boolean, default false)")
+        if transposed:
+            raise ValueError(f"{source}: layer {i} is transposed (transposed: true), and transposed convolutions "
+                             f"are not supported; give false or leave the field out")
         try:
-            if entry.get("transposed"):
-                raise ValueError("transposed convolutions are not supported")
             problem = ConvProblem(
                 n=batch or DEFAULT_BATCH, c=entry["c"], k=entry["k"], input_size=_dims(entry["spatial"]),
                 kernel_size=_dims(entry["kernel"]), stride=_dims(entry.get("stride", 1)),
