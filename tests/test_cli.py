@@ -310,6 +310,8 @@ def test_an_export_to_standard_output_through_a_pipe(capsys, tmp_path):
     (["get", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3x3x3"], "kernel_size"),
     (["get", "--c", "8", "--k", "8", "--size", "ten"], "--size"),
     (["get", "--c", "8", "--k", "8", "--size", "5_5"], "--size '5_5' is not a size"),  # it was read as 55
+    (["get", "--c", "1_6", "--k", "8", "--size", "8x8"], "--c: '1_6' is not a whole number"),  # read as 16
+    (["tune", "resnet18", "--batch", "3_2"], "--batch: '3_2' is not a whole number"),  # read as 32
     (["tune", "alexnet"], "alexnet"),
     (["tune", "resnet50", "--batch", "0"], "--batch"),
     (["cache", "export"], "path"),

@@ -1110,10 +1110,7 @@ def test_convtunes_own_database_is_known_however_its_path_is_written(tmp_path, m
         assert len(aside(real / "tuning.sqlite", "corrupt")) == (1 if cache != "link" else 2)
 
 
-def test_a_named_database_opens_whatever_the_default_folders_setting_says(tmp_path, monkeypatch):
-    # (whether a path is convtune's own default file was asked of a cache folder setting that did not parse)
-    monkeypatch.setenv("CONVTUNE_CACHE_DIR", "")
-    monkeypatch.setattr(settings, "_overrides", {})
-    with TuningDB(tmp_path / "named.sqlite") as tdb:
-        tdb.store(problem(), FIND)
-        assert tdb.lookup(problem()) is not None
+def test_an_import_of_an_empty_path_is_refused_as_empty(db):
+    # (Path('') is the current folder: the import said '. is a folder')
+    with pytest.raises(ValueError, match=r"TuningDB.import_\(''\): an empty path"):
+        db.import_("")

@@ -181,10 +181,12 @@ def test_a_policy_number_too_large_for_a_float_is_refused_naming_the_field(field
 KEY = "fwd|n1|c1|k1|in5|r3|s1|p0|d1|g1|float32|channels_first|cpu|tf32=1"
 
 
-@pytest.mark.parametrize("key", [KEY + "\n", KEY.replace("in5", "in\u0665"), KEY.replace("n1", "n" + "9" * 5000)])
+@pytest.mark.parametrize("key", [KEY + "\n", KEY.replace("in5", "in\u0665"), KEY.replace("n1", "n" + "9" * 5000),
+                                 "x" * 100_000])
 def test_from_key_refuses_what_no_key_holds_naming_the_key(key):
     # A trailing newline and other scripts' digits were read as if absent and as 0-9; a 5000-digit batch raised
     # Python's own "Exceeds the limit (4300 digits) for integer string conversion", naming no key.
     assert ct.ConvProblem.from_key(KEY).key == KEY
-    with pytest.raises(ValueError, match="is not a ConvProblem key"):
+    with pytest.raises(ValueError, match="is not a ConvProblem key") as raised:
         ct.ConvProblem.from_key(key)
+    assert len(str(raised.value)) < 400  # the key shown in part: a long one ends in logs

@@ -160,3 +160,14 @@ def test_a_long_deadline_or_timing_budget_holds_in_a_worker_process_too(monkeypa
     finally:
         isolation._worker.close()
     assert results[0].ok, results[0].message
+    # a Policy's deadline may be an int no float sum of it holds (4 x 2**1023): capped all the same
+    assert isolation.hard_limit_s(2**1023, None) == isolation.MAX_WAIT_S
+
+
+def test_an_override_of_an_empty_value_is_refused_by_name():
+    # An empty environment variable is an unset one; an override of '' would set what no variable can
+    # (cache_dir='' put the database in the current folder; native='' turned the runtime off).
+    for name in ("cache_dir", "native"):
+        with pytest.raises(ValueError, match=rf"settings.override\({name}=''\): an empty value"):
+            with settings.override(**{name: ""}):
+                pass

@@ -61,15 +61,15 @@ def default_device() -> str:
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the convolution")
     g.add_argument("--direction", default="fwd", choices=DIRECTIONS)
-    g.add_argument("--n", "--batch", dest="n", type=int, default=32, help="batch size (default 32)")
-    g.add_argument("--c", type=int, required=True, help="input channels")
-    g.add_argument("--k", type=int, required=True, help="output channels (filters)")
+    g.add_argument("--n", "--batch", dest="n", type=_whole, default=32, help="batch size (default 32)")
+    g.add_argument("--c", type=_whole, required=True, help="input channels")
+    g.add_argument("--k", type=_whole, required=True, help="output channels (filters)")
     g.add_argument("--size", required=True, help="input spatial size, e.g. 56x56 (1, 2 or 3 dimensions)")
     g.add_argument("--kernel", default="3", help="kernel size, e.g. 3x3 or 3 (default 3)")
     g.add_argument("--stride", default="1")
     g.add_argument("--pad", default="0", help="padding per side (default 0)")
     g.add_argument("--dilation", default="1")
-    g.add_argument("--groups", type=int, default=1)
+    g.add_argument("--groups", type=_whole, default=1)
     _add_type_args(g)
 
 
@@ -90,7 +90,7 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="with --workspace-limit, also offer sub-batches run one after another (mu-cuDNN)")
     g.add_argument("--prefer", default="fastest", choices=PREFERENCES)
     g.add_argument("--tolerance", type=float, default=0.02, help="times within this fraction tie (default 0.02)")
-    g.add_argument("--max-candidates", type=int, default=None, help="time at most this many candidates")
+    g.add_argument("--max-candidates", type=_whole, default=None, help="time at most this many candidates")
     g.add_argument("--budget-s", type=float, default=None, help="seconds one search may spend")
 
 
@@ -164,8 +164,9 @@ def _db(args, existing: bool = False, means: bool = False):
 
     path = None if args.db is None else Path(args.db).expanduser()
     if path is not None and existing and not path.exists():
+        default = "" if getattr(args, "action", None) == "clear" else ", or leave --db out for the default one"
         raise UsageError(f"--db {args.db}: no such file, so no tuning database at {path}; give an existing "
-                         f"database's path, or leave --db out for the default one")
+                         f"database's path{default}")
     try:
         return TuningDB(path)
     except ValueError as exc:
@@ -269,12 +270,17 @@ def _sizes_joined(argv: list[str]) -> list[str]:
     return out
 
 
+def _whole(text: str) -> int:
+    """argparse type: a whole number written in digits (``units.parse_int``: '1_0' is no 10)."""
+    try:
+        return parse_int(text, "")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
+
+
 def _positive(text: str) -> int:
     """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
     return value

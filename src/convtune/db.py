@@ -101,7 +101,7 @@ class TuningDB:
             hint = f" such as {self.path / 'tuning.sqlite'}" if self.path.is_dir() else ""
             raise ValueError(f"TuningDB path {self.path} is not a regular file; give a file's path{hint}")
         # (only convtune's own file is moved aside: the default path, however it is written)
-        self._mine = path is None or _resolved(self.path) == _default_path()
+        self._mine = path is None or _resolved(self.path) == _resolved(settings.db_path)
         if not self._mine and not db_file.may_be_ours(self.path):
             # (a damaged tuning database is moved aside and what is intact salvaged; a file the caller named that
             # neither is a SQLite file nor holds the tables' definitions may be anything of theirs: left as it is)
@@ -232,6 +232,8 @@ class TuningDB:
         and the fault, and nothing is imported. Rows keep their fingerprint and software, and replace
         what the database had for the same (machine, software, problem): importing twice is idempotent.
         """
+        if not os.fspath(path):  # Path('') is the current folder
+            raise ValueError("TuningDB.import_(''): an empty path; give a file that export wrote")
         path = Path(path)
         parsed = []
         for number, raw in enumerate(export_lines.read(path), start=1):
@@ -634,15 +636,6 @@ def _resolved(path: Path) -> Path:
         return path.expanduser().resolve()
     except (OSError, RuntimeError):  # a loop of links, a home folder that cannot be found
         return path
-
-
-def _default_path() -> Path | None:
-    """The default database's path (``_resolved``); None where the cache folder setting does not parse (a path given
-    is then not the default one)."""
-    try:
-        return _resolved(settings.db_path)
-    except ValueError:
-        return None
 
 
 def _here(device: str) -> tuple[str, str] | None:

@@ -98,7 +98,8 @@ def hard_limit_s(deadline_s: float, timer_budget_s: float | None) -> float:
     if not math.isfinite(deadline_s) or deadline_s <= 0:
         return NO_DEADLINE_LIMIT_S
     # four deadlines: a candidate past the deadline still runs its second checked run (a timeout may answer)
-    return min(4 * deadline_s + 10 * (timer_budget_s or settings.timing_budget_s) + 5.0, MAX_WAIT_S)
+    # (float(): a Policy's deadline may be an int past what a float sum of it holds exactly, never past a float)
+    return min(4 * float(deadline_s) + 10 * (timer_budget_s or settings.timing_budget_s) + 5.0, MAX_WAIT_S)
 
 
 def _state() -> dict[str, Any]:

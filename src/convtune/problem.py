@@ -282,14 +282,15 @@ class ConvProblem:
     def _parse_key(cls, key: str) -> ConvProblem:
         match = cls._KEY.fullmatch(key) if isinstance(key, str) else None
         if match is None:
-            raise ValueError(f"{key!r} is not a ConvProblem key (expected the form of ConvProblem.key)")
+            shown = key[:200] if isinstance(key, str) else key
+            raise ValueError(f"{shown!r} is not a ConvProblem key (expected the form of ConvProblem.key)")
         f = match.groupdict()
         try:
             spatial = {name: tuple(int(v) for v in f[name].split("x"))
                        for name in ("input_size", "kernel_size", "stride", "padding", "dilation")}
             n, c, k, groups = (int(f[name]) for name in ("n", "c", "k", "groups"))
         except ValueError:  # (an empty size, or one of more digits than int() reads)
-            raise ValueError(f"{key[:200]!r} is not a ConvProblem key: malformed sizes") from None
+            raise ValueError(f"{key[:200]!r} is not a ConvProblem key: malformed numbers") from None
         return cls(
             direction=f["direction"], n=n, c=c, k=k, groups=groups,
             dtype=f["dtype"], layout=f["layout"], device=f["device"], allow_tf32=f["allow_tf32"] == "1",

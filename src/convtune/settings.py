@@ -214,6 +214,11 @@ class Settings:
         unknown = set(values) - set(self._by_name)
         if unknown:
             raise AttributeError(f"convtune has no setting(s) {sorted(unknown)}")
+        blank = sorted(name for name, value in values.items() if isinstance(value, str) and not value.strip()
+                       and self._by_name[name].default != "")  # ('' is the default of some: learned_model's)
+        if blank:  # (an empty variable reads as unset; an override of nothing would set something else)
+            raise ValueError(f"settings.override({blank[0]}={values[blank[0]]!r}): an empty value; give a value, or "
+                             f"leave the setting out for its default")
         saved = dict(self._overrides)
         self._overrides.update(values)
         try:

@@ -58,7 +58,8 @@ def parse_int(text: str, what: str) -> int:
     -12
     """
     if not _WHOLE.fullmatch(text):
-        raise ValueError(f"{what} {text!r} is not a whole number")
+        raise ValueError(f"{what} {text!r} is not a whole number written in digits; write it in digits 0-9, "
+                         f"e.g. 10")
     return int(text)
 
 
