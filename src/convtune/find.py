@@ -212,7 +212,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
                           [a.name for a in ranked[:head_size] if table.guessed(a.name, problem, a.place)])
     contenders = table.contenders(problem, [(a.name, a.place) for a in ranked], settings.find_contender_factor)
     rules = SearchRules(prices, head_size, patience=settings.find_patience, tolerance=policy.tolerance,
-                      prune_factor=settings.find_prune_factor, contenders=contenders)
+                        prune_factor=settings.find_prune_factor, contenders=contenders)
     search = Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     try:

@@ -732,7 +732,7 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     prices = SearchPrices({s.name: predicted for s, predicted in order},
                           [s.name for s, _ in searched[:head] if s.name in guessed])
     rules = SearchRules(prices, head, patience=patience, tolerance=tolerance, prune_factor=prune_factor,
-                      contenders=contenders)
+                        contenders=contenders)
     best, run, spent = math.inf, 0, 0.0
     for index, (sample, _) in enumerate(searched, 1):
         if rules.why_skipped(sample.name, best) is not None:

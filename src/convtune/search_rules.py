@@ -84,7 +84,7 @@ class SearchRules:
     measured runs all the same: ``measure.Search.try_candidate``) and tells it each ok timing (``timed``).
 
         >>> rules = SearchRules(SearchPrices({"a:x": 1.0, "a:y": 1.0, "a:z": 30.0}), 1, patience=1, tolerance=0.02,
-        ...                   prune_factor=10.0, contenders=["a:z"])
+        ...                     prune_factor=10.0, contenders=["a:z"])
         >>> rules.why_skipped("a:y", 1.0) is None
         True
         >>> rules.timed(1, "a:x", 1.0, best_before_ms=math.inf, best_ms=1.0)  # a family's first try: not counted
