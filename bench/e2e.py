@@ -156,6 +156,23 @@ class Timer:
         return dict(ms=statistics.median(samples), min_ms=min(samples), max_ms=max(samples))
 
 
+def host_probe_us(rounds: int = 5) -> float:
+    """How fast this process's host runs a fixed workload (µs, the median of ``rounds``): Python's own work and
+    PyTorch's dispatcher, no GPU. Where the host sets a step's pace, two processes of one configuration have differed
+    by up to 1.7x, every op slower alike in one of them; a probe taken in each process just before it is timed tells
+    a slower host (both probe and steps slower) from a slower layer path (the probes alike)."""
+    def once() -> float:
+        t0 = time.perf_counter()
+        values: list[int] = []
+        for i in range(20_000):
+            values.append(i * 3 % 7)
+        for _ in range(2_000):
+            torch.empty(0)
+        return 1e6 * (time.perf_counter() - t0)
+
+    return statistics.median(once() for _ in range(rounds))
+
+
 def _first_call_s(fn, timer: Timer) -> float:
     timer.sync()
     t0 = time.perf_counter()
@@ -194,7 +211,8 @@ def run_config(cfg: dict) -> dict:
     # Graph capture needs autocast's cast cache off (its cached casts would be made during the capture).
     autocast = lambda: torch.autocast(device, dtype=dtype, cache_enabled=cfg["style"] != "graph")  # noqa: E731
     timer = Timer(device, cfg["steps"], cfg["repeats"])
-    out: dict = dict(status="ok", visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    out: dict = dict(status="ok", visible_gpus=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                     host_probe_start_us=host_probe_us())  # (before convtune tunes; ``host_probe_us``)
     if cfg["mode"] == "convtune":
         with convtune.TuningDB(cfg["db"]) as db:
             out["db"] = "warm" if db.entries() else "cold"
@@ -222,6 +240,7 @@ def run_config(cfg: dict) -> dict:
         # while it waits on the GPU, torch.cuda.synchronize spinning: only a value clearly above 1 says that
         # another thread works beside the steps, and a Python one takes turns with them on the GIL), and its
         # threads: Python's by name, and every thread of the process as the OS names it.
+        probe_us = host_probe_us()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if cfg["mode"] == "convtune" and cfg["style"] == "eager":  # (compiled code and graphs call no forward)
             with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady: none)
@@ -231,6 +250,7 @@ def run_config(cfg: dict) -> dict:
         else:
             out[workload] = timer(step)
         out[workload]["cpu_per_wall"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+        out[workload]["host_probe_us"] = probe_us
         out[workload]["threads"] = sorted(t.name for t in threading.enumerate())
         out[workload]["os_threads"] = _os_threads()
         out[workload]["process"] = process_state(device)
@@ -462,7 +482,8 @@ def combine(runs: list[dict]) -> dict:
                                  process_ms=[m["ms"] for m in measured])
             # each process's count of calls off the hot path, CPU over wall time and threads (a row of one process
             # keeps them under their own names)
-            for key in ("full_path_calls", "python_path_calls", "cpu_per_wall", "threads", "os_threads", "process"):
+            for key in ("full_path_calls", "python_path_calls", "cpu_per_wall", "host_probe_us", "threads",
+                        "os_threads", "process"):
                 if any(key in m for m in measured):
                     row[workload][key] = [m.get(key) for m in measured]
     if any("db" in r for r in ok):  # each process's database (the row's own "db" is the first's: cold)
@@ -531,6 +552,17 @@ def _ms(row: dict | None, workload: str) -> str:
                                            if len(spread) > 1 else "")
 
 
+def _probe_ratio(base: dict | None, ct_row: dict, workload: str) -> str:
+    """The host probes (``host_probe_us``) of PyTorch's process over convtune's, taken as each was timed (the median
+    of a row's processes): below 1, convtune's process ran the same host work slower."""
+    def probe(row: dict | None) -> float | None:
+        value = (row or {}).get(workload, {}).get("host_probe_us")
+        return statistics.median(value) if isinstance(value, list) else value
+
+    torch_us, ct_us = probe(base), probe(ct_row)
+    return f"{torch_us / ct_us:.2f}" if torch_us and ct_us else "-"
+
+
 def markdown(env: dict, rows: dict) -> str:
     head = (f"# End-to-end benchmark\n\n{common.env_line(env)}, the last run's. Autocast, channels_last; "
             "median of 7 timings of 10 steps (ms per step); each row its own process (or, where a range follows, "
@@ -561,7 +593,8 @@ def markdown(env: dict, rows: dict) -> str:
                 cells.append(f"{base[workload]['ms'] / ct_row[workload]['ms']:.2f}x" if ok else "-")
         cold, warm = group_tuning(rows, g, ct_row.get("source"))
         first = tuning_cell(bm1) if bm1 else "-"
-        ratios.append([*g.split(":"), *cells, cold, warm, first, ct_row.get("source", "not recorded")])
+        probes = " / ".join(_probe_ratio(bm1, ct_row, workload) for workload in ("inference", "training"))
+        ratios.append([*g.split(":"), *cells, cold, warm, first, probes, ct_row.get("source", "not recorded")])
     sources = sorted({r[-1] for r in ratios})
     out += "\n## convtune's speed-up (torch time / convtune time; above 1: convtune faster)\n\n"
     out += (f"convtune's rows ran the library's src/ tree {sources[0]} (`git rev-parse --short <commit>:src`: every "
@@ -572,10 +605,13 @@ def markdown(env: dict, rows: dict) -> str:
     out += ("Tuning (s): convtune's `optimize(training=True)` on an empty database (cold: the first process of the "
             "network, batch and dtype, whichever its style) and, in a fresh process, on the database it filled "
             "(warm: the median of those processes); bm1 first: benchmark mode's first inference call plus its "
-            "first training step in that style (under compile, compiling included).\n\n")
+            "first training step in that style (under compile, compiling included). Host probe: a fixed host "
+            "workload (Python and PyTorch's dispatcher, no GPU) timed in each process just before its inference and "
+            "its training steps, PyTorch's over convtune's (`host_probe_us`): where it is well below 1, convtune's "
+            "process ran everything slower, not only its layers; '-' for rows measured before the probe.\n\n")
     out += common.md_table(["model", "batch", "dtype", "style", "inference vs bm0", "inference vs bm1",
                             "training vs bm0", "training vs bm1", "cold tuning s", "warm tuning s", "bm1 first s",
-                            "convtune's src/"], ratios)
+                            "host probe, torch / convtune", "convtune's src/"], ratios)
     for g in groups:
         ct_row, bm1 = rows.get(f"{g}:convtune"), rows.get(f"{g}:torch_bm1")
         if not (ct_row and bm1):

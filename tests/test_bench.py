@@ -173,13 +173,19 @@ def test_e2e_and_ab_run_a_small_network_on_the_cpu_and_rewrite_their_reports(tmp
     for workload in ("inference", "training"):
         ratios = ours[workload]["cpu_per_wall"]
         assert len(ratios) == 2 and all(c > 0 for c in ratios)
+        assert len(ours[workload]["host_probe_us"]) == 2 and all(us > 0 for us in ours[workload]["host_probe_us"])
         assert all("MainThread" in names for names in ours[workload]["threads"])
         assert all(names is None or len(names) >= 1 for names in ours[workload]["os_threads"])
         # and what each held meanwhile (a CPU run: no allocator's figures)
         assert [sorted(state) for state in ours[workload]["process"]] == [sorted(ours[workload]["process"][0])] * 2
         assert all(state["python_objects"] > 0 and "cuda_segments" not in state for state in ours[workload]["process"])
         assert all(state.get("rss_mb", 1) > 0 for state in ours[workload]["process"])
+    assert ours["host_probe_start_us"] > 0  # the host probe before tuning (a process of one row: its own)
     report = (tmp_path / "e2e.md").read_text()
+    # each group's host probes, PyTorch's process over convtune's (the median of each row's processes)
+    probes = [line.split("|")[-3].strip() for line in report.splitlines() if line.startswith("| tiny | b4 |")][-1]
+    inference_ratio, training_ratio = (float(r) for r in probes.split(" / "))
+    assert inference_ratio > 0 and training_ratio > 0
     (tmp_path / "e2e.md").unlink()
     subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--report", "--out", str(tmp_path)], check=True,
                    capture_output=True, timeout=120)
