@@ -428,6 +428,23 @@ def test_the_dry_example_run_sees_what_the_real_one_sees():
         {k: c for k, (_, c) in _observe_run(unbatched, x, True, dry=False).items()}
 
 
+@pytest.mark.parametrize("mode", ["get", "db_then_get", "hybrid"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_example_input_of_another_dtype_than_the_model_raises_torchs_error_in_every_mode(db, mode, dtype):
+    # The dry run computes nothing, yet it must refuse what the real run refuses: a mode that measures nothing (or a
+    # warm database) would otherwise tune float16 problems for a float32 model that cannot run on them.
+    model, x = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), torch.randn(2, 3, 8, 8, dtype=dtype)
+    with pytest.raises(RuntimeError) as plain:
+        model(x)
+    convtune.optimize(copy.deepcopy(model).to(dtype), x, mode=mode, db=db)  # the database answers x's problem now
+    with pytest.raises(RuntimeError, match=re.escape(str(plain.value))):
+        convtune.optimize(model, x, mode=mode, db=db)
+    assert type(model[0]) is torch.nn.Conv2d
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the input: no mixed dtypes there
+        convtune.optimize(model, torch.randn(2, 3, 8, 8), mode=mode, db=db)
+    assert isinstance(model[0], convtune.nn.Conv2d)
+
+
 def test_the_example_runs_put_back_a_forward_a_layer_already_had():
     from convtune.pytorch.optimize import _observe_run
 

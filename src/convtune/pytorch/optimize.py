@@ -108,6 +108,8 @@ def _dry_forward(module: _ConvNd, base: Any, training: bool, input: torch.Tensor
     batched = input.dim() == len(module.kernel_size) + 2
     x = input if batched else input.unsqueeze(0)
     sig, _, _ = _observed_call(module, x, training)
+    if _autocast_dtype(x) is None and x.dtype != module.weight.dtype:
+        return base(input)  # mixed dtypes: torch's own error, as the real run (and the tuned layer) raises it
     try:
         problem = describe(module, sig)
     except (TypeError, ValueError):  # stays on torch's path: its result as torch computes it
