@@ -445,6 +445,23 @@ def test_an_example_input_of_another_dtype_than_the_model_raises_torchs_error_in
     assert isinstance(model[0], convtune.nn.Conv2d)
 
 
+@pytest.mark.parametrize("mode", ["get", "hybrid"])
+def test_optimize_draws_nothing_from_torchs_random_generator(db, mode):
+    # A seeded training run must draw the same numbers whether optimize ran, and whether the database was warm:
+    # the process's first optimize measures the CPU's peaks for the cost model, which must use its own generator.
+    from convtune import costmodel, hardware
+
+    hardware._cpu_peaks.cache_clear()  # measured once a process: as the process's first optimize finds it
+    costmodel._device_peaks.cache_clear()
+    costmodel.clear_cache()
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)), \
+        torch.randn(2, 3, 8, 8)
+    state = torch.random.get_rng_state()
+    convtune.optimize(model, x, training=True, mode=mode, db=db)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 def test_the_example_runs_put_back_a_forward_a_layer_already_had():
     from convtune.pytorch.optimize import _observe_run
 

@@ -121,8 +121,9 @@ def memory_bytes(device: str) -> int | None:
 def _cpu_peaks() -> tuple[float, float]:
     """Measured once a process: a float32 matrix product and a large copy (about 0.2 s)."""
     size = 1024  # large enough for every thread to reach its steady state
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+    generator = torch.Generator().manual_seed(0)  # not the user's: a seeded run draws the same with convtune or not
+    a = torch.randn(size, size, generator=generator)
+    b = torch.randn(size, size, generator=generator)
     c = torch.empty(size, size)
     torch.mm(a, b, out=c)
     best_mm = min(_seconds(lambda: torch.mm(a, b, out=c)) for _ in range(7))
