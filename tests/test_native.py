@@ -487,6 +487,27 @@ def test_torch_export_of_a_static_shape_takes_the_layer_op_not_this_processs_han
         torch.testing.assert_close(program.module()(x), F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
 
 
+def test_an_inner_op_asked_for_a_gradient_names_itself_and_the_operand_not_only_double_backward(native):
+    # run_decompositions traces the layer op's autograd into layer_run, which has no derivative: that program called
+    # with gradients on (its weight a Parameter) raises, and the error says which op and operand, and what to do; it
+    # said a double backward was asked for, where none was.
+    x = torch.randn(2, 6, 5, 5)
+    module = _forced(x, "gemm:1x1", in_channels=6, out_channels=8, kernel_size=1)
+    program = torch.export.export(module, (x,)).run_decompositions()
+    assert "convtune.layer_run.default" in [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    with pytest.raises(NotImplementedError, match=r"convtune::layer_run has no derivative, yet its operand w requires "
+                                                  r"grad.*no double backward.*torch\.no_grad"):
+        program.module()(x)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), F.conv2d(x, module.weight, module.bias), atol=1e-5, rtol=1e-4)
+    p = ConvProblem("bwd_data", n=2, c=6, k=8, input_size=(5, 5), kernel_size=1)
+    h = runtime.executable(p, ct.get_algorithm("gemm:1x1", p))
+    dy, w = p.random_inputs()
+    with pytest.raises(NotImplementedError, match=r"convtune::tuned_run has no derivative, yet its operand dy requires "
+                                                  r"grad.*no double backward"):
+        torch.ops.convtune.tuned_run(dy.requires_grad_(), w, h)
+
+
 def test_a_failed_build_falls_back_to_the_python_path_with_one_warning(native, monkeypatch, tmp_path):
     monkeypatch.setattr(extension, "_state", {"module": None, "error": None, "build_s": None})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

@@ -43,6 +43,7 @@
 #include <shared_mutex>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 
 #include "executable.h"
 
@@ -386,19 +387,22 @@ at::Tensor conv_autograd(const at::Tensor& x, const at::Tensor& w, const std::op
                           need_dw || w.requires_grad());
 }
 
-// The four inner ops have no derivative of their own (layer_conv's backward calls them): asking for one
-// (double backward through a tuned layer) raises.
-void no_double_backward(std::initializer_list<const at::Tensor*> operands) {
-  bool needed = false;
-  for (const at::Tensor* t : operands) needed = needed || t->requires_grad();
-  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && needed),
-                              "convtune's layer ops have no derivative, so a tuned layer has no double backward "
-                              "(create_graph=True); run that model on torch's convolutions");
+// The four inner ops have no derivative of their own (layer_conv's backward calls them): asking for one raises,
+// naming the op and the operand. That is double backward through a tuned layer, or a graph traced below layer_conv's
+// autograd (an exported program after run_decompositions) called with gradients on.
+void no_double_backward(const char* op, std::initializer_list<std::pair<const char*, const at::Tensor*>> operands) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const auto& [name, t] : operands) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!t->requires_grad(), "convtune::", op, " has no derivative, yet its operand ", name,
+                                " requires grad: a tuned layer has no double backward (create_graph=True), and a graph "
+                                "that calls convtune::", op, " itself (an exported program after run_decompositions) "
+                                "runs under torch.no_grad() only; run that model on torch's convolutions");
+  }
 }
 
 at::Tensor run_autograd(const at::Tensor& x, const at::Tensor& w, Arrays stride, Arrays padding, Arrays dilation,
                         int64_t groups, int64_t id, bool need_dx, bool need_dw) {
-  no_double_backward({&x, &w});
+  no_double_backward("layer_run", {{"x", &x}, {"w", &w}});
   at::AutoDispatchBelowADInplaceOrView below;
   return call_run(x, w, stride, padding, dilation, groups, id, need_dx, need_dw);
 }
@@ -406,7 +410,7 @@ at::Tensor run_autograd(const at::Tensor& x, const at::Tensor& w, Arrays stride,
 template <bool data>
 at::Tensor backward_autograd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w, Arrays stride,
                              Arrays padding, Arrays dilation, int64_t groups, int64_t id) {
-  no_double_backward({&dy, &x, &w});
+  no_double_backward(data ? "layer_backward_data" : "layer_backward_filter", {{"dy", &dy}, {"x", &x}, {"w", &w}});
   at::AutoDispatchBelowADInplaceOrView below;
   return call_backward(data, dy, x, w, stride, padding, dilation, groups, id);
 }
@@ -414,7 +418,7 @@ at::Tensor backward_autograd(const at::Tensor& dy, const at::Tensor& x, const at
 std::tuple<at::Tensor, at::Tensor> backward_both_autograd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                                                           Arrays stride, Arrays padding, Arrays dilation, int64_t groups,
                                                           int64_t id) {
-  no_double_backward({&dy, &x, &w});
+  no_double_backward("layer_backward", {{"dy", &dy}, {"x", &x}, {"w", &w}});
   at::AutoDispatchBelowADInplaceOrView below;
   return call_backward_both(dy, x, w, stride, padding, dilation, groups, id);
 }

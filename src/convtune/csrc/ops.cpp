@@ -147,12 +147,16 @@ at::Tensor conv_below_autograd(const at::Tensor& x, const at::Tensor& w, const s
 }
 
 // tuned_run has no derivative of its own: tuned_conv's backward calls it (with gradients off, so this
-// is one redispatch), and asking for its gradient (double backward through a tuned layer) raises.
+// is one redispatch), and asking for its gradient (double backward through a tuned layer, or a call with an
+// operand that requires grad) raises, naming the operand.
 at::Tensor run_autograd(const at::Tensor& a, const at::Tensor& b, int64_t handle) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())),
-                              find_executable(handle)->geometry.label,
-                              ": convtune::tuned_run has no derivative, so a tuned layer has no double backward "
-                              "(create_graph=True); run that model on torch's convolutions");
+  if (at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())) {
+    const Geometry& g = find_executable(handle)->geometry;
+    TORCH_CHECK_NOT_IMPLEMENTED(false, g.label, ": convtune::tuned_run has no derivative, yet its operand ",
+                                operand_name(g.direction, a.requires_grad() ? 0 : 1),
+                                " requires grad: a tuned layer has no double backward (create_graph=True); call "
+                                "tuned_run under torch.no_grad(), or run that model on torch's convolutions");
+  }
   at::AutoDispatchBelowADInplaceOrView below;
   return run_tuned(a, b, handle);
 }
