@@ -136,6 +136,27 @@ def test_a_failed_measurement_keeps_the_models_choice_and_is_not_asked_again(db,
     assert again.time_ms is None and tuning.waiting_since(p.key) is None and db.lookup(p) is None
 
 
+def test_a_measurement_that_raises_a_base_exception_is_reported_and_the_worker_goes_on(db, monkeypatch, caplog):
+    class Cancelled(BaseException):  # as asyncio.CancelledError, or a plug-in's own: not an Exception
+        pass
+
+    find = sys.modules["convtune.find"].find
+    doomed, next_one = problem(n=7), problem(n=8)
+
+    def cancelled_once(p, *args, **kwargs):
+        if p == doomed:
+            raise Cancelled("the plug-in was cancelled")
+        return find(p, *args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["convtune.find"], "find", cancelled_once)
+    with caplog.at_level(logging.WARNING, logger="convtune.background"):
+        assert background.measure(doomed, ct.Policy(), db) and background.measure(next_one, ct.Policy(), db)
+        assert background.wait(120) and background.pending() == 0  # nothing left waiting forever
+    assert "the plug-in was cancelled" in caplog.text  # reported, not swallowed
+    assert not background.measure(doomed, ct.Policy(), db)  # failed: not asked again, the choice made at once stays
+    assert db.lookup(doomed) is None and db.lookup(next_one) is not None  # the worker went on with the next one
+
+
 def test_tuning_selects_again_once_the_measurement_is_stored(db, held):
     tuning = Tuning(mode="background", db=db)
     p, other = problem(n=4), problem(n=5)

@@ -166,7 +166,8 @@ def _work() -> None:
         ok = False
         try:
             ok = _find(problem, policy, db, device, streams)
-        except Exception:  # the worker goes on with the next problem whatever this one did
+        except BaseException:  # the worker goes on with the next problem whatever this one did (a BaseException
+            # too: in this thread it reaches no user, and would leave the problem waiting forever)
             log.exception("measuring %s in the background failed", problem.key)
         with _lock:
             _waiting.discard(token)
