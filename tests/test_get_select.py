@@ -580,6 +580,23 @@ def test_select_db_hit_that_violates_the_policy_is_not_used():
     assert result.algorithm == "fake:small" and result.time_ms is None
 
 
+def test_select_measures_again_what_an_earlier_finds_workspace_limit_left_untimed():
+    # a find under a workspace limit times only what fits: a wider policy's best may be a candidate it never timed
+    lean, fast = Fake("fake:lean", time_ms=5.0, sleep=True), Fake("fake:fast", time_ms=0.1, workspace_bytes=2**20)
+    db = FakeDB()
+    with isolated(lean, fast, builtins=False):
+        limited = select(P3, Policy(workspace_limit="1KiB"), db=db)
+        assert limited.algorithm == "fake:lean" and fast.runs == 0
+        assert select(P3, Policy(workspace_limit="512KiB"), db=db).algorithm == "fake:lean"  # fake:fast still over
+        assert select(P3, mode="db_then_get", db=db).time_ms is None  # the database knows no answer to it
+        wider = select(P3, db=db)  # measured now, not answered from the limited find
+        assert wider.algorithm == "fake:fast" and wider.time_ms is not None and fast.runs > 0
+        runs = fast.runs
+        assert select(P3, db=db) == wider
+        assert select(P3, Policy(workspace_limit="1KiB"), db=db).algorithm == "fake:lean"
+    assert fast.runs == runs  # both answered from the database now
+
+
 def test_select_bad_mode():
     with pytest.raises(ValueError, match="db_then_get"):
         select(P3, mode="fastest")

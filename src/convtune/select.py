@@ -93,9 +93,13 @@ def _pytorch_at_once(problem: ConvProblem, policy: Policy) -> PerfResult | None:
 
 def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
     """What the modes that read ``db`` select for ``problem`` from it alone: its best stored result that
-    ``policy`` can use, or None (then they measure or predict)."""
+    ``policy`` can use, or None (then they measure or predict). None too where a find under a tighter workspace
+    limit left untimed a candidate that ``policy`` allows: its best may be that one."""
     hit = db.lookup(problem, policy) if db is not None else None
-    return hit if hit is not None and usable(hit, policy, problem.dtype) else None
+    if hit is None or not usable(hit, policy, problem.dtype):
+        return None
+    untimed = (r for r in db.results(problem) if r.status is Status.OVER_WORKSPACE_LIMIT)
+    return None if any(violation_of(r, policy) is None for r in untimed) else hit
 
 
 def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool | None = None) -> PerfResult:
