@@ -236,11 +236,11 @@ def run_config(cfg: dict) -> dict:
         out[f"{workload}_first_s"] = _first_call_s(step, timer)  # benchmark mode's tuning, or the compile time
         if cfg["style"] == "graph":
             step, out[f"{workload}_capture_s"] = _graphed(step, device)
+        probe_us = host_probe_us()  # this process's host speed just before the steps are timed
         # The process's CPU time over the wall time while timed (all its threads; the main thread counts as busy
         # while it waits on the GPU, torch.cuda.synchronize spinning: only a value clearly above 1 says that
         # another thread works beside the steps, and a Python one takes turns with them on the GIL), and its
         # threads: Python's by name, and every thread of the process as the OS names it.
-        probe_us = host_probe_us()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if cfg["mode"] == "convtune" and cfg["style"] == "eager":  # (compiled code and graphs call no forward)
             with FullPathCalls() as full:  # a tuned layer's calls off its hot path while timed (steady: none)
