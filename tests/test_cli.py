@@ -307,6 +307,7 @@ def test_an_export_to_standard_output_through_a_pipe(capsys, tmp_path):
     (["find", *SMALL, "--workspace-lim", "-0.5"], "--workspace-limit: -0.5 is negative"),  # abbreviated too
     (["report", "resnet18", "--workspace-budget", "1MiB", "--budgets", "-1MiB,0"], "-1MiB is negative"),
     (["report", "resnet18", "--workspace-budget", "1MiB", "--budgets", "0,1MiB,xx"], "'xx' is not a size"),
+    (["find", *SMALL, "--workspace-limit", "\uff16\uff14MiB"], "'\uff16\uff14MiB' is not a size"),  # read as 64MiB
     (["get", "--c", "8", "--k", "8", "--size", "10x10", "--kernel", "3x3x3"], "kernel_size"),
     (["get", "--c", "8", "--k", "8", "--size", "ten"], "--size"),
     (["get", "--c", "8", "--k", "8", "--size", "5_5"], "--size '5_5' is not a size"),  # it was read as 55

@@ -13,7 +13,8 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 MAX_BYTES = 2**63 - 1  # what an int64 byte count holds
-_SIZE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")  # a negative one is read, then refused as negative
+# Digits 0-9 only, as parse_int reads them ('６４MiB' was 64 MiB); a negative size is read, then refused as negative
+_SIZE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str | int, what: str = "size") -> int:
