@@ -427,4 +427,5 @@ def test_a_json_layer_file_may_start_with_a_byte_order_mark_and_may_not_give_a_f
     assert code == 0 and json.loads(out)["layers"][0]["problem"].startswith("fwd|n2|c4|k4|in6x6|r3x3"), err
     path.write_text('{"layers": [{"c": 4, "k": 4, "spatial": [6, 6], "kernel": 3, "c": 8}]}')
     code, _, err = run(capsys, "tune", str(path), "--batch", "2", "--mode", "get", "--device", "cpu")
-    assert code == 2 and f"layer file {path} gives the field 'c' twice" in err, err
+    assert code == 2 and f"layer file {path} gives the field 'c' twice in one object (the one with c=4, k=4, " \
+        f"spatial=[6, 6], kernel=3, c=8)" in err, err  # which layer: its fields

@@ -155,9 +155,19 @@ def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for name, value in pairs:
         if name in fields:
-            raise _GivenTwice(name)
+            raise _GivenTwice(name, _shown(pairs))
         fields[name] = value
     return fields
+
+
+def _shown(pairs: list[tuple[str, Any]], most: int = 6, width: int = 24) -> str:
+    """A JSON object's first fields as a reader finds it in the file: 'c=4, k=4, spatial=[6, 6], ...'."""
+    def value(v: Any) -> str:
+        text = json.dumps(v) if not isinstance(v, (dict, list)) or len(json.dumps(v)) <= width else "..."
+        return text if len(text) <= width else text[:width - 3] + "..."
+
+    shown = ", ".join(f"{name}={value(v)}" for name, v in pairs[:most])
+    return shown + (", ..." if len(pairs) > most else "")
 
 
 def load_layers(path: str | Path, batch: int | None = None, **fields: Any) -> list[Layer]:
@@ -178,8 +188,8 @@ def load_layers(path: str | Path, batch: int | None = None, **fields: Any) -> li
         except (json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"layer file {path} is not valid JSON: {exc}") from None
         except _GivenTwice as exc:  # the value kept would be the last, another layer than the first one meant
-            raise ValueError(f"layer file {path} gives the field {exc.args[0]!r} twice in one object; give it "
-                             f"once") from None
+            raise ValueError(f"layer file {path} gives the field {exc.args[0]!r} twice in one object (the one with "
+                             f"{exc.args[1]}); give it once") from None
         entries = data.get("layers") if isinstance(data, dict) else data
         if not isinstance(entries, list):
             raise ValueError(f"layer file {path} must hold a list of layers, or an object with a 'layers' list")
