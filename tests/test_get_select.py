@@ -582,7 +582,8 @@ def test_select_db_hit_that_violates_the_policy_is_not_used():
 
 def test_select_measures_again_what_an_earlier_finds_workspace_limit_left_untimed():
     # a find under a workspace limit times only what fits: a wider policy's best may be a candidate it never timed
-    lean, fast = Fake("fake:lean", time_ms=5.0, sleep=True), Fake("fake:fast", time_ms=0.1, workspace_bytes=2**20)
+    # (lean sleeps 50 ms a run for real: the real timer cannot take a busy host's pause for it being the faster)
+    lean, fast = Fake("fake:lean", time_ms=50.0, sleep=True), Fake("fake:fast", time_ms=0.1, workspace_bytes=2**20)
     db = FakeDB()
     with isolated(lean, fast, builtins=False):
         limited = select(P3, Policy(workspace_limit="1KiB"), db=db)

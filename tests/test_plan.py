@@ -257,16 +257,37 @@ def test_a_problem_without_measurements_is_named_unless_find_may_measure_it():
 
 # -- with find and a real database ---------------------------------------------------------------
 
-def test_plan_measures_what_the_database_does_not_know_then_reads_it(tmp_path, monkeypatch):
-    finds = []
+@pytest.fixture
+def finds(monkeypatch):
+    """The problems plan() runs find on, in order (convtune.plan is the function on the package: the module is
+    reached through importlib)."""
+    keys = []
     real_find = convtune.find
 
     def counting_find(*args, **kwargs):
-        finds.append(args[0].key)
+        keys.append(args[0].key)
         return real_find(*args, **kwargs)
 
-    # convtune.plan is the function on the package: reach the module through importlib.
     monkeypatch.setattr(importlib.import_module("convtune.plan"), "find", counting_find)
+    return keys
+
+
+def test_plan_measures_again_what_a_finds_workspace_limit_left_untimed(tmp_path, finds):
+    # A find under a workspace limit does not time the candidates over it: a plan whose budget allows them read a
+    # front without them and never measured them (the budget's whole point: the faster, larger one).
+    # (lean sleeps 50 ms a run for real: the real timer cannot take a busy host's pause for it being the faster)
+    lean, fast = Fake("fake:lean", time_ms=50.0, sleep=True), Fake("fake:fast", time_ms=0.1, workspace_bytes=2**20)
+    p = problem(0)
+    with isolated(lean, fast, builtins=False), TuningDB(tmp_path / "tuning.sqlite") as db:
+        convtune.find(p, Policy(workspace_limit="1KiB"), db=db)
+        assert {r.algorithm: r.status.value for r in db.results(p)}["fake:fast"] == "over_workspace_limit"
+        assert plan([p], "1KiB", db=db, find_missing=False).choices[0].algorithm == "fake:lean"  # nothing measured
+        assert plan([p], "2MiB", db=db).choices[0].algorithm == "fake:fast" and finds == [p.key]  # measured again
+        assert plan([p], "2MiB", db=db).choices[0].algorithm == "fake:fast" and finds == [p.key]  # then read
+        assert plan([p], "1KiB", db=db).choices[0].algorithm == "fake:lean" and finds == [p.key]
+
+
+def test_plan_measures_what_the_database_does_not_know_then_reads_it(tmp_path, finds):
     p = ConvProblem("fwd", n=1, c=3, k=4, input_size=(6, 6), kernel_size=3, padding=1)
     with TuningDB(tmp_path / "tuning.sqlite") as db:
         with pytest.raises(NoAlgorithmError):

@@ -36,7 +36,7 @@ from .errors import NoAlgorithmError, check_one_of, check_type
 from .find import find
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import usable
+from .ranking import left_untimed, usable
 from .results import PerfResult
 from .units import format_bytes, parse_bytes
 
@@ -136,7 +136,7 @@ def plan(problems: Sequence[ConvProblem], workspace_budget: int | str | None, db
     (determinism, TF32, error; its workspace_limit is ignored: the budget replaces it). mode (by name): 'shared' (one
     buffer for layers run one after another: the largest workspace must fit) or 'divided' (concurrent layers: the
     sum must fit). find_missing: run ``convtune.find`` (storing in ``db``) for a problem with no usable stored
-    result.
+    result, or whose stored find ran under a workspace limit that left candidates untimed (``over_workspace_limit``).
 
     Raises ``InfeasibleBudgetError`` (a ``ValueError`` naming the smallest feasible budget) when
     no plan fits, ``NoAlgorithmError`` for a problem with no usable measurement (none stored and
@@ -234,7 +234,12 @@ def _fronts(problems: Sequence[ConvProblem], db: Any, policy: Policy,
         db = TuningDB()
     fronts = {}
     for p in dict.fromkeys(problems):
-        front = pareto_front(db.results(p), policy, p.dtype)
+        stored = db.results(p)
+        front = pareto_front(stored, policy, p.dtype)
+        if front and find_missing and left_untimed(stored, policy):  # (policy: without its limit, _check)
+            # a find under a workspace limit left untimed what the budget may allow: its front would miss them
+            log.info("plan: measuring %s again: a find under a workspace limit left candidates untimed", p.key)
+            front = []
         if not front and not find_missing:
             raise NoAlgorithmError(f"the tuning database holds no usable measurement of {p.key} under {policy}; "
                                    f"tune it first (convtune.find(problem, db=db)) or plan with find_missing=True")

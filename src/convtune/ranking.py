@@ -34,6 +34,12 @@ def violation_of(result: PerfResult, policy: Policy) -> tuple[str, str] | None:
                             uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision)
 
 
+def left_untimed(results: Iterable[PerfResult], policy: Policy) -> bool:
+    """Whether a find under a tighter workspace limit left untimed (``over_workspace_limit``) a candidate that
+    ``policy`` allows: the best ``policy`` can use may be that one, so the results cannot answer it."""
+    return any(r.status is Status.OVER_WORKSPACE_LIMIT and violation_of(r, policy) is None for r in results)
+
+
 def within_error(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool:
     """Whether ``result``'s relative error is within ``policy.max_rel_error``; where the policy sets none, within
     the default tolerance of ``dtype`` (any result where dtype is not given: the checks held that tolerance)."""

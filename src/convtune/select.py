@@ -19,7 +19,7 @@ from .find import find
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import NATIVE, rank, usable, violation_of
+from .ranking import NATIVE, left_untimed, rank, usable, violation_of
 from .results import PerfResult, Status
 from .settings import settings
 
@@ -98,8 +98,7 @@ def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
     hit = db.lookup(problem, policy) if db is not None else None
     if hit is None or not usable(hit, policy, problem.dtype):
         return None
-    untimed = (r for r in db.results(problem) if r.status is Status.OVER_WORKSPACE_LIMIT)
-    return None if any(violation_of(r, policy) is None for r in untimed) else hit
+    return None if left_untimed(db.results(problem), policy) else hit
 
 
 def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool | None = None) -> PerfResult:
