@@ -163,8 +163,10 @@ def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _shown(pairs: list[tuple[str, Any]], most: int = 6, width: int = 24) -> str:
     """A JSON object's first fields as a reader finds it in the file: 'c=4, k=4, spatial=[6, 6], ...'."""
     def value(v: Any) -> str:
-        text = json.dumps(v) if not isinstance(v, (dict, list)) or len(json.dumps(v)) <= width else "..."
-        return text if len(text) <= width else text[:width - 3] + "..."
+        text = json.dumps(v)
+        if len(text) <= width:
+            return text
+        return "..." if isinstance(v, (dict, list)) else text[:width - 3] + "..."
 
     shown = ", ".join(f"{name}={value(v)}" for name, v in pairs[:most])
     return shown + (", ..." if len(pairs) > most else "")
