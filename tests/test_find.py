@@ -158,9 +158,9 @@ def test_a_strict_policy_past_every_deadline_still_gets_the_slow_answer_it_can_u
 
 @pytest.mark.parametrize("policy, fake, status", [
     (Policy(workspace_limit=1024), Fake("fake:huge", workspace_bytes=2**40), Status.OVER_WORKSPACE_LIMIT),
-    (Policy(deterministic=True), Fake("fake:atomics", deterministic=False), Status.SKIPPED),
-    (Policy(allow_tf32=False), Fake("fake:tf32", tf32=True), Status.SKIPPED),
-    (Policy(allow_reduced_precision=False), Fake("fake:half_acc", reduced_precision=True), Status.SKIPPED),
+    (Policy(deterministic=True), Fake("fake:atomics", deterministic=False), Status.EXCLUDED_BY_POLICY),
+    (Policy(allow_tf32=False), Fake("fake:tf32", tf32=True), Status.EXCLUDED_BY_POLICY),
+    (Policy(allow_reduced_precision=False), Fake("fake:half_acc", reduced_precision=True), Status.EXCLUDED_BY_POLICY),
 ])
 def test_policy_violations_are_not_run(policy, fake, status):
     good = Fake("fake:good")
@@ -177,7 +177,7 @@ def test_unknown_determinism_is_decided_by_two_runs():
     assert results["fake:noisy"].status is Status.OK
     results = by_name(find(P, Policy(deterministic=True), timer=FakeTimer(), candidates=[steady, noisy]))
     assert results["fake:steady"].status is Status.OK
-    assert results["fake:noisy"].status is Status.SKIPPED and "bit for bit" in results["fake:noisy"].message
+    assert results["fake:noisy"].status is Status.EXCLUDED_BY_POLICY and "bit for bit" in results["fake:noisy"].message
 
 
 def test_a_candidate_found_not_deterministic_later_is_not_kept_deterministic(tmp_path):
@@ -188,7 +188,7 @@ def test_a_candidate_found_not_deterministic_later_is_not_kept_deterministic(tmp
         assert by_name(find(P, timer=FakeTimer(), candidates=[plan, other], db=db))["fake:plan"].deterministic
         plan.noisy = True  # an atomics plan whose two runs agreed the first time
         found = by_name(find(P, Policy(deterministic=True), timer=FakeTimer(), candidates=[plan, other], db=db))
-        assert found["fake:plan"].status is Status.SKIPPED
+        assert found["fake:plan"].status is Status.EXCLUDED_BY_POLICY
         kept = by_name(db.results(P))["fake:plan"]
         assert kept.ok and kept.time_ms == 1.0 and not kept.deterministic  # its timing stays, its promise does not
         assert db.lookup(P, Policy(deterministic=True)).algorithm == "fake:other"
@@ -301,7 +301,7 @@ def test_candidate_budget_skips_the_rest():
     results = by_name(find(P, Policy(max_candidates=2, allow_tf32=False), timer=FakeTimer(),
                            candidates=[*fakes, violator]))
     statuses = sorted(r.status.value for r in results.values())
-    assert statuses == ["ok", "ok", "skipped", "skipped", "skipped"]
+    assert statuses == ["excluded_by_policy", "ok", "ok", "skipped", "skipped"]
     assert "budget" in results["fake:n3"].message and "TF32" in results["fake:tf32"].message
     assert sum(f.runs > 0 for f in fakes) == 2
 
@@ -337,7 +337,7 @@ def test_a_narrow_find_keeps_earlier_timings_in_the_db():
     fakes = [Fake("fake:good", time_ms=2.0), Fake("fake:atomics", deterministic=False, time_ms=1.0)]
     find(P, db=db, timer=FakeTimer(), candidates=fakes)
     narrow = by_name(find(P, Policy(deterministic=True), db, timer=FakeTimer(), candidates=fakes))
-    assert narrow["fake:atomics"].status is Status.SKIPPED  # what this find returns
+    assert narrow["fake:atomics"].status is Status.EXCLUDED_BY_POLICY  # what this find returns
     stored = by_name(db.results(P))
     assert stored["fake:atomics"].status is Status.OK and stored["fake:atomics"].time_ms == pytest.approx(1.0)
     assert db.lookup(P).algorithm == "fake:atomics"

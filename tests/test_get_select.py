@@ -598,6 +598,28 @@ def test_select_measures_again_what_an_earlier_finds_workspace_limit_left_untime
     assert fast.runs == runs  # both answered from the database now
 
 
+@pytest.mark.parametrize("narrow, excluded", [
+    (Policy(deterministic=True), {"deterministic": False}), (Policy(allow_tf32=False), {"tf32": True}),
+    (Policy(allow_reduced_precision=False), {"reduced_precision": True})],
+    ids=["determinism", "tf32", "reduced_precision"])
+def test_select_measures_again_what_an_earlier_finds_policy_excluded(narrow, excluded):
+    # a find under determinism (no TF32, no reduced precision) does not time what the policy refuses: the default
+    # policy's best may be that one, so that find cannot answer it (lean sleeps for real, as above)
+    lean, quick = Fake("fake:lean", time_ms=50.0, sleep=True), Fake("fake:quick", time_ms=0.1, **excluded)
+    db = FakeDB()
+    with isolated(lean, quick, builtins=False):
+        assert select(P3, narrow, db=db).algorithm == "fake:lean" and quick.runs == 0
+        assert {r.algorithm: r.status for r in db.results(P3)}["fake:quick"] is Status.EXCLUDED_BY_POLICY
+        assert select(P3, narrow, db=db).algorithm == "fake:lean" and quick.runs == 0  # the narrow policy: answered
+        assert select(P3, mode="db_then_get", db=db).time_ms is None  # the database knows no answer to the default
+        wider = select(P3, db=db)
+        assert wider.algorithm == "fake:quick" and wider.time_ms is not None and quick.runs > 0
+        runs = quick.runs
+        assert select(P3, db=db) == wider
+        assert select(P3, narrow, db=db).algorithm == "fake:lean"
+    assert quick.runs == runs  # both answered from the database now
+
+
 def test_select_bad_mode():
     with pytest.raises(ValueError, match="db_then_get"):
         select(P3, mode="fastest")
@@ -610,7 +632,7 @@ def test_select_no_algorithm_after_measuring():
     text = str(info.value)
     assert P3.key in text
     assert "fake:raising: failed: ValueError: boom" in text
-    assert "fake:wrong: wrong_result" in text and "fake:atomics: skipped: not deterministic" in text
+    assert "fake:wrong: wrong_result" in text and "fake:atomics: excluded_by_policy: not deterministic" in text
 
 
 def test_select_no_algorithm_from_the_model():

@@ -34,7 +34,7 @@ from .measure import Search, declared_props, describe
 from .microbatch_search import micro_batch_offers
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import NATIVE, best, order, usable, within_error
+from .ranking import NATIVE, POLICY_EXCLUDED, best, order, usable, within_error
 from .results import PerfResult, Status
 from .search_rules import SearchPrices, SearchRules, families_first
 from .settings import check_seed, settings
@@ -431,7 +431,7 @@ def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[Perf
         log.warning("find: no candidate of %s succeeded; %d good result(s) stored before are kept",
                     problem.key, len(kept))
         return kept + wrong
-    not_timed = (Status.SKIPPED, Status.OVER_WORKSPACE_LIMIT)
+    not_timed = (Status.SKIPPED, *POLICY_EXCLUDED)
     return [_earlier(earlier[r.algorithm], r) if r.status in not_timed and r.algorithm in earlier else r
             for r in results]
 

@@ -364,7 +364,7 @@ class Search:
             probe_determinism = False
             if not props["deterministic"]:
                 return self._done(algorithm, props, err, PerfResult(
-                    algorithm.name, Status.SKIPPED, rel_error=err, **props,
+                    algorithm.name, Status.EXCLUDED_BY_POLICY, rel_error=err, **props,
                     message="not deterministic (two runs differ bit for bit), and the policy asks for determinism"))
         if deadline_s:
             left_s = deadline_s - (time.perf_counter() - started)

@@ -136,7 +136,8 @@ def plan(problems: Sequence[ConvProblem], workspace_budget: int | str | None, db
     (determinism, TF32, error; its workspace_limit is ignored: the budget replaces it). mode (by name): 'shared' (one
     buffer for layers run one after another: the largest workspace must fit) or 'divided' (concurrent layers: the
     sum must fit). find_missing: run ``convtune.find`` (storing in ``db``) for a problem with no usable stored
-    result, or whose stored find ran under a workspace limit that left candidates untimed (``over_workspace_limit``).
+    result, or whose stored find ran under a tighter policy that left untimed candidates ``policy`` allows (a
+    workspace limit, determinism, no TF32 or no reduced precision: ``over_workspace_limit``, ``excluded_by_policy``).
 
     Raises ``InfeasibleBudgetError`` (a ``ValueError`` naming the smallest feasible budget) when
     no plan fits, ``NoAlgorithmError`` for a problem with no usable measurement (none stored and
@@ -237,8 +238,8 @@ def _fronts(problems: Sequence[ConvProblem], db: Any, policy: Policy,
         stored = db.results(p)
         front = pareto_front(stored, policy, p.dtype)
         if front and find_missing and left_untimed(stored, policy):  # (policy: without its limit, _check)
-            # a find under a workspace limit left untimed what the budget may allow: its front would miss them
-            log.info("plan: measuring %s again: a find under a workspace limit left candidates untimed", p.key)
+            # a find under a tighter policy left untimed what this one and the budget allow: its front would miss them
+            log.info("plan: measuring %s again: a find under a tighter policy left candidates untimed", p.key)
             front = []
         if not front and not find_missing:
             raise NoAlgorithmError(f"the tuning database holds no usable measurement of {p.key} under {policy}; "

@@ -92,11 +92,11 @@ class Policy:
         if self.workspace_limit is not None and workspace_bytes > self.workspace_limit:
             return "over_workspace_limit", f"needs {workspace_bytes} bytes of workspace, limit {self.workspace_limit}"
         if self.deterministic and not deterministic:
-            return "skipped", "not deterministic, and the policy asks for determinism"
+            return "excluded_by_policy", "not deterministic, and the policy asks for determinism"
         if not self.allow_tf32 and uses_tf32:
-            return "skipped", "uses TF32, and the policy forbids it"
+            return "excluded_by_policy", "uses TF32, and the policy forbids it"
         if not self.allow_reduced_precision and reduced_precision:
-            return "skipped", "accumulates in reduced precision, and the policy forbids it"
+            return "excluded_by_policy", "accumulates in reduced precision, and the policy forbids it"
         return None
 
 

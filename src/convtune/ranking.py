@@ -34,10 +34,15 @@ def violation_of(result: PerfResult, policy: Policy) -> tuple[str, str] | None:
                             uses_tf32=result.uses_tf32, reduced_precision=result.reduced_precision)
 
 
+# The statuses of candidates a find did not time because its policy refused them: a wider policy may allow them.
+POLICY_EXCLUDED = (Status.OVER_WORKSPACE_LIMIT, Status.EXCLUDED_BY_POLICY)
+
+
 def left_untimed(results: Iterable[PerfResult], policy: Policy) -> bool:
-    """Whether a find under a tighter workspace limit left untimed (``over_workspace_limit``) a candidate that
-    ``policy`` allows: the best ``policy`` can use may be that one, so the results cannot answer it."""
-    return any(r.status is Status.OVER_WORKSPACE_LIMIT and violation_of(r, policy) is None for r in results)
+    """Whether a find under a tighter policy (a smaller workspace limit, determinism, no TF32, no reduced precision)
+    left untimed a candidate that ``policy`` allows: the best ``policy`` can use may be that one, so the results
+    cannot answer it."""
+    return any(r.status in POLICY_EXCLUDED and violation_of(r, policy) is None for r in results)
 
 
 def within_error(result: PerfResult, policy: Policy, dtype: str | None = None) -> bool:

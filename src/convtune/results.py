@@ -44,6 +44,9 @@ class Status(str, enum.Enum):
     WRONG_RESULT = "wrong_result"
     TIMEOUT = "timeout"
     SKIPPED = "skipped"
+    # Not timed because the find's policy refuses what it declares or showed: not deterministic, TF32, reduced
+    # precision (a workspace over the limit has its own status). A later, wider policy may allow it.
+    EXCLUDED_BY_POLICY = "excluded_by_policy"
 
     def __str__(self) -> str:
         return self.value

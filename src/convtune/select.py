@@ -93,8 +93,9 @@ def _pytorch_at_once(problem: ConvProblem, policy: Policy) -> PerfResult | None:
 
 def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
     """What the modes that read ``db`` select for ``problem`` from it alone: its best stored result that
-    ``policy`` can use, or None (then they measure or predict). None too where a find under a tighter workspace
-    limit left untimed a candidate that ``policy`` allows: its best may be that one."""
+    ``policy`` can use, or None (then they measure or predict). None too where a find under a tighter policy
+    (workspace limit, determinism, TF32, reduced precision) left untimed a candidate that ``policy`` allows: its best
+    may be that one."""
     hit = db.lookup(problem, policy) if db is not None else None
     if hit is None or not usable(hit, policy, problem.dtype):
         return None
