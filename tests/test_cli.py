@@ -208,6 +208,23 @@ def test_cache_export_import_clear(capsys, tmp_path):
     assert code == 0 and "removed" in out
 
 
+def test_cache_commands_on_a_default_database_never_made_make_none(capsys, tmp_path):
+    # (ls, export and clear made an empty database, and its folder, to show that it was empty)
+    cache = tmp_path / "cache"
+    with settings.override(cache_dir=str(cache)):
+        code, out, _ = run(capsys, "cache", "ls")
+        assert code == 0 and "no tuning database at" in out and "yet" in out
+        assert run(capsys, "cache", "ls", "--json")[:2] == (0, "[]\n")
+        code, out, _ = run(capsys, "cache", "clear", "--json")
+        assert code == 0 and json.loads(out)["results"] == 0
+        code, _, err = run(capsys, "cache", "export", str(tmp_path / "dump.jsonl"))
+        assert code == 2 and "nothing to export" in err and not (tmp_path / "dump.jsonl").exists()
+        assert not cache.exists()
+        assert run(capsys, "find", *SMALL)[0] == 0  # a tuning command makes it
+        code, out, _ = run(capsys, "cache", "ls", "--json")
+        assert code == 0 and len(json.loads(out)) == 1
+
+
 def test_cache_guards_what_a_mistyped_command_would_lose(capsys, tmp_path):
     db, other = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
     assert run(capsys, "find", *SMALL, "--db", str(db))[0] == 0

@@ -22,6 +22,17 @@ def test_a_setting_that_would_break_every_search_is_refused(monkeypatch, name, v
         getattr(settings, name)
 
 
+@pytest.mark.parametrize("name", ["cache_dir", "extension_dir", "learned_model", "cudnn_home"])
+def test_a_path_with_spaces_around_it_is_refused_with_the_path_it_meant(monkeypatch, tmp_path, name):
+    # (CONVTUNE_CACHE_DIR=" /data/cache" made a folder named " " below the working directory)
+    monkeypatch.setattr(settings, "_overrides", {})
+    monkeypatch.setenv(f"CONVTUNE_{name.upper()}", f" {tmp_path} ")
+    with pytest.raises(ValueError, match=f"CONVTUNE_{name.upper()}.*whitespace; give it without: '{tmp_path}'"):
+        getattr(settings, name)
+    monkeypatch.setenv(f"CONVTUNE_{name.upper()}", f"{tmp_path}/a b")  # spaces inside a name are a name's
+    assert getattr(settings, name) == f"{tmp_path}/a b"
+
+
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_variable_is_an_unset_one(monkeypatch, value):
     # CONVTUNE_NATIVE= (and every other setting on by default) read as off, the opposite of no variable; an empty

@@ -15,7 +15,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from rich.console import Console
@@ -460,6 +460,8 @@ def cmd_cache(args, out: Console) -> int:
         from .export_lines import check_source
 
         check_source(Path(args.path))
+    elif args.db is None and _never_made(settings.db_path):  # nothing tuned here yet: read it as empty, make none
+        return _no_database(args, out, settings.db_path)
     with _db(args, existing=args.action in ("ls", "export", "clear")) as db:  # import may start a database
         if args.action in ("export", "import", "clear"):
             if args.action == "export":
@@ -487,6 +489,31 @@ def cmd_cache(args, out: Console) -> int:
                               format_ms(e.best_ms), "yes" if e.usable else "no",
                               datetime.datetime.fromtimestamp(e.stored_at).strftime("%Y-%m-%d %H:%M"))
             _print(out, args, table, [e.__dict__ for e in entries])
+    return 0
+
+
+def _never_made(path: Path) -> bool:
+    """Whether no file is at ``path`` where one could be: its nearest existing folder is a folder (under a file, the
+    database cannot be made, which opening it says)."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return not path.exists() and folder.is_dir()
+
+
+def _no_database(args, out: Console, path: Path) -> int:
+    """``cache ls``, ``export`` and ``clear`` where the default database was never made: ls lists nothing and clear
+    removes nothing (exit 0), export refuses (no file is written), and none makes the database or its folder."""
+    if args.action == "export":
+        raise UsageError(f"cache export: no tuning database at {path} yet, so nothing to export; tune something first "
+                         f"(convtune tune ...), or name another database with --db")
+    if args.json:
+        payload: Any = [] if args.action == "ls" else {"action": "clear", "results": 0, "database": str(path),
+                                                       "file": None}
+        out.print_json(json.dumps(payload))
+    else:
+        out.print(f"no tuning database at {path} yet: nothing has been tuned with it"
+                  + ("" if args.action == "ls" else ", so nothing to remove"))
     return 0
 
 

@@ -86,6 +86,14 @@ def _off_or_at_least(low: float) -> Callable[[str], float]:
     return parse
 
 
+def _path(text: str) -> str:
+    """A file or folder's path as given, refused where spaces begin or end it: a quoting mistake far more often
+    than a name (' /data/cache' is a folder named ' ' below the working directory)."""
+    if text != text.strip():
+        raise ValueError(f"the path {text!r} begins or ends with whitespace; give it without: {text.strip()!r}")
+    return text
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -106,7 +114,7 @@ def _one_of(*choices: str) -> Callable[[str], str]:
 
 _SETTINGS = (
     # where the tuning database lives unless a path is given
-    _Setting("cache_dir", str, _cache_dir_default, "folder of tuning.sqlite"),
+    _Setting("cache_dir", _path, _cache_dir_default, "folder of tuning.sqlite"),
     # seed of the random inputs that verification uses
     _Setting("verify_seed", _seed, 0, "seed of verification inputs"),
     # every element of a result within this many tolerances of the reference, scaled by |ref| + rms (0: no bound)
@@ -164,14 +172,14 @@ _SETTINGS = (
     # which candidates find measures in a worker process (isolation.py): plugins, all or off
     _Setting("isolate", _one_of("plugins", "all", "off"), "plugins", "candidates measured in a worker process"),
     # the learned cost model get uses ('' : learned_get_<device>.pt beside the database; {device} is replaced)
-    _Setting("learned_model", str, "", "file of the learned cost model"),
+    _Setting("learned_model", _path, "", "file of the learned cost model"),
     # convtune's own Triton kernels (triton:*) are candidates wherever they support a problem
     _Setting("triton", _bool, True, "convtune's Triton kernels join the portfolio"),
     # where the C++ extension is built and cached (one folder per sources and software versions)
-    _Setting("extension_dir", str, _extension_dir_default, "folder of the C++ extension's builds"),
+    _Setting("extension_dir", _path, _extension_dir_default, "folder of the C++ extension's builds"),
     # a folder with cuDNN's include/cudnn.h and lib/libcudnn.so*, looked in first by the C++ build ('': where
     # PyTorch's nvidia-cudnn wheel put them, then /usr/local/cuda and /usr)
-    _Setting("cudnn_home", str, "", "folder of cuDNN's headers and library for the C++ build"),
+    _Setting("cudnn_home", _path, "", "folder of cuDNN's headers and library for the C++ build"),
     # show a progress bar in the command line
     _Setting("progress", _bool, True, "progress bars in the CLI"),
 )
