@@ -1,6 +1,7 @@
 """get (the cost model: runs nothing, ranks sensibly, learns from the database) and select's modes."""
 
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -618,6 +619,31 @@ def test_select_measures_again_what_an_earlier_finds_policy_excluded(narrow, exc
         assert select(P3, db=db) == wider
         assert select(P3, narrow, db=db).algorithm == "fake:lean"
     assert quick.runs == runs  # both answered from the database now
+
+
+def test_two_policies_asked_in_turn_measure_once_each(monkeypatch):
+    # A find under determinism passes over (budget) a TF32 candidate and refuses a nondeterministic one; a find
+    # without TF32 then times the latter and refuses the former. Had the second stored that refusal, each policy
+    # would see a candidate the other left untimed and measure again on every call.
+    select_module = importlib.import_module("convtune.select")  # (convtune.select is the function)
+    finds = []
+    real_find = select_module.find
+    monkeypatch.setattr(select_module, "find", lambda *a, **k: finds.append(a[1]) or real_find(*a, **k))
+    atomics, plain, tf32 = Fake("fake:a_atomics", deterministic=False), Fake("fake:b_plain"), Fake("fake:c_tf32",
+                                                                                                   tf32=True)
+    strict, no_tf32 = Policy(deterministic=True, max_candidates=1), Policy(allow_tf32=False, max_candidates=1)
+    db = FakeDB()
+    with isolated(atomics, plain, tf32, builtins=False):
+        select(P3, strict, db=db)
+        status = {r.algorithm: r.status for r in db.results(P3)}
+        assert status == {"fake:a_atomics": Status.EXCLUDED_BY_POLICY, "fake:b_plain": Status.OK,
+                          "fake:c_tf32": Status.SKIPPED}, status  # (the premise: the budget passed fake:c_tf32 over)
+        select(P3, no_tf32, db=db)  # fake:a_atomics is left untimed for this policy: measured
+        assert {r.algorithm: r.status for r in db.results(P3)}["fake:c_tf32"] is Status.SKIPPED
+        for _ in range(2):
+            assert select(P3, strict, db=db).algorithm == "fake:b_plain"
+            select(P3, no_tf32, db=db)
+    assert finds == [strict, no_tf32]
 
 
 def test_select_bad_mode():
