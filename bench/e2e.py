@@ -443,10 +443,64 @@ def profile_step(step, steps: int) -> dict:
         kernels[e.name][0] += e.time_range.elapsed_us() / 1e3 / steps
         kernels[e.name][1] += 1
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:40]
+    launches = {e.id: (e.time_range.start, _launching_op(e)) for e in events
+                if e.device_type == DeviceType.CPU and e.name in LAUNCH_CALLS}
+    idle = gpu_idle([(e.time_range.start, e.time_range.end, e.id) for e in kernel_events], launches, steps)
     return dict(total_gpu_ms=total_ms, attributed_gpu_ms=attributed_ms, conv_ms=conv_ms, other_ms=total_ms - conv_ms,
                 layers={k: dict(v, algorithms=sorted(v["algorithms"])) for k, v in sorted(layers.items())},
-                cpu_ops=_cpu_ops(prof, steps),
+                idle=idle, cpu_ops=_cpu_ops(prof, steps),
                 kernels=[dict(kernel=name[:160], ms=ms, launches=n // steps) for name, (ms, n) in top])
+
+
+# The CUDA runtime and driver calls that launch work on the device (their correlation id is the kernel's).
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                          "cudaMemsetAsync", "cudaMemcpyAsync", "cudaLaunchCooperativeKernel", "cudaGraphLaunch"})
+
+
+def _launching_op(launch) -> str:
+    """The outermost op above a launch call that is not a profiler range of a whole step or graph: what the host
+    was running when it launched (Inductor's graph call and the optimizer's step are ranges, not ops)."""
+    op, parent = launch.name, launch.cpu_parent
+    while parent is not None:
+        if not parent.name.startswith(("## ", "ProfilerStep", "Torch-Compiled Region", "Optimizer.")):
+            op = parent.name
+        parent = parent.cpu_parent
+    return op
+
+
+def gpu_idle(kernels: list[tuple[float, float, int]], launches: dict[int, tuple[float, str]], steps: int,
+             min_gap_us: float = 10.0, top: int = 8) -> dict:
+    """Where the device sat idle between the first kernel and the last (us timestamps): ``kernels`` as (start, end,
+    correlation id), ``launches`` the host's launch call of each id as (start, the op that made it). A gap the next
+    kernel's launch began inside (or after) was the host's: it launched late; one whose launch came before the gap
+    was the device's own (a wait on an event, another stream); one whose launch is not among ``launches``, unmatched.
+    Per step: idle ms in all, the host's share, the unmatched share, and the host's gaps of at least ``min_gap_us``
+    summed by the op that launched the kernel after them, largest first.
+
+        >>> idle = gpu_idle([(0, 10, 1), (30, 40, 2), (45, 50, 3), (50, 60, 4)], {2: (20, "aten::mm"), 3: (1, "")}, 1)
+        >>> idle["idle_ms"], idle["host_late_ms"], idle["unmatched_ms"], idle["after"]
+        (0.025, 0.02, 0.0, [{'op': 'aten::mm', 'ms': 0.02, 'gaps': 1.0}])
+    """
+    idle_us = late_us = unmatched_us = 0.0
+    after: dict = defaultdict(lambda: [0.0, 0])
+    busy_until = None
+    for start, end, corr in sorted(kernels):
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            idle_us += gap
+            launch = launches.get(corr)
+            if launch is None:  # (no launch call of that correlation id among the host's events)
+                unmatched_us += gap
+            elif launch[0] > busy_until:  # launched while the device was already idle
+                late_us += gap
+                if gap >= min_gap_us:
+                    after[launch[1]][0] += gap
+                    after[launch[1]][1] += 1
+        busy_until = end if busy_until is None else max(busy_until, end)
+    ranked = sorted(after.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(idle_ms=idle_us / 1e3 / steps, host_late_ms=late_us / 1e3 / steps,
+                unmatched_ms=unmatched_us / 1e3 / steps,
+                after=[dict(op=op, ms=us / 1e3 / steps, gaps=n / steps) for op, (us, n) in ranked])
 
 
 def _cpu_ops(prof, steps: int, top: int = 25) -> list[dict]:
@@ -620,6 +674,9 @@ def markdown(env: dict, rows: dict) -> str:
             if key in ct_row and key in bm1:
                 out += f"\n## Where the GPU time goes {what}: {g}\n\n" + profile_table(
                     bm1[key], ct_row[key]).replace("per training step", what)
+        if "idle" in ct_row.get("profile", {}) and "idle" in bm1.get("profile", {}):
+            out += f"\n## Where the GPU waited in the training step: {g}\n\n" + idle_table(bm1["profile"],
+                                                                                         ct_row["profile"])
         if "cpu_ops" in ct_row.get("profile", {}) and "profile" in bm1:
             out += f"\n## Host time per op of the training step: {g}\n\n" + cpu_ops_table(bm1["profile"],
                                                                                         ct_row["profile"])
@@ -703,6 +760,24 @@ def profile_table(torch_profile: dict, ct_profile: dict) -> str:
             "weight shape; ratio = convtune / torch.\n\n" + common.md_table(
                 ["layer", "fwd torch bm1", "fwd convtune", "bwd torch bm1", "bwd convtune", "ratio",
                  "convtune's algorithms"], lines))
+
+
+def idle_table(torch_profile: dict, ct_profile: dict) -> str:
+    """The device's idle time per training step, and the ops whose launches came after the host-made gaps."""
+    t, c = torch_profile["idle"], ct_profile["idle"]
+    lines = [["**idle in all**", f"{t['idle_ms']:.3f}", f"{c['idle_ms']:.3f}"],
+             ["**of which the host launched late**", f"{t['host_late_ms']:.3f}", f"{c['host_late_ms']:.3f}"],
+             ["**of which no launch was found**", f"{t['unmatched_ms']:.3f}", f"{c['unmatched_ms']:.3f}"]]
+    torch_after = {r["op"]: r for r in t["after"]}
+    ct_after = {r["op"]: r for r in c["after"]}
+    for op in dict.fromkeys([*ct_after, *torch_after]):
+        lines.append([f"after `{op}`", *(f"{r['ms']:.3f} ({r['gaps']:g})" if r else "-"
+                                          for r in (torch_after.get(op), ct_after.get(op)))])
+    return ("The device idle between kernels per training step (ms, torch.profiler): in all, where the next kernel's "
+            "launch began only once the device had run out of work (the host was late), where the profile holds no "
+            "launch of the next kernel (unmatched), and the host's gaps of 10 us "
+            "or more by the op that launched the kernel after them (ms, gaps per step).\n\n"
+            + common.md_table(["", "torch bm1", "convtune"], lines))
 
 
 def cpu_ops_table(torch_profile: dict, ct_profile: dict) -> str:

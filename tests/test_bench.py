@@ -110,6 +110,27 @@ def test_e2e_runs_families_at_once_each_on_a_gpu_of_its_own(tmp_path):
 e2e = _bench_script("e2e")
 
 
+def test_e2e_finds_where_the_device_waited_for_the_host_and_after_which_op(e2e):
+    # two steps: kernels (start, end, correlation id) and their launches (start, the op that made them)
+    kernels = [(0, 100, 1), (150, 200, 2), (200, 300, 3), (310, 400, 4),  # step 1
+               (1000, 1100, 5), (1180, 1200, 6), (1190, 1250, 7)]  # step 2 (two streams overlap: no gap)
+    launches = {1: (0, "aten::mm"), 2: (120, "aten::fill_"), 3: (10, "aten::mm"), 4: (20, "aten::mm"),
+                5: (990, "aten::mm"), 6: (1150, "aten::fill_"), 7: (30, "aten::mm")}
+    idle = e2e.gpu_idle(kernels, launches, steps=2)
+    # idle: 50 + 10 (4 launched at 20, before the gap: the device's own) + 600 (between the steps) + 80 us
+    assert idle["idle_ms"] == pytest.approx((50 + 10 + 600 + 80) / 2e3)
+    assert idle["host_late_ms"] == pytest.approx((50 + 600 + 80) / 2e3)
+    assert idle["after"] == [dict(op="aten::mm", ms=pytest.approx(0.3), gaps=0.5),
+                             dict(op="aten::fill_", ms=pytest.approx(0.065), gaps=1.0)]
+    assert idle["unmatched_ms"] == 0
+    assert e2e.gpu_idle([(0, 10, 1), (30, 40, 2)], {1: (0, "aten::mm")}, steps=1)["unmatched_ms"] == 0.02
+    none = e2e.gpu_idle([], {}, steps=3)  # a CPU run: no kernels, no idle time
+    assert none == dict(idle_ms=0.0, host_late_ms=0.0, unmatched_ms=0.0, after=[])
+    profile = dict(idle=idle)
+    table = e2e.idle_table(dict(idle=dict(idle_ms=0.1, host_late_ms=0.0, unmatched_ms=0.0, after=[])), profile)
+    assert "| **idle in all** | 0.100 | 0.370 |" in table and "| after `aten::fill_` | - | 0.065 (1) |" in table
+
+
 @pytest.mark.parametrize("gpus", ["1", "2"])
 def test_e2e_stops_and_raises_where_a_worker_fails(e2e, tmp_path, monkeypatch, gpus):
     calls: list[int] = []
