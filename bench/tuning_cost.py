@@ -197,7 +197,7 @@ def whole_network(network: str, batch: int, dtype: str, layout: str, device: str
 
 
 WARM_PHASES = (
-    ("database lookups", "convtune.db", "TuningDB.lookup"),
+    ("database lookups", "convtune.db", "TuningDB.results"),
     *CUDNN_PHASES,
 )
 
