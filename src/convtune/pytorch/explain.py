@@ -28,7 +28,9 @@ def explain(model: torch.nn.Module) -> list[dict[str, Any]]:
     algorithm (None: torch's own path), runtime (what runs the layer: 'native', convtune's C++ ops;
     'torch', PyTorch's own call, where every direction chose torch:native (but for CPU bfloat16, which
     runs it through convtune's op) or none could be tuned;
-    'python', convtune's Python path), status, time_ms (None when not measured), workspace_bytes
+    'python', convtune's Python path), status (the result's ``Status`` value, 'ok' for a choice measured or
+    predicted; 'torch' on a layer that calls PyTorch for every direction, one row holding no result), time_ms (None
+    when not measured), workspace_bytes
     note (why torch's or the Python path, on a layer that calls PyTorch the forward's path of a call that needs no
     gradient where it differs (``LayerSelection.no_grad``), or the result's message) and compiled (what torch.compile
     traces for the layer: 'executables', for an input of this static shape the chosen executables by handle
