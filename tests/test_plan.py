@@ -287,6 +287,20 @@ def test_plan_measures_again_what_a_finds_workspace_limit_left_untimed(tmp_path,
         assert plan([p], "1KiB", db=db).choices[0].algorithm == "fake:lean" and finds == [p.key]
 
 
+def test_plan_measures_again_what_a_finds_determinism_left_untimed(tmp_path, finds):
+    # the same for a find under determinism: a plan under the default policy may use the candidate it refused
+    lean, fast = Fake("fake:lean", time_ms=50.0, sleep=True), Fake("fake:fast", time_ms=0.1, deterministic=False)
+    p = problem(0)
+    with isolated(lean, fast, builtins=False), TuningDB(tmp_path / "tuning.sqlite") as db:
+        convtune.find(p, Policy(deterministic=True), db=db)
+        assert {r.algorithm: r.status.value for r in db.results(p)}["fake:fast"] == "excluded_by_policy"
+        strict = Policy(deterministic=True)
+        assert plan([p], "1MiB", policy=strict, db=db).choices[0].algorithm == "fake:lean" and finds == []
+        assert plan([p], "1MiB", db=db).choices[0].algorithm == "fake:fast" and finds == [p.key]  # measured again
+        assert plan([p], "1MiB", db=db).choices[0].algorithm == "fake:fast" and finds == [p.key]  # then read
+        assert plan([p], "1MiB", policy=strict, db=db).choices[0].algorithm == "fake:lean" and finds == [p.key]
+
+
 def test_plan_measures_what_the_database_does_not_know_then_reads_it(tmp_path, finds):
     p = ConvProblem("fwd", n=1, c=3, k=4, input_size=(6, 6), kernel_size=3, padding=1)
     with TuningDB(tmp_path / "tuning.sqlite") as db:
