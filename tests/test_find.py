@@ -445,6 +445,28 @@ def test_search_converges_after_patience_candidates_without_a_new_best():
         assert all(r.status is Status.OK for r in find(P, timer=FakeTimer(), candidates=fakes))
 
 
+def test_where_the_best_is_not_deterministic_the_deterministic_ones_are_searched_on_to_their_own_best():
+    # the nondeterministic a0 is fastest: the search converges after a1-a3 gain nothing on it, and without the count
+    # over the deterministic candidates alone a4, the best of those, was never timed; a policy asking for determinism
+    # then had a1 from the database
+    fakes = [Fake("fake:a0", time_ms=0.5, deterministic=False), *(Fake(f"fake:a{i}", time_ms=2.0) for i in (1, 2, 3)),
+             Fake("fake:a4", time_ms=1.0), *(Fake(f"fake:a{i}", time_ms=2.0) for i in (5, 6, 7, 8))]
+    db = FakeDB()
+    with settings.override(find_patience=3):
+        results = by_name(find(P, db=db, timer=FakeTimer(), candidates=fakes))
+        assert sorted(n for n, r in results.items() if r.ok) == [f"fake:a{i}" for i in range(8)]  # a5-a7: a4's patience
+        assert results["fake:a8"].status is Status.SKIPPED and "converged" in results["fake:a8"].message
+        assert db.lookup(P).algorithm == "fake:a0" and db.lookup(P, Policy(deterministic=True)).algorithm == "fake:a4"
+        # the best deterministic: nothing beyond find's own rules runs
+        fakes[0] = Fake("fake:a0", time_ms=0.5)
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+        assert sorted(n for n, r in results.items() if r.ok) == [f"fake:a{i}" for i in range(4)]
+        # a policy asking for determinism searches the deterministic ones alone already
+        fakes[0] = Fake("fake:a0", time_ms=0.5, deterministic=False)
+        results = by_name(find(P, Policy(deterministic=True), timer=FakeTimer(), candidates=fakes))
+        assert sorted(n for n, r in results.items() if r.ok) == [f"fake:a{i}" for i in range(1, 8)]
+
+
 def test_every_backend_gets_an_early_try_before_patience_runs_out():
     same_family = [Fake(f"fake:q{i}", time_ms=2.0) for i in range(6)]
     other = Fake("other:fast", time_ms=1.0)

@@ -146,7 +146,10 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     prices by a guess; where a family's first timed candidate ran faster than predicted, its other prices come down
     by as much).
     Neither rule skips a candidate needing less workspace than every
-    one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. A
+    one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. Where the best measured is not
+    deterministic and beats every deterministic one beyond the tolerance, a candidate declaring itself deterministic
+    runs while the same rules counted over the deterministic ones alone would run it (``_for_determinism``): a later
+    policy asking for determinism is answered with their best. A
     workspace costly to learn (a cuDNN execution plan's, by building it) is learned for the candidates
     that run, for all of them under a ``workspace_limit``, and for a skipped one only while a
     candidate can still be leaner than the leanest measured; a skipped candidate whose workspace
@@ -208,15 +211,21 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     table = costmodel.corrections(db, problem.device).resolved(problem.device)
     predictions = ranked_predictions(problem, candidates, policy, db, keep_filters=False, prices=table)
     ranked, head_size = search_order([a for a, _ in predictions])
-    prices = SearchPrices({a.name: cast(float, guess.time_ms) for a, guess in predictions},  # every one has a time
-                          [a.name for a in ranked[:head_size] if table.guessed(a.name, problem, a.place)])
     contenders = table.contenders(problem, [(a.name, a.place) for a in ranked], settings.find_contender_factor)
-    rules = SearchRules(prices, head_size, patience=settings.find_patience, tolerance=policy.tolerance,
-                        prune_factor=settings.find_prune_factor, contenders=contenders)
+    predicted = {a.name: cast(float, guess.time_ms) for a, guess in predictions}  # every one has a time
+    guessed = [a.name for a in ranked[:head_size] if table.guessed(a.name, problem, a.place)]
+
+    def new_rules() -> SearchRules:  # (each with prices of its own: a family's first timing scales its own)
+        return SearchRules(SearchPrices(predicted, guessed), head_size, patience=settings.find_patience,
+                           tolerance=policy.tolerance, prune_factor=settings.find_prune_factor, contenders=contenders)
+
+    rules = new_rules()
+    # the same rules counted over the deterministic candidates alone, where the policy lets the best be another
+    deterministic = None if policy.deterministic else new_rules()
     search = Search(problem, policy, timer, seed)
     log.info("find %s: %d candidate(s)", problem.key, len(ranked))
     try:
-        results += _search(search, ranked, rules)
+        results += _search(search, ranked, rules, deterministic)
         if not any(r.ok and within_error(r, policy) for r in results):
             results = _slow_but_right(results, policy)
         if problem.device == "cpu" and timer is benchmark:  # a fake or another timer in tests and tools: as it says
@@ -375,29 +384,58 @@ class _Ahead:
         self._pool = self._mode = None
 
 
-def _search(search: Search, ranked: list[Algorithm], rules: SearchRules) -> list[PerfResult]:
+def _search(search: Search, ranked: list[Algorithm], rules: SearchRules,
+            deterministic: SearchRules | None = None) -> list[PerfResult]:
     """Each candidate of ``ranked`` tried in turn, until the search converges (``rules``: ``find``'s), the next ones'
-    compiles started ahead of them (``_Ahead``)."""
+    compiles started ahead of them (``_Ahead``). ``deterministic``: the same rules over the deterministic candidates
+    alone (``_for_determinism``), or None."""
     def in_order() -> list[PerfResult]:
         with _Ahead(search, ranked, rules) as ahead:
-            return _search_in_order(search, ranked, rules, ahead)
+            return _search_in_order(search, ranked, rules, ahead, deterministic)
 
     return contextvars.copy_context().run(in_order)
 
 
-def _search_in_order(search: Search, ranked: list[Algorithm], rules: SearchRules, ahead: _Ahead) -> list[PerfResult]:
+def _search_in_order(search: Search, ranked: list[Algorithm], rules: SearchRules, ahead: _Ahead,
+                     deterministic: SearchRules | None) -> list[PerfResult]:
     results = []
     for index, algorithm in enumerate(ranked, 1):
         ahead(index - 1)
-        best_before = search.best_ms
-        result = search.try_candidate(algorithm, rules.why_skipped(algorithm.name, best_before))
-        if result.ok:  # (the best before and after it: of the results this policy can use)
+        best_before, deterministic_before = search.best_ms, search.best_deterministic_ms
+        ruled_out = rules.why_skipped(algorithm.name, best_before)
+        # (one run only for determinism's sake leaves find's own count alone: the search goes as it would without it)
+        for_determinism = ruled_out is not None and _for_determinism(search, algorithm, deterministic) is None
+        result = search.try_candidate(algorithm, None if for_determinism else ruled_out)
+        if result.ok and not for_determinism:  # (the best before and after it: of the results this policy can use)
             rules.timed(index, algorithm.name, result.time_ms, best_before_ms=best_before, best_ms=search.best_ms)
+        if result.ok and result.deterministic and deterministic is not None:
+            deterministic.timed(index, algorithm.name, result.time_ms, best_before_ms=deterministic_before,
+                                best_ms=search.best_deterministic_ms)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it
             result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)
         _log_result(index, len(ranked), result, search.best_ms)
     return results
+
+
+def _for_determinism(search: Search, algorithm: Algorithm, deterministic: SearchRules | None) -> str | None:
+    """Why a candidate that ``find``'s rules skip is skipped for determinism's sake too, or None where it runs all the
+    same: it declares itself deterministic, the best measured is not and is faster beyond the tolerance than every
+    deterministic one, and the same rules counted over the deterministic candidates alone (``deterministic``) would
+    run it. Its time is a point a later policy asking for determinism needs, as a leaner candidate's is for a
+    workspace budget: without it the database would answer that policy with the deterministic candidates the search
+    happened to time on its way to a best they do not reach."""
+    if deterministic is None:
+        return "the policy asks for determinism"
+    if not search.best_ms * (1 + deterministic.tolerance) < search.best_deterministic_ms:
+        return "the best measured is deterministic, or within the tolerance of a deterministic one"
+    try:
+        declared = algorithm.is_deterministic(search.problem)
+    except CANDIDATE_FAULTS:  # its own try says what is wrong with it
+        return "it cannot say whether it is deterministic"
+    if declared is not True:
+        return "not known to be deterministic"
+    return deterministic.why_skipped(algorithm.name, search.best_deterministic_ms)
 
 
 def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResult], search: Search,

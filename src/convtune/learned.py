@@ -724,8 +724,9 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     nothing beyond ``tolerance``, the rest are (0: never), except ``contenders`` (``LearnedModel.contenders``; one
     that gains starts the count again). A family's factor is set by its first timing here, as in ``find`` by its
     first ok result (there, one outside the policy's error bound, or one that ran only for needing less workspace,
-    counts too). Two of find's rules are left out: a skipped candidate still runs where it may need less workspace
-    than every one measured (samples carry no workspace), and ``get``'s tie rule (times within the policy's
+    counts too). Three of find's rules are left out: a skipped candidate still runs where it may need less workspace
+    than every one measured (samples carry no workspace), or where it is deterministic and the best is not (samples
+    carry no determinism; find's ``_for_determinism``), and ``get``'s tie rule (times within the policy's
     tolerance go to the smaller workspace, then to torch:native) does not reorder ``order``."""
     searched, head = families_first(order, lambda entry: entry[0].name)
     guessed = set(guessed)

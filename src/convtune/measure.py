@@ -116,6 +116,7 @@ class Search:
         self.problem, self.policy, self.timer, self.seed = problem, policy, timer, seed
         self.budget = Budget(policy)
         self.best_ms = math.inf
+        self.best_deterministic_ms = math.inf  # the best time of a deterministic one (find's _for_determinism)
         self.leanest_bytes = math.inf  # the smallest workspace of a measured ok candidate
         # Two input sets and their references, shared by all candidates, each with pristine copies.
         self._cases: list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]] = []
@@ -459,6 +460,9 @@ class Search:
         """The bar for the rest of the search (its best time) set again from ``results``, some timed again since."""
         self.best_ms = min((cast(float, r.time_ms) for r in results if r.ok and within_error(r, self.policy)),
                            default=math.inf)
+        self.best_deterministic_ms = min((cast(float, r.time_ms) for r in results
+                                          if r.ok and r.deterministic and within_error(r, self.policy)),
+                                         default=math.inf)
 
     def _record(self, result: PerfResult) -> None:
         """A timed result sets the bar for the rest of the search (its best time, its leanest workspace) where this
@@ -467,6 +471,8 @@ class Search:
         if within_error(result, self.policy):
             self.best_ms = min(self.best_ms, cast(float, result.time_ms))
             self.leanest_bytes = min(self.leanest_bytes, result.workspace_bytes)
+            if result.deterministic:
+                self.best_deterministic_ms = min(self.best_deterministic_ms, cast(float, result.time_ms))
 
 
 
