@@ -646,6 +646,25 @@ def test_two_policies_asked_in_turn_measure_once_each(monkeypatch):
     assert finds == [strict, no_tf32]
 
 
+@pytest.mark.parametrize("failing", [Raising, WrongResult], ids=["failed", "wrong_result"])
+def test_two_policies_asked_in_turn_keep_a_refused_candidates_failure(monkeypatch, failing):
+    # As above, with the candidates each policy refuses failing where the other runs them: a refusal that replaced
+    # the other's failure with excluded_by_policy would send each policy measuring again on every call.
+    select_module = importlib.import_module("convtune.select")
+    finds = []
+    real_find = select_module.find
+    monkeypatch.setattr(select_module, "find", lambda *a, **k: finds.append(a[1]) or real_find(*a, **k))
+    atomics, plain = failing("fake:a_atomics", deterministic=False), Fake("fake:b_plain")
+    tf32 = failing("fake:c_tf32", tf32=True)
+    strict, no_tf32 = Policy(deterministic=True), Policy(allow_tf32=False)
+    db = FakeDB()
+    with isolated(atomics, plain, tf32, builtins=False):
+        for _ in range(3):
+            assert select(P3, strict, db=db).algorithm == "fake:b_plain"
+            assert select(P3, no_tf32, db=db).algorithm == "fake:b_plain"
+    assert finds == [strict, no_tf32]
+
+
 def test_select_bad_mode():
     with pytest.raises(ValueError, match="db_then_get"):
         select(P3, mode="fastest")

@@ -454,8 +454,8 @@ def _micro_batched(problem: ConvProblem, policy: Policy, results: list[PerfResul
 
 def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[PerfResult]) -> list[PerfResult]:
     """``results``, where a candidate this search did not time (policy, budget) keeps its earlier ok result, and one
-    its policy refused keeps an earlier search's skip; the earlier ok results alone when no candidate of this search
-    succeeded.
+    its policy refused keeps an earlier search's verdict (skipped, failed, wrong_result, ...); the earlier ok results
+    alone when no candidate of this search succeeded.
 
     The database replaces a problem's results with each find's: without this, a find under a
     narrow policy (deterministic, a small workspace limit) would erase timings that a later,
@@ -472,12 +472,13 @@ def _keep_earlier_measurements(db: Any, problem: ConvProblem, results: list[Perf
                     problem.key, len(kept))
         return kept + wrong
     not_timed = (Status.SKIPPED, *POLICY_EXCLUDED)
-    # A candidate this find's policy refuses that an earlier search, under a policy allowing it, passed over keeps
-    # that verdict: as excluded_by_policy it would make the earlier policy measure again (ranking.left_untimed),
-    # whose find would exclude what this one timed, and two policies asked in turn would measure on every call.
-    passed_over = {r.algorithm: r for r in stored if r.status is Status.SKIPPED}
+    # A candidate this find's policy refuses that an earlier search, under a policy allowing it, passed over or saw
+    # fail keeps that verdict: as excluded_by_policy it would make the earlier policy measure again
+    # (ranking.left_untimed), whose find would exclude what this one timed or saw fail, and two policies asked in
+    # turn would measure on every call.
+    judged = {r.algorithm: r for r in stored if not r.ok and r.status not in POLICY_EXCLUDED}
     return [_earlier(earlier[r.algorithm], r) if r.status in not_timed and r.algorithm in earlier
-            else passed_over[r.algorithm] if r.status in POLICY_EXCLUDED and r.algorithm in passed_over
+            else judged[r.algorithm] if r.status in POLICY_EXCLUDED and r.algorithm in judged
             else r for r in results]
 
 
