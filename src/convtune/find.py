@@ -127,10 +127,11 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     """Run, check and time the candidates for ``problem``; a perf list, fastest usable first.
 
     policy: constraints (violations are not run and get their status: over_workspace_limit, or
-    skipped with the reason) and the budget (max_candidates, budget_s; else the settings
+    excluded_by_policy with the reason) and the budget (max_candidates, budget_s; else the settings
     find_max_candidates, find_budget_s; 0 = none): once spent, the rest are skipped "budget".
     db: a ``TuningDB``; every result is stored in it (a candidate not timed this time, for the
-    policy or the budget, keeps the ok result the database had). timer: how candidates are timed (``benchmark``;
+    policy or the budget, keeps the ok result the database had; one the policy refuses, any other verdict of an
+    earlier search that tried it). timer: how candidates are timed (``benchmark``;
     tests pass a fake). candidates: the algorithms to try (default: every registered algorithm
     supporting the problem; given ones that do not support it come back ``unsupported``).
     seed: of the random verification inputs (default ``settings.verify_seed``).
