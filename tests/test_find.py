@@ -467,6 +467,19 @@ def test_where_the_best_is_not_deterministic_the_deterministic_ones_are_searched
         assert sorted(n for n, r in results.items() if r.ok) == [f"fake:a{i}" for i in range(1, 8)]
 
 
+def test_the_deterministic_search_tries_what_does_not_know_its_determinism_and_counts_what_turns_out_not():
+    # like cuDNN's plans: a4 is found deterministic by its two runs and is the deterministic best; a5-a9 differ run to
+    # run, and each counts as no gain, so the third of them ends these runs
+    fakes = [Fake("fake:a0", time_ms=0.5, deterministic=False), *(Fake(f"fake:a{i}", time_ms=2.0) for i in (1, 2, 3)),
+             UnknownDeterminism("fake:a4", time_ms=1.0),
+             *(UnknownDeterminism(f"fake:a{i}", noisy=True, time_ms=2.0) for i in range(5, 10))]
+    with settings.override(find_patience=3):
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+    assert results["fake:a4"].ok and results["fake:a4"].deterministic
+    assert [results[f"fake:a{i}"].ok for i in range(5, 10)] == [True, True, True, False, False]
+    assert not results["fake:a5"].deterministic and "converged" in results["fake:a8"].message
+
+
 def test_every_backend_gets_an_early_try_before_patience_runs_out():
     same_family = [Fake(f"fake:q{i}", time_ms=2.0) for i in range(6)]
     other = Fake("other:fast", time_ms=1.0)

@@ -148,7 +148,7 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     by as much).
     Neither rule skips a candidate needing less workspace than every
     one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. Where the best measured is not
-    deterministic and beats every deterministic one beyond the tolerance, a candidate declaring itself deterministic
+    deterministic and beats every deterministic one beyond the tolerance, a candidate not known to be nondeterministic
     runs while the same rules counted over the deterministic ones alone would run it (``_for_determinism``): a later
     policy asking for determinism is answered with their best. A
     workspace costly to learn (a cuDNN execution plan's, by building it) is learned for the candidates
@@ -409,9 +409,13 @@ def _search_in_order(search: Search, ranked: list[Algorithm], rules: SearchRules
         result = search.try_candidate(algorithm, None if for_determinism else ruled_out)
         if result.ok and not for_determinism:  # (the best before and after it: of the results this policy can use)
             rules.timed(index, algorithm.name, result.time_ms, best_before_ms=best_before, best_ms=search.best_ms)
-        if result.ok and result.deterministic and deterministic is not None:
+        if result.ok and deterministic is not None and result.deterministic:
             deterministic.timed(index, algorithm.name, result.time_ms, best_before_ms=deterministic_before,
                                 best_ms=search.best_deterministic_ms)
+        elif for_determinism and deterministic is not None:
+            # (one run for determinism's sake that did not give a deterministic result counts as no gain: the count
+            # bounds what these runs cost where many candidates do not know their determinism, cuDNN's plans)
+            deterministic.no_gain(index)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it
             result = dataclasses.replace(result, place=algorithm.place)
         results.append(result)
@@ -421,11 +425,12 @@ def _search_in_order(search: Search, ranked: list[Algorithm], rules: SearchRules
 
 def _for_determinism(search: Search, algorithm: Algorithm, deterministic: SearchRules | None) -> str | None:
     """Why a candidate that ``find``'s rules skip is skipped for determinism's sake too, or None where it runs all the
-    same: it declares itself deterministic, the best measured is not and is faster beyond the tolerance than every
-    deterministic one, and the same rules counted over the deterministic candidates alone (``deterministic``) would
-    run it. Its time is a point a later policy asking for determinism needs, as a leaner candidate's is for a
-    workspace budget: without it the database would answer that policy with the deterministic candidates the search
-    happened to time on its way to a best they do not reach."""
+    same: it is not known to be nondeterministic (one that does not know, a cuDNN plan, has its two runs compared),
+    the best measured is not deterministic and is faster beyond the tolerance than every deterministic one, and the
+    same rules counted over the deterministic candidates alone (``deterministic``) would run it. Its time is a point
+    a later policy asking for determinism needs, as a leaner candidate's is for a workspace budget: without it the
+    database would answer that policy with the deterministic candidates the search happened to time on its way to a
+    best they do not reach."""
     if deterministic is None:
         return "the policy asks for determinism"
     if not search.best_ms * (1 + deterministic.tolerance) < search.best_deterministic_ms:
@@ -434,8 +439,8 @@ def _for_determinism(search: Search, algorithm: Algorithm, deterministic: Search
         declared = algorithm.is_deterministic(search.problem)
     except CANDIDATE_FAULTS:  # its own try says what is wrong with it
         return "it cannot say whether it is deterministic"
-    if declared is not True:
-        return "not known to be deterministic"
+    if declared is False:
+        return "not deterministic"
     return deterministic.why_skipped(algorithm.name, search.best_deterministic_ms)
 
 

@@ -116,6 +116,12 @@ class SearchRules:
             return f"predicted {price_ms:.4g} ms, over {prune:g}x the best measured ({best_ms:.4g} ms)"
         return None
 
+    def no_gain(self, index: int) -> None:
+        """The candidate at ``index`` ran and gave nothing the count takes as a result (find's runs for determinism's
+        sake that were not deterministic): after the first tries, one more without gain, whatever the best."""
+        if index > self.head_size:
+            self._without_gain += 1
+
     def timed(self, index: int, name: str, time_ms: float | None, *, best_before_ms: float, best_ms: float) -> None:
         """The candidate ``name``, at ``index`` (from 1) in the search's order, timed ``time_ms``, and the best
         measured went from ``best_before_ms`` to ``best_ms``: its family's prices take it in (``SearchPrices.timed``),
