@@ -453,19 +453,24 @@ def profile_step(step, steps: int) -> dict:
 
 
 # The CUDA runtime and driver calls that launch work on the device (their correlation id is the kernel's).
-LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                          "cudaMemsetAsync", "cudaMemcpyAsync", "cudaLaunchCooperativeKernel", "cudaGraphLaunch"})
+LAUNCH_CALLS = frozenset({name + suffix for suffix in ("", "_ptsz") for name in (
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel",
+    "cudaMemsetAsync", "cudaMemcpyAsync", "cudaMemset", "cudaMemcpy", "cudaGraphLaunch")})
+
+
+# Profiler ranges around many ops (a compiled graph's call, its autograd node, the optimizer's step): not what launched.
+RANGES = ("## ", "ProfilerStep", "Torch-Compiled Region", "Optimizer.", "CompiledFunction",
+          "autograd::engine::evaluate_function")
 
 
 def _launching_op(launch) -> str:
-    """The outermost op above a launch call that is not a profiler range of a whole step or graph: what the host
-    was running when it launched (Inductor's graph call and the optimizer's step are ranges, not ops)."""
-    op, parent = launch.name, launch.cpu_parent
-    while parent is not None:
-        if not parent.name.startswith(("## ", "ProfilerStep", "Torch-Compiled Region", "Optimizer.")):
-            op = parent.name
+    """The innermost op above a launch call that is not a range around many ops (``RANGES``): what the host was
+    running when it launched (in compiled code every launch is under the graph's call; the launch call's own name
+    where nothing is above it)."""
+    parent = launch.cpu_parent
+    while parent is not None and parent.name.startswith(RANGES):
         parent = parent.cpu_parent
-    return op
+    return launch.name if parent is None else parent.name
 
 
 def gpu_idle(kernels: list[tuple[float, float, int]], launches: dict[int, tuple[float, str]], steps: int,

@@ -126,6 +126,12 @@ def test_e2e_finds_where_the_device_waited_for_the_host_and_after_which_op(e2e):
     assert e2e.gpu_idle([(0, 10, 1), (30, 40, 2)], {1: (0, "aten::mm")}, steps=1)["unmatched_ms"] == 0.02
     none = e2e.gpu_idle([], {}, steps=3)  # a CPU run: no kernels, no idle time
     assert none == dict(idle_ms=0.0, host_late_ms=0.0, unmatched_ms=0.0, after=[])
+    # the op a launch is credited to: the innermost above it that is not a range around many ops
+    event = types.SimpleNamespace
+    graph = event(name="## Call CompiledFxGraph f1 ##", cpu_parent=None)
+    fill = event(name="aten::fill_", cpu_parent=event(name="CompiledFunctionBackward", cpu_parent=graph))
+    assert e2e._launching_op(event(name="cudaLaunchKernel", cpu_parent=fill)) == "aten::fill_"
+    assert e2e._launching_op(event(name="cuLaunchKernel", cpu_parent=graph)) == "cuLaunchKernel"
     profile = dict(idle=idle)
     table = e2e.idle_table(dict(idle=dict(idle_ms=0.1, host_late_ms=0.0, unmatched_ms=0.0, after=[])), profile)
     assert "| **idle in all** | 0.100 | 0.370 |" in table and "| after `aten::fill_` | - | 0.065 (1) |" in table
