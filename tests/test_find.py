@@ -480,6 +480,51 @@ def test_the_deterministic_search_tries_what_does_not_know_its_determinism_and_c
     assert not results["fake:a5"].deterministic and "converged" in results["fake:a8"].message
 
 
+def test_a_leaner_candidate_run_for_determinism_counts_in_finds_own_search():
+    # a4 needs less workspace than every one measured: find's own rules run it after convergence and count its gain,
+    # which starts their count again (a5-a7 run); that it also runs for the deterministic candidates' sake changes
+    # neither
+    fakes = [CostlyWorkspace("fake:a0", time_ms=0.5, deterministic=False, workspace_bytes=4096),
+             *(CostlyWorkspace(f"fake:a{i}", time_ms=2.0, workspace_bytes=4096) for i in (1, 2, 3)),
+             CostlyWorkspace("fake:a4", time_ms=0.4),
+             *(CostlyWorkspace(f"fake:a{i}", time_ms=2.0, workspace_bytes=4096) for i in (5, 6, 7, 8))]
+    with settings.override(find_patience=3):
+        results = by_name(find(P, timer=FakeTimer(), candidates=fakes))
+    assert sorted(n for n, r in results.items() if r.ok) == [f"fake:a{i}" for i in range(8)]
+    assert "converged" in results["fake:a8"].message
+
+
+def test_runs_for_determinism_take_nothing_of_the_budget_finds_own_search_has():
+    # under max_candidates=5 find's own search runs a0-a3 and the leaner a7; a4-a6, which the deterministic
+    # candidates' count would run, must not spend the budget a7 is run from
+    fakes = [CostlyWorkspace("fake:a0", time_ms=0.5, deterministic=False, workspace_bytes=4096),
+             *(CostlyWorkspace(f"fake:a{i}", time_ms=2.0, workspace_bytes=4096) for i in (1, 2, 3)),
+             *(CostlyWorkspace(f"fake:a{i}", time_ms=1.0, workspace_bytes=4096) for i in (4, 5, 6)),
+             CostlyWorkspace("fake:a7", time_ms=2.0)]
+    with settings.override(find_patience=3):
+        results = by_name(find(P, Policy(max_candidates=5), timer=FakeTimer(), candidates=fakes))
+    assert sorted(n for n, r in results.items() if r.ok) == ["fake:a0", "fake:a1", "fake:a2", "fake:a3", "fake:a7"]
+
+
+class Inexact(Fake):
+    """Right within the default bound (1e-4 here), not within a policy's max_rel_error of 1e-6."""
+
+    def compute(self, problem, a, b, out) -> None:
+        super().compute(problem, a, b, out)
+        out.mul_(1 + 1e-5)
+
+
+def test_runs_for_determinism_stop_where_no_deterministic_result_is_within_the_policys_error():
+    # no deterministic candidate is within the policy's error: none sets a deterministic best, and each run for
+    # determinism counts as no gain, so the third of them ends these runs
+    fakes = [Fake("fake:a0", time_ms=0.5, deterministic=False),
+             *(Inexact(f"fake:a{i}", time_ms=2.0) for i in range(1, 10))]
+    with settings.override(find_patience=3):
+        results = by_name(find(P, Policy(max_rel_error=1e-6), timer=FakeTimer(), candidates=fakes))
+    assert [results[f"fake:a{i}"].ok for i in range(1, 10)] == [True] * 6 + [False] * 3
+    assert "converged" in results["fake:a7"].message
+
+
 def test_every_backend_gets_an_early_try_before_patience_runs_out():
     same_family = [Fake(f"fake:q{i}", time_ms=2.0) for i in range(6)]
     other = Fake("other:fast", time_ms=1.0)

@@ -149,8 +149,8 @@ def find(problem: ConvProblem, policy: Policy | None = None, db: Any = None, *, 
     Neither rule skips a candidate needing less workspace than every
     one measured so far: the time/workspace trade-off keeps its lean end for ``plan``. Where the best measured is not
     deterministic and beats every deterministic one beyond the tolerance, a candidate not known to be nondeterministic
-    runs while the same rules counted over the deterministic ones alone would run it (``_for_determinism``): a later
-    policy asking for determinism is answered with their best. A
+    runs while the same rules counted over the deterministic ones alone would run it (``_for_determinism``; not
+    under a budget): a later policy asking for determinism is answered with their best. A
     workspace costly to learn (a cuDNN execution plan's, by building it) is learned for the candidates
     that run, for all of them under a ``workspace_limit``, and for a skipped one only while a
     candidate can still be leaner than the leanest measured; a skipped candidate whose workspace
@@ -403,18 +403,24 @@ def _search_in_order(search: Search, ranked: list[Algorithm], rules: SearchRules
     for index, algorithm in enumerate(ranked, 1):
         ahead(index - 1)
         best_before, deterministic_before = search.best_ms, search.best_deterministic_ms
+        leanest_before = search.leanest_bytes
         ruled_out = rules.why_skipped(algorithm.name, best_before)
         # (one run only for determinism's sake leaves find's own count alone: the search goes as it would without it)
         for_determinism = ruled_out is not None and _for_determinism(search, algorithm, deterministic) is None
         result = search.try_candidate(algorithm, None if for_determinism else ruled_out)
+        if for_determinism and result.ok and result.workspace_bytes < leanest_before:
+            for_determinism = False  # find's own rules run one leaner than every one measured all the same; counted
         if result.ok and not for_determinism:  # (the best before and after it: of the results this policy can use)
             rules.timed(index, algorithm.name, result.time_ms, best_before_ms=best_before, best_ms=search.best_ms)
-        if result.ok and deterministic is not None and result.deterministic:
+        # (a deterministic result that sets no best where there is none, being beyond the policy's error, would start
+        # the count again as a first best does: it is none, and a run for determinism's sake that gives it, like one
+        # not deterministic, counts as no gain; the count bounds what these runs cost where many candidates do not
+        # know their determinism, cuDNN's plans, or none of them is within the policy's error)
+        if (deterministic is not None and result.ok and result.deterministic
+                and (math.isfinite(deterministic_before) or within_error(result, search.policy))):
             deterministic.timed(index, algorithm.name, result.time_ms, best_before_ms=deterministic_before,
                                 best_ms=search.best_deterministic_ms)
         elif for_determinism and deterministic is not None:
-            # (one run for determinism's sake that did not give a deterministic result counts as no gain: the count
-            # bounds what these runs cost where many candidates do not know their determinism, cuDNN's plans)
             deterministic.no_gain(index)
         if algorithm.place is not None:  # kept with the result: get's learned model reads it
             result = dataclasses.replace(result, place=algorithm.place)
@@ -433,6 +439,10 @@ def _for_determinism(search: Search, algorithm: Algorithm, deterministic: Search
     best they do not reach."""
     if deterministic is None:
         return "the policy asks for determinism"
+    if search.budget.max_candidates or search.budget.seconds:
+        # (a budget bounds the policy's own search: runs for another policy's sake would spend what its later
+        # candidates, and the CPU's confirming rounds, are run from)
+        return "the search has a budget"
     if not search.best_ms * (1 + deterministic.tolerance) < search.best_deterministic_ms:
         return "the best measured is deterministic, or within the tolerance of a deterministic one"
     try:

@@ -725,9 +725,10 @@ def simulated_find(order: Sequence[tuple[Sample, float]], patience: int, toleran
     that gains starts the count again). A family's factor is set by its first timing here, as in ``find`` by its
     first ok result (there, one outside the policy's error bound, or one that ran only for needing less workspace,
     counts too). Three of find's rules are left out: a skipped candidate still runs where it may need less workspace
-    than every one measured (samples carry no workspace), or where it is deterministic and the best is not (samples
-    carry no determinism; find's ``_for_determinism``), and ``get``'s tie rule (times within the policy's
-    tolerance go to the smaller workspace, then to torch:native) does not reorder ``order``."""
+    than every one measured (samples carry no workspace), or where it is not known to be nondeterministic and the
+    best is not deterministic (samples carry no determinism; find's ``_for_determinism``), and ``get``'s tie rule
+    (times within the policy's tolerance go to the smaller workspace, then to torch:native) does not reorder
+    ``order``."""
     searched, head = families_first(order, lambda entry: entry[0].name)
     guessed = set(guessed)
     prices = SearchPrices({s.name: predicted for s, predicted in order},

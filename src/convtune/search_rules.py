@@ -1,7 +1,7 @@
 """find's search rules: the order it tries candidates in (``families_first``), the prices it prunes them by
 (``SearchPrices``), and when it skips a candidate or stops (``SearchRules``). ``find`` follows them as it measures, and
 ``learned.simulated_find`` over recorded times: one copy of the rules, which the simulation shares with find (but for
-the two of find's rules it leaves out, named in its docstring).
+the three of find's rules it leaves out, named in its docstring).
 """
 
 from __future__ import annotations
