@@ -22,7 +22,8 @@ collector tracks, the CUDA caching allocator's segments and blocks: ``process_st
 cProfile of a few inferences (and in the eager style of a few training steps) gives the host's time per step and the
 functions that take it, and profiled training steps and inferences (torch.profiler,
 eager and compile styles) give each conv layer's forward and backward kernel time, the time of
-everything else and the host's time per op; convtune's runs are found by
+everything else, the host's time per op and where the device sat idle in a training step (``gpu_idle``: the host
+late with the next launch, and after which op); convtune's runs are found by
 the profiler ranges its ops open ('convtune:<problem key> by <algorithm>'). With --processes N each
 configuration runs in N processes, the modes of a group taking turns, and its row gives the median of
 the processes' medians and their range (where the host sets the pace, two processes of one
