@@ -621,14 +621,21 @@ def test_select_measures_again_what_an_earlier_finds_policy_excluded(narrow, exc
     assert quick.runs == runs  # both answered from the database now
 
 
-def test_two_policies_asked_in_turn_measure_once_each(monkeypatch):
+@pytest.fixture
+def finds(monkeypatch):
+    """The policies select runs find under, in order (convtune.select is the function on the package: the module is
+    reached through importlib)."""
+    policies = []
+    select_module = importlib.import_module("convtune.select")
+    real_find = select_module.find
+    monkeypatch.setattr(select_module, "find", lambda *a, **k: policies.append(a[1]) or real_find(*a, **k))
+    return policies
+
+
+def test_two_policies_asked_in_turn_measure_once_each(finds):
     # A find under determinism passes over (budget) a TF32 candidate and refuses a nondeterministic one; a find
     # without TF32 then times the latter and refuses the former. Had the second stored that refusal, each policy
     # would see a candidate the other left untimed and measure again on every call.
-    select_module = importlib.import_module("convtune.select")  # (convtune.select is the function)
-    finds = []
-    real_find = select_module.find
-    monkeypatch.setattr(select_module, "find", lambda *a, **k: finds.append(a[1]) or real_find(*a, **k))
     atomics, plain, tf32 = Fake("fake:a_atomics", deterministic=False), Fake("fake:b_plain"), Fake("fake:c_tf32",
                                                                                                    tf32=True)
     strict, no_tf32 = Policy(deterministic=True, max_candidates=1), Policy(allow_tf32=False, max_candidates=1)
@@ -647,13 +654,9 @@ def test_two_policies_asked_in_turn_measure_once_each(monkeypatch):
 
 
 @pytest.mark.parametrize("failing", [Raising, WrongResult], ids=["failed", "wrong_result"])
-def test_two_policies_asked_in_turn_keep_a_refused_candidates_failure(monkeypatch, failing):
+def test_two_policies_asked_in_turn_keep_a_refused_candidates_failure(finds, failing):
     # As above, with the candidates each policy refuses failing where the other runs them: a refusal that replaced
     # the other's failure with excluded_by_policy would send each policy measuring again on every call.
-    select_module = importlib.import_module("convtune.select")
-    finds = []
-    real_find = select_module.find
-    monkeypatch.setattr(select_module, "find", lambda *a, **k: finds.append(a[1]) or real_find(*a, **k))
     atomics, plain = failing("fake:a_atomics", deterministic=False), Fake("fake:b_plain")
     tf32 = failing("fake:c_tf32", tf32=True)
     strict, no_tf32 = Policy(deterministic=True), Policy(allow_tf32=False)

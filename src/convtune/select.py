@@ -19,7 +19,7 @@ from .find import find
 from .get import ranked_predictions
 from .policy import DEFAULT_POLICY, Policy
 from .problem import ConvProblem
-from .ranking import NATIVE, best, left_untimed, rank, usable, violation_of
+from .ranking import NATIVE, best, left_untimed, rank, violation_of
 from .results import PerfResult, Status
 from .settings import settings
 
@@ -99,10 +99,8 @@ def stored(problem: ConvProblem, policy: Policy, db: Any) -> PerfResult | None:
     if db is None:
         return None
     results = db.results(problem)  # (read once: the lookup's best and the rule both need them)
-    hit = best(results, policy, problem.dtype)
-    if hit is None or not usable(hit, policy, problem.dtype):
-        return None
-    return None if left_untimed(results, policy) else hit
+    hit = best(results, policy, problem.dtype)  # (a usable result, or None)
+    return None if hit is None or left_untimed(results, policy) else hit
 
 
 def _from_model(problem: ConvProblem, policy: Policy, db: Any, learn_workspaces: bool | None = None) -> PerfResult:
