@@ -23,6 +23,7 @@ from rich.table import Table
 
 from . import zoo
 from .errors import ConvtuneError, NoAlgorithmError
+from .files import nearest_existing
 from .network import LayerRow, Tuning, check_plannable, plan_layers, planned_rows, run_names, select_layers
 from .plan import BUDGET_MODES
 from .policy import PREFERENCES, Policy
@@ -495,10 +496,7 @@ def cmd_cache(args, out: Console) -> int:
 def _never_made(path: Path) -> bool:
     """Whether no file is at ``path`` where one could be: its nearest existing folder is a folder (under a file, the
     database cannot be made, which opening it says)."""
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    return not path.exists() and folder.is_dir()
+    return not path.exists() and nearest_existing(path).is_dir()
 
 
 def _no_database(args, out: Console, path: Path) -> int:

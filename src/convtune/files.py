@@ -73,13 +73,20 @@ def writable(path: str | os.PathLike, make_folder: bool = False) -> Path:
         raise ValueError(f"{given} is read-only (nobody may write it); make it writable or give another path")
     refuse_database(given)
     path = Path(os.path.realpath(given))
-    folder = path.parent
-    while make_folder and not folder.exists() and folder != folder.parent:
-        folder = folder.parent  # the nearest folder up the path that exists: the missing ones are made
+    folder = nearest_existing(path) if make_folder else path.parent  # (the missing ones up the path are made)
     if not folder.is_dir():
         what = "is not a folder" if folder.exists() else "does not exist"
         raise ValueError(f"cannot write {given}: {folder} {what}; give a path in an existing folder")
     return path
+
+
+def nearest_existing(path: Path) -> Path:
+    """The nearest path up ``path`` that exists, or the root: the folder the missing ones would be made in (a file,
+    where the path runs through one)."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
 
 
 def write_whole(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
